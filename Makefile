@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine with Python:
+#   make demo   # the default job on the built-in GPT
+#   make test   # the whole test suite
+# TORCH overrides the torch requirement (default: the CPU build of 2.13.0), e.g.
+#   make test TORCH='torch==2.5.1'
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup clean bench
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[hf,dev]" "$(TORCH)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/remat demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -q
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.peers --model gpt
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,99 @@
+"""The calling convention shared by every entry point (profile, plan, apply_, verify, auto_).
+
+A batch is a tensor (``model(batch)``), a tuple or list (``model(*batch)``) or a dict
+(``model(**batch)``). ``loss_fn(output, batch)`` returns a scalar; without one the output
+must be a scalar tensor or carry a scalar ``.loss`` (as Hugging Face outputs do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in the batch, in a stable order."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for k in sorted(batch) for t in batch_tensors(batch[k])]
+    if isinstance(batch, (tuple, list)):
+        return [t for item in batch for t in batch_tensors(item)]
+    return []
+
+
+def batch_shapes(batch: Any) -> tuple[str, ...]:
+    """Shapes and dtypes of the batch's tensors, e.g. ``("4x128:int64",)``."""
+    return tuple(
+        "x".join(str(d) for d in t.shape) + ":" + str(t.dtype).removeprefix("torch.")
+        for t in batch_tensors(batch)
+    )
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); CPU for a stateless model."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def check_batch_device(model: nn.Module, batch: Any) -> None:
+    """Raise if a batch tensor lives on another device than the model."""
+    device = model_device(model)
+    for t in batch_tensors(batch):
+        if t.device.type != device.type or (
+            t.device.index is not None and device.index is not None and t.device.index != device.index
+        ):
+            raise ValueError(
+                f"batch tensor of shape {tuple(t.shape)} is on {t.device} but the model is on "
+                f"{device}; move the batch with .to({str(device)!r}) before calling remat."
+            )
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """Run ``model`` on ``batch`` by the calling convention."""
+    if isinstance(batch, torch.Tensor):
+        return model(batch)
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    raise TypeError(
+        f"batch of type {type(batch).__name__} is not supported; pass a tensor (model(batch)), "
+        "a tuple/list (model(*batch)) or a dict (model(**batch))."
+    )
+
+
+def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+    """The scalar loss of one forward, by the calling convention."""
+    if loss_fn is not None:
+        loss = loss_fn(output, batch)
+        where = "loss_fn(output, batch)"
+    elif isinstance(output, torch.Tensor):
+        loss, where = output, "the model output"
+    elif getattr(output, "loss", None) is not None:
+        loss, where = output.loss, "output.loss"
+    else:
+        raise TypeError(
+            f"the model returned {type(output).__name__}, not a scalar tensor, and no loss_fn was "
+            "given; pass loss_fn=lambda output, batch: <scalar>, or return the loss from forward."
+        )
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"{where} must be a scalar tensor, got shape {shape}; reduce it (for example "
+            ".mean() or .sum()) or pass a loss_fn that returns a scalar."
+        )
+    return loss
+
+
+def forward_backward(model: nn.Module, batch: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
+    """One forward and backward; returns the detached loss."""
+    loss = compute_loss(call_model(model, batch), batch, loss_fn)
+    loss.backward()
+    return loss.detach()

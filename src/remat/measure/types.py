@@ -1,0 +1,207 @@
+"""The Profile: what `remat.profile` measured on the real model (versioned JSON, no pickle).
+
+Conventions (every later stage relies on them):
+- Bytes are bytes of *storages*, each storage counted once; parameters and buffers are
+  never activations.
+- Blocks are indexed 0..N-1 in forward order. The fixed part is split into ``pre`` (runs
+  before the first block: embeddings...) and ``post`` (after the last block: final norm,
+  head, loss).
+- Times are medians in milliseconds over repeats after warm-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from remat._serialize import dump_document, load_document
+
+PROFILE_FORMAT = "profile"
+PROFILE_VERSION = 1
+
+
+@dataclass(kw_only=True, frozen=True)
+class OpRecord:
+    """One aten op call inside a block's forward, in call order."""
+
+    key: str
+    """``"<op name>#<occurrence>"``, e.g. ``"aten.mm.default#2"``: the 3rd mm call in this block's
+    forward. Plans name saved ops by this key; the selective-checkpoint policy counts the same way."""
+    name: str
+    """The aten overload, e.g. ``"aten.addmm.default"``."""
+    output_bytes: int
+    """Bytes of the new storages this op allocated for its outputs (0 for views and in-place ops)."""
+    saved_bytes: int
+    """Bytes of those storages that autograd saves for backward (first saver only)."""
+    time_ms: float
+    """Median wall time of this call."""
+    flops: int
+    """Forward FLOPs of this call (FlopCounterMode, plus formulas for attention ops it misses)."""
+    is_random: bool
+    """True for ops that draw random numbers (dropout, bernoulli, rand*)."""
+    is_view: bool
+    """True when every output aliases an input (view, transpose, reshape of a contiguous tensor...)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class BlockProfile:
+    """Measurements of one block (one member of the model's repeated-layer list)."""
+
+    index: int
+    """Position in forward order, 0-based."""
+    name: str
+    """Qualified module name, e.g. ``"blocks.3"``."""
+    class_name: str
+    """The module's class name."""
+    input_bytes: int
+    """Bytes of the block's tensor inputs (distinct storages): what `recompute` retains."""
+    output_bytes: int
+    """Bytes of the block's tensor outputs (distinct storages)."""
+    saved_bytes: int
+    """Bytes autograd saves for backward inside this block (first saver counts a storage)."""
+    bwd_temp_bytes: int
+    """Peak live bytes during this block's backward above those live when it began, minus the
+    block's own saved bytes that it frees: the backward's own temporaries (gradient buffers...)."""
+    fwd_ms: float
+    """Forward time of this block."""
+    bwd_ms: float
+    """Backward time of this block (excluding recomputation)."""
+    fwd_flops: int
+    """Forward FLOPs of this block."""
+    ops: tuple[OpRecord, ...]
+    """Every aten op of the block's forward, in call order."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Fingerprint:
+    """What a plan must match to be applied: structure, batch, device, dtype, torch."""
+
+    model_hash: str
+    """Hash of qualified module names, classes and parameter/buffer shapes and dtypes."""
+    batch_shapes: tuple[str, ...]
+    """``"4x128:int64"`` per batch tensor, in `remat._batch.batch_tensors` order."""
+    device: str
+    """Device type of the model, e.g. ``"cpu"`` or ``"cuda"``."""
+    dtype: str
+    """dtype of the model's floating-point parameters, e.g. ``"float32"``."""
+    torch_version: str
+    """`torch.__version__` at profiling time."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Environment:
+    """Where the profile was taken."""
+
+    device_name: str
+    """Human name of the device (CPU model or GPU name)."""
+    num_threads: int
+    """`torch.get_num_threads()`."""
+    python_version: str
+    """Python version."""
+    hostname: str
+    """Machine name."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Bandwidths:
+    """Measured transfer rates for offloading, bytes per second (None: not measured)."""
+
+    host_to_device_bytes_per_s: float | None = None
+    """Pinned host->device copy rate (accelerators only)."""
+    device_to_host_bytes_per_s: float | None = None
+    """Device->pinned host copy rate (accelerators only)."""
+    disk_write_bytes_per_s: float | None = None
+    """Sequential write throughput of the offload directory."""
+    disk_read_bytes_per_s: float | None = None
+    """Sequential read throughput of the offload directory."""
+    disk_dir: str | None = None
+    """The directory the disk rates were measured in."""
+    overlap_fraction: float | None = None
+    """Share of offload transfer time measured hidden behind compute (0..1)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class MemoryEvent:
+    """One point of the live-memory timeline of a training step."""
+
+    phase: str
+    """``"fwd"``, ``"bwd"`` or ``"opt"``."""
+    where: str
+    """Block name, ``"pre"``, ``"post"`` or ``"optimizer"``."""
+    live_bytes: int
+    """Live storage bytes on the model's device at this point (all categories)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Profile:
+    """Everything `remat.plan` needs, measured on the real model on its device."""
+
+    fingerprint: Fingerprint
+    environment: Environment
+    blocks: tuple[BlockProfile, ...]
+    param_bytes: int
+    """Bytes of all parameters."""
+    grad_bytes: int
+    """Bytes of all parameter gradients after backward."""
+    optimizer_state_bytes: int
+    """Bytes of optimizer state after one real step of the user's optimizer (0 without one)."""
+    optimizer_name: str
+    """Class name of the optimizer, or ``"none"``."""
+    optimizer_step_temp_bytes: int
+    """Peak live bytes during optimizer.step() above params + grads + state before it."""
+    optimizer_step_ms: float
+    """Median optimizer.step() time."""
+    buffer_bytes: int
+    """Bytes of module buffers (BatchNorm running stats...)."""
+    fixed_pre_saved_bytes: int
+    """Saved bytes of the fixed part before the first block (alive through the whole backward)."""
+    fixed_post_saved_bytes: int
+    """Saved bytes of the fixed part after the last block (freed by the head's backward)."""
+    fixed_post_bwd_temp_bytes: int
+    """Peak live bytes during the post part's backward above those live when it began."""
+    fixed_fwd_ms: float
+    """Forward time of everything outside blocks (incl. loss)."""
+    fixed_bwd_ms: float
+    """Backward time of everything outside blocks."""
+    fixed_flops: int
+    """Forward FLOPs outside blocks."""
+    step_ms: float
+    """Median measured time of a whole baseline step (forward, backward, optimizer step)."""
+    peak_bytes: int
+    """Measured peak live bytes of a baseline step (device-agnostic tracker)."""
+    peak_bytes_by_category: dict[str, int]
+    """At the peak: ``parameters``, ``gradients``, ``optimizer_state``, ``activations``,
+    ``temporaries`` (and ``buffers``)."""
+    device_max_allocated_bytes: int | None
+    """``torch.cuda.max_memory_allocated`` during the baseline step (CUDA only)."""
+    timeline: tuple[MemoryEvent, ...] = ()
+    """Live bytes at block boundaries of the baseline step, for the timeline plot."""
+    bandwidths: Bandwidths = field(default_factory=Bandwidths)
+    """Transfer rates for the offload strategies."""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def fixed_saved_bytes(self) -> int:
+        return self.fixed_pre_saved_bytes + self.fixed_post_saved_bytes
+
+    @property
+    def saved_bytes(self) -> int:
+        """All bytes autograd saves in one forward (blocks + fixed part)."""
+        return self.fixed_saved_bytes + sum(b.saved_bytes for b in self.blocks)
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.buffer_bytes
+
+    def to_json(self) -> str:
+        return dump_document(self, PROFILE_FORMAT, PROFILE_VERSION)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> Profile:
+        return load_document(cls, text_or_path, PROFILE_FORMAT, PROFILE_VERSION)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())

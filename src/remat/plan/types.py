@@ -1,0 +1,153 @@
+"""A Plan: per block or segment its strategy, the prediction, the budget, the fingerprint.
+
+Strategy strings (`Segment.strategy`):
+- ``"keep"``: store what autograd saves;
+- ``"recompute"``: store only the segment's input, replay its forward in backward
+  (non-reentrant checkpoint); ``children`` say how the replay itself is checkpointed
+  (nested segments, each inside ``[start, stop)``; blocks not covered by a child are kept
+  during the replay);
+- ``"selective:<policy>"`` (single-block segments): save the outputs of the op calls named in
+  ``saved_ops`` (keys of `remat.measure.types.OpRecord`), recompute the rest of the block;
+- ``"offload:cpu"`` / ``"offload:disk"``: move the segment's saved tensors off the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from remat._serialize import dump_document, load_document
+from remat.measure.types import Fingerprint
+
+PLAN_FORMAT = "plan"
+PLAN_VERSION = 1
+
+STRATEGY_KINDS = ("keep", "recompute", "selective", "offload")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Segment:
+    """A run of consecutive blocks ``[start, stop)`` with one strategy."""
+
+    start: int
+    """First block index."""
+    stop: int
+    """One past the last block index."""
+    strategy: str
+    """``keep``, ``recompute``, ``selective:<policy>``, ``offload:cpu`` or ``offload:disk``."""
+    saved_ops: tuple[str, ...] = ()
+    """Selective only: op keys (``"aten.mm.default#0"``) whose outputs are saved."""
+    children: tuple[Segment, ...] = ()
+    """Recompute only: nested segments that checkpoint the replay."""
+
+    def __post_init__(self) -> None:
+        kind = self.kind
+        if kind not in STRATEGY_KINDS:
+            raise ValueError(
+                f"unknown strategy {self.strategy!r}; allowed: keep, recompute, "
+                "selective:<policy>, offload:cpu, offload:disk."
+            )
+        if not 0 <= self.start < self.stop:
+            raise ValueError(f"segment [{self.start}, {self.stop}) is empty or negative.")
+        if kind == "selective" and self.stop - self.start != 1:
+            raise ValueError(
+                f"selective segment [{self.start}, {self.stop}) spans several blocks; "
+                "selective strategies apply to one block at a time."
+            )
+        if kind == "offload" and self.strategy not in ("offload:cpu", "offload:disk"):
+            raise ValueError(f"unknown offload target {self.strategy!r}; use offload:cpu or offload:disk.")
+        if self.children and kind != "recompute":
+            raise ValueError(f"only recompute segments may nest; got children under {self.strategy!r}.")
+        for child in self.children:
+            if not (self.start <= child.start and child.stop <= self.stop):
+                raise ValueError(
+                    f"child segment [{child.start}, {child.stop}) lies outside its parent "
+                    f"[{self.start}, {self.stop})."
+                )
+
+    @property
+    def kind(self) -> str:
+        """``keep``, ``recompute``, ``selective`` or ``offload``."""
+        return self.strategy.split(":", 1)[0]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(kw_only=True, frozen=True)
+class Prediction:
+    """What the memory and time model predicts for one plan on one profile."""
+
+    peak_bytes: int
+    """Predicted peak live bytes of the whole training step."""
+    step_ms: float
+    """Predicted step time."""
+    extra_flops: int
+    """FLOPs of recomputation (replayed forwards) per step."""
+    extra_ms: float
+    """Time of recomputation and exposed offload transfers per step."""
+    model_state_bytes: int
+    """Parameters + gradients + optimizer state + buffers."""
+    fixed_bytes: int
+    """Saved bytes of the fixed part counted at the peak."""
+    retained_bytes: tuple[int, ...]
+    """Per block: bytes it holds while backward runs the blocks after it."""
+    peak_block: int
+    """Index of the block whose backward (or replay) sets the peak; -1 when the peak is outside
+    blocks (head backward, optimizer step)."""
+    peak_phase: str
+    """Where the peak falls: ``"block"``, ``"post"``, ``"optimizer"`` or ``"forward"``."""
+    working_bytes: int
+    """Working set of the peak block (its saved bytes rematerialized + backward temporaries)."""
+    offloaded_bytes: int = 0
+    """Bytes moved off the device per step."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Plan:
+    """A plan to apply with `remat.apply_`; round-trips through versioned JSON."""
+
+    segments: tuple[Segment, ...]
+    """Top-level segments covering blocks 0..N-1 in order, without gaps."""
+    block_names: tuple[str, ...]
+    """Qualified names of the blocks, in order."""
+    strategy_name: str
+    """The planner that made it: ``none``, ``full``, ``every:K``, ``sqrt``, ``selective:<p>``, ``optimal``."""
+    budget_bytes: int | None
+    """The byte budget it was planned for (None: no budget)."""
+    prediction: Prediction
+    """The model's prediction for this plan on the profile it came from."""
+    fingerprint: Fingerprint
+    """The profile's fingerprint: apply_ refuses a model that does not match."""
+
+    def __post_init__(self) -> None:
+        pos = 0
+        for seg in self.segments:
+            if seg.start != pos:
+                raise ValueError(
+                    f"plan segments must cover blocks 0..{len(self.block_names) - 1} in order; "
+                    f"segment [{seg.start}, {seg.stop}) starts at {seg.start}, expected {pos}."
+                )
+            pos = seg.stop
+        if pos != len(self.block_names):
+            raise ValueError(
+                f"plan segments cover {pos} blocks but the plan names {len(self.block_names)}."
+            )
+
+    def to_json(self) -> str:
+        return dump_document(self, PLAN_FORMAT, PLAN_VERSION)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> Plan:
+        return load_document(cls, text_or_path, PLAN_FORMAT, PLAN_VERSION)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    def block_strategies(self) -> tuple[str, ...]:
+        """Top-level strategy of each block, in order."""
+        out: list[str] = []
+        for seg in self.segments:
+            out.extend([seg.strategy] * seg.num_blocks)
+        return tuple(out)
