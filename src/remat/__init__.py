@@ -30,7 +30,7 @@ _API = {
     "remove_": "remat.apply.api",
     "auto_": "remat.apply.api",
     "verify": "remat.verify",
-    "Verification": "remat.verify",
+    "Verification": "remat.verify_types",
     "estimate": "remat.estimate.api",
 }
 

@@ -1,0 +1,90 @@
+"""The Verification: what `remat.verify` measured for one plan against its baseline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from remat._serialize import dump_document, load_document
+from remat.measure.types import MemoryEvent
+
+VERIFICATION_FORMAT = "verification"
+VERIFICATION_VERSION = 1
+
+
+@dataclass(kw_only=True, frozen=True)
+class OpCount:
+    """How often one aten op ran in one block: baseline step, planned step, and what the plan says."""
+
+    block: str
+    """Block name."""
+    op: str
+    """aten overload name."""
+    baseline_count: int
+    """Calls in the baseline step (forward + backward)."""
+    planned_count: int
+    """Calls in the planned step."""
+    expected_count: int
+    """Calls the plan predicts (baseline + planned recomputation)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Verification:
+    """Baseline against planned step from the same weights and RNG seed."""
+
+    strategy_name: str
+    """The plan's planner name."""
+    budget_bytes: int | None
+    """The plan's budget."""
+    loss_max_abs_diff: float
+    """|loss_planned - loss_baseline|."""
+    output_max_abs_diff: float
+    """Max absolute difference of the model outputs (floating tensors)."""
+    grad_max_abs_diff: float
+    """Max absolute difference over every parameter gradient."""
+    grads_identical: bool
+    """True when loss, outputs and every gradient are bit-identical."""
+    tolerance: float
+    """Allowed max abs difference (0.0 on CPU: bit-identical), with `tolerance_reason`."""
+    tolerance_reason: str
+    """Why the tolerance is what it is."""
+    baseline_peak_bytes: int
+    """Measured peak of the baseline step."""
+    measured_peak_bytes: int
+    """Measured peak of the planned step (live-storage tracker)."""
+    predicted_peak_bytes: int
+    """The plan's predicted peak."""
+    peak_error_pct: float
+    """100 * (measured - predicted) / predicted."""
+    device_max_allocated_bytes: int | None
+    """torch.cuda.max_memory_allocated of the planned step (CUDA only)."""
+    baseline_step_ms: float
+    """Median measured baseline step time."""
+    measured_step_ms: float
+    """Median measured planned step time."""
+    predicted_step_ms: float
+    """The plan's predicted step time."""
+    step_error_pct: float
+    """100 * (measured - predicted) / predicted."""
+    overhead_pct: float
+    """100 * (measured_step_ms / baseline_step_ms - 1)."""
+    op_counts: tuple[OpCount, ...]
+    """Per block and op: baseline, planned and expected call counts."""
+    recompute_counts_match: bool
+    """True when every planned count equals the expected count."""
+    timeline: tuple[MemoryEvent, ...] = ()
+    """Live bytes over the planned step, for the timeline plot."""
+
+    @property
+    def ok(self) -> bool:
+        return self.grads_identical or self.grad_max_abs_diff <= self.tolerance
+
+    def to_json(self) -> str:
+        return dump_document(self, VERIFICATION_FORMAT, VERIFICATION_VERSION)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> Verification:
+        return load_document(cls, text_or_path, VERIFICATION_FORMAT, VERIFICATION_VERSION)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
