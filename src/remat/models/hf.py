@@ -1,0 +1,98 @@
+"""Hugging Face causal LMs (GPT-2, Llama) built from a small config dict: random weights, no download.
+
+The batch is ``dict(input_ids, labels, attention_mask)`` and the loss is ``output.loss``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+HF_FAMILIES = ("gpt2", "llama")
+HF_ATTENTION_KINDS = ("eager", "sdpa")
+
+
+@dataclass(kw_only=True, frozen=True)
+class HFConfig:
+    """Sizes of a built-in Hugging Face model."""
+
+    num_layers: int = 2
+    """Decoder layers."""
+    d_model: int = 128
+    """Hidden size."""
+    num_heads: int = 4
+    """Attention heads; must divide d_model."""
+    seq_len: int = 64
+    """Tokens per sequence."""
+    batch_size: int = 4
+    """Sequences per batch."""
+    vocab_size: int = 512
+    """Vocabulary size."""
+    dropout: float = 0.1
+    """Dropout probability (GPT-2 only; Llama has no dropout by default)."""
+    attention: str = "eager"
+    """transformers attention implementation: ``"eager"`` (every op visible) or ``"sdpa"``."""
+
+    def __post_init__(self) -> None:
+        if self.attention not in HF_ATTENTION_KINDS:
+            raise ValueError(
+                f"attention={self.attention!r} is not supported for hf models; "
+                f"allowed: {', '.join(HF_ATTENTION_KINDS)}."
+            )
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
+                "pick num_heads that divides d_model."
+            )
+
+
+def gpt2_config(sizes: HFConfig) -> dict:
+    """transformers GPT2Config keyword arguments."""
+    return dict(
+        n_layer=sizes.num_layers, n_embd=sizes.d_model, n_head=sizes.num_heads,
+        n_positions=sizes.seq_len, vocab_size=sizes.vocab_size, resid_pdrop=sizes.dropout,
+        embd_pdrop=sizes.dropout, attn_pdrop=sizes.dropout, bos_token_id=0, eos_token_id=0,
+    )
+
+
+def llama_config(sizes: HFConfig) -> dict:
+    """transformers LlamaConfig keyword arguments."""
+    return dict(
+        num_hidden_layers=sizes.num_layers, hidden_size=sizes.d_model,
+        num_attention_heads=sizes.num_heads, num_key_value_heads=sizes.num_heads,
+        intermediate_size=4 * sizes.d_model, max_position_embeddings=sizes.seq_len,
+        vocab_size=sizes.vocab_size, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+    )
+
+
+def build_hf_model(family: str, sizes: HFConfig) -> nn.Module:
+    """A randomly initialised GPT2LMHeadModel or LlamaForCausalLM (uses the global RNG)."""
+    import transformers
+
+    if family == "gpt2":
+        config = transformers.GPT2Config(**gpt2_config(sizes))
+        model_cls = transformers.GPT2LMHeadModel
+    elif family == "llama":
+        config = transformers.LlamaConfig(**llama_config(sizes))
+        model_cls = transformers.LlamaForCausalLM
+    else:
+        raise ValueError(f"unknown hf family {family!r}; allowed: {', '.join(HF_FAMILIES)}.")
+    config._attn_implementation = sizes.attention
+    return model_cls(config)
+
+
+def make_batch(sizes: HFConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """``dict(input_ids, labels, attention_mask)``; transformers shifts the labels itself."""
+    ids = torch.randint(0, sizes.vocab_size, (sizes.batch_size, sizes.seq_len), generator=generator)
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+
+def transformers_available() -> bool:
+    """Whether transformers imports."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
