@@ -1,0 +1,134 @@
+"""Model state: ZeRO paper formulas, optimizer table vs real optimizers, the diagnosis."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from remat.memory.diagnose import explain_model_state_overflow, min_world_size, remedies
+from remat.memory.model_state import ModelState, model_state, precision, shard_model_state
+from remat.memory.optimizer_state import (
+    BNB_QMAP_BYTES,
+    adam8bit_tensor_bytes,
+    optimizer_layout,
+    optimizer_state_bytes,
+    optimizer_state_bytes_of,
+)
+
+PSI = 7_000_000_000  # parameters (divisible by every N below)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 64])
+def test_zero_paper_formulas_mixed_precision_adam(n: int) -> None:
+    """Rajbhandari et al. 2020, figure 1: 16*Psi, 4*Psi + 12*Psi/N, 2*Psi + 14*Psi/N, 16*Psi/N."""
+    state = model_state([(PSI,)], optimizer="adam", precision_name="mixed")
+    assert state.total_bytes == 16 * PSI
+    per_rank = [shard_model_state(state, world_size=n, zero_stage=s).total_bytes for s in range(4)]
+    assert per_rank == [16 * PSI, 4 * PSI + 12 * PSI // n, 2 * PSI + 14 * PSI // n, 16 * PSI // n]
+
+
+def test_precision_recipes() -> None:
+    shapes = [(10, 20), (20,)]  # 220 elements
+    assert model_state(shapes, optimizer="adamw", precision_name="fp32").total_bytes == 220 * (4 + 4 + 8)
+    assert model_state(shapes, optimizer="adamw", precision_name="bf16").total_bytes == 220 * (2 + 2 + 4)
+    assert model_state(shapes, optimizer="sgd", precision_name="mixed").total_bytes == 220 * (2 + 2 + 4)
+    with pytest.raises(ValueError, match="unknown precision 'fp8'.*allowed: fp32, mixed"):
+        precision("fp8")
+
+
+def test_zero3_gathered_unit() -> None:
+    state = model_state([(800,)], optimizer="adam", precision_name="mixed")
+    unit = model_state([(100,)], optimizer="adam", precision_name="mixed")
+    out = shard_model_state(state, world_size=4, zero_stage=3, largest_unit=unit)
+    # unit weights 200 B + grads 200 B, of which the rank already holds 100 B
+    assert out.gathered_bytes == 300
+    assert out.total_bytes == 16 * 800 // 4 + 300
+
+
+def test_bad_sharding_arguments() -> None:
+    state = model_state([(8,)])
+    with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3, got 4"):
+        shard_model_state(state, world_size=2, zero_stage=4)
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1, got 0"):
+        shard_model_state(state, world_size=0, zero_stage=1)
+
+
+def test_table_values_by_hand() -> None:
+    assert optimizer_state_bytes("sgd", [(3, 4)]) == 0
+    assert optimizer_state_bytes("sgd-momentum", [(3, 4)]) == 48
+    assert optimizer_state_bytes("adamw", [(3, 4)]) == 96
+    # Adafactor: 3x4 matrix -> 3 row + 4 column statistics; a vector keeps a full second moment
+    assert optimizer_state_bytes("adafactor", [(3, 4), (5,)]) == (3 + 4) * 4 + 5 * 4
+    assert optimizer_state_bytes("adafactor", [(2, 3, 4)]) == (6 + 8) * 4
+    # 8-bit Adam: 10_000 elements -> 2 bytes each + 2 x ceil(10000/256)=40 fp32 absmax; small
+    # tensors keep fp32 state; the two 256-entry maps once
+    assert adam8bit_tensor_bytes((10_000,)) == 20_000 + 2 * 40 * 4
+    assert adam8bit_tensor_bytes((100,)) == 800
+    assert optimizer_state_bytes("adam8bit", [(10_000,), (100,)]) == 20_320 + 800 + BNB_QMAP_BYTES
+    assert adam8bit_tensor_bytes((10_000,), blocksize=2048) == 20_000 + 2 * 5 * 4
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'; allowed: adafactor, adam"):
+        optimizer_layout("lion")
+
+
+def _run_one_step(opt_cls, **kwargs) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+    opt = opt_cls(model.parameters(), **kwargs)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize(
+    ("name", "opt_cls", "kwargs"),
+    [
+        ("sgd", torch.optim.SGD, {"lr": 0.1}),
+        ("sgd-momentum", torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+        ("adam", torch.optim.Adam, {}),
+        ("adamw", torch.optim.AdamW, {}),
+        ("adafactor", torch.optim.Adafactor, {}),
+    ],
+)
+def test_table_equals_real_optimizer(name: str, opt_cls, kwargs) -> None:
+    model, opt = _run_one_step(opt_cls, **kwargs)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert optimizer_state_bytes_of(opt) == optimizer_state_bytes(name, shapes)
+
+
+def test_real_adam_counts_host_steps_only_when_asked() -> None:
+    model, opt = _run_one_step(torch.optim.Adam)
+    num_tensors = len(list(model.parameters()))
+    assert optimizer_state_bytes_of(opt, include_host=True) == optimizer_state_bytes_of(opt) + 4 * num_tensors
+
+
+def test_diagnosis_names_every_remedy_with_numbers() -> None:
+    gib = 1024**3
+    text = explain_model_state_overflow(
+        param_bytes=4 * gib, grad_bytes=4 * gib, optimizer_state_bytes=8 * gib, buffer_bytes=0,
+        budget_bytes=10 * gib, optimizer_name="adamw",
+    )
+    assert "Model state alone needs 16.00 GiB" in text
+    assert "by 6.00 GiB" in text
+    assert "does not remove parameters, gradients or optimizer-state storage" in text
+    assert "ZeRO-1: fits from 4 data-parallel ranks (10.00 GiB per rank)" in text
+    assert "ZeRO-2: fits from 2 data-parallel ranks (10.00 GiB per rank)" in text
+    assert "ZeRO-3 / FSDP: fits from 2 data-parallel ranks (8.00 GiB per rank)" in text
+    # 8-bit: 2**30 params -> 2 GiB + absmax 2*4*2**22 = 32 MiB + 2 KiB maps
+    assert "8-bit optimizer state: 10.03 GiB on the device; still does not fit" in text
+    assert "optimizer offload to host: 8.00 GiB on the device, 8.00 GiB moved to host memory; fits" in text
+    assert explain_model_state_overflow(param_bytes=1, grad_bytes=1, optimizer_state_bytes=1, buffer_bytes=0,
+                                        budget_bytes=10, optimizer_name="adam") == ""
+    with pytest.raises(ValueError, match="budget_bytes must be positive, got 0"):
+        explain_model_state_overflow(param_bytes=1, grad_bytes=1, optimizer_state_bytes=1, buffer_bytes=0,
+                                     budget_bytes=0, optimizer_name="adam")
+
+
+def test_min_world_size_exact_boundary() -> None:
+    state = ModelState(param_bytes=100, grad_bytes=100, master_bytes=0, optimizer_state_bytes=800)
+    assert min_world_size(state, zero_stage=1, budget_bytes=400) == 4  # 200 + 800/4
+    assert min_world_size(state, zero_stage=1, budget_bytes=399) == 5  # 200 + 160
+    assert min_world_size(state, zero_stage=1, budget_bytes=200) is None
+    assert min_world_size(state, zero_stage=3, budget_bytes=1000) == 1
+    names = [r.name for r in remedies(state, budget_bytes=300, param_count=25, optimizer_name="sgd")]
+    assert names == ["ZeRO-1", "ZeRO-2", "ZeRO-3 / FSDP", "optimizer offload to host"]
