@@ -1,0 +1,44 @@
+"""Shared helpers for the quiz tests: run the ``remat`` CLI in-process or in a pseudo-terminal."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+# Runs the `remat` app whether typer built it as a command group ("remat quiz ...") or, while
+# `quiz` is its only command, as a single command ("remat ...").
+RUN_REMAT = (
+    "import sys, click, typer\n"
+    "from remat.cli import app\n"
+    "cmd = typer.main.get_command(app)\n"
+    "args = sys.argv[1:] if isinstance(cmd, click.Group) else sys.argv[2:]\n"
+    "cmd.main(args, prog_name='remat')\n"
+)
+
+
+@pytest.fixture
+def remat_argv():
+    """argv that runs ``remat <args>`` with this interpreter."""
+
+    def make(*args: str) -> list[str]:
+        return [sys.executable, "-c", RUN_REMAT, *args]
+
+    return make
+
+
+@pytest.fixture
+def invoke():
+    """Run ``remat <args>`` in-process; returns the click Result (exit_code, stdout, stderr)."""
+    import click
+    import typer
+    from click.testing import CliRunner
+
+    from remat.cli import app
+
+    def run(*args: str, env: dict[str, str] | None = None):
+        cmd = typer.main.get_command(app)
+        argv = list(args) if isinstance(cmd, click.Group) else list(args[1:])
+        return CliRunner().invoke(cmd, argv, env=env, prog_name="remat")
+
+    return run
