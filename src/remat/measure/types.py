@@ -118,6 +118,9 @@ class Bandwidths:
     """The directory the disk rates were measured in."""
     overlap_fraction: float | None = None
     """Share of offload transfer time measured hidden behind compute (0..1)."""
+    disk_overlap_fraction: float | None = None
+    """Share of disk write time measured hidden behind compute (0..1); ``overlap_fraction`` is
+    the host<->device copies' share."""
 
 
 @dataclass(kw_only=True, frozen=True)
