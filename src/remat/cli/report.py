@@ -1,1 +1,39 @@
-"""Placeholder until the command lands; registers nothing."""
+"""`remat report`: one self-contained HTML page from profile, plan and verification JSON files."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import typer
+
+from remat.cli._app import app, console, fail
+
+
+@app.command()
+def report(
+    files: list[Path] = typer.Argument(
+        ..., help="profile.json, then any plan.json and verification.json (kind read from each file's \"format\")."
+    ),
+    output: Path = typer.Option(Path("report.html"), "--output", "-o", help="Where to write the HTML page."),
+    figures_dir: Path | None = typer.Option(
+        None, "--figures-dir", help="Also write each plot as PNG and SVG into this folder."
+    ),
+) -> None:
+    """Write the HTML report (summary, tables, plots, plan per block, environment) and print its path."""
+    from remat.report.html import write_report
+    from remat.report.inputs import load_inputs
+
+    try:
+        inputs = load_inputs(files)
+        path = write_report(output, inputs.profile, inputs.plans, inputs.verifications,
+                            commands=[_command_line()], figures_dir=figures_dir)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    console.print(f"report: {path}")
+
+
+def _command_line() -> str:
+    """The command as typed, with the program shown as `remat`."""
+    return shlex.join(["remat", *sys.argv[1:]])

@@ -1,0 +1,92 @@
+"""The memory-time trade-off: predicted peak against predicted step time, one point per plan.
+
+Drawn on one axes: every plan given (one marker per planner), the optimal frontier as a
+staircase (for a budget ``x``, the fastest step whose peak is at most ``x``), measured points
+from `remat.verify` joined to their predictions, the budget as a vertical line and the
+no-recomputation point marked with a star.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from matplotlib.figure import Figure
+
+from remat.measure.types import Profile
+from remat.plan.types import Plan
+from remat.report.style import BUDGET_COLOR, BUDGET_LINESTYLE, OKABE_ITO, new_figure, series_style, style_axes
+from remat.report.summary import BASELINE_STRATEGY, baseline_point, report_budget
+from remat.report.units import ByteScale, byte_scale, format_bytes
+from remat.verify_types import Verification
+
+FRONTIER_LABEL = "optimal frontier"
+MEASURED_LABEL = "measured (verify)"
+BASELINE_LABEL = "no recomputation"
+
+
+def pareto_points(points: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The non-dominated (peak_bytes, step_ms) pairs, by increasing peak (decreasing time)."""
+    front: list[tuple[int, float]] = []
+    for peak, step in sorted(set(points), key=lambda p: (p[0], p[1])):
+        if not front or step < front[-1][1]:
+            front.append((peak, step))
+    return front
+
+
+def plot_frontier(profile: Profile, plans: Sequence[Plan] = (),
+                  verifications: Sequence[Verification] = (), *,
+                  frontier: Sequence[Plan] = (), budget_bytes: int | None = None) -> Figure:
+    """Peak memory against step time for ``plans``; ``frontier`` (e.g. `remat.pareto`'s plans)
+    draws the optimal frontier, else the non-dominated plans given draw it. The ``none`` plan
+    (or, without one, the profile's measured step) is the no-recomputation star."""
+    budget = report_budget(plans, budget_bytes)
+    base = baseline_point(profile, plans)
+    all_bytes = [base.peak_bytes, *(p.prediction.peak_bytes for p in (*plans, *frontier)),
+                 *(v.measured_peak_bytes for v in verifications)]
+    scale = byte_scale(max(all_bytes + ([budget] if budget else [])))
+    fig = new_figure(7.5, 4.8)
+    ax = fig.add_subplot()
+    style_axes(ax)
+    _draw_frontier(ax, scale, frontier or plans, derived=not frontier)
+    _draw_plans(ax, scale, [p for p in plans if p.strategy_name != BASELINE_STRATEGY])
+    _draw_measured(ax, scale, verifications)
+    ax.plot([scale(base.peak_bytes)], [base.step_ms], linestyle="none", marker="*", markersize=16,
+            color=OKABE_ITO["black"], markerfacecolor=OKABE_ITO["yellow"], label=BASELINE_LABEL, zorder=5)
+    if budget is not None:
+        ax.axvline(scale(budget), color=BUDGET_COLOR, linestyle=BUDGET_LINESTYLE, linewidth=1.2,
+                   label=f"budget {format_bytes(budget)}")
+    ax.set_xlabel(f"peak memory of one training step ({scale.unit})")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title("Memory-time trade-off (predicted unless marked measured)")
+    ax.legend(loc="best", fontsize="small", framealpha=0.9)
+    ax.margins(x=0.08, y=0.12)
+    return fig
+
+
+def _draw_frontier(ax, scale: ByteScale, plans: Sequence[Plan], *, derived: bool) -> None:
+    front = pareto_points([(p.prediction.peak_bytes, p.prediction.step_ms) for p in plans])
+    if len(front) < 2:
+        return
+    label = FRONTIER_LABEL if not derived else f"{FRONTIER_LABEL} (of the plans shown)"
+    ax.plot([scale(b) for b, _ in front], [t for _, t in front], drawstyle="steps-post",
+            color=OKABE_ITO["sky_blue"], linewidth=2.0, linestyle="-", label=label, zorder=2)
+
+
+def _draw_plans(ax, scale: ByteScale, plans: Sequence[Plan]) -> None:
+    names = list(dict.fromkeys(p.strategy_name for p in plans))
+    for i, name in enumerate(names):
+        group = [p for p in plans if p.strategy_name == name]
+        color, marker, _ = series_style(i)
+        ax.plot([scale(p.prediction.peak_bytes) for p in group], [p.prediction.step_ms for p in group],
+                linestyle="none", marker=marker, markersize=8, color=color, markeredgecolor="black",
+                label=f"{name} (predicted)", zorder=4)
+
+
+def _draw_measured(ax, scale: ByteScale, verifications: Sequence[Verification]) -> None:
+    for i, ver in enumerate(verifications):
+        xs = [scale(ver.predicted_peak_bytes), scale(ver.measured_peak_bytes)]
+        ys = [ver.predicted_step_ms, ver.measured_step_ms]
+        ax.plot(xs, ys, color=OKABE_ITO["black"], linestyle=":", linewidth=1.0, zorder=3)
+        ax.plot(xs[1:], ys[1:], linestyle="none", marker="o", markersize=9, markerfacecolor="none",
+                markeredgewidth=1.6, color=OKABE_ITO["vermillion"],
+                label=MEASURED_LABEL if i == 0 else None, zorder=6)
