@@ -1,0 +1,145 @@
+"""Transfer rates for the offload strategies, measured on this machine (fills `Bandwidths`).
+
+- Disk: sequential write then read of one file in the offload directory, through the very I/O
+  path the disk offload uses (`remat.apply.offload_disk.write_file`: write + fdatasync +
+  POSIX_FADV_DONTNEED, so the read comes from the disk, not the page cache; `read_file` with its
+  CRC-32). A 4 MiB pilot sets the size so that the timed write takes about ``target_s``; the
+  whole probe stays under a second on anything faster than ~40 MB/s.
+- Overlap: the rate of a small matmul loop while the offload's transfers run (the `DiskStore`
+  writer threads; side-stream D2H copies on CUDA) over its rate alone. Compute that loses
+  nothing to the transfers hides them fully (1.0); compute that stalls for them hides nothing.
+- Host<->device (CUDA only): pinned copies timed with CUDA events.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from remat.apply.offload_disk import DiskStore, read_file, write_file
+from remat.measure.types import Bandwidths
+
+__all__ = ["measure_bandwidths", "measure_disk", "measure_disk_overlap", "measure_host_device"]
+
+PILOT_BYTES = 4 << 20
+MIN_PROBE_BYTES = 8 << 20
+MAX_PROBE_BYTES = 256 << 20
+
+
+def _payload(nbytes: int) -> torch.Tensor:
+    """Incompressible-looking bytes, cheap to make: one random MiB repeated."""
+    block = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    return block.repeat(-(-nbytes // block.numel()))[:nbytes].contiguous()
+
+
+def _timed_roundtrip(directory: str, nbytes: int) -> tuple[float, float]:
+    """Seconds to write (durably) and read back one ``nbytes`` file in ``directory``."""
+    data = _payload(nbytes)
+    fd, path = tempfile.mkstemp(prefix="remat-bw-", dir=directory)
+    os.close(fd)
+    os.unlink(path)  # write_file creates it with O_EXCL, as the offload does
+    try:
+        start = time.perf_counter()
+        write_file(path, data)
+        mid = time.perf_counter()
+        read_file(path, nbytes, "bandwidth probe")
+        end = time.perf_counter()
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return mid - start, end - mid
+
+
+def measure_disk(directory: str | os.PathLike, *, target_s: float = 0.15) -> tuple[float, float]:
+    """(write, read) bytes per second of sequential I/O in ``directory``."""
+    directory = str(directory)
+    if not Path(directory).is_dir():
+        raise ValueError(f"offload directory {directory!r} does not exist; create it or pick another.")
+    pilot_w, _ = _timed_roundtrip(directory, PILOT_BYTES)
+    rate = PILOT_BYTES / max(pilot_w, 1e-6)
+    nbytes = int(min(MAX_PROBE_BYTES, max(MIN_PROBE_BYTES, rate * target_s)))
+    write_s, read_s = _timed_roundtrip(directory, nbytes)
+    return nbytes / write_s, nbytes / read_s
+
+
+def _compute_rate(device: torch.device, until, min_s: float) -> float:
+    """Iterations per second of a small matmul loop run until ``until()`` and ``min_s`` elapsed."""
+    a = torch.randn(128, 128, device=device)
+    iters, start = 0, time.perf_counter()
+    while not until() or time.perf_counter() - start < min_s:
+        a = torch.tanh(a @ a * (1.0 / 128))
+        iters += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return iters / (time.perf_counter() - start)
+
+
+def measure_disk_overlap(directory: str | os.PathLike, write_bytes_per_s: float, *, target_s: float = 0.08) -> float:
+    """Share of offload write time hidden behind compute running at the same time.
+
+    Measured as the compute loop's rate while the offload's writer threads run, over its rate
+    alone: 1 when the writes cost the compute nothing, 0 when compute stalls for them."""
+    device = torch.device("cpu")
+    nbytes = int(min(MAX_PROBE_BYTES, max(MIN_PROBE_BYTES, write_bytes_per_s * target_s)))
+    chunks = list(_payload(nbytes).chunk(4))
+    _compute_rate(device, lambda: True, 0.01)  # warm-up
+    alone = _compute_rate(device, lambda: True, target_s / 2)
+    store = DiskStore(directory=directory, num_threads=2)
+    try:
+        tickets = [store.put(c, "bandwidth probe") for c in chunks]
+        during = _compute_rate(device, lambda: all(t._write.done() for t in tickets), 0.0)
+        store.wait_writes()
+    finally:
+        store.close()
+    return min(1.0, max(0.0, during / alone))
+
+
+def _cuda_copy_s(dst: torch.Tensor, src: torch.Tensor, repeats: int = 3) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dst.copy_(src, non_blocking=True)  # warm-up
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
+def measure_host_device(device: torch.device, nbytes: int = 64 << 20) -> tuple[float, float, float]:
+    """(host->device, device->host bytes/s, hidden share of a side-stream D2H copy) on CUDA."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h2d = nbytes / _cuda_copy_s(dev, host)
+    d2h_s = _cuda_copy_s(host, dev)
+    side = torch.cuda.Stream(device)
+    alone = _compute_rate(device, lambda: True, 0.05)
+    done = torch.cuda.Event()
+    with torch.cuda.stream(side):
+        for _ in range(4):
+            host.copy_(dev, non_blocking=True)
+        done.record(side)
+    during = _compute_rate(device, done.query, 0.0)
+    side.synchronize()
+    return h2d, nbytes / d2h_s, min(1.0, max(0.0, during / alone))
+
+
+def measure_bandwidths(device: torch.device | str = "cpu", offload_dir: str | os.PathLike | None = None) -> Bandwidths:
+    """Every rate this machine has: host<->device on CUDA, disk when ``offload_dir`` is given."""
+    device = torch.device(device)
+    fields: dict = {}
+    if device.type == "cuda":
+        h2d, d2h, overlap = measure_host_device(device)
+        fields.update(host_to_device_bytes_per_s=h2d, device_to_host_bytes_per_s=d2h, overlap_fraction=overlap)
+    if offload_dir is not None:
+        write, read = measure_disk(offload_dir)
+        fields.update(
+            disk_write_bytes_per_s=write,
+            disk_read_bytes_per_s=read,
+            disk_dir=str(Path(offload_dir).resolve()),
+            disk_overlap_fraction=measure_disk_overlap(offload_dir, write),
+        )
+    return Bandwidths(**fields)
