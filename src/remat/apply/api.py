@@ -1,0 +1,154 @@
+"""`apply_` a plan to the user's model in place, `remove_` it, or `auto_` profile+plan+apply.
+
+``apply_`` checks everything before it changes anything: a second apply, a plan made for
+another model (structure, dtype, device) or another batch (shapes) is an error and leaves the
+model untouched. It changes only the ``forward`` instance attribute of the planned blocks
+(`remat.apply.runtime`); ``state_dict`` keys and values stay as they are, and ``remove_``
+restores every block's ``forward`` exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat._batch import LossFn, check_batch_device
+from remat.apply.runtime import Runtime
+from remat.apply.strategies import HANDLERS
+from remat.measure.types import Fingerprint
+from remat.plan.types import Plan
+
+RUNTIME_ATTR = "_remat_runtime"
+"""Attribute of an applied model holding its `Runtime` (a plain attribute: not in state_dict)."""
+
+__all__ = ["apply_", "remove_", "auto_", "is_applied", "applied_plan", "check_plan_matches"]
+
+
+def is_applied(model: nn.Module) -> bool:
+    """True when a plan is applied to ``model``."""
+    return RUNTIME_ATTR in model.__dict__
+
+
+def applied_plan(model: nn.Module) -> Plan | None:
+    """The plan applied to ``model``, or None."""
+    runtime = model.__dict__.get(RUNTIME_ATTR)
+    return None if runtime is None else runtime.options["plan"]
+
+
+def _resolve_blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
+    blocks = []
+    for name in plan.block_names:
+        try:
+            blocks.append(model.get_submodule(name))
+        except AttributeError:
+            raise ValueError(
+                f"the plan names block {name!r}, which {type(model).__name__} does not have; the plan "
+                "was made for another model. Profile and plan this model (remat.profile, remat.plan)."
+            ) from None
+    return blocks
+
+
+def _model_fingerprint(model: nn.Module, batch: Any) -> Fingerprint:
+    from remat.measure.fingerprint import fingerprint
+
+    return fingerprint(model, batch)
+
+
+def check_plan_matches(model: nn.Module, plan: Plan, batch: Any = None) -> None:
+    """Raise ValueError when ``plan`` was made for another model, dtype, device or batch."""
+    have = _model_fingerprint(model, batch if batch is not None else ())
+    want = plan.fingerprint
+    checks = [("model structure", want.model_hash, have.model_hash),
+              ("dtype", want.dtype, have.dtype), ("device", want.device, have.device)]
+    if batch is not None:
+        checks.append(("batch shapes", want.batch_shapes, have.batch_shapes))
+    for what, planned, actual in checks:
+        if planned != actual:
+            raise ValueError(
+                f"the plan does not match this model: {what} was {planned!r} when profiled, now "
+                f"{actual!r}. Profile and plan again for this model and batch (remat.profile, remat.plan)."
+            )
+
+
+def _offload_engines(plan: Plan, offload_dir: str | None) -> dict[str, Any]:
+    targets = {seg.strategy.split(":", 1)[1] for seg in plan.segments if seg.kind == "offload"}
+    if not targets:
+        return {}
+    from remat.apply.offload import OffloadEngine
+
+    engines = {}
+    for target in sorted(targets):
+        directory = offload_dir if target == "disk" else None
+        engines[target] = OffloadEngine(target, directory=directory)
+    return engines
+
+
+def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str | None = None) -> nn.Module:
+    """Apply ``plan`` to ``model`` in place and return the same model.
+
+    ``batch`` (optional) is checked against the shapes the plan was profiled with;
+    ``offload_dir`` is where ``offload:disk`` blocks write (default: the system temp directory)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_ needs an nn.Module, got {type(model).__name__}.")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"apply_ needs a remat Plan, got {type(plan).__name__}; load one with Plan.from_json(path).")
+    if is_applied(model):
+        raise ValueError(
+            f"{type(model).__name__} already has a remat plan applied "
+            f"({applied_plan(model).strategy_name!r}); call remat.remove_(model) first."
+        )
+    blocks = _resolve_blocks(model, plan)
+    if batch is not None:
+        check_batch_device(model, batch)
+    check_plan_matches(model, plan, batch)
+    options = {"plan": plan, "offload_engines": _offload_engines(plan, offload_dir)}
+    runtime = Runtime(blocks=blocks, block_names=plan.block_names, segments=plan.segments,
+                      handlers=HANDLERS, options=options)
+    runtime.install()
+    model.__dict__[RUNTIME_ATTR] = runtime
+    return model
+
+
+def remove_(model: nn.Module) -> nn.Module:
+    """Undo `apply_`: every block's ``forward`` is restored exactly; returns the same model."""
+    runtime = model.__dict__.get(RUNTIME_ATTR)
+    if runtime is None:
+        raise ValueError(f"{type(model).__name__} has no remat plan applied; nothing to remove.")
+    runtime.uninstall()
+    for engine in runtime.options["offload_engines"].values():
+        engine.close()
+    del model.__dict__[RUNTIME_ATTR]
+    return model
+
+
+@contextlib.contextmanager
+def applied(model: nn.Module, plan: Plan, **options: Any):
+    """``with applied(model, plan): ...``: apply for the body only."""
+    apply_(model, plan, **options)
+    try:
+        yield model
+    finally:
+        remove_(model)
+
+
+def auto_(model: nn.Module, batch: Any, loss_fn: LossFn | None = None,
+          optimizer: torch.optim.Optimizer | None = None, budget: str | int = "50%",
+          strategy: str = "optimal") -> Plan:
+    """Profile ``model`` on ``batch``, plan the fastest step within ``budget``, apply it; return the plan.
+
+    The budget-driven counterpart of Hugging Face's ``gradient_checkpointing_enable()``: ``budget``
+    is bytes, text like ``"6GiB"``, or a share of the measured baseline peak like ``"50%"``.
+    The model's weights and the optimizer's state are as they were (profiling restores them)."""
+    from remat.measure.profile import profile as measure
+    from remat.plan.budget import parse_budget
+    from remat.plan.planners import plan as make_plan
+
+    if is_applied(model):
+        raise ValueError(f"{type(model).__name__} already has a remat plan applied; call remat.remove_(model) first.")
+    prof = measure(model, batch, loss_fn=loss_fn, optimizer=optimizer)
+    the_plan = make_plan(prof, budget=parse_budget(budget, prof.peak_bytes), strategy=strategy)
+    apply_(model, the_plan, batch=batch)
+    return the_plan

@@ -1,0 +1,125 @@
+"""Count aten op calls per block over a training step, and what a plan says the counts should be.
+
+`BlockOpCounter` is a TorchDispatchMode. An op belongs to the block whose forward is running
+(the user's call of the block, seen by forward hooks, or a run by the remat runtime, in the
+forward or in a replay, seen through `remat.apply.runtime.block_listener`). In backward, block
+``j``'s part begins when the gradient of its output arrives (a tensor hook on the output) and
+ends when the gradient of its input does (the hook on block ``j-1``'s output, or on block 0's
+input): blocks are chained, so backward runs them one after the other in reverse.
+Bookkeeping ops that never compute (detach, size, stride: torch's ``SAC_IGNORED_OPS``) are
+not counted; checkpointing adds detaches of its own.
+
+`expected_extra_calls` turns a plan into the forward op calls it adds: a block under ``r``
+nested recompute segments replays its forward ``r`` times; a selective block replays every call
+except the saved ones.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+from remat.apply.runtime import block_listener
+from remat.plan.types import Plan, Segment
+
+__all__ = ["BlockOpCounter", "expected_extra_calls", "op_name"]
+
+
+def op_name(key: str) -> str:
+    """``"aten.mm.default#2"`` -> ``"aten.mm.default"``."""
+    return key.rsplit("#", 1)[0]
+
+
+class BlockOpCounter(TorchDispatchMode):
+    """``with BlockOpCounter(blocks) as c: step()``; then ``c.total``, ``c.forward_keys``."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = blocks
+        self.total: list[Counter[str]] = [Counter() for _ in blocks]
+        """Per block: calls per op name, forward + replays + backward."""
+        self.forward_keys: list[list[str]] = [[] for _ in blocks]
+        """Per block: ``"<op>#<occurrence>"`` of its forward (before backward began), in call order."""
+        self._stack: list[int] = []
+        self._backward_block: int | None = None
+        self._in_backward = False
+        self._handles: list[Any] = []
+        self._listener: Any = None
+
+    def _on_block(self, index: int, entering: bool) -> None:
+        if entering:
+            self._stack.append(index)
+        else:
+            self._stack.pop()
+
+    def _on_grad(self, index: int | None) -> None:
+        self._in_backward = True
+        self._backward_block = index
+
+    def _hook_tensor(self, value: Any, index: int | None) -> None:
+        if isinstance(value, (tuple, list)) and value:
+            value = value[0]
+        if isinstance(value, torch.Tensor) and value.requires_grad and not self._in_backward:
+            value.register_hook(lambda grad: self._on_grad(index))
+
+    def _pre(self, index: int, args: tuple[Any, ...]) -> None:
+        if index == 0 and args:
+            self._hook_tensor(args[0], None)
+        self._on_block(index, True)
+
+    def _post(self, index: int, output: Any) -> None:
+        self._on_block(index, False)
+        self._hook_tensor(output, index)
+
+    def __enter__(self) -> BlockOpCounter:
+        for i, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(lambda m, a, i=i: self._pre(i, a)))
+            self._handles.append(block.register_forward_hook(lambda m, a, o, i=i: self._post(i, o)))
+        self._listener = block_listener(self._on_block)
+        self._listener.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._listener.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in SAC_IGNORED_OPS:
+            return out
+        index = self._stack[-1] if self._stack else self._backward_block
+        if index is None:
+            return out
+        name = str(func)
+        self.total[index][name] += 1
+        if self._stack and not self._in_backward:
+            seen = sum(1 for k in self.forward_keys[index] if op_name(k) == name)
+            self.forward_keys[index].append(f"{name}#{seen}")
+        return out
+
+
+def expected_extra_calls(plan: Plan, forward_keys: list[list[str]]) -> list[Counter[str]]:
+    """Per block: the forward op calls ``plan`` adds to a step (replays), by op name."""
+    extra = [Counter() for _ in forward_keys]
+
+    def visit(seg: Segment) -> None:
+        for i in range(seg.start, seg.stop):
+            if seg.kind == "recompute":
+                extra[i].update(op_name(k) for k in forward_keys[i])
+            elif seg.kind == "selective":
+                saved = set(seg.saved_ops)
+                extra[i].update(op_name(k) for k in forward_keys[i] if k not in saved)
+        for child in seg.children:
+            visit(child)
+
+    for seg in plan.segments:
+        visit(seg)
+    return extra

@@ -1,0 +1,255 @@
+"""The block runtime: how an applied plan runs the user's own forward, unmodified.
+
+`apply_` sets each planned block's ``forward`` to a `BlockForward` instance attribute (the class
+keeps its own ``forward``; ``state_dict`` keys do not change). When the user's forward calls the
+first block of a segment, the runtime runs the whole segment ``[start, stop)`` inside one
+checkpoint region: block ``start`` with the arguments the user gave, then each following block
+with the previous block's output (its first element for tuple outputs, as Hugging Face layers
+return) and the same extra arguments and keyword arguments (attention masks, position ids).
+The outputs of blocks ``start+1..stop-1`` wait in ``pending`` and are returned when the user's
+forward calls those blocks; the call must then carry exactly the predicted arguments (checked
+by identity), otherwise the segment cannot be replayed faithfully and the call is an error.
+
+Inside a region blocks run through their original ``forward`` (no module hooks), so a block's
+hooks fire once per step, on the user's call. Listeners (`block_listeners`) hear every block
+run by the runtime, in the forward and in the replay, for per-block accounting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.plan.types import Segment
+
+Listener = Callable[[int, bool], None]
+"""``listener(block_index, entering)``: called before (True) and after (False) a block runs."""
+
+_LISTENERS: list[Listener] = []
+
+
+@contextlib.contextmanager
+def block_listener(listener: Listener) -> Iterator[None]:
+    """Make ``listener`` hear every block the runtime runs while the context is open."""
+    _LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _LISTENERS.remove(listener)
+
+
+def first_of(output: Any) -> Any:
+    """The value a block passes on to the next block: the output, or its first element."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output:
+        return output[0]
+    raise TypeError(
+        f"a block inside a multi-block segment returned {type(output).__name__}; segments spanning "
+        "several blocks need blocks that return a tensor or a tuple whose first element is the "
+        "next block's input. Plan single-block segments for this model."
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(type(a) is type(b) and a == b)
+    except Exception:  # noqa: BLE001 - objects whose == is not a bool are simply not "the same"
+        return False
+
+
+@dataclass(kw_only=True)
+class _Pending:
+    """The output of a block already computed inside its segment's region."""
+
+    expected_first: Any
+    extra: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: Any
+
+    def matches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        if not args or args[0] is not self.expected_first or len(args) - 1 != len(self.extra):
+            return False
+        if set(kwargs) != set(self.kwargs):
+            return False
+        return all(map(_same, args[1:], self.extra)) and all(_same(kwargs[k], self.kwargs[k]) for k in kwargs)
+
+
+class BlockForward:
+    """The ``forward`` instance attribute of a planned block: hands the call to the runtime.
+
+    A plain object (not a closure), so `copy.deepcopy` of an applied model copies the runtime
+    with the model and the copy drives its own blocks."""
+
+    def __init__(self, runtime: Runtime, index: int) -> None:
+        self.runtime = runtime
+        self.index = index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.runtime.call_block(self.index, args, kwargs)
+
+
+class Runtime:
+    """Runs the segments of one applied plan on one model's blocks."""
+
+    def __init__(self, *, blocks: list[nn.Module], block_names: tuple[str, ...], segments: tuple[Segment, ...],
+                 handlers: dict[str, Callable[..., list[Any]]], options: dict[str, Any]) -> None:
+        self.blocks = blocks
+        self.block_names = block_names
+        self.heads = {seg.start: seg for seg in segments if seg.kind != "keep"}
+        self.handlers = handlers
+        self.options = options
+        """Per-apply settings the handlers read (e.g. ``offload_dir``)."""
+        self.saved_forwards: dict[int, Any] = {}
+        """Instance ``forward`` attributes the blocks had before apply_ (restored by remove_)."""
+        self.pending: dict[int, _Pending] = {}
+
+    # -- installing -------------------------------------------------------------------------
+    def planned_indices(self) -> list[int]:
+        return [i for seg in self.heads.values() for i in range(seg.start, seg.stop)]
+
+    def install(self) -> None:
+        for i in self.planned_indices():
+            block = self.blocks[i]
+            if "forward" in block.__dict__:
+                self.saved_forwards[i] = block.__dict__["forward"]
+            block.forward = BlockForward(self, i)
+
+    def uninstall(self) -> None:
+        for i in self.planned_indices():
+            block = self.blocks[i]
+            del block.__dict__["forward"]
+            if i in self.saved_forwards:
+                block.forward = self.saved_forwards[i]
+        self.pending.clear()
+
+    # -- running ----------------------------------------------------------------------------
+    def original_forward(self, index: int) -> Callable[..., Any]:
+        block = self.blocks[index]
+        saved = self.saved_forwards.get(index)
+        return saved if saved is not None else type(block).forward.__get__(block)
+
+    def run_raw(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run block ``index``'s own forward (no hooks), telling the listeners."""
+        for listener in tuple(_LISTENERS):
+            listener(index, True)
+        try:
+            return self.original_forward(index)(*args, **kwargs)
+        finally:
+            for listener in tuple(_LISTENERS):
+                listener(index, False)
+
+    def call_block(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        pending = self.pending.pop(index, None)
+        if pending is not None:
+            return self._take(index, pending, args, kwargs)
+        seg = self.heads.get(index)
+        if seg is None or not torch.is_grad_enabled():
+            return self.run_raw(index, args, kwargs)
+        for i in range(seg.start, seg.stop):
+            self.pending.pop(i, None)
+        if not args:
+            raise TypeError(
+                f"block {self.block_names[index]!r} was called without positional arguments; remat "
+                "passes the first positional argument from block to block. Call blocks as block(x, ...)."
+            )
+        outputs = self.run_segment(seg, args[0], args[1:], kwargs)
+        for offset in range(1, len(outputs)):
+            self.pending[index + offset] = _Pending(
+                expected_first=first_of(outputs[offset - 1]), extra=args[1:], kwargs=kwargs,
+                output=outputs[offset],
+            )
+        return outputs[0]
+
+    def _take(self, index: int, pending: _Pending, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not pending.matches(args, kwargs):
+            raise ValueError(
+                f"block {self.block_names[index]!r} runs inside a multi-block segment, so remat "
+                "computed it from the previous block's output and the same extra arguments, but the "
+                "model called it with different arguments. Plan single-block segments for this "
+                "model (e.g. strategy full), or call the blocks as x = block(x, *same_args)."
+            )
+        return pending.output
+
+    def run_segment(self, seg: Segment, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """Outputs of blocks ``seg.start..seg.stop-1``, run by the handler of ``seg.kind``."""
+        handler = self.handlers.get(seg.kind)
+        if handler is None:
+            raise ValueError(f"no handler for strategy {seg.strategy!r}; known: {sorted(self.handlers)}.")
+        return handler(self, seg, first, extra, kwargs)
+
+    def run_plain(self, start: int, stop: int, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any],
+                  context: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None) -> list[Any]:
+        """Run blocks ``start..stop-1`` one after the other, without checkpointing (each inside
+        ``context(i)`` when given)."""
+        outputs = []
+        for i in range(start, stop):
+            with context(i) if context is not None else contextlib.nullcontext():
+                out = self.run_raw(i, (first, *extra), kwargs)
+            outputs.append(out)
+            if i + 1 < stop:
+                first = first_of(out)
+        return outputs
+
+    def run_layout(self, seg: Segment, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """Run ``seg``'s blocks with its children checkpointed and the other blocks kept."""
+        outputs: list[Any] = []
+        pos = seg.start
+        for child in sorted(seg.children, key=lambda c: c.start):
+            for part in ((pos, child.start, None), (child.start, child.stop, child)):
+                if part[0] >= part[1]:
+                    continue
+                if outputs:
+                    first = first_of(outputs[-1])
+                if part[2] is None:
+                    outputs += self.run_plain(part[0], part[1], first, extra, kwargs)
+                else:
+                    outputs += self.run_segment(part[2], first, extra, kwargs)
+            pos = child.stop
+        if pos < seg.stop:
+            if outputs:
+                first = first_of(outputs[-1])
+            outputs += self.run_plain(pos, seg.stop, first, extra, kwargs)
+        return outputs
+
+    def block_buffers(self, start: int, stop: int) -> list[torch.Tensor]:
+        return [b for i in range(start, stop) for b in self.blocks[i].buffers()]
+
+
+class BufferGuard:
+    """Undo buffer updates made by a replay (BatchNorm running statistics...).
+
+    The first run of a region is the real forward: it records which buffers it changed (by
+    version counter). Every later run is a replay: those buffers are copied before it and
+    restored after it, so the running statistics advance once per step, as without
+    recomputation."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.calls = 0
+        self.mutated: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def run(self) -> Iterator[None]:
+        self.calls += 1
+        if self.calls == 1:
+            before = [b._version for b in self.buffers]
+            yield
+            self.mutated = [b for b, v in zip(self.buffers, before) if b._version != v]
+            return
+        saved = [b.detach().clone() for b in self.mutated]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buf, value in zip(self.mutated, saved):
+                    buf.copy_(value)

@@ -1,0 +1,80 @@
+"""Strategy handlers, a registry keyed by strategy kind (`Segment.kind`).
+
+A handler is ``handler(runtime, segment, first, extra, kwargs) -> outputs``: it runs blocks
+``segment.start..segment.stop-1`` starting from input ``first`` (with the extra positional and
+keyword arguments every block receives) and returns one output per block.
+
+Recomputation uses `torch.utils.checkpoint.checkpoint` with ``use_reentrant=False`` and
+``preserve_rng_state=True`` (CPU and device generators restored before the replay, so dropout
+masks repeat) and the autocast state of the forward. ``early_stop=False``: the replay runs the
+whole segment, so a segment's forward is recomputed exactly once per backward, the number the
+planner prices and `remat.verify` counts. Nested children are checkpointed in the forward and in
+the parent's replay alike; by torch's nesting rules (a saved tensor belongs to the innermost
+checkpoint, a child's inputs to its parent) the forward then retains only the parent's input,
+and the parent's replay retains only the children's inputs and the blocks kept between them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from torch.utils.checkpoint import checkpoint
+
+from remat.apply.runtime import BufferGuard, Runtime
+from remat.apply.selective import selective_context
+from remat.plan.types import Segment
+
+Handler = Callable[[Runtime, Segment, Any, tuple[Any, ...], dict[str, Any]], list[Any]]
+
+
+def _checkpointed(runtime: Runtime, seg: Segment, body: Callable[[Any], list[Any]],
+                  first: Any, extra: tuple[Any, ...], context_fn: Callable[[], Any] | None = None) -> list[Any]:
+    guard = BufferGuard(runtime.block_buffers(seg.start, seg.stop))
+
+    def region(first: Any, *extra_args: Any) -> tuple[Any, ...]:
+        with guard.run():
+            return tuple(body(first, extra_args))
+
+    options: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
+    out = checkpoint(region, first, *extra, use_reentrant=False, preserve_rng_state=True,
+                     early_stop=False, **options)
+    return list(out)
+
+
+def run_keep(runtime: Runtime, seg: Segment, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """Store what autograd saves: run the blocks as they are."""
+    return runtime.run_plain(seg.start, seg.stop, first, extra, kwargs)
+
+
+def run_recompute(runtime: Runtime, seg: Segment, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """Keep only the segment's input; replay its blocks (children checkpointed) in backward."""
+    body = lambda f, e: runtime.run_layout(seg, f, e, kwargs)  # noqa: E731
+    return _checkpointed(runtime, seg, body, first, extra)
+
+
+def run_selective(runtime: Runtime, seg: Segment, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """Save the outputs of the op calls named in ``saved_ops``; recompute the others."""
+    body = lambda f, e: runtime.run_plain(seg.start, seg.stop, f, e, kwargs)  # noqa: E731
+    context_fn = functools.partial(selective_context, frozenset(seg.saved_ops))
+    return _checkpointed(runtime, seg, body, first, extra, context_fn)
+
+
+def run_offload(runtime: Runtime, seg: Segment, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """Move each block's saved tensors off the device (`remat.apply.offload.OffloadEngine`)."""
+    engine = runtime.options["offload_engines"][seg.strategy.split(":", 1)[1]]
+
+    def context(i: int) -> Any:
+        return engine.block_context(runtime.block_names[i], module=runtime.blocks[i])
+
+    return runtime.run_plain(seg.start, seg.stop, first, extra, kwargs, context=context)
+
+
+HANDLERS: dict[str, Handler] = {
+    "keep": run_keep,
+    "recompute": run_recompute,
+    "selective": run_selective,
+    "offload": run_offload,
+}
+"""Strategy kind -> handler."""
