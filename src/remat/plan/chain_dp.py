@@ -1,0 +1,259 @@
+"""Exact dynamic program for the fastest plan of a chain of blocks under a memory allowance.
+
+The plan space (the one `remat.plan.predict` prices):
+- top level: a sequence of elements covering blocks 0..N-1; an element is one block with a
+  per-block option (keep, selective:<policy> with its saved ops, offload...), or a recompute
+  segment ``[a, b)`` that holds the input of ``a``;
+- inside a recompute segment, while it is replayed: a sequence of recompute children (holding
+  their inputs) and kept blocks, children nesting the same way, to any depth (the Revolve /
+  rotor family, Griewank & Walther 2000; Herrmann et al. 2019).
+
+Memory is counted in slots of ``quantum`` bytes (every size rounded up, the allowance down, so
+a plan the DP accepts fits). When every size is a multiple of the quantum the DP is exact for
+the byte model; `choose_quantum` picks the gcd of the sizes whenever that keeps the table small.
+
+Tables (``m`` = slots still free for what the region holds and works with):
+- ``inner[l][r, m]``: least replay time (ms) of the backward of a replay region of ``l`` blocks
+  starting at block ``a`` (row ``r`` = ``a``; a single row when all blocks are alike) that
+  fits in ``m``. First element: keep block ``a`` (needs ``m >= work_a``, leaves ``m - saved_a``)
+  or a recompute child ``[a, a+j)``, ``j < l`` (cost ``fwd[a:a+j] + inner[j][a, m]``, leaves
+  ``m - input_a`` to the rest).
+- ``top[a, m]``: least extra time of the backward of blocks ``a..N-1`` plus the head's backward
+  (``top[N, m] = 0`` iff ``m >= post``), first element a per-block option or a recompute
+  segment ``[a, a+j)``, ``j <= N - a``.
+Time O(N^2 M) for alike blocks, O(N^3 M) otherwise, with M slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["BlockOption", "ChainBlock", "ChainProblem", "ChainSolution", "solve_chain", "choose_quantum"]
+
+_INF = np.inf
+
+
+@dataclass(kw_only=True, frozen=True)
+class BlockOption:
+    """A top-level per-block choice other than recompute."""
+
+    label: int
+    """Caller's index for this option."""
+    retained_slots: int
+    working_slots: int
+    extra_ms: float
+
+
+@dataclass(kw_only=True, frozen=True)
+class ChainBlock:
+    """One block in slot units."""
+
+    input_slots: int
+    """Held by a recompute segment starting here."""
+    saved_slots: int
+    """Held when kept during a replay."""
+    working_slots: int
+    """Needed by its own backward."""
+    fwd_ms: float
+    """One replay."""
+    options: tuple[BlockOption, ...]
+    """Top-level options (keep among them)."""
+
+    def signature(self) -> tuple:
+        opts = tuple((o.retained_slots, o.working_slots, o.extra_ms) for o in self.options)
+        return (self.input_slots, self.saved_slots, self.working_slots, self.fwd_ms, opts)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ChainProblem:
+    blocks: tuple[ChainBlock, ...]
+    post_slots: int
+    """Head backward's working set (fixed post saved + temporaries)."""
+    capacity_slots: int
+    """Largest allowance the tables are built for."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Element:
+    """A solution element: ``option`` label for a block, or a recompute segment with children."""
+
+    start: int
+    stop: int
+    option: int | None
+    """Label of the per-block option; None for a recompute segment."""
+    children: tuple[Element, ...] = ()
+
+
+class ChainSolution:
+    """The filled tables; `cost(m)` and `layout(m)` read them."""
+
+    def __init__(self, problem: ChainProblem, top: np.ndarray, top_choice: np.ndarray, inner, inner_choice, alike: bool):
+        self.problem, self.top, self.top_choice = problem, top, top_choice
+        self.inner, self.inner_choice, self.alike = inner, inner_choice, alike
+
+    def cost(self, m: int) -> float:
+        """Least extra ms with ``m`` slots (inf: infeasible)."""
+        return float(self.top[0, min(m, self.problem.capacity_slots)])
+
+    def min_feasible_slots(self) -> int | None:
+        finite = np.flatnonzero(np.isfinite(self.top[0]))
+        return int(finite[0]) if finite.size else None
+
+    def layout(self, m: int) -> tuple[Element, ...]:
+        """Top-level elements of the optimal plan for ``m`` slots."""
+        m = min(m, self.problem.capacity_slots)
+        out: list[Element] = []
+        a, n = 0, len(self.problem.blocks)
+        while a < n:
+            code = int(self.top_choice[a, m])
+            block = self.problem.blocks[a]
+            if code < 0:
+                option = block.options[-code - 1]
+                out.append(Element(start=a, stop=a + 1, option=option.label))
+                a, m = a + 1, m - option.retained_slots
+            else:
+                out.append(Element(start=a, stop=a + code, option=None, children=self._inner_layout(a, code, m)))
+                a, m = a + code, m - block.input_slots
+        return tuple(out)
+
+    def _inner_layout(self, a: int, length: int, m: int) -> tuple[Element, ...]:
+        out: list[Element] = []
+        while length > 0:
+            row = 0 if self.alike else a
+            j = int(self.inner_choice[length][row, m])
+            block = self.problem.blocks[a]
+            if j == 0:
+                a, length, m = a + 1, length - 1, m - block.saved_slots
+                continue
+            out.append(Element(start=a, stop=a + j, option=None, children=self._inner_layout(a, j, m)))
+            a, length, m = a + j, length - j, m - block.input_slots
+        return tuple(out)
+
+
+def choose_quantum(sizes_bytes: list[int], allowance_bytes: int, max_slots: int) -> int:
+    """Slot size: the gcd of all sizes when the allowance then spans <= ``max_slots`` slots
+    (exact), else the allowance split into ``max_slots`` slots (sizes rounded up)."""
+    g = 0
+    for size in sizes_bytes:
+        g = math.gcd(g, int(size))
+    g = max(g, 1)
+    if allowance_bytes // g <= max_slots:
+        return g
+    return max(1, math.ceil(allowance_bytes / max_slots))
+
+
+def _shift(rows: np.ndarray, shifts: np.ndarray) -> np.ndarray:
+    """``out[r, m] = rows[r, m - shifts[r]]`` (inf where ``m - shift < 0``)."""
+    width = rows.shape[1]
+    if shifts.size and (shifts == shifts[0]).all():
+        k = int(shifts[0])
+        out = np.full(rows.shape, _INF)
+        if k < width:
+            out[:, k:] = rows[:, : width - k]
+        return out
+    idx = np.arange(width)[None, :] - shifts[:, None]
+    out = np.take_along_axis(rows, np.clip(idx, 0, width - 1), axis=1)
+    out[idx < 0] = _INF
+    return out
+
+
+def solve_chain(problem: ChainProblem) -> ChainSolution:
+    """Fill the inner and top tables (see the module docstring)."""
+    blocks = problem.blocks
+    alike = len({b.signature() for b in blocks}) <= 1
+    inner, inner_choice = (_inner_alike if alike else _inner_general)(problem)
+    top, top_choice = _top(problem, inner, alike)
+    return ChainSolution(problem, top, top_choice, inner, inner_choice, alike)
+
+
+def _keep_first(blocks, rest: np.ndarray, width: int) -> np.ndarray:
+    """Cost of keeping the first block of each row, then the rest region in what is left."""
+    saved = np.array([b.saved_slots for b in blocks])
+    work = np.array([b.working_slots for b in blocks])
+    out = _shift(rest, saved)
+    out[np.arange(width)[None, :] < work[:, None]] = _INF
+    return out
+
+
+def _inner_alike(problem: ChainProblem):
+    """Inner tables when every block is alike: one row per length, all children at once."""
+    n, width = len(problem.blocks), problem.capacity_slots + 1
+    block = problem.blocks[0]
+    table = np.zeros((n + 1, width))
+    choice = np.zeros((n + 1, width), dtype=np.int32)
+    for length in range(1, n + 1):
+        stacked = _keep_first([block], table[length - 1 : length], width)
+        if length > 1:
+            js = np.arange(1, length)
+            rest = _shift(table[length - 1 : 0 : -1], np.full(length - 1, block.input_slots))
+            stacked = np.concatenate([stacked, block.fwd_ms * js[:, None] + table[1:length] + rest])
+        choice[length] = np.argmin(stacked, axis=0)
+        table[length] = stacked[choice[length], np.arange(width)]
+    return _Rows(table), _Rows(choice)
+
+
+class _Rows:
+    """``rows[l]`` is the one-row table of length ``l`` (a view); ``rows.table`` the whole."""
+
+    def __init__(self, table: np.ndarray):
+        self.table = table
+
+    def __getitem__(self, length: int) -> np.ndarray:
+        return self.table[length : length + 1]
+
+
+def _inner_general(problem: ChainProblem):
+    """Inner tables for unlike blocks: row a of ``inner[l]`` is the region ``[a, a+l)``."""
+    blocks, width = problem.blocks, problem.capacity_slots + 1
+    n = len(blocks)
+    prefix = np.concatenate([[0.0], np.cumsum([b.fwd_ms for b in blocks])])
+    inputs = np.array([b.input_slots for b in blocks])
+    inner = [np.zeros((n + 1, width))]
+    choice = [np.zeros((n + 1, width), dtype=np.int32)]
+    for length in range(1, n + 1):
+        rows = n - length + 1
+        best = _keep_first(blocks[:rows], inner[length - 1][1 : rows + 1], width)
+        pick = np.zeros((rows, width), dtype=np.int32)
+        for j in range(1, length):
+            fwd = (prefix[j : j + rows] - prefix[:rows])[:, None]
+            cand = fwd + inner[j][:rows] + _shift(inner[length - j][j : j + rows], inputs[:rows])
+            better = cand < best
+            best, pick = np.where(better, cand, best), np.where(better, j, pick)
+        inner.append(best)
+        choice.append(pick)
+    return inner, choice
+
+
+def _top(problem: ChainProblem, inner, alike: bool):
+    """Top table, filled from the last block back; rows are start blocks ``a``."""
+    blocks, width = problem.blocks, problem.capacity_slots + 1
+    n = len(blocks)
+    prefix = np.concatenate([[0.0], np.cumsum([b.fwd_ms for b in blocks])])
+    top = np.full((n + 1, width), _INF)
+    top[n, problem.post_slots :] = 0.0
+    choice = np.zeros((n + 1, width), dtype=np.int32)
+    for a in range(n - 1, -1, -1):
+        block = blocks[a]
+        opt_cost = _options_cost(block, top[a + 1], width)
+        js = np.arange(1, n - a + 1)
+        seg_inner = inner.table[1 : n - a + 1] if alike else np.stack([inner[j][a] for j in js])
+        rest = _shift(top[a + 1 : n + 1], np.full(js.size, block.input_slots))
+        seg_cost = (prefix[a + js] - prefix[a])[:, None] + seg_inner + rest
+        stacked = np.concatenate([opt_cost, seg_cost])
+        pick = np.argmin(stacked, axis=0)
+        top[a] = stacked[pick, np.arange(width)]
+        num_opts = len(block.options)
+        choice[a] = np.where(pick < num_opts, -(pick + 1), pick - num_opts + 1)
+    return top, choice
+
+
+def _options_cost(block: ChainBlock, rest: np.ndarray, width: int) -> np.ndarray:
+    ret = np.array([o.retained_slots for o in block.options])
+    work = np.array([o.working_slots for o in block.options])
+    extra = np.array([o.extra_ms for o in block.options])
+    out = extra[:, None] + _shift(np.broadcast_to(rest, (ret.size, width)).copy(), ret)
+    out[np.arange(width)[None, :] < work[:, None]] = _INF
+    return out

@@ -1,0 +1,140 @@
+"""Per-block cost of a strategy: a registry keyed by strategy kind.
+
+A cost function ``fn(profile, block_index, segment) -> BlockCost`` says what one block of
+``segment`` holds and spends under the segment's strategy. `remat.plan.predict` combines
+these along the chain (nesting, peaks); planners read them for their options. Offload costs
+live in `remat.plan.offload_cost`, which registers the ``offload`` kind when imported.
+
+Memory terms follow ../DESIGN.md "The memory model":
+- ``retained_bytes``: what the block still holds while backward runs the blocks after it;
+- ``working_bytes``: what its own backward needs on top (saved bytes rematerialized +
+  backward temporaries).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from remat.measure.types import BlockProfile, Profile
+from remat.plan.types import Segment
+
+__all__ = [
+    "BlockCost",
+    "CostFn",
+    "register_cost",
+    "cost_of",
+    "has_cost",
+    "working_bytes",
+    "selective_saved_bytes",
+]
+
+
+@dataclass(kw_only=True, frozen=True)
+class BlockCost:
+    """What one block costs under one strategy."""
+
+    retained_bytes: int
+    """Bytes held while backward runs the blocks after this one."""
+    working_bytes: int
+    """Bytes its own backward needs on top of everything retained before it."""
+    extra_ms: float
+    """Time added to the step (one replay for recompute; exposed transfer for offload)."""
+    extra_flops: int
+    """FLOPs added to the step."""
+    offloaded_bytes: int = 0
+    """Bytes moved off the device per step."""
+
+
+CostFn = Callable[[Profile, int, Segment], BlockCost]
+_REGISTRY: dict[str, CostFn] = {}
+_PROVIDERS = {"offload": "remat.plan.offload_cost"}
+"""Modules that register a kind when imported (kinds that live outside this module)."""
+
+
+def register_cost(kind: str) -> Callable[[CostFn], CostFn]:
+    """Decorator: register ``fn`` as the cost of strategy kind ``kind`` (``keep``, ``offload``...)."""
+
+    def wrap(fn: CostFn) -> CostFn:
+        if kind in _REGISTRY and _REGISTRY[kind] is not fn:
+            raise ValueError(f"a cost for strategy kind {kind!r} is already registered ({_REGISTRY[kind].__name__}).")
+        _REGISTRY[kind] = fn
+        return fn
+
+    return wrap
+
+
+def has_cost(kind: str) -> bool:
+    """True when a cost is registered for ``kind`` (importing its provider module if any)."""
+    if kind not in _REGISTRY and kind in _PROVIDERS:
+        try:
+            importlib.import_module(_PROVIDERS[kind])
+        except ModuleNotFoundError as err:
+            if err.name != _PROVIDERS[kind]:
+                raise
+    return kind in _REGISTRY
+
+
+def cost_of(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
+    """Cost of block ``block_index`` under ``segment``'s strategy."""
+    if not has_cost(segment.kind):
+        raise ValueError(
+            f"no cost model for strategy {segment.strategy!r} is installed; known kinds: "
+            f"{sorted(_REGISTRY)}. Offload costs come with remat.plan.offload_cost."
+        )
+    return _REGISTRY[segment.kind](profile, block_index, segment)
+
+
+def working_bytes(block: BlockProfile) -> int:
+    """Bytes a block's backward needs: its saved bytes plus its backward temporaries.
+
+    The block's input is assumed to be among its saved bytes (the first op of a block saves
+    its input), so a recomputed block's held input is not counted twice.
+    """
+    return block.saved_bytes + block.bwd_temp_bytes
+
+
+def selective_saved_bytes(block: BlockProfile, saved_ops: tuple[str, ...]) -> int:
+    """Bytes of the outputs of the named op calls (each call counted once)."""
+    by_key = {op.key: op for op in block.ops}
+    unknown = [key for key in saved_ops if key not in by_key]
+    if unknown:
+        raise ValueError(
+            f"block {block.name!r} has no op call(s) {unknown}; known keys look like "
+            f"{[op.key for op in block.ops[:3]]}. Regenerate the plan from this model's profile."
+        )
+    return sum(by_key[key].output_bytes for key in set(saved_ops))
+
+
+@register_cost("keep")
+def _keep(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
+    block = profile.blocks[block_index]
+    return BlockCost(retained_bytes=block.saved_bytes, working_bytes=working_bytes(block), extra_ms=0.0, extra_flops=0)
+
+
+@register_cost("recompute")
+def _recompute(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
+    """One replay of the block; only the segment's first block holds something (its input)."""
+    block = profile.blocks[block_index]
+    retained = block.input_bytes if block_index == segment.start else 0
+    return BlockCost(
+        retained_bytes=retained,
+        working_bytes=working_bytes(block),
+        extra_ms=block.fwd_ms,
+        extra_flops=block.fwd_flops,
+    )
+
+
+@register_cost("selective")
+def _selective(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
+    """Hold the input and the saved ops' outputs; replay the other (non-view) ops."""
+    block = profile.blocks[block_index]
+    saved = set(segment.saved_ops)
+    replayed = [op for op in block.ops if op.key not in saved and not op.is_view]
+    return BlockCost(
+        retained_bytes=block.input_bytes + selective_saved_bytes(block, segment.saved_ops),
+        working_bytes=working_bytes(block),
+        extra_ms=sum(op.time_ms for op in replayed),
+        extra_flops=sum(op.flops for op in replayed),
+    )

@@ -1,0 +1,151 @@
+"""Planners: turn a Profile (and a byte budget) into a Plan.
+
+Strategies (``strategy=``): ``none``, ``full`` (every block recomputed), ``every:K`` (segments
+of K blocks), ``sqrt`` (Chen et al. 2016: segments of about sqrt(N) blocks), ``selective:<p>``
+(policy p on every block), and ``optimal``: the least predicted step time whose predicted peak
+fits the budget, over keep / recompute / selective / offload per block plus nested recompute
+segments, solved exactly by `remat.plan.chain_dp`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from remat.measure.types import Profile
+from remat.plan.budget import format_bytes
+from remat.plan.infeasible import check_state_fits, infeasible_error
+from remat.plan.predict import predict
+from remat.plan.policies import policy
+from remat.plan.search import OptimalSearch, plan_floor
+from remat.plan.types import Plan, Segment
+
+__all__ = ["plan", "pareto", "STRATEGIES", "make_plan"]
+
+FixedPlanner = Callable[[Profile, str, int | None], tuple[Segment, ...]]
+STRATEGIES: dict[str, FixedPlanner] = {}
+"""Planners keyed by the strategy name before ``:`` (``every:4`` -> ``every``)."""
+
+
+def _strategy(name: str) -> Callable[[FixedPlanner], FixedPlanner]:
+    def wrap(fn: FixedPlanner) -> FixedPlanner:
+        STRATEGIES[name] = fn
+        return fn
+
+    return wrap
+
+
+def plan(profile: Profile, budget: int | None = None, strategy: str = "optimal") -> Plan:
+    """A plan for ``profile`` under ``budget`` bytes (parse text with `parse_budget`)."""
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise TypeError(f"budget must be a positive int of bytes or None, got {budget!r}; use remat.parse_budget('6GiB').")
+    if profile.num_blocks == 0:
+        raise ValueError("the profile has no blocks, so there is nothing to plan; profile with blocks named.")
+    kind = strategy.split(":", 1)[0]
+    if kind not in STRATEGIES:
+        raise ValueError(
+            f"unknown strategy {strategy!r}; allowed: none, full, every:K, sqrt, selective:<policy>, optimal."
+        )
+    if budget is not None:
+        floor_bytes, floor_name = plan_floor(profile)
+        check_state_fits(profile, budget, floor_bytes, floor_name)
+    segments = STRATEGIES[kind](profile, strategy, budget)
+    result = make_plan(profile, segments, strategy, budget)
+    if budget is not None and result.prediction.peak_bytes > budget:
+        best = make_plan(profile, OptimalSearch(profile).min_peak_segments(), "optimal", None).prediction
+        if best.peak_bytes > budget:
+            raise infeasible_error(budget, best, "any plan")
+        raise ValueError(
+            f"strategy {strategy!r} predicts a peak of {format_bytes(result.prediction.peak_bytes)} "
+            f"({result.prediction.peak_bytes} bytes), over the budget of {format_bytes(budget)} "
+            f"({budget} bytes); strategy 'optimal' fits it (down to {best.peak_bytes} bytes)."
+        )
+    return result
+
+
+def make_plan(profile: Profile, segments: tuple[Segment, ...], strategy: str, budget: int | None) -> Plan:
+    """A Plan of ``segments`` with its prediction and the profile's fingerprint."""
+    return Plan(
+        segments=tuple(segments),
+        block_names=tuple(b.name for b in profile.blocks),
+        strategy_name=strategy,
+        budget_bytes=budget,
+        prediction=predict(profile, segments),
+        fingerprint=profile.fingerprint,
+    )
+
+
+def pareto(profile: Profile) -> list[Plan]:
+    """Optimal plans from no recomputation down to the minimum feasible peak, by falling peak;
+    each is faster than every plan with a lower predicted peak."""
+    search = OptimalSearch(profile)
+    plans = [make_plan(profile, segs, "optimal", None) for segs in search.frontier_segments()]
+    plans.sort(key=lambda p: (p.prediction.peak_bytes, p.prediction.step_ms))
+    frontier: list[Plan] = []
+    for candidate in plans:
+        if not frontier or candidate.prediction.step_ms < frontier[-1].prediction.step_ms:
+            frontier.append(candidate)
+    return frontier[::-1]
+
+
+@_strategy("none")
+def _none(profile: Profile, strategy: str, budget: int | None) -> tuple[Segment, ...]:
+    _no_argument(strategy)
+    return tuple(Segment(start=i, stop=i + 1, strategy="keep") for i in range(profile.num_blocks))
+
+
+@_strategy("full")
+def _full(profile: Profile, strategy: str, budget: int | None) -> tuple[Segment, ...]:
+    _no_argument(strategy)
+    return _recompute_runs(profile.num_blocks, 1)
+
+
+@_strategy("every")
+def _every(profile: Profile, strategy: str, budget: int | None) -> tuple[Segment, ...]:
+    text = strategy.partition(":")[2]
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"strategy {strategy!r} needs a positive segment length, e.g. every:2.")
+    return _recompute_runs(profile.num_blocks, int(text))
+
+
+@_strategy("sqrt")
+def _sqrt(profile: Profile, strategy: str, budget: int | None) -> tuple[Segment, ...]:
+    """Segments of ceil(sqrt(N)) blocks (Chen et al. 2016, "Training deep nets with sublinear
+    memory cost", section 4.1): about sqrt(N) held inputs plus one replayed segment."""
+    _no_argument(strategy)
+    return _recompute_runs(profile.num_blocks, math.ceil(math.sqrt(profile.num_blocks)))
+
+
+@_strategy("selective")
+def _selective(profile: Profile, strategy: str, budget: int | None) -> tuple[Segment, ...]:
+    name = strategy.partition(":")[2]
+    policy(name)
+    if name == "knapsack":
+        return OptimalSearch(profile).uniform_knapsack_segments(budget)
+    return tuple(
+        Segment(start=b.index, stop=b.index + 1, strategy=strategy, saved_ops=policy(name)(b)) for b in profile.blocks
+    )
+
+
+@_strategy("optimal")
+def _optimal(profile: Profile, strategy: str, budget: int | None) -> tuple[Segment, ...]:
+    _no_argument(strategy)
+    search = OptimalSearch(profile)
+    if budget is None:
+        return _none(profile, "none", None)
+    segments = search.best_segments(budget)
+    if segments is None:
+        best = make_plan(profile, search.min_peak_segments(), "optimal", None).prediction
+        raise infeasible_error(budget, best, "keep, recompute, nested segments and selective policies")
+    return segments
+
+
+def _recompute_runs(num_blocks: int, length: int) -> tuple[Segment, ...]:
+    return tuple(
+        Segment(start=a, stop=min(a + length, num_blocks), strategy="recompute") for a in range(0, num_blocks, length)
+    )
+
+
+def _no_argument(strategy: str) -> None:
+    if ":" in strategy:
+        raise ValueError(f"strategy {strategy!r} takes no argument; write it without ':'.")

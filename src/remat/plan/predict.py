@@ -1,0 +1,191 @@
+"""Predict peak memory and step time of a plan from a measured Profile.
+
+The model (../DESIGN.md "The memory model"), with blocks run forward in order and backward in
+reverse:
+
+    peak = max( post phase, each block's backward, optimizer step )
+    block j's backward = state_bwd + pre_saved + sum_{i<j} retained_i + working_j
+    post phase         = state_bwd + pre_saved + sum_i retained_i + post_saved + post_bwd_temp
+    optimizer step     = params + buffers + grads + optimizer state + step temporaries
+
+``state_bwd`` is params + buffers + optimizer state + the gradients live during backward.
+A recomputed segment holds its input; while backward is inside it, the segment is replayed and
+its blocks hold what its *children* layout says (uncovered blocks keep their saved bytes), so
+the same sum applies one nesting level down. Each refinement lives in one function:
+backward temporaries in `remat.plan.costs.working_bytes`, gradients in `_grad_bytes_in_backward`,
+per-strategy terms (incl. offload in flight) in the cost registry.
+
+Step time = baseline forward + backward + optimizer step + the extra time of every block cost
+(one replay per recompute nesting level; selective: the ops it does not save; offload: exposed
+transfer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remat.measure.types import Profile
+from remat.plan.costs import cost_of
+from remat.plan.types import Plan, Prediction, Segment
+
+__all__ = ["predict", "layout_peak", "baseline_step_ms", "backward_base_bytes", "check_segments"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Peak:
+    """Highest point of one layout's backward, relative to what was live before it."""
+
+    bytes: int
+    block: int
+    working_bytes: int
+
+
+def predict(profile: Profile, plan_or_segments: Plan | tuple[Segment, ...] | list[Segment]) -> Prediction:
+    """Predicted peak bytes, step time and breakdown of a plan (or top-level segments)."""
+    segments = tuple(plan_or_segments.segments if isinstance(plan_or_segments, Plan) else plan_or_segments)
+    check_segments(profile, segments)
+    retained = _top_retained(profile, segments)
+    base = backward_base_bytes(profile)
+    inner = layout_peak(profile, segments, 0, profile.num_blocks)
+    phases = {
+        "block": base + profile.fixed_pre_saved_bytes + inner.bytes,
+        "post": base + profile.fixed_pre_saved_bytes + sum(retained) + _post_working_bytes(profile),
+        "optimizer": _optimizer_phase_bytes(profile),
+    }
+    phase = max(phases, key=lambda name: phases[name])
+    extra_ms, extra_flops, offloaded = _extras(profile, segments)
+    return Prediction(
+        peak_bytes=phases[phase],
+        step_ms=baseline_step_ms(profile) + extra_ms,
+        extra_flops=extra_flops,
+        extra_ms=extra_ms,
+        model_state_bytes=profile.model_state_bytes,
+        fixed_bytes=_fixed_at(profile, phase),
+        retained_bytes=retained,
+        peak_block=inner.block if phase == "block" else -1,
+        peak_phase=phase,
+        working_bytes=inner.working_bytes if phase == "block" else 0,
+        offloaded_bytes=offloaded,
+    )
+
+
+def baseline_step_ms(profile: Profile) -> float:
+    """Forward + backward of blocks and fixed part, plus the optimizer step."""
+    blocks_ms = sum(b.fwd_ms + b.bwd_ms for b in profile.blocks)
+    return profile.fixed_fwd_ms + profile.fixed_bwd_ms + blocks_ms + profile.optimizer_step_ms
+
+
+def backward_base_bytes(profile: Profile) -> int:
+    """Model state live during backward: params, buffers, optimizer state and gradients."""
+    return profile.param_bytes + profile.buffer_bytes + profile.optimizer_state_bytes + _grad_bytes_in_backward(profile)
+
+
+def _grad_bytes_in_backward(profile: Profile) -> int:
+    """Gradients live during backward. All of them: conservative, since the profile has no
+    per-block parameter bytes to say how many have accumulated when block j runs."""
+    return profile.grad_bytes
+
+
+def _post_working_bytes(profile: Profile) -> int:
+    return profile.fixed_post_saved_bytes + profile.fixed_post_bwd_temp_bytes
+
+
+def _optimizer_phase_bytes(profile: Profile) -> int:
+    return profile.model_state_bytes + profile.optimizer_step_temp_bytes
+
+
+def _fixed_at(profile: Profile, phase: str) -> int:
+    if phase == "post":
+        return profile.fixed_pre_saved_bytes + profile.fixed_post_saved_bytes
+    return profile.fixed_pre_saved_bytes if phase == "block" else 0
+
+
+def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, stop: int) -> _Peak:
+    """Peak of the backward of blocks ``[start, stop)`` laid out as ``segments`` (gaps: keep)."""
+    best = _Peak(bytes=0, block=-1, working_bytes=0)
+    held = 0
+    for seg in _fill_gaps(segments, start, stop):
+        if seg.kind == "recompute":
+            inner = layout_peak(profile, seg.children, seg.start, seg.stop)
+            candidate = _Peak(bytes=held + inner.bytes, block=inner.block, working_bytes=inner.working_bytes)
+            held += cost_of(profile, seg.start, seg).retained_bytes
+        else:
+            cost = cost_of(profile, seg.start, seg)
+            candidate = _Peak(bytes=held + cost.working_bytes, block=seg.start, working_bytes=cost.working_bytes)
+            held += cost.retained_bytes
+        # backward runs in reverse: on a tie the later block reaches the peak first
+        if (candidate.bytes, candidate.block) > (best.bytes, best.block):
+            best = candidate
+    return best
+
+
+def _fill_gaps(segments: tuple[Segment, ...], start: int, stop: int) -> list[Segment]:
+    """``segments`` in order, with single-block ``keep`` segments where they leave gaps; a
+    multi-block non-recompute segment is split into its blocks (each block costs on its own)."""
+    out: list[Segment] = []
+    pos = start
+    for seg in sorted(segments, key=lambda s: s.start):
+        out.extend(Segment(start=i, stop=i + 1, strategy="keep") for i in range(pos, seg.start))
+        if seg.kind == "recompute":
+            out.append(seg)
+        else:
+            out.extend(Segment(start=i, stop=i + 1, strategy=seg.strategy, saved_ops=seg.saved_ops) for i in range(seg.start, seg.stop))
+        pos = seg.stop
+    out.extend(Segment(start=i, stop=i + 1, strategy="keep") for i in range(pos, stop))
+    return out
+
+
+def _top_retained(profile: Profile, segments: tuple[Segment, ...]) -> tuple[int, ...]:
+    out: list[int] = []
+    for seg in _fill_gaps(segments, 0, profile.num_blocks):
+        out.extend(cost_of(profile, i, seg).retained_bytes for i in range(seg.start, seg.stop))
+    return tuple(out)
+
+
+def _extras(profile: Profile, segments: tuple[Segment, ...]) -> tuple[float, int, int]:
+    """(extra ms, extra FLOPs, offloaded bytes) of a layout, children included."""
+    extra_ms, extra_flops, offloaded = 0.0, 0, 0
+    for seg in segments:
+        for i in range(seg.start, seg.stop):
+            cost = cost_of(profile, i, seg)
+            extra_ms, extra_flops, offloaded = extra_ms + cost.extra_ms, extra_flops + cost.extra_flops, offloaded + cost.offloaded_bytes
+        if seg.children:
+            child_ms, child_flops, child_off = _extras(profile, seg.children)
+            extra_ms, extra_flops, offloaded = extra_ms + child_ms, extra_flops + child_flops, offloaded + child_off
+    return extra_ms, extra_flops, offloaded
+
+
+def check_segments(profile: Profile, segments: tuple[Segment, ...]) -> None:
+    """Top-level segments must cover the profile's blocks in order; children must not overlap."""
+    pos = 0
+    for seg in segments:
+        if seg.start != pos:
+            raise ValueError(
+                f"segments must cover blocks 0..{profile.num_blocks - 1} in order; segment "
+                f"[{seg.start}, {seg.stop}) starts at {seg.start}, expected {pos}."
+            )
+        _check_children(seg)
+        _check_offload_target(profile, seg)
+        pos = seg.stop
+    if pos != profile.num_blocks:
+        raise ValueError(f"segments cover {pos} blocks but the profile has {profile.num_blocks}; plan for this profile.")
+
+
+def _check_children(seg: Segment) -> None:
+    ordered = sorted(seg.children, key=lambda s: s.start)
+    for left, right in zip(ordered, ordered[1:]):
+        if right.start < left.stop:
+            raise ValueError(f"child segments [{left.start}, {left.stop}) and [{right.start}, {right.stop}) overlap.")
+    for child in ordered:
+        _check_children(child)
+
+
+def _check_offload_target(profile: Profile, seg: Segment) -> None:
+    if seg.strategy == "offload:cpu" and profile.fingerprint.device == "cpu":
+        raise ValueError(
+            f"segment [{seg.start}, {seg.stop}) offloads to the CPU, but the profile was taken on the "
+            "CPU: the tensors are already in host memory. Use keep, recompute, selective:<policy> "
+            "or offload:disk."
+        )
+    for child in seg.children:
+        _check_offload_target(profile, child)

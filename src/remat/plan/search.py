@@ -1,0 +1,232 @@
+"""The optimal planner's search: per-block options from the cost registry, slots, the chain DP.
+
+`OptimalSearch` turns a Profile into a `remat.plan.chain_dp.ChainProblem` (every byte and
+millisecond read through `remat.plan.costs.cost_of`, so the DP prices exactly what `predict`
+prices) and turns DP layouts back into Segments.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from remat.measure.types import Profile
+from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, ChainSolution, Element, choose_quantum, solve_chain
+from remat.plan.costs import BlockCost, cost_of, has_cost
+from remat.plan.policies import knapsack, knapsack_frontier, policy
+from remat.plan.predict import backward_base_bytes, predict
+from remat.plan.types import Segment
+
+__all__ = ["OptimalSearch", "plan_floor", "block_options", "MAX_TABLE_CELLS"]
+
+MAX_TABLE_CELLS = 120_000_000
+"""Upper bound on DP cell updates; sets how many memory slots the tables get (>= 64)."""
+MAX_SLOTS = 4096
+NAMED_POLICIES = ("attention-core", "save-matmuls")
+"""Selective policies offered per block besides every point of the knapsack frontier."""
+
+
+def plan_floor(profile: Profile) -> tuple[int, str]:
+    """Least peak any plan can have, ignoring blocks' own bytes, and what sets it."""
+    optimizer = profile.model_state_bytes + profile.optimizer_step_temp_bytes
+    head = backward_base_bytes(profile) + profile.fixed_pre_saved_bytes + _post_bytes(profile)
+    if optimizer >= head:
+        return optimizer, "the optimizer step (model state plus step temporaries)"
+    return head, "the head's backward (model state, gradients, fixed part saved bytes and temporaries)"
+
+
+def _post_bytes(profile: Profile) -> int:
+    return profile.fixed_post_saved_bytes + profile.fixed_post_bwd_temp_bytes
+
+
+def block_options(profile: Profile, index: int) -> list[Segment]:
+    """Top-level single-block choices other than recompute: keep, selective policies (named and
+    every knapsack frontier point), offload where a cost and a measured bandwidth exist."""
+    block = profile.blocks[index]
+    out = [Segment(start=index, stop=index + 1, strategy="keep")]
+    if block.ops:
+        for name in NAMED_POLICIES:
+            out.append(Segment(start=index, stop=index + 1, strategy=f"selective:{name}", saved_ops=policy(name)(block)))
+        for _, _, keys in knapsack_frontier(block):
+            out.append(Segment(start=index, stop=index + 1, strategy="selective:knapsack", saved_ops=keys))
+    return out + _offload_options(profile, index)
+
+
+def _offload_options(profile: Profile, index: int) -> list[Segment]:
+    if not has_cost("offload"):
+        return []
+    bw = profile.bandwidths
+    targets = []
+    if profile.fingerprint.device != "cpu" and bw.device_to_host_bytes_per_s and bw.host_to_device_bytes_per_s:
+        targets.append("offload:cpu")
+    if bw.disk_write_bytes_per_s and bw.disk_read_bytes_per_s:
+        targets.append("offload:disk")
+    return [Segment(start=index, stop=index + 1, strategy=t) for t in targets]
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Priced:
+    segment: Segment
+    cost: BlockCost
+
+
+class OptimalSearch:
+    """Options, slot size and DP solutions for one profile (no work in the constructor)."""
+
+    def __init__(self, profile: Profile, max_slots: int | None = None):
+        self.profile = profile
+        self.max_slots = max_slots
+        self._options: list[list[_Priced]] | None = None
+
+    # -- public -----------------------------------------------------------------------------
+    def best_segments(self, budget_bytes: int) -> tuple[Segment, ...] | None:
+        """Fastest segments with predicted peak <= budget; None when nothing fits."""
+        allowance = budget_bytes - self._base_bytes()
+        if allowance < 0:
+            return None
+        solution, quantum = self._solve(allowance)
+        slots = allowance // quantum
+        if not math.isfinite(solution.cost(slots)):
+            return None
+        segments = self._segments(solution.layout(slots))
+        return segments if predict(self.profile, segments).peak_bytes <= budget_bytes else None
+
+    def min_peak_segments(self) -> tuple[Segment, ...]:
+        """Segments with the least predicted peak the DP can reach (fastest among those)."""
+        solution, _ = self._solve(self._keep_all_allowance(), rounding_slack=True)
+        least = solution.min_feasible_slots()
+        assert least is not None, "keeping every block is always a feasible layout"
+        return self._segments(solution.layout(least))
+
+    def frontier_segments(self) -> list[tuple[Segment, ...]]:
+        """One optimal layout per step of the DP's cost-vs-slots curve."""
+        solution, _ = self._solve(self._keep_all_allowance(), rounding_slack=True)
+        costs = solution.top[0]
+        out, last = [], math.inf
+        for m, cost in enumerate(costs):
+            if cost < last:
+                out.append(self._segments(solution.layout(m)))
+                last = cost
+        return out
+
+    def uniform_knapsack_segments(self, budget_bytes: int | None) -> tuple[Segment, ...]:
+        """Knapsack on every block with the largest common byte target whose plan fits."""
+        if budget_bytes is None:
+            raise ValueError("selective:knapsack needs a budget to size each block's saved ops; pass budget=... or --budget.")
+        targets = sorted({w for b in self.profile.blocks for w, _, _ in knapsack_frontier(b)})
+        fits = [self._knapsack_segments(t) for t in targets]
+        peaks = [predict(self.profile, segs).peak_bytes for segs in fits]
+        ok = [i for i, peak in enumerate(peaks) if peak <= budget_bytes]
+        return fits[ok[-1]] if ok else fits[0]
+
+    # -- internals --------------------------------------------------------------------------
+    def _knapsack_segments(self, target: int) -> tuple[Segment, ...]:
+        return tuple(
+            Segment(start=b.index, stop=b.index + 1, strategy="selective:knapsack", saved_ops=knapsack(b, target_bytes=target))
+            for b in self.profile.blocks
+        )
+
+    def _base_bytes(self) -> int:
+        return backward_base_bytes(self.profile) + self.profile.fixed_pre_saved_bytes
+
+    def _keep_all_allowance(self) -> int:
+        keep = tuple(Segment(start=i, stop=i + 1, strategy="keep") for i in range(self.profile.num_blocks))
+        pred = predict(self.profile, keep)
+        return max(1, sum(pred.retained_bytes) + _post_bytes(self.profile), _keep_block_peak(self.profile))
+
+    def options(self) -> list[list[_Priced]]:
+        if self._options is None:
+            self._options = [
+                _pareto_options([_Priced(segment=s, cost=cost_of(self.profile, i, s)) for s in block_options(self.profile, i)])
+                for i in range(self.profile.num_blocks)
+            ]
+        return self._options
+
+    def _solve(self, allowance: int, rounding_slack: bool = False) -> tuple[ChainSolution, int]:
+        """Tables up to ``allowance``; with ``rounding_slack`` a few slots more, so that layouts
+        whose rounded-up sizes exceed the allowance (keep everything) stay in the table."""
+        quantum = choose_quantum(self._sizes(), allowance, self._slot_limit())
+        slack = self.profile.num_blocks + 2 if rounding_slack else 0
+        problem = self._problem(quantum, allowance // quantum + slack)
+        return solve_chain(problem), quantum
+
+    def _slot_limit(self) -> int:
+        if self.max_slots is not None:
+            return self.max_slots
+        n = self.profile.num_blocks
+        alike = len({_block_key(self.profile, i, self.options()[i]) for i in range(n)}) <= 1
+        work = n * n / 2 if alike else n**3 / 6
+        return int(max(64, min(MAX_SLOTS, MAX_TABLE_CELLS / max(work, 1.0))))
+
+    def _sizes(self) -> list[int]:
+        sizes = [_post_bytes(self.profile)]
+        for i, block in enumerate(self.profile.blocks):
+            keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
+            sizes += [block.input_bytes, keep.retained_bytes, keep.working_bytes]
+            sizes += [p.cost.retained_bytes for p in self.options()[i]] + [p.cost.working_bytes for p in self.options()[i]]
+        return sizes
+
+    def _problem(self, quantum: int, capacity: int) -> ChainProblem:
+        blocks = tuple(self._chain_block(i, quantum) for i in range(self.profile.num_blocks))
+        return ChainProblem(blocks=blocks, post_slots=_ceil(_post_bytes(self.profile), quantum), capacity_slots=capacity)
+
+    def _chain_block(self, i: int, quantum: int) -> ChainBlock:
+        keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
+        replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
+        options = tuple(
+            BlockOption(
+                label=k,
+                retained_slots=_ceil(p.cost.retained_bytes, quantum),
+                working_slots=_ceil(p.cost.working_bytes, quantum),
+                extra_ms=p.cost.extra_ms,
+            )
+            for k, p in enumerate(self.options()[i])
+        )
+        return ChainBlock(
+            input_slots=_ceil(replay.retained_bytes, quantum),
+            saved_slots=_ceil(keep.retained_bytes, quantum),
+            working_slots=_ceil(keep.working_bytes, quantum),
+            fwd_ms=replay.extra_ms,
+            options=options,
+        )
+
+    def _segments(self, elements: tuple[Element, ...]) -> tuple[Segment, ...]:
+        return tuple(self._segment(e) for e in elements)
+
+    def _segment(self, element: Element) -> Segment:
+        if element.option is not None:
+            return self.options()[element.start][element.option].segment
+        children = tuple(self._segment(c) for c in element.children)
+        return Segment(start=element.start, stop=element.stop, strategy="recompute", children=children)
+
+
+def _keep_block_peak(profile: Profile) -> int:
+    held, peak = 0, 0
+    for i in range(profile.num_blocks):
+        cost = cost_of(profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
+        peak, held = max(peak, held + cost.working_bytes), held + cost.retained_bytes
+    return peak
+
+
+def _block_key(profile: Profile, i: int, options: list[_Priced]) -> tuple:
+    b = profile.blocks[i]
+    costs = tuple((p.cost.retained_bytes, p.cost.working_bytes, p.cost.extra_ms) for p in options)
+    return (b.input_bytes, b.saved_bytes, b.bwd_temp_bytes, b.fwd_ms, costs)
+
+
+def _pareto_options(priced: list[_Priced]) -> list[_Priced]:
+    """Drop options that another beats or ties on retained bytes, working bytes and time
+    (keep, listed first, wins ties)."""
+    out: list[_Priced] = []
+    for p in priced:
+        c = p.cost
+        if any(q.cost.retained_bytes <= c.retained_bytes and q.cost.working_bytes <= c.working_bytes
+               and q.cost.extra_ms <= c.extra_ms for q in out):
+            continue
+        out.append(p)
+    return out
+
+
+def _ceil(num_bytes: int, quantum: int) -> int:
+    return -(-int(num_bytes) // quantum)
+

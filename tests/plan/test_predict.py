@@ -1,0 +1,162 @@
+"""predict() on a hand-made 3-block profile; every number below is worked out in comments.
+
+Blocks (input, saved, backward temporaries; fwd ms; fwd FLOPs):
+  b0: 4, 10, 2; 1 ms; 100     working = 12
+  b1: 3,  8, 1; 2 ms; 200     working = 9
+  b2: 5, 12, 3; 3 ms; 300     working = 15
+Model state during backward: params 100 + buffers 10 + optimizer state 200 + grads 100 = 410;
+fixed pre saved 7 -> base 417. Head backward needs post saved 6 + temporaries 4 = 10.
+Optimizer step: model state 410 + step temporaries 20 = 430.
+Baseline step: fixed 1 + 2, blocks (1+2) + (2+2) + (3+2) = 12, optimizer 0.5 -> 15.5 ms.
+"""
+
+import pytest
+
+from remat.plan import costs
+from remat.plan.costs import BlockCost
+from remat.plan.predict import predict
+from remat.plan.types import Plan, Segment
+
+from plan_toys import block, op, profile, replace
+
+B1_OPS = (
+    op("aten.mm.default#0", 5, 5, 0.5, 50),
+    op("aten.relu.default#0", 5, 3, 0.25, 5),
+    op("aten.view.default#0", 0, 0, 0.125, is_view=True),
+    op("aten.mm.default#1", 4, 0, 1.0, 70),
+)
+
+
+def toy3(**fields):
+    blocks = [
+        block(0, input_bytes=4, saved_bytes=10, bwd_temp_bytes=2, fwd_ms=1.0, fwd_flops=100),
+        block(1, input_bytes=3, saved_bytes=8, bwd_temp_bytes=1, fwd_ms=2.0, fwd_flops=200, ops=B1_OPS),
+        block(2, input_bytes=5, saved_bytes=12, bwd_temp_bytes=3, fwd_ms=3.0, fwd_flops=300),
+    ]
+    base = dict(
+        param_bytes=100, grad_bytes=100, optimizer_state_bytes=200, buffer_bytes=10, optimizer_name="AdamW",
+        optimizer_step_temp_bytes=20, optimizer_step_ms=0.5, fixed_pre_saved_bytes=7, fixed_post_saved_bytes=6,
+        fixed_post_bwd_temp_bytes=4, fixed_fwd_ms=1.0, fixed_bwd_ms=2.0,
+    )
+    base.update(fields)
+    return profile(blocks, **base)
+
+
+def seg(start, stop, strategy="keep", **kw):
+    return Segment(start=start, stop=stop, strategy=strategy, **kw)
+
+
+def test_keep_everything():
+    # retained (10, 8, 12); backward of b2: 417 + 18 + 15 = 450; head: 417 + 30 + 10 = 457.
+    pred = predict(toy3(), [seg(0, 1), seg(1, 2), seg(2, 3)])
+    assert pred.retained_bytes == (10, 8, 12)
+    assert (pred.peak_bytes, pred.peak_phase, pred.peak_block) == (457, "post", -1)
+    assert pred.fixed_bytes == 7 + 6
+    assert pred.model_state_bytes == 410
+    assert (pred.step_ms, pred.extra_ms, pred.extra_flops) == (15.5, 0.0, 0)
+
+
+def test_keep_as_one_segment_equals_per_block():
+    assert predict(toy3(), [seg(0, 3)]) == predict(toy3(), [seg(0, 1), seg(1, 2), seg(2, 3)])
+
+
+def test_recompute_every_block():
+    # retained (4, 3, 5); b2: 417 + 7 + 15 = 439; head: 417 + 12 + 10 = 439 (tie: block wins).
+    pred = predict(toy3(), [seg(0, 1, "recompute"), seg(1, 2, "recompute"), seg(2, 3, "recompute")])
+    assert pred.retained_bytes == (4, 3, 5)
+    assert (pred.peak_bytes, pred.peak_phase, pred.peak_block, pred.working_bytes) == (439, "block", 2, 15)
+    assert (pred.extra_ms, pred.extra_flops, pred.step_ms) == (6.0, 600, 21.5)
+
+
+def test_recompute_segment_keeps_blocks_during_replay():
+    # [0,3) recompute, no children: replay keeps b0, b1: b2's backward: 417 + 10 + 8 + 15 = 450.
+    pred = predict(toy3(), [seg(0, 3, "recompute")])
+    assert pred.retained_bytes == (4, 0, 0)
+    assert (pred.peak_bytes, pred.peak_block, pred.working_bytes) == (450, 2, 15)
+    assert pred.extra_ms == 6.0
+
+
+def test_nested_recompute():
+    # [0,3) recompute with child [0,2) recompute with child [0,1) recompute.
+    # innermost [0,1): b0 working 12. [0,2): max(12, 4 + 9 = 13). [0,3): max(13, 4 + 15 = 19).
+    # block phase 417 + 19 = 436 at b2; head 417 + 4 + 10 = 431.
+    # extra: replays of [0,3) 6 ms + [0,2) 3 ms + [0,1) 1 ms = 10 ms; FLOPs 600 + 300 + 100.
+    inner = seg(0, 2, "recompute", children=(seg(0, 1, "recompute"),))
+    pred = predict(toy3(), [seg(0, 3, "recompute", children=(inner,))])
+    assert pred.retained_bytes == (4, 0, 0)
+    assert (pred.peak_bytes, pred.peak_phase, pred.peak_block, pred.working_bytes) == (436, "block", 2, 15)
+    assert (pred.extra_ms, pred.extra_flops, pred.step_ms) == (10.0, 1000, 25.5)
+
+
+def test_nested_peak_inside_child():
+    # Make b0's backward heavy (temp 40 -> working 50): [0,2) child replay: 50 at b0.
+    prof = toy3()
+    prof = replace(prof, blocks=(replace(prof.blocks[0], bwd_temp_bytes=40),) + prof.blocks[1:])
+    inner = seg(0, 2, "recompute", children=(seg(0, 1, "recompute"),))
+    pred = predict(prof, [seg(0, 3, "recompute", children=(inner,))])
+    assert (pred.peak_bytes, pred.peak_block, pred.working_bytes) == (417 + 50, 0, 50)
+
+
+def test_selective_saves_named_ops():
+    # b1 selective saving mm#0: retained input 3 + output 5 = 8; replays relu 0.25 + mm#1 1.0
+    # (the view costs nothing); FLOPs 5 + 70. Plan keep b0, selective b1, recompute b2:
+    # retained (10, 8, 5): b2: 417 + 18 + 15 = 450; head 417 + 23 + 10 = 450 -> block.
+    segments = [seg(0, 1), seg(1, 2, "selective:save-matmuls", saved_ops=("aten.mm.default#0",)), seg(2, 3, "recompute")]
+    pred = predict(toy3(), segments)
+    assert pred.retained_bytes == (10, 8, 5)
+    assert (pred.peak_bytes, pred.peak_block) == (450, 2)
+    assert pred.extra_ms == pytest.approx(4.25)
+    assert pred.extra_flops == 75 + 300
+
+
+def test_selective_counts_each_op_once():
+    segments = [seg(0, 1), seg(1, 2, "selective:x", saved_ops=("aten.mm.default#0", "aten.mm.default#0")), seg(2, 3)]
+    assert predict(toy3(), segments).retained_bytes == (10, 8, 12)
+
+
+def test_selective_unknown_op_is_an_error():
+    with pytest.raises(ValueError, match=r"has no op call\(s\) \['aten.bmm.default#0'\]"):
+        predict(toy3(), [seg(0, 1), seg(1, 2, "selective:x", saved_ops=("aten.bmm.default#0",)), seg(2, 3)])
+
+
+def test_optimizer_phase_can_set_the_peak():
+    pred = predict(toy3(optimizer_step_temp_bytes=100), [seg(0, 3, "recompute")])
+    assert (pred.peak_bytes, pred.peak_phase, pred.peak_block, pred.fixed_bytes) == (510, "optimizer", -1, 0)
+
+
+def test_offload_cpu_on_cpu_profile_is_an_error():
+    with pytest.raises(ValueError, match="already in host memory.*offload:disk"):
+        predict(toy3(), [seg(0, 1, "offload:cpu"), seg(1, 3)])
+
+
+def test_offload_uses_the_registered_cost(monkeypatch):
+    def fake(profile, index, segment):
+        b = profile.blocks[index]
+        return BlockCost(retained_bytes=1, working_bytes=b.saved_bytes + b.bwd_temp_bytes, extra_ms=0.5,
+                         extra_flops=0, offloaded_bytes=b.saved_bytes - 1)
+
+    monkeypatch.setitem(costs._REGISTRY, "offload", fake)
+    prof = toy3(fingerprint=replace(toy3().fingerprint, device="cuda"))
+    pred = predict(prof, [seg(0, 1, "offload:cpu"), seg(1, 3)])
+    # retained (1, 8, 12): b2: 417 + 9 + 15 = 441; head: 417 + 21 + 10 = 448.
+    assert pred.retained_bytes == (1, 8, 12)
+    assert (pred.peak_bytes, pred.peak_phase, pred.offloaded_bytes, pred.extra_ms) == (448, "post", 9, 0.5)
+
+
+def test_segments_must_cover_blocks():
+    with pytest.raises(ValueError, match="starts at 2, expected 1"):
+        predict(toy3(), [seg(0, 1), seg(2, 3)])
+    with pytest.raises(ValueError, match="cover 2 blocks but the profile has 3"):
+        predict(toy3(), [seg(0, 2)])
+    with pytest.raises(ValueError, match="overlap"):
+        predict(toy3(), [seg(0, 3, "recompute", children=(seg(0, 2, "recompute"), seg(1, 3, "recompute")))])
+
+
+def test_accepts_a_plan():
+    prof = toy3()
+    segments = (seg(0, 3, "recompute"),)
+    pred = predict(prof, segments)
+    plan = Plan(segments=segments, block_names=("blocks.0", "blocks.1", "blocks.2"), strategy_name="full",
+                budget_bytes=None, prediction=pred, fingerprint=prof.fingerprint)
+    assert predict(prof, plan) == pred
+    assert Plan.from_json(plan.to_json()) == plan
