@@ -1,0 +1,65 @@
+import dataclasses
+
+import pytest
+
+from conftest import MIB, make_plans, make_profile, make_verification
+from remat.report.summary import baseline_point, choose_plan, report_budget, summary_sentence
+
+
+def test_sentence_names_the_fastest_fitting_plan_with_exact_numbers(profile, plans):
+    # optimal: 79 MiB <= 80 MiB budget, 34 ms vs 30 ms -> +13%; activations (100-64)/(79-64) = 2.4x.
+    text = summary_sentence(profile, list(plans.values()))
+    assert text == (
+        "The optimal plan fits 80.0 MiB at +13% step time, 2.4x less activation memory than no "
+        "recomputation (predicted peak 79.0 MiB vs 100.0 MiB)."
+    )
+
+
+def test_sentence_adds_what_verification_measured(profile, plans, verification):
+    text = summary_sentence(profile, list(plans.values()), [verification])
+    assert text.endswith(
+        "Measured: peak 81.0 MiB (+2.5% vs predicted), step 35.0 ms (+15% vs baseline), "
+        "gradients bit-identical."
+    )
+
+
+def test_nothing_fits_points_at_model_state(profile, plans):
+    text = summary_sentence(profile, list(plans.values()), budget_bytes=70 * MIB)
+    assert text.startswith("No plan fits 70.0 MiB: the smallest, full, peaks at 76.0 MiB; model state alone is 64.0 MiB")
+
+
+def test_no_recomputation_already_fits(profile, plans):
+    text = summary_sentence(profile, list(plans.values()), budget_bytes=128 * MIB)
+    assert text == "No recomputation already fits 128.0 MiB (predicted peak 100.0 MiB): nothing to recompute."
+
+
+def test_without_plans_reports_the_measured_baseline(profile):
+    assert summary_sentence(profile).startswith(
+        "No plan given: without recomputation the step peaks at 101.0 MiB and takes 30.5 ms")
+
+
+def test_baseline_falls_back_to_the_measured_profile(profile, plans):
+    assert baseline_point(profile, list(plans.values())).peak_bytes == 100 * MIB
+    measured = baseline_point(profile, [plans["full"]])
+    assert (measured.peak_bytes, measured.step_ms, measured.measured) == (101 * MIB, 30.5, True)
+    assert measured.activation_bytes == 37 * MIB
+    # full vs measured baseline: (38 / 30.5 - 1) = +25%, activations 37 / 12 = 3.1x
+    assert summary_sentence(profile, [plans["full"]]).startswith(
+        "The full plan peaks at 76.0 MiB at +25% step time, 3.1x less activation memory")
+
+
+def test_budget_and_choice(plans):
+    all_plans = list(plans.values())
+    assert report_budget(all_plans) == 80 * MIB
+    assert report_budget([plans["full"]]) is None
+    assert choose_plan(all_plans, 80 * MIB).strategy_name == "optimal"
+    assert choose_plan(all_plans, 95 * MIB).strategy_name == "offload"
+    assert choose_plan(all_plans, None).strategy_name == "full"
+    assert choose_plan(all_plans, 10 * MIB) is None
+    with pytest.raises(ValueError, match=r"budget_bytes must be positive, got -1"):
+        report_budget(all_plans, -1)
+
+
+def test_verification_of_another_budget_is_not_used(profile, plans):
+    other = dataclasses.replace(make_verification(), budget_bytes=90 * MIB)
+    assert "Measured" not in summary_sentence(make_profile(), list(make_plans().values()), [other])

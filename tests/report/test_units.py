@@ -1,0 +1,27 @@
+from remat.report.units import GIB, MIB, byte_scale, format_bytes, format_ms, format_pct, format_ratio
+
+
+def test_byte_scale_switches_to_gib_at_one_gib():
+    assert byte_scale(GIB - 1).unit == "MiB"
+    assert byte_scale(GIB).unit == "GiB"
+    assert byte_scale(3 * MIB)(3 * MIB) == 3.0
+    assert byte_scale(6 * GIB)(3 * GIB) == 3.0
+
+
+def test_format_bytes_uses_binary_units():
+    assert format_bytes(4 * GIB) == "4.0 GiB"
+    assert format_bytes(79 * MIB) == "79.0 MiB"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(-2 * MIB) == "-2.0 MiB"
+
+
+def test_format_ms_pct_ratio():
+    assert format_ms(34.0) == "34.0 ms"
+    assert format_ms(0.25) == "0.250 ms"
+    assert format_ms(12_500) == "12.5 s"
+    assert format_pct(100 * (34 / 30 - 1)) == "+13%"
+    assert format_pct(2.5316) == "+2.5%"
+    assert format_pct(-0.4) == "-0.4%"
+    assert format_ratio(36 / 15) == "2.4x"
+    assert format_ratio(float("inf")) == "unbounded"
