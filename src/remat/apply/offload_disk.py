@@ -187,10 +187,10 @@ class DiskTicket:
         except OffloadError:
             raise
         except OSError as exc:
-            raise _io_error(exc, self.path, self.block, "read") from exc
+            raise _io_error(exc, f"offload file {self.path}", self.block, "read") from exc
 
 
-def _io_error(exc: OSError, path: str, block: str, verb: str) -> OffloadError:
+def _io_error(exc: OSError, what: str, block: str, verb: str) -> OffloadError:
     if exc.errno == errno.ENOSPC:
         hint = "the disk is full: free space or choose another --offload-dir."
     elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -198,7 +198,7 @@ def _io_error(exc: OSError, path: str, block: str, verb: str) -> OffloadError:
     else:
         hint = "check the disk or choose another --offload-dir."
     return OffloadError(
-        f"could not {verb} offload file {path} of block {block!r}: {exc.strerror or exc} "
+        f"could not {verb} {what} for block {block!r}: {exc.strerror or exc} "
         f"(errno {exc.errno}); {hint}"
     )
 
@@ -245,7 +245,7 @@ class DiskStore:
                 self._state["made_root"] = str(root)
             self._state["private"] = tempfile.mkdtemp(prefix="remat-offload-", dir=root)
         except OSError as exc:
-            raise _io_error(exc, str(root), block, "create a directory for") from exc
+            raise _io_error(exc, f"a private directory in offload directory {root}", block, "create") from exc
         return self._state["private"]
 
     def put(self, data: torch.Tensor, block: str) -> DiskTicket:
@@ -264,7 +264,7 @@ class DiskStore:
             return write_file(path, data.cpu() if data.device.type != "cpu" else data)
         except OSError as exc:
             _unlink(path)
-            error = _io_error(exc, path, block, "write")
+            error = _io_error(exc, f"offload file {path}", block, "write")
             with self._lock:
                 self._failure = self._failure or error
             raise error from exc

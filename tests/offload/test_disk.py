@@ -1,0 +1,198 @@
+"""Disk offload: identical gradients, exact bytes moved and freed, private files, cleanup."""
+
+from __future__ import annotations
+
+import gc
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from remat.apply.offload import MIN_BYTES, OffloadEngine
+from remat.models import build
+
+from offload_helpers import (
+    MID_BYTES, NUM_BLOCKS, ROW_BYTES, LiveStorages, Wrapped, assert_grads_equal, dir_entries, toy_step,
+)
+
+# what the toy's blocks save, by hand: block 0 saves its two (64, 512) activations (GELU's input
+# and output; its own input x is a leaf the user holds), blocks 1..3 also their (64, 256) input.
+TOY_OFFLOADED_BYTES = NUM_BLOCKS * 2 * MID_BYTES + (NUM_BLOCKS - 1) * ROW_BYTES
+TOY_OFFLOADED_STORAGES = NUM_BLOCKS * 2 + NUM_BLOCKS - 1
+
+
+def test_toy_gradients_bit_identical_and_bytes_exact(toy, tmp_path):
+    blocks, x = toy
+    want = toy_step(blocks, x, None)
+    engine = OffloadEngine("disk", directory=tmp_path, min_bytes=1)
+    got = toy_step(blocks, x, engine)
+    assert_grads_equal(got, want)
+    stats = engine.stats()
+    assert stats.offloaded_bytes == TOY_OFFLOADED_BYTES == 1_245_184
+    assert stats.offloaded_storages == TOY_OFFLOADED_STORAGES == 11
+    assert stats.kept_tensors == 2 * NUM_BLOCKS + 1  # 8 weight views + the leaf input x
+    assert stats.restored_tensors == TOY_OFFLOADED_STORAGES  # each saved tensor is its own storage here
+    engine.close()
+
+
+def test_offloaded_bytes_are_gone_during_the_step(toy, tmp_path):
+    """Live storages after the forward: the offload holds exactly the offloaded bytes fewer."""
+    blocks, x = toy
+    live = {}
+
+    def forward_live(engine):
+        tracker = LiveStorages(exclude=list(blocks.parameters()))
+
+        def after_forward():
+            if engine is not None:
+                engine.wait_writes()
+            gc.collect()
+            live[engine is None] = tracker.live_bytes()
+
+        with tracker:
+            toy_step(blocks, x, engine, after_forward)
+
+    forward_live(None)
+    engine = OffloadEngine("disk", directory=tmp_path, min_bytes=1)
+    forward_live(engine)
+    assert live[True] - live[False] == TOY_OFFLOADED_BYTES
+    # what stays without offload: the loss's saved input (64x256) and the loss itself
+    assert live[False] == ROW_BYTES + 4
+    engine.close()
+
+
+def test_threshold_keeps_small_tensors(toy, tmp_path):
+    blocks, x = toy
+    want = toy_step(blocks, x, None)
+    engine = OffloadEngine("disk", directory=tmp_path, min_bytes=MID_BYTES)  # (64, 256) inputs stay
+    assert_grads_equal(toy_step(blocks, x, engine), want)
+    assert engine.stats().offloaded_bytes == NUM_BLOCKS * 2 * MID_BYTES
+    assert engine.stats().kept_tensors == 2 * NUM_BLOCKS + 1 + NUM_BLOCKS - 1
+    engine.close()
+    assert MIN_BYTES == 1 << 20
+
+
+def test_files_private_and_deleted_after_the_step(toy, tmp_path):
+    blocks, x = toy
+    engine = OffloadEngine("disk", directory=tmp_path / "offload", min_bytes=1)
+    seen = {}
+
+    def after_forward():
+        engine.wait_writes()
+        private = engine.store.private_dir
+        seen["dir_mode"] = stat.S_IMODE(os.stat(private).st_mode)
+        seen["file_modes"] = {stat.S_IMODE(os.stat(os.path.join(private, f)).st_mode) for f in dir_entries(private)}
+        seen["num_files"] = len(dir_entries(private))
+
+    toy_step(blocks, x, engine, after_forward)
+    assert seen == {"dir_mode": 0o700, "file_modes": {0o600}, "num_files": TOY_OFFLOADED_STORAGES}
+    assert dir_entries(engine.store.private_dir) == []  # each file deleted once read
+    engine.close()
+    assert not (tmp_path / "offload").exists()  # we made it, we removed it
+    assert engine.store.private_dir is None
+
+
+def test_graph_dropped_without_backward_deletes_files(toy, tmp_path):
+    blocks, x = toy
+    engine = OffloadEngine("disk", directory=tmp_path, min_bytes=1)
+    h = x
+    for i, block in enumerate(blocks):
+        h = Wrapped(block, f"blocks.{i}", engine)(h)
+    engine.wait_writes()
+    assert len(engine.store.live_files()) == TOY_OFFLOADED_STORAGES
+    del h
+    gc.collect()
+    assert engine.store.live_files() == []
+    assert dir_entries(engine.store.private_dir) == []
+    engine.close()
+    assert dir_entries(tmp_path) == []
+
+
+def test_engine_reusable_after_close(toy, tmp_path):
+    blocks, x = toy
+    want = toy_step(blocks, x, None)
+    engine = OffloadEngine("disk", directory=tmp_path, min_bytes=1)
+    for _ in range(2):
+        assert_grads_equal(toy_step(blocks, x, engine), want)
+        engine.close()
+        assert dir_entries(tmp_path) == []
+
+
+def _gpt_grads(model, batch, wrap_with=None, strategies=None):
+    blocks = model.blocks
+    original = list(blocks)
+    if wrap_with is not None:
+        for i, block in enumerate(original):
+            if strategies is None or strategies[i] == "offload":
+                blocks[i] = Wrapped(block, f"blocks.{i}", wrap_with)
+            elif strategies[i] == "recompute":
+                blocks[i] = _Checkpointed(block)
+    try:
+        torch.manual_seed(123)  # dropout masks
+        model(*batch).backward()
+    finally:
+        for i, block in enumerate(original):
+            blocks[i] = block
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=False, preserve_rng_state=True)
+
+
+@pytest.mark.parametrize("attention", ["explicit", "sdpa"])
+def test_gpt_gradients_bit_identical(tmp_path, attention):
+    built = build("gpt", attention=attention, optimizer="none")
+    want = _gpt_grads(built.model, built.batch)
+    engine = OffloadEngine("disk", directory=tmp_path, min_bytes=4096)
+    got = _gpt_grads(built.model, built.batch, engine)
+    assert_grads_equal(got, want)
+    assert engine.stats().offloaded_storages > 0
+    assert engine.stats().restored_tensors >= engine.stats().offloaded_storages
+    assert engine.store.live_files() == []
+    engine.close()
+    assert dir_entries(tmp_path) == []
+
+
+def test_composes_with_recompute_in_one_step(tmp_path):
+    """Blocks 0 and 2 recomputed, 1 and 3 offloaded; dropout masks and gradients unchanged."""
+    built = build("gpt", optimizer="none")
+    want = _gpt_grads(built.model, built.batch)
+    engine = OffloadEngine("disk", directory=tmp_path, min_bytes=4096)
+    got = _gpt_grads(built.model, built.batch, engine, ["recompute", "offload", "recompute", "offload"])
+    assert_grads_equal(got, want)
+    assert engine.stats().offloaded_storages > 0
+    engine.close()
+
+
+def test_files_removed_at_interpreter_exit(tmp_path):
+    """No close(), the graph still alive, an uncaught KeyboardInterrupt: the finalizers clean up."""
+    code = f"""
+import torch
+from remat.apply.offload import OffloadEngine
+engine = OffloadEngine("disk", directory={str(tmp_path)!r}, min_bytes=1)
+x = torch.randn(64, 64, requires_grad=True)
+with engine.block_context("blocks.0"):
+    y = (x * 2).exp().sum()
+engine.wait_writes()
+print(engine.store.private_dir, len(engine.store.live_files()), flush=True)
+raise KeyboardInterrupt
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    private, num_files = result.stdout.split()
+    assert result.returncode != 0 and "KeyboardInterrupt" in result.stderr
+    assert int(num_files) == 1 and private.startswith(str(tmp_path))
+    assert not os.path.exists(private)
+    assert dir_entries(tmp_path) == []
