@@ -1,0 +1,103 @@
+"""Which modules are the blocks: found automatically or named by the user.
+
+Automatic: the members of the longest ``nn.ModuleList`` / ``nn.Sequential`` whose children
+all share one class (a transformer's layers, a ResNet stage's units); ties go to the first
+in module order. Named: one or more patterns, each a glob over qualified module names
+(``"blocks.*"``, ``"model.layers.*"``) or a class name (``"Block"``, ``"LlamaDecoderLayer"``).
+Everything outside the blocks is the fixed part.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from torch import nn
+
+Blocks = list[tuple[str, nn.Module]]
+
+
+def find_blocks(model: nn.Module, blocks: str | Sequence[str] | None = None) -> Blocks:
+    """The model's blocks as ``(qualified name, module)`` in module order."""
+    if blocks is None:
+        return _auto_blocks(model)
+    patterns = [blocks] if isinstance(blocks, str) else list(blocks)
+    if not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise TypeError(
+            f"blocks={blocks!r} is not supported; pass a glob over module names "
+            "(e.g. 'blocks.*'), a class name (e.g. 'Block'), a list of them, or None to detect."
+        )
+    return _named_blocks(model, patterns)
+
+
+def candidate_lists(model: nn.Module) -> list[tuple[str, int, str]]:
+    """``(name, length, child class)`` of every ModuleList/Sequential of same-class children."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
+            continue
+        classes = {type(child) for child in module}
+        if len(classes) == 1:
+            found.append((name, len(module), next(iter(classes)).__name__))
+    return found
+
+
+def _auto_blocks(model: nn.Module) -> Blocks:
+    candidates = [c for c in candidate_lists(model) if c[1] >= 2]
+    if not candidates:
+        raise ValueError(
+            f"no blocks found in {type(model).__name__}: it has no nn.ModuleList or nn.Sequential "
+            f"of 2 or more same-class modules; modules: {_module_summary(model)}. Name the blocks "
+            "with blocks='<glob over module names>' (e.g. 'layers.*') or blocks='<ClassName>'."
+        )
+    name, _, _ = max(candidates, key=lambda c: c[1])
+    container = model.get_submodule(name)
+    prefix = f"{name}." if name else ""
+    return [(f"{prefix}{child_name}", child) for child_name, child in container.named_children()]
+
+
+def _named_blocks(model: nn.Module, patterns: list[str]) -> Blocks:
+    chosen: Blocks = []
+    for pattern in patterns:
+        matches = [
+            (name, m) for name, m in model.named_modules()
+            if name and (_glob(pattern).fullmatch(name) or type(m).__name__ == pattern)
+        ]
+        if not matches:
+            raise ValueError(
+                f"block pattern {pattern!r} matches no module of {type(model).__name__}; "
+                f"allowed: a glob over qualified module names or a class name, e.g. "
+                f"{_module_summary(model)}. Fix the pattern."
+            )
+        chosen.extend(m for m in matches if m[0] not in {c[0] for c in chosen})
+    _check_disjoint(chosen)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return sorted(chosen, key=lambda item: order[item[0]])
+
+
+def _glob(pattern: str) -> re.Pattern[str]:
+    """A glob over dotted names: ``*`` and ``?`` stay within one segment, ``**`` crosses dots."""
+    parts = re.split(r"(\*\*|\*|\?)", pattern)
+    table = {"**": ".*", "*": "[^.]*", "?": "[^.]"}
+    return re.compile("".join(table.get(part, re.escape(part)) for part in parts))
+
+
+def _check_disjoint(chosen: Blocks) -> None:
+    names = [name for name, _ in chosen]
+    for outer in names:
+        for inner in names:
+            if inner != outer and inner.startswith(outer + "."):
+                raise ValueError(
+                    f"block {inner!r} is nested inside block {outer!r}; blocks must not overlap: "
+                    "narrow the pattern ('*' stays within one name segment, '**' crosses dots) "
+                    "or name a class."
+                )
+
+
+def _module_summary(model: nn.Module, limit: int = 12) -> str:
+    lists = candidate_lists(model)
+    if lists:
+        shown = [f"{name or '<root>'}.* ({n} x {cls})" for name, n, cls in lists[:limit]]
+        return "candidate lists: " + ", ".join(shown)
+    names = [f"{n} ({type(m).__name__})" for n, m in model.named_modules() if n][:limit]
+    return "modules: " + (", ".join(names) or "none")

@@ -1,0 +1,119 @@
+"""Block boundaries of a training step, from module, tensor and optimizer hooks.
+
+Events, in step order: ``fwd_start``/``fwd_end`` of each block (forward hooks),
+``bwd_start`` of a block when the gradient of its output is ready, ``bwd_end`` when the
+gradient of its inputs is ready (tensor hooks), ``opt_start``/``opt_end`` around
+``optimizer.step()``. A driver may add its own events with `StepBoundaries.emit`
+(``profile`` marks where ``loss.backward()`` begins and ends). Forward hooks that fire
+during backward (recomputation) emit nothing. A block whose inputs need no gradient (the
+first block of a model fed with the raw batch) has no ``bwd_end``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from remat.measure.blocks import Blocks
+from remat.measure.storage import tensors_in
+
+
+@dataclass(kw_only=True, frozen=True)
+class Boundary:
+    """One event of the step."""
+
+    kind: str
+    """``fwd_start``, ``fwd_end``, ``bwd_start``, ``bwd_end``, ``opt_start``, ``opt_end`` or a driver's own."""
+    index: int
+    """Block index, or -1 for events that are not about a block."""
+    where: str
+    """Block name, ``"pre"``, ``"post"`` or ``"optimizer"``."""
+
+
+Listener = Callable[[Boundary], None]
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class StepBoundaries:
+    """Context manager: calls every listener at each boundary of the steps run inside it."""
+
+    def __init__(self, blocks: Blocks, optimizer: torch.optim.Optimizer | None = None,
+                 listeners: Sequence[Listener] = ()) -> None:
+        self.blocks = blocks
+        self.optimizer = optimizer
+        self.listeners = list(listeners)
+        self._handles: list = []
+
+    def emit(self, kind: str, index: int = -1, where: str = "") -> None:
+        event = Boundary(kind=kind, index=index, where=where)
+        for listener in self.listeners:
+            listener(event)
+
+    def __enter__(self) -> StepBoundaries:
+        for index, (name, module) in enumerate(self.blocks):
+            self._handles.append(module.register_forward_pre_hook(self._pre(index, name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post(index, name)))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(
+                lambda *_: self.emit("opt_start", -1, "optimizer")))
+            self._handles.append(self.optimizer.register_step_post_hook(
+                lambda *_: self.emit("opt_end", -1, "optimizer")))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre(self, index: int, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if in_backward():
+                return
+            self.emit("fwd_start", index, name)
+            inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+            _on_all_grads(inputs, lambda: self.emit("bwd_end", index, name))
+
+        return hook
+
+    def _post(self, index: int, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            if in_backward():
+                return
+            self.emit("fwd_end", index, name)
+            outputs = [t for t in tensors_in(output) if t.requires_grad]
+            _on_first_grad(outputs, lambda: self.emit("bwd_start", index, name))
+
+        return hook
+
+
+def _on_all_grads(tensors: list[torch.Tensor], callback: Callable[[], None]) -> None:
+    """Call ``callback`` once the gradients of all ``tensors`` are computed."""
+    pending = {"count": len(tensors)}
+
+    def hook(grad: torch.Tensor) -> None:
+        pending["count"] -= 1
+        if pending["count"] == 0:
+            callback()
+
+    for t in tensors:
+        t.register_hook(hook)
+
+
+def _on_first_grad(tensors: list[torch.Tensor], callback: Callable[[], None]) -> None:
+    """Call ``callback`` when the first gradient of any of ``tensors`` is computed."""
+    fired = {"done": False}
+
+    def hook(grad: torch.Tensor) -> None:
+        if not fired["done"]:
+            fired["done"] = True
+            callback()
+
+    for t in tensors:
+        t.register_hook(hook)

@@ -1,0 +1,45 @@
+"""Forward FLOPs of one aten op call.
+
+The formulas are those of ``torch.utils.flop_counter`` (the table behind
+``FlopCounterMode``: 2 FLOPs per multiply-add for mm, addmm, bmm, convolution and the fused
+attention kernels it knows). CPU attention kernels it does not list get the same formula as
+its other attention kernels: ``2*B*H*L*S*E`` for ``Q @ K^T`` plus ``2*B*H*L*S*Ev`` for
+``P @ V`` (no discount for a causal mask, as in ``torch.utils.flop_counter.sdpa_flop_count``).
+Every other op counts 0: pointwise ops, norms and softmax are memory-bound and are not
+counted by FlopCounterMode either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+
+def attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
+    """FLOPs of ``softmax(Q K^T) V`` for (..., L, E) queries and (..., S, E) keys / (..., S, Ev) values."""
+    batch_heads = query.shape[:-2].numel()
+    length, head_dim = query.shape[-2], query.shape[-1]
+    source = key.shape[-2]
+    return 2 * batch_heads * length * source * head_dim + 2 * batch_heads * length * source * value.shape[-1]
+
+
+def _cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_: Any, **__: Any) -> int:
+    return attention_flops(query, key, value)
+
+
+_EXTRA: dict[Any, Any] = {}
+if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+    _EXTRA[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_attention
+
+
+def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """Forward FLOPs of ``func(*args, **kwargs)`` that returned ``out`` (0 when not a FLOP op)."""
+    packet = getattr(func, "_overloadpacket", func)
+    if packet in _EXTRA:
+        return int(_EXTRA[packet](*args, **kwargs))
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return 0
+    return int(formula(*args, **kwargs, out_val=out))

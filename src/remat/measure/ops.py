@@ -1,0 +1,132 @@
+"""The op table of each block: every aten op call of its forward, in call order.
+
+`OpRecorder` is a ``TorchDispatchMode`` active during a forward. Each call gets the key
+``"<op>#<n>"``, n counting calls of that op within the segment (the same key the selective
+policy uses), the bytes of the new storages it allocated for its outputs (storages not among
+its inputs': views and in-place ops allocate none), its FLOPs (`remat.measure.flops`), its
+wall time, and flags: random (the op carries the ``nondeterministic_seeded`` tag: dropout,
+bernoulli, rand*) and view (the overload is declared a view). After the forward,
+`OpRecorder.records` maps each saved storage back to the op that produced it, so an op's
+``saved_bytes`` are the bytes of its outputs that autograd saved (first saver's segment only).
+Ops that run during backward are not recorded.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from remat.measure.boundaries import in_backward
+from remat.measure.flops import op_flops
+from remat.measure.saved import SavedStorage
+from remat.measure.storage import storage_key, storage_nbytes
+from remat.measure.types import OpRecord
+
+
+@dataclass
+class _Call:
+    name: str
+    key: str
+    new_storages: dict[int, int]
+    flops: int
+    is_random: bool
+    is_view: bool
+    times_s: list[float] = field(default_factory=list)
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records the forward op calls per segment (``segment_of()`` names the running segment).
+
+    ``sync`` is called before each clock read (``torch.cuda.synchronize`` on CUDA). Run the
+    same forward several times under one recorder to get a median time per call; the calls
+    of every run after the first must match the first run's keys.
+    """
+
+    def __init__(self, segment_of: Callable[[], str], sync: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.segment_of = segment_of
+        self.enabled = True
+        self._sync = sync
+        self.calls: dict[str, list[_Call]] = defaultdict(list)
+        self._producer: dict[int, tuple[str, int]] = {}
+        self._counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._index: dict[str, dict[str, int]] = defaultdict(dict)
+        self._first_run = True
+
+    def next_run(self) -> None:
+        """Start another run of the same forward (its times add to the first run's calls)."""
+        self._first_run = False
+        self._counts.clear()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if in_backward() or not self.enabled:
+            return func(*args, **kwargs)
+        if self._sync is not None:
+            self._sync()
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        if self._sync is not None:
+            self._sync()
+        elapsed = time.perf_counter() - start
+        self._record(func, args, kwargs, out, elapsed)
+        return out
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any, elapsed_s: float) -> None:
+        segment, name = self.segment_of(), str(func)
+        occurrence = self._counts[segment][name]
+        self._counts[segment][name] += 1
+        calls, key = self.calls[segment], f"{name}#{occurrence}"
+        if not self._first_run:
+            index = self._index[segment].get(key)
+            if index is not None:
+                calls[index].times_s.append(elapsed_s)
+            return
+        self._index[segment][key] = len(calls)
+        new = _new_storages(args, kwargs, out)
+        for storage in new:
+            self._producer[storage] = (segment, len(calls))
+        calls.append(_Call(
+            name=name, key=key, new_storages=new, flops=op_flops(func, args, kwargs, out),
+            is_random=torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()),
+            is_view=bool(getattr(func, "is_view", False)), times_s=[elapsed_s],
+        ))
+
+    def segment_flops(self, segment: str) -> int:
+        """Forward FLOPs of every recorded call of ``segment``."""
+        return sum(call.flops for call in self.calls.get(segment, []))
+
+    def records(self, segment: str, saved: Mapping[int, SavedStorage]) -> tuple[OpRecord, ...]:
+        """The op table of ``segment``; ``saved`` is `SavedAccountant.saved` of the same forward."""
+        saved_by_call: dict[int, int] = defaultdict(int)
+        for key, record in saved.items():
+            producer = self._producer.get(key)
+            if producer is not None and producer[0] == segment == record.segment:
+                saved_by_call[producer[1]] += record.nbytes
+        return tuple(
+            OpRecord(
+                key=call.key, name=call.name, output_bytes=sum(call.new_storages.values()),
+                saved_bytes=saved_by_call[i], time_ms=1e3 * statistics.median(call.times_s),
+                flops=call.flops, is_random=call.is_random, is_view=call.is_view,
+            )
+            for i, call in enumerate(self.calls.get(segment, []))
+        )
+
+
+def _new_storages(args: tuple, kwargs: dict, out: Any) -> dict[int, int]:
+    inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    new: dict[int, int] = {}
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor):
+            key = storage_key(t)
+            if key is not None and key not in inputs:
+                new[key] = storage_nbytes(t)
+    return new

@@ -1,0 +1,290 @@
+"""`profile`: measure the real model on its device, block by block.
+
+One call runs ``max(warmup, 1)`` plain steps (so optimizer state exists), one *accounting*
+step under the live-storage tracker, the saved-tensor accountant and the op recorder, then
+``repeats`` timed steps and ``repeats - 1`` more forwards for per-op times. A step is
+``zero_grad(set_to_none=True)``, forward, loss, ``loss.backward()``, ``optimizer.step()``.
+Parameters, buffers, gradients, optimizer state and the RNG state are restored afterwards.
+
+The memory quantities satisfy, for the measured (keep-everything) step, exactly:
+
+- peak during block j's backward = ``S + fixed_pre_saved_bytes + sum(saved_bytes of blocks
+  0..j) + bwd_temp_bytes_j``, where ``S`` is the model state live at that moment
+  (parameters, buffers, optimizer state and the gradients accumulated so far);
+- peak from the end of the last block's forward to the start of its backward (head and loss,
+  forward and backward) = ``S + fixed_pre_saved_bytes + sum(all blocks' saved_bytes) +
+  fixed_post_saved_bytes + fixed_post_bwd_temp_bytes``;
+- peak during ``optimizer.step()`` = live bytes when it starts + ``optimizer_step_temp_bytes``.
+
+So ``bwd_temp_bytes`` holds everything else live at that peak: the incoming gradient, the
+gradients the block's backward computes, and saved tensors of later blocks not yet freed.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat._batch import LossFn, call_model, check_batch_device, compute_loss, model_device
+from remat.measure.blocks import Blocks, find_blocks
+from remat.measure.boundaries import Boundary, StepBoundaries
+from remat.measure.fingerprint import fingerprint
+from remat.measure.ops import OpRecorder
+from remat.measure.saved import POST, PRE, SavedAccountant
+from remat.measure.state import StateSnapshot, buffer_bytes, grad_bytes, optimizer_state_bytes, param_bytes
+from remat.measure.timing import Clock, StepTimer, StepTimes, median_times
+from remat.measure.tracker import ACT_PREFIX, LiveTracker, StepTracking
+from remat.measure.types import BlockProfile, Environment, Profile
+
+STATE_LABELS = ("parameters", "buffers", "gradients", "optimizer_state")
+
+
+def profile(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    blocks: str | Sequence[str] | None = None,
+    *,
+    warmup: int = 1,
+    repeats: int = 3,
+) -> Profile:
+    """Measure ``model`` on ``batch`` (calling convention of `remat._batch`) block by block.
+
+    ``blocks``: None to detect them, or glob(s) over qualified module names / class names.
+    ``warmup``: plain steps before measuring (at least one runs). ``repeats``: timed steps.
+    """
+    _check_counts(warmup, repeats)
+    check_batch_device(model, batch)
+    block_list = find_blocks(model, blocks)
+    device = model_device(model)
+    snapshot = StateSnapshot(model, optimizer)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            return _measure(_Step(model, batch, loss_fn, optimizer), block_list, warmup, repeats)
+    finally:
+        snapshot.restore()
+
+
+def _check_counts(warmup: int, repeats: int) -> None:
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r} must be an integer >= 0 (plain steps before measuring).")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed steps; the median is kept).")
+
+
+@dataclass
+class _Step:
+    """One baseline training step, announcing its phases on a `StepBoundaries`."""
+
+    model: nn.Module
+    batch: Any
+    loss_fn: LossFn | None
+    optimizer: torch.optim.Optimizer | None
+
+    def run(self, marks: StepBoundaries | None = None) -> None:
+        emit = marks.emit if marks is not None else (lambda *a: None)
+        emit("step_start")
+        (self.optimizer or self.model).zero_grad(set_to_none=True)
+        emit("fwd_begin")
+        loss = compute_loss(call_model(self.model, self.batch), self.batch, self.loss_fn)
+        emit("loss_ready")
+        emit("bwd_begin")
+        loss.backward()
+        emit("bwd_done")
+        if self.optimizer is not None:
+            self.optimizer.step()
+        emit("step_end")
+
+    def forward(self) -> None:
+        compute_loss(call_model(self.model, self.batch), self.batch, self.loss_fn)
+
+
+def _measure(step: _Step, block_list: Blocks, warmup: int, repeats: int) -> Profile:
+    for _ in range(max(warmup, 1)):
+        step.run()
+    memory = _account(step, block_list)
+    times = median_times([_time_step(step, block_list) for _ in range(repeats)])
+    _time_ops(step, block_list, memory.recorder, repeats - 1)
+    return _assemble(step, block_list, memory, times)
+
+
+class _Windows:
+    """Boundary listener: the backward-temporary windows of the accounting step."""
+
+    def __init__(self, tracker: LiveTracker, block_names: list[str]) -> None:
+        self.tracker = tracker
+        self.names = block_names
+        self.block_temp_bytes = [0] * len(block_names)
+        self.post_temp_bytes = 0
+        self.optimizer_temp_bytes = 0
+        self._open: int | None = None  # block index, len(names) for the post part
+        self._opt_start_bytes = 0
+
+    def __call__(self, event: Boundary) -> None:
+        last = len(self.names) - 1
+        if event.kind == "fwd_end" and event.index == last:
+            self._start(len(self.names), [*self.names, POST])
+        elif event.kind == "bwd_start":
+            self._close()
+            self._start(event.index, self.names[: event.index + 1])
+        elif event.kind in ("bwd_end", "bwd_done"):
+            self._close()
+        elif event.kind == "opt_start":
+            self._opt_start_bytes = self.tracker.live_bytes
+            self.tracker.open_window()
+        elif event.kind == "opt_end":
+            self.optimizer_temp_bytes = self.tracker.close_window() - self._opt_start_bytes
+
+    def _start(self, index: int, saved_segments: list[str]) -> None:
+        self._open = index
+        segments = [PRE, *saved_segments]
+        self.tracker.open_window([*STATE_LABELS, *(ACT_PREFIX + s for s in segments)])
+
+    def _close(self) -> None:
+        if self._open is None:
+            return
+        peak = self.tracker.close_window()
+        if self._open == len(self.names):
+            self.post_temp_bytes = peak
+        else:
+            self.block_temp_bytes[self._open] = peak
+        self._open = None
+
+
+@dataclass
+class _Accounting:
+    """What the accounting step measured."""
+
+    saved_bytes: dict[str, int]
+    input_bytes: dict[str, int]
+    output_bytes: dict[str, int]
+    windows: _Windows
+    recorder: OpRecorder
+    saved: dict
+    peak_bytes: int
+    peak_by_category: dict[str, int]
+    timeline: tuple
+    grad_bytes: int
+    optimizer_state_bytes: int
+
+
+class _ForwardGate:
+    """Boundary listener: the op recorder records only between ``fwd_begin`` and ``loss_ready``."""
+
+    def __init__(self, recorder: OpRecorder) -> None:
+        self.recorder = recorder
+
+    def __call__(self, event: Boundary) -> None:
+        if event.kind in ("fwd_begin", "loss_ready"):
+            self.recorder.enabled = event.kind == "fwd_begin"
+
+
+def _account(step: _Step, block_list: Blocks) -> _Accounting:
+    names = [name for name, _ in block_list]
+    tracking = StepTracking(step.model, optimizer=step.optimizer, blocks=block_list, batch=step.batch)
+    windows = _Windows(tracking.tracker, names)
+    recorder = OpRecorder(lambda: tracking.accountant.segment, sync=Clock(model_device(step.model)).sync)
+    tracking.boundaries.listeners += [windows, _ForwardGate(recorder)]
+    with recorder, tracking:
+        step.run(tracking.boundaries)
+    accountant, tracker = tracking.accountant, tracking.tracker
+    return _Accounting(
+        saved_bytes=accountant.bytes_by_segment(), input_bytes=accountant.input_bytes,
+        output_bytes=accountant.output_bytes, windows=windows, recorder=recorder, saved=dict(accountant.saved),
+        peak_bytes=tracker.peak_bytes, peak_by_category=dict(tracker.peak_by_category),
+        timeline=tuple(tracking.timeline), grad_bytes=grad_bytes(step.model),
+        optimizer_state_bytes=optimizer_state_bytes(step.optimizer),
+    )
+
+
+def _time_step(step: _Step, block_list: Blocks) -> StepTimes:
+    clock = Clock(model_device(step.model))
+    timer = StepTimer(clock, len(block_list))
+    clock.sync()
+    with StepBoundaries(block_list, step.optimizer, [timer]) as marks:
+        step.run(marks)
+    clock.sync()
+    return timer.times()
+
+
+def _time_ops(step: _Step, block_list: Blocks, recorder: OpRecorder, runs: int) -> None:
+    """More forwards under the same recorder, for a median time per op call."""
+    for _ in range(runs):
+        accountant = SavedAccountant(block_list)
+        recorder.next_run()
+        recorder.segment_of = lambda acc=accountant: acc.segment
+        recorder.enabled = True
+        with recorder, accountant:
+            step.forward()
+
+
+def _assemble(step: _Step, block_list: Blocks, memory: _Accounting, times: StepTimes) -> Profile:
+    model, optimizer = step.model, step.optimizer
+    saved, recorder = memory.saved_bytes, memory.recorder
+    return Profile(
+        fingerprint=fingerprint(model, step.batch), environment=_environment(model_device(model)),
+        blocks=_block_profiles(block_list, memory, times),
+        param_bytes=param_bytes(model), grad_bytes=memory.grad_bytes,
+        optimizer_state_bytes=memory.optimizer_state_bytes,
+        optimizer_name=type(optimizer).__name__ if optimizer is not None else "none",
+        optimizer_step_temp_bytes=memory.windows.optimizer_temp_bytes,
+        optimizer_step_ms=times.optimizer_step_ms, buffer_bytes=buffer_bytes(model),
+        fixed_pre_saved_bytes=saved[PRE], fixed_post_saved_bytes=saved[POST],
+        fixed_post_bwd_temp_bytes=memory.windows.post_temp_bytes,
+        fixed_fwd_ms=times.fixed_fwd_ms, fixed_bwd_ms=times.fixed_bwd_ms,
+        fixed_flops=recorder.segment_flops(PRE) + recorder.segment_flops(POST),
+        step_ms=times.step_ms, peak_bytes=memory.peak_bytes, peak_bytes_by_category=memory.peak_by_category,
+        device_max_allocated_bytes=_device_max_allocated(step), timeline=memory.timeline,
+    )
+
+
+def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes) -> tuple[BlockProfile, ...]:
+    return tuple(
+        BlockProfile(
+            index=i, name=name, class_name=type(module).__name__,
+            input_bytes=memory.input_bytes.get(name, 0), output_bytes=memory.output_bytes.get(name, 0),
+            saved_bytes=memory.saved_bytes[name], bwd_temp_bytes=memory.windows.block_temp_bytes[i],
+            fwd_ms=times.block_fwd_ms[i], bwd_ms=times.block_bwd_ms[i],
+            fwd_flops=memory.recorder.segment_flops(name), ops=memory.recorder.records(name, memory.saved),
+        )
+        for i, (name, module) in enumerate(block_list)
+    )
+
+
+def _device_max_allocated(step: _Step) -> int | None:
+    """``torch.cuda.max_memory_allocated`` over one more plain step (CUDA only)."""
+    device = model_device(step.model)
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step.run()
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device))
+
+
+def _environment(device: torch.device) -> Environment:
+    return Environment(
+        device_name=_device_name(device), num_threads=torch.get_num_threads(),
+        python_version=platform.python_version(), hostname=socket.gethostname(),
+    )
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu" and os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return platform.processor() or device.type

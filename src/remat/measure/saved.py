@@ -1,0 +1,109 @@
+"""Saved-tensor accounting: which storages autograd keeps for backward, and who saved them.
+
+A ``saved_tensors_hooks`` pack hook sees every tensor autograd saves during forward. Each
+storage is counted once, at its first save, and attributed to the segment running at that
+moment: ``"pre"`` (before the first block), a block's qualified name, or ``"post"`` (after
+the last block: final norm, head, loss). Code between two blocks counts for the block before
+it. Storages that existed before the step (parameters, buffers, the batch) are never counted:
+they are model state or input, not activations. Works on the meta device.
+
+Module hooks on the blocks also record each block's input and output bytes (distinct
+storages of its tensor arguments and results).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from remat.measure.blocks import Blocks
+from remat.measure.storage import distinct_bytes, storage_key, storage_keys, storage_nbytes, tensors_in
+
+PRE = "pre"
+POST = "post"
+
+OnSaved = Callable[[torch.Tensor, int, str], None]
+
+
+@dataclass(kw_only=True, frozen=True)
+class SavedStorage:
+    """One storage autograd saved."""
+
+    nbytes: int
+    """Bytes of the whole storage."""
+    segment: str
+    """``"pre"``, a block name or ``"post"``: who saved it first."""
+
+
+class SavedAccountant:
+    """Context manager: counts saved storages per segment during one forward.
+
+    ``exclude``: tensors whose storages are never counted (parameters, buffers, batch).
+    ``on_saved(tensor, nbytes, segment)`` is called at each first save of a storage.
+    """
+
+    def __init__(self, blocks: Blocks, exclude: Iterable[torch.Tensor] = (), on_saved: OnSaved | None = None) -> None:
+        self.blocks = blocks
+        self.segment = PRE
+        self.saved: dict[int, SavedStorage] = {}
+        self.input_bytes: dict[str, int] = {}
+        self.output_bytes: dict[str, int] = {}
+        self._excluded = storage_keys(exclude)
+        self._on_saved = on_saved
+        self._handles: list = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def bytes_by_segment(self) -> dict[str, int]:
+        """Saved bytes per segment, every segment present (0 when nothing saved)."""
+        totals = {PRE: 0, **{name: 0 for name, _ in self.blocks}, POST: 0}
+        for record in self.saved.values():
+            totals[record.segment] += record.nbytes
+        return totals
+
+    def __enter__(self) -> SavedAccountant:
+        last = len(self.blocks) - 1
+        for index, (name, module) in enumerate(self.blocks):
+            self._handles.append(module.register_forward_pre_hook(self._enter_block(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._leave_block(name, index == last)))
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _enter_block(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if torch._C._current_graph_task_id() == -1:
+                self.segment = name
+                self.input_bytes[name] = distinct_bytes(tensors_in((args, kwargs)))
+
+        return hook
+
+    def _leave_block(self, name: str, is_last: bool) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            if torch._C._current_graph_task_id() == -1:
+                self.output_bytes[name] = distinct_bytes(tensors_in(output))
+                if is_last:
+                    self.segment = POST
+
+        return hook
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key is None or key in self._excluded or key in self.saved:
+            return t
+        nbytes = storage_nbytes(t)
+        self.saved[key] = SavedStorage(nbytes=nbytes, segment=self.segment)
+        if self._on_saved is not None:
+            self._on_saved(t, nbytes, self.segment)
+        return t
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t

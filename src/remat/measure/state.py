@@ -1,0 +1,58 @@
+"""Model state: its byte counts, and an exact snapshot so `profile` leaves everything as it was."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.measure.storage import distinct_bytes
+from remat.measure.tracker import optimizer_state_tensors
+
+
+def param_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct parameter storages (tied weights count once)."""
+    return distinct_bytes(model.parameters())
+
+
+def buffer_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct buffer storages."""
+    return distinct_bytes(model.buffers())
+
+
+def grad_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct gradient storages now allocated."""
+    return distinct_bytes(p.grad for p in model.parameters() if p.grad is not None)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the optimizer's per-parameter state tensors (0-dim step counters excluded)."""
+    return distinct_bytes(optimizer_state_tensors(optimizer))
+
+
+class StateSnapshot:
+    """Copies of parameters, buffers, gradients and optimizer state; `restore` puts them back
+    in place (same tensor objects, so references held by the caller stay valid)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        with torch.no_grad():
+            self.params = [p.detach().clone() for p in model.parameters()]
+            self.buffers = [b.detach().clone() for b in model.buffers()]
+            self.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+        self.optimizer_state: dict[str, Any] | None = (
+            copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+        )
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for p, saved, grad in zip(self.model.parameters(), self.params, self.grads):
+                p.copy_(saved)
+                p.grad = grad
+            for b, saved in zip(self.model.buffers(), self.buffers):
+                b.copy_(saved)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self.optimizer_state)

@@ -1,0 +1,57 @@
+"""Storage identity: the unit every byte count in remat is made of.
+
+A storage is identified by ``t.untyped_storage()._cdata`` (the address of its StorageImpl),
+not by ``data_ptr``: it works the same on the meta device, where there is no data, so the
+meta-device estimate counts exactly what a real run counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    """The identity of the tensor's storage, or None for tensors without one (sparse, nested)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def storage_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the tensor's whole storage (0 without one)."""
+    try:
+        return t.untyped_storage().nbytes()
+    except (NotImplementedError, RuntimeError):
+        return 0
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a nested structure of tuples, lists, dicts and dataclass-like outputs."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_in(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    if hasattr(value, "to_tuple"):  # Hugging Face ModelOutput
+        return tensors_in(value.to_tuple())
+    return []
+
+
+def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a storage shared by several counts once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        key = storage_key(t)
+        if key is not None:
+            seen[key] = storage_nbytes(t)
+    return sum(seen.values())
+
+
+def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
+    """The storage identities of ``tensors``."""
+    return {k for k in (storage_key(t) for t in tensors) if k is not None}

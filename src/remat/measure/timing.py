@@ -1,0 +1,104 @@
+"""Wall-clock timing of a training step and of its blocks.
+
+`Clock` reads ``time.perf_counter`` on the CPU and records CUDA events on CUDA (read after
+a synchronize). `StepTimer` listens to the step's boundaries (`remat.measure.boundaries`)
+and turns one step's marks into durations; `median_times` reduces several steps to medians.
+
+A block's forward is ``fwd_end - fwd_start``; its backward runs from the gradient of its
+output to the gradient of its inputs (``bwd_start``..``bwd_end``; a block without inputs
+that need gradients ends where the backward pass ends). The fixed part is the rest of the
+forward (from the call of the model to the loss) and of the backward (``loss.backward()``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from remat.measure.boundaries import Boundary
+
+STEP_MARKS = ("step_start", "fwd_begin", "loss_ready", "bwd_begin", "bwd_done", "opt_start", "opt_end", "step_end")
+"""The driver's own marks (emitted by `remat.measure.profile`) plus the optimizer's."""
+
+
+class Clock:
+    """Timestamps on the device's own clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return 1e3 * (end - start)
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+@dataclass(kw_only=True, frozen=True)
+class StepTimes:
+    """Durations of one step (or medians over several), milliseconds."""
+
+    block_fwd_ms: tuple[float, ...]
+    block_bwd_ms: tuple[float, ...]
+    fixed_fwd_ms: float
+    fixed_bwd_ms: float
+    optimizer_step_ms: float
+    step_ms: float
+
+
+class StepTimer:
+    """Boundary listener: records a mark at every event of one step."""
+
+    def __init__(self, clock: Clock, num_blocks: int) -> None:
+        self.clock = clock
+        self.num_blocks = num_blocks
+        self.marks: dict[tuple[str, int], Any] = {}
+
+    def __call__(self, event: Boundary) -> None:
+        self.marks.setdefault((event.kind, event.index), self.clock.mark())
+
+    def times(self) -> StepTimes:
+        """Durations of the recorded step."""
+        span = self._span
+        fwd = [span(("fwd_start", i), ("fwd_end", i)) for i in range(self.num_blocks)]
+        bwd = [span(("bwd_start", i), ("bwd_end", i), ("bwd_done", -1)) for i in range(self.num_blocks)]
+        total_fwd = span(("fwd_begin", -1), ("loss_ready", -1))
+        total_bwd = span(("bwd_begin", -1), ("bwd_done", -1))
+        return StepTimes(
+            block_fwd_ms=tuple(fwd), block_bwd_ms=tuple(bwd),
+            fixed_fwd_ms=max(total_fwd - sum(fwd), 0.0), fixed_bwd_ms=max(total_bwd - sum(bwd), 0.0),
+            optimizer_step_ms=span(("opt_start", -1), ("opt_end", -1)), step_ms=span(("step_start", -1), ("step_end", -1)),
+        )
+
+    def _span(self, start: tuple[str, int], end: tuple[str, int], fallback: tuple[str, int] | None = None) -> float:
+        if start not in self.marks:
+            return 0.0
+        stop = self.marks.get(end, self.marks.get(fallback)) if fallback else self.marks.get(end)
+        return 0.0 if stop is None else self.clock.elapsed_ms(self.marks[start], stop)
+
+
+def median_times(steps: Sequence[StepTimes]) -> StepTimes:
+    """Element-wise medians of several steps."""
+    med = statistics.median
+    return StepTimes(
+        block_fwd_ms=tuple(med(col) for col in zip(*(s.block_fwd_ms for s in steps))),
+        block_bwd_ms=tuple(med(col) for col in zip(*(s.block_bwd_ms for s in steps))),
+        fixed_fwd_ms=med(s.fixed_fwd_ms for s in steps), fixed_bwd_ms=med(s.fixed_bwd_ms for s in steps),
+        optimizer_step_ms=med(s.optimizer_step_ms for s in steps), step_ms=med(s.step_ms for s in steps),
+    )

@@ -1,0 +1,277 @@
+"""A device-agnostic tracker of live storages: the exact peak of a training step by category.
+
+`LiveTracker` is a ``TorchDispatchMode``: every aten op's outputs whose storages are new
+(not among its inputs' storages) are added with their storage bytes, and a
+``weakref.finalize`` on the storage removes them when it is freed. Storages that existed
+before the step are counted only when registered (parameters, buffers, gradients,
+optimizer state); the batch and anything else the caller holds is not counted. Only
+storages on the tracked device count. Allocations inside a kernel that never surface as a
+tensor are invisible (on CUDA compare with ``torch.cuda.max_memory_allocated``).
+
+Every tracked storage carries a label: ``parameters``, ``buffers``, ``gradients``,
+``optimizer_state``, ``temporaries`` (new and not yet known to be anything else) or
+``act:<segment>`` (saved for backward; category ``activations``). Labels move a storage
+between categories: `tag` (saved tensors, gradients after accumulation, new optimizer state).
+
+A *window* measures the peak of ``live - (live bytes of some labels)`` between two
+moments; `profile` uses it for the backward temporaries of each block.
+
+`track_step(step, model=..., optimizer=..., blocks=...)` runs a whole step under the
+tracker and returns its peak, the categories at the peak and a block-boundary timeline.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from remat._batch import batch_tensors, model_device
+from remat.measure.blocks import Blocks, find_blocks
+from remat.measure.boundaries import Boundary, StepBoundaries
+from remat.measure.saved import SavedAccountant
+from remat.measure.storage import storage_key, storage_nbytes
+from remat.measure.types import MemoryEvent
+
+CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
+ACT_PREFIX = "act:"
+
+
+def category_of(label: str) -> str:
+    """The category a label counts in."""
+    return "activations" if label.startswith(ACT_PREFIX) else label
+
+
+@dataclass
+class _Entry:
+    nbytes: int
+    label: str
+    finalizer: weakref.finalize
+
+
+class LiveTracker(TorchDispatchMode):
+    """Live storage bytes on one device, their running peak and the categories at the peak."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.live_by_label: dict[str, int] = {}
+        self.peak_by_category: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self._live_by_category: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
+        self._entries: dict[int, _Entry] = {}
+        self._window: frozenset[str] | None = None
+        self._window_excluded = 0
+        self._window_peak = 0
+
+    # ---- registration and labels -------------------------------------------------------
+    def register(self, tensors: Iterable[torch.Tensor], label: str) -> None:
+        """Count the storages of existing tensors under ``label`` (ignored when already counted)."""
+        for t in tensors:
+            self._add(t, label)
+
+    def tag(self, t: torch.Tensor, label: str, *, only_from: str = "temporaries") -> None:
+        """Move the tensor's storage to ``label`` if it is counted under ``only_from``."""
+        entry = self._entries.get(storage_key(t) if self._on_device(t) else None)
+        if entry is None or entry.label != only_from:
+            return
+        self._shift(entry.label, -entry.nbytes)
+        entry.label = label
+        self._shift(label, entry.nbytes)
+
+    def label_of(self, t: torch.Tensor) -> str | None:
+        """The label the tensor's storage is counted under, or None when not counted."""
+        entry = self._entries.get(storage_key(t))
+        return None if entry is None else entry.label
+
+    # ---- windows ----------------------------------------------------------------------
+    def open_window(self, excluded_labels: Iterable[str] = ()) -> None:
+        """Start measuring the peak of live bytes minus the bytes under ``excluded_labels``."""
+        self._window = frozenset(excluded_labels)
+        self._window_excluded = sum(self.live_by_label.get(label, 0) for label in self._window)
+        self._window_peak = self.live_bytes - self._window_excluded
+
+    def close_window(self) -> int:
+        """End the window; its peak."""
+        self._window = None
+        return self._window_peak
+
+    # ---- dispatch ---------------------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and storage_key(t) not in inputs:
+                self._add(t, "temporaries")
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for entry in self._entries.values():
+            entry.finalizer.detach()
+        self._entries.clear()
+
+    # ---- bookkeeping ------------------------------------------------------------------
+    def _on_device(self, t: torch.Tensor) -> bool:
+        return t.device.type == self.device.type and (
+            self.device.index is None or t.device.index in (None, self.device.index)
+        )
+
+    def _add(self, t: torch.Tensor, label: str) -> None:
+        key = storage_key(t)
+        if key is None or key in self._entries or not self._on_device(t):
+            return
+        nbytes = storage_nbytes(t)
+        finalizer = weakref.finalize(t.untyped_storage(), self._free, key)
+        self._entries[key] = _Entry(nbytes=nbytes, label=label, finalizer=finalizer)
+        self._shift(label, nbytes)
+
+    def _free(self, key: int) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._shift(entry.label, -entry.nbytes)
+
+    def _shift(self, label: str, delta: int) -> None:
+        self.live_by_label[label] = self.live_by_label.get(label, 0) + delta
+        self._live_by_category[category_of(label)] += delta
+        self.live_bytes += delta
+        if self._window is not None:
+            if label in self._window:
+                self._window_excluded += delta
+            self._window_peak = max(self._window_peak, self.live_bytes - self._window_excluded)
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self.peak_by_category = dict(self._live_by_category)
+
+
+# ---- a whole step ---------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrackedStep:
+    """What `track_step` measured."""
+
+    peak_bytes: int
+    """Peak live tracked bytes during the step (model state + everything the step allocated)."""
+    peak_bytes_by_category: dict[str, int]
+    """The categories of `CATEGORIES` at the peak; they sum to ``peak_bytes``."""
+    timeline: tuple[MemoryEvent, ...]
+    """Live bytes at each block boundary and around the optimizer step."""
+    device_max_allocated_bytes: int | None
+    """``torch.cuda.max_memory_allocated`` during the step (CUDA only; includes the batch)."""
+    result: Any = None
+    """What the step function returned."""
+
+
+class StepTracking:
+    """Context manager wiring a `LiveTracker` to a model: labels for every category, timeline.
+
+    Inside it, saved tensors are labelled ``act:<segment>`` (see `remat.measure.saved`),
+    gradients ``gradients`` once accumulated, optimizer state ``optimizer_state`` after each
+    step. ``listeners`` receive every `Boundary` after the timeline has recorded it.
+    """
+
+    def __init__(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
+                 blocks: Blocks = (), batch: Any = None, listeners: Iterable[Callable] = ()) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.tracker = LiveTracker(model_device(model))
+        self.timeline: list[MemoryEvent] = []
+        excluded = [*model.parameters(), *model.buffers(), *batch_tensors(batch)]
+        self.accountant = SavedAccountant(list(blocks), exclude=excluded, on_saved=self._on_saved)
+        self.boundaries = StepBoundaries(list(blocks), optimizer, [self._on_boundary, *listeners])
+        self._handles: list = []
+
+    def __enter__(self) -> StepTracking:
+        self._register_state()
+        for p in self.model.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_post_hook(self._on_step))
+        self.accountant.__enter__()
+        self.boundaries.__enter__()
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.tracker.__exit__(*exc)
+        self.boundaries.__exit__(*exc)
+        self.accountant.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+
+    def _register_state(self) -> None:
+        params = list(self.model.parameters())
+        self.tracker.register(params, "parameters")
+        self.tracker.register(self.model.buffers(), "buffers")
+        self.tracker.register((p.grad for p in params if p.grad is not None), "gradients")
+        self.tracker.register(optimizer_state_tensors(self.optimizer), "optimizer_state")
+
+    def _on_saved(self, t: torch.Tensor, nbytes: int, segment: str) -> None:
+        self.tracker.tag(t, ACT_PREFIX + segment)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self.tracker.tag(p.grad, "gradients")
+            self.tracker.register([p.grad], "gradients")
+
+    def _on_step(self, *_: object) -> None:
+        for t in optimizer_state_tensors(self.optimizer):
+            self.tracker.tag(t, "optimizer_state")
+            self.tracker.register([t], "optimizer_state")
+
+    def _on_boundary(self, event: Boundary) -> None:
+        phase = event.kind.split("_", 1)[0]
+        if phase in ("fwd", "bwd", "opt"):
+            self.timeline.append(MemoryEvent(phase=phase, where=event.where, live_bytes=self.tracker.live_bytes))
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The optimizer's per-parameter state tensors, without 0-dim step counters."""
+    if optimizer is None:
+        return []
+    return [
+        value for state in optimizer.state.values() for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    ]
+
+
+def track_step(step: Callable[[], Any], *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+               blocks: Blocks | str | Iterable[str] | None = None, batch: Any = None) -> TrackedStep:
+    """Run ``step()`` (forward, backward, optimizer step...) under the live-storage tracker.
+
+    ``blocks``: the block list of `find_blocks`, patterns for it, or None to detect them
+    (no blocks, hence no block events in the timeline, when none are found). ``batch``: its
+    tensors are never counted as activations.
+    """
+    block_list = _resolve_blocks(model, blocks)
+    device = model_device(model)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with StepTracking(model, optimizer=optimizer, blocks=block_list, batch=batch) as tracking:
+        result = step()
+    device_max = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    tracker = tracking.tracker
+    return TrackedStep(
+        peak_bytes=tracker.peak_bytes, peak_bytes_by_category=dict(tracker.peak_by_category),
+        timeline=tuple(tracking.timeline), device_max_allocated_bytes=device_max, result=result,
+    )
+
+
+def _resolve_blocks(model: nn.Module, blocks: Any) -> Blocks:
+    if blocks is None:
+        try:
+            return find_blocks(model)
+        except ValueError:
+            return []
+    if isinstance(blocks, str) or all(isinstance(b, str) for b in blocks):
+        return find_blocks(model, blocks)
+    return list(blocks)
