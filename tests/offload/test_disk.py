@@ -16,13 +16,13 @@ from remat.apply.offload import MIN_BYTES, OffloadEngine
 from remat.models import build
 
 from offload_helpers import (
-    MID_BYTES, NUM_BLOCKS, ROW_BYTES, LiveStorages, Wrapped, assert_grads_equal, dir_entries, toy_step,
+    MID_BYTES, NUM_BLOCKS, ROW_BYTES, TOY_FILES, LiveStorages, Wrapped, assert_grads_equal, dir_entries, toy_step,
 )
 
 # what the toy's blocks save, by hand: block 0 saves its two (64, 512) activations (GELU's input
 # and output; its own input x is a leaf the user holds), blocks 1..3 also their (64, 256) input.
 TOY_OFFLOADED_BYTES = NUM_BLOCKS * 2 * MID_BYTES + (NUM_BLOCKS - 1) * ROW_BYTES
-TOY_OFFLOADED_STORAGES = NUM_BLOCKS * 2 + NUM_BLOCKS - 1
+TOY_OFFLOADED_STORAGES = TOY_FILES
 
 
 def test_toy_gradients_bit_identical_and_bytes_exact(toy, tmp_path):

@@ -1,0 +1,133 @@
+"""Disk offload faults: each is a clear error naming the file and block; nothing is left behind;
+the model trains correctly afterwards."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from remat.apply import offload_disk
+from remat.apply.offload import OffloadEngine, OffloadError
+
+from offload_helpers import CAN_MOUNT, TOY_FILES, assert_grads_equal, dir_entries, tmpfs, toy_step
+
+BLOCK = r"block 'blocks\.\d'"
+
+
+def _fault_after_forward(toy, tmp_path, damage, match):
+    """Run a step whose files ``damage(path)`` hits between forward and backward."""
+    blocks, x = toy
+    want = toy_step(blocks, x, None)
+    engine = OffloadEngine("disk", directory=tmp_path, min_bytes=1)
+
+    def after_forward():
+        engine.wait_writes()
+        files = engine.store.live_files()
+        assert len(files) == TOY_FILES
+        damage(files[0])  # block 0's first file: read last, after other blocks came back
+
+    with pytest.raises(OffloadError, match=match):
+        toy_step(blocks, x, engine, after_forward)
+    assert engine.store.live_files() == []
+    assert dir_entries(tmp_path) == []  # every file and the private directory are gone
+    blocks.zero_grad(set_to_none=True)  # the failed backward accumulated the later blocks' grads
+    x.grad = None
+    assert_grads_equal(toy_step(blocks, x, None), want)  # the model is fine
+    assert_grads_equal(toy_step(blocks, x, engine), want)  # and so is the engine
+    engine.close()
+    assert dir_entries(tmp_path) == []
+
+
+def test_missing_file(toy, tmp_path):
+    _fault_after_forward(toy, tmp_path, os.unlink, rf"offload file {tmp_path}/\S+-blocks\.0\.bin of {BLOCK} is missing")
+
+
+def test_corrupted_file(toy, tmp_path):
+    def flip_byte(path):
+        with open(path, "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    _fault_after_forward(toy, tmp_path, flip_byte, rf"checksum mismatch in offload file {tmp_path}/\S+ of {BLOCK}")
+
+
+def test_truncated_file(toy, tmp_path):
+    def truncate(path):
+        os.truncate(path, os.path.getsize(path) - 7)
+
+    _fault_after_forward(
+        toy, tmp_path, truncate, rf"offload file {tmp_path}/\S+ of {BLOCK} holds 131065 bytes but 131072 were written"
+    )
+
+
+def _fault_in_forward(toy, directory, match):
+    blocks, x = toy
+    want = toy_step(blocks, x, None)
+    engine = OffloadEngine("disk", directory=directory, min_bytes=1)
+    with pytest.raises(OffloadError, match=match):
+        toy_step(blocks, x, engine)
+    assert engine.store.live_files() == []
+    assert dir_entries(directory) == []
+    assert_grads_equal(toy_step(blocks, x, None), want)
+    engine.close()
+
+
+@pytest.mark.skipif(not CAN_MOUNT, reason="mounting a tmpfs needs root; test_disk_full_simulated covers ENOSPC")
+def test_disk_full_real_tiny_filesystem(toy, tmp_path):
+    """A 256 KiB tmpfs: the second (64, 512) activation no longer fits."""
+    with tmpfs(tmp_path / "tiny", "256k") as tiny:
+        _fault_in_forward(toy, tiny, rf"could not write offload file {tiny}/\S+ for {BLOCK}: No space left on device \(errno 28\); the disk is full")
+
+
+def test_disk_full_simulated(toy, tmp_path, monkeypatch):
+    """Without root: the file write raises ENOSPC after the first file, as a full disk does."""
+    real_write, calls = offload_disk.write_file, []
+
+    def write_file_then_enospc(path, data):
+        calls.append(path)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real_write(path, data)
+
+    monkeypatch.setattr(offload_disk, "write_file", write_file_then_enospc)
+    _fault_in_forward(toy, tmp_path, rf"could not write offload file {tmp_path}/\S+ for {BLOCK}: No space left on device")
+
+
+@pytest.mark.skipif(not CAN_MOUNT, reason="a read-only mount needs root (root ignores chmod); see the non-root variant")
+def test_read_only_directory_mount(toy, tmp_path):
+    with tmpfs(tmp_path / "ro", "1m", read_only=True) as ro:
+        _fault_in_forward(
+            toy, ro, rf"could not create a private directory in offload directory {ro} for block 'blocks\.0': "
+            r"Read-only file system \(errno 30\); the directory is not writable",
+        )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into a 0500 directory; the mount variant covers root")
+def test_read_only_directory_chmod(toy, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    _fault_in_forward(toy, ro, rf"could not create a private directory in offload directory {ro} .*Permission denied")
+
+
+def test_interrupt_in_forward_leaves_nothing(toy, tmp_path):
+    blocks, x = toy
+    engine = OffloadEngine("disk", directory=tmp_path, min_bytes=1)
+    with pytest.raises(KeyboardInterrupt):
+        with engine.block_context("blocks.0", blocks[0]):
+            blocks[0](x)
+            raise KeyboardInterrupt
+    assert engine.store.live_files() == [] and dir_entries(tmp_path) == []
+    engine.close()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"offload target 'gpu' is unknown; use 'cpu' or 'disk'"):
+        OffloadEngine("gpu")
+    with pytest.raises(ValueError, match=r"min_bytes=0 must be >= 1"):
+        OffloadEngine("disk", min_bytes=0)
+    with pytest.raises(ValueError, match=r"num_threads=0 must be >= 1"):
+        OffloadEngine("disk", num_threads=0)
