@@ -17,7 +17,8 @@ Per offloaded block ``i`` (``offload:cpu`` or ``offload:disk``), from the measur
       extra_ms = exposed(bytes / write_rate, fwd_ms) + exposed(bytes / read_rate, bwd_ms)
 
   with the rates of the target: pinned device->host / host->device for ``cpu``; the disk's
-  sequential write / read for ``disk`` (plus the device->host / host->device copy on a GPU);
+  sequential write / read for ``disk`` (plus the device->host / host->device copy on a GPU,
+  when measured);
 - ``extra_flops`` = 0: nothing is recomputed.
 
 A strategy is offered only where its rates were measured (`offload_strategies`); costing it
@@ -39,15 +40,14 @@ hooks); a test keeps them equal."""
 
 def offload_strategies(profile: Profile) -> tuple[str, ...]:
     """The offload strategies this profile can cost: ``offload:cpu`` on an accelerator with
-    measured host<->device rates, ``offload:disk`` with measured disk rates."""
+    measured host<->device rates, ``offload:disk`` with measured disk rates (the same rule as
+    the planner's options in `remat.plan.search`)."""
     bw = profile.bandwidths
     out: list[str] = []
-    has_host = bw.host_to_device_bytes_per_s is not None and bw.device_to_host_bytes_per_s is not None
-    if profile.fingerprint.device != "cpu" and has_host:
+    if profile.fingerprint.device != "cpu" and bw.host_to_device_bytes_per_s and bw.device_to_host_bytes_per_s:
         out.append("offload:cpu")
-    if bw.disk_write_bytes_per_s is not None and bw.disk_read_bytes_per_s is not None:
-        if profile.fingerprint.device == "cpu" or has_host:
-            out.append("offload:disk")
+    if bw.disk_write_bytes_per_s and bw.disk_read_bytes_per_s:
+        out.append("offload:disk")
     return tuple(out)
 
 
@@ -74,7 +74,7 @@ def transfer_ms(profile: Profile, strategy: str, nbytes: int) -> tuple[float, fl
         )
     bw = profile.bandwidths
     out_ms, back_ms = 0.0, 0.0
-    if profile.fingerprint.device != "cpu":
+    if profile.fingerprint.device != "cpu" and bw.device_to_host_bytes_per_s and bw.host_to_device_bytes_per_s:
         out_ms += 1e3 * nbytes / bw.device_to_host_bytes_per_s
         back_ms += 1e3 * nbytes / bw.host_to_device_bytes_per_s
     if strategy == "offload:disk":
