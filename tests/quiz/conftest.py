@@ -5,14 +5,15 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 
 # Runs the `remat` app whether typer built it as a command group ("remat quiz ...") or, while
 # `quiz` is its only command, as a single command ("remat ...").
 RUN_REMAT = (
-    "import sys, click, typer\n"
+    "import sys, typer\n"
     "from remat.cli import app\n"
     "cmd = typer.main.get_command(app)\n"
-    "args = sys.argv[1:] if isinstance(cmd, click.Group) else sys.argv[2:]\n"
+    "args = sys.argv[1:] if hasattr(cmd, 'commands') else sys.argv[2:]\n"
     "cmd.main(args, prog_name='remat')\n"
 )
 
@@ -30,7 +31,6 @@ def remat_argv():
 @pytest.fixture
 def invoke():
     """Run ``remat <args>`` in-process; returns the click Result (exit_code, stdout, stderr)."""
-    import click
     import typer
     from click.testing import CliRunner
 
@@ -38,7 +38,16 @@ def invoke():
 
     def run(*args: str, env: dict[str, str] | None = None):
         cmd = typer.main.get_command(app)
-        argv = list(args) if isinstance(cmd, click.Group) else list(args[1:])
+        argv = list(args) if hasattr(cmd, "commands") else list(args[1:])
         return CliRunner().invoke(cmd, argv, env=env, prog_name="remat")
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread per test process: tests run beside others on two shared cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,126 @@
+"""Each live demonstration measures its claim with remat's own stages, and the claim holds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from remat.quiz import LANGUAGES, load_quiz
+from remat.quiz.live import DEMONSTRATIONS, Demonstration, demonstrate, fitted_exponent
+
+pytestmark = pytest.mark.slow
+
+HAVE_VERIFY = importlib.util.find_spec("remat.verify") is not None
+NEEDS_VERIFY = {"tradeoff", "measure-overhead", "sqrt-n", "selective", "offload"}
+needs_verify = pytest.mark.skipif(not HAVE_VERIFY, reason="remat.verify has not landed yet")
+
+
+@pytest.fixture(scope="module")
+def demos() -> dict[str, Demonstration]:
+    """Every demonstration whose stages exist, run once for the module (on one thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    try:
+        return {qid: demonstrate(qid) for qid in DEMONSTRATIONS if HAVE_VERIFY or qid not in NEEDS_VERIFY}
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_every_question_has_a_demonstration():
+    assert sorted(DEMONSTRATIONS) == sorted(q.id for q in load_quiz("en").questions)
+
+
+def test_fitted_exponent_is_exact_on_power_laws():
+    assert fitted_exponent([16, 64, 256], [4.0, 8.0, 16.0]) == pytest.approx(0.5, abs=1e-12)
+    assert fitted_exponent([16, 64, 256], [3 * 16, 3 * 64, 3 * 256]) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_unknown_question_is_a_clear_error():
+    with pytest.raises(LookupError, match=r"no live measurement for question 'nope'; available: "):
+        demonstrate("nope")
+
+
+@pytest.mark.parametrize("language", LANGUAGES)
+def test_every_claim_renders_in_both_languages(demos, language):
+    for q in load_quiz(language).questions:
+        if q.id not in demos:
+            continue
+        line = q.live_claim.format(**demos[q.id].values)
+        assert "{" not in line and len(line) > 20
+
+
+@needs_verify
+def test_q1_full_recomputation_costs_flops_not_gradients(demos):
+    d = demos["tradeoff"]
+    assert d.holds
+    assert d.values["extra_gflops"] > 0 and d.values["grads_identical"] is True
+    # the replay is one forward of the blocks: between 0 and 1/2 of a step's FLOPs (backward ~ 2x forward)
+    assert 0 < d.values["extra_flops_pct"] < 50
+    assert d.values["predicted_extra_gflops"] == pytest.approx(d.values["extra_gflops"], rel=0.05)
+
+
+def test_q2_autograd_saves_bytes_in_every_block_and_names_the_ops(demos):
+    d = demos["why-saved"]
+    assert d.holds and d.values["saved_kib_per_block"] > 0
+    assert "mm" in d.values["top_ops"]
+
+
+@needs_verify
+def test_q3_same_strategy_costs_differ_between_models(demos):
+    d = demos["measure-overhead"]
+    assert d.holds
+    assert abs(d.values["extra_flops_a_pct"] - d.values["extra_flops_b_pct"]) >= 5.0
+
+
+@needs_verify
+def test_q4_sqrt_segments_give_square_root_scaling(demos):
+    d = demos["sqrt-n"]
+    assert d.holds and 0.4 <= d.values["exponent"] <= 0.6
+    assert d.values["exponent_none"] > 0.9
+    assert all(s < n for s, n in zip(d.values["sqrt_kib"], d.values["none_kib"]))
+
+
+@needs_verify
+def test_q5_selective_sits_between_keep_and_full(demos):
+    d = demos["selective"]
+    assert d.holds
+    v = d.values
+    assert v["full_kib"] <= v["selective_kib"] < v["keep_kib"]
+    assert v["selective_extra_gflops"] < v["full_extra_gflops"]
+
+
+@needs_verify
+def test_q6_disk_offload_moves_activations_out_of_memory(demos):
+    d = demos["offload"]
+    assert d.holds and d.values["grads_identical"] is True
+    assert d.values["after_kib"] < d.values["before_kib"] and d.values["offloaded_kib"] > 0
+
+
+def test_q7_gradients_identical_with_rng_preserved_and_differ_without(demos):
+    d = demos["rng"]
+    assert d.holds
+    assert d.values["identical_preserved"] is True and d.values["diff_preserved"] == 0.0
+    assert d.values["differ_not_preserved"] is True and d.values["diff_not_preserved"] > 0.0
+
+
+def test_q8_planner_names_optimizer_state_as_the_reason(demos):
+    d = demos["optimizer-state"]
+    assert d.holds
+    assert "optimizer state" in d.values["reason"].lower()
+    assert d.values["optimizer_state_kib"] > d.values["budget_kib"]
+
+
+@needs_verify
+def test_cli_live_renders_each_demonstration(demos, invoke, monkeypatch):
+    # the measurements above, rendered by the command (not measured a second time)
+    monkeypatch.setattr("remat.quiz.live.DEMONSTRATIONS", {qid: (lambda d=d: d) for qid, d in demos.items()})
+    result = invoke("quiz", "--answers", "B,D,A,C,D,B,C,A", "--lang", "en", "--live", env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("Measured on this machine by remat") == 8
+    assert "(holds)" in result.stdout and "does NOT hold" not in result.stdout
+    doc = json.loads(invoke("quiz", "--answers", "B,D,A,C,D,B,C,A", "--json", "--live").stdout)
+    assert all(entry["available"] and entry["holds"] for entry in doc["live"].values())
