@@ -1,0 +1,40 @@
+"""Bandwidth probes: rates measured in the chosen directory, nothing left there."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from remat.measure.bandwidth import measure_bandwidths, measure_disk
+
+from offload_helpers import dir_entries
+
+
+def test_disk_rates_measured_in_the_directory(tmp_path):
+    bw = measure_bandwidths("cpu", tmp_path)
+    for rate in (bw.disk_write_bytes_per_s, bw.disk_read_bytes_per_s):
+        assert rate is not None and math.isfinite(rate) and rate > 0
+    assert 0.0 <= bw.disk_overlap_fraction <= 1.0
+    assert bw.disk_dir == str(tmp_path.resolve())
+    assert bw.host_to_device_bytes_per_s is None and bw.overlap_fraction is None  # CPU: no host link
+    assert dir_entries(tmp_path) == []
+
+
+def test_nothing_measured_without_a_directory_on_cpu():
+    bw = measure_bandwidths("cpu")
+    assert (bw.disk_write_bytes_per_s, bw.disk_read_bytes_per_s, bw.host_to_device_bytes_per_s) == (None, None, None)
+
+
+def test_missing_directory_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match=r"offload directory '.*/nope' does not exist; create it"):
+        measure_disk(tmp_path / "nope")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host<->device rates need CUDA")
+@pytest.mark.cuda
+def test_host_device_rates_on_cuda():
+    bw = measure_bandwidths("cuda")
+    assert bw.host_to_device_bytes_per_s > 0 and bw.device_to_host_bytes_per_s > 0
+    assert 0.0 <= bw.overlap_fraction <= 1.0
