@@ -67,6 +67,22 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+def _is_kv_cache(value: Any) -> bool:
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+
+
+def drop_kv_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Replace Hugging Face key/value caches by None for a planned segment.
+
+    A cache is appended to by every forward, so a replay would append the keys and values a
+    second time; training does not use it. Hugging Face's own gradient checkpointing does the
+    same (``use_cache=True`` is incompatible with gradient checkpointing)."""
+    if not any(_is_kv_cache(v) for v in (*args, *kwargs.values())):
+        return args, kwargs
+    args = tuple(None if _is_kv_cache(v) else v for v in args)
+    return args, {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()}
+
+
 @dataclass(kw_only=True)
 class _Pending:
     """The output of a block already computed inside its segment's region."""
@@ -112,6 +128,8 @@ class Runtime:
         self.saved_forwards: dict[int, Any] = {}
         """Instance ``forward`` attributes the blocks had before apply_ (restored by remove_)."""
         self.pending: dict[int, _Pending] = {}
+        self.mutating: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        """Buffers a region's forward changes, per (start, stop, training modes); see BufferGuard."""
 
     # -- installing -------------------------------------------------------------------------
     def planned_indices(self) -> list[int]:
@@ -162,7 +180,8 @@ class Runtime:
                 f"block {self.block_names[index]!r} was called without positional arguments; remat "
                 "passes the first positional argument from block to block. Call blocks as block(x, ...)."
             )
-        outputs = self.run_segment(seg, args[0], args[1:], kwargs)
+        run_args, run_kwargs = drop_kv_caches(args, kwargs)
+        outputs = self.run_segment(seg, run_args[0], run_args[1:], run_kwargs)
         for offset in range(1, len(outputs)):
             self.pending[index + offset] = _Pending(
                 expected_first=first_of(outputs[offset - 1]), extra=args[1:], kwargs=kwargs,
@@ -228,28 +247,39 @@ class Runtime:
 class BufferGuard:
     """Undo buffer updates made by a replay (BatchNorm running statistics...).
 
-    The first run of a region is the real forward: it records which buffers it changed (by
-    version counter). Every later run is a replay: those buffers are copied before it and
-    restored after it, so the running statistics advance once per step, as without
-    recomputation."""
+    The first run of a region is the real forward; every later run is a replay. Which buffers
+    a forward changes is found once per region and training mode by comparing values (the
+    kernels that update running statistics do not bump version counters) and kept in
+    ``runtime.mutating``. A replay copies those buffers first and restores them after, so
+    they advance once per step, as without recomputation."""
 
-    def __init__(self, buffers: list[torch.Tensor]) -> None:
-        self.buffers = buffers
+    def __init__(self, runtime: Runtime, start: int, stop: int) -> None:
+        self.runtime = runtime
+        self.start, self.stop = start, stop
         self.calls = 0
-        self.mutated: list[torch.Tensor] = []
+
+    def _key(self) -> tuple[Any, ...]:
+        modes = tuple(m.training for i in range(self.start, self.stop) for m in self.runtime.blocks[i].modules())
+        return (self.start, self.stop, modes)
 
     @contextlib.contextmanager
     def run(self) -> Iterator[None]:
         self.calls += 1
-        if self.calls == 1:
-            before = [b._version for b in self.buffers]
+        key = self._key()
+        known = self.runtime.mutating.get(key)
+        if self.calls == 1 and known is None:
+            buffers = self.runtime.block_buffers(self.start, self.stop)
+            before = [b.detach().clone() for b in buffers]
             yield
-            self.mutated = [b for b, v in zip(self.buffers, before) if b._version != v]
+            self.runtime.mutating[key] = [b for b, v in zip(buffers, before) if not torch.equal(b, v)]
             return
-        saved = [b.detach().clone() for b in self.mutated]
+        if self.calls == 1 or not known:
+            yield
+            return
+        saved = [b.detach().clone() for b in known]
         try:
             yield
         finally:
             with torch.no_grad():
-                for buf, value in zip(self.mutated, saved):
+                for buf, value in zip(known, saved):
                     buf.copy_(value)

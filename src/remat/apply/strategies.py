@@ -31,7 +31,7 @@ Handler = Callable[[Runtime, Segment, Any, tuple[Any, ...], dict[str, Any]], lis
 
 def _checkpointed(runtime: Runtime, seg: Segment, body: Callable[[Any], list[Any]],
                   first: Any, extra: tuple[Any, ...], context_fn: Callable[[], Any] | None = None) -> list[Any]:
-    guard = BufferGuard(runtime.block_buffers(seg.start, seg.stop))
+    guard = BufferGuard(runtime, seg.start, seg.stop)
 
     def region(first: Any, *extra_args: Any) -> tuple[Any, ...]:
         with guard.run():
