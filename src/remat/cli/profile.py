@@ -1,1 +1,95 @@
-"""Placeholder until the command lands; registers nothing."""
+"""`remat profile`: measure a built-in model or ``file.py:function`` and print the per-block table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from remat.cli._app import app, console, fail
+from remat.measure.types import Profile
+
+MIB = 2**20
+
+
+@app.command("profile")
+def profile_command(
+    target: Optional[str] = typer.Argument(
+        None, help="A built-in model (gpt, mlp, convnet, hf:gpt2, hf:llama) or path/to/file.py:build "
+        "where build() returns model, batch[, loss_fn[, optimizer]]. Overrides --model."),
+    model: str = typer.Option("gpt", "--model", "-m", help="Built-in model to profile."),
+    layers: Optional[int] = typer.Option(None, help="Blocks (gpt/hf layers, mlp depth, convnet blocks)."),
+    d_model: Optional[int] = typer.Option(None, "--d-model", help="Width (gpt/hf d_model, mlp width, convnet channels)."),
+    heads: Optional[int] = typer.Option(None, help="Attention heads."),
+    seq: Optional[int] = typer.Option(None, help="Sequence length (convnet: image size)."),
+    batch: Optional[int] = typer.Option(None, help="Batch size."),
+    vocab: Optional[int] = typer.Option(None, help="Vocabulary size."),
+    dropout: Optional[float] = typer.Option(None, help="Dropout probability."),
+    attention: Optional[str] = typer.Option(None, help="gpt: explicit or sdpa; hf: eager or sdpa."),
+    blocks: Optional[list[str]] = typer.Option(None, "--blocks", help="Glob over module names or a class name; repeatable."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the Profile as JSON here."),
+    warmup: int = typer.Option(1, help="Plain steps before measuring."),
+    repeats: int = typer.Option(3, help="Timed steps (the median is kept)."),
+    seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
+) -> None:
+    """Measure the real model block by block: saved bytes, time, FLOPs, memory peak."""
+    from remat.measure.profile import profile
+    from remat.models import load_target, sizes_from_options
+
+    spec = target or model
+    options = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch, vocab=vocab,
+                   dropout=dropout, attention=attention)
+    try:
+        with console.status(f"building {spec}..."):
+            sizes = sizes_from_options(spec, **options)
+            built = load_target(spec, seed=seed, **sizes)
+        with console.status(f"profiling {spec}: warm-up, accounting step, {repeats} timed steps..."):
+            result = profile(built.model, built.batch, built.loss_fn, built.optimizer, blocks or None,
+                             warmup=warmup, repeats=repeats)
+    except (ValueError, TypeError) as error:
+        raise fail(str(error)) from None
+    console.print(profile_table(result, spec))
+    console.print(state_summary(result))
+    if json_path is not None:
+        result.save(json_path)
+        console.print(f"profile written to {json_path}")
+
+
+def profile_table(result: Profile, title: str) -> Table:
+    """The per-block table: saved MiB, fwd/bwd ms, GFLOPs, share of the step."""
+    table = Table(title=f"remat profile: {title} on {result.environment.device_name}")
+    for header in ("#", "block", "class", "saved MiB", "bwd temp MiB", "fwd ms", "bwd ms", "GFLOPs", "share of step"):
+        table.add_column(header, justify="left" if header in ("block", "class") else "right")
+    step_ms = result.step_ms or 1.0
+    table.add_row("", "pre + post (fixed)", "", _mib(result.fixed_saved_bytes), _mib(result.fixed_post_bwd_temp_bytes),
+                  f"{result.fixed_fwd_ms:.2f}", f"{result.fixed_bwd_ms:.2f}", f"{result.fixed_flops / 1e9:.3f}",
+                  f"{100 * (result.fixed_fwd_ms + result.fixed_bwd_ms) / step_ms:.1f}%")
+    for b in result.blocks:
+        table.add_row(str(b.index), b.name, b.class_name, _mib(b.saved_bytes), _mib(b.bwd_temp_bytes),
+                      f"{b.fwd_ms:.2f}", f"{b.bwd_ms:.2f}", f"{b.fwd_flops / 1e9:.3f}",
+                      f"{100 * (b.fwd_ms + b.bwd_ms) / step_ms:.1f}%")
+    table.add_row("", "optimizer step", result.optimizer_name, "", _mib(result.optimizer_step_temp_bytes),
+                  "", f"{result.optimizer_step_ms:.2f}", "", f"{100 * result.optimizer_step_ms / step_ms:.1f}%")
+    return table
+
+
+def state_summary(result: Profile) -> str:
+    """Model state, activations and the measured peak, one line each."""
+    peak = ", ".join(f"{k} {_mib(v)}" for k, v in result.peak_bytes_by_category.items() if v)
+    lines = [
+        f"parameters {_mib(result.param_bytes)} MiB, gradients {_mib(result.grad_bytes)} MiB, "
+        f"optimizer state {_mib(result.optimizer_state_bytes)} MiB ({result.optimizer_name}), "
+        f"buffers {_mib(result.buffer_bytes)} MiB",
+        f"saved activations {_mib(result.saved_bytes)} MiB in {result.num_blocks} blocks + fixed part; "
+        f"step {result.step_ms:.1f} ms",
+        f"measured peak {_mib(result.peak_bytes)} MiB ({peak})",
+    ]
+    if result.device_max_allocated_bytes is not None:
+        lines.append(f"torch.cuda.max_memory_allocated {_mib(result.device_max_allocated_bytes)} MiB")
+    return "\n".join(lines)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / MIB:.2f}"

@@ -11,13 +11,15 @@ The memory quantities satisfy, for the measured (keep-everything) step, exactly:
 - peak during block j's backward = ``S + fixed_pre_saved_bytes + sum(saved_bytes of blocks
   0..j) + bwd_temp_bytes_j``, where ``S`` is the model state live at that moment
   (parameters, buffers, optimizer state and the gradients accumulated so far);
-- peak from the end of the last block's forward to the start of its backward (head and loss,
-  forward and backward) = ``S + fixed_pre_saved_bytes + sum(all blocks' saved_bytes) +
+- peak from ``loss.backward()`` to the start of the last block's backward (the backward of
+  head and loss) = ``S + fixed_pre_saved_bytes + sum(all blocks' saved_bytes) +
   fixed_post_saved_bytes + fixed_post_bwd_temp_bytes``;
 - peak during ``optimizer.step()`` = live bytes when it starts + ``optimizer_step_temp_bytes``.
 
-So ``bwd_temp_bytes`` holds everything else live at that peak: the incoming gradient, the
-gradients the block's backward computes, and saved tensors of later blocks not yet freed.
+So ``bwd_temp_bytes`` holds everything else live at that peak (the incoming gradient, the
+gradients the block's backward computes, saved tensors of later blocks not yet freed) minus
+the block's own saved bytes already freed at that moment. It is never negative: at the
+start of the block's backward all of its saved bytes are live.
 """
 
 from __future__ import annotations
@@ -120,9 +122,10 @@ def _measure(step: _Step, block_list: Blocks, warmup: int, repeats: int) -> Prof
 class _Windows:
     """Boundary listener: the backward-temporary windows of the accounting step."""
 
-    def __init__(self, tracker: LiveTracker, block_names: list[str]) -> None:
+    def __init__(self, tracker: LiveTracker, block_names: list[str], accountant: SavedAccountant) -> None:
         self.tracker = tracker
         self.names = block_names
+        self.accountant = accountant
         self.block_temp_bytes = [0] * len(block_names)
         self.post_temp_bytes = 0
         self.optimizer_temp_bytes = 0
@@ -130,12 +133,11 @@ class _Windows:
         self._opt_start_bytes = 0
 
     def __call__(self, event: Boundary) -> None:
-        last = len(self.names) - 1
-        if event.kind == "fwd_end" and event.index == last:
-            self._start(len(self.names), [*self.names, POST])
+        if event.kind == "bwd_begin":
+            self._start(len(self.names), self.names, POST)
         elif event.kind == "bwd_start":
             self._close()
-            self._start(event.index, self.names[: event.index + 1])
+            self._start(event.index, self.names[: event.index], self.names[event.index])
         elif event.kind in ("bwd_end", "bwd_done"):
             self._close()
         elif event.kind == "opt_start":
@@ -144,10 +146,12 @@ class _Windows:
         elif event.kind == "opt_end":
             self.optimizer_temp_bytes = self.tracker.close_window() - self._opt_start_bytes
 
-    def _start(self, index: int, saved_segments: list[str]) -> None:
+    def _start(self, index: int, earlier: list[str], own: str) -> None:
+        """Exclude the state and what earlier segments still hold (live), and the window's own
+        segment's full saved bytes (a constant: the bytes it frees during its backward stay counted)."""
         self._open = index
-        segments = [PRE, *saved_segments]
-        self.tracker.open_window([*STATE_LABELS, *(ACT_PREFIX + s for s in segments)])
+        labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in [PRE, *earlier])]
+        self.tracker.open_window(labels, offset_bytes=self.accountant.bytes_by_segment()[own])
 
     def _close(self) -> None:
         if self._open is None:
@@ -191,7 +195,7 @@ class _ForwardGate:
 def _account(step: _Step, block_list: Blocks) -> _Accounting:
     names = [name for name, _ in block_list]
     tracking = StepTracking(step.model, optimizer=step.optimizer, blocks=block_list, batch=step.batch)
-    windows = _Windows(tracking.tracker, names)
+    windows = _Windows(tracking.tracker, names, tracking.accountant)
     recorder = OpRecorder(lambda: tracking.accountant.segment, sync=Clock(model_device(step.model)).sync)
     tracking.boundaries.listeners += [windows, _ForwardGate(recorder)]
     with recorder, tracking:

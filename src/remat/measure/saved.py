@@ -49,6 +49,7 @@ class SavedAccountant:
         self.blocks = blocks
         self.segment = PRE
         self.saved: dict[int, SavedStorage] = {}
+        self._totals: dict[str, int] = {}
         self.input_bytes: dict[str, int] = {}
         self.output_bytes: dict[str, int] = {}
         self._excluded = storage_keys(exclude)
@@ -58,10 +59,7 @@ class SavedAccountant:
 
     def bytes_by_segment(self) -> dict[str, int]:
         """Saved bytes per segment, every segment present (0 when nothing saved)."""
-        totals = {PRE: 0, **{name: 0 for name, _ in self.blocks}, POST: 0}
-        for record in self.saved.values():
-            totals[record.segment] += record.nbytes
-        return totals
+        return {PRE: 0, **{name: 0 for name, _ in self.blocks}, POST: 0, **self._totals}
 
     def __enter__(self) -> SavedAccountant:
         last = len(self.blocks) - 1
@@ -100,6 +98,7 @@ class SavedAccountant:
             return t
         nbytes = storage_nbytes(t)
         self.saved[key] = SavedStorage(nbytes=nbytes, segment=self.segment)
+        self._totals[self.segment] = self._totals.get(self.segment, 0) + nbytes
         if self._on_saved is not None:
             self._on_saved(t, nbytes, self.segment)
         return t

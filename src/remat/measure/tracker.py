@@ -14,7 +14,7 @@ Every tracked storage carries a label: ``parameters``, ``buffers``, ``gradients`
 between categories: `tag` (saved tensors, gradients after accumulation, new optimizer state).
 
 A *window* measures the peak of ``live - (live bytes of some labels)`` between two
-moments; `profile` uses it for the backward temporaries of each block.
+moments; `remat.measure.profile` uses it for the backward temporaries of each block.
 
 `track_step(step, model=..., optimizer=..., blocks=...)` runs a whole step under the
 tracker and returns its peak, the categories at the peak and a block-boundary timeline.
@@ -92,10 +92,11 @@ class LiveTracker(TorchDispatchMode):
         return None if entry is None else entry.label
 
     # ---- windows ----------------------------------------------------------------------
-    def open_window(self, excluded_labels: Iterable[str] = ()) -> None:
-        """Start measuring the peak of live bytes minus the bytes under ``excluded_labels``."""
+    def open_window(self, excluded_labels: Iterable[str] = (), offset_bytes: int = 0) -> None:
+        """Start measuring the peak of live bytes minus the bytes now under ``excluded_labels``
+        minus a constant ``offset_bytes``."""
         self._window = frozenset(excluded_labels)
-        self._window_excluded = sum(self.live_by_label.get(label, 0) for label in self._window)
+        self._window_excluded = offset_bytes + sum(self.live_by_label.get(label, 0) for label in self._window)
         self._window_peak = self.live_bytes - self._window_excluded
 
     def close_window(self) -> int:

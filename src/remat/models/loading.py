@@ -13,23 +13,64 @@ from typing import Any
 
 from torch import nn
 
-from remat.models.registry import MODEL_NAMES, BuiltModel, build
+from remat.models.registry import MODEL_NAMES, BuiltModel, build, model_sizes
+
+SIZE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "layers": ("num_layers", "depth", "num_blocks"),
+    "d_model": ("d_model", "width", "channels"),
+    "heads": ("num_heads",),
+    "seq": ("seq_len", "image_size"),
+    "batch": ("batch_size",),
+    "vocab": ("vocab_size",),
+    "dropout": ("dropout",),
+    "attention": ("attention",),
+}
+"""Command-line size options -> the size keyword each built-in model calls them (``--layers``
+is ``num_layers`` for gpt, ``depth`` for mlp, ``num_blocks`` for convnet...)."""
 
 
-def load_target(spec: str, **sizes: Any) -> BuiltModel:
+def sizes_from_options(name: str, **options: Any) -> dict[str, Any]:
+    """Translate command-line size options (`SIZE_OPTIONS` keys; None = not given) for model ``name``."""
+    given = {k: v for k, v in options.items() if v is not None}
+    if given and is_file_target(name):
+        raise ValueError(
+            f"size options {sorted(given)} apply to built-in models only, not to {name!r}; "
+            "set the sizes inside the build function instead."
+        )
+    known = model_sizes(name) if given else {}
+    sizes = {}
+    for option, value in given.items():
+        keys = [k for k in SIZE_OPTIONS.get(option, ()) if k in known]
+        if not keys:
+            usable = sorted(o for o, ks in SIZE_OPTIONS.items() if any(k in known for k in ks))
+            raise ValueError(
+                f"option --{option.replace('_', '-')} does not apply to model {name!r}; "
+                f"its size options: {', '.join('--' + o.replace('_', '-') for o in usable)}."
+            )
+        sizes[keys[0]] = value
+    return sizes
+
+
+def is_file_target(spec: str) -> bool:
+    """True for ``path/to/file.py:function`` (as opposed to a built-in name such as ``hf:gpt2``)."""
+    return ":" in spec and not spec.startswith("hf:")
+
+
+def load_target(spec: str, *, seed: int = 0, **sizes: Any) -> BuiltModel:
     """A built-in model (``"gpt"``, ``"hf:llama"``...) or the result of ``file.py:function()``.
 
-    Sizes whose value is None are ignored, so a CLI can pass every option through.
+    Sizes whose value is None are ignored, so a CLI can pass every option through; ``seed``
+    seeds a built-in model (a build function seeds itself).
     """
     sizes = {k: v for k, v in sizes.items() if v is not None}
-    if ":" in spec and spec.split(":", 1)[0] not in ("hf",):
+    if is_file_target(spec):
         if sizes:
             raise ValueError(
                 f"size options {sorted(sizes)} apply to built-in models only, not to {spec!r}; "
                 "set the sizes inside the build function instead."
             )
         return load_file_target(spec)
-    return build(spec, **sizes)
+    return build(spec, seed=seed, **sizes)
 
 
 def load_file_target(spec: str) -> BuiltModel:
