@@ -44,7 +44,7 @@ def plot_frontier(profile: Profile, plans: Sequence[Plan] = (),
     all_bytes = [base.peak_bytes, *(p.prediction.peak_bytes for p in (*plans, *frontier)),
                  *(v.measured_peak_bytes for v in verifications)]
     scale = byte_scale(max(all_bytes + ([budget] if budget else [])))
-    fig = new_figure(7.5, 4.8)
+    fig = new_figure(7.5, 5.2)
     ax = fig.add_subplot()
     style_axes(ax)
     _draw_frontier(ax, scale, frontier or plans, derived=not frontier)
@@ -58,7 +58,8 @@ def plot_frontier(profile: Profile, plans: Sequence[Plan] = (),
     ax.set_xlabel(f"peak memory of one training step ({scale.unit})")
     ax.set_ylabel("step time (ms)")
     ax.set_title("Memory-time trade-off (predicted unless marked measured)")
-    ax.legend(loc="best", fontsize="small", framealpha=0.9)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=3,
+               fontsize="small", frameon=False)
     ax.margins(x=0.08, y=0.12)
     return fig
 

@@ -84,11 +84,12 @@ def render_html(profile: Profile, plans: Sequence[Plan] = (),
     sentence = summary_sentence(profile, plans, verifications, budget_bytes=budget)
     body = [
         _header(profile, sentence, budget),
-        _section("plans", "Plans", _table_html(plans_table(profile, plans, verifications, budget))) if plans else "",
+        _section("plans", "Plans", _table_html(plans_table(profile, plans, verifications, budget),
+                                               highlight=_index_of(choose_plan(plans, budget), plans))) if plans else "",
         _section("figures", "Plots", _figures_html(figures)),
         _section("blocks", "Plan per block", _table_html(blocks_table(profile, plans))),
         _section("verify", "Verification", _table_html(verifications_table(verifications))) if verifications else "",
-        _section("environment", "Environment", _table_html(environment_table(profile), header=False)),
+        _section("environment", "Environment", _table_html(environment_table(profile), header=False, css_class="kv")),
         _section("reproduce", "Reproduce", _commands_html(commands)),
     ]
     return _page(f"remat report: {_model_title(profile)}", "\n".join(b for b in body if b))
@@ -121,16 +122,20 @@ def _plan_to_show(plans: Sequence[Plan], budget: int | None) -> Plan | None:
     return chosen
 
 
+def _index_of(plan: Plan | None, plans: Sequence[Plan]) -> int | None:
+    return next((i for i, p in enumerate(plans) if p is plan), None)
+
+
 def _model_title(profile: Profile) -> str:
     classes = ", ".join(dict.fromkeys(b.class_name for b in profile.blocks)) or "model"
-    return f"{profile.num_blocks} x {classes} on {profile.fingerprint.device}"
+    return f"{profile.num_blocks} x {classes} on {profile.fingerprint.device} ({profile.fingerprint.dtype})"
 
 
 def _header(profile: Profile, sentence: str, budget: int | None) -> str:
     facts = [("device", profile.environment.device_name), ("blocks", str(profile.num_blocks)),
              ("budget", format_bytes(budget) if budget is not None else "none given")]
     items = "".join(f"<div><dt>{_e(k)}</dt><dd>{_e(v)}</dd></div>" for k, v in facts)
-    return (f'<header><h1>{_e(_model_title(profile))}</h1>'
+    return (f'<header><p class="kicker">remat memory plan</p><h1>{_e(_model_title(profile))}</h1>'
             f'<p class="summary" id="summary">{_e(sentence)}</p><dl class="facts">{items}</dl></header>')
 
 
@@ -138,11 +143,17 @@ def _section(anchor: str, title: str, inner: str) -> str:
     return f'<section id="{anchor}"><h2>{_e(title)}</h2>{inner}</section>'
 
 
-def _table_html(table: Table, *, header: bool = True) -> str:
+def _table_html(table: Table, *, header: bool = True, highlight: int | None = None,
+                css_class: str = "") -> str:
+    """A scrollable table; row ``highlight`` (the chosen plan) is marked."""
     headers, rows = table
     head = "<thead><tr>" + "".join(f"<th>{_e(h)}</th>" for h in headers) + "</tr></thead>" if header else ""
-    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f'<div class="table-wrap"><table>{head}<tbody>{body}</tbody></table></div>'
+    body = "".join(
+        ('<tr class="chosen">' if i == highlight else "<tr>") + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>"
+        for i, row in enumerate(rows)
+    )
+    klass = f' class="{css_class}"' if css_class else ""
+    return f'<div class="table-wrap"><table{klass}>{head}<tbody>{body}</tbody></table></div>'
 
 
 def _figures_html(figures: dict[str, Figure]) -> str:

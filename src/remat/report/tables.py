@@ -33,7 +33,8 @@ def _plan_row(profile: Profile, plan: Plan, base_ms: float, budget: int | None,
     pred = plan.prediction
     fits = "-" if budget is None else ("yes" if pred.peak_bytes <= budget else "no")
     overhead = format_pct(100.0 * (pred.step_ms / base_ms - 1.0)) if base_ms > 0 else "-"
-    recompute = f"{pred.extra_flops / 1e9:.3g} GFLOP, {format_ms(pred.extra_ms)}"
+    recompute = (f"{pred.extra_flops / 1e9:.3g} GFLOP, {format_ms(pred.extra_ms)}"
+                 if pred.extra_flops or pred.extra_ms else "none")
     measured_peak = "-" if ver is None else (
         f"{format_bytes(ver.measured_peak_bytes)} ({format_pct(ver.peak_error_pct)})")
     measured_step = "-" if ver is None else (

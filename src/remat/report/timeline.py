@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from remat.measure.types import MemoryEvent, Profile
 from remat.report.style import BUDGET_COLOR, BUDGET_LINESTYLE, new_figure, series_style, style_axes
@@ -31,7 +32,7 @@ class TimelinePeak:
     live_bytes: int
     """Live bytes there."""
     where: str
-    """Block name, ``pre``, ``post`` or ``optimizer``."""
+    """Block name, ``pre``, ``post``, ``optimizer``, or empty outside blocks."""
     phase: str
     """``fwd``, ``bwd`` or ``opt``."""
 
@@ -83,6 +84,7 @@ def plot_timeline(profile: Profile, verifications: Sequence[Verification] = (), 
     ax.set_ylabel(f"live memory ({scale.unit})")
     ax.set_title("Memory over one training step")
     ax.set_ylim(bottom=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.margins(y=0.2)
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=3,
                fontsize="small", frameon=False)
@@ -103,7 +105,8 @@ def _shade_phases(ax, events: Sequence[MemoryEvent]) -> None:
 
 
 def _annotate_peak(ax, scale, peak: TimelinePeak, color: str, *, offset_index: int) -> None:
-    ax.annotate(f"peak {format_bytes(peak.live_bytes)}\nin {peak.where} ({PHASE_NAMES.get(peak.phase, peak.phase)})",
+    where = peak.where or "the fixed part"
+    ax.annotate(f"peak {format_bytes(peak.live_bytes)}\nin {where} ({PHASE_NAMES.get(peak.phase, peak.phase)})",
                 xy=(peak.position, scale(peak.live_bytes)),
                 xytext=(12, -28 - 26 * offset_index), textcoords="offset points", fontsize="small",
                 color="black", arrowprops={"arrowstyle": "->", "color": color},

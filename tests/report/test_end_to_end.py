@@ -1,0 +1,65 @@
+"""The report from the real producers: remat.profile on the built-in GPT, the planners, the CLI."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from remat.cli import app
+from remat.report.frontier import FRONTIER_LABEL, plot_frontier
+from remat.report.summary import summary_sentence
+from remat.report.units import format_bytes
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def produced(tmp_path_factory):
+    import torch
+
+    import remat
+    from remat.models.registry import build
+    from remat.plan.planners import pareto, plan
+
+    torch.manual_seed(0)
+    built = build("gpt", num_layers=2, d_model=32, num_heads=2, seq_len=16, batch_size=2, vocab_size=64)
+    profile = remat.profile(built.model, built.batch, built.loss_fn, built.optimizer, warmup=0, repeats=1)
+    none, full = plan(profile, None, "none"), plan(profile, None, "full")
+    budget = (none.prediction.peak_bytes + full.prediction.peak_bytes) // 2
+    plans = [none, full, plan(profile, budget, "optimal")]
+    folder = tmp_path_factory.mktemp("e2e")
+    paths = [folder / "profile.json"] + [folder / f"plan-{p.strategy_name}.json" for p in plans]
+    profile.save(paths[0])
+    for path, p in zip(paths[1:], plans):
+        p.save(path)
+    return profile, plans, pareto(profile), paths
+
+
+def test_report_command_on_real_profile_and_plans(produced, tmp_path):
+    profile, plans, _, paths = produced
+    out = tmp_path / "report.html"
+    result = CliRunner().invoke(app, ["report", *map(str, paths), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    page = out.read_text(encoding="utf-8")
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page))
+    assert summary_sentence(profile, plans) in text.replace("&#x27;", "'")
+    assert summary_sentence(profile, plans).startswith("The optimal plan fits ")
+    for p in plans:
+        assert format_bytes(p.prediction.peak_bytes) in text
+    for block in profile.blocks:
+        assert block.name in text
+    assert f"peak {format_bytes(profile.peak_bytes)}" in text
+    assert profile.fingerprint.model_hash in text
+    assert "http:" not in page and "https:" not in page
+    assert page.count('src="data:image/svg+xml;base64,') == 4  # frontier, breakdown, timeline, blocks
+
+
+def test_frontier_from_pareto_plans(produced):
+    profile, plans, frontier, _ = produced
+    ax = plot_frontier(profile, plans, frontier=frontier).axes[0]
+    (line,) = [ln for ln in ax.get_lines() if ln.get_label() == FRONTIER_LABEL]
+    peaks = sorted({p.prediction.peak_bytes for p in frontier})
+    assert len(line.get_xdata()) == len(peaks) >= 2
+    assert list(line.get_xdata()) == [b / 2**20 for b in peaks]
