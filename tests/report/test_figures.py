@@ -167,3 +167,10 @@ def test_save_png_and_svg(tmp_path, profile, plans):
 
 def _rgb(hex_color):
     return tuple(int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+
+
+def test_timeline_peak_outside_blocks_is_named(profile):
+    events = tuple(dataclasses.replace(e, where="") if e.where == "post" else e for e in profile.timeline)
+    ax = plot_timeline(dataclasses.replace(profile, timeline=events)).axes[0]
+    assert "peak 101.0 MiB\nin the fixed part (backward)" in [t.get_text() for t in ax.texts]
+    assert all(float(t).is_integer() for t in ax.get_xticks())

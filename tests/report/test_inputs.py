@@ -60,6 +60,17 @@ def test_cli_writes_the_report_and_prints_its_path(tmp_path, files):
     assert "The optimal plan fits 80.0 MiB" in page and "remat report" in page
 
 
+def test_cli_budget_option(tmp_path, files):
+    out = tmp_path / "report.html"
+    args = ["report", str(files["profile"]), str(files["plan"]), str(files["full"]), "-o", str(out)]
+    result = CliRunner().invoke(app, [*args, "--budget", "70MiB"])
+    assert result.exit_code == 0, result.output
+    assert "No plan fits 70.0 MiB: the smallest, full, peaks at 76.0 MiB" in out.read_text(encoding="utf-8")
+    result = CliRunner().invoke(app, [*args, "--budget", "lots"])
+    assert result.exit_code == 2
+    assert "cannot read budget 'lots'" in result.output
+
+
 def test_cli_reports_bad_input_without_traceback(tmp_path, files):
     result = CliRunner().invoke(app, ["report", str(files["plan"]), "-o", str(tmp_path / "r.html")])
     assert result.exit_code == 2
