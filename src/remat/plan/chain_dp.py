@@ -26,12 +26,17 @@ Time O(N^2 M) for alike blocks, O(N^3 M) otherwise, with M slots.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["BlockOption", "ChainBlock", "ChainProblem", "ChainSolution", "solve_chain", "choose_quantum"]
+__all__ = [
+    "BlockOption", "ChainBlock", "ChainProblem", "ChainSolution", "Element", "solve_chain", "choose_quantum",
+    "least_requirement", "deep_recursion",
+]
 
 _INF = np.inf
 
@@ -104,7 +109,10 @@ class ChainSolution:
 
     def layout(self, m: int) -> tuple[Element, ...]:
         """Top-level elements of the optimal plan for ``m`` slots."""
-        m = min(m, self.problem.capacity_slots)
+        with deep_recursion(len(self.problem.blocks)):
+            return self._layout(min(m, self.problem.capacity_slots))
+
+    def _layout(self, m: int) -> tuple[Element, ...]:
         out: list[Element] = []
         a, n = 0, len(self.problem.blocks)
         while a < n:
@@ -131,6 +139,18 @@ class ChainSolution:
             out.append(Element(start=a, stop=a + j, option=None, children=self._inner_layout(a, j, m)))
             a, length, m = a + j, length - j, m - block.input_slots
         return tuple(out)
+
+
+@contextlib.contextmanager
+def deep_recursion(num_blocks: int):
+    """Allow recursion as deep as the nesting of ``num_blocks`` segments (least-memory plans
+    of long chains nest one segment per block)."""
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 8 * num_blocks + 1000))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(old)
 
 
 def choose_quantum(sizes_bytes: list[int], allowance_bytes: int, max_slots: int) -> int:
@@ -257,3 +277,77 @@ def _options_cost(block: ChainBlock, rest: np.ndarray, width: int) -> np.ndarray
     out = extra[:, None] + _shift(np.broadcast_to(rest, (ret.size, width)).copy(), ret)
     out[np.arange(width)[None, :] < work[:, None]] = _INF
     return out
+
+
+def least_requirement(problem: ChainProblem) -> tuple[int, tuple[Element, ...]]:
+    """Least memory any layout needs (in the problem's units, no slot table) and one layout
+    reaching it: a min-max DP over the same space as `solve_chain`,
+    ``need[l][a] = min(max(work_a, saved_a + need[l-1][a+1]),
+                       min_{j<l} max(need[j][a], input_a + need[l-j][a+j]))``,
+    with the top level closing on the head's backward."""
+    blocks, n = problem.blocks, len(problem.blocks)
+    need = [np.zeros(n + 1, dtype=np.int64)]
+    pick = [np.zeros(n + 1, dtype=np.int64)]
+    inputs = np.array([b.input_slots for b in blocks], dtype=np.int64)
+    alike = len({b.signature() for b in blocks}) <= 1
+    for length in range(1, n + 1):
+        if alike:
+            best, choice = _least_alike(blocks[0], need, length)
+            need.append(np.full(n - length + 1, best, dtype=np.int64))
+            pick.append(np.full(n - length + 1, choice, dtype=np.int64))
+            continue
+        rows = n - length + 1
+        best = np.maximum([b.working_slots for b in blocks[:rows]], [b.saved_slots for b in blocks[:rows]] + need[length - 1][1 : rows + 1])
+        choice = np.zeros(rows, dtype=np.int64)
+        for j in range(1, length):
+            cand = np.maximum(need[j][:rows], inputs[:rows] + need[length - j][j : j + rows])
+            better = cand < best
+            best, choice = np.where(better, cand, best), np.where(better, j, choice)
+        need.append(best)
+        pick.append(choice)
+    with deep_recursion(n):
+        return _least_top(problem, need, pick)
+
+
+def _least_alike(block: ChainBlock, need, length: int) -> tuple[int, int]:
+    """One length of the alike-block table, every first child at once."""
+    firsts = np.array([need[j][0] for j in range(length)], dtype=np.int64)
+    keep = max(block.working_slots, block.saved_slots + int(firsts[length - 1]))
+    if length == 1:
+        return keep, 0
+    cands = np.maximum(firsts[1:length], block.input_slots + firsts[length - 1 : 0 : -1])
+    j = int(np.argmin(cands))
+    return (keep, 0) if keep <= cands[j] else (int(cands[j]), j + 1)
+
+
+def _least_top(problem: ChainProblem, need, pick) -> tuple[int, tuple[Element, ...]]:
+    blocks, n = problem.blocks, len(problem.blocks)
+    top = [0] * n + [problem.post_slots]
+    code = [0] * (n + 1)
+    for a in range(n - 1, -1, -1):
+        cands = [max(o.working_slots, o.retained_slots + top[a + 1]) for o in blocks[a].options]
+        cands += [max(int(need[j][a]), blocks[a].input_slots + top[a + j]) for j in range(1, n - a + 1)]
+        k = int(np.argmin(cands))
+        top[a] = cands[k]
+        code[a] = -(k + 1) if k < len(blocks[a].options) else k - len(blocks[a].options) + 1
+    layout, a = [], 0
+    while a < n:
+        if code[a] < 0:
+            layout.append(Element(start=a, stop=a + 1, option=blocks[a].options[-code[a] - 1].label))
+            a += 1
+        else:
+            layout.append(Element(start=a, stop=a + code[a], option=None, children=_least_inner(pick, a, code[a])))
+            a += code[a]
+    return top[0], tuple(layout)
+
+
+def _least_inner(pick, a: int, length: int) -> tuple[Element, ...]:
+    out: list[Element] = []
+    while length > 0:
+        j = int(pick[length][a])
+        if j == 0:
+            a, length = a + 1, length - 1
+            continue
+        out.append(Element(start=a, stop=a + j, option=None, children=_least_inner(pick, a, j)))
+        a, length = a + j, length - j
+    return tuple(out)

@@ -26,8 +26,9 @@ def check_state_fits(profile: Profile, budget_bytes: int, floor_bytes: int, floo
         raise ValueError(overflow)
     if floor_bytes > budget_bytes:
         raise ValueError(
-            f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below {floor_name}, "
-            f"{format_bytes(floor_bytes)} ({floor_bytes} bytes), which no recomputation plan changes: "
+            f"budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the minimum feasible peak, "
+            f"at least {format_bytes(floor_bytes)} ({floor_bytes} bytes) for {floor_name}, which no "
+            "recomputation plan changes: "
             f"model state {format_bytes(profile.model_state_bytes)}. Raise the budget to at least "
             f"{floor_bytes} bytes or shrink model state (ZeRO/FSDP sharding, 8-bit optimizer state, "
             "optimizer offload)."

@@ -33,7 +33,7 @@ from remat.plan.types import Segment
 
 __all__ = ["offload_strategies", "offloadable_bytes", "exposed_ms", "transfer_ms"]
 
-MIN_BYTES = 1 << 20
+MIN_BYTES = 64 << 10
 """Same threshold as `remat.apply.offload.MIN_BYTES` (not imported: planning must not need torch
 hooks); a test keeps them equal."""
 

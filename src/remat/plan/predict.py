@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from remat.measure.types import Profile
+from remat.plan.chain_dp import deep_recursion
 from remat.plan.costs import cost_of
 from remat.plan.types import Plan, Prediction, Segment
 
@@ -43,6 +44,11 @@ class _Peak:
 def predict(profile: Profile, plan_or_segments: Plan | tuple[Segment, ...] | list[Segment]) -> Prediction:
     """Predicted peak bytes, step time and breakdown of a plan (or top-level segments)."""
     segments = tuple(plan_or_segments.segments if isinstance(plan_or_segments, Plan) else plan_or_segments)
+    with deep_recursion(profile.num_blocks):
+        return _predict(profile, segments)
+
+
+def _predict(profile: Profile, segments: tuple[Segment, ...]) -> Prediction:
     check_segments(profile, segments)
     retained = _top_retained(profile, segments)
     base = backward_base_bytes(profile)

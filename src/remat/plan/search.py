@@ -11,7 +11,17 @@ import math
 from dataclasses import dataclass
 
 from remat.measure.types import Profile
-from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, ChainSolution, Element, choose_quantum, solve_chain
+from remat.plan.chain_dp import (
+    BlockOption,
+    ChainBlock,
+    ChainProblem,
+    ChainSolution,
+    Element,
+    choose_quantum,
+    deep_recursion,
+    least_requirement,
+    solve_chain,
+)
 from remat.plan.costs import BlockCost, cost_of, has_cost
 from remat.plan.policies import knapsack, knapsack_frontier, policy
 from remat.plan.predict import backward_base_bytes, predict
@@ -92,15 +102,13 @@ class OptimalSearch:
         return segments if predict(self.profile, segments).peak_bytes <= budget_bytes else None
 
     def min_peak_segments(self) -> tuple[Segment, ...]:
-        """Segments with the least predicted peak the DP can reach (fastest among those)."""
-        solution, _ = self._solve(self._keep_all_allowance(), rounding_slack=True)
-        least = solution.min_feasible_slots()
-        assert least is not None, "keeping every block is always a feasible layout"
-        return self._segments(solution.layout(least))
+        """Segments with the least predicted peak over the whole plan space (exact, in bytes)."""
+        _, layout = least_requirement(self._problem(1, 0))
+        return self._segments(layout)
 
     def frontier_segments(self) -> list[tuple[Segment, ...]]:
         """One optimal layout per step of the DP's cost-vs-slots curve."""
-        solution, _ = self._solve(self._keep_all_allowance(), rounding_slack=True)
+        solution, _ = self._solve(self._keep_all_allowance(), to_keep_all=True)
         costs = solution.top[0]
         out, last = [], math.inf
         for m, cost in enumerate(costs):
@@ -142,12 +150,14 @@ class OptimalSearch:
             ]
         return self._options
 
-    def _solve(self, allowance: int, rounding_slack: bool = False) -> tuple[ChainSolution, int]:
-        """Tables up to ``allowance``; with ``rounding_slack`` a few slots more, so that layouts
-        whose rounded-up sizes exceed the allowance (keep everything) stay in the table."""
+    def _solve(self, allowance: int, to_keep_all: bool = False) -> tuple[ChainSolution, int]:
+        """Tables up to ``allowance``; ``to_keep_all``: up to what keeping every block needs in
+        rounded slots (>= allowance // quantum), so the no-recomputation end is in the table."""
         quantum = choose_quantum(self._sizes(), allowance, self._slot_limit())
-        slack = self.profile.num_blocks + 2 if rounding_slack else 0
-        problem = self._problem(quantum, allowance // quantum + slack)
+        problem = self._problem(quantum, allowance // quantum)
+        if to_keep_all:
+            problem = ChainProblem(blocks=problem.blocks, post_slots=problem.post_slots,
+                                   capacity_slots=max(problem.capacity_slots, _keep_all_slots(problem)))
         return solve_chain(problem), quantum
 
     def _slot_limit(self) -> int:
@@ -191,13 +201,23 @@ class OptimalSearch:
         )
 
     def _segments(self, elements: tuple[Element, ...]) -> tuple[Segment, ...]:
-        return tuple(self._segment(e) for e in elements)
+        with deep_recursion(self.profile.num_blocks):
+            return tuple(self._segment(e) for e in elements)
 
     def _segment(self, element: Element) -> Segment:
         if element.option is not None:
             return self.options()[element.start][element.option].segment
         children = tuple(self._segment(c) for c in element.children)
         return Segment(start=element.start, stop=element.stop, strategy="recompute", children=children)
+
+
+def _keep_all_slots(problem: ChainProblem) -> int:
+    """Slots keeping every block needs (option 0 is keep)."""
+    held, need = 0, 0
+    for block in problem.blocks:
+        keep = block.options[0]
+        need, held = max(need, held + keep.working_slots), held + keep.retained_slots
+    return max(need, held + problem.post_slots)
 
 
 def _keep_block_peak(profile: Profile) -> int:

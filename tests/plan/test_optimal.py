@@ -1,0 +1,192 @@
+"""The optimal planner against exhaustive enumeration, Revolve's bound and sqrt(N) scaling.
+
+The plan space enumerated here is the one `optimal` searches: a sequence of top-level elements
+covering the blocks, each either one block with a per-block option (keep, selective with the
+named policies' or any knapsack-frontier op set; no offload cost is registered in these
+profiles) or a recompute segment [a, b); inside a recompute segment the replay is itself a
+sequence of kept blocks and recompute children [c, d) strictly inside [a, b), nested to any depth.
+"""
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from remat.plan.planners import pareto, plan
+from remat.plan.predict import predict
+from remat.plan.search import block_options
+from remat.plan.types import Segment
+
+from plan_toys import block, chain, op, profile, random_profile
+
+
+def _region(a, b, parent):
+    """Every layout of part [a, b) of the replay of segment ``parent``: kept blocks and
+    recompute children nested to any depth, none covering the whole ``parent``."""
+    if a == b:
+        yield ()
+        return
+    yield from _region(a + 1, b, parent)  # block a kept during the replay
+    for j in range(a + 1, b + 1):
+        if (a, j) == parent:
+            continue
+        for inner in _region(a, j, (a, j)):
+            for rest in _region(j, b, parent):
+                yield (Segment(start=a, stop=j, strategy="recompute", children=inner),) + rest
+
+
+def _tops(prof, a):
+    n = prof.num_blocks
+    if a == n:
+        yield ()
+        return
+    for option in block_options(prof, a):
+        for rest in _tops(prof, a + 1):
+            yield (option,) + rest
+    for j in range(a + 1, n + 1):
+        for children in _region(a, j, (a, j)):
+            for rest in _tops(prof, j):
+                yield (Segment(start=a, stop=j, strategy="recompute", children=children),) + rest
+
+
+def _space(prof):
+    """(peak, step ms) of every plan in the space, fastest first for each peak."""
+    points = {}
+    for segments in _tops(prof, 0):
+        pred = predict(prof, segments)
+        points[pred.peak_bytes] = min(points.get(pred.peak_bytes, math.inf), pred.step_ms)
+    return sorted(points.items())
+
+
+def _best(space, budget):
+    return min((ms for peak, ms in space if peak <= budget), default=math.inf)
+
+
+def _count(prof):
+    return sum(1 for _ in _tops(prof, 0))
+
+
+def _with_ops(prof, rng):
+    """Give every other block three op calls so selective options join the space."""
+    blocks = list(prof.blocks)
+    for i in range(0, len(blocks), 2):
+        b = blocks[i]
+        ops = tuple(op(f"aten.{name}.default#0", rng.randint(1, 3), 1, float(rng.randint(1, 3)) / 4)
+                    for name in ("mm", "relu", "bmm"))
+        blocks[i] = block(i, input_bytes=b.input_bytes, saved_bytes=b.saved_bytes, bwd_temp_bytes=b.bwd_temp_bytes,
+                          fwd_ms=b.fwd_ms, ops=ops)
+    return profile(blocks, **{k: getattr(prof, k) for k in ("param_bytes", "grad_bytes", "fixed_pre_saved_bytes",
+                                                             "fixed_post_saved_bytes", "fixed_post_bwd_temp_bytes")})
+
+
+def test_enumeration_counts_nested_layouts():
+    # 1 block: keep, recompute -> 2. 2 blocks: 2 * 2, plus [0,2) whose replay has children
+    # (), ([0,1),), ([1,2),), ([0,1), [1,2)) -> 8. The space grows fast: 25216 layouts of 6
+    # keep/recompute blocks, 2190848 of 8 (too many to price in a unit test), so the random
+    # profiles below have 2 to 5 blocks.
+    assert [_count(chain(n, input_bytes=1, saved_bytes=2)) for n in (1, 2, 3, 4)] == [2, 8, 48, 352]
+
+
+def _check_against_space(prof):
+    space = _space(prof)
+    low, high = space[0][0], space[-1][0]
+    for budget in sorted({low - 1, *(low + k * (high - low) // 5 for k in range(6))}):
+        expected = _best(space, budget)
+        if math.isinf(expected):
+            with pytest.raises(ValueError, match="minimum feasible peak"):
+                plan(prof, budget=budget)
+            continue
+        got = plan(prof, budget=budget)
+        assert got.prediction.peak_bytes <= budget
+        assert got.prediction.step_ms == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_optimal_equals_exhaustive_enumeration(seed):
+    rng = random.Random(seed)
+    if seed % 2:
+        _check_against_space(_with_ops(random_profile(rng, rng.randint(2, 4)), rng))
+    else:
+        _check_against_space(random_profile(rng, rng.randint(2, 5)))
+
+
+def test_pareto_equals_enumerated_frontier():
+    rng = random.Random(3)
+    prof = _with_ops(random_profile(rng, 4), rng)
+    space = _space(prof)
+    frontier, best = [], math.inf
+    for peak, ms in space:
+        if ms < best - 1e-9:
+            frontier.append((peak, ms))
+            best = ms
+    got = [(p.prediction.peak_bytes, p.prediction.step_ms) for p in pareto(prof)][::-1]
+    assert [g[0] for g in got] == [f[0] for f in frontier]
+    assert [g[1] for g in got] == pytest.approx([f[1] for f in frontier])
+
+
+@pytest.mark.parametrize(("length", "slots", "revolve"), [(100, 10, 222), (1000, 10, 3636), (20, 3, 45), (30, 1, 435)])
+def test_revolve_bound_on_homogeneous_chains(length, slots, revolve):
+    """Slots: each block's input is 1 byte and its saved bytes 11 (> slots, so no two blocks
+    can be kept at once); a budget of ``slots`` + 11 bytes holds ``slots`` block inputs, the
+    chain's input (block 0's input) counting as one, plus one block's working set. The last
+    block is then kept and every other block replayed at least once: the block forwards added
+    are Griewank & Walther's t(l, s) = r*l - C(s+r, s+1), r least with C(s+r, s) >= l."""
+    r = next(r for r in range(1, length + 1) if math.comb(slots + r, slots) >= length)
+    assert r * length - math.comb(slots + r, slots + 1) == revolve
+    prof = chain(length, input_bytes=1, saved_bytes=11)
+    got = plan(prof, budget=slots + 11)
+    assert got.prediction.extra_ms == revolve  # fwd_ms = 1 per block
+    assert got.prediction.extra_flops == 100 * revolve
+    assert got.prediction.peak_bytes == slots + 11
+    if length <= 100:
+        with pytest.raises(ValueError, match=r"minimum feasible peak .* is 12 B"):
+            plan(prof, budget=11)  # one slot (the chain's input) plus one working set is the least
+
+
+def test_sqrt_retains_order_sqrt_n():
+    sizes = [16, 64, 256, 1024]
+    peaks = []
+    for n in sizes:
+        prof = chain(n, input_bytes=1000, saved_bytes=4000)
+        peaks.append(plan(prof, strategy="sqrt").prediction.peak_bytes)
+    slope = np.polyfit(np.log(sizes), np.log(peaks), 1)[0]
+    assert 0.4 <= slope <= 0.6
+    # N = 16: 4 segments of 4; b15's backward: 3 held inputs + 3 kept blocks in the replay + working.
+    assert peaks[0] == 3 * 1000 + 3 * 4000 + 4000
+
+
+def test_fixed_strategies_layouts():
+    prof = chain(5, input_bytes=1, saved_bytes=3)
+    assert [(s.start, s.stop, s.strategy) for s in plan(prof, strategy="every:2").segments] == [
+        (0, 2, "recompute"), (2, 4, "recompute"), (4, 5, "recompute")]
+    assert plan(prof, strategy="none").block_strategies() == ("keep",) * 5
+    assert plan(prof, strategy="full").block_strategies() == ("recompute",) * 5
+    with pytest.raises(ValueError, match="needs a positive segment length"):
+        plan(prof, strategy="every:0")
+    with pytest.raises(ValueError, match="unknown strategy 'fastest'"):
+        plan(prof, strategy="fastest")
+    with pytest.raises(ValueError, match="takes no argument"):
+        plan(prof, strategy="sqrt:2")
+
+
+def test_fixed_strategy_over_budget_names_optimal():
+    prof = chain(4, input_bytes=1, saved_bytes=3)
+    with pytest.raises(ValueError, match="strategy 'none' predicts a peak of .* 'optimal' fits it"):
+        plan(prof, budget=8, strategy="none")
+
+
+def test_pareto_frontier():
+    prof = chain(6, input_bytes=1, saved_bytes=4)
+    frontier = pareto(prof)
+    peaks = [p.prediction.peak_bytes for p in frontier]
+    times = [p.prediction.step_ms for p in frontier]
+    assert peaks == sorted(peaks, reverse=True) and times == sorted(times)
+    assert len(set(peaks)) == len(peaks) and len(set(times)) == len(times)
+    assert frontier[0].prediction.extra_ms == 0.0  # no recomputation first
+    least = frontier[-1].prediction.peak_bytes
+    assert plan(prof, budget=least).prediction.peak_bytes == least
+    with pytest.raises(ValueError, match="minimum feasible peak"):
+        plan(prof, budget=least - 1)
+    for p in frontier:  # each point is the optimum at its own peak
+        assert plan(prof, budget=p.prediction.peak_bytes).prediction.step_ms == p.prediction.step_ms
