@@ -85,6 +85,8 @@ class LiveTracker(TorchDispatchMode):
         self._shift(entry.label, -entry.nbytes)
         entry.label = label
         self._shift(label, entry.nbytes)
+        if self.live_bytes == self.peak_bytes:  # still at the peak: reclassify it too
+            self.peak_by_category = dict(self._live_by_category)
 
     def label_of(self, t: torch.Tensor) -> str | None:
         """The label the tensor's storage is counted under, or None when not counted."""

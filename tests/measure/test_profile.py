@@ -1,0 +1,167 @@
+"""remat.profile on small models: state bytes, FLOPs, op tables, JSON, errors, no side effects."""
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from remat.measure.profile import profile
+from remat.measure.types import Profile
+from remat.models import build
+
+F32 = 4
+TINY_GPT = dict(num_layers=2, d_model=32, num_heads=2, seq_len=16, batch_size=2, vocab_size=64)
+
+
+@pytest.fixture(scope="module")
+def gpt_profile() -> Profile:
+    built = build("gpt", **TINY_GPT)
+    return profile(built.model, built.batch, optimizer=built.optimizer, repeats=2)
+
+
+def _mlp(optimizer: str = "adamw"):
+    return build("mlp", depth=3, width=16, batch_size=4, optimizer=optimizer)
+
+
+@pytest.mark.parametrize("optimizer, multiple", [("adamw", 2), ("adam", 2), ("sgd", 1)])
+def test_optimizer_state_is_a_multiple_of_fp32_params(optimizer, multiple):
+    built = _mlp(optimizer)
+    result = profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1)
+    num_params = sum(p.numel() for p in built.model.parameters())
+    assert result.param_bytes == num_params * F32 == (4 * (16 * 16 + 16)) * F32
+    assert result.grad_bytes == result.param_bytes
+    assert result.optimizer_state_bytes == multiple * result.param_bytes
+    assert result.optimizer_name == {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[optimizer]
+
+
+def test_without_optimizer():
+    built = _mlp("none")
+    result = profile(built.model, built.batch, built.loss_fn, repeats=1)
+    assert (result.optimizer_state_bytes, result.optimizer_name, result.optimizer_step_ms) == (0, "none", 0.0)
+
+
+def test_flops_exact_on_mlp():
+    built = _mlp()
+    result = profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1)
+    # Each block is Linear(16, 16) + GELU on 4 rows: one addmm of 2 * 4 * 16 * 16 FLOPs.
+    assert [b.fwd_flops for b in result.blocks] == [2 * 4 * 16 * 16] * 3
+    assert result.fixed_flops == 2 * 4 * 16 * 16  # the read-out Linear; the MSE loss counts 0
+
+
+def _gpt_block_flops(batch: int, seq: int, width: int) -> int:
+    tokens = batch * seq
+    linear = 2 * tokens * width * (3 * width) + 2 * tokens * width * width + 2 * 2 * tokens * width * 4 * width
+    attention = 2 * (2 * batch * seq * seq * width)  # Q K^T and P V over all heads
+    return linear + attention
+
+
+@pytest.mark.parametrize("attention", ["explicit", "sdpa"])
+def test_flops_exact_on_gpt_blocks(attention):
+    built = build("gpt", **TINY_GPT, attention=attention)
+    result = profile(built.model, built.batch, optimizer=built.optimizer, repeats=1)
+    assert [b.fwd_flops for b in result.blocks] == [_gpt_block_flops(2, 16, 32)] * 2
+    assert result.fixed_flops == 2 * 2 * 16 * 32 * 64  # the LM head
+
+
+def test_op_table_of_a_gpt_block(gpt_profile):
+    result = gpt_profile
+    ops = result.blocks[0].ops
+    keys = [op.key for op in ops]
+    assert len(keys) == len(set(keys))
+    assert keys[0] == "aten.native_layer_norm.default#0"
+    assert sum(op.flops for op in ops) == result.blocks[0].fwd_flops
+    random_ops = [op for op in ops if op.is_random]
+    assert [op.name for op in random_ops] == ["aten.bernoulli_.float"] * 3  # 3 dropouts per block
+    assert all(op.output_bytes == 0 for op in ops if op.is_view)
+    softmax = next(op for op in ops if op.name == "aten._softmax.default")
+    assert softmax.output_bytes == softmax.saved_bytes == 2 * 2 * 16 * 16 * F32  # batch x heads x T x T
+    assert sum(op.saved_bytes for op in ops) <= result.blocks[0].saved_bytes
+    assert all(op.time_ms >= 0 for op in ops)
+
+
+def test_block_input_output_bytes_and_times(gpt_profile):
+    result = gpt_profile
+    activation = 2 * 16 * 32 * F32
+    assert all(b.input_bytes == b.output_bytes == activation for b in result.blocks)
+    assert all(b.fwd_ms > 0 and b.bwd_ms > 0 for b in result.blocks)
+    assert result.step_ms > 0 and result.fixed_fwd_ms >= 0
+
+
+def test_memory_is_consistent_with_the_measured_peak(gpt_profile):
+    result = gpt_profile
+    cats = result.peak_bytes_by_category
+    assert sum(cats.values()) == result.peak_bytes
+    assert cats["parameters"] == result.param_bytes and cats["buffers"] == result.buffer_bytes
+    assert cats["optimizer_state"] == result.optimizer_state_bytes
+    state = result.param_bytes + result.buffer_bytes + result.optimizer_state_bytes
+    # The peak comes during a backward: never below the state plus every saved byte of the
+    # blocks still waiting for their backward.
+    assert result.peak_bytes >= state + result.fixed_pre_saved_bytes + result.blocks[0].saved_bytes
+    assert all(b.bwd_temp_bytes >= 0 for b in result.blocks)
+    assert result.fixed_post_bwd_temp_bytes >= 2 * 16 * 64 * F32  # at least the logits' gradient
+    assert [e.phase for e in result.timeline][-2:] == ["opt", "opt"]
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None):
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    opt = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+    return copy.deepcopy(model.state_dict()), grads, opt
+
+
+def _assert_same(before, after):
+    (sd0, g0, o0), (sd1, g1, o1) = before, after
+    assert sd0.keys() == sd1.keys()
+    for key in sd0:
+        assert torch.equal(sd0[key], sd1[key]), key
+    for a, b in zip(g0, g1):
+        assert (a is None and b is None) or torch.equal(a, b)
+    torch.testing.assert_close(o0, o1, rtol=0, atol=0)
+
+
+def test_profile_leaves_model_buffers_optimizer_and_rng_unchanged():
+    built = build("convnet", num_blocks=2, channels=4, image_size=8, batch_size=2)
+    model, optimizer = built.model, built.optimizer
+    model(*built.batch).backward()
+    optimizer.step()  # non-empty optimizer state and gradients before profiling
+    before = _state(model, optimizer)
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    profile(model, built.batch, optimizer=optimizer, repeats=1)
+    _assert_same(before, _state(model, optimizer))
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_fresh_optimizer_stays_empty():
+    built = _mlp()
+    profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1)
+    assert len(built.optimizer.state) == 0
+    assert all(p.grad is None for p in built.model.parameters())
+
+
+def test_json_round_trip(gpt_profile, tmp_path: Path):
+    result = gpt_profile
+    assert Profile.from_json(result.to_json()) == result
+    path = tmp_path / "profile.json"
+    result.save(path)
+    assert Profile.from_json(path) == result
+
+
+def test_fingerprint_and_environment(gpt_profile):
+    result = gpt_profile
+    fp = result.fingerprint
+    assert fp.batch_shapes == ("2x16:int64", "2x16:int64")
+    assert (fp.device, fp.dtype, fp.torch_version) == ("cpu", "float32", torch.__version__)
+    assert len(fp.model_hash) == 16
+    assert result.environment.num_threads == torch.get_num_threads()
+
+
+def test_hf_llama_profile():
+    pytest.importorskip("transformers")
+    built = build("hf:llama", num_layers=2, d_model=32, num_heads=2, seq_len=8, batch_size=1, vocab_size=64)
+    result = profile(built.model, built.batch, optimizer=built.optimizer, repeats=1)
+    assert [b.name for b in result.blocks] == ["model.layers.0", "model.layers.1"]
+    assert all(b.saved_bytes > 0 for b in result.blocks)
+    assert math.isfinite(result.step_ms)

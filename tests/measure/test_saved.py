@@ -1,0 +1,110 @@
+"""Saved-tensor accounting: exact bytes on toys computed by hand."""
+
+import torch
+from torch import nn
+
+from remat.measure.profile import profile
+from remat.measure.saved import POST, PRE, SavedAccountant
+
+F32 = 4
+
+
+def _chain(batch_rows: int = 5) -> tuple[nn.Sequential, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), torch.randn(batch_rows, 4)
+
+
+def test_linear_relu_linear_saved_bytes_by_hand():
+    model, x = _chain(5)
+    blocks = list(model.named_children())
+    with SavedAccountant(blocks, exclude=[*model.parameters(), x]) as acc:
+        out = model(x)
+        loss = out.pow(2).sum()
+    # Linear(4, 8) saves its input x (the batch) and its weight (a parameter): nothing counts.
+    # ReLU saves its result: 5 x 8 fp32. Linear(8, 2) saves that same storage (counted once)
+    # and its weight. The loss's pow saves its input: the 5 x 2 output. sum saves no tensor.
+    assert acc.bytes_by_segment() == {PRE: 0, "0": 0, "1": 5 * 8 * F32, "2": 0, POST: 5 * 2 * F32}
+    assert acc.input_bytes == {"0": 5 * 4 * F32, "1": 5 * 8 * F32, "2": 5 * 8 * F32}
+    assert acc.output_bytes == {"0": 5 * 8 * F32, "1": 5 * 8 * F32, "2": 5 * 2 * F32}
+    loss.backward()
+
+
+def test_profile_of_chain_matches_hand_count():
+    model, x = _chain(5)
+    result = profile(model, x, loss_fn=lambda out, batch: out.pow(2).sum(), blocks="*", repeats=1)
+    assert [b.name for b in result.blocks] == ["0", "1", "2"]
+    assert [b.saved_bytes for b in result.blocks] == [0, 160, 0]
+    assert (result.fixed_pre_saved_bytes, result.fixed_post_saved_bytes) == (0, 40)
+    assert result.saved_bytes == 200
+
+
+class _TwoViews(nn.Module):
+    """Saves two views of one storage: the mul saves both halves of h."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h[:, :4] * h[:, 4:]
+
+
+class _Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.views = _TwoViews()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.blocks[1](self.blocks[0](x)))
+        return self.views(h).sum()
+
+
+def test_storage_shared_by_two_saved_tensors_counts_once():
+    torch.manual_seed(0)
+    model, x = _Shared(), torch.randn(3, 8)
+    result = profile(model, x, blocks=["blocks.*"], repeats=1)
+    # tanh saves its 3 x 8 result; the mul saves two views of that same storage: one count.
+    # blocks.1 saves its input, the 3 x 8 output of blocks.0; blocks.0 saves only x and weights.
+    assert [b.saved_bytes for b in result.blocks] == [0, 3 * 8 * F32]
+    assert result.fixed_post_saved_bytes == 3 * 8 * F32
+
+
+def test_weights_are_not_activations():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    x = torch.randn(2, 16)
+    saved_params = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved_params.append(t) or t, lambda t: t):
+        model(x).sum().backward()
+    weight_keys = {p.untyped_storage()._cdata for p in model.parameters()}
+    assert any(t.untyped_storage()._cdata in weight_keys for t in saved_params)  # autograd saves weights
+    result = profile(model, x, loss_fn=lambda out, batch: out.sum(), repeats=1)
+    # blocks.0 saves x (batch) and W0; blocks.1 saves W1 and the 2 x 16 output of blocks.0.
+    assert [b.saved_bytes for b in result.blocks] == [0, 2 * 16 * F32]
+
+
+def test_block_sums_equal_total_minus_fixed():
+    from remat.models import build
+
+    built = build("gpt", num_layers=2, d_model=32, num_heads=2, seq_len=16, batch_size=2, vocab_size=64)
+    model, batch = built.model, built.batch
+    excluded = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), *batch]}
+    total: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        if key not in excluded:
+            total[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*batch)
+    result = profile(model, batch, optimizer=built.optimizer, repeats=1)
+    block_sum = sum(b.saved_bytes for b in result.blocks)
+    assert block_sum == sum(total.values()) - result.fixed_pre_saved_bytes - result.fixed_post_saved_bytes
+    assert block_sum > 0 and len({b.saved_bytes for b in result.blocks}) == 1
+
+
+def test_accountant_works_on_meta_device():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to("meta")
+    x = torch.empty(5, 4, device="meta")
+    with SavedAccountant(list(model.named_children()), exclude=[*model.parameters(), x]) as acc:
+        model(x).pow(2).sum()
+    assert acc.bytes_by_segment() == {PRE: 0, "0": 0, "1": 160, "2": 0, POST: 40}
