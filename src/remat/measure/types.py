@@ -70,6 +70,9 @@ class BlockProfile:
     """Forward FLOPs of this block."""
     ops: tuple[OpRecord, ...]
     """Every aten op of the block's forward, in call order."""
+    grad_bytes: int = 0
+    """Bytes of the gradients of this block's own parameters (0: not measured; the planner then
+    counts every gradient as live during the whole backward)."""
 
 
 @dataclass(kw_only=True, frozen=True)
