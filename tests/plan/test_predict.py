@@ -160,3 +160,21 @@ def test_accepts_a_plan():
                 budget_bytes=None, prediction=pred, fingerprint=prof.fingerprint)
     assert predict(prof, plan) == pred
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_gradients_accumulate_during_backward():
+    # Block gradients 20, 30, 40 of the 100: when b2's backward starts only the head's 10 are
+    # accumulated, at b1: 10 + 40, at b0: 10 + 40 + 30; at the head's backward: 10.
+    # Keep all, base 310 + pre 7 = 317: b2: 317 + 10 + 18 + 15 = 360; b1: 317 + 50 + 10 + 9 = 386;
+    # b0: 317 + 80 + 12 = 409; head: 317 + 10 + 30 + 10 = 367.
+    prof = toy3()
+    grads = (20, 30, 40)
+    prof = replace(prof, blocks=tuple(replace(b, grad_bytes=g) for b, g in zip(prof.blocks, grads)))
+    pred = predict(prof, [seg(0, 1), seg(1, 2), seg(2, 3)])
+    assert (pred.peak_bytes, pred.peak_phase, pred.peak_block, pred.working_bytes) == (430, "optimizer", -1, 0)
+    prof = replace(prof, optimizer_step_temp_bytes=0)
+    pred = predict(prof, [seg(0, 1), seg(1, 2), seg(2, 3)])
+    assert (pred.peak_bytes, pred.peak_phase, pred.peak_block, pred.working_bytes) == (410, "optimizer", -1, 0)
+    prof = replace(prof, fixed_pre_saved_bytes=30)  # b0: 340 + 80 + 12 = 432 > head 390, optimizer 410
+    pred = predict(prof, [seg(0, 1), seg(1, 2), seg(2, 3)])
+    assert (pred.peak_bytes, pred.peak_phase, pred.peak_block, pred.working_bytes) == (432, "block", 0, 12)

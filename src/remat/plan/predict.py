@@ -4,15 +4,17 @@ The model (../DESIGN.md "The memory model"), with blocks run forward in order an
 reverse:
 
     peak = max( post phase, each block's backward, optimizer step )
-    block j's backward = state_bwd + pre_saved + sum_{i<j} retained_i + working_j
-    post phase         = state_bwd + pre_saved + sum_i retained_i + post_saved + post_bwd_temp
+    block j's backward = state + grads_j + pre_saved + sum_{i<j} retained_i + working_j
+    post phase         = state + grads_N + pre_saved + sum_i retained_i + post_saved + post_bwd_temp
     optimizer step     = params + buffers + grads + optimizer state + step temporaries
 
-``state_bwd`` is params + buffers + optimizer state + the gradients live during backward.
+``state`` is params + buffers + optimizer state; ``grads_j`` the gradients accumulated when
+block j's backward starts (`grad_bytes_live`; the measured backward temporaries hold the
+gradients a block's own backward computes).
 A recomputed segment holds its input; while backward is inside it, the segment is replayed and
 its blocks hold what its *children* layout says (uncovered blocks keep their saved bytes), so
 the same sum applies one nesting level down. Each refinement lives in one function:
-backward temporaries in `remat.plan.costs.working_bytes`, gradients in `_grad_bytes_in_backward`,
+backward temporaries in `remat.plan.costs.working_bytes`, gradients in `grad_bytes_live`,
 per-strategy terms (incl. offload in flight) in the cost registry.
 
 Step time = baseline forward + backward + optimizer step + the extra time of every block cost
@@ -29,7 +31,7 @@ from remat.plan.chain_dp import deep_recursion
 from remat.plan.costs import cost_of
 from remat.plan.types import Plan, Prediction, Segment
 
-__all__ = ["predict", "layout_peak", "baseline_step_ms", "backward_base_bytes", "check_segments"]
+__all__ = ["predict", "layout_peak", "baseline_step_ms", "backward_base_bytes", "grad_bytes_live", "check_segments"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -55,7 +57,8 @@ def _predict(profile: Profile, segments: tuple[Segment, ...]) -> Prediction:
     inner = layout_peak(profile, segments, 0, profile.num_blocks)
     phases = {
         "block": base + profile.fixed_pre_saved_bytes + inner.bytes,
-        "post": base + profile.fixed_pre_saved_bytes + sum(retained) + _post_working_bytes(profile),
+        "post": base + grad_bytes_live(profile, profile.num_blocks) + profile.fixed_pre_saved_bytes
+        + sum(retained) + _post_working_bytes(profile),
         "optimizer": _optimizer_phase_bytes(profile),
     }
     phase = max(phases, key=lambda name: phases[name])
@@ -82,14 +85,17 @@ def baseline_step_ms(profile: Profile) -> float:
 
 
 def backward_base_bytes(profile: Profile) -> int:
-    """Model state live during backward: params, buffers, optimizer state and gradients."""
-    return profile.param_bytes + profile.buffer_bytes + profile.optimizer_state_bytes + _grad_bytes_in_backward(profile)
+    """Model state live during the whole backward: params, buffers, optimizer state."""
+    return profile.param_bytes + profile.buffer_bytes + profile.optimizer_state_bytes
 
 
-def _grad_bytes_in_backward(profile: Profile) -> int:
-    """Gradients live during backward. All of them: conservative, since the profile has no
-    per-block parameter bytes to say how many have accumulated when block j runs."""
-    return profile.grad_bytes
+def grad_bytes_live(profile: Profile, block_index: int) -> int:
+    """Gradients already accumulated when block ``block_index``'s backward starts
+    (``num_blocks``: the head's backward): all but those of blocks ``<= block_index``. Gradients
+    of the fixed part before the blocks count as live (conservative: the profile does not
+    split them out); without per-block gradient bytes every gradient counts."""
+    own = sum(b.grad_bytes for b in profile.blocks[: block_index + 1])
+    return profile.grad_bytes - own
 
 
 def _post_working_bytes(profile: Profile) -> int:
@@ -107,7 +113,8 @@ def _fixed_at(profile: Profile, phase: str) -> int:
 
 
 def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, stop: int) -> _Peak:
-    """Peak of the backward of blocks ``[start, stop)`` laid out as ``segments`` (gaps: keep)."""
+    """Peak of the backward of blocks ``[start, stop)`` laid out as ``segments`` (gaps: keep),
+    above what was live before it (gradients accumulated by then included)."""
     best = _Peak(bytes=0, block=-1, working_bytes=0)
     held = 0
     for seg in _fill_gaps(segments, start, stop):
@@ -117,7 +124,8 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             held += cost_of(profile, seg.start, seg).retained_bytes
         else:
             cost = cost_of(profile, seg.start, seg)
-            candidate = _Peak(bytes=held + cost.working_bytes, block=seg.start, working_bytes=cost.working_bytes)
+            need = held + cost.working_bytes + grad_bytes_live(profile, seg.start)
+            candidate = _Peak(bytes=need, block=seg.start, working_bytes=cost.working_bytes)
             held += cost.retained_bytes
         # backward runs in reverse: on a tie the later block reaches the peak first
         if (candidate.bytes, candidate.block) > (best.bytes, best.block):

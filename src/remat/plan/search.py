@@ -24,7 +24,7 @@ from remat.plan.chain_dp import (
 )
 from remat.plan.costs import BlockCost, cost_of, has_cost
 from remat.plan.policies import knapsack, knapsack_frontier, policy
-from remat.plan.predict import backward_base_bytes, predict
+from remat.plan.predict import backward_base_bytes, grad_bytes_live, predict
 from remat.plan.types import Segment
 
 __all__ = ["OptimalSearch", "plan_floor", "block_options", "MAX_TABLE_CELLS"]
@@ -39,7 +39,7 @@ NAMED_POLICIES = ("attention-core", "save-matmuls")
 def plan_floor(profile: Profile) -> tuple[int, str]:
     """Least peak any plan can have, ignoring blocks' own bytes, and what sets it."""
     optimizer = profile.model_state_bytes + profile.optimizer_step_temp_bytes
-    head = backward_base_bytes(profile) + profile.fixed_pre_saved_bytes + _post_bytes(profile)
+    head = backward_base_bytes(profile) + profile.fixed_pre_saved_bytes + _head_bytes(profile)
     if optimizer >= head:
         return optimizer, "the optimizer step (model state plus step temporaries)"
     return head, "the head's backward (model state, gradients, fixed part saved bytes and temporaries)"
@@ -47,6 +47,11 @@ def plan_floor(profile: Profile) -> tuple[int, str]:
 
 def _post_bytes(profile: Profile) -> int:
     return profile.fixed_post_saved_bytes + profile.fixed_post_bwd_temp_bytes
+
+
+def _head_bytes(profile: Profile) -> int:
+    """What the head's backward needs above the blocks' retained bytes and the fixed base."""
+    return _post_bytes(profile) + grad_bytes_live(profile, profile.num_blocks)
 
 
 def block_options(profile: Profile, index: int) -> list[Segment]:
@@ -140,7 +145,7 @@ class OptimalSearch:
     def _keep_all_allowance(self) -> int:
         keep = tuple(Segment(start=i, stop=i + 1, strategy="keep") for i in range(self.profile.num_blocks))
         pred = predict(self.profile, keep)
-        return max(1, sum(pred.retained_bytes) + _post_bytes(self.profile), _keep_block_peak(self.profile))
+        return max(1, sum(pred.retained_bytes) + _head_bytes(self.profile), _keep_block_peak(self.profile))
 
     def options(self) -> list[list[_Priced]]:
         if self._options is None:
@@ -169,25 +174,28 @@ class OptimalSearch:
         return int(max(64, min(MAX_SLOTS, MAX_TABLE_CELLS / max(work, 1.0))))
 
     def _sizes(self) -> list[int]:
-        sizes = [_post_bytes(self.profile)]
+        sizes = [_head_bytes(self.profile)]
         for i, block in enumerate(self.profile.blocks):
             keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
-            sizes += [block.input_bytes, keep.retained_bytes, keep.working_bytes]
-            sizes += [p.cost.retained_bytes for p in self.options()[i]] + [p.cost.working_bytes for p in self.options()[i]]
+            grads = grad_bytes_live(self.profile, i)
+            sizes += [block.input_bytes, keep.retained_bytes, keep.working_bytes + grads]
+            sizes += [p.cost.retained_bytes for p in self.options()[i]]
+            sizes += [p.cost.working_bytes + grads for p in self.options()[i]]
         return sizes
 
     def _problem(self, quantum: int, capacity: int) -> ChainProblem:
         blocks = tuple(self._chain_block(i, quantum) for i in range(self.profile.num_blocks))
-        return ChainProblem(blocks=blocks, post_slots=_ceil(_post_bytes(self.profile), quantum), capacity_slots=capacity)
+        return ChainProblem(blocks=blocks, post_slots=_ceil(_head_bytes(self.profile), quantum), capacity_slots=capacity)
 
     def _chain_block(self, i: int, quantum: int) -> ChainBlock:
         keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
         replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
+        grads = grad_bytes_live(self.profile, i)
         options = tuple(
             BlockOption(
                 label=k,
                 retained_slots=_ceil(p.cost.retained_bytes, quantum),
-                working_slots=_ceil(p.cost.working_bytes, quantum),
+                working_slots=_ceil(p.cost.working_bytes + grads, quantum),
                 extra_ms=p.cost.extra_ms,
             )
             for k, p in enumerate(self.options()[i])
@@ -195,7 +203,7 @@ class OptimalSearch:
         return ChainBlock(
             input_slots=_ceil(replay.retained_bytes, quantum),
             saved_slots=_ceil(keep.retained_bytes, quantum),
-            working_slots=_ceil(keep.working_bytes, quantum),
+            working_slots=_ceil(keep.working_bytes + grads, quantum),
             fwd_ms=replay.extra_ms,
             options=options,
         )
@@ -224,7 +232,8 @@ def _keep_block_peak(profile: Profile) -> int:
     held, peak = 0, 0
     for i in range(profile.num_blocks):
         cost = cost_of(profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
-        peak, held = max(peak, held + cost.working_bytes), held + cost.retained_bytes
+        peak = max(peak, held + cost.working_bytes + grad_bytes_live(profile, i))
+        held += cost.retained_bytes
     return peak
 
 
