@@ -1,5 +1,6 @@
 """The memory of a whole training step: model state, optimizer state table, sharding, diagnosis."""
 
+from remat.memory.allowance import Allowance
 from remat.memory.diagnose import explain_model_state_overflow, format_gib, min_world_size, remedies
 from remat.memory.model_state import (
     ModelState,
@@ -11,6 +12,7 @@ from remat.memory.model_state import (
 from remat.memory.optimizer_state import optimizer_layout, optimizer_state_bytes, optimizer_state_bytes_of
 
 __all__ = [
+    "Allowance",
     "ModelState",
     "Precision",
     "explain_model_state_overflow",

@@ -47,17 +47,25 @@ def unsharded_bytes(state: ModelState, *, zero_stage: int) -> int:
     return kept
 
 
-def min_world_size(state: ModelState, *, zero_stage: int, budget_bytes: int) -> int | None:
-    """Smallest number of ranks whose ZeRO-``zero_stage`` shard of ``state`` fits; None if none."""
-    at_one = shard_model_state(state, world_size=1, zero_stage=zero_stage)
-    if at_one.total_bytes <= budget_bytes:
+def min_world_size(
+    state: ModelState, *, zero_stage: int, budget_bytes: int, largest_unit: ModelState | None = None
+) -> int | None:
+    """Smallest number of ranks whose ZeRO-``zero_stage`` shard of ``state`` fits; None if none.
+
+    ``largest_unit``: ZeRO-3's all-gathered unit (see `shard_model_state`)."""
+
+    def per_rank(n: int) -> int:
+        return shard_model_state(state, world_size=n, zero_stage=zero_stage, largest_unit=largest_unit).total_bytes
+
+    if per_rank(1) <= budget_bytes:
         return 1
-    if unsharded_bytes(state, zero_stage=zero_stage) >= budget_bytes:
+    gathered = largest_unit.param_bytes + largest_unit.grad_bytes if largest_unit and zero_stage == 3 else 0
+    if unsharded_bytes(state, zero_stage=zero_stage) + gathered >= budget_bytes:
         return None
     lo, hi = 1, 1 << 40
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if shard_model_state(state, world_size=mid, zero_stage=zero_stage).total_bytes <= budget_bytes:
+        if per_rank(mid) <= budget_bytes:
             hi = mid
         else:
             lo = mid

@@ -1,0 +1,105 @@
+"""Device specs: a built-in table (``data/devices.json``, each value with its source) and user files.
+
+A user file (JSON or TOML) lists devices with the same fields, for example in TOML::
+
+    [[devices]]
+    name = "MyGPU-48GB"
+    memory_bytes = 51539607552
+    peak_bf16_flops_per_s = 362e12
+    memory_bytes_per_s = 864e9        # optional
+    host_link_bytes_per_s = 32e9      # optional
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+_REQUIRED = ("name", "memory_bytes", "peak_bf16_flops_per_s")
+_OPTIONAL = ("description", "memory_bytes_per_s", "host_link_bytes_per_s", "sources")
+
+
+@dataclass(kw_only=True, frozen=True)
+class DeviceSpec:
+    """What estimate needs to know about one accelerator."""
+
+    name: str
+    """Short name used on the command line, e.g. ``"H100-80GB"``."""
+    memory_bytes: int
+    """Device memory in bytes."""
+    peak_bf16_flops_per_s: float
+    """Peak dense BF16 tensor FLOP/s."""
+    memory_bytes_per_s: float | None = None
+    """Device memory bandwidth."""
+    host_link_bytes_per_s: float | None = None
+    """Host link bandwidth, one direction (offload)."""
+    description: str = ""
+    """Full product name."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where each value comes from (field name -> datasheet and figure)."""
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes <= 0 or self.peak_bf16_flops_per_s <= 0:
+            raise ValueError(
+                f"device {self.name!r}: memory_bytes={self.memory_bytes} and peak_bf16_flops_per_s="
+                f"{self.peak_bf16_flops_per_s} must both be positive; fix the device file."
+            )
+
+
+def _spec(entry: Mapping[str, Any], where: str) -> DeviceSpec:
+    missing = [k for k in _REQUIRED if k not in entry]
+    unknown = sorted(set(entry) - set(_REQUIRED) - set(_OPTIONAL))
+    if missing or unknown:
+        raise ValueError(
+            f"device entry {dict(entry).get('name', '?')!r} in {where}: missing {missing}, unknown {unknown}; "
+            f"required fields: {', '.join(_REQUIRED)}; optional: {', '.join(_OPTIONAL)}."
+        )
+    values = dict(entry)
+    values["memory_bytes"] = int(values["memory_bytes"])
+    values["peak_bf16_flops_per_s"] = float(values["peak_bf16_flops_per_s"])
+    return DeviceSpec(**values)
+
+
+def builtin_devices() -> dict[str, DeviceSpec]:
+    """The built-in table, name -> spec."""
+    text = resources.files("remat.estimate").joinpath("data/devices.json").read_text()
+    return {d.name: d for d in (_spec(e, "devices.json") for e in json.loads(text)["devices"])}
+
+
+def load_devices_file(path: str | Path) -> dict[str, DeviceSpec]:
+    """Devices from a user's ``.json`` or ``.toml`` file with a ``devices`` list."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"devices file {str(path)!r} does not exist; pass a .json or .toml file with a 'devices' list.")
+    if path.suffix == ".toml":
+        data = tomllib.loads(path.read_text())
+    elif path.suffix == ".json":
+        data = json.loads(path.read_text())
+    else:
+        raise ValueError(f"devices file {str(path)!r} must end in .json or .toml, got {path.suffix!r}.")
+    entries = data.get("devices") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"devices file {str(path)!r} has no 'devices' list; see remat.estimate.devices for the format.")
+    return {d.name: d for d in (_spec(e, str(path)) for e in entries)}
+
+
+def resolve_devices(names: Iterable[str], devices_file: str | Path | None = None) -> tuple[DeviceSpec, ...]:
+    """Specs for ``names`` from the built-in table and the user's file (the file wins on a clash)."""
+    table = builtin_devices()
+    if devices_file is not None:
+        table.update(load_devices_file(devices_file))
+    lookup = {k.lower(): v for k, v in table.items()}
+    out = []
+    for name in names:
+        if name.lower() not in lookup:
+            raise ValueError(
+                f"unknown device {name!r}; known: {', '.join(table)}. Add it with a devices file "
+                "(--devices-file) listing name, memory_bytes and peak_bf16_flops_per_s."
+            )
+        out.append(lookup[name.lower()])
+    return tuple(out)

@@ -1,0 +1,124 @@
+"""Where estimate gets its model: a built-in model, a Hugging Face config, or ``file.py:build``.
+
+Every source builds on the meta device (no memory, no download) with a chosen number of
+layers, so a 70B-parameter configuration is traced with a few layers and the layers are
+multiplied afterwards (`remat.estimate.trace.replicate_blocks`).
+
+Hugging Face families and the sizes they take (``HF_SIZE_KEYS``): ``gpt2`` (GPT2Config),
+``llama`` (LlamaConfig), ``mistral`` (MistralConfig); or any ``config.json`` with a
+``model_type`` that ``transformers.AutoConfig.for_model`` knows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+HF_FAMILIES = ("gpt2", "llama", "mistral")
+
+# our size names -> each family's config keyword
+HF_SIZE_KEYS: dict[str, dict[str, str]] = {
+    "gpt2": {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "intermediate": "n_inner",
+             "vocab": "vocab_size"},
+    "llama": {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+              "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size", "vocab": "vocab_size"},
+    "mistral": {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+                "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size", "vocab": "vocab_size"},
+}
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelSource:
+    """A model to estimate: exactly one of ``builtin``, ``hf_family``, ``hf_config_path``, ``file``."""
+
+    builtin: str | None = None
+    """A `remat.models` name (``"gpt"``...); sizes go to `remat.models.build`."""
+    hf_family: str | None = None
+    """``gpt2``, ``llama`` or ``mistral``; sizes: hidden, layers, heads, kv_heads, intermediate, vocab."""
+    hf_config_path: str | None = None
+    """A Hugging Face ``config.json`` (needs ``model_type``)."""
+    file: str | None = None
+    """``path/to/file.py:function`` returning ``(model, batch[, loss_fn[, optimizer]])``."""
+    sizes: dict[str, Any] = field(default_factory=dict)
+    """Size keywords of the built-in model or the HF family."""
+    attention: str = "sdpa"
+    """HF attention implementation: ``sdpa`` (fused kernel) or ``eager`` (explicit ops)."""
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("builtin", "hf_family", "hf_config_path", "file") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(
+                f"name exactly one model source, got {given or 'none'}; use a built-in model (--model gpt), "
+                "a Hugging Face family with sizes (--hf llama --hidden ...), a config (--config config.json) "
+                "or your own builder (--model path/to/file.py:build)."
+            )
+        if self.hf_family and self.hf_family not in HF_FAMILIES:
+            raise ValueError(f"unknown Hugging Face family {self.hf_family!r}; allowed: {', '.join(HF_FAMILIES)}.")
+        if self.attention not in ("sdpa", "eager"):
+            raise ValueError(f"attention={self.attention!r} is not supported; allowed: sdpa, eager.")
+
+    @property
+    def label(self) -> str:
+        """A short human name."""
+        return self.builtin or self.file or self.hf_config_path or f"hf:{self.hf_family}"
+
+
+def hf_config(source: ModelSource) -> Any:
+    """The transformers config of an HF source (family + sizes, or a config.json)."""
+    import transformers
+
+    if source.hf_config_path is not None:
+        path = Path(source.hf_config_path)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} does not exist; pass a Hugging Face config.json.")
+        data = json.loads(path.read_text())
+        if "model_type" not in data:
+            raise ValueError(f"{str(path)!r} has no 'model_type'; a Hugging Face config.json names it (e.g. \"llama\").")
+        config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+    else:
+        config = transformers.AutoConfig.for_model(source.hf_family, **_family_kwargs(source))
+    config._attn_implementation = source.attention
+    return config
+
+
+def _family_kwargs(source: ModelSource) -> dict[str, Any]:
+    keys = HF_SIZE_KEYS[source.hf_family]
+    unknown = sorted(set(source.sizes) - set(keys) - {"seq"})
+    if unknown:
+        raise ValueError(f"unknown size(s) {unknown} for --hf {source.hf_family}; allowed: {', '.join(keys)}.")
+    kwargs = {keys[k]: v for k, v in source.sizes.items() if k in keys and v is not None}
+    if source.hf_family == "gpt2":
+        kwargs["n_positions"] = max(1024, int(source.sizes.get("seq") or 0))
+    else:
+        kwargs["max_position_embeddings"] = max(4096, int(source.sizes.get("seq") or 0))
+    return kwargs
+
+
+def num_layers(config: Any) -> int:
+    """Number of decoder layers of an HF config."""
+    return int(config.num_hidden_layers)
+
+
+def build_hf_on_meta(config: Any, *, layers: int, dtype: torch.dtype) -> nn.Module:
+    """The HF causal LM with ``layers`` decoder layers, on the meta device, in ``dtype``."""
+    import copy
+
+    import transformers
+
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = layers
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.train()
+    return model
+
+
+def hf_batch(config: Any, *, micro_batch: int, seq_len: int, device: str | torch.device = "meta") -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``labels`` of shape (micro_batch, seq_len); transformers shifts the labels."""
+    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
+    return {"input_ids": ids, "labels": ids.clone()}

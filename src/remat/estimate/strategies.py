@@ -1,0 +1,76 @@
+"""The four strategies estimate compares, priced by the planner's model on a built profile.
+
+- ``none``: keep every layer's saved tensors;
+- ``full``: recompute every layer (each layer its own checkpoint, holding its input);
+- ``selective``: Megatron-LM's selective recomputation (Korthikanti et al. 2022): replay the
+  attention core (QK^T, softmax, dropout, x V) and keep the rest (``selective:attention-core``);
+  for a model without an explicit attention core (a fused attention kernel already stores no
+  score matrix), ``selective:save-matmuls`` (keep matmul outputs, replay pointwise ops);
+- ``optimal``: the planner's exact search for the fastest layout under the device budget.
+
+Every strategy is priced by `remat.plan.predict`, so estimate and `remat plan` agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from remat.measure.types import Profile
+from remat.plan.planners import make_plan, plan
+from remat.plan.policies import attention_core
+from remat.plan.search import OptimalSearch
+from remat.plan.types import Plan
+
+STRATEGY_NAMES = ("none", "full", "selective", "optimal")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Priced:
+    """One strategy's plan on one profile (the plan's prediction holds peak and time)."""
+
+    strategy: str
+    """``none``, ``full``, ``selective`` or ``optimal``."""
+    plan: Plan
+    """The layout and its prediction."""
+    fits: bool
+    """Predicted peak within the budget."""
+    label: str
+    """What ran, e.g. ``selective:attention-core``, ``optimal``, ``full (optimal not searched: ...)``."""
+
+
+def selective_policy(profile: Profile) -> str:
+    """``selective:attention-core`` when the layers have an attention core, else ``save-matmuls``."""
+    block = profile.blocks[0]
+    core_saves = attention_core(block)
+    saved_ops = {op.key for op in block.ops if op.saved_bytes > 0 and not op.is_view}
+    return "selective:attention-core" if set(core_saves) != saved_ops else "selective:save-matmuls"
+
+
+def price(profile: Profile, strategy: str, budget_bytes: int, *, search: bool = True) -> Priced:
+    """Plan and predict ``strategy`` on ``profile``; ``optimal`` searches under ``budget_bytes``
+    (with ``search=False`` it shows the full-recomputation layout instead: used when model state
+    alone exceeds the budget, where no layout fits)."""
+    if strategy not in STRATEGY_NAMES:
+        raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGY_NAMES)}.")
+    if strategy == "optimal":
+        return _optimal(profile, budget_bytes) if search else _not_searched(profile, budget_bytes)
+    name = selective_policy(profile) if strategy == "selective" else strategy
+    result = plan(profile, None, name)
+    return Priced(strategy=strategy, plan=result, fits=result.prediction.peak_bytes <= budget_bytes, label=name)
+
+
+def _not_searched(profile: Profile, budget_bytes: int) -> Priced:
+    result = plan(profile, None, "full")
+    return Priced(strategy="optimal", plan=result, fits=result.prediction.peak_bytes <= budget_bytes,
+                  label="full (not searched: model state alone exceeds the device)")
+
+
+def _optimal(profile: Profile, budget_bytes: int) -> Priced:
+    search = OptimalSearch(profile)
+    segments = search.best_segments(budget_bytes) if budget_bytes > 0 else None
+    if segments is None:
+        lowest = make_plan(profile, search.min_peak_segments(), "optimal", None)
+        return Priced(strategy="optimal", plan=lowest, fits=lowest.prediction.peak_bytes <= budget_bytes,
+                      label="optimal (lowest peak; no layout fits)")
+    result = make_plan(profile, segments, "optimal", budget_bytes)
+    return Priced(strategy="optimal", plan=result, fits=result.prediction.peak_bytes <= budget_bytes, label="optimal")
