@@ -1,6 +1,7 @@
 """The HTML page holds the numbers of its inputs, embeds everything and names no external URL."""
 
 import base64
+import dataclasses
 import re
 import xml.etree.ElementTree as ET
 
@@ -44,7 +45,9 @@ def test_page_is_self_contained(page):
     for src in srcs:
         svg = base64.b64decode(src.split(",", 1)[1])
         assert ET.fromstring(svg).tag.endswith("svg")
-    assert re.findall(r'href="([^"]*)"', page) == ["data:,"]
+    hrefs = re.findall(r'href="([^"]*)"', page)
+    assert hrefs[0] == "data:," and all(h.startswith("#") for h in hrefs[1:])  # only in-page links
+    assert hrefs[1:] == ["#plans", "#figures", "#blocks", "#verify", "#environment", "#reproduce"]
 
 
 def test_page_sections_and_figures(page):
@@ -52,6 +55,16 @@ def test_page_sections_and_figures(page):
         assert f'id="{anchor}"' in page
     for name in ("frontier", "breakdown", "timeline", "blocks"):
         assert f'id="fig-{name}"' in page
+
+
+def test_op_count_mismatches_are_listed():
+    ver = make_verification(timeline=False)
+    bad = dataclasses.replace(ver, recompute_counts_match=False, op_counts=(
+        dataclasses.replace(ver.op_counts[0], planned_count=5),))
+    page = render_html(make_profile(timeline=False), verifications=[bad])
+    text = re.sub(r"<[^>]+>", " ", page)
+    assert "MISMATCH" in text
+    assert re.search(r"optimal\s+blocks.1\s+aten.mm.default\s+3\s+5\s+4", text)
 
 
 def test_text_is_escaped():

@@ -34,7 +34,14 @@ from remat.report.breakdown import plot_breakdown
 from remat.report.frontier import plot_frontier
 from remat.report.style import figure_data_uri, save_figure
 from remat.report.summary import choose_plan, plan_label, report_budget, summary_sentence
-from remat.report.tables import Table, blocks_table, environment_table, plans_table, verifications_table
+from remat.report.tables import (
+    Table,
+    blocks_table,
+    environment_table,
+    op_mismatch_table,
+    plans_table,
+    verifications_table,
+)
 from remat.report.timeline import plot_timeline, timeline_series
 from remat.report.units import format_bytes
 from remat.verify_types import Verification
@@ -45,6 +52,13 @@ FIGURE_CAPTIONS = {
     "timeline": "Live memory over one training step, measured at block boundaries.",
     "blocks": "Per block under the chosen plan: bytes kept on the device, recomputed, offloaded.",
 }
+
+STRATEGY_NOTE = (
+    '<p class="note"><b>keep</b>: store what autograd saves; <b>recompute</b>: store only the '
+    "input, replay the forward in backward; <b>selective</b>: save the outputs of expensive ops, "
+    "recompute the cheap ones; <b>offload</b>: move saved tensors to host memory or disk and "
+    "fetch them back in backward.</p>"
+)
 
 
 def report_figures(profile: Profile, plans: Sequence[Plan] = (),
@@ -82,17 +96,19 @@ def render_html(profile: Profile, plans: Sequence[Plan] = (),
         figures = report_figures(profile, plans, verifications, frontier=frontier, budget_bytes=budget_bytes)
     budget = report_budget(plans, budget_bytes)
     sentence = summary_sentence(profile, plans, verifications, budget_bytes=budget)
-    body = [
-        _header(profile, sentence, budget),
-        _section("plans", "Plans", _table_html(plans_table(profile, plans, verifications, budget),
-                                               highlight=_index_of(choose_plan(plans, budget), plans))) if plans else "",
-        _section("figures", "Plots", _figures_html(figures)),
-        _section("blocks", "Plan per block", _table_html(blocks_table(profile, plans))),
-        _section("verify", "Verification", _table_html(verifications_table(verifications))) if verifications else "",
-        _section("environment", "Environment", _table_html(environment_table(profile), header=False, css_class="kv")),
-        _section("reproduce", "Reproduce", _commands_html(commands)),
+    chosen = _index_of(choose_plan(plans, budget), plans)
+    sections = [
+        ("plans", "Plans", _table_html(plans_table(profile, plans, verifications, budget), highlight=chosen))
+        if plans else None,
+        ("figures", "Plots", _figures_html(figures)),
+        ("blocks", "Plan per block", _table_html(blocks_table(profile, plans)) + STRATEGY_NOTE),
+        ("verify", "Verification", _verification_html(verifications)) if verifications else None,
+        ("environment", "Environment", _table_html(environment_table(profile), header=False, css_class="kv")),
+        ("reproduce", "Reproduce", _commands_html(commands)),
     ]
-    return _page(f"remat report: {_model_title(profile)}", "\n".join(b for b in body if b))
+    sections = [s for s in sections if s is not None]
+    body = [_header(profile, sentence, budget), _nav(sections), *(_section(*s) for s in sections)]
+    return _page(f"remat report: {_model_title(profile)}", "\n".join(body))
 
 
 def write_report(path: str | Path, profile: Profile, plans: Sequence[Plan] = (),
@@ -137,6 +153,21 @@ def _header(profile: Profile, sentence: str, budget: int | None) -> str:
     items = "".join(f"<div><dt>{_e(k)}</dt><dd>{_e(v)}</dd></div>" for k, v in facts)
     return (f'<header><p class="kicker">remat memory plan</p><h1>{_e(_model_title(profile))}</h1>'
             f'<p class="summary" id="summary">{_e(sentence)}</p><dl class="facts">{items}</dl></header>')
+
+
+def _nav(sections: Sequence[tuple[str, str, str]]) -> str:
+    links = "".join(f'<a href="#{anchor}">{_e(title)}</a>' for anchor, title, _ in sections)
+    return f'<nav aria-label="sections">{links}</nav>'
+
+
+def _verification_html(verifications: Sequence[Verification]) -> str:
+    """The verification table, and every op whose planned count is not the expected one."""
+    inner = _table_html(verifications_table(verifications))
+    headers, rows = op_mismatch_table(verifications)
+    if rows:
+        inner += "<p>Ops that ran a different number of times than the plan says:</p>"
+        inner += _table_html((headers, rows))
+    return inner
 
 
 def _section(anchor: str, title: str, inner: str) -> str:

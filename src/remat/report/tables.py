@@ -16,7 +16,7 @@ from remat.verify_types import Verification
 Table = tuple[tuple[str, ...], list[tuple[str, ...]]]
 
 PLAN_HEADERS = ("plan", "predicted peak", "fits budget", "predicted step", "vs no recomputation",
-                "recompute", "offloaded", "peak set by", "measured peak", "measured step")
+                "extra per step", "offloaded", "peak set by", "measured peak", "measured step")
 
 
 def plans_table(profile: Profile, plans: Sequence[Plan], verifications: Sequence[Verification],
@@ -82,6 +82,13 @@ def verifications_table(verifications: Sequence[Verification]) -> Table:
         for v in verifications
     ]
     return VERIFICATION_HEADERS, rows
+
+
+def op_mismatch_table(verifications: Sequence[Verification]) -> Table:
+    """Ops whose planned call count differs from what the plan predicts (none when all match)."""
+    rows = [(v.strategy_name, c.block, c.op, str(c.baseline_count), str(c.planned_count), str(c.expected_count))
+            for v in verifications for c in v.op_counts if c.planned_count != c.expected_count]
+    return ("plan", "block", "op", "baseline calls", "planned calls", "expected calls"), rows
 
 
 def _grad_verdict(ver: Verification) -> str:
