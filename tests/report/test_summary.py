@@ -63,3 +63,11 @@ def test_budget_and_choice(plans):
 def test_verification_of_another_budget_is_not_used(profile, plans):
     other = dataclasses.replace(make_verification(), budget_bytes=90 * MIB)
     assert "Measured" not in summary_sentence(make_profile(), list(make_plans().values()), [other])
+
+
+def test_a_plan_holding_more_than_the_baseline_says_more(profile, plans):
+    # offload alone against a measured baseline of 101 MiB: activations 90-64=26 vs 37 MiB -> 1.4x less;
+    # against a baseline of 80 MiB (activations 16 MiB) it holds 26/16 = 1.6x more.
+    lean = dataclasses.replace(profile, peak_bytes=80 * MIB)
+    assert "1.4x less activation memory" in summary_sentence(profile, [plans["offload"]])
+    assert "1.6x more activation memory" in summary_sentence(lean, [plans["offload"]])

@@ -128,8 +128,9 @@ def _fits(plan: Plan, budget: int | None, base: StepPoint) -> str:
     ratio = base.activation_bytes / point.activation_bytes if point.activation_bytes else float("inf")
     where = (f"fits {format_bytes(budget)}" if budget is not None
              else f"peaks at {format_bytes(point.peak_bytes)}")
+    saving = (f"{format_ratio(ratio)} less" if ratio >= 1 else f"{format_ratio(1 / ratio)} more")
     return (f"The {plan.strategy_name} plan {where} at {format_pct(overhead)} step time, "
-            f"{format_ratio(ratio)} less activation memory than no recomputation "
+            f"{saving} activation memory than no recomputation "
             f"(predicted peak {format_bytes(point.peak_bytes)} vs {format_bytes(base.peak_bytes)}).")
 
 
