@@ -21,7 +21,7 @@ def find_blocks(model: nn.Module, blocks: str | Sequence[str] | None = None) -> 
     """The model's blocks as ``(qualified name, module)`` in module order."""
     if blocks is None:
         return _auto_blocks(model)
-    patterns = [blocks] if isinstance(blocks, str) else list(blocks)
+    patterns = [blocks] if isinstance(blocks, str) else list(blocks) if isinstance(blocks, (list, tuple)) else None
     if not patterns or not all(isinstance(p, str) and p for p in patterns):
         raise TypeError(
             f"blocks={blocks!r} is not supported; pass a glob over module names "

@@ -1,0 +1,55 @@
+"""`remat profile`: the table, the JSON file, user errors without a traceback."""
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+import pytest
+
+from remat.cli import app
+from remat.cli._app import console, err_console
+from remat.measure.types import Profile
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch):
+    """Rich wraps at 80 columns when not on a terminal; the assertions read whole cell texts."""
+    monkeypatch.setattr(console, "_width", 200)
+    monkeypatch.setattr(err_console, "_width", 200)
+TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq", "8", "--batch", "2", "--vocab", "32",
+        "--repeats", "1"]
+
+
+def test_profile_gpt_table_and_json(tmp_path: Path):
+    out = tmp_path / "p.json"
+    result = runner.invoke(app, ["profile", "--model", "gpt", *TINY, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    for text in ("saved MiB", "fwd ms", "bwd ms", "GFLOPs", "share of step", "blocks.0", "blocks.1", "measured peak"):
+        assert text in result.output
+    profile = Profile.from_json(out)
+    assert [b.name for b in profile.blocks] == ["blocks.0", "blocks.1"]
+
+
+def test_profile_file_target(tmp_path: Path):
+    path = tmp_path / "mine.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def build():\n"
+        "    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])\n"
+        "    return model, torch.randn(2, 4), lambda out, batch: out.sum(), torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    )
+    result = runner.invoke(app, ["profile", f"{path}:build", "--repeats", "1"])
+    assert result.exit_code == 0, result.output
+    assert "SGD" in result.output and "2" in result.output
+
+
+def test_profile_user_errors():
+    result = runner.invoke(app, ["profile", "--model", "mlp", "--heads", "2"])
+    assert result.exit_code == 2
+    assert "option --heads does not apply to model 'mlp'" in result.output
+    result = runner.invoke(app, ["profile", "--model", "gpt", *TINY, "--blocks", "nothing.*"])
+    assert result.exit_code == 2 and "matches no module" in result.output
+    result = runner.invoke(app, ["profile", "missing.py:build"])
+    assert result.exit_code == 2 and "does not exist" in result.output

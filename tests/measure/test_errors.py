@@ -1,0 +1,80 @@
+"""Every user error of profile states the value, what is allowed, and the fix."""
+
+import pytest
+import torch
+from torch import nn
+
+from remat.measure.profile import profile
+
+
+class _Pair(nn.Module):
+    def __init__(self, output: str = "tensor") -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.output = output
+
+    def forward(self, x: torch.Tensor):
+        y = self.blocks[1](self.blocks[0](x))
+        return {"y": y} if self.output == "dict" else y
+
+
+def test_no_detectable_blocks():
+    with pytest.raises(ValueError, match=r"no blocks found in Linear.*blocks='<glob over module names>'"):
+        profile(nn.Linear(4, 4), torch.randn(2, 4), loss_fn=lambda out, batch: out.sum())
+
+
+def test_pattern_that_matches_nothing():
+    with pytest.raises(ValueError, match=r"block pattern 'layers\.\*' matches no module of _Pair.*blocks\.\* \(2 x Linear\)"):
+        profile(_Pair(), torch.randn(2, 4), loss_fn=lambda out, batch: out.sum(), blocks="layers.*")
+
+
+def test_blocks_of_wrong_type():
+    with pytest.raises(TypeError, match=r"blocks=3 is not supported"):
+        profile(_Pair(), torch.randn(2, 4), blocks=3)
+
+
+def test_nested_blocks():
+    with pytest.raises(ValueError, match=r"block 'blocks\.0' is nested inside block 'blocks'"):
+        profile(_Pair(), torch.randn(2, 4), loss_fn=lambda out, batch: out.sum(), blocks=["blocks", "blocks.0"])
+
+
+def test_loss_not_scalar():
+    with pytest.raises(ValueError, match=r"the model output must be a scalar tensor, got shape \(2, 4\)"):
+        profile(_Pair(), torch.randn(2, 4))
+
+
+def test_output_not_a_tensor_without_loss_fn():
+    with pytest.raises(TypeError, match=r"the model returned dict, not a scalar tensor, and no loss_fn"):
+        profile(_Pair("dict"), torch.randn(2, 4))
+
+
+def test_batch_on_another_device():
+    with pytest.raises(ValueError, match=r"is on meta but the model is on cpu; move the batch"):
+        profile(_Pair(), torch.empty(2, 4, device="meta"), loss_fn=lambda out, batch: out.sum())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(warmup=-1), r"warmup=-1 must be an integer >= 0"),
+    (dict(repeats=0), r"repeats=0 must be an integer >= 1"),
+])
+def test_bad_counts(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        profile(_Pair(), torch.randn(2, 4), loss_fn=lambda out, batch: out.sum(), **kwargs)
+
+
+def test_failed_profile_leaves_the_model_unchanged():
+    torch.manual_seed(0)
+    model = _Pair()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = {"n": 0}
+
+    def loss_fn(out, batch):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise ValueError("boom")
+        return out.sum()
+
+    with pytest.raises(ValueError, match="boom"):
+        profile(model, torch.randn(2, 4), loss_fn=loss_fn, optimizer=optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -1,0 +1,55 @@
+"""load_target: built-in names, file:function targets, CLI size options."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from remat.models import load_target, sizes_from_options
+
+BUILD_FILE = '''
+import torch
+from torch import nn
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    return model, torch.randn(2, 4), lambda out, batch: out.sum()
+
+def bad():
+    return 3
+'''
+
+
+def test_built_in_target_ignores_none_sizes():
+    built = load_target("mlp", depth=2, width=None, batch_size=None, seed=3)
+    assert len(built.model.blocks) == 2 and built.name == "mlp"
+
+
+def test_file_target(tmp_path: Path):
+    path = tmp_path / "mine.py"
+    path.write_text(BUILD_FILE)
+    built = load_target(f"{path}:build")
+    assert isinstance(built.model, torch.nn.Sequential) and built.optimizer is None
+    assert built.loss_fn(built.model(built.batch), built.batch).dim() == 0
+
+
+def test_file_target_errors(tmp_path: Path):
+    path = tmp_path / "mine.py"
+    path.write_text(BUILD_FILE)
+    with pytest.raises(ValueError, match=r"file 'nope\.py' in 'nope\.py:build' does not exist"):
+        load_target("nope.py:build")
+    with pytest.raises(ValueError, match=r"has no function 'make'; callables found: bad, build"):
+        load_target(f"{path}:make")
+    with pytest.raises(ValueError, match=r"returned int; it must return a tuple \(model, batch"):
+        load_target(f"{path}:bad")
+    with pytest.raises(ValueError, match=r"size options \['layers'\] apply to built-in models only"):
+        sizes_from_options(f"{path}:build", layers=3)
+
+
+def test_size_options_map_to_each_model():
+    assert sizes_from_options("gpt", layers=3, d_model=64, seq=None) == {"num_layers": 3, "d_model": 64}
+    assert sizes_from_options("mlp", layers=3, d_model=64) == {"depth": 3, "width": 64}
+    assert sizes_from_options("convnet", layers=3, seq=16) == {"num_blocks": 3, "image_size": 16}
+    with pytest.raises(ValueError, match=r"option --heads does not apply to model 'mlp'; its size options: --batch, --d-model, --layers"):
+        sizes_from_options("mlp", heads=2)
