@@ -14,7 +14,9 @@ Writing the report at the end of a run (what `remat run` and `remat demo` do)::
     )
     console.print(f"report: {path}")
 
-``render_html`` returns the same page as a string.
+``plans`` are the few plans to compare (they fill the tables); pass a frontier sweep such as
+`remat.pareto`'s plans as ``frontier``, which only draws the frontier line. ``render_html``
+returns the same page as a string.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from remat.report.blocks import plot_blocks
 from remat.report.breakdown import plot_breakdown
 from remat.report.frontier import plot_frontier
 from remat.report.style import figure_data_uri, save_figure
-from remat.report.summary import choose_plan, plan_label, report_budget, summary_sentence
+from remat.report.summary import choose_plan, report_budget, summary_sentence
 from remat.report.tables import (
     Table,
     blocks_table,

@@ -80,15 +80,19 @@ def plot_timeline(profile: Profile, verifications: Sequence[Verification] = (), 
     if budget_bytes is not None:
         ax.axhline(scale(budget_bytes), color=BUDGET_COLOR, linestyle=BUDGET_LINESTYLE,
                    linewidth=1.2, label=f"budget {format_bytes(budget_bytes)}")
+    _label_axes(fig, ax, scale.unit)
+    return fig
+
+
+def _label_axes(fig: Figure, ax, unit: str) -> None:
     ax.set_xlabel("position in the training step (block boundaries: forward, backward, optimizer)")
-    ax.set_ylabel(f"live memory ({scale.unit})")
+    ax.set_ylabel(f"live memory ({unit})")
     ax.set_title("Memory over one training step")
     ax.set_ylim(bottom=0)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.margins(y=0.2)
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=3,
                fontsize="small", frameon=False)
-    return fig
 
 
 def _shade_phases(ax, events: Sequence[MemoryEvent]) -> None:
