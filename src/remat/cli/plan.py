@@ -1,1 +1,155 @@
-"""Placeholder until the command lands; registers nothing."""
+"""`remat plan`: choose per block between keeping, recomputing and offloading under a budget."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from remat.cli._app import app, console, fail
+from remat.measure.types import Profile
+from remat.plan.types import Plan, Segment
+
+MIB = 2**20
+
+
+@app.command("plan")
+def plan_command(
+    profile_path: Optional[Path] = typer.Argument(None, help="A profile JSON written by `remat profile --json`."),
+    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget: 6GiB, 750MB, 512MiB or 40% of the baseline peak."),
+    strategy: str = typer.Option("optimal", "--strategy", "-s", help="none, full, every:K, sqrt, selective:<policy>, optimal."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the Plan as JSON here."),
+    show_pareto: bool = typer.Option(False, "--pareto", help="Print the frontier of peak against step time instead."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Profile this built-in model first (gpt, mlp, convnet...)."),
+    layers: Optional[int] = typer.Option(None, help="Blocks of the built-in model."),
+    d_model: Optional[int] = typer.Option(None, "--d-model", help="Width of the built-in model."),
+    heads: Optional[int] = typer.Option(None, help="Attention heads."),
+    seq: Optional[int] = typer.Option(None, help="Sequence length."),
+    batch: Optional[int] = typer.Option(None, help="Batch size."),
+    seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
+) -> None:
+    """Plan the fastest step that fits the budget and print it per block, against the baseline."""
+    from remat.plan.budget import parse_budget
+    from remat.plan.planners import pareto, plan
+
+    try:
+        profile = _load_profile(profile_path, model, dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch), seed)
+        baseline = plan(profile, strategy="none")
+        if show_pareto:
+            console.print(pareto_table(pareto(profile), baseline))
+            return
+        budget_bytes = None if budget is None else parse_budget(budget, baseline_peak_of(profile, baseline))
+        result = plan(profile, budget=budget_bytes, strategy=strategy)
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        raise fail(str(error)) from None
+    console.print(plan_table(result, profile))
+    console.print(comparison(result, baseline))
+    if out is not None:
+        result.save(out)
+        console.print(f"plan written to {out}")
+
+
+def _load_profile(path: Optional[Path], model: Optional[str], sizes: dict, seed: int) -> Profile:
+    if path is not None:
+        if model is not None:
+            raise ValueError("give either a profile JSON or --model, not both.")
+        return Profile.from_json(Path(path))
+    if model is None:
+        raise ValueError("give a profile JSON (remat profile --json p.json) or --model NAME to profile first.")
+    from remat.measure.profile import profile
+    from remat.models import load_target, sizes_from_options
+
+    with console.status(f"profiling {model}..."):
+        built = load_target(model, seed=seed, **sizes_from_options(model, **sizes))
+        return profile(built.model, built.batch, built.loss_fn, built.optimizer)
+
+
+def baseline_peak_of(profile: Profile, baseline: Plan) -> int:
+    """The baseline peak a percentage budget refers to: measured when the profile has it."""
+    return profile.peak_bytes if profile.peak_bytes > 0 else baseline.prediction.peak_bytes
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / MIB:.2f}"
+
+
+def describe(segment: Segment) -> str:
+    """``recompute [0, 4) > [0, 2)``-style text of a segment and its nesting."""
+    if segment.kind == "selective":
+        return f"{segment.strategy} ({len(segment.saved_ops)} ops saved)"
+    if segment.kind != "recompute" or segment.num_blocks == 1 and not segment.children:
+        return segment.strategy
+    text = f"recompute [{segment.start}, {segment.stop})"
+    if segment.children:
+        text += " { " + ", ".join(describe(c) for c in segment.children) + " }"
+    return text
+
+
+def plan_table(result: Plan, profile: Profile) -> Table:
+    """One row per top-level segment: blocks, strategy, bytes held, recompute time."""
+    from remat.plan.predict import predict
+
+    budget = "no budget" if result.budget_bytes is None else f"budget {_mib(result.budget_bytes)} MiB"
+    table = Table(title=f"remat plan: {result.strategy_name}, {budget}")
+    for header in ("blocks", "names", "strategy", "held MiB", "extra ms"):
+        table.add_column(header, justify="left" if header in ("names", "strategy") else "right")
+    for seg in result.segments:
+        alone = predict(profile, _keep_except(profile, seg))
+        names = result.block_names[seg.start] + ("" if seg.num_blocks == 1 else f" .. {result.block_names[seg.stop - 1]}")
+        held = sum(result.prediction.retained_bytes[seg.start : seg.stop])
+        table.add_row(f"{seg.start}" if seg.num_blocks == 1 else f"{seg.start}-{seg.stop - 1}", names, describe(seg),
+                      _mib(held), f"{alone.extra_ms:.2f}")
+    return table
+
+
+def _keep_except(profile: Profile, seg: Segment) -> tuple[Segment, ...]:
+    keep = [Segment(start=i, stop=i + 1, strategy="keep") for i in range(profile.num_blocks)]
+    return tuple(keep[: seg.start] + [seg] + keep[seg.stop :])
+
+
+def comparison(result: Plan, baseline: Plan) -> Table:
+    """Predicted peak, step time and FLOPs of the plan against no recomputation."""
+    p, b = result.prediction, baseline.prediction
+    table = Table(title="prediction against the baseline (no recomputation)")
+    for header in ("", "baseline", "plan", "change"):
+        table.add_column(header, justify="right")
+    table.add_row("peak MiB", _mib(b.peak_bytes), _mib(p.peak_bytes), f"{100 * (p.peak_bytes / b.peak_bytes - 1):+.1f}%")
+    table.add_row("step ms", f"{b.step_ms:.2f}", f"{p.step_ms:.2f}", f"{100 * (p.step_ms / b.step_ms - 1):+.1f}%")
+    table.add_row("extra GFLOPs", "0", f"{p.extra_flops / 1e9:.3f}", "")
+    where = f"block {p.peak_block}" if p.peak_phase == "block" else p.peak_phase
+    table.add_row("peak at", b.peak_phase if b.peak_phase != "block" else f"block {b.peak_block}", where, "")
+    return table
+
+
+def pareto_table(frontier: list[Plan], baseline: Plan, max_rows: int = 24) -> Table:
+    """The frontier: each row is the fastest plan at its predicted peak (at most ``max_rows``
+    rows, evenly spread, both ends kept)."""
+    shown = _spread(len(frontier), max_rows)
+    title = "remat plan --pareto: fastest plan at each predicted peak"
+    if len(shown) < len(frontier):
+        title += f" ({len(shown)} of {len(frontier)} frontier plans)"
+    table = Table(title=title)
+    for header in ("#", "peak MiB", "step ms", "overhead", "strategies"):
+        table.add_column(header, justify="left" if header == "strategies" else "right")
+    for i in shown:
+        item = frontier[i]
+        counts = Counter(_top_kind(s) for s in item.segments for _ in range(s.num_blocks))
+        summary = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+        overhead = 100 * (item.prediction.step_ms / baseline.prediction.step_ms - 1)
+        table.add_row(str(i), _mib(item.prediction.peak_bytes), f"{item.prediction.step_ms:.2f}", f"{overhead:+.1f}%", summary)
+    return table
+
+
+def _spread(count: int, max_rows: int) -> list[int]:
+    if count <= max_rows:
+        return list(range(count))
+    return sorted({round(k * (count - 1) / (max_rows - 1)) for k in range(max_rows)})
+
+
+def _top_kind(segment: Segment) -> str:
+    if segment.kind == "recompute" and segment.children:
+        return "recompute (nested)"
+    return segment.strategy

@@ -90,10 +90,15 @@ def backward_base_bytes(profile: Profile) -> int:
 
 
 def grad_bytes_live(profile: Profile, block_index: int) -> int:
-    """Gradients already accumulated when block ``block_index``'s backward starts
-    (``num_blocks``: the head's backward): all but those of blocks ``<= block_index``. Gradients
-    of the fixed part before the blocks count as live (conservative: the profile does not
-    split them out); without per-block gradient bytes every gradient counts."""
+    """Gradients already accumulated when block ``block_index``'s backward starts.
+
+    The step zeroes gradients to None, so at the head's backward (``block_index ==
+    num_blocks``) none exist yet: the head's own gradients are among its measured backward
+    temporaries, as a block's are among its own. At block j: all but those of blocks
+    ``<= j``; the fixed part's gradients count as live (conservative: the profile does not
+    split pre from post), and without per-block gradient bytes every gradient counts."""
+    if block_index >= profile.num_blocks:
+        return 0
     own = sum(b.grad_bytes for b in profile.blocks[: block_index + 1])
     return profile.grad_bytes - own
 

@@ -1,0 +1,56 @@
+"""`remat plan` on a profile JSON (the --model path profiles a real model: see the models tests)."""
+
+import json
+
+from typer.testing import CliRunner
+
+from remat.cli import app
+from remat.plan.types import Plan
+
+from plan_toys import chain
+
+runner = CliRunner()
+
+
+def _profile_file(tmp_path, **fields):
+    path = tmp_path / "profile.json"
+    chain(6, input_bytes=2**20, saved_bytes=4 * 2**20, param_bytes=2**20, grad_bytes=2**20, **fields).save(path)
+    return path
+
+
+def test_plan_writes_json_and_prints_comparison(tmp_path):
+    # keep all: block 5's backward: 1 MiB params + 1 MiB grads + 5 * 4 held + 4 working = 26 MiB.
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", str(_profile_file(tmp_path)), "--budget", "12MiB", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = Plan.from_json(out)
+    assert plan.budget_bytes == 12 * 2**20 and plan.strategy_name == "optimal"
+    assert plan.prediction.peak_bytes <= 12 * 2**20
+    assert json.loads(out.read_text())["format"] == "plan"
+    assert "peak MiB" in result.output and "26.00" in result.output
+    assert "recompute" in result.output
+
+
+def test_plan_percent_budget_uses_baseline(tmp_path):
+    result = runner.invoke(app, ["plan", str(_profile_file(tmp_path)), "--budget", "50%", "--strategy", "full"])
+    assert result.exit_code == 0, result.output
+    assert "budget 13.00 MiB" in result.output
+
+
+def test_plan_pareto_table(tmp_path):
+    result = runner.invoke(app, ["plan", str(_profile_file(tmp_path)), "--pareto"])
+    assert result.exit_code == 0, result.output
+    assert "fastest plan at each predicted peak" in result.output
+    assert "keep x6" in result.output
+
+
+def test_plan_errors_are_one_line_messages(tmp_path):
+    path = _profile_file(tmp_path)
+    result = runner.invoke(app, ["plan", str(path), "--budget", "6G"])
+    assert result.exit_code == 2 and "unknown unit 'G'" in result.output
+    result = runner.invoke(app, ["plan", str(path), "--budget", "1MiB"])
+    assert result.exit_code == 2 and "Model state alone needs" in result.output
+    result = runner.invoke(app, ["plan", str(path), "--budget", "3MiB"])
+    assert result.exit_code == 2 and "minimum feasible peak" in result.output
+    result = runner.invoke(app, ["plan"])
+    assert result.exit_code == 2 and "--model NAME" in result.output
