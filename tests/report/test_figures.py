@@ -174,3 +174,16 @@ def test_timeline_peak_outside_blocks_is_named(profile):
     ax = plot_timeline(dataclasses.replace(profile, timeline=events)).axes[0]
     assert "peak 101.0 MiB\nin the fixed part (backward)" in [t.get_text() for t in ax.texts]
     assert all(float(t).is_integer() for t in ax.get_xticks())
+
+
+def test_every_colour_is_from_the_okabe_ito_palette(profile, plans, verification):
+    from matplotlib.colors import to_hex
+
+    palette = {c.lower() for c in OKABE_ITO.values()}
+    figs = [plot_breakdown(profile, list(plans.values())), plot_blocks(profile, plans["offload"]),
+            plot_frontier(profile, list(plans.values()), [verification]), plot_timeline(profile, [verification])]
+    for fig in figs:
+        ax = fig.axes[0]
+        colours = {to_hex(p.get_facecolor()) for c in ax.containers for p in c}
+        colours |= {to_hex(ln.get_color()) for ln in ax.get_lines()}
+        assert colours and colours <= palette, colours - palette
