@@ -165,3 +165,33 @@ def test_hf_llama_profile():
     assert [b.name for b in result.blocks] == ["model.layers.0", "model.layers.1"]
     assert all(b.saved_bytes > 0 for b in result.blocks)
     assert math.isfinite(result.step_ms)
+
+
+def _implied_peaks(result: Profile, pre_grad_bytes: int) -> list[int]:
+    """The peak of every phase by the identities of `remat.measure.profile`'s docstring."""
+    state = result.param_bytes + result.buffer_bytes + result.optimizer_state_bytes
+    blocks = result.blocks
+    peaks = []
+    for j, block in enumerate(blocks):
+        grads_live = result.grad_bytes - pre_grad_bytes - sum(b.grad_bytes for b in blocks[: j + 1])
+        earlier = sum(b.saved_bytes for b in blocks[:j])
+        peaks.append(state + grads_live + result.fixed_pre_saved_bytes + earlier + block.saved_bytes
+                     + block.bwd_temp_bytes)
+    peaks.append(state + result.fixed_pre_saved_bytes + sum(b.saved_bytes for b in blocks)
+                 + result.fixed_post_saved_bytes + result.fixed_post_bwd_temp_bytes)
+    peaks.append(state + result.grad_bytes + result.optimizer_step_temp_bytes)
+    return peaks
+
+
+@pytest.mark.parametrize("name, sizes, pre_grad_bytes", [
+    ("gpt", TINY_GPT, (64 * 32 + 16 * 32) * F32),  # token and position embeddings
+    ("mlp", dict(depth=3, width=16, batch_size=4), 0),
+    ("convnet", dict(num_blocks=2, channels=4, image_size=8, batch_size=2), (3 * 9 * 4 + 2 * 4) * F32),
+])
+def test_measured_peak_is_the_highest_implied_phase_peak(name, sizes, pre_grad_bytes):
+    built = build(name, **sizes)
+    result = profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1)
+    peaks = _implied_peaks(result, pre_grad_bytes)
+    assert max(peaks) == result.peak_bytes
+    block_params = [sum(p.numel() for p in blk.parameters()) * F32 for blk in built.model.blocks]
+    assert [b.grad_bytes for b in result.blocks] == block_params

@@ -6,20 +6,24 @@ step under the live-storage tracker, the saved-tensor accountant and the op reco
 ``zero_grad(set_to_none=True)``, forward, loss, ``loss.backward()``, ``optimizer.step()``.
 Parameters, buffers, gradients, optimizer state and the RNG state are restored afterwards.
 
-The memory quantities satisfy, for the measured (keep-everything) step, exactly:
+The memory quantities satisfy, for the measured (keep-everything) step, exactly (``P, B,
+O``: parameter, buffer, optimizer-state bytes; ``G_j``: gradient bytes live when block j's
+backward starts, i.e. those of the blocks after j and of the fixed part's head; ``G_post``:
+gradients live when ``loss.backward()`` starts, 0 after ``zero_grad(set_to_none=True)``):
 
-- peak during block j's backward = ``S + fixed_pre_saved_bytes + sum(saved_bytes of blocks
-  0..j) + bwd_temp_bytes_j``, where ``S`` is the model state live at that moment
-  (parameters, buffers, optimizer state and the gradients accumulated so far);
-- peak from ``loss.backward()`` to the start of the last block's backward (the backward of
-  head and loss) = ``S + fixed_pre_saved_bytes + sum(all blocks' saved_bytes) +
-  fixed_post_saved_bytes + fixed_post_bwd_temp_bytes``;
-- peak during ``optimizer.step()`` = live bytes when it starts + ``optimizer_step_temp_bytes``.
+- peak during block j's backward = ``P + B + O + G_j + fixed_pre_saved_bytes + sum(saved_bytes
+  of blocks before j) + saved_bytes_j + bwd_temp_bytes_j``;
+- peak from ``loss.backward()`` to the start of the last block's backward (the head's and the
+  loss's backward) = ``P + B + O + G_post + fixed_pre_saved_bytes + sum(all blocks'
+  saved_bytes) + fixed_post_saved_bytes + fixed_post_bwd_temp_bytes``;
+- peak during ``optimizer.step()`` = ``P + B + O + grad_bytes + optimizer_step_temp_bytes``.
 
-So ``bwd_temp_bytes`` holds everything else live at that peak (the incoming gradient, the
-gradients the block's backward computes, saved tensors of later blocks not yet freed) minus
-the block's own saved bytes already freed at that moment. It is never negative: at the
-start of the block's backward all of its saved bytes are live.
+So ``bwd_temp_bytes`` holds everything else live at that peak: the incoming gradient, the
+gradients the block's own backward computes (parameter gradients included), saved tensors of
+later blocks not yet freed, minus the block's own saved bytes already freed at that moment.
+It is never negative: when the block's backward starts all of its saved bytes are live.
+``BlockProfile.grad_bytes`` (the block's parameter gradients) gives ``G_j`` as ``grad_bytes``
+minus the gradients of blocks ``<= j`` and of the fixed part before the first block.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from __future__ import annotations
 import os
 import platform
 import socket
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,12 +44,13 @@ from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.fingerprint import fingerprint
 from remat.measure.ops import OpRecorder
 from remat.measure.saved import POST, PRE, SavedAccountant
+from remat.measure.storage import distinct_bytes
 from remat.measure.state import StateSnapshot, buffer_bytes, grad_bytes, optimizer_state_bytes, param_bytes
 from remat.measure.timing import Clock, StepTimer, StepTimes, median_times
 from remat.measure.tracker import ACT_PREFIX, LiveTracker, StepTracking
 from remat.measure.types import BlockProfile, Environment, Profile
 
-STATE_LABELS = ("parameters", "buffers", "gradients", "optimizer_state")
+STATE_LABELS = ("parameters", "buffers", "optimizer_state")
 
 
 def profile(
@@ -101,6 +105,7 @@ class _Step:
         emit("loss_ready")
         emit("bwd_begin")
         loss.backward()
+        del loss  # the optimizer step starts from the model state alone
         emit("bwd_done")
         if self.optimizer is not None:
             self.optimizer.step()
@@ -147,11 +152,13 @@ class _Windows:
             self.optimizer_temp_bytes = self.tracker.close_window() - self._opt_start_bytes
 
     def _start(self, index: int, earlier: list[str], own: str) -> None:
-        """Exclude the state and what earlier segments still hold (live), and the window's own
-        segment's full saved bytes (a constant: the bytes it frees during its backward stay counted)."""
+        """Exclude the state and what earlier segments still hold (live), and two constants: the
+        window's own segment's full saved bytes (those it frees during its backward stay counted)
+        and the gradients live when it starts (the ones its backward accumulates are temporaries)."""
         self._open = index
         labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in [PRE, *earlier])]
-        self.tracker.open_window(labels, offset_bytes=self.accountant.bytes_by_segment()[own])
+        grads_live = self.tracker.live_by_label.get("gradients", 0)
+        self.tracker.open_window(labels, offset_bytes=self.accountant.bytes_by_segment()[own] + grads_live)
 
     def _close(self) -> None:
         if self._open is None:
@@ -259,6 +266,7 @@ def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes) -
             saved_bytes=memory.saved_bytes[name], bwd_temp_bytes=memory.windows.block_temp_bytes[i],
             fwd_ms=times.block_fwd_ms[i], bwd_ms=times.block_bwd_ms[i],
             fwd_flops=memory.recorder.segment_flops(name), ops=memory.recorder.records(name, memory.saved),
+            grad_bytes=distinct_bytes(p.grad for p in module.parameters() if p.grad is not None),
         )
         for i, (name, module) in enumerate(block_list)
     )
