@@ -57,6 +57,13 @@ def test_page_sections_and_figures(page):
         assert f'id="fig-{name}"' in page
 
 
+def test_cuda_max_allocated_is_shown_when_measured():
+    profile = dataclasses.replace(make_profile(timeline=False), device_max_allocated_bytes=3 * 2**30)
+    text = re.sub(r"<[^>]+>", " ", render_html(profile))
+    assert re.search(r"device max allocated \(baseline\)\s+3.0 GiB", text)
+    assert "device max allocated" not in render_html(make_profile(timeline=False))
+
+
 def test_op_count_mismatches_are_listed():
     ver = make_verification(timeline=False)
     bad = dataclasses.replace(ver, recompute_counts_match=False, op_counts=(

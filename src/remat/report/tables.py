@@ -118,6 +118,8 @@ def environment_table(profile: Profile) -> Table:
          f"{format_bytes(profile.optimizer_state_bytes)}"),
         ("measured baseline step", f"{format_ms(profile.step_ms)}, peak {format_bytes(profile.peak_bytes)}"),
     ]
+    if profile.device_max_allocated_bytes is not None:
+        rows.append(("device max allocated (baseline)", format_bytes(profile.device_max_allocated_bytes)))
     rows += _bandwidth_rows(bw)
     return ("", ""), rows
 
