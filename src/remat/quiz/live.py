@@ -183,12 +183,19 @@ def _op_base(name: str) -> str:
     return parts[1] if len(parts) >= 2 and parts[0] == "aten" else name
 
 
+def _saving_op_name(ops: Sequence[Any], i: int) -> str:
+    """A reader's name for op ``i``: a buffer that a random op fills next is a dropout mask."""
+    if i + 1 < len(ops) and ops[i + 1].is_random and ops[i + 1].output_bytes == 0:
+        return "dropout mask"
+    return _op_base(ops[i].name)
+
+
 def _saved_by_op(block: Any) -> list[tuple[str, int, int]]:
     """(op, calls that saved, saved bytes) of one profiled block, largest first."""
     totals: dict[str, list[int]] = {}
-    for op in block.ops:
+    for i, op in enumerate(block.ops):
         if op.saved_bytes > 0:
-            entry = totals.setdefault(_op_base(op.name), [0, 0])
+            entry = totals.setdefault(_saving_op_name(block.ops, i), [0, 0])
             entry[0] += 1
             entry[1] += op.saved_bytes
     return sorted(((name, n, b) for name, (n, b) in totals.items()), key=lambda t: -t[2])
