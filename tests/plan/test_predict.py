@@ -4,8 +4,10 @@ Blocks (input, saved, backward temporaries; fwd ms; fwd FLOPs):
   b0: 4, 10, 2; 1 ms; 100     working = 12
   b1: 3,  8, 1; 2 ms; 200     working = 9
   b2: 5, 12, 3; 3 ms; 300     working = 15
-Model state during backward: params 100 + buffers 10 + optimizer state 200 + grads 100 = 410;
-fixed pre saved 7 -> base 417. Head backward needs post saved 6 + temporaries 4 = 10.
+Model state during backward: params 100 + buffers 10 + optimizer state 200 = 310, fixed pre
+saved 7; gradients (100, no per-block split) count from the first block's backward on, none at
+the head's backward (its own are among its temporaries). So a block's backward starts from
+417, the head's from 317; the head needs post saved 6 + temporaries 4 = 10.
 Optimizer step: model state 410 + step temporaries 20 = 430.
 Baseline step: fixed 1 + 2, blocks (1+2) + (2+2) + (3+2) = 12, optimizer 0.5 -> 15.5 ms.
 """
@@ -47,11 +49,13 @@ def seg(start, stop, strategy="keep", **kw):
 
 
 def test_keep_everything():
-    # retained (10, 8, 12); backward of b2: 417 + 18 + 15 = 450; head: 417 + 30 + 10 = 457.
+    # retained (10, 8, 12); backward of b2: 417 + 18 + 15 = 450; head: 317 + 30 + 10 = 357.
     pred = predict(toy3(), [seg(0, 1), seg(1, 2), seg(2, 3)])
     assert pred.retained_bytes == (10, 8, 12)
-    assert (pred.peak_bytes, pred.peak_phase, pred.peak_block) == (457, "post", -1)
-    assert pred.fixed_bytes == 7 + 6
+    assert (pred.peak_bytes, pred.peak_phase, pred.peak_block, pred.working_bytes) == (450, "block", 2, 15)
+    assert pred.fixed_bytes == 7
+    head = predict(toy3(fixed_post_bwd_temp_bytes=200), [seg(0, 3)])  # head: 317 + 30 + 206 = 553
+    assert (head.peak_bytes, head.peak_phase, head.peak_block, head.fixed_bytes) == (553, "post", -1, 13)
     assert pred.model_state_bytes == 410
     assert (pred.step_ms, pred.extra_ms, pred.extra_flops) == (15.5, 0.0, 0)
 
@@ -61,7 +65,7 @@ def test_keep_as_one_segment_equals_per_block():
 
 
 def test_recompute_every_block():
-    # retained (4, 3, 5); b2: 417 + 7 + 15 = 439; head: 417 + 12 + 10 = 439 (tie: block wins).
+    # retained (4, 3, 5); b2: 417 + 7 + 15 = 439; head: 317 + 12 + 10 = 339.
     pred = predict(toy3(), [seg(0, 1, "recompute"), seg(1, 2, "recompute"), seg(2, 3, "recompute")])
     assert pred.retained_bytes == (4, 3, 5)
     assert (pred.peak_bytes, pred.peak_phase, pred.peak_block, pred.working_bytes) == (439, "block", 2, 15)
@@ -79,7 +83,7 @@ def test_recompute_segment_keeps_blocks_during_replay():
 def test_nested_recompute():
     # [0,3) recompute with child [0,2) recompute with child [0,1) recompute.
     # innermost [0,1): b0 working 12. [0,2): max(12, 4 + 9 = 13). [0,3): max(13, 4 + 15 = 19).
-    # block phase 417 + 19 = 436 at b2; head 417 + 4 + 10 = 431.
+    # block phase 417 + 19 = 436 at b2; head 317 + 4 + 10 = 331.
     # extra: replays of [0,3) 6 ms + [0,2) 3 ms + [0,1) 1 ms = 10 ms; FLOPs 600 + 300 + 100.
     inner = seg(0, 2, "recompute", children=(seg(0, 1, "recompute"),))
     pred = predict(toy3(), [seg(0, 3, "recompute", children=(inner,))])
@@ -100,7 +104,7 @@ def test_nested_peak_inside_child():
 def test_selective_saves_named_ops():
     # b1 selective saving mm#0: retained input 3 + output 5 = 8; replays relu 0.25 + mm#1 1.0
     # (the view costs nothing); FLOPs 5 + 70. Plan keep b0, selective b1, recompute b2:
-    # retained (10, 8, 5): b2: 417 + 18 + 15 = 450; head 417 + 23 + 10 = 450 -> block.
+    # retained (10, 8, 5): b2: 417 + 18 + 15 = 450; head 317 + 23 + 10 = 350.
     segments = [seg(0, 1), seg(1, 2, "selective:save-matmuls", saved_ops=("aten.mm.default#0",)), seg(2, 3, "recompute")]
     pred = predict(toy3(), segments)
     assert pred.retained_bytes == (10, 8, 5)
@@ -138,9 +142,9 @@ def test_offload_uses_the_registered_cost(monkeypatch):
     monkeypatch.setitem(costs._REGISTRY, "offload", fake)
     prof = toy3(fingerprint=replace(toy3().fingerprint, device="cuda"))
     pred = predict(prof, [seg(0, 1, "offload:cpu"), seg(1, 3)])
-    # retained (1, 8, 12): b2: 417 + 9 + 15 = 441; head: 417 + 21 + 10 = 448.
+    # retained (1, 8, 12): b2: 417 + 9 + 15 = 441; head: 317 + 21 + 10 = 348.
     assert pred.retained_bytes == (1, 8, 12)
-    assert (pred.peak_bytes, pred.peak_phase, pred.offloaded_bytes, pred.extra_ms) == (448, "post", 9, 0.5)
+    assert (pred.peak_bytes, pred.peak_phase, pred.offloaded_bytes, pred.extra_ms) == (441, "block", 9, 0.5)
 
 
 def test_segments_must_cover_blocks():
@@ -164,9 +168,9 @@ def test_accepts_a_plan():
 
 def test_gradients_accumulate_during_backward():
     # Block gradients 20, 30, 40 of the 100: when b2's backward starts only the head's 10 are
-    # accumulated, at b1: 10 + 40, at b0: 10 + 40 + 30; at the head's backward: 10.
+    # accumulated (fixed part's, not split: 100 - 90), at b1: 10 + 40, at b0: 10 + 40 + 30.
     # Keep all, base 310 + pre 7 = 317: b2: 317 + 10 + 18 + 15 = 360; b1: 317 + 50 + 10 + 9 = 386;
-    # b0: 317 + 80 + 12 = 409; head: 317 + 10 + 30 + 10 = 367.
+    # b0: 317 + 80 + 12 = 409; head: 317 + 30 + 10 = 357; optimizer 410 + 20.
     prof = toy3()
     grads = (20, 30, 40)
     prof = replace(prof, blocks=tuple(replace(b, grad_bytes=g) for b, g in zip(prof.blocks, grads)))
@@ -175,6 +179,6 @@ def test_gradients_accumulate_during_backward():
     prof = replace(prof, optimizer_step_temp_bytes=0)
     pred = predict(prof, [seg(0, 1), seg(1, 2), seg(2, 3)])
     assert (pred.peak_bytes, pred.peak_phase, pred.peak_block, pred.working_bytes) == (410, "optimizer", -1, 0)
-    prof = replace(prof, fixed_pre_saved_bytes=30)  # b0: 340 + 80 + 12 = 432 > head 390, optimizer 410
+    prof = replace(prof, fixed_pre_saved_bytes=30)  # b0: 340 + 80 + 12 = 432 > head 380, optimizer 410
     pred = predict(prof, [seg(0, 1), seg(1, 2), seg(2, 3)])
     assert (pred.peak_bytes, pred.peak_phase, pred.peak_block, pred.working_bytes) == (432, "block", 0, 12)
