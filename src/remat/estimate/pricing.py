@@ -23,15 +23,15 @@ from remat.estimate.devices import DeviceSpec
 from remat.estimate.explain import explain_activation_overflow, explain_state_overflow
 from remat.estimate.results import DeviceEstimate, StrategyEstimate
 from remat.estimate.scale import at_micro_batch, check_alike, replicate_blocks, timed_for_device
-from remat.estimate.strategies import price
+from remat.estimate.strategies import conservative, price
 from remat.estimate.trace import Traced
 from remat.measure.types import Profile
 from remat.memory.allowance import Allowance
 from remat.memory.model_state import ModelState, model_state, shard_model_state
 from remat.memory.optimizer_state import optimizer_layout
-from remat.plan.predict import predict
+from remat.plan.predict import grad_bytes_live, predict
 from remat.plan.search import OptimalSearch
-from remat.plan.types import Segment
+from remat.plan.types import Prediction, Segment
 
 MAX_MICRO_BATCH = 1 << 16
 
@@ -67,26 +67,55 @@ class Pricing:
     def profile_at(self, micro_batch: int) -> Profile:
         """The whole model's profile at ``micro_batch`` (model state not yet filled in)."""
         t = self.traced
-        if t.whole:
+        return self._traced_at(micro_batch) if t.whole else replicate_blocks(
+            self._traced_at(micro_batch), t.num_layers, name_format=t.block_name_format)
+
+    def _traced_at(self, micro_batch: int) -> Profile:
+        """The traced (few-layer) profile at ``micro_batch``."""
+        t = self.traced
+        if t.whole or micro_batch == 1:
             return t.profiles[0]
         check_alike(t.profiles[0])
-        if micro_batch == 1:
-            return replicate_blocks(t.profiles[0], t.num_layers, name_format=t.block_name_format)
-        two, three = (replicate_blocks(p, t.num_layers, name_format=t.block_name_format) for p in t.profiles[1:])
-        return at_micro_batch(two, three, micro_batch)
+        return at_micro_batch(t.profiles[1], t.profiles[2], micro_batch)
 
     def device_profile(self, micro_batch: int, spec: DeviceSpec) -> Profile:
-        """The profile at ``micro_batch`` with this rank's model state and FLOP-derived times."""
+        """The profile at ``micro_batch`` with this rank's model state and FLOP-derived times
+        (scaled and timed on the few traced layers, then copied: cheap for 80 layers)."""
+        key = (micro_batch, spec.name)
+        if key not in self._cache:
+            self._cache[key] = self._device_profile(micro_batch, spec)
+        return self._cache[key]
+
+    @cached_property
+    def _cache(self) -> dict[tuple[int, str], Profile]:
+        return {}
+
+    def _device_profile(self, micro_batch: int, spec: DeviceSpec) -> Profile:
         state = self.rank_state
         optimizer_bytes = state.master_bytes + state.optimizer_state_bytes
         touched = 2 * (state.param_bytes + state.grad_bytes + optimizer_bytes)
         optimizer_ms = 1e3 * touched / spec.memory_bytes_per_s if spec.memory_bytes_per_s else 0.0
+        base = self._traced_at(micro_batch)
+        blocks = tuple(replace(b, grad_bytes=self._block_grad_bytes) for b in base.blocks)
         profile = replace(
-            self.profile_at(micro_batch), param_bytes=state.param_bytes + state.gathered_bytes,
+            base, blocks=blocks, param_bytes=state.param_bytes + state.gathered_bytes,
             grad_bytes=state.grad_bytes, optimizer_state_bytes=optimizer_bytes, buffer_bytes=state.buffer_bytes,
             optimizer_name=self.optimizer, optimizer_step_temp_bytes=self._step_temp_bytes(state),
         )
-        return timed_for_device(profile, flops_per_s=self.mfu * spec.peak_bf16_flops_per_s, optimizer_ms=optimizer_ms)
+        timed = timed_for_device(profile, flops_per_s=self.mfu * spec.peak_bf16_flops_per_s, optimizer_ms=optimizer_ms)
+        if self.traced.whole:
+            return timed
+        return replicate_blocks(timed, self.traced.num_layers, name_format=self.traced.block_name_format)
+
+    @cached_property
+    def _block_grad_bytes(self) -> int:
+        """Gradient bytes of one layer on this rank, for the planner's count of gradients live
+        in backward. With gradient accumulation every gradient persists across micro-steps, so
+        0: the planner then counts all of them as live for the whole backward."""
+        if self.accumulation > 1 or self.traced.whole:
+            return 0
+        layer = model_state(self.traced.block_shapes, optimizer=self.optimizer, precision_name=self.precision)
+        return shard_model_state(layer, world_size=self.world_size, zero_stage=self.zero_stage).grad_bytes
 
     def _step_temp_bytes(self, state: ModelState) -> int:
         """A fused optimizer step (``fused=True``, DeepSpeed FusedAdam) allocates nothing. PyTorch's
@@ -112,11 +141,13 @@ class Pricing:
         row = StrategyEstimate(
             strategy=name, plan_strategy=priced.label, fits=priced.fits, peak_bytes=pred.peak_bytes,
             allowance_bytes=self.allowance.bytes_for(pred.peak_bytes),
-            activation_bytes=pred.peak_bytes - _state_at_peak(profile, pred.peak_phase),
+            activation_bytes=pred.peak_bytes - _state_at_peak(profile, pred),
             peak_phase=pred.peak_phase, recompute_flops=pred.extra_flops,
             step_s=(self.accumulation * (pred.step_ms - opt_ms) + opt_ms) / 1e3,
             max_micro_batch=self._max_micro_batch(spec, name, budget) if self.traced.scalable else None,
         )
+        if row.fits and row.max_micro_batch is not None and row.max_micro_batch < self.micro_batch:
+            row = replace(row, max_micro_batch=self.micro_batch)  # optimal's bound is a lower bound
         return replace(row, diagnosis="" if row.fits else self._diagnose(spec, row, budget))
 
     def _max_micro_batch(self, spec: DeviceSpec, name: str, budget: int) -> int:
@@ -125,7 +156,7 @@ class Pricing:
         if name != "optimal":
             return _largest(lambda b: price(self.device_profile(b, spec), name, budget).fits)
         others = [self._max_micro_batch(spec, other, budget) for other in ("none", "full", "selective")]
-        lowest = OptimalSearch(self.device_profile(2, spec)).min_peak_segments()
+        lowest = OptimalSearch(conservative(self.device_profile(2, spec))).min_peak_segments()
         fits = _layout_fits(lambda b: self.device_profile(b, spec), lowest, budget)
         return max(others + [_largest(lambda b: fits(max(b, 2)))])
 
@@ -158,10 +189,14 @@ def _largest(fits: Callable[[int], bool]) -> int:
     return lo
 
 
-def _state_at_peak(profile: Profile, phase: str) -> int:
-    """Model state counted in the peak: all of it (the planner counts every gradient as live in
-    backward, and the optimizer phase holds the same)."""
-    return profile.param_bytes + profile.buffer_bytes + profile.optimizer_state_bytes + profile.grad_bytes
+def _state_at_peak(profile: Profile, prediction: Prediction) -> int:
+    """Model state counted in the peak: parameters, buffers, optimizer state and the gradients
+    live at that moment (`remat.plan.predict.grad_bytes_live`; all of them in the optimizer step)."""
+    state = profile.param_bytes + profile.buffer_bytes + profile.optimizer_state_bytes
+    if prediction.peak_phase == "optimizer":
+        return state + profile.grad_bytes
+    index = profile.num_blocks if prediction.peak_phase == "post" else max(prediction.peak_block, 0)
+    return state + grad_bytes_live(profile, index)
 
 
 __all__ = ["MAX_MICRO_BATCH", "Pricing"]

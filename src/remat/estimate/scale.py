@@ -1,11 +1,11 @@
 """From a profile traced on a few layers at micro-batch 1 and 2 to any layer count and micro-batch.
 
 - Layers: the traced model has ``k`` identical layers (``k`` >= 2, so a layer's input is the
-  previous layer's output, as in the full model). The first layer of the full model is the
-  first traced layer, every later one a copy of the last traced layer; the fixed part
-  (embeddings, head, loss) is traced as is. This is exact for models whose layers are
-  identical (GPT, Llama, Mistral), and `check_alike` refuses a trace whose layers run
-  different ops.
+  previous layer's output, as in the full model). Every layer of the full model is a copy of
+  the last traced layer; the fixed part (embeddings, head, loss) is traced as is. This is
+  exact for models whose layers are identical (GPT, Llama, Mistral), up to the first layer's
+  backward temporaries (the copy's may be larger: the first layer's input may need no
+  gradient); `check_alike` refuses a trace whose layers run different ops.
 - Micro-batch: every byte and FLOP count of one step is affine in the micro-batch size ``b``
   for ``b >= 2`` (each tensor has a batch dimension or none: position ids, causal masks), so
   traces at ``b = 2`` and ``b = 3`` give every count at any ``b >= 2`` exactly:
@@ -48,15 +48,22 @@ def check_alike(profile: Profile) -> None:
 
 
 def replicate_blocks(profile: Profile, num_layers: int, *, name_format: str | None = None) -> Profile:
-    """The profile with ``num_layers`` blocks: the first as traced, the others copies of the last."""
+    """The profile with ``num_layers`` copies of its last block (indices and names renumbered).
+
+    What the first traced layer saves beyond the last one (tensors made before the layers and
+    shared by all, such as rotary tables, which the first layer saves first) moves to the fixed
+    part before the blocks: it lives from the forward of the first layer to the end of the
+    backward, as that part does. All layers then look alike to the planner, whose exact search
+    is much faster for alike layers.
+    """
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}.")
     template = profile.blocks[-1]
     prefix = template.name.rsplit(".", 1)[0] if "." in template.name else template.name
     fmt = name_format or prefix + ".{}"
-    first = replace(profile.blocks[0], name=fmt.format(0))
-    copies = tuple(replace(template, index=i, name=fmt.format(i)) for i in range(1, num_layers))
-    return replace(profile, blocks=(first,) + copies, timeline=())
+    shared = max(0, profile.blocks[0].saved_bytes - template.saved_bytes)
+    blocks = tuple(replace(template, index=i, name=fmt.format(i)) for i in range(num_layers))
+    return replace(profile, blocks=blocks, timeline=(), fixed_pre_saved_bytes=profile.fixed_pre_saved_bytes + shared)
 
 
 BASE_MICRO_BATCH = 2
