@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from remat.plan.types import Segment
 
@@ -244,6 +245,14 @@ class Runtime:
         return [b for i in range(start, stop) for b in self.blocks[i].buffers()]
 
 
+@contextlib.contextmanager
+def _outside_modes() -> Iterator[None]:
+    """Bookkeeping copies must not be seen by the selective-checkpoint cache (it would expect
+    them in the replay) nor counted as the step's ops."""
+    with _disable_current_modes(), torch.no_grad():
+        yield
+
+
 class BufferGuard:
     """Undo buffer updates made by a replay (BatchNorm running statistics...).
 
@@ -269,17 +278,20 @@ class BufferGuard:
         known = self.runtime.mutating.get(key)
         if self.calls == 1 and known is None:
             buffers = self.runtime.block_buffers(self.start, self.stop)
-            before = [b.detach().clone() for b in buffers]
+            with _outside_modes():
+                before = [b.detach().clone() for b in buffers]
             yield
-            self.runtime.mutating[key] = [b for b, v in zip(buffers, before) if not torch.equal(b, v)]
+            with _outside_modes():
+                self.runtime.mutating[key] = [b for b, v in zip(buffers, before) if not torch.equal(b, v)]
             return
         if self.calls == 1 or not known:
             yield
             return
-        saved = [b.detach().clone() for b in known]
+        with _outside_modes():
+            saved = [b.detach().clone() for b in known]
         try:
             yield
         finally:
-            with torch.no_grad():
+            with _outside_modes():
                 for buf, value in zip(known, saved):
                     buf.copy_(value)

@@ -1,0 +1,59 @@
+"""Plans built by hand for apply tests, and a training loop to compare runs bit for bit."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat._batch import call_model, compute_loss
+from remat.apply.api import apply_
+from remat.measure.fingerprint import fingerprint
+from remat.plan.types import Plan, Prediction, Segment
+
+PREDICTION = Prediction(
+    peak_bytes=1, step_ms=1.0, extra_flops=0, extra_ms=0.0, model_state_bytes=0, fixed_bytes=0,
+    retained_bytes=(), peak_block=-1, peak_phase="block", working_bytes=0,
+)
+
+
+def seg(start: int, stop: int, strategy: str = "recompute", *children: Segment, saved_ops: tuple[str, ...] = ()) -> Segment:
+    return Segment(start=start, stop=stop, strategy=strategy, children=tuple(children), saved_ops=saved_ops)
+
+
+def make_plan(model: nn.Module, batch: Any, names: list[str], segments: list[Segment], name: str = "test") -> Plan:
+    return Plan(segments=tuple(segments), block_names=tuple(names), strategy_name=name, budget_bytes=None,
+                prediction=PREDICTION, fingerprint=fingerprint(model, batch))
+
+
+def train(model: nn.Module, batch: Any, loss_fn: Any = None, plan: Plan | None = None, *, steps: int = 3,
+          seed: int = 1) -> list[dict[str, Any]]:
+    """Train a deep copy for ``steps`` AdamW steps; per step: loss, grads, state_dict."""
+    model = copy.deepcopy(model)
+    if plan is not None:
+        apply_(model, plan, batch=batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(seed)
+    history = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = compute_loss(call_model(model, batch), batch, loss_fn)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        history.append({"loss": loss.detach(), "grads": grads,
+                        "state": {k: v.clone() for k, v in model.state_dict().items()}})
+    return history
+
+
+def assert_identical(expected: list[dict[str, Any]], actual: list[dict[str, Any]]) -> None:
+    for step, (want, got) in enumerate(zip(expected, actual, strict=True)):
+        assert torch.equal(want["loss"], got["loss"]), f"step {step}: loss differs"
+        assert want["grads"].keys() == got["grads"].keys()
+        for name, grad in want["grads"].items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=0, atol=0, msg=f"step {step}: grad {name}")
+        assert want["state"].keys() == got["state"].keys()
+        for name, value in want["state"].items():
+            assert torch.equal(got["state"][name], value), f"step {step}: state {name} differs"

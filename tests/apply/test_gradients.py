@@ -1,0 +1,78 @@
+"""Every strategy gives bit-identical losses, gradients and buffers on the built-in models (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apply_helpers import assert_identical, make_plan, seg, train
+from remat._batch import call_model, compute_loss
+from remat.apply.opcount import BlockOpCounter
+from remat.measure.blocks import find_blocks
+from remat.models import MODEL_NAMES, build
+
+MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.convolution.")
+
+TINY_LM = {"num_layers": 3, "d_model": 32, "num_heads": 2, "seq_len": 16, "batch_size": 2, "vocab_size": 64}
+MODELS = [
+    ("gpt", {**TINY_LM, "attention": "explicit", "num_layers": 4}),
+    ("gpt", {**TINY_LM, "attention": "sdpa", "num_layers": 4}),
+    ("mlp", {"depth": 4, "width": 32, "batch_size": 4}),
+    ("convnet", {"num_blocks": 3, "channels": 4, "image_size": 8, "batch_size": 4}),
+    ("hf:gpt2", TINY_LM),
+    ("hf:llama", TINY_LM),
+]
+
+
+def _forward_keys(built, blocks) -> list[list[str]]:
+    with BlockOpCounter([m for _, m in blocks]) as counter:
+        compute_loss(call_model(built.model, built.batch), built.batch, built.loss_fn)
+    return counter.forward_keys
+
+
+def _plans(n: int, keys: list[list[str]], tmp: str) -> dict[str, list]:
+    matmuls = [tuple(k for k in keys[i] if k.startswith(MATMULS)) for i in range(n)]
+    half = n // 2
+    return {
+        "full": [seg(i, i + 1) for i in range(n)],
+        "every2": [seg(i, min(i + 2, n)) for i in range(0, n, 2)],
+        "nested": [seg(0, n, "recompute", seg(0, half), seg(half, n, "selective:x", saved_ops=matmuls[half]))
+                   if n - half == 1 else seg(0, n, "recompute", seg(0, half), seg(half + 1, n))],
+        "selective-matmuls": [seg(i, i + 1, "selective:save-matmuls", saved_ops=matmuls[i]) for i in range(n)],
+        "selective-none": [seg(i, i + 1, "selective:none") for i in range(n)],
+        "mixed": [seg(0, 1, "keep"), seg(1, 2, "offload:disk"), seg(2, n, "recompute")],
+    }
+
+
+@pytest.mark.parametrize("name,sizes", MODELS, ids=[f"{n}-{s.get('attention', '')}" for n, s in MODELS])
+def test_every_strategy_is_bit_identical(name, sizes, tmp_path):
+    if name not in MODEL_NAMES:
+        pytest.skip(f"{name} needs transformers")
+    torch.manual_seed(0)
+    built = build(name, **sizes)
+    blocks = find_blocks(built.model)
+    names = [n for n, _ in blocks]
+    keys = _forward_keys(built, blocks)
+    baseline = train(built.model, built.batch, built.loss_fn)
+    for label, segments in _plans(len(names), keys, str(tmp_path)).items():
+        plan = make_plan(built.model, built.batch, names, segments, label)
+        assert_identical(baseline, train(built.model, built.batch, built.loss_fn, plan))
+
+
+def test_dropout_is_active_in_the_tests():
+    torch.manual_seed(0)
+    built = build("gpt", **TINY_LM)
+    first = compute_loss(call_model(built.model, built.batch), built.batch)
+    second = compute_loss(call_model(built.model, built.batch), built.batch)
+    assert not torch.equal(first, second)
+
+
+def test_batchnorm_buffers_advance_once_per_step():
+    torch.manual_seed(0)
+    built = build("convnet", **MODELS[3][1])
+    names = [n for n, _ in find_blocks(built.model)]
+    plan = make_plan(built.model, built.batch, names, [seg(0, len(names))])
+    history = train(built.model, built.batch, built.loss_fn, plan)
+    assert history[-1]["state"]["blocks.0.bn1.num_batches_tracked"].item() == 3
+    baseline = train(built.model, built.batch, built.loss_fn)
+    assert torch.equal(history[-1]["state"]["blocks.0.bn1.running_mean"], baseline[-1]["state"]["blocks.0.bn1.running_mean"])
