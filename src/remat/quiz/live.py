@@ -82,26 +82,30 @@ class _Job:
         return self.built.model
 
 
+# The stages are imported from their modules: the attribute ``remat.plan`` becomes the
+# subpackage ``remat.plan`` once that is imported, and likewise ``remat.verify``.
+
+
 def _job(name: str, **sizes: Any) -> _Job:
-    import remat
+    from remat.measure.profile import profile
     from remat.models import build
 
     built = build(name, seed=0, **sizes)
-    prof = remat.profile(built.model, built.batch, loss_fn=built.loss_fn, optimizer=built.optimizer)
+    prof = profile(built.model, built.batch, loss_fn=built.loss_fn, optimizer=built.optimizer)
     return _Job(built=built, profile=prof)
 
 
 def _plan(job: _Job, strategy: str, budget: int | None = None) -> Any:
-    import remat
+    from remat.plan.planners import plan
 
-    return remat.plan(job.profile, strategy=strategy, budget=budget)
+    return plan(job.profile, strategy=strategy, budget=budget)
 
 
 def _verify(job: _Job, plan: Any) -> Any:
-    import remat
+    from remat.verify import verify
 
     b = job.built
-    return remat.verify(b.model, b.batch, plan, loss_fn=b.loss_fn, optimizer=b.optimizer)
+    return verify(b.model, b.batch, plan, loss_fn=b.loss_fn, optimizer=b.optimizer)
 
 
 def _activation_bytes(job: _Job, peak_bytes: int) -> int:
@@ -119,21 +123,19 @@ def _step_flops(job: _Job) -> int:
 
 
 def _flops_with(job: _Job, plan: Any) -> int:
-    import remat
-
     with _applied(job.model, plan):
         return _step_flops(job)
 
 
 @contextlib.contextmanager
 def _applied(model: nn.Module, plan: Any, **options: Any) -> Iterator[nn.Module]:
-    import remat
+    from remat.apply.api import apply_, remove_
 
-    remat.apply_(model, plan, **options)
+    apply_(model, plan, **options)
     try:
         yield model
     finally:
-        remat.remove_(model)
+        remove_(model)
 
 
 def _kib(num_bytes: float) -> float:
