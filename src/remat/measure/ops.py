@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from remat.measure.boundaries import in_backward
 from remat.measure.flops import op_flops
 from remat.measure.saved import SavedStorage
-from remat.measure.storage import storage_key, storage_nbytes
+from remat.measure.storage import flat_tensors, storage_key, storage_nbytes
 from remat.measure.types import OpRecord
 
 
@@ -104,17 +103,22 @@ class OpRecorder(TorchDispatchMode):
         """Forward FLOPs of every recorded call of ``segment``."""
         return sum(call.flops for call in self.calls.get(segment, []))
 
-    def records(self, segment: str, saved: Mapping[int, SavedStorage]) -> tuple[OpRecord, ...]:
-        """The op table of ``segment``; ``saved`` is `SavedAccountant.saved` of the same forward."""
-        saved_by_call: dict[int, int] = defaultdict(int)
+    def saved_by_call(self, saved: Mapping[int, SavedStorage]) -> dict[tuple[str, int], int]:
+        """Saved bytes per ``(segment, call index)``; ``saved`` is `SavedAccountant.saved` of the
+        same forward. A storage counts for its producer only when saved in the producer's segment."""
+        totals: dict[tuple[str, int], int] = defaultdict(int)
         for key, record in saved.items():
             producer = self._producer.get(key)
-            if producer is not None and producer[0] == segment == record.segment:
-                saved_by_call[producer[1]] += record.nbytes
+            if producer is not None and producer[0] == record.segment:
+                totals[producer] += record.nbytes
+        return totals
+
+    def records(self, segment: str, saved_by_call: Mapping[tuple[str, int], int]) -> tuple[OpRecord, ...]:
+        """The op table of ``segment`` (``saved_by_call`` from `saved_by_call`)."""
         return tuple(
             OpRecord(
                 key=call.key, name=call.name, output_bytes=sum(call.new_storages.values()),
-                saved_bytes=saved_by_call[i], time_ms=1e3 * statistics.median(call.times_s),
+                saved_bytes=saved_by_call.get((segment, i), 0), time_ms=1e3 * statistics.median(call.times_s),
                 flops=call.flops, is_random=call.is_random, is_view=call.is_view,
             )
             for i, call in enumerate(self.calls.get(segment, []))
@@ -122,11 +126,10 @@ class OpRecorder(TorchDispatchMode):
 
 
 def _new_storages(args: tuple, kwargs: dict, out: Any) -> dict[int, int]:
-    inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    inputs = {storage_key(t) for t in flat_tensors(args, kwargs)}
     new: dict[int, int] = {}
-    for t in tree_leaves(out):
-        if isinstance(t, torch.Tensor):
-            key = storage_key(t)
-            if key is not None and key not in inputs:
-                new[key] = storage_nbytes(t)
+    for t in flat_tensors((out,)):
+        key = storage_key(t)
+        if key is not None and key not in inputs:
+            new[key] = storage_nbytes(t)
     return new

@@ -158,7 +158,7 @@ class _Windows:
         self._open = index
         labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in [PRE, *earlier])]
         grads_live = self.tracker.live_by_label.get("gradients", 0)
-        self.tracker.open_window(labels, offset_bytes=self.accountant.bytes_by_segment()[own] + grads_live)
+        self.tracker.open_window(labels, offset_bytes=self.accountant.segment_bytes(own) + grads_live)
 
     def _close(self) -> None:
         if self._open is None:
@@ -259,13 +259,14 @@ def _assemble(step: _Step, block_list: Blocks, memory: _Accounting, times: StepT
 
 
 def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes) -> tuple[BlockProfile, ...]:
+    saved_by_call = memory.recorder.saved_by_call(memory.saved)
     return tuple(
         BlockProfile(
             index=i, name=name, class_name=type(module).__name__,
             input_bytes=memory.input_bytes.get(name, 0), output_bytes=memory.output_bytes.get(name, 0),
             saved_bytes=memory.saved_bytes[name], bwd_temp_bytes=memory.windows.block_temp_bytes[i],
             fwd_ms=times.block_fwd_ms[i], bwd_ms=times.block_bwd_ms[i],
-            fwd_flops=memory.recorder.segment_flops(name), ops=memory.recorder.records(name, memory.saved),
+            fwd_flops=memory.recorder.segment_flops(name), ops=memory.recorder.records(name, saved_by_call),
             grad_bytes=distinct_bytes(p.grad for p in module.parameters() if p.grad is not None),
         )
         for i, (name, module) in enumerate(block_list)

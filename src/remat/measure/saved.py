@@ -61,6 +61,10 @@ class SavedAccountant:
         """Saved bytes per segment, every segment present (0 when nothing saved)."""
         return {PRE: 0, **{name: 0 for name, _ in self.blocks}, POST: 0, **self._totals}
 
+    def segment_bytes(self, segment: str) -> int:
+        """Saved bytes of one segment so far."""
+        return self._totals.get(segment, 0)
+
     def __enter__(self) -> SavedAccountant:
         last = len(self.blocks) - 1
         for index, (name, module) in enumerate(self.blocks):

@@ -42,6 +42,18 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def flat_tensors(args: tuple, kwargs: dict | None = None) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments or results (lists and tuples one level deep):
+    a fast path for dispatch modes, which see no deeper nesting."""
+    found = []
+    for value in (*args, *(kwargs or {}).values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
+
+
 def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a storage shared by several counts once)."""
     seen: dict[int, int] = {}

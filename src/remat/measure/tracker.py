@@ -30,13 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from remat._batch import batch_tensors, model_device
 from remat.measure.blocks import Blocks, find_blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.saved import SavedAccountant
-from remat.measure.storage import storage_key, storage_nbytes
+from remat.measure.storage import flat_tensors, storage_key, storage_nbytes
 from remat.measure.types import MemoryEvent
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
@@ -109,9 +108,9 @@ class LiveTracker(TorchDispatchMode):
     # ---- dispatch ---------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and storage_key(t) not in inputs:
+        inputs = {storage_key(t) for t in flat_tensors(args, kwargs)}
+        for t in flat_tensors((out,)):
+            if storage_key(t) not in inputs:
                 self._add(t, "temporaries")
         return out
 
