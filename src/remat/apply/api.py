@@ -61,8 +61,10 @@ def check_plan_matches(model: nn.Module, plan: Plan, batch: Any = None) -> None:
     """Raise ValueError when ``plan`` was made for another model, dtype, device or batch."""
     have = _model_fingerprint(model, batch if batch is not None else ())
     want = plan.fingerprint
-    checks = [("model structure", want.model_hash, have.model_hash),
-              ("dtype", want.dtype, have.dtype), ("device", want.device, have.device)]
+    # dtype and device first: the structure hash covers parameter dtypes too, and naming the
+    # dtype is the more useful message.
+    checks = [("dtype", want.dtype, have.dtype), ("device", want.device, have.device),
+              ("model structure", want.model_hash, have.model_hash)]
     if batch is not None:
         checks.append(("batch shapes", want.batch_shapes, have.batch_shapes))
     for what, planned, actual in checks:
