@@ -184,6 +184,9 @@ class Profile:
     """Live bytes at block boundaries of the baseline step, for the timeline plot."""
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
     """Transfer rates for the offload strategies."""
+    gathered_bytes: int = 0
+    """ZeRO-3/FSDP only: the all-gathered weights and unsharded gradients of the largest unit,
+    less this rank's shard, live on every rank while that unit runs (see `remat.distributed`)."""
 
     @property
     def num_blocks(self) -> int:

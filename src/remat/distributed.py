@@ -1,0 +1,129 @@
+"""remat beside PyTorch's own data parallelism: torchrun, DDP and FSDP2 (`fully_shard`).
+
+remat composes with the distributed engine; it does not replace it. The order is the one
+torchtitan uses: apply the recomputation plan first (`remat.apply_`), then wrap for data
+parallelism (`DistributedDataParallel(model)` or `fully_shard` per block, then on the root).
+Recomputation is non-reentrant only, which is what DDP needs (reentrant checkpointing under
+DDP fails with "Expected to mark a variable ready only once").
+
+Every rank runs the same model on its own micro-batch, so every rank's profile is the same
+model's: rank 0 profiles and plans, the plan is broadcast as JSON (`broadcast_plan`) or made on
+every rank and checked identical (`check_same_plan`). The planner sees one rank's memory through
+`shard_profile`: parameters, gradients and optimizer state divided as ZeRO stage 1/2/3 divides
+them, plus, under ZeRO-3/FSDP, the all-gathered weights and unsharded gradients of the largest
+unit (a block), which every rank holds while that unit runs (Rajbhandari et al. 2020, ZeRO).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from remat.measure.types import Profile
+from remat.memory.model_state import ModelState, shard_model_state
+from remat.plan.types import Plan
+
+__all__ = [
+    "rank",
+    "world_size",
+    "is_main_process",
+    "broadcast_plan",
+    "check_same_plan",
+    "shard_profile",
+]
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank, 0 outside a process group."""
+    return dist.get_rank() if _initialized() else 0
+
+
+def world_size() -> int:
+    """Number of ranks, 1 outside a process group."""
+    return dist.get_world_size() if _initialized() else 1
+
+
+def is_main_process() -> bool:
+    """True on rank 0 (the one that prints and writes files) and outside a process group."""
+    return rank() == 0
+
+
+def _comm_device() -> torch.device:
+    """Collectives on NCCL need CUDA tensors; gloo and the rest take CPU tensors."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_bytes(payload: bytes | None, src: int) -> bytes:
+    device = _comm_device()
+    size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src)
+    buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    if payload is not None:
+        buffer.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(buffer, src=src)
+    return bytes(buffer.cpu().tolist())
+
+
+def broadcast_plan(plan: Plan | None, src: int = 0) -> Plan:
+    """The plan of rank ``src`` on every rank (sent as versioned JSON, never pickled).
+
+    Pass the plan on rank ``src`` and None (or anything) elsewhere. Outside a process group
+    the plan is returned as is.
+    """
+    if not _initialized():
+        if plan is None:
+            raise ValueError("broadcast_plan got plan=None outside a process group; pass the plan to apply.")
+        return plan
+    if rank() == src and plan is None:
+        raise ValueError(f"broadcast_plan: rank {src} is the source and must pass a Plan, got None.")
+    payload = plan.to_json().encode() if rank() == src else None
+    return Plan.from_json(_broadcast_bytes(payload, src).decode())
+
+
+def check_same_plan(plan: Plan) -> None:
+    """Raise ValueError unless every rank holds the same plan (compared by a digest of its JSON)."""
+    if not _initialized():
+        return
+    digest = hashlib.sha256(plan.to_json().encode()).digest()[:8]
+    mine = torch.tensor(list(digest), dtype=torch.uint8, device=_comm_device())
+    gathered = [torch.empty_like(mine) for _ in range(world_size())]
+    dist.all_gather(gathered, mine)
+    differ = [r for r, t in enumerate(gathered) if not torch.equal(t, gathered[0])]
+    if differ:
+        raise ValueError(
+            f"ranks {differ} hold a different plan than rank 0; every rank must apply the same plan: "
+            "plan on rank 0 and share it with remat.distributed.broadcast_plan(plan)."
+        )
+
+
+def shard_profile(profile: Profile, *, world_size: int, zero_stage: int) -> Profile:
+    """One rank's view of ``profile`` when its model state is sharded over ``world_size`` ranks.
+
+    ``zero_stage``: 0 = DDP (nothing sharded), 1 = optimizer state, 2 = + gradients,
+    3 = + parameters (FSDP2 ``fully_shard`` per block). Activations are per rank and unchanged.
+    Under stage 3 the largest block's unsharded weights and gradients, less the rank's own shard,
+    are added as ``gathered_bytes``: the planner counts them in every phase of backward.
+    """
+    unsharded = ModelState(
+        param_bytes=profile.param_bytes, grad_bytes=profile.grad_bytes, master_bytes=0,
+        optimizer_state_bytes=profile.optimizer_state_bytes, buffer_bytes=profile.buffer_bytes,
+    )
+    largest = max((b.grad_bytes for b in profile.blocks), default=0)
+    unit = ModelState(param_bytes=largest, grad_bytes=largest, master_bytes=0, optimizer_state_bytes=0)
+    sharded = shard_model_state(unsharded, world_size=world_size, zero_stage=zero_stage, largest_unit=unit)
+    return dataclasses.replace(
+        profile,
+        param_bytes=sharded.param_bytes,
+        grad_bytes=sharded.grad_bytes,
+        optimizer_state_bytes=sharded.optimizer_state_bytes,
+        gathered_bytes=sharded.gathered_bytes,
+    )

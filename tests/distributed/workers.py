@@ -1,0 +1,163 @@
+"""Rank functions for tests/distributed (module-level so torch.multiprocessing can spawn them).
+
+Each writes ``rank<N>.json`` into the output directory with what the test asserts on.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+GPT_SIZES = dict(num_layers=4, d_model=64, num_heads=4, seq_len=32, batch_size=2, vocab_size=128, dropout=0.1)
+
+
+def _init(rank: int, world_size: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def _write(out_dir: str, rank: int, result: dict) -> None:
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _built(rank: int):
+    from remat.models import build
+
+    # same weights on every rank (seed 0), a different micro-batch per rank
+    weights = build("gpt", seed=0, **GPT_SIZES)
+    batch = build("gpt", seed=100 + rank, **GPT_SIZES).batch
+    return weights, batch
+
+
+def _shared_plan(weights, batch, strategy: str, world_size: int, zero_stage: int):
+    import remat
+    from remat.distributed import broadcast_plan, is_main_process, shard_profile
+
+    plan = None
+    if is_main_process():
+        profile = remat.profile(weights.model, batch, weights.loss_fn, weights.optimizer, warmup=0, repeats=1)
+        profile = shard_profile(profile, world_size=world_size, zero_stage=zero_stage)
+        budget = int(0.7 * remat.plan(profile, strategy="none").prediction.peak_bytes) if strategy == "optimal" else None
+        plan = remat.plan(profile, budget=budget, strategy=strategy)
+    return broadcast_plan(plan)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _step(model, batch, loss_fn, seed: int) -> tuple[float, dict[str, torch.Tensor]]:
+    from remat._batch import call_model, compute_loss
+
+    torch.manual_seed(seed)
+    loss = compute_loss(call_model(model, batch), batch, loss_fn)
+    loss.backward()
+    grads = {n: _local(p.grad).clone() for n, p in model.named_parameters()}
+    return loss.item(), grads
+
+
+def _compare(rank: int, base: tuple, planned: tuple) -> dict:
+    (loss_b, grads_b), (loss_p, grads_p) = base, planned
+    digest = hashlib.sha256(b"".join(g.numpy().tobytes() for g in grads_p.values())).hexdigest()
+    return {
+        "rank": rank, "loss": loss_b, "loss_equal": loss_b == loss_p, "num_params": len(grads_b),
+        "mismatched": [n for n in grads_b if not torch.equal(grads_b[n], grads_p[n])],
+        "grad_digest": digest,
+    }
+
+
+def _fully_shard(model) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def fsdp_grads(rank: int, world_size: int, port: int, out_dir: str, strategy: str) -> None:
+    import remat
+
+    _init(rank, world_size, port)
+    weights, batch = _built(rank)
+    plan = _shared_plan(weights, batch, strategy, world_size, zero_stage=3)
+    runs = []
+    for applied in (False, True):
+        model = copy.deepcopy(weights.model)
+        if applied:
+            remat.apply_(model, plan)  # recomputation wrapping first, then sharding
+        _fully_shard(model)
+        runs.append(_step(model, batch, weights.loss_fn, seed=1234 + rank))
+    _write(out_dir, rank, _compare(rank, *runs))
+
+
+def ddp_grads(rank: int, world_size: int, port: int, out_dir: str, strategy: str) -> None:
+    import remat
+    from torch.nn.parallel import DistributedDataParallel
+
+    _init(rank, world_size, port)
+    weights, batch = _built(rank)
+    plan = _shared_plan(weights, batch, strategy, world_size, zero_stage=0)
+    runs = []
+    for applied in (False, True):
+        model = copy.deepcopy(weights.model)
+        if applied:
+            remat.apply_(model, plan)
+        runs.append(_step(DistributedDataParallel(model), batch, weights.loss_fn, seed=1234 + rank))
+    _write(out_dir, rank, _compare(rank, *runs))
+
+
+def broadcast_check(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    import dataclasses
+
+    from remat.distributed import broadcast_plan, check_same_plan
+
+    _init(rank, world_size, port)
+    weights, batch = _built(rank)
+    plan = _shared_plan(weights, batch, "full", world_size, zero_stage=3)
+    check_same_plan(plan)
+    other = dataclasses.replace(plan, budget_bytes=rank)  # rank 1 now differs
+    try:
+        check_same_plan(other)
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    _write(out_dir, rank, {"same_plan": broadcast_plan(plan if rank == 0 else None) == plan, "mismatch_error": error})
+
+
+def fsdp_peak(rank: int, world_size: int, port: int, out_dir: str, strategy: str) -> None:
+    import remat
+    from remat._batch import call_model, compute_loss
+    from remat.distributed import shard_profile
+    from remat.measure.tracker import track_step
+
+    _init(rank, world_size, port)
+    weights, batch = _built(rank)
+    profile = remat.profile(weights.model, batch, weights.loss_fn, weights.optimizer, warmup=0, repeats=1)
+    sharded = shard_profile(profile, world_size=world_size, zero_stage=3)
+    plan = remat.plan(sharded, strategy=strategy)
+    model = copy.deepcopy(weights.model)
+    remat.apply_(model, plan)
+    _fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def step() -> None:
+        compute_loss(call_model(model, batch), batch, weights.loss_fn).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # optimizer state exists from here on, as in the profile
+    tracked = track_step(step, model=model, optimizer=optimizer, batch=batch)
+    _write(out_dir, rank, {
+        "rank": rank, "measured_peak_bytes": tracked.peak_bytes,
+        "predicted_peak_bytes": plan.prediction.peak_bytes,
+        "by_category": tracked.peak_bytes_by_category,
+        "sharded_state_bytes": sharded.model_state_bytes, "unsharded_state_bytes": profile.model_state_bytes,
+    })
