@@ -81,7 +81,9 @@ def build_hf_model(family: str, sizes: HFConfig) -> nn.Module:
     else:
         raise ValueError(f"unknown hf family {family!r}; allowed: {', '.join(HF_FAMILIES)}.")
     config._attn_implementation = sizes.attention
-    return model_cls(config)
+    model = model_cls(config)
+    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name does not say it; transformers would warn
+    return model
 
 
 def make_batch(sizes: HFConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
