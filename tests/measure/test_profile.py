@@ -195,3 +195,17 @@ def test_measured_peak_is_the_highest_implied_phase_peak(name, sizes, pre_grad_b
     assert max(peaks) == result.peak_bytes
     block_params = [sum(p.numel() for p in blk.parameters()) * F32 for blk in built.model.blocks]
     assert [b.grad_bytes for b in result.blocks] == block_params
+
+
+def test_meta_device_profile_equals_cpu_byte_for_byte():
+    built = build("gpt", **TINY_GPT, optimizer="none")
+    cpu = profile(built.model, built.batch, warmup=0, repeats=1)
+    meta_model = built.model.to("meta")
+    meta = profile(meta_model, tuple(t.to("meta") for t in built.batch), warmup=0, repeats=1)
+    fields = ("saved_bytes", "bwd_temp_bytes", "input_bytes", "output_bytes", "fwd_flops", "grad_bytes")
+    for a, b in zip(cpu.blocks, meta.blocks):
+        assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+        assert [(o.key, o.output_bytes, o.saved_bytes) for o in a.ops] == [(o.key, o.output_bytes, o.saved_bytes) for o in b.ops]
+    for f in ("fixed_pre_saved_bytes", "fixed_post_saved_bytes", "fixed_post_bwd_temp_bytes", "peak_bytes", "param_bytes"):
+        assert getattr(cpu, f) == getattr(meta, f), f
+    assert meta.fingerprint.device == "meta"
