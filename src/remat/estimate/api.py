@@ -86,14 +86,14 @@ def estimate(
     mfu: float = 0.4,
     allowance: Allowance | None = None,
     strategies: Sequence[str] = STRATEGY_NAMES,
-    fused_attention: bool = True,
+    gpu_kernels: bool = True,
     foreach_optimizer: bool = False,
 ) -> Estimate:
     """Estimate memory and step time of one training step per device and strategy, without a GPU.
 
     ``source``: a `ModelSource`, a built-in model name (``"gpt"``) or ``"file.py:build"``.
-    ``fused_attention``: SDPA runs as FlashAttention, as on a GPU (explicit attention is
-    traced as written either way). ``master_weights``: fp32 master copy in 16-bit training.
+    ``gpu_kernels``: SDPA and dropout run as a GPU's fused kernels (FlashAttention, 1-byte
+    dropout masks); False traces what the CPU runs. Explicit attention is traced as written. ``master_weights``: fp32 master copy in 16-bit training.
     ``foreach_optimizer``: count the temporaries of PyTorch's foreach Adam step (default: a
     fused step, which has none).
     """
@@ -102,7 +102,7 @@ def estimate(
     check_sharding(world_size, zero_stage)
     optimizer_layout(optimizer)
     specs = resolve_devices(devices, devices_file)
-    traced = trace_source(source, seq_len=seq_len, dtype=dtype, fused_attention=fused_attention)
+    traced = trace_source(source, seq_len=seq_len, dtype=dtype, gpu_kernels=gpu_kernels)
     setup = Pricing(traced=traced, micro_batch=micro_batch, optimizer=optimizer,
                    precision=precision_name(dtype, master_weights), world_size=world_size,
                    zero_stage=zero_stage, accumulation=grad_accumulation_steps, mfu=mfu,

@@ -43,7 +43,7 @@ def _parts(state: ModelState) -> str:
         parts.append(f"fp32 master weights {format_gib(state.master_bytes)}")
     parts.append(f"optimizer state {format_gib(state.optimizer_state_bytes)}")
     if state.gathered_bytes:
-        parts.append(f"all-gathered layer {format_gib(state.gathered_bytes)}")
+        parts.append(f"all-gathered unit {format_gib(state.gathered_bytes)}")
     return ", ".join(parts)
 
 
@@ -78,14 +78,15 @@ def explain_activation_overflow(
 ) -> str:
     """Model state fits but the step's peak does not: name the peak and its parts."""
     over = row.peak_bytes - budget_bytes
+    layout = f" ({row.plan_strategy})" if row.plan_strategy != row.strategy else ""
     text = (
-        f"On {device.name} with {row.strategy} ({row.plan_strategy}), the step peaks at "
+        f"On {device.name} with {row.strategy}{layout}, the step peaks at "
         f"{format_gib(row.peak_bytes)} during the {row.peak_phase} phase: model state {format_gib(rank.total_bytes)} "
         f"per rank plus {format_gib(row.activation_bytes)} of activations and temporaries at micro-batch "
         f"{micro_batch}, {format_gib(over)} above the {format_gib(budget_bytes)} left for tensors."
     )
     if row.max_micro_batch:
         text += f" The largest micro-batch that fits with {row.strategy} is {row.max_micro_batch}."
-    elif row.max_micro_batch == 0:
+    elif row.max_micro_batch == 0 and micro_batch > 1:
         text += f" Even micro-batch 1 does not fit with {row.strategy}."
     return text

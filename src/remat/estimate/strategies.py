@@ -35,7 +35,9 @@ class Priced:
     fits: bool
     """Predicted peak within the budget."""
     label: str
-    """What ran, e.g. ``selective:attention-core``, ``optimal``, ``full (optimal not searched: ...)``."""
+    """What ran: ``none``, ``full``, ``selective:attention-core``, ``optimal``; for ``optimal``
+    also ``lowest peak`` (no layout fits; the least peak shown) or ``full (not searched)`` (model
+    state alone exceeds the device, so the search is skipped and full recomputation shown)."""
 
 
 def selective_policy(profile: Profile) -> str:
@@ -62,7 +64,7 @@ def price(profile: Profile, strategy: str, budget_bytes: int, *, search: bool = 
 def _not_searched(profile: Profile, budget_bytes: int) -> Priced:
     result = plan(profile, None, "full")
     return Priced(strategy="optimal", plan=result, fits=result.prediction.peak_bytes <= budget_bytes,
-                  label="full (not searched: model state alone exceeds the device)")
+                  label="full (not searched)")
 
 
 def conservative(profile: Profile) -> Profile:
@@ -74,12 +76,15 @@ def conservative(profile: Profile) -> Profile:
 
 def _optimal(profile: Profile, budget_bytes: int) -> Priced:
     """Search under the conservative gradient model (`conservative`), then price the layout it
-    finds with per-layer gradients: a layout that fits the former fits the latter."""
+    finds with per-layer gradients: a layout that fits the former fits the latter. Only when
+    nothing fits the conservative model does the slower search with per-layer gradients run."""
     search = OptimalSearch(conservative(profile))
     segments = search.best_segments(budget_bytes) if budget_bytes > 0 else None
+    if segments is None and budget_bytes > 0:
+        segments = OptimalSearch(profile).best_segments(budget_bytes)  # exact gradients: slower, rarer
     if segments is None:
         lowest = make_plan(profile, search.min_peak_segments(), "optimal", None)
         return Priced(strategy="optimal", plan=lowest, fits=lowest.prediction.peak_bytes <= budget_bytes,
-                      label="optimal (lowest peak; no layout fits)")
+                      label="lowest peak")
     result = make_plan(profile, segments, "optimal", budget_bytes)
     return Priced(strategy="optimal", plan=result, fits=result.prediction.peak_bytes <= budget_bytes, label="optimal")

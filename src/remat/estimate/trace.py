@@ -111,22 +111,32 @@ def _buffer_bytes(module: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers())
 
 
-class FusedAttention(TorchFunctionMode):
-    """Run ``F.scaled_dot_product_attention`` as the fused FlashAttention kernel a GPU runs.
+class GpuKernels(TorchFunctionMode):
+    """Run two functions as the fused kernels a GPU runs, where the meta device (like the CPU)
+    would decompose them into ops that save more:
 
-    On the meta device (as on any device without a fused kernel) PyTorch decomposes SDPA into
-    explicit matmul, softmax and matmul, which saves the seq x seq score matrix; a GPU's
-    FlashAttention saves only the output and a float32 log-sum-exp per query. Under this mode a
-    call without a mask goes to ``aten._scaled_dot_product_flash_attention`` (whose meta kernel
-    gives the real saved tensors). Grouped-query attention repeats K and V to all heads first
-    (transformers' ``repeat_kv``). Calls with an explicit mask keep PyTorch's own path.
+    - ``F.scaled_dot_product_attention`` without an explicit mask: FlashAttention
+      (``aten._scaled_dot_product_flash_attention``, whose meta kernel gives the real saved
+      tensors: the output and a float32 log-sum-exp per query, no seq x seq scores).
+      Grouped-query attention repeats K and V to all heads first (transformers' ``repeat_kv``).
+      Calls with a mask keep PyTorch's own path.
+    - ``F.dropout`` in training: ``aten.native_dropout``, whose mask is 1-byte bool (the CPU
+      path saves a mask in the activation dtype: 2 or 4 bytes per element).
     """
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        return _flash(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return _flash(*args, **kwargs)
+        if func is F.dropout:
+            return _native_dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _native_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    if not training or p == 0.0 or inplace:
+        return F.dropout(input, p, training, inplace)
+    return torch.native_dropout(input, p, True)[0]
 
 
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
@@ -142,12 +152,12 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mas
     return flash(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
 
 
-def trace_profile(model: nn.Module, batch: Any, loss_fn: Any = None, *, fused_attention: bool = False) -> Profile:
+def trace_profile(model: nn.Module, batch: Any, loss_fn: Any = None, *, gpu_kernels: bool = False) -> Profile:
     """`remat.profile` of one training step (no optimizer, one repeat: times are not used);
-    with ``fused_attention``, SDPA runs as the GPU's fused kernel (`FusedAttention`)."""
+    with ``gpu_kernels``, SDPA and dropout run as a GPU's fused kernels (`GpuKernels`)."""
     from remat.measure.profile import profile
 
-    mode = FusedAttention() if fused_attention else contextlib.nullcontext()
+    mode = GpuKernels() if gpu_kernels else contextlib.nullcontext()
     with mode:
         return profile(model, batch, loss_fn=loss_fn, optimizer=None, warmup=0, repeats=1)
 
@@ -188,41 +198,48 @@ def _cast_batch(batch: Any, dtype: torch.dtype) -> Any:
 
 
 def trace_source(
-    source: ModelSource, *, seq_len: int, dtype: str = "bf16", trace_layers: int = 2, fused_attention: bool = True
+    source: ModelSource, *, seq_len: int, dtype: str = "bf16", trace_layers: int = 2, gpu_kernels: bool = True
 ) -> Traced:
     """Build ``source`` on the meta device and trace it (micro-batch 1, 2 and 3 where it can vary).
 
-    ``fused_attention``: SDPA calls run as FlashAttention (`FusedAttention`), as on a GPU."""
+    ``gpu_kernels``: SDPA and dropout run as a GPU's fused kernels (`GpuKernels`); False traces
+    what the CPU runs (the same bytes a CPU profile measures)."""
     torch_dtype = dtype_of(dtype)
     if source.file is not None:
-        return _trace_file(source, torch_dtype, fused_attention)
+        return _trace_file(source, torch_dtype, gpu_kernels)
     if source.builtin is not None:
-        return _trace_builtin(source, seq_len=seq_len, dtype=torch_dtype, layers=trace_layers, fused=fused_attention)
-    return _trace_hf(source, seq_len=seq_len, dtype=torch_dtype, layers=trace_layers, fused=fused_attention)
+        return _trace_builtin(source, seq_len=seq_len, dtype=torch_dtype, layers=trace_layers, fused=gpu_kernels)
+    return _trace_hf(source, seq_len=seq_len, dtype=torch_dtype, layers=trace_layers, fused=gpu_kernels)
 
 
 def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: int, fused: bool) -> Traced:
     config = hf_config(source)
     full = num_layers(config)
     model = build_hf_on_meta(config, layers=min(layers, full), dtype=dtype)
-    profiles = tuple(trace_profile(model, hf_batch(config, micro_batch=b, seq_len=seq_len), fused_attention=fused)
+    profiles = tuple(trace_profile(model, hf_batch(config, micro_batch=b, seq_len=seq_len), gpu_kernels=fused)
                      for b in TRACED_MICRO_BATCHES)
     return _describe(source.label, model, profiles, full)
 
 
 def _trace_builtin(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: int, fused: bool) -> Traced:
-    from remat.models import build, model_sizes
+    from remat.models import SIZE_OPTIONS, build, model_sizes
 
+    known = model_sizes(source.builtin)
+    layer_key = next((k for k in SIZE_OPTIONS["layers"] if k in known), None)
+    if layer_key is None or "batch_size" not in known:
+        raise ValueError(f"built-in model {source.builtin!r} has no layer count or batch size to vary; "
+                         "estimate it from a file.py:build instead.")
     sizes = dict(source.sizes)
-    full = int(sizes.pop("num_layers", model_sizes(source.builtin).get("num_layers", layers)))
-    sizes.update(seq_len=seq_len) if "seq_len" in model_sizes(source.builtin) else None
+    full = int(sizes.pop(layer_key, known[layer_key]))
+    if "seq_len" in known:
+        sizes["seq_len"] = seq_len
     profiles = []
     for micro_batch in TRACED_MICRO_BATCHES:
         with torch.device("meta"):
-            built = build(source.builtin, optimizer="none", num_layers=min(layers, full),
-                          batch_size=micro_batch, **sizes)
+            built = build(source.builtin, optimizer="none", batch_size=micro_batch,
+                          **{layer_key: min(layers, full)}, **sizes)
         built.model.to(dtype)
-        profiles.append(trace_profile(built.model, _cast_batch(built.batch, dtype), built.loss_fn, fused_attention=fused))
+        profiles.append(trace_profile(built.model, _cast_batch(built.batch, dtype), built.loss_fn, gpu_kernels=fused))
     return _describe(source.builtin, built.model, tuple(profiles), full)
 
 
@@ -232,5 +249,5 @@ def _trace_file(source: ModelSource, dtype: torch.dtype, fused: bool) -> Traced:
     with torch.device("meta"):
         built = load_target(source.file)
     built.model.to(dtype)
-    profile = trace_profile(built.model, _cast_batch(built.batch, dtype), built.loss_fn, fused_attention=fused)
+    profile = trace_profile(built.model, _cast_batch(built.batch, dtype), built.loss_fn, gpu_kernels=fused)
     return _describe_whole(source.file, built.model, profile)

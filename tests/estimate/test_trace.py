@@ -1,0 +1,133 @@
+"""The meta-device trace: published activation formula, meta == CPU, micro-batch extrapolation."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from remat.estimate.scale import at_micro_batch, check_alike, replicate_blocks
+from remat.estimate.sources import ModelSource
+from remat.estimate.trace import trace_profile, trace_source
+from remat.measure.profile import profile
+from remat.models import build
+from remat.plan.costs import cost_of
+from remat.plan.policies import attention_core
+from remat.plan.types import Segment
+
+H, A, B = 64, 4, 2  # hidden, heads, micro-batch
+
+
+def _gpt_bf16_layer(seq: int, *, gpu_kernels: bool):
+    with torch.device("meta"):
+        built = build("gpt", optimizer="none", num_layers=2, d_model=H, num_heads=A, seq_len=seq, batch_size=B,
+                      vocab_size=128, dropout=0.1, attention="explicit")
+    built.model.to(torch.bfloat16)
+    return trace_profile(built.model, built.batch, gpu_kernels=gpu_kernels)
+
+
+@pytest.mark.parametrize("seq", [32, 64])
+def test_gpt_layer_matches_korthikanti(seq: int) -> None:
+    """Korthikanti et al. 2022 (section 4.1): a transformer layer with 16-bit activations and
+    1-byte dropout masks saves s*b*h*(34 + 5*a*s/h) bytes. PyTorch's kernels differ by:
+    1. LayerNorm also saves its fp32 mean and 1/std per token: 2 norms x 2 x 4 bytes x s*b = 16*s*b;
+    2. the built-in GPT's ``masked_fill`` saves the negated causal mask it builds: s*s bool bytes
+       (once per layer, not per sequence);
+    3. with GPU kernels dropout masks are 1-byte bool (``native_dropout``), as the paper assumes;
+       the CPU's dropout saves its mask in the activation dtype, 2 bytes per element: +a*s*s*b
+       for the attention dropout and +2*s*b*h for the two residual dropouts;
+    4. at micro-batch 1 (not used here) PyTorch's reshape of the transposed Q, K, V is a view,
+       so the 4*s*b*h + 2*s*b*h of Q/K and V copies saved by the matmuls would be absent.
+    Everything else (QKV input, Q and K copies, softmax output, attention-dropout output, V copy,
+    projection input, GELU input, FC2 input, LayerNorm inputs) matches the paper term by term.
+    """
+    s, b, h, a = seq, B, H, A
+    paper = s * b * h * (34 + 5 * a * s // h)
+    gpu = _gpt_bf16_layer(seq, gpu_kernels=True).blocks[1]
+    assert gpu.saved_bytes == paper + 16 * s * b + s * s
+    cpu = _gpt_bf16_layer(seq, gpu_kernels=False).blocks[1]
+    assert cpu.saved_bytes == paper + 16 * s * b + s * s + a * s * s * b + 2 * s * b * h
+
+
+def _attention_core_retained(seq: int) -> tuple[int, int]:
+    prof = _gpt_bf16_layer(seq, gpu_kernels=True)
+    block = prof.blocks[1]
+    seg = Segment(start=1, stop=2, strategy="selective:attention-core", saved_ops=attention_core(block))
+    return block.saved_bytes, cost_of(prof, 1, seg).retained_bytes
+
+
+def test_attention_core_recomputation_removes_the_quadratic_term() -> None:
+    """Kept bytes grow with s^2 (the 5as/h term); with the attention core replayed what a layer
+    holds is linear in s: doubling s exactly doubles it."""
+    keep_32, core_32 = _attention_core_retained(32)
+    keep_64, core_64 = _attention_core_retained(64)
+    assert core_64 == 2 * core_32
+    assert keep_64 - 2 * keep_32 == 5 * A * B * (64**2 - 2 * 32**2) + (64**2 - 2 * 32**2)
+    assert core_32 < keep_32
+
+
+def _gpt_cpu_and_meta(batch_size: int):
+    sizes = dict(num_layers=2, d_model=32, num_heads=2, seq_len=16, batch_size=batch_size, vocab_size=64)
+    cpu = build("gpt", optimizer="none", **sizes)
+    with torch.device("meta"):
+        meta = build("gpt", optimizer="none", **sizes)
+    return cpu, meta
+
+
+def _bytes_and_flops(prof):
+    blocks = [
+        (b.name, b.input_bytes, b.output_bytes, b.saved_bytes, b.bwd_temp_bytes, b.fwd_flops,
+         tuple((op.key, op.output_bytes, op.saved_bytes, op.flops, op.is_view, op.is_random) for op in b.ops))
+        for b in prof.blocks
+    ]
+    fixed = (prof.fixed_pre_saved_bytes, prof.fixed_post_saved_bytes, prof.fixed_post_bwd_temp_bytes,
+             prof.fixed_flops, prof.param_bytes, prof.grad_bytes, prof.buffer_bytes)
+    return blocks, fixed
+
+
+def test_meta_trace_equals_cpu_profile_byte_for_byte() -> None:
+    torch.manual_seed(0)
+    cpu, meta = _gpt_cpu_and_meta(batch_size=2)
+    measured = profile(cpu.model, cpu.batch, warmup=1, repeats=1)
+    traced = trace_profile(meta.model, meta.batch)  # the estimate's trace, CPU kernels
+    assert _bytes_and_flops(traced) == _bytes_and_flops(measured)
+    assert traced.blocks[1].saved_bytes > 0
+
+
+def test_micro_batch_line_is_exact() -> None:
+    """Traces at micro-batch 2 and 3 give micro-batch 5 exactly (bytes and FLOPs)."""
+    profiles = {}
+    for b in (2, 3, 5):
+        _, meta = _gpt_cpu_and_meta(batch_size=b)
+        profiles[b] = trace_profile(meta.model, meta.batch)
+    assert _bytes_and_flops(at_micro_batch(profiles[2], profiles[3], 5)) == _bytes_and_flops(profiles[5])
+    with pytest.raises(ValueError, match="micro_batch must be >= 2 to extrapolate, got 1"):
+        at_micro_batch(profiles[2], profiles[3], 1)
+
+
+def test_replicate_moves_shared_bytes_to_the_fixed_part() -> None:
+    _, meta = _gpt_cpu_and_meta(batch_size=2)
+    traced = trace_profile(meta.model, meta.batch)
+    first = replace(traced.blocks[0], saved_bytes=traced.blocks[1].saved_bytes + 1000)
+    bumped = replace(traced, blocks=(first, traced.blocks[1]))
+    big = replicate_blocks(bumped, 80, name_format="blocks.{}")
+    assert big.num_blocks == 80 and big.blocks[79].name == "blocks.79" and big.blocks[79].index == 79
+    assert all(b.saved_bytes == traced.blocks[1].saved_bytes for b in big.blocks)
+    assert big.fixed_pre_saved_bytes == traced.fixed_pre_saved_bytes + 1000
+    assert big.saved_bytes == bumped.saved_bytes + 78 * traced.blocks[1].saved_bytes
+    check_alike(traced)
+    with pytest.raises(ValueError, match="run different ops"):
+        check_alike(replace(traced, blocks=(traced.blocks[0], replace(traced.blocks[1], fwd_flops=1))))
+
+
+def test_llama_with_flash_attention_has_no_quadratic_term() -> None:
+    """Llama through SDPA as FlashAttention saves no seq x seq matrix: a layer's saved bytes are
+    linear in the sequence, k*s + 24, the 24 bytes being the kernel's RNG seed and offset
+    (uint64 tensors of 2 and 1 elements)."""
+    saved = {}
+    for seq in (32, 64):
+        source = ModelSource(hf_family="llama", sizes=dict(hidden=64, layers=2, heads=4, kv_heads=2,
+                                                            intermediate=128, vocab=96, seq=seq))
+        saved[seq] = trace_source(source, seq_len=seq).profiles[1].blocks[-1].saved_bytes
+    assert saved[64] - 24 == 2 * (saved[32] - 24)
