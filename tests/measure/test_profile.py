@@ -209,3 +209,12 @@ def test_meta_device_profile_equals_cpu_byte_for_byte():
     for f in ("fixed_pre_saved_bytes", "fixed_post_saved_bytes", "fixed_post_bwd_temp_bytes", "peak_bytes", "param_bytes"):
         assert getattr(cpu, f) == getattr(meta, f), f
     assert meta.fingerprint.device == "meta"
+
+
+def test_progress_reports_every_stage():
+    built = _mlp()
+    calls = []
+    profile(built.model, built.batch, built.loss_fn, built.optimizer, warmup=2, repeats=3,
+            progress=lambda done, total, stage: calls.append((done, total, stage)))
+    stages = ["warm-up step"] * 2 + ["accounting step"] + ["timed step"] * 3 + ["op timing forward"] * 2
+    assert calls == [(i + 1, 8, stage) for i, stage in enumerate(stages)]

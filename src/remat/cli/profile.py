@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.progress import Progress
 from rich.table import Table
 
 from remat.cli._app import app, console, fail
@@ -45,9 +46,14 @@ def profile_command(
         with console.status(f"building {spec}..."):
             sizes = sizes_from_options(spec, **options)
             built = load_target(spec, seed=seed, **sizes)
-        with console.status(f"profiling {spec}: warm-up, accounting step, {repeats} timed steps..."):
+        with Progress(*Progress.get_default_columns(), console=console, transient=True) as bar:
+            task = bar.add_task(f"profiling {spec}", total=None)
+
+            def advance(done: int, total: int, stage: str) -> None:
+                bar.update(task, completed=done, total=total, description=f"profiling {spec}: {stage}")
+
             result = profile(built.model, built.batch, built.loss_fn, built.optimizer, blocks or None,
-                             warmup=warmup, repeats=repeats)
+                             warmup=warmup, repeats=repeats, progress=advance)
     except (ValueError, TypeError) as error:
         raise fail(str(error)) from None
     console.print(profile_table(result, spec))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,8 @@ from remat.measure.types import BlockProfile, Environment, Profile
 
 STATE_LABELS = ("parameters", "buffers", "optimizer_state")
 
+Progress = Callable[[int, int, str], None]
+
 
 def profile(
     model: nn.Module,
@@ -62,11 +64,13 @@ def profile(
     *,
     warmup: int = 1,
     repeats: int = 3,
+    progress: Progress | None = None,
 ) -> Profile:
     """Measure ``model`` on ``batch`` (calling convention of `remat._batch`) block by block.
 
     ``blocks``: None to detect them, or glob(s) over qualified module names / class names.
     ``warmup``: plain steps before measuring (at least one runs). ``repeats``: timed steps.
+    ``progress(done, total, stage)`` is called after each step or forward it runs.
     """
     _check_counts(warmup, repeats)
     check_batch_device(model, batch)
@@ -75,7 +79,7 @@ def profile(
     snapshot = StateSnapshot(model, optimizer)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            return _measure(_Step(model, batch, loss_fn, optimizer), block_list, warmup, repeats)
+            return _measure(_Step(model, batch, loss_fn, optimizer), block_list, warmup, repeats, progress)
     finally:
         snapshot.restore()
 
@@ -115,13 +119,33 @@ class _Step:
         compute_loss(call_model(self.model, self.batch), self.batch, self.loss_fn)
 
 
-def _measure(step: _Step, block_list: Blocks, warmup: int, repeats: int) -> Profile:
+def _measure(step: _Step, block_list: Blocks, warmup: int, repeats: int, progress: Progress | None) -> Profile:
+    report = _Reporter(progress, max(warmup, 1) + 1 + repeats + (repeats - 1))
     for _ in range(max(warmup, 1)):
         step.run()
+        report("warm-up step")
     memory = _account(step, block_list)
-    times = median_times([_time_step(step, block_list) for _ in range(repeats)])
-    _time_ops(step, block_list, memory.recorder, repeats - 1)
-    return _assemble(step, block_list, memory, times)
+    report("accounting step")
+    times = []
+    for _ in range(repeats):
+        times.append(_time_step(step, block_list))
+        report("timed step")
+    for _ in range(repeats - 1):
+        _time_ops(step, block_list, memory.recorder)
+        report("op timing forward")
+    return _assemble(step, block_list, memory, median_times(times))
+
+
+class _Reporter:
+    """Calls ``progress(done, total, stage)`` after each stage."""
+
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self.progress, self.total, self.done = progress, total, 0
+
+    def __call__(self, stage: str) -> None:
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total, stage)
 
 
 class _Windows:
@@ -227,15 +251,14 @@ def _time_step(step: _Step, block_list: Blocks) -> StepTimes:
     return timer.times()
 
 
-def _time_ops(step: _Step, block_list: Blocks, recorder: OpRecorder, runs: int) -> None:
-    """More forwards under the same recorder, for a median time per op call."""
-    for _ in range(runs):
-        accountant = SavedAccountant(block_list)
-        recorder.next_run()
-        recorder.segment_of = lambda acc=accountant: acc.segment
-        recorder.enabled = True
-        with recorder, accountant:
-            step.forward()
+def _time_ops(step: _Step, block_list: Blocks, recorder: OpRecorder) -> None:
+    """One more forward under the same recorder, for a median time per op call."""
+    accountant = SavedAccountant(block_list)
+    recorder.next_run()
+    recorder.segment_of = lambda: accountant.segment
+    recorder.enabled = True
+    with recorder, accountant:
+        step.forward()
 
 
 def _assemble(step: _Step, block_list: Blocks, memory: _Accounting, times: StepTimes) -> Profile:
