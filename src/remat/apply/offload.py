@@ -23,8 +23,8 @@ What is offloaded: a saved tensor whose storage is at least ``min_bytes``, strid
 dtype, shape, strides and storage offset, so backward sees the same bytes in the same layout:
 gradients are bit-identical to keeping the tensors. Smaller tensors stay where they are.
 
-Targets: ``"disk"`` (`remat.apply.offload_disk.DiskStore`: files written by a thread pool,
-checksummed, deleted once read) for CPU or CUDA models; ``"cpu"``
+Targets: ``"disk"`` (`remat.apply.offload_disk.DiskStore`: one file per block forward, records
+written by a thread pool, checksummed, deleted once read) for CPU or CUDA models; ``"cpu"``
 (`remat.apply.offload_cpu.HostStore`: pinned pool, side-stream copies with events) for CUDA
 models only: asking for it without CUDA raises ValueError.
 
@@ -51,9 +51,9 @@ from remat.apply.offload_disk import DiskStore, OffloadError
 
 __all__ = ["OffloadEngine", "OffloadError", "OffloadStats", "MIN_BYTES", "TARGETS"]
 
-MIN_BYTES = 1 << 20
-"""Default size threshold: storages smaller than 1 MiB stay (files and copies this small cost
-more in latency than they free)."""
+MIN_BYTES = 64 << 10
+"""Default size threshold: storages under 64 KiB stay (statistics such as LayerNorm's mean and
+rstd: each would cost a copy's latency to free almost nothing)."""
 
 TARGETS = ("cpu", "disk")
 
@@ -92,6 +92,7 @@ class _Group:
 
     def __init__(self, name: str, prev: _Group | None, kept_ptrs: frozenset[int]) -> None:
         self.name = name
+        self.file: Any = None  # the store's block file, opened on the first offloaded storage
         self.prev = weakref.ref(prev) if prev is not None else None
         self.kept_ptrs = kept_ptrs
         self.by_storage: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -160,6 +161,9 @@ class OffloadEngine:
             raise
         finally:
             group.by_storage.clear()  # storages were pinned only to make data_ptr keys unique
+            if group.file is not None:
+                group.file.seal()
+                group.file = None  # the tickets keep it alive for backward
 
     def _offloadable(self, group: _Group, t: torch.Tensor) -> bool:
         if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
@@ -178,8 +182,10 @@ class OffloadEngine:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in group.by_storage:
+            if group.file is None:
+                group.file = self.store.open_block(group.name)
             data = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            group.by_storage[ptr] = (self.store.put(data, group.name), data)
+            group.by_storage[ptr] = (group.file.put(data), data)
             self._stats["offloaded_bytes"] += storage.nbytes()
             self._stats["offloaded_storages"] += 1
         ticket = group.by_storage[ptr][0]

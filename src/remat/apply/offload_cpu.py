@@ -46,7 +46,7 @@ class PinnedPool:
     def __init__(self) -> None:
         self._free: dict[int, list[torch.Tensor]] = {}
         self._pending: list[tuple[torch.cuda.Event, torch.Tensor]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a ticket's __del__ may release inside acquire (GC)
         self.allocated_bytes = 0
         """Pinned bytes ever allocated by this pool (its footprint)."""
 
@@ -70,13 +70,12 @@ class PinnedPool:
                 self._pending.append((event, buf))
 
     def _recycle(self) -> None:
-        still = []
-        for event, buf in self._pending:
+        pending, self._pending = self._pending, []
+        for event, buf in pending:
             if event.query():
                 self._free.setdefault(buf.numel(), []).append(buf)
             else:
-                still.append((event, buf))
-        self._pending = still
+                self._pending.append((event, buf))
 
     def clear(self) -> None:
         """Drop every idle buffer (pending ones are dropped when their copies end)."""
@@ -133,6 +132,25 @@ class HostTicket:
             self._store.pool.release(buf, self._d2h)
 
 
+class HostBlock:
+    """One block's forward: its storages copied to pinned memory (same interface as a block file)."""
+
+    def __init__(self, store: HostStore, block: str) -> None:
+        self.store, self.block = store, block
+
+    def put(self, data: torch.Tensor) -> HostTicket:
+        """Start copying ``data`` (1-D uint8 on a CUDA device) to pinned host memory."""
+        if data.device.type != "cuda":
+            raise ValueError(
+                f"offload:cpu got a tensor on {data.device} in block {self.block!r}; host offload "
+                "moves CUDA activations only: use offload:disk for a model in host memory."
+            )
+        return HostTicket(self.store, data, self.block)
+
+    def seal(self) -> None:
+        """Nothing to flush: the copies are ordered by their events."""
+
+
 class HostStore:
     """Offload to pinned host memory: one side stream per device, one pinned pool."""
 
@@ -145,14 +163,9 @@ class HostStore:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def put(self, data: torch.Tensor, block: str) -> HostTicket:
-        """Start copying ``data`` (1-D uint8 on a CUDA device) to pinned host memory."""
-        if data.device.type != "cuda":
-            raise ValueError(
-                f"offload:cpu got a tensor on {data.device} in block {block!r}; host offload "
-                "moves CUDA activations only: use offload:disk for a model in host memory."
-            )
-        return HostTicket(self, data, block)
+    def open_block(self, block: str) -> HostBlock:
+        """The copies of one forward of ``block``."""
+        return HostBlock(self, block)
 
     def check(self) -> None:
         """Host copies raise no deferred errors (CUDA errors surface on the next sync)."""

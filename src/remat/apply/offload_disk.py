@@ -1,18 +1,21 @@
-"""Disk store for offloaded activations: one file per saved storage, written by a thread pool.
+"""Disk store for offloaded activations: one file per block forward, written by a thread pool.
 
-Files live in a private directory (mode 0700) created with `tempfile.mkdtemp` inside the
-directory the user chose (default: the system temporary directory); each file is created with
-``O_EXCL`` and mode 0600. A write is ``write`` + ``fdatasync`` + ``POSIX_FADV_DONTNEED``, so the
-bytes really leave memory (dirty page cache is not free memory); the bandwidth probe in
-`remat.measure.bandwidth` does the same, so the planner's disk rates describe this exact path.
+Files live in a private directory (mode 0700) made with `tempfile.mkdtemp` inside the directory
+the user chose (default: the system temporary directory). A block's forward opens one file
+(``O_EXCL``, mode 0600); each saved storage becomes a *record* at an offset reserved in the main
+thread and written with ``pwrite`` by the pool, so records of one block are written in parallel
+and land sequentially. When the block's forward ends, a sealing job waits for its writes, then
+``fdatasync`` + ``POSIX_FADV_DONTNEED``: the bytes really leave memory (dirty page cache is not
+free memory). `remat.measure.bandwidth` times this same path, so the planner's disk rates
+describe it.
 
-Every file carries a CRC-32 (`zlib.crc32`) of its bytes, computed while writing and checked
-after reading. A missing file, a short or long file, a checksum mismatch, a full disk or an
-unwritable directory raises `OffloadError` naming the file and the block; the store then deletes
-every file it owns and its private directory (`purge`), and starts a fresh directory on next use.
-A file is deleted as soon as it is read; a ticket dropped unread (graph freed without backward)
-deletes its file through a `weakref.finalize`; `close`, garbage collection of the store and
-interpreter exit (finalizers run at exit) delete the directory.
+Every record carries a CRC-32 (`zlib.crc32`) computed while writing and checked after reading.
+A missing file, a file too short for a record, a checksum mismatch, a full disk or an
+unwritable directory raises `OffloadError` naming the file and the block; the store then
+deletes every file and its private directory (`purge`) and makes a fresh directory on next use.
+A file is deleted as soon as its last record is read; a file whose records are dropped unread
+(graph freed without backward) is deleted by a `weakref.finalize`; `close`, garbage collection
+of the store and interpreter exit (finalizers run at exit) delete the directory.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import tempfile
 import threading
 import weakref
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -38,156 +41,46 @@ class OffloadError(RuntimeError):
     """An offloaded tensor could not be stored or restored; the message names the file and block."""
 
 
-def write_file(path: str, data: torch.Tensor) -> int:
-    """Write a 1-D uint8 CPU tensor to a new 0600 file, durably; return the CRC-32 of its bytes."""
+def write_at(fd: int, offset: int, data: torch.Tensor) -> int:
+    """``pwrite`` a 1-D uint8 CPU tensor at ``offset``; return the CRC-32 of its bytes."""
     view = memoryview(data.numpy()).cast("B")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        crc, pos = 0, 0
-        while pos < len(view):
-            written = os.write(fd, view[pos : pos + CHUNK_BYTES])
-            crc = zlib.crc32(view[pos : pos + written], crc)
-            pos += written
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    crc, pos = 0, 0
+    while pos < len(view):
+        written = os.pwrite(fd, view[pos : pos + CHUNK_BYTES], offset + pos)
+        crc = zlib.crc32(view[pos : pos + written], crc)
+        pos += written
     return crc
 
 
-def read_file(path: str, nbytes: int, block: str) -> tuple[torch.Tensor, int]:
-    """Read a whole file into a new uint8 tensor; return it with the CRC-32 of what was read."""
+def flush(fd: int) -> None:
+    """Make the file durable and drop its pages from the cache."""
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def read_at(path: str, offset: int, nbytes: int, block: str) -> tuple[torch.Tensor, int]:
+    """Read ``nbytes`` at ``offset`` into a new uint8 tensor; return it and the CRC-32 read."""
     out = torch.empty(nbytes, dtype=torch.uint8)
     view = memoryview(out.numpy()).cast("B")
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != nbytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size < offset + nbytes:
             raise OffloadError(
-                f"offload file {path} of block {block!r} holds {size} bytes but {nbytes} were "
-                "written (short or truncated file); the saved activations are lost: run the step again."
+                f"offload file {path} of block {block!r} holds {size} bytes but its record at "
+                f"offset {offset} needs {offset + nbytes} (short or truncated file); the saved "
+                "activations are lost: run the step again."
             )
         crc, pos = 0, 0
         while pos < nbytes:
-            got = f.readinto(view[pos : pos + CHUNK_BYTES])
+            got = os.preadv(fd, [view[pos : pos + CHUNK_BYTES]], offset + pos)
             if not got:
-                raise OffloadError(
-                    f"short read from offload file {path} of block {block!r}: {pos} of {nbytes} "
-                    "bytes; the saved activations are lost: run the step again."
-                )
+                raise OffloadError(f"short read from offload file {path} of block {block!r} at offset {offset + pos}.")
             crc = zlib.crc32(view[pos : pos + got], crc)
             pos += got
+    finally:
+        os.close(fd)
     return out, crc
-
-
-def _safe_name(block: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", block)[:80] or "block"
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _discard(path: str, write: Future, live: set[str], lock: threading.Lock) -> None:
-    """Delete a ticket's file once its write (if any) has stopped; forget the path."""
-    if not write.cancel() and not write.done():
-        write.add_done_callback(lambda _f: _unlink(path))
-    else:
-        _unlink(path)
-    with lock:
-        live.discard(path)
-
-
-def _remove_tree(state: dict) -> None:
-    """Finalizer of a store: remove its private directory and the user dir it created."""
-    private = state.get("private")
-    if private:
-        shutil.rmtree(private, ignore_errors=True)
-        state["private"] = None
-    made = state.get("made_root")
-    if made:
-        try:
-            os.rmdir(made)
-        except OSError:
-            pass
-        state["made_root"] = None
-
-
-class DiskTicket:
-    """One storage on its way to, on, or back from disk."""
-
-    def __init__(self, store: DiskStore, path: str, nbytes: int, block: str, write: Future) -> None:
-        self.path = path
-        self.nbytes = nbytes
-        self.block = block
-        self.generation = store._generation
-        self._store = store
-        self._write = write
-        self._read: Future | None = None
-        self._crc: int | None = None
-        self._finalizer = weakref.finalize(self, _discard, path, self._write, store._live, store._lock)
-
-    def _check_generation(self) -> None:
-        if self.generation != self._store._generation:
-            raise OffloadError(
-                f"offload file {self.path} of block {self.block!r} was deleted after an earlier "
-                "offload error; the saved activations of that step are lost: run the step again."
-            )
-
-    def prefetch(self) -> None:
-        """Start reading the file back (after its write ends) in the background."""
-        with self._store._lock:
-            if self._read is not None:
-                return
-            self._read = Future()
-        self._write.add_done_callback(self._start_read)
-
-    def _start_read(self, write: Future) -> None:
-        error = write.exception() if not write.cancelled() else OffloadError(
-            f"the write of offload file {self.path} of block {self.block!r} was cancelled."
-        )
-        if error is not None:
-            self._read.set_exception(error)
-            return
-        self._crc = write.result()
-        try:
-            self._store._pool().submit(self._read_job)
-        except RuntimeError as exc:  # pool shut down by close()
-            self._read.set_exception(OffloadError(f"offload store closed before reading {self.path}: {exc}"))
-
-    def _read_job(self) -> None:
-        try:
-            data, crc = read_file(self.path, self.nbytes, self.block)
-            if crc != self._crc:
-                raise OffloadError(
-                    f"checksum mismatch in offload file {self.path} of block {self.block!r}: "
-                    f"crc32 {crc:#010x} read, {self._crc:#010x} written; the file was changed on "
-                    "disk, the saved activations are not trusted: run the step again."
-                )
-            _unlink(self.path)
-            with self._store._lock:
-                self._store._live.discard(self.path)
-            self._read.set_result(data)
-        except FileNotFoundError as exc:
-            self._read.set_exception(OffloadError(
-                f"offload file {self.path} of block {self.block!r} is missing (deleted between "
-                f"forward and backward?): {exc.strerror}; run the step again."
-            ))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread by get()
-            self._read.set_exception(exc)
-
-    def get(self) -> torch.Tensor:
-        """The stored bytes (a 1-D uint8 CPU tensor); raises `OffloadError` on any fault."""
-        self._check_generation()
-        self.prefetch()
-        try:
-            return self._read.result()
-        except OffloadError:
-            raise
-        except OSError as exc:
-            raise _io_error(exc, f"offload file {self.path}", self.block, "read") from exc
 
 
 def _io_error(exc: OSError, what: str, block: str, verb: str) -> OffloadError:
@@ -197,14 +90,186 @@ def _io_error(exc: OSError, what: str, block: str, verb: str) -> OffloadError:
         hint = "the directory is not writable: choose a writable --offload-dir."
     else:
         hint = "check the disk or choose another --offload-dir."
-    return OffloadError(
-        f"could not {verb} {what} for block {block!r}: {exc.strerror or exc} "
-        f"(errno {exc.errno}); {hint}"
-    )
+    return OffloadError(f"could not {verb} {what} for block {block!r}: {exc.strerror or exc} (errno {exc.errno}); {hint}")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class _Fd:
+    """A file descriptor closed exactly once, never while one of its writes still runs."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+        self.lock = threading.Lock()
+
+    def try_close(self) -> None:
+        """Close now unless the sealing job holds it (it then closes it itself)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                if self.fd is not None:
+                    os.close(self.fd)
+                    self.fd = None
+            finally:
+                self.lock.release()
+
+
+def _discard_file(path: str, fd: _Fd, writes: list[Future], live: set[str]) -> None:
+    """Finalizer of a block file: delete it, cancel its queued writes, close it after the running
+    ones. It never blocks and takes no shared lock: it may run inside any code that drops the last
+    reference (or in the garbage collector), in any thread."""
+    live.discard(path)
+    _unlink(path)  # a write still running lands in the unlinked inode, freed on close
+    running = [f for f in writes if not f.cancel() and not f.done()]
+    if not running:
+        fd.try_close()
+        return
+    remaining, count_lock = [len(running)], threading.Lock()
+
+    def one_done(_f: Future) -> None:
+        with count_lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            fd.try_close()
+
+    for f in running:
+        f.add_done_callback(one_done)
+
+
+class BlockFile:
+    """The file of one block's forward: records appended by offset, sealed when the block ends."""
+
+    def __init__(self, store: DiskStore, path: str, block: str, fd: int) -> None:
+        self.path, self.block, self.store = path, block, store
+        self.generation = store._generation
+        self.size_bytes = 0
+        self.unread_records = 0
+        self._fd = _Fd(fd)
+        self._writes: list[Future] = []
+        self._finalizer = weakref.finalize(self, _discard_file, path, self._fd, self._writes, store._live)
+
+    def put(self, data: torch.Tensor) -> DiskTicket:
+        """Queue ``data`` (1-D uint8, any device) as the next record; the job holds it until written."""
+        offset, self.size_bytes = self.size_bytes, self.size_bytes + data.numel()
+        job = self.store._submit(self._write_job, offset, data)
+        self._writes.append(job)
+        self.unread_records += 1
+        return DiskTicket(self, offset, data.numel(), job)
+
+    def _write_job(self, offset: int, data: torch.Tensor) -> int:
+        try:
+            return write_at(self._fd.fd, offset, data.cpu() if data.device.type != "cpu" else data)
+        except OSError as exc:
+            error = _io_error(exc, f"offload file {self.path}", self.block, "write")
+            self.store._fail(error)
+            raise error from exc
+
+    def seal(self) -> None:
+        """After the block's forward: flush the file once its writes are done, then close it."""
+        writes = list(self._writes)
+        self.store._submit(self._seal_job, writes)
+
+    def _seal_job(self, writes: list[Future]) -> None:
+        wait(writes)  # FIFO pool: every earlier job has started, so this cannot deadlock
+        with self._fd.lock:
+            if self._fd.fd is None:
+                return
+            try:
+                flush(self._fd.fd)
+            except OSError as exc:
+                self.store._fail(_io_error(exc, f"offload file {self.path}", self.block, "flush"))
+            finally:
+                os.close(self._fd.fd)
+                self._fd.fd = None
+
+    def record_read(self) -> None:
+        """Count one record read back; the file goes when the last one is."""
+        with self.store._lock:
+            self.unread_records -= 1
+            done = self.unread_records == 0
+        if done:
+            self._finalizer()
+
+
+class DiskTicket:
+    """One record of a block file: on its way to disk, on disk, or read back."""
+
+    def __init__(self, file: BlockFile, offset: int, nbytes: int, write: Future) -> None:
+        self.file, self.offset, self.nbytes = file, offset, nbytes
+        self._write = write
+        self._read: Future | None = None
+
+    def prefetch(self) -> None:
+        """Start reading the record back (after its write ends) in the background."""
+        with self.file.store._lock:
+            if self._read is not None:
+                return
+            self._read = Future()
+        self._write.add_done_callback(self._start_read)
+
+    def _start_read(self, write: Future) -> None:
+        if write.cancelled() or write.exception() is not None:
+            self._read.set_exception(write.exception() if not write.cancelled() else OffloadError(
+                f"the write to offload file {self.file.path} of block {self.file.block!r} was cancelled."))
+            return
+        try:
+            self.file.store._submit(self._read_job, write.result())
+        except RuntimeError as exc:  # the pool was shut down by purge or close
+            self._read.set_exception(OffloadError(f"offload store closed before reading {self.file.path}: {exc}"))
+
+    def _read_job(self, written_crc: int) -> None:
+        path, block = self.file.path, self.file.block
+        try:
+            data, crc = read_at(path, self.offset, self.nbytes, block)
+            if crc != written_crc:
+                raise OffloadError(
+                    f"checksum mismatch in offload file {path} of block {block!r} at offset {self.offset}: "
+                    f"crc32 {crc:#010x} read, {written_crc:#010x} written; the file was changed on disk "
+                    "and the saved activations are not trusted: run the step again."
+                )
+            self._read.set_result(data)
+            self.file.record_read()
+        except FileNotFoundError as exc:
+            self._read.set_exception(OffloadError(
+                f"offload file {path} of block {block!r} is missing (deleted between forward and "
+                f"backward?): {exc.strerror}; run the step again."
+            ))
+        except OSError as exc:
+            self._read.set_exception(_io_error(exc, f"offload file {path}", block, "read"))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread by get()
+            self._read.set_exception(exc)
+
+    def get(self) -> torch.Tensor:
+        """The record's bytes (a 1-D uint8 CPU tensor); raises `OffloadError` on any fault."""
+        if self.file.generation != self.file.store._generation:
+            raise OffloadError(
+                f"offload file {self.file.path} of block {self.file.block!r} was deleted after an "
+                "earlier offload error; the saved activations of that step are lost: run it again."
+            )
+        self.prefetch()
+        return self._read.result()
+
+
+def _remove_tree(state: dict) -> None:
+    """Finalizer of a store: remove its private directory and the user directory it created."""
+    if state.get("private"):
+        shutil.rmtree(state["private"], ignore_errors=True)
+        state["private"] = None
+    if state.get("made_root"):
+        try:
+            os.rmdir(state["made_root"])
+        except OSError:
+            pass
+        state["made_root"] = None
 
 
 class DiskStore:
-    """Files of offloaded storages under one private directory; a thread pool writes and reads."""
+    """Block files under one private directory; a thread pool writes and reads the records."""
 
     def __init__(self, *, directory: str | os.PathLike | None = None, num_threads: int = 2) -> None:
         if num_threads < 1:
@@ -214,6 +279,7 @@ class DiskStore:
         self._lock = threading.Lock()
         self._live: set[str] = set()
         self._executor: ThreadPoolExecutor | None = None
+        self._jobs: set[Future] = set()
         self._generation = 0
         self._seq = 0
         self._failure: OffloadError | None = None
@@ -226,7 +292,7 @@ class DiskStore:
         return self._state["private"]
 
     def live_files(self) -> list[str]:
-        """Paths of files written or being written and not yet read back."""
+        """Paths of block files not yet fully read back (or dropped)."""
         with self._lock:
             return sorted(self._live)
 
@@ -235,67 +301,74 @@ class DiskStore:
             self._executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="remat-offload")
         return self._executor
 
+    def _submit(self, fn, *args) -> Future:
+        """Run ``fn`` in the pool and remember it until it ends (for `wait_writes`)."""
+        job = self._pool().submit(fn, *args)
+        with self._lock:
+            self._jobs.add(job)
+        job.add_done_callback(self._jobs.discard)
+        return job
+
+    def _fail(self, error: OffloadError) -> None:
+        with self._lock:
+            self._failure = self._failure or error
+
     def _ensure_dir(self, block: str) -> str:
-        if self._state["private"] is not None:
-            return self._state["private"]
-        root = self.root if self.root is not None else Path(tempfile.gettempdir())
-        try:
-            if not root.exists():
-                root.mkdir(mode=0o700, parents=True)
-                self._state["made_root"] = str(root)
-            self._state["private"] = tempfile.mkdtemp(prefix="remat-offload-", dir=root)
-        except OSError as exc:
-            raise _io_error(exc, f"a private directory in offload directory {root}", block, "create") from exc
+        if self._state["private"] is None:
+            root = self.root if self.root is not None else Path(tempfile.gettempdir())
+            try:
+                if not root.exists():
+                    root.mkdir(mode=0o700, parents=True)
+                    self._state["made_root"] = str(root)
+                self._state["private"] = tempfile.mkdtemp(prefix="remat-offload-", dir=root)
+            except OSError as exc:
+                raise _io_error(exc, f"a private directory in offload directory {root}", block, "create") from exc
         return self._state["private"]
 
-    def put(self, data: torch.Tensor, block: str) -> DiskTicket:
-        """Queue ``data`` (1-D uint8, any device) for writing; the ticket holds it until written."""
+    def open_block(self, block: str) -> BlockFile:
+        """A new 0600 file for one forward of ``block``."""
         self.check()
         private = self._ensure_dir(block)
         with self._lock:
             self._seq += 1
-            path = os.path.join(private, f"{self._seq:08d}-{_safe_name(block)}.bin")
+            path = os.path.join(private, f"{self._seq:08d}-{re.sub(r'[^A-Za-z0-9._-]', '_', block)[:80]}.bin")
             self._live.add(path)
-        job = self._pool().submit(self._write_job, path, data, block)
-        return DiskTicket(self, path, data.numel(), block, job)
-
-    def _write_job(self, path: str, data: torch.Tensor, block: str) -> int:
         try:
-            return write_file(path, data.cpu() if data.device.type != "cpu" else data)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            _unlink(path)
-            error = _io_error(exc, f"offload file {path}", block, "write")
-            with self._lock:
-                self._failure = self._failure or error
-            raise error from exc
+            self.purge()
+            raise _io_error(exc, f"offload file {path}", block, "create") from exc
+        return BlockFile(self, path, block, fd)
 
     def check(self) -> None:
-        """Raise the first background write failure (after deleting every file)."""
+        """Raise the first background failure (after deleting every file)."""
         if self._failure is not None:
             failure, self._failure = self._failure, None
             self.purge()
             raise failure
 
     def wait_writes(self) -> None:
-        """Block until every queued write has ended; raise a failure if one occurred."""
-        if self._executor is not None:
-            barrier = [self._executor.submit(lambda: None) for _ in range(self.num_threads)]
-            for f in barrier:
-                f.result()
+        """Block until every queued write, flush and read has ended; raise a failure if one occurred."""
+        while True:
+            with self._lock:
+                jobs = list(self._jobs)
+            if not jobs:
+                break
+            wait(jobs)
         self.check()
 
     def purge(self) -> None:
         """Delete every file and the private directory; tickets issued before fail cleanly."""
         with self._lock:
             self._generation += 1
-            self._live.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
+        with self._lock:
+            self._live.clear()
         _remove_tree(self._state)
 
     def close(self) -> None:
         """Delete everything and stop the threads. The store may be used again afterwards."""
         self._failure = None
         self.purge()
-

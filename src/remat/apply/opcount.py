@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from remat.apply.runtime import block_listener
+from remat.apply.selective import is_saved
 from remat.plan.types import Plan, Segment
 
 __all__ = ["BlockOpCounter", "expected_extra_calls", "op_name"]
@@ -115,8 +116,8 @@ def expected_extra_calls(plan: Plan, forward_keys: list[list[str]]) -> list[Coun
             if seg.kind == "recompute":
                 extra[i].update(op_name(k) for k in forward_keys[i])
             elif seg.kind == "selective":
-                saved = set(seg.saved_ops)
-                extra[i].update(op_name(k) for k in forward_keys[i] if k not in saved)
+                saved = frozenset(seg.saved_ops)
+                extra[i].update(op_name(k) for k in forward_keys[i] if not is_saved(k, saved))
         for child in seg.children:
             visit(child)
 

@@ -15,6 +15,13 @@ from typing import Any
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 
+ALLOCATION_OPS = frozenset({"aten.empty_like", "aten.empty", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"})
+"""Ops that only allocate: their outputs are filled in place afterwards (a dropout mask is
+``empty_like`` + ``bernoulli_`` + ``div_``), so a cached output would be mutated, which
+selective checkpointing forbids. They cost nothing to replay, so they are always replayed;
+to keep such a value, a plan names the last in-place op that writes it (``div_``)."""
+
+
 class SavedOpsPolicy:
     """``policy(ctx, op, *args, **kwargs)``: MUST_SAVE for the named calls, PREFER_RECOMPUTE otherwise."""
 
@@ -33,7 +40,12 @@ class SavedOpsPolicy:
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         key = self.key(op)
         self.seen.append(key)
-        return CheckpointPolicy.MUST_SAVE if key in self.saved_ops else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if is_saved(key, self.saved_ops) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def is_saved(key: str, saved_ops: frozenset[str] | set[str]) -> bool:
+    """Whether the op call ``key`` keeps its output under a plan saving ``saved_ops``."""
+    return key in saved_ops and key.rsplit("#", 1)[0].rsplit(".", 1)[0] not in ALLOCATION_OPS
 
 
 def selective_context(saved_ops: frozenset[str]) -> tuple[Any, Any]:

@@ -26,6 +26,8 @@ from remat.apply.runtime import BufferGuard, Runtime
 from remat.apply.selective import selective_context
 from remat.plan.types import Segment
 
+EARLY_STOP = False
+"""Replay whole segments (see the module docstring): counts and prices stay exact."""
 Handler = Callable[[Runtime, Segment, Any, tuple[Any, ...], dict[str, Any]], list[Any]]
 
 
@@ -39,7 +41,7 @@ def _checkpointed(runtime: Runtime, seg: Segment, body: Callable[[Any], list[Any
 
     options: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
     out = checkpoint(region, first, *extra, use_reentrant=False, preserve_rng_state=True,
-                     early_stop=False, **options)
+                     early_stop=EARLY_STOP, **options)
     return list(out)
 
 

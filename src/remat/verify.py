@@ -1,0 +1,217 @@
+"""`verify`: run the baseline step and the planned step from the same weights and RNG seed.
+
+Both steps run on deep copies of the user's model and optimizer (the originals are never
+touched), through the same sequence, so the two copies hold equal weights at every stage:
+
+1. a plain step: loss, outputs and every parameter gradient are compared (max abs difference);
+2. a step under `remat.apply.opcount.BlockOpCounter`: aten calls per block, forward + backward,
+   against the baseline plus the replays the plan implies;
+3. a step under the live-storage tracker (`remat.measure.tracker.track_step`): measured peak
+   against the plan's prediction;
+4. ``repeats`` timed steps, baseline and planned alternating: medians against each other and
+   against the prediction.
+
+Every step starts from the same seed, so dropout draws the same masks in both. On the CPU the
+same kernels run in the same order, so loss, outputs and gradients must be bit-identical
+(tolerance 0). CUDA kernels with atomic accumulation (embedding and scatter backward, some
+cuBLAS reductions) are not reproducible run to run even without recomputation, so there the
+tolerance is `CUDA_TOLERANCE`.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import statistics
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat._batch import LossFn, call_model, check_batch_device, compute_loss, model_device
+from remat.apply.api import apply_, is_applied, remove_
+from remat.apply.opcount import BlockOpCounter, expected_extra_calls
+from remat.measure.profile import _Step
+from remat.measure.timing import Clock
+from remat.measure.tracker import track_step
+from remat.plan.types import Plan
+from remat.verify_types import OpCount, Verification
+
+__all__ = ["verify", "CUDA_TOLERANCE"]
+
+SEED = 1234
+"""Seed of every compared step."""
+
+CUDA_TOLERANCE = 1e-5
+"""Max abs difference allowed on CUDA (non-deterministic atomics in some backward kernels)."""
+
+
+def _float_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _float_tensors(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _float_tensors(v)]
+    return []
+
+
+def _max_abs_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+    if len(a) != len(b):
+        return float("inf")
+    worst = 0.0
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            if x is not y:
+                return float("inf")
+            continue
+        if x.shape != y.shape:
+            return float("inf")
+        if x.numel():
+            worst = max(worst, float((x.detach().double() - y.detach().double()).abs().max()))
+    return worst
+
+
+def _copy_optimizer(optimizer: torch.optim.Optimizer | None, source: nn.Module, target: nn.Module) -> torch.optim.Optimizer | None:
+    """The same optimizer class, hyper-parameters and state, on ``target``'s parameters."""
+    if optimizer is None:
+        return None
+    mapping = {id(p): q for p, q in zip(source.parameters(), target.parameters())}
+    groups = []
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if id(p) not in mapping]
+        if missing:
+            raise ValueError(
+                f"the optimizer holds {len(missing)} parameter(s) that are not the model's; pass the "
+                "optimizer built on this model's parameters (torch.optim.AdamW(model.parameters()))."
+            )
+        groups.append({**group, "params": [mapping[id(p)] for p in group["params"]]})
+    accepted = inspect.signature(type(optimizer)).parameters
+    clone = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    clone.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    return clone
+
+
+class _Run:
+    """One copy of the model (baseline or planned) and its optimizer, stepped identically."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any,
+                 loss_fn: LossFn | None, plan: Plan, *, planned: bool) -> None:
+        self.model = copy.deepcopy(model)
+        if is_applied(self.model):
+            remove_(self.model)
+        self.optimizer = _copy_optimizer(optimizer, model, self.model)
+        if planned:
+            apply_(self.model, plan, batch=batch)
+        self.plan = plan
+        self.step = _Step(self.model, batch, loss_fn, self.optimizer)
+        self.blocks = [self.model.get_submodule(n) for n in plan.block_names]
+
+    def compared_step(self) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]:
+        torch.manual_seed(SEED)
+        (self.optimizer or self.model).zero_grad(set_to_none=True)
+        output = call_model(self.model, self.step.batch)
+        loss = compute_loss(output, self.step.batch, self.step.loss_fn)
+        loss.backward()
+        outputs = [t.detach().clone() for t in _float_tensors(output)]
+        grads = [None if p.grad is None else p.grad.clone() for p in self.model.parameters()]
+        loss = loss.detach()
+        del output
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return loss, outputs, grads
+
+    def counted_step(self) -> BlockOpCounter:
+        torch.manual_seed(SEED)
+        with BlockOpCounter(self.blocks) as counter:
+            self.step.run()
+        return counter
+
+    def tracked_step(self) -> Any:
+        torch.manual_seed(SEED)
+        return track_step(self.step.run, model=self.model, optimizer=self.optimizer,
+                          blocks=list(zip(self.plan.block_names, self.blocks)), batch=self.step.batch)
+
+    def timed_step(self, clock: Clock) -> float:
+        torch.manual_seed(SEED)
+        clock.sync()
+        start = clock.mark()
+        self.step.run()
+        end = clock.mark()
+        return clock.elapsed_ms(start, end)
+
+    def close(self) -> None:
+        if is_applied(self.model):
+            remove_(self.model)
+
+
+def _op_counts(plan: Plan, base: BlockOpCounter, planned: BlockOpCounter) -> tuple[OpCount, ...]:
+    extra = expected_extra_calls(plan, base.forward_keys)
+    rows = []
+    for i, name in enumerate(plan.block_names):
+        expected = base.total[i] + extra[i]
+        for op in sorted(set(base.total[i]) | set(planned.total[i]) | set(expected)):
+            rows.append(OpCount(block=name, op=op, baseline_count=base.total[i][op],
+                                planned_count=planned.total[i][op], expected_count=expected[op]))
+    return tuple(rows)
+
+
+def _pct(measured: float, predicted: float) -> float:
+    return 100.0 * (measured - predicted) / predicted if predicted else float("inf")
+
+
+def _tolerance(device: torch.device) -> tuple[float, str]:
+    if device.type == "cpu":
+        return 0.0, "CPU: the same kernels run in the same order with the RNG restored, so results are bit-identical."
+    return CUDA_TOLERANCE, (
+        f"{device.type}: kernels with atomic accumulation (embedding/scatter backward, split reductions) "
+        f"differ run to run even without recomputation; allowed max abs difference {CUDA_TOLERANCE:g}."
+    )
+
+
+def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = None,
+           optimizer: torch.optim.Optimizer | None = None, *, repeats: int = 3) -> Verification:
+    """Run the baseline and ``plan``'s step from the same weights and seed; compare them."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"verify needs a remat Plan, got {type(plan).__name__}; load one with Plan.from_json(path).")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed steps; the median is kept).")
+    check_batch_device(model, batch)
+    device = model_device(model)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        base = _Run(model, optimizer, batch, loss_fn, plan, planned=False)
+        planned = _Run(model, optimizer, batch, loss_fn, plan, planned=True)
+        try:
+            return _compare(plan, base, planned, repeats, device)
+        finally:
+            planned.close()
+
+
+def _compare(plan: Plan, base: _Run, planned: _Run, repeats: int, device: torch.device) -> Verification:
+    (loss_b, out_b, grads_b), (loss_p, out_p, grads_p) = base.compared_step(), planned.compared_step()
+    counts = _op_counts(plan, base.counted_step(), planned.counted_step())
+    tracked_b, tracked_p = base.tracked_step(), planned.tracked_step()
+    clock = Clock(device)
+    times_b, times_p = [], []
+    for _ in range(repeats):
+        times_b.append(base.timed_step(clock))
+        times_p.append(planned.timed_step(clock))
+    loss_diff = _max_abs_diff([loss_b], [loss_p])
+    out_diff, grad_diff = _max_abs_diff(out_b, out_p), _max_abs_diff(grads_b, grads_p)
+    tolerance, reason = _tolerance(device)
+    step_b, step_p = statistics.median(times_b), statistics.median(times_p)
+    pred = plan.prediction
+    return Verification(
+        strategy_name=plan.strategy_name, budget_bytes=plan.budget_bytes,
+        loss_max_abs_diff=loss_diff, output_max_abs_diff=out_diff, grad_max_abs_diff=grad_diff,
+        grads_identical=loss_diff == 0.0 and out_diff == 0.0 and grad_diff == 0.0,
+        tolerance=tolerance, tolerance_reason=reason,
+        baseline_peak_bytes=tracked_b.peak_bytes, measured_peak_bytes=tracked_p.peak_bytes,
+        predicted_peak_bytes=pred.peak_bytes, peak_error_pct=_pct(tracked_p.peak_bytes, pred.peak_bytes),
+        device_max_allocated_bytes=tracked_p.device_max_allocated_bytes,
+        baseline_step_ms=step_b, measured_step_ms=step_p, predicted_step_ms=pred.step_ms,
+        step_error_pct=_pct(step_p, pred.step_ms), overhead_pct=100.0 * (step_p / step_b - 1.0),
+        op_counts=counts, recompute_counts_match=all(c.planned_count == c.expected_count for c in counts),
+        timeline=tracked_p.timeline,
+    )
