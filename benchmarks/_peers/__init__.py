@@ -1,0 +1,1 @@
+"""The pieces of the peers benchmark: workloads, peer strategies, measurement, results, plots."""

@@ -1,0 +1,137 @@
+"""remat against the alternatives, side by side in one run.
+
+    python -m benchmarks.peers --model gpt [--size small|large] [--device cpu|cuda]
+                               [--repeats N] [--out DIR] [--no-compile]
+
+For one model: every peer (no recomputation, per-block checkpointing as Hugging Face applies
+it, checkpoint_sequential with sqrt(N) segments, torchtitan's selective policy, torch.compile
+with activation memory budgets, Rockmate) and remat's optimal plan at each peer's measured
+peak, plus points of remat's Pareto frontier. The timed repeats of all strategies are
+interleaved; medians are reported. Writes ``<out>/<model>-<size>.md``, ``.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from benchmarks._peers import plot, results
+from benchmarks._peers.runner import interleaved_timing
+from benchmarks._peers.strategies import COMPILED, EAGER, default_peers
+from benchmarks._peers.suite import Suite, add_peers, add_remat, matched_plans, remat_profile
+from benchmarks._peers.workloads import MODEL_CHOICES, SIZE_NAMES, Workload
+
+log = logging.getLogger("benchmarks.peers")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=MODEL_CHOICES, default="gpt")
+    parser.add_argument("--size", choices=SIZE_NAMES, default="small")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--repeats", type=int, default=10, help="timed steps per strategy (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per strategy (default 2)")
+    parser.add_argument("--frontier-points", type=int, default=4,
+                        help="extra plans of remat's Pareto frontier to measure (default 4)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 1:
+        parser.error(f"--repeats {args.repeats} and --warmup {args.warmup} must both be >= 1.")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda was given but torch.cuda.is_available() is False; use --device cpu.")
+    return args
+
+
+def _configure_dynamo() -> None:
+    # Every compiled strategy is a separate cache entry of the same forward code.
+    torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.accumulated_cache_size_limit = 512
+
+
+def _frontier_plans(profile: object, count: int) -> tuple[list[tuple[int, float]], list[tuple[str, object]]]:
+    import remat
+
+    frontier = list(remat.pareto(profile))
+    points = [(p.prediction.peak_bytes, p.prediction.step_ms) for p in frontier]
+    if count <= 0 or not frontier:
+        return points, []
+    step = max(1, len(frontier) // count)
+    chosen = frontier[::step][:count]
+    return points, [(f"frontier @ {p.prediction.peak_bytes / results.MIB:.1f} MiB", p) for p in chosen]
+
+
+def run(args: argparse.Namespace) -> Suite:
+    """Prepare and measure every strategy of one model; returns the measured suite."""
+    _configure_dynamo()
+    suite = Suite(workload=Workload(model=args.model, size=args.size, device=args.device))
+    add_peers(suite, default_peers(with_compile=not args.no_compile), args.warmup)
+    profile = remat_profile(suite.workload)
+    suite.num_blocks = profile.num_blocks
+    for mode in (EAGER,) + (() if args.no_compile else (COMPILED,)):
+        budgets = {r.name: r.peak_bytes if mode == EAGER else r.alloc_peak_bytes
+                   for r in suite.runners if r.source == "peer" and r.mode == mode}
+        plans = [(f"@ {name}", plan) for name, plan in matched_plans(profile, budgets).items()]
+        if mode == EAGER:
+            suite.frontier, extra = _frontier_plans(profile, args.frontier_points)
+            plans += extra
+        add_remat(suite, profile, plans, mode, args.warmup)
+    interleaved_timing(suite.runners, args.repeats)
+    return suite
+
+
+def machine() -> str:
+    """One line about where this ran."""
+    cpu = platform.processor() or platform.machine()
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    load = ", load average %.2f %.2f %.2f" % __import__("os").getloadavg()
+    return f"{platform.node()}: {cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads{gpu}{load}"
+
+
+def command_line(args: argparse.Namespace) -> str:
+    flags = f"--model {args.model} --size {args.size} --device {args.device} --repeats {args.repeats}"
+    return f"python -m benchmarks.peers {flags}" + (" --no-compile" if args.no_compile else "")
+
+
+def report(args: argparse.Namespace, suite: Suite, elapsed_s: float) -> str:
+    """The Markdown section of one model."""
+    all_rows = results.rows(suite)
+    sizes = ", ".join(f"{k}={v}" for k, v in suite.workload.sizes.items())
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return "\n\n".join([
+        f"### {suite.workload.label}: {suite.num_blocks} blocks ({sizes})",
+        f"`{command_line(args)}` on {stamp}; {machine()}; run took {elapsed_s:.0f} s.",
+        results.strategy_table(all_rows),
+        "remat against each peer at a peak no larger than the peer's:",
+        results.match_table(results.matches(all_rows)),
+    ]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    started = time.perf_counter()
+    suite = run(args)
+    elapsed_s = time.perf_counter() - started
+    stem = f"{args.model.replace(':', '-')}-{args.size}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    all_rows = results.rows(suite)
+    text = report(args, suite, elapsed_s)
+    (args.out / f"{stem}.md").write_text(text)
+    payload = {"command": command_line(args), "machine": machine(), "elapsed_s": elapsed_s,
+               **results.as_json(all_rows, results.matches(all_rows))}
+    (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    plot.frontier_png(args.out / f"{stem}.png", suite.workload.label, all_rows, suite.frontier)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,171 @@
+"""The peers benchmark keeps working: its pieces on toy inputs, and one tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+# benchmarks/ lives at the repository root, outside the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._peers import results, strategies  # noqa: E402
+from benchmarks._peers.results import Row  # noqa: E402
+from benchmarks._peers.runner import Runner, compare_grads, warm_up  # noqa: E402
+from benchmarks._peers.tracking import allocator_peak_bytes  # noqa: E402
+from benchmarks._peers.workloads import Workload, block_list  # noqa: E402
+
+TINY = Workload(model="gpt", size="tiny")
+
+
+def _runner(peer: strategies.Peer, workload: Workload = TINY) -> Runner:
+    built = workload.build()
+    params = list(built.model.parameters())
+    module = peer.prepare(built.model, built.batch)
+    runner = Runner(name=peer.name, mode=peer.mode, source="peer", module=module, params=params,
+                    batch=built.batch, loss_fn=built.loss_fn)
+    warm_up(runner, 1)
+    return runner
+
+
+@pytest.mark.parametrize("num_blocks, segments", [(1, 1), (4, 2), (6, 2), (9, 3), (12, 3), (144, 12)])
+def test_sqrt_segments_rounds_the_square_root(num_blocks: int, segments: int) -> None:
+    assert strategies.sqrt_segments(num_blocks) == segments
+
+
+def test_titan_policy_saves_every_other_matmul_and_attention() -> None:
+    class Ctx:
+        is_recompute = False
+
+    policy = strategies.titan_policy(defaultdict(int))
+    mm, addmm, relu = torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.relu.default
+    decisions = [policy(Ctx(), op) for op in (addmm, relu, mm, addmm, mm)]
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert decisions == [save, recompute, recompute, save, recompute]
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert policy(Ctx(), sdpa) == save
+
+
+def test_block_list_is_the_longest_module_list() -> None:
+    model = TINY.build().model
+    parent, attr, blocks = block_list(model)
+    assert (parent is model, attr, len(blocks)) == (True, "blocks", 4)
+    with pytest.raises(ValueError, match="has no nn.ModuleList of blocks"):
+        block_list(nn.Linear(2, 2))
+
+
+def test_workload_rejects_unknown_names() -> None:
+    with pytest.raises(ValueError, match="unknown model 'resnet'; allowed: gpt"):
+        Workload(model="resnet", size="small")
+    with pytest.raises(ValueError, match="unknown size 'huge'; allowed: tiny, small, large"):
+        Workload(model="gpt", size="huge")
+
+
+@pytest.mark.parametrize("peer", [
+    strategies.PerBlockCheckpoint(name="per-block"),
+    strategies.SqrtSequential(name="sqrt"),
+    strategies.TitanSelective(name="titan"),
+], ids=lambda p: p.name)
+def test_eager_peers_give_bit_identical_gradients(peer: strategies.Peer) -> None:
+    torch.manual_seed(0)
+    reference = _runner(strategies.NoRecompute(name="none"))
+    run = _runner(peer)
+    check = compare_grads(run, reference)
+    assert check.identical and check.max_abs_diff == 0.0
+    for got, want in zip(run.grads, reference.grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_sqrt_sequential_keeps_hf_gpt2_gradients() -> None:
+    pytest.importorskip("transformers")
+    hf = Workload(model="hf:gpt2", size="tiny")
+    reference = _runner(strategies.NoRecompute(name="none"), hf)
+    for peer in (strategies.SqrtSequential(name="sqrt"), strategies.PerBlockCheckpoint(name="hf")):
+        assert compare_grads(_runner(peer, hf), reference).identical
+
+
+def test_compare_grads_reports_the_largest_difference() -> None:
+    reference = _runner(strategies.NoRecompute(name="none"))
+    run = _runner(strategies.NoRecompute(name="other"))
+    run.grads[0] = run.grads[0] + 0.25
+    check = compare_grads(run, reference)
+    assert not check.identical
+    assert check.max_abs_diff == pytest.approx(0.25)
+    assert check.label == "differs (max |d| 2.50e-01)"
+
+
+def test_allocator_peak_counts_resident_bytes_and_the_step_peak() -> None:
+    model = nn.Linear(10, 10)  # 110 float32 parameters = 440 bytes
+
+    def step() -> None:
+        a = torch.empty(1000)
+        b = torch.empty(2000)
+        del a, b
+        torch.empty(500)
+
+    assert allocator_peak_bytes(model, step, torch.device("cpu")) == 440 + 4 * 3000
+
+
+def test_rockmate_reports_what_stops_it() -> None:
+    peer = strategies.Rockmate(name="rockmate 2.0.0")
+    try:
+        import rockmate  # noqa: F401
+    except Exception as exc:
+        with pytest.raises(strategies.PeerUnavailable, match=f"`import rockmate` fails: {type(exc).__name__}"):
+            peer.prepare(nn.Linear(2, 2), torch.zeros(1, 2))
+    else:
+        if not torch.cuda.is_available():
+            with pytest.raises(strategies.PeerUnavailable, match="hard-codes torch.device"):
+                peer.prepare(nn.Linear(2, 2), torch.zeros(1, 2))
+
+
+def _row(name: str, source: str, peak_mib: float, ms: float, identical: bool = True) -> Row:
+    return Row(name=name, mode="eager", source=source, detail="", peak_bytes=int(peak_mib * results.MIB),
+               alloc_peak_bytes=None, cuda_peak_bytes=None, step_ms=ms, num_timed_steps=3, overhead_pct=None,
+               grads_vs_eager="identical", grads_vs_mode="", identical=identical)
+
+
+def test_matches_pick_the_fastest_identical_remat_run_within_each_peak() -> None:
+    rows = [
+        _row("none", "peer", 10, 100), _row("full", "peer", 4, 150), _row("sqrt", "peer", 6, 130),
+        _row("remat a", "remat", 4, 120), _row("remat b", "remat", 6, 110),
+        _row("remat c", "remat", 5, 90, identical=False), _row("remat d", "remat", 7, 100),
+    ]
+    full, sqrt = results.matches(rows)
+    assert (full.peer, full.remat, full.best_peer) == ("full", "remat a", "full")
+    assert full.ratio == pytest.approx(120 / 150) and full.goal_met
+    assert (sqrt.peer, sqrt.remat, sqrt.best_peer) == ("sqrt", "remat b", "sqrt")
+    assert sqrt.ratio == pytest.approx(110 / 130) and sqrt.goal_met
+    slow = results.matches([_row("full", "peer", 4, 100), _row("remat a", "remat", 4, 99)])[0]
+    assert slow.ratio == pytest.approx(0.99) and not slow.goal_met
+
+
+def test_tiny_end_to_end_run_writes_table_json_and_plot(tmp_path) -> None:
+    from benchmarks import peers
+
+    argv = ["--model", "gpt", "--size", "tiny", "--no-compile", "--repeats", "1", "--warmup", "1",
+            "--frontier-points", "1", "--out", str(tmp_path)]
+    assert peers.main(argv) == 0
+    payload = json.loads((tmp_path / "gpt-tiny.json").read_text())
+    names = [row["name"] for row in payload["rows"]]
+    assert names[:4] == ["none", "per-block checkpoint", "checkpoint_sequential sqrt(N)", "torchtitan selective"]
+    measured = [row for row in payload["rows"] if row["step_ms"] is not None]
+    assert all(row["num_timed_steps"] == 1 and row["peak_bytes"] > 0 for row in measured)
+    assert any(row["source"] == "remat" for row in payload["rows"])
+    assert "| strategy | mode | peak MiB (tracker) | peak MiB (allocator) |" in (tmp_path / "gpt-tiny.md").read_text()
+    assert (tmp_path / "gpt-tiny.png").read_bytes()[:4] == b"\x89PNG"
+    assert not math.isnan(payload["elapsed_s"])
+
+
+def test_bad_arguments_are_refused() -> None:
+    from benchmarks import peers
+
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--repeats", "0"])
