@@ -33,26 +33,42 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
 
 
 class StateSnapshot:
-    """Copies of parameters, buffers, gradients and optimizer state; `restore` puts them back
-    in place (same tensor objects, so references held by the caller stay valid)."""
+    """Host copies of parameters, buffers, gradients and optimizer state; `restore` puts them
+    back in place (same tensor objects, so references held by the caller stay valid). The
+    copies live in host memory so that they take nothing from an accelerator being measured
+    (on the CPU they are ordinary memory the tracker does not count)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         self.model = model
         self.optimizer = optimizer
         with torch.no_grad():
-            self.params = [p.detach().clone() for p in model.parameters()]
-            self.buffers = [b.detach().clone() for b in model.buffers()]
-            self.grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+            self.params = [_host_copy(p) for p in model.parameters()]
+            self.buffers = [_host_copy(b) for b in model.buffers()]
+            self.grads = [None if p.grad is None else _host_copy(p.grad) for p in model.parameters()]
         self.optimizer_state: dict[str, Any] | None = (
-            copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+            _host_state(optimizer.state_dict()) if optimizer is not None else None
         )
 
     def restore(self) -> None:
         with torch.no_grad():
             for p, saved, grad in zip(self.model.parameters(), self.params, self.grads):
                 p.copy_(saved)
-                p.grad = grad
+                p.grad = None if grad is None else grad.to(p.device)
             for b, saved in zip(self.model.buffers(), self.buffers):
                 b.copy_(saved)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True) if t.device.type != "meta" else t.detach().clone()
+
+
+def _host_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of an optimizer state dict with its tensors on the host (loading it back
+    casts them to each parameter's device, as `torch.optim.Optimizer.load_state_dict` does)."""
+    state = {
+        key: {name: _host_copy(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v) for name, v in entry.items()}
+        for key, entry in state_dict["state"].items()
+    }
+    return {"state": state, "param_groups": copy.deepcopy(state_dict["param_groups"])}
