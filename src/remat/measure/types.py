@@ -60,8 +60,10 @@ class BlockProfile:
     saved_bytes: int
     """Bytes autograd saves for backward inside this block (first saver counts a storage)."""
     bwd_temp_bytes: int
-    """Peak live bytes during this block's backward above those live when it began, minus the
-    block's own saved bytes that it frees: the backward's own temporaries (gradient buffers...)."""
+    """Peak live bytes during this block's backward minus the model state (parameters, buffers,
+    optimizer state, gradients live when it began), the fixed pre part's and earlier blocks'
+    saved bytes and this block's full ``saved_bytes``: its incoming gradient, the gradients it
+    computes, later blocks' leftovers (exact identity in `remat.measure.profile`)."""
     fwd_ms: float
     """Forward time of this block."""
     bwd_ms: float
@@ -164,7 +166,9 @@ class Profile:
     fixed_post_saved_bytes: int
     """Saved bytes of the fixed part after the last block (freed by the head's backward)."""
     fixed_post_bwd_temp_bytes: int
-    """Peak live bytes during the post part's backward above those live when it began."""
+    """Like `BlockProfile.bwd_temp_bytes` for the head and loss: peak live bytes from
+    ``loss.backward()`` to the last block's backward, minus the model state, every saved byte
+    of the forward (pre, blocks, post) (exact identity in `remat.measure.profile`)."""
     fixed_fwd_ms: float
     """Forward time of everything outside blocks (incl. loss)."""
     fixed_bwd_ms: float
