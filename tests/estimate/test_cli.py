@@ -1,0 +1,39 @@
+"""`remat estimate` on the command line."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from remat.cli import app
+
+runner = CliRunner()
+GPT = ["estimate", "--model", "gpt", "--layers", "3", "--hidden", "32", "--heads", "2", "--vocab", "64", "--seq", "16"]
+
+
+def test_json_output_is_the_estimate() -> None:
+    result = runner.invoke(app, GPT + ["--device", "L4-24GB", "--micro-batch", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["model"] == "gpt" and data["num_layers"] == 3 and data["micro_batch"] == 2
+    # 3 layers x (qkv 32*96+96, proj 32*32+32, fc 32*128+128, fc2 128*32+32, 2 norms 4*32) + embeddings + final norm + head
+    per_layer = 32 * 96 + 96 + 32 * 32 + 32 + 32 * 128 + 128 + 128 * 32 + 32 + 4 * 32
+    assert data["param_count"] == 3 * per_layer + 64 * 32 + 16 * 32 + 2 * 32 + 64 * 32
+    device = data["devices"][0]
+    assert device["device"]["name"] == "L4-24GB"
+    assert [row["strategy"] for row in device["strategies"]] == ["none", "full", "selective", "optimal"]
+    assert all(row["fits"] for row in device["strategies"])
+
+
+def test_table_output_and_errors(tmp_path) -> None:
+    result = runner.invoke(app, GPT + ["--device", "H100-80GB", "--optimizer", "sgd-momentum", "--zero", "1",
+                                       "--world-size", "2"], env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.output
+    assert "H100-80GB" in result.output and "max mb" in result.output and "selective" in result.output
+    missing = runner.invoke(app, ["estimate"])
+    assert missing.exit_code == 2 and "name a model" in missing.output
+    bad = runner.invoke(app, ["estimate", "--model", "gpt", "--kv-heads", "2"])
+    assert bad.exit_code == 2 and "apply to --hf models only" in bad.output
+    listed = runner.invoke(app, ["estimate", "--list-devices"], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0 and "RTX4090-24GB" in listed.output and "989.4" in listed.output
