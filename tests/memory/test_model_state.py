@@ -132,3 +132,29 @@ def test_min_world_size_exact_boundary() -> None:
     assert min_world_size(state, zero_stage=3, budget_bytes=1000) == 1
     names = [r.name for r in remedies(state, budget_bytes=300, param_count=25, optimizer_name="sgd")]
     assert names == ["ZeRO-1", "ZeRO-2", "ZeRO-3 / FSDP", "optimizer offload to host"]
+
+
+def test_allowance_terms_and_inverse() -> None:
+    from remat.memory.allowance import NO_ALLOWANCE, Allowance
+
+    mib = 2**20
+    allowance = Allowance()  # 512 MiB context + 32 MiB workspaces + 5% fragmentation
+    assert allowance.bytes_for(1000 * mib) == 512 * mib + 32 * mib + 50 * mib
+    device = 80 * 2**30
+    peak = allowance.max_allocated_bytes(device)
+    assert peak + allowance.bytes_for(peak) <= device < peak + 1 + allowance.bytes_for(peak + 1)
+    assert NO_ALLOWANCE.max_allocated_bytes(device) == device
+    assert Allowance(context_bytes=10, workspace_bytes=0).max_allocated_bytes(10) == 0
+    with pytest.raises(ValueError, match="fragmentation_fraction=1.5 must be in \\[0, 1\\)"):
+        Allowance(fragmentation_fraction=1.5)
+    with pytest.raises(ValueError, match="context_bytes=-1 and workspace_bytes=0 must be >= 0"):
+        Allowance(context_bytes=-1, workspace_bytes=0)
+
+
+def test_zero3_world_size_counts_the_gathered_unit() -> None:
+    state = ModelState(param_bytes=1000, grad_bytes=1000, master_bytes=2000, optimizer_state_bytes=4000)
+    unit = ModelState(param_bytes=100, grad_bytes=100, master_bytes=0, optimizer_state_bytes=0)
+    # n ranks: 8000/n + 200 - ceil(200/n) <= 1200  ->  n >= 8
+    assert min_world_size(state, zero_stage=3, budget_bytes=1200, largest_unit=unit) == 8
+    assert min_world_size(state, zero_stage=3, budget_bytes=1200) == 7
+    assert min_world_size(state, zero_stage=3, budget_bytes=200, largest_unit=unit) is None
