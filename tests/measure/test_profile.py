@@ -218,3 +218,15 @@ def test_progress_reports_every_stage():
             progress=lambda done, total, stage: calls.append((done, total, stage)))
     stages = ["warm-up step"] * 2 + ["accounting step"] + ["timed step"] * 3 + ["op timing forward"] * 2
     assert calls == [(i + 1, 8, stage) for i, stage in enumerate(stages)]
+
+
+def test_forward_temporaries_of_an_mlp_block_by_hand():
+    built = _mlp("none")
+    result = profile(built.model, built.batch, built.loss_fn, repeats=1)
+    # Block 0 (Linear + GELU on 4 x 16): the addmm output (saved by GELU) and then the GELU
+    # output: peak 2 x 256 bytes above the start; saved: the addmm output only (x is the batch).
+    # Later blocks also save their input (the previous output), which exists before they start.
+    row = 4 * 16 * F32
+    assert result.blocks[0].saved_bytes == row and result.blocks[0].fwd_temp_bytes == 2 * row - row
+    assert [b.saved_bytes for b in result.blocks[1:]] == [2 * row] * 2
+    assert [b.fwd_temp_bytes for b in result.blocks[1:]] == [2 * row - 2 * row] * 2

@@ -16,7 +16,9 @@ gradients live when ``loss.backward()`` starts, 0 after ``zero_grad(set_to_none=
 - peak from ``loss.backward()`` to the start of the last block's backward (the head's and the
   loss's backward) = ``P + B + O + G_post + fixed_pre_saved_bytes + sum(all blocks'
   saved_bytes) + fixed_post_saved_bytes + fixed_post_bwd_temp_bytes``;
-- peak during ``optimizer.step()`` = ``P + B + O + grad_bytes + optimizer_step_temp_bytes``.
+- peak during ``optimizer.step()`` = ``P + B + O + grad_bytes + optimizer_step_temp_bytes``;
+- peak during block j's forward = live bytes when it starts + ``saved_bytes_j +
+  fwd_temp_bytes_j``.
 
 So ``bwd_temp_bytes`` holds everything else live at that peak: the incoming gradient, the
 gradients the block's own backward computes (parameter gradients included), saved tensors of
@@ -156,13 +158,19 @@ class _Windows:
         self.names = block_names
         self.accountant = accountant
         self.block_temp_bytes = [0] * len(block_names)
+        self.block_fwd_temp_bytes = [0] * len(block_names)
         self.post_temp_bytes = 0
         self.optimizer_temp_bytes = 0
         self._open: int | None = None  # block index, len(names) for the post part
         self._opt_start_bytes = 0
 
     def __call__(self, event: Boundary) -> None:
-        if event.kind == "bwd_begin":
+        if event.kind == "fwd_start":
+            self.tracker.open_window(offset_bytes=self.tracker.live_bytes)
+        elif event.kind == "fwd_end":
+            own = self.accountant.segment_bytes(self.names[event.index])
+            self.block_fwd_temp_bytes[event.index] = self.tracker.close_window() - own
+        elif event.kind == "bwd_begin":
             self._start(len(self.names), self.names, POST)
         elif event.kind == "bwd_start":
             self._close()
@@ -291,6 +299,7 @@ def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes) -
             fwd_ms=times.block_fwd_ms[i], bwd_ms=times.block_bwd_ms[i],
             fwd_flops=memory.recorder.segment_flops(name), ops=memory.recorder.records(name, saved_by_call),
             grad_bytes=distinct_bytes(p.grad for p in module.parameters() if p.grad is not None),
+            fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i],
         )
         for i, (name, module) in enumerate(block_list)
     )

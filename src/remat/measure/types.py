@@ -75,6 +75,10 @@ class BlockProfile:
     grad_bytes: int = 0
     """Bytes of the gradients of this block's own parameters (0: not measured; the planner then
     counts every gradient as live during the whole backward)."""
+    fwd_temp_bytes: int = 0
+    """Peak live bytes during this block's forward minus those live when it began minus its full
+    ``saved_bytes`` (negative when the peak comes before all saves): a forward replayed in
+    backward (recompute) peaks at what is live then + ``saved_bytes`` + this."""
 
 
 @dataclass(kw_only=True, frozen=True)
