@@ -57,7 +57,8 @@ def test_cli_writes_the_report_and_prints_its_path(tmp_path, files):
     assert result.exit_code == 0, result.output
     assert "report:" in result.output and out.name in result.output
     page = out.read_text(encoding="utf-8")
-    assert "The optimal plan fits 80.0 MiB" in page and "remat report" in page
+    assert "The optimal plan fits 80.0 MiB" in page
+    assert f"remat report {files['profile']} {files['plan']}" in page and f"-o {out}" in page
 
 
 def test_cli_budget_option(tmp_path, files):

@@ -1,8 +1,10 @@
-from remat.report.units import GIB, MIB, byte_scale, format_bytes, format_ms, format_pct, format_ratio
+from remat.report.units import GIB, KIB, MIB, byte_scale, format_bytes, format_flops, format_ms, format_pct, format_ratio
 
 
 def test_byte_scale_switches_to_gib_at_one_gib():
     assert byte_scale(GIB - 1).unit == "MiB"
+    assert byte_scale(MIB - 1).unit == "KiB" and byte_scale(MIB).unit == "MiB"
+    assert byte_scale(600 * KIB)(513 * KIB) == 513.0
     assert byte_scale(GIB).unit == "GiB"
     assert byte_scale(3 * MIB)(3 * MIB) == 3.0
     assert byte_scale(6 * GIB)(3 * GIB) == 3.0
@@ -25,3 +27,10 @@ def test_format_ms_pct_ratio():
     assert format_pct(-0.4) == "-0.4%"
     assert format_ratio(36 / 15) == "2.4x"
     assert format_ratio(float("inf")) == "unbounded"
+
+
+def test_format_flops_uses_decimal_prefixes():
+    assert format_flops(6_000_000_000) == "6.0 GFLOP"
+    assert format_flops(852_000) == "852.0 kFLOP"
+    assert format_flops(1.5e12) == "1.5 TFLOP"
+    assert format_flops(12) == "12 FLOP"

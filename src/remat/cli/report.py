@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shlex
-import sys
 from pathlib import Path
 
 import typer
@@ -34,12 +33,17 @@ def report(
         inputs = load_inputs(files)
         budget_bytes = None if budget is None else parse_budget(budget, inputs.profile.peak_bytes)
         path = write_report(output, inputs.profile, inputs.plans, inputs.verifications,
-                            commands=[_command_line()], budget_bytes=budget_bytes, figures_dir=figures_dir)
+                            commands=[_command_line(files, output, budget, figures_dir)], budget_bytes=budget_bytes, figures_dir=figures_dir)
     except (ValueError, TypeError) as exc:
         raise fail(str(exc)) from None
     console.print(f"report: {path}")
 
 
-def _command_line() -> str:
-    """The command as typed, with the program shown as `remat`."""
-    return shlex.join(["remat", *sys.argv[1:]])
+def _command_line(files: list[Path], output: Path, budget: str | None, figures_dir: Path | None) -> str:
+    """The command that writes this report again."""
+    args = ["remat", "report", *map(str, files), "-o", str(output)]
+    if budget is not None:
+        args += ["--budget", budget]
+    if figures_dir is not None:
+        args += ["--figures-dir", str(figures_dir)]
+    return shlex.join(args)

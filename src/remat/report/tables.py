@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from remat.measure.types import Profile
 from remat.plan.types import Plan
 from remat.report.summary import baseline_point, find_verification, plan_label
-from remat.report.units import format_bytes, format_ms, format_pct
+from remat.report.units import format_bytes, format_flops, format_ms, format_pct
 from remat.verify_types import Verification
 
 Table = tuple[tuple[str, ...], list[tuple[str, ...]]]
@@ -33,7 +33,7 @@ def _plan_row(profile: Profile, plan: Plan, base_ms: float, budget: int | None,
     pred = plan.prediction
     fits = "-" if budget is None else ("yes" if pred.peak_bytes <= budget else "no")
     overhead = format_pct(100.0 * (pred.step_ms / base_ms - 1.0)) if base_ms > 0 else "-"
-    recompute = (f"{pred.extra_flops / 1e9:.3g} GFLOP, {format_ms(pred.extra_ms)}"
+    recompute = (f"{format_flops(pred.extra_flops)}, {format_ms(pred.extra_ms)}"
                  if pred.extra_flops or pred.extra_ms else "none")
     measured_peak = "-" if ver is None else (
         f"{format_bytes(ver.measured_peak_bytes)} ({format_pct(ver.peak_error_pct)})")
@@ -53,12 +53,12 @@ def _peak_where(profile: Profile, plan: Plan) -> str:
 
 def blocks_table(profile: Profile, plans: Sequence[Plan]) -> Table:
     """One row per block: its measurements, then its strategy under each plan."""
-    headers = ("#", "block", "class", "saved", "input", "fwd", "bwd", "fwd GFLOP",
+    headers = ("#", "block", "class", "saved", "input", "fwd", "bwd", "fwd FLOPs",
                *(plan_label(p) for p in plans))
     strategies = [p.block_strategies() for p in plans]
     rows = [
         (str(b.index), b.name, b.class_name, format_bytes(b.saved_bytes), format_bytes(b.input_bytes),
-         format_ms(b.fwd_ms), format_ms(b.bwd_ms), f"{b.fwd_flops / 1e9:.3g}",
+         format_ms(b.fwd_ms), format_ms(b.bwd_ms), format_flops(b.fwd_flops),
          *(s[b.index] for s in strategies))
         for b in profile.blocks
     ]

@@ -17,19 +17,21 @@ class ByteScale:
     """How one axis shows bytes."""
 
     unit: str
-    """``"MiB"`` or ``"GiB"``."""
+    """``"KiB"``, ``"MiB"`` or ``"GiB"``."""
     bytes_per_unit: int
-    """2**20 or 2**30."""
+    """2**10, 2**20 or 2**30."""
 
     def __call__(self, num_bytes: float) -> float:
         return num_bytes / self.bytes_per_unit
 
 
 def byte_scale(max_bytes: float) -> ByteScale:
-    """GiB when the largest value reaches 1 GiB, else MiB (plots never use KiB or bytes)."""
+    """GiB from 1 GiB up, MiB from 1 MiB up; KiB only for toy models below 1 MiB."""
     if max_bytes >= GIB:
         return ByteScale(unit="GiB", bytes_per_unit=GIB)
-    return ByteScale(unit="MiB", bytes_per_unit=MIB)
+    if max_bytes >= MIB:
+        return ByteScale(unit="MiB", bytes_per_unit=MIB)
+    return ByteScale(unit="KiB", bytes_per_unit=KIB)
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -40,6 +42,14 @@ def format_bytes(num_bytes: float) -> str:
         if size >= factor:
             return f"{sign}{size / factor:.1f} {unit}"
     return f"{sign}{size:.0f} B"
+
+
+def format_flops(flops: float) -> str:
+    """``"6.0 GFLOP"``, ``"852.0 kFLOP"`` (decimal prefixes, as FLOP counts are quoted)."""
+    for prefix, factor in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(flops) >= factor:
+            return f"{flops / factor:.1f} {prefix}FLOP"
+    return f"{flops:.0f} FLOP"
 
 
 def format_ms(time_ms: float) -> str:
