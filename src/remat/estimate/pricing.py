@@ -73,10 +73,13 @@ class Pricing:
     def _traced_at(self, micro_batch: int) -> Profile:
         """The traced (few-layer) profile at ``micro_batch``."""
         t = self.traced
-        if t.whole or micro_batch == 1:
-            return t.profiles[0]
-        check_alike(t.profiles[0])
-        return at_micro_batch(t.profiles[1], t.profiles[2], micro_batch)
+        if t.whole:
+            return t.profile(1)
+        if micro_batch == 1:
+            check_alike(t.profile(1))
+            return t.profile(1)
+        check_alike(t.profile(2))
+        return at_micro_batch(t.profile(2), t.profile(3), micro_batch)
 
     def device_profile(self, micro_batch: int, spec: DeviceSpec) -> Profile:
         """The profile at ``micro_batch`` with this rank's model state and FLOP-derived times

@@ -1,8 +1,9 @@
 """Trace one training step of a model on the meta device: no memory, no download, no data.
 
 The model is built on the meta device with ``trace_layers`` layers (2 by default: the second
-layer sees a layer's output as input, like every later layer) at micro-batch 1, 2 and 3, and
-`remat.profile` traces each: saved bytes per block and per op, block inputs, FLOPs. The same
+layer sees a layer's output as input, like every later layer) and `remat.profile` traces it at
+micro-batch 1, 2 and 3, each on first use (a configuration whose model state alone does not
+fit never needs 2 and 3): saved bytes per block and per op, block inputs, FLOPs. The same
 code measures a real model on the CPU, so the estimate counts what a real run counts.
 `remat.estimate.scale` then multiplies the layers and extrapolates the micro-batch.
 
@@ -12,8 +13,8 @@ A ``file.py:build`` model is built under ``torch.device("meta")`` as its functio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import contextlib
@@ -41,8 +42,8 @@ class Traced:
 
     label: str
     """Human name of the model."""
-    profiles: tuple[Profile, ...]
-    """Profiles at micro-batch 1, 2 and 3 (one profile, at the given batch, for a file model)."""
+    tracer: Callable[[int], Profile] = field(repr=False, compare=False)
+    """Traces one step at a micro-batch (1, 2 or 3); a file model ignores it (its own batch)."""
     num_layers: int
     """Layers of the full model (the traced blocks are copied to this count)."""
     fixed_shapes: tuple[Shape, ...]
@@ -60,11 +61,21 @@ class Traced:
     plus the root unit holding everything outside the layers (embeddings, head), the larger."""
     whole: bool = False
     """True when the profile already covers every layer (a file model): nothing is copied."""
+    _profiles: dict[int, Profile] = field(default_factory=dict, repr=False, compare=False)
+
+    def profile(self, micro_batch: int) -> Profile:
+        """The traced profile at micro-batch 1, 2 or 3, traced on first use (a file model: its batch)."""
+        key = 1 if self.whole else micro_batch
+        if key not in TRACED_MICRO_BATCHES:
+            raise ValueError(f"traced micro-batches are {TRACED_MICRO_BATCHES}, got {micro_batch}.")
+        if key not in self._profiles:
+            self._profiles[key] = self.tracer(key)
+        return self._profiles[key]
 
     @property
     def scalable(self) -> bool:
-        """True when the micro-batch can be changed (traced at micro-batch 1, 2 and 3)."""
-        return len(self.profiles) == len(TRACED_MICRO_BATCHES)
+        """True when the micro-batch can be changed (traced at micro-batch 1, 2 and 3 on demand)."""
+        return not self.whole
 
     @property
     def param_count(self) -> int:
@@ -162,13 +173,13 @@ def trace_profile(model: nn.Module, batch: Any, loss_fn: Any = None, *, gpu_kern
         return profile(model, batch, loss_fn=loss_fn, optimizer=None, warmup=0, repeats=1)
 
 
-def _describe(label: str, model: nn.Module, profiles: tuple[Profile, ...], layers: int) -> Traced:
+def _describe(label: str, model: nn.Module, tracer: Callable[[int], Profile], layers: int) -> Traced:
     blocks = find_blocks(model)
     last_name, last = blocks[-1]
     fixed, block = _split_shapes(model, [m for _, m in blocks])
     prefix = last_name.rsplit(".", 1)[0] + "." if "." in last_name else ""
     return Traced(
-        label=label, profiles=profiles, num_layers=layers, fixed_shapes=fixed, block_shapes=block,
+        label=label, tracer=tracer, num_layers=layers, fixed_shapes=fixed, block_shapes=block,
         fixed_buffer_bytes=_buffer_bytes(model) - len(blocks) * _buffer_bytes(last),
         block_buffer_bytes=_buffer_bytes(last), block_name_format=prefix + "{}",
         unit_shapes=max((block, fixed), key=_count),
@@ -179,7 +190,7 @@ def _describe_whole(label: str, model: nn.Module, profile: Profile) -> Traced:
     blocks = find_blocks(model)
     units = [tuple(tuple(p.shape) for p in _unique_params(m)) for _, m in blocks]
     return Traced(
-        label=label, profiles=(profile,), num_layers=len(blocks),
+        label=label, tracer=lambda _: profile, num_layers=len(blocks),
         fixed_shapes=tuple(tuple(p.shape) for p in _unique_params(model)), block_shapes=(),
         fixed_buffer_bytes=_buffer_bytes(model), block_buffer_bytes=0, block_name_format="{}",
         unit_shapes=max(units, key=_count) if units else (), whole=True,
@@ -216,9 +227,11 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
     config = hf_config(source)
     full = num_layers(config)
     model = build_hf_on_meta(config, layers=min(layers, full), dtype=dtype)
-    profiles = tuple(trace_profile(model, hf_batch(config, micro_batch=b, seq_len=seq_len), gpu_kernels=fused)
-                     for b in TRACED_MICRO_BATCHES)
-    return _describe(source.label, model, profiles, full)
+
+    def tracer(micro_batch: int) -> Profile:
+        return trace_profile(model, hf_batch(config, micro_batch=micro_batch, seq_len=seq_len), gpu_kernels=fused)
+
+    return _describe(source.label, model, tracer, full)
 
 
 def _trace_builtin(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: int, fused: bool) -> Traced:
@@ -233,14 +246,18 @@ def _trace_builtin(source: ModelSource, *, seq_len: int, dtype: torch.dtype, lay
     full = int(sizes.pop(layer_key, known[layer_key]))
     if "seq_len" in known:
         sizes["seq_len"] = seq_len
-    profiles = []
-    for micro_batch in TRACED_MICRO_BATCHES:
+
+    def make(micro_batch: int) -> Any:
         with torch.device("meta"):
-            built = build(source.builtin, optimizer="none", batch_size=micro_batch,
-                          **{layer_key: min(layers, full)}, **sizes)
+            built = build(source.builtin, optimizer="none", batch_size=micro_batch, **{layer_key: min(layers, full)}, **sizes)
         built.model.to(dtype)
-        profiles.append(trace_profile(built.model, _cast_batch(built.batch, dtype), built.loss_fn, gpu_kernels=fused))
-    return _describe(source.builtin, built.model, tuple(profiles), full)
+        return built
+
+    def tracer(micro_batch: int) -> Profile:
+        built = make(micro_batch)
+        return trace_profile(built.model, _cast_batch(built.batch, dtype), built.loss_fn, gpu_kernels=fused)
+
+    return _describe(source.builtin, make(1).model, tracer, full)
 
 
 def _trace_file(source: ModelSource, dtype: torch.dtype, fused: bool) -> Traced:
