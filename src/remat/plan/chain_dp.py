@@ -155,14 +155,23 @@ def deep_recursion(num_blocks: int):
 
 def choose_quantum(sizes_bytes: list[int], allowance_bytes: int, max_slots: int) -> int:
     """Slot size: the gcd of all sizes when the allowance then spans <= ``max_slots`` slots
-    (exact), else the allowance split into ``max_slots`` slots (sizes rounded up)."""
+    (exact); else, among sizes between allowance / ``max_slots`` and twice that (that value, the
+    next power of two, multiples of the gcd), the one that wastes the fewest bytes when every
+    size is rounded up to it."""
     g = 0
     for size in sizes_bytes:
         g = math.gcd(g, int(size))
     g = max(g, 1)
     if allowance_bytes // g <= max_slots:
         return g
-    return max(1, math.ceil(allowance_bytes / max_slots))
+    least = max(1, math.ceil(allowance_bytes / max_slots))
+    candidates = {least, 1 << (least - 1).bit_length()}
+    candidates |= {k * g for k in (-(-least // g), -(-2 * least // g)) if k * g <= 2 * least}
+
+    def waste(q: int) -> int:  # bytes added by rounding every size up to a multiple of q
+        return sum(-(-int(v) // q) * q - int(v) for v in sizes_bytes)
+
+    return min(sorted(candidates), key=waste)
 
 
 def _shift(rows: np.ndarray, shifts: np.ndarray) -> np.ndarray:
@@ -271,11 +280,11 @@ def _top(problem: ChainProblem, inner, alike: bool):
 
 
 def _options_cost(block: ChainBlock, rest: np.ndarray, width: int) -> np.ndarray:
-    ret = np.array([o.retained_slots for o in block.options])
-    work = np.array([o.working_slots for o in block.options])
-    extra = np.array([o.extra_ms for o in block.options])
-    out = extra[:, None] + _shift(np.broadcast_to(rest, (ret.size, width)).copy(), ret)
-    out[np.arange(width)[None, :] < work[:, None]] = _INF
+    out = np.full((len(block.options), width), _INF)
+    for row, o in enumerate(block.options):
+        lo = max(o.working_slots, o.retained_slots)
+        if lo < width:
+            out[row, lo:] = o.extra_ms + rest[lo - o.retained_slots : width - o.retained_slots]
     return out
 
 

@@ -7,10 +7,11 @@ prices) and turns DP layouts back into Segments.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from remat.measure.types import Profile
+from remat.measure.types import BlockProfile, Profile
 from remat.plan.chain_dp import (
     BlockOption,
     ChainBlock,
@@ -27,10 +28,15 @@ from remat.plan.policies import knapsack, knapsack_frontier, policy
 from remat.plan.predict import backward_base_bytes, grad_bytes_live, predict
 from remat.plan.types import Segment
 
-__all__ = ["OptimalSearch", "plan_floor", "block_options", "MAX_TABLE_CELLS"]
+__all__ = ["OptimalSearch", "plan_floor", "block_options", "CELLS_AT_100_BLOCKS"]
 
-MAX_TABLE_CELLS = 120_000_000
-"""Upper bound on DP cell updates; sets how many memory slots the tables get (>= 64)."""
+CELLS_AT_100_BLOCKS = 15_000_000
+"""DP cell updates allowed for 100 blocks (about 0.15 s); the allowance grows as N^1.5, so 1000
+blocks get about 30x the cells (about 5 s). With the DP's cost (about 1.5 N^2 M cells for alike
+blocks, N^3/6 M otherwise) this sets M, the memory slots (64 <= M <= MAX_SLOTS)."""
+UNLIKE_CELLS_FACTOR = 8
+"""Unlike blocks (the usual case for measured profiles: times differ) get this many times the
+cells: their DP is a factor N/9 costlier, and an exact plan is worth a second."""
 MAX_SLOTS = 4096
 NAMED_POLICIES = ("attention-core", "save-matmuls")
 """Selective policies offered per block besides every point of the knapsack frontier."""
@@ -148,12 +154,21 @@ class OptimalSearch:
         return max(1, sum(pred.retained_bytes) + _head_bytes(self.profile), _keep_block_peak(self.profile))
 
     def options(self) -> list[list[_Priced]]:
+        """Per block, its non-dominated top-level options, priced (alike blocks share the work)."""
         if self._options is None:
-            self._options = [
-                _pareto_options([_Priced(segment=s, cost=cost_of(self.profile, i, s)) for s in block_options(self.profile, i)])
-                for i in range(self.profile.num_blocks)
-            ]
+            shared: dict[BlockProfile, list[_Priced]] = {}
+            self._options = [self._block_options(i, shared) for i in range(self.profile.num_blocks)]
         return self._options
+
+    def _block_options(self, i: int, shared: dict[BlockProfile, list[_Priced]]) -> list[_Priced]:
+        block = self.profile.blocks[i]
+        key = dataclasses.replace(block, index=0, name="")
+        if key not in shared:  # keep and selective costs depend on the block's own measurements only
+            local = [s for s in block_options(self.profile, i) if s.kind != "offload"]
+            shared[key] = [_Priced(segment=s, cost=cost_of(self.profile, i, s)) for s in local]
+        moved = [_Priced(segment=dataclasses.replace(p.segment, start=i, stop=i + 1), cost=p.cost) for p in shared[key]]
+        offload = [_Priced(segment=s, cost=cost_of(self.profile, i, s)) for s in _offload_options(self.profile, i)]
+        return _pareto_options(moved + offload)
 
     def _solve(self, allowance: int, to_keep_all: bool = False) -> tuple[ChainSolution, int]:
         """Tables up to ``allowance``; ``to_keep_all``: up to what keeping every block needs in
@@ -170,8 +185,9 @@ class OptimalSearch:
             return self.max_slots
         n = self.profile.num_blocks
         alike = len({_block_key(self.profile, i, self.options()[i]) for i in range(n)}) <= 1
-        work = n * n / 2 if alike else n**3 / 6
-        return int(max(64, min(MAX_SLOTS, MAX_TABLE_CELLS / max(work, 1.0))))
+        work = 1.5 * n * n if alike else n**3 / 6 + 1.5 * n * n
+        cells = CELLS_AT_100_BLOCKS * (n / 100) ** 1.5 * (1 if alike else UNLIKE_CELLS_FACTOR)
+        return int(max(64, min(MAX_SLOTS, cells / max(work, 1.0))))
 
     def _sizes(self) -> list[int]:
         sizes = [_head_bytes(self.profile)]
@@ -191,7 +207,7 @@ class OptimalSearch:
         keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
         replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
         grads = grad_bytes_live(self.profile, i)
-        options = tuple(
+        options = _slot_pareto(
             BlockOption(
                 label=k,
                 retained_slots=_ceil(p.cost.retained_bytes, quantum),
@@ -254,6 +270,16 @@ def _pareto_options(priced: list[_Priced]) -> list[_Priced]:
             continue
         out.append(p)
     return out
+
+
+def _slot_pareto(options) -> tuple[BlockOption, ...]:
+    """Options no other beats or ties in slots and time (the first listed, keep, wins ties)."""
+    out: list[BlockOption] = []
+    for o in options:
+        if not any(q.retained_slots <= o.retained_slots and q.working_slots <= o.working_slots
+                   and q.extra_ms <= o.extra_ms for q in out):
+            out.append(o)
+    return tuple(out)
 
 
 def _ceil(num_bytes: int, quantum: int) -> int:
