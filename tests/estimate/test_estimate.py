@@ -49,7 +49,7 @@ def test_model_state_per_rank_follows_zero(traced) -> None:
 
 
 def test_every_row_is_the_planner_prediction(traced, tmp_path) -> None:
-    big = resolve_devices(["Big"], _devices_file(tmp_path, Big=2**40))[0]
+    big = resolve_devices(["Big"], _devices_file(tmp_path, Big=2**32))[0]
     pricing = _pricing(traced)
     dev = pricing.on_device(big)
     none, full, selective, optimal = dev.strategies
@@ -76,7 +76,7 @@ def _segments(profile, strategy: str):
 
 def test_largest_micro_batch_is_the_boundary(traced, tmp_path) -> None:
     pricing = _pricing(traced)
-    probe = resolve_devices(["Probe"], _devices_file(tmp_path, Probe=2**40))[0]
+    probe = resolve_devices(["Probe"], _devices_file(tmp_path, Probe=2**32))[0]
     target = predict(pricing.device_profile(6, probe), _segments(pricing.device_profile(6, probe), "keep")).peak_bytes
     device = resolve_devices(["Fit6"], _devices_file(tmp_path, Fit6=target))[0]
     none = pricing.on_device(device).strategies[0]
@@ -86,7 +86,7 @@ def test_largest_micro_batch_is_the_boundary(traced, tmp_path) -> None:
 
 
 def test_gradient_accumulation_keeps_gradients_and_repeats_micro_steps(traced, tmp_path) -> None:
-    big = resolve_devices(["Big"], _devices_file(tmp_path, Big=2**40))[0]
+    big = resolve_devices(["Big"], _devices_file(tmp_path, Big=2**32))[0]
     one = _pricing(traced).on_device(big).strategies[0]
     four = _pricing(traced, accumulation=4).on_device(big).strategies[0]
     assert four.peak_bytes > one.peak_bytes  # every gradient live through the whole backward
@@ -115,14 +115,14 @@ def test_diagnoses(tmp_path) -> None:
 
 
 def test_allowance_is_added_and_reported(tmp_path) -> None:
-    devices = _devices_file(tmp_path, Big=2**40)
+    devices = _devices_file(tmp_path, Big=2**32)
     allowance = Allowance(context_bytes=1000, workspace_bytes=24, fragmentation_fraction=0.5)
     result = estimate(SOURCE, devices=["Big"], devices_file=str(devices), seq_len=SEQ, allowance=allowance,
                       strategies=("none",))
     row = result.devices[0].strategies[0]
     assert row.allowance_bytes == 1024 + row.peak_bytes // 2
     assert row.total_bytes == row.peak_bytes + row.allowance_bytes
-    assert result.devices[0].budget_bytes == allowance.max_allocated_bytes(2**40)
+    assert result.devices[0].budget_bytes == allowance.max_allocated_bytes(2**32)
 
 
 def test_bad_arguments() -> None:

@@ -154,6 +154,16 @@ class Pricing:
         return replace(row, diagnosis="" if row.fits else self._diagnose(spec, row, budget))
 
     def _max_micro_batch(self, spec: DeviceSpec, name: str, budget: int) -> int:
+        key = (spec.name, name, budget)
+        if key not in self._max_cache:
+            self._max_cache[key] = self._search_max_micro_batch(spec, name, budget)
+        return self._max_cache[key]
+
+    @cached_property
+    def _max_cache(self) -> dict[tuple[str, str, int], int]:
+        return {}
+
+    def _search_max_micro_batch(self, spec: DeviceSpec, name: str, budget: int) -> int:
         if not self._state_fits(budget):
             return 0
         if name != "optimal":
