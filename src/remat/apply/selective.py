@@ -44,8 +44,14 @@ class SavedOpsPolicy:
 
 
 def is_saved(key: str, saved_ops: frozenset[str] | set[str]) -> bool:
-    """Whether the op call ``key`` keeps its output under a plan saving ``saved_ops``."""
-    return key in saved_ops and key.rsplit("#", 1)[0].rsplit(".", 1)[0] not in ALLOCATION_OPS
+    """Whether the op call ``key`` keeps its output under a plan saving ``saved_ops``.
+
+    Allocation ops and in-place ops (``bernoulli_``, ``div_``: their output is their input)
+    are always replayed. Caching them is unsound: the replay of ``dropout`` fills the tensor it
+    allocated (``noise.bernoulli_(); noise.div_()``), not the value an op returns, so a cached
+    in-place op would leave that tensor unfilled."""
+    packet = key.rsplit("#", 1)[0].rsplit(".", 1)[0]
+    return key in saved_ops and packet not in ALLOCATION_OPS and not packet.endswith("_")
 
 
 def selective_context(saved_ops: frozenset[str]) -> tuple[Any, Any]:
