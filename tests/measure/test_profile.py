@@ -167,6 +167,31 @@ def test_hf_llama_profile():
     assert math.isfinite(result.step_ms)
 
 
+def _block_backward_peaks(built) -> list[int]:
+    """Absolute live-byte peak of each block's backward (from its bwd_start to the next one's),
+    measured in a fresh baseline step with a plain window."""
+    from remat.measure.blocks import find_blocks
+    from remat.measure.profile import _Step
+    from remat.measure.tracker import StepTracking
+
+    step = _Step(built.model, built.batch, built.loss_fn, built.optimizer)
+    step.run()
+    tracking = StepTracking(built.model, optimizer=built.optimizer, blocks=find_blocks(built.model), batch=built.batch)
+    tracker, peaks, current = tracking.tracker, {}, []
+
+    def listener(event) -> None:
+        if event.kind in ("bwd_start", "bwd_done") and current:
+            peaks[current.pop()] = tracker.close_window()
+        if event.kind == "bwd_start":
+            current.append(event.index)
+            tracker.open_window()
+
+    tracking.boundaries.listeners.append(listener)
+    with tracking:
+        step.run(tracking.boundaries)
+    return [peaks[i] for i in range(len(peaks))]
+
+
 def _implied_peaks(result: Profile, pre_grad_bytes: int) -> list[int]:
     """The peak of every phase by the identities of `remat.measure.profile`'s docstring."""
     state = result.param_bytes + result.buffer_bytes + result.optimizer_state_bytes
@@ -193,6 +218,8 @@ def test_measured_peak_is_the_highest_implied_phase_peak(name, sizes, pre_grad_b
     result = profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1)
     peaks = _implied_peaks(result, pre_grad_bytes)
     assert max(peaks) == result.peak_bytes
+    # Each block's own identity, against the absolute peak of its backward in another step.
+    assert peaks[: len(result.blocks)] == _block_backward_peaks(built)
     block_params = [sum(p.numel() for p in blk.parameters()) * F32 for blk in built.model.blocks]
     assert [b.grad_bytes for b in result.blocks] == block_params
 

@@ -175,8 +175,8 @@ class _Windows:
         elif event.kind == "bwd_start":
             self._close()
             self._start(event.index, self.names[: event.index], self.names[event.index])
-        elif event.kind in ("bwd_end", "bwd_done"):
-            self._close()
+        elif event.kind == "bwd_done" or (event.kind == "bwd_end" and event.index == self._open):
+            self._close()  # a block's bwd_end comes right after the bwd_start of the one before it
         elif event.kind == "opt_start":
             self._opt_start_bytes = self.tracker.live_bytes
             self.tracker.open_window()
