@@ -7,6 +7,8 @@ the fixed part saves 1 MiB before the blocks and 2 MiB after them.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,6 +25,8 @@ from remat.plan.types import Plan, Prediction, Segment
 from remat.verify_types import OpCount, Verification
 
 MIB = 2**20
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "report"
+COMMANDS = ("remat run --model gpt --budget 80MiB", "remat report profile.json plan.json -o report.html")
 NUM_BLOCKS = 4
 BLOCK_NAMES = tuple(f"blocks.{i}" for i in range(NUM_BLOCKS))
 FINGERPRINT = Fingerprint(model_hash="c0ffee12", batch_shapes=("4x128:int64",), device="cpu",
@@ -145,3 +149,12 @@ def plans() -> dict[str, Plan]:
 @pytest.fixture
 def verification() -> Verification:
     return make_verification()
+
+
+@pytest.fixture(scope="session")
+def sample_report() -> Path:
+    """The full sample report (every section, four figures), written once under artifacts/report/."""
+    from remat.report.html import write_report
+
+    return write_report(ARTIFACTS / "report.html", make_profile(), list(make_plans().values()),
+                        [make_verification()], commands=COMMANDS)

@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_plans, make_profile, make_verification
-from remat.report.html import write_report
+from conftest import ARTIFACTS
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "report"
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage")
@@ -74,11 +72,8 @@ def browser(chromium_paths, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def report_path() -> Path:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    return write_report(ARTIFACTS / "report.html", make_profile(), list(make_plans().values()),
-                        [make_verification()],
-                        commands=["remat run --model gpt --budget 80MiB", "remat report profile.json plan.json -o report.html"])
+def report_path(sample_report) -> Path:
+    return sample_report
 
 
 def _full_page_png(driver, path: Path, width: int) -> Path:

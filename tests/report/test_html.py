@@ -7,17 +7,15 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from conftest import make_plans, make_profile, make_verification
+from conftest import make_profile, make_verification
 from remat.report.html import render_html, write_report
 
 EXTERNAL = ("http:", "https:", "//cdn", "ftp:", "src=\"//", "href=\"//", "@import", "url(", "<script", "<link rel=\"stylesheet")
 
 
 @pytest.fixture(scope="module")
-def page() -> str:
-    plans = list(make_plans().values())
-    return render_html(make_profile(), plans, [make_verification()],
-                       commands=["remat run --model gpt --budget 80MiB", "remat report a.json -o r.html"])
+def page(sample_report) -> str:
+    return sample_report.read_text(encoding="utf-8")
 
 
 def test_page_holds_the_numbers_of_its_inputs(page):
