@@ -6,8 +6,10 @@ One horizontal stacked bar per step (the baseline, then each plan), split into
 - fixed part: saved bytes of everything outside blocks (embedding, head, loss) at the peak;
 - activations: the rest of the peak (blocks' retained and working bytes, temporaries).
 
-When parameters, gradients and optimizer state alone pass the budget, no recomputation plan
-can fit: the bar shows it at a glance.
+Plans' bars split their predicted peak; the measured baseline's bar (when no ``none`` plan is
+given) uses the live-memory tracker's categories at the measured peak instead. When
+parameters, gradients and optimizer state alone pass the budget, no recomputation plan can
+fit: the bar shows it at a glance.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class MemoryBreakdown:
 
 def breakdown_of(profile: Profile, point: StepPoint) -> MemoryBreakdown:
     """Split ``point``'s peak into the categories (see module docstring)."""
+    if point.measured and profile.peak_bytes_by_category:
+        return _measured_breakdown(profile, point.label)
     activations = point.peak_bytes - profile.model_state_bytes - point.fixed_bytes
     parts = {
         "parameters": profile.param_bytes + profile.buffer_bytes,
@@ -49,6 +53,23 @@ def breakdown_of(profile: Profile, point: StepPoint) -> MemoryBreakdown:
         "activations": max(activations, 0),
     }
     return MemoryBreakdown(label=point.label, peak_bytes=point.peak_bytes, bytes_by_category=parts)
+
+
+def _measured_breakdown(profile: Profile, label: str) -> MemoryBreakdown:
+    """The measured baseline, from the tracker's categories at the measured peak (gradients
+    may be partly allocated there). The tracker does not tell the fixed part from the blocks:
+    the fixed part shown is what runs before the blocks, alive at any peak of forward or backward."""
+    cat = profile.peak_bytes_by_category
+    live_activations = cat.get("activations", 0) + cat.get("temporaries", 0)
+    fixed = min(profile.fixed_pre_saved_bytes, live_activations)
+    parts = {
+        "parameters": cat.get("parameters", 0) + cat.get("buffers", 0),
+        "gradients": cat.get("gradients", 0),
+        "optimizer state": cat.get("optimizer_state", 0),
+        "fixed part": fixed,
+        "activations": live_activations - fixed,
+    }
+    return MemoryBreakdown(label=label, peak_bytes=profile.peak_bytes, bytes_by_category=parts)
 
 
 def memory_breakdowns(profile: Profile, plans: Sequence[Plan] = ()) -> list[MemoryBreakdown]:
