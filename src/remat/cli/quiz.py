@@ -138,13 +138,15 @@ def _print_score(quiz: Quiz, result: QuizResult) -> None:
 
 
 def _run_live(q: Question):
-    """The demonstration for ``q``, or the reason there is none (a missing stage, a failed run)."""
-    from remat.quiz.live import demonstrate
+    """The demonstration for ``q``, or the reason there is none (a missing stage, a failed run).
 
+    A failed measurement is reported and the quiz goes on: the answers do not depend on it."""
     try:
+        from remat.quiz.live import demonstrate
+
         return demonstrate(q.id), None
-    except (LookupError, ImportError, RuntimeError, ValueError) as err:
-        return None, str(err)
+    except Exception as err:  # noqa: BLE001 - any failure of an optional measurement is shown, not fatal
+        return None, f"{type(err).__name__}: {err}"
 
 
 def _print_live(quiz: Quiz, q: Question) -> None:

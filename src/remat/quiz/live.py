@@ -458,6 +458,7 @@ def optimizer_state_over_budget() -> Demonstration:
     reason = _infeasible_reason(job, budget)
     full = _plan(job, "full")
     values = {"optimizer_state_kib": _kib(prof.optimizer_state_bytes), "budget_kib": _kib(budget),
+              "param_kib": _kib(prof.param_bytes),
               "reason": reason.splitlines()[0] if reason else "a plan was found"}
     rows = (("parameters", _fmt_kib(prof.param_bytes)), ("gradients", _fmt_kib(prof.grad_bytes)),
             (f"{prof.optimizer_name} optimizer state", _fmt_kib(prof.optimizer_state_bytes)),
