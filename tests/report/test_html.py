@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from conftest import make_profile, make_verification
+from conftest import make_plans, make_profile, make_verification
 from remat.report.html import render_html, write_report
 
 EXTERNAL = ("http:", "https:", "//cdn", "ftp:", "src=\"//", "href=\"//", "@import", "url(", "<script", "<link rel=\"stylesheet")
@@ -70,6 +70,13 @@ def test_op_count_mismatches_are_listed():
     text = re.sub(r"<[^>]+>", " ", page)
     assert "MISMATCH" in text
     assert re.search(r"optimal\s+blocks.1\s+aten.mm.default\s+3\s+5\s+4", text)
+
+
+def test_plan_of_another_model_is_refused_before_drawing():
+    profile = make_profile(timeline=False)
+    fewer = dataclasses.replace(profile, blocks=profile.blocks[:3])
+    with pytest.raises(ValueError, match=r"pass the profile the plan was made from"):
+        render_html(fewer, [make_plans()["full"]])
 
 
 def test_text_is_escaped():

@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 import remat
 from remat.measure.types import Profile
 from remat.plan.types import Plan
-from remat.report.blocks import plot_blocks
+from remat.report.blocks import check_plan_matches, plot_blocks
 from remat.report.breakdown import plot_breakdown
 from remat.report.frontier import plot_frontier
 from remat.report.style import figure_data_uri, save_figure
@@ -68,6 +68,8 @@ def report_figures(profile: Profile, plans: Sequence[Plan] = (),
                    budget_bytes: int | None = None) -> dict[str, Figure]:
     """The report's figures by name (``frontier``, ``breakdown``, ``timeline``, ``blocks``); a
     figure without data (no plan, no timeline) is left out."""
+    for plan in (*plans, *frontier):
+        check_plan_matches(profile, plan)
     budget = report_budget(plans, budget_bytes)
     figures: dict[str, Figure] = {}
     if plans or frontier:
@@ -94,6 +96,8 @@ def render_html(profile: Profile, plans: Sequence[Plan] = (),
                 figures: dict[str, Figure] | None = None) -> str:
     """The report page. ``commands`` reproduce it; ``frontier`` draws the optimal frontier;
     ``figures`` reuses figures already made by `report_figures`."""
+    for plan in plans:
+        check_plan_matches(profile, plan)
     if figures is None:
         figures = report_figures(profile, plans, verifications, frontier=frontier, budget_bytes=budget_bytes)
     budget = report_budget(plans, budget_bytes)
