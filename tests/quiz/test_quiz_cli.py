@@ -136,3 +136,17 @@ def test_interactive_ctrl_c_ends_with_the_score_so_far(remat_argv):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 1
+
+
+def test_a_failed_live_measurement_is_reported_and_the_quiz_goes_on(invoke, monkeypatch):
+    def broken():
+        raise RuntimeError("disk full while offloading blocks.0")
+
+    monkeypatch.setattr("remat.quiz.live.DEMONSTRATIONS", {"tradeoff": broken})
+    result = invoke("quiz", "--answers", KEY, "--live", "--lang", "en", env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    assert "No live measurement for this question: RuntimeError: disk full while offloading blocks.0" in result.stdout
+    assert "No live measurement for this question: LookupError: no live measurement for question 'why-saved'" in result.stdout
+    assert "Score: 8/8" in result.stdout
+    doc = json.loads(invoke("quiz", "--answers", KEY, "--json", "--live").stdout)
+    assert doc["live"]["tradeoff"] == {"available": False, "reason": "RuntimeError: disk full while offloading blocks.0"}
