@@ -216,6 +216,7 @@ def _implied_peaks(result: Profile, pre_grad_bytes: int) -> list[int]:
 def test_measured_peak_is_the_highest_implied_phase_peak(name, sizes, pre_grad_bytes):
     built = build(name, **sizes)
     result = profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1)
+    assert result.fixed_pre_grad_bytes == pre_grad_bytes
     peaks = _implied_peaks(result, pre_grad_bytes)
     assert max(peaks) == result.peak_bytes
     # Each block's own identity, against the absolute peak of its backward in another step.

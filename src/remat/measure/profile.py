@@ -24,8 +24,9 @@ So ``bwd_temp_bytes`` holds everything else live at that peak: the incoming grad
 gradients the block's own backward computes (parameter gradients included), saved tensors of
 later blocks not yet freed, minus the block's own saved bytes already freed at that moment.
 It is never negative: when the block's backward starts all of its saved bytes are live.
-``BlockProfile.grad_bytes`` (the block's parameter gradients) gives ``G_j`` as ``grad_bytes``
-minus the gradients of blocks ``<= j`` and of the fixed part before the first block.
+``G_j`` is ``grad_bytes - fixed_pre_grad_bytes - sum(BlockProfile.grad_bytes of blocks <= j)``
+(after ``zero_grad(set_to_none=True)``; parameters shared between blocks count for the block
+whose backward accumulates them first).
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ class _Windows:
         self.block_fwd_temp_bytes = [0] * len(block_names)
         self.post_temp_bytes = 0
         self.optimizer_temp_bytes = 0
+        self.grads_at_first_block_bytes = 0  # gradients live when block 0's backward starts
         self._open: int | None = None  # block index, len(names) for the post part
         self._opt_start_bytes = 0
 
@@ -190,6 +192,8 @@ class _Windows:
         self._open = index
         labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in [PRE, *earlier])]
         grads_live = self.tracker.live_by_label.get("gradients", 0)
+        if index == 0:
+            self.grads_at_first_block_bytes = grads_live
         self.tracker.open_window(labels, offset_bytes=self.accountant.segment_bytes(own) + grads_live)
 
     def _close(self) -> None:
@@ -282,11 +286,18 @@ def _assemble(step: _Step, block_list: Blocks, memory: _Accounting, times: StepT
         optimizer_step_ms=times.optimizer_step_ms, buffer_bytes=buffer_bytes(model),
         fixed_pre_saved_bytes=saved[PRE], fixed_post_saved_bytes=saved[POST],
         fixed_post_bwd_temp_bytes=memory.windows.post_temp_bytes,
+        fixed_pre_grad_bytes=_pre_grad_bytes(memory, block_list),
         fixed_fwd_ms=times.fixed_fwd_ms, fixed_bwd_ms=times.fixed_bwd_ms,
         fixed_flops=recorder.segment_flops(PRE) + recorder.segment_flops(POST),
         step_ms=times.step_ms, peak_bytes=memory.peak_bytes, peak_bytes_by_category=memory.peak_by_category,
         device_max_allocated_bytes=_device_max_allocated(step), timeline=memory.timeline,
     )
+
+
+def _pre_grad_bytes(memory: _Accounting, block_list: Blocks) -> int:
+    """Gradients allocated after block 0's backward that are not block 0's own (embeddings)."""
+    first = distinct_bytes(p.grad for p in block_list[0][1].parameters() if p.grad is not None)
+    return memory.grad_bytes - first - memory.windows.grads_at_first_block_bytes
 
 
 def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes) -> tuple[BlockProfile, ...]:

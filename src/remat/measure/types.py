@@ -195,6 +195,10 @@ class Profile:
     gathered_bytes: int = 0
     """ZeRO-3/FSDP only: the all-gathered weights and unsharded gradients of the largest unit,
     less this rank's shard, live on every rank while that unit runs (see `remat.distributed`)."""
+    fixed_pre_grad_bytes: int = 0
+    """Gradient bytes allocated only after the first block's backward, other than its own: the
+    pre part's (embeddings, and weights tied to them, whose one gradient accumulates last).
+    Block j's backward sees ``grad_bytes - this - sum(grad_bytes of blocks <= j)`` (0: not measured)."""
 
     @property
     def num_blocks(self) -> int:
