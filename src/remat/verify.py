@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from remat._batch import LossFn, call_model, check_batch_device, compute_loss, model_device
-from remat.apply.api import apply_, is_applied, remove_
+from remat.apply.api import apply_, check_plan_matches, is_applied, remove_
 from remat.apply.opcount import BlockOpCounter, expected_extra_calls
 from remat.measure.profile import _Step
 from remat.measure.timing import Clock
@@ -97,13 +97,13 @@ class _Run:
     """One copy of the model (baseline or planned) and its optimizer, stepped identically."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any,
-                 loss_fn: LossFn | None, plan: Plan, *, planned: bool) -> None:
+                 loss_fn: LossFn | None, plan: Plan, *, planned: bool, offload_dir: str | None = None) -> None:
         self.model = copy.deepcopy(model)
         if is_applied(self.model):
             remove_(self.model)
         self.optimizer = _copy_optimizer(optimizer, model, self.model)
         if planned:
-            apply_(self.model, plan, batch=batch)
+            apply_(self.model, plan, batch=batch, offload_dir=offload_dir)
         self.plan = plan
         self.step = _Step(self.model, batch, loss_fn, self.optimizer)
         self.blocks = [self.model.get_submodule(n) for n in plan.block_names]
@@ -171,17 +171,21 @@ def _tolerance(device: torch.device) -> tuple[float, str]:
 
 
 def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = None,
-           optimizer: torch.optim.Optimizer | None = None, *, repeats: int = 3) -> Verification:
-    """Run the baseline and ``plan``'s step from the same weights and seed; compare them."""
+           optimizer: torch.optim.Optimizer | None = None, *, repeats: int = 3,
+           offload_dir: str | None = None) -> Verification:
+    """Run the baseline and ``plan``'s step from the same weights and seed; compare them.
+
+    ``offload_dir``: where ``offload:disk`` blocks of the plan write (see `remat.apply_`)."""
     if not isinstance(plan, Plan):
         raise TypeError(f"verify needs a remat Plan, got {type(plan).__name__}; load one with Plan.from_json(path).")
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed steps; the median is kept).")
     check_batch_device(model, batch)
+    check_plan_matches(model, plan, batch)
     device = model_device(model)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         base = _Run(model, optimizer, batch, loss_fn, plan, planned=False)
-        planned = _Run(model, optimizer, batch, loss_fn, plan, planned=True)
+        planned = _Run(model, optimizer, batch, loss_fn, plan, planned=True, offload_dir=offload_dir)
         try:
             return _compare(plan, base, planned, repeats, device)
         finally:

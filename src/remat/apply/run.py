@@ -10,6 +10,7 @@ for a report (`remat.report.html.write_report(path, result.profile, result.plans
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -71,48 +72,65 @@ def _quiet(_: str) -> None:
     return None
 
 
-def _profile(model_name: str, sizes: dict[str, Any], progress: Progress) -> tuple[Any, Profile]:
+def _profile(model_name: str, sizes: dict[str, Any], progress: Progress, *, seed: int = 0,
+             offload_dir: str | None = None) -> tuple[Any, Profile]:
+    from remat._batch import model_device
+    from remat.measure.bandwidth import measure_bandwidths
     from remat.measure.profile import profile
     from remat.models import load_target
 
-    built = load_target(model_name, **sizes)
+    built = load_target(model_name, seed=seed, **sizes)
     progress(f"profiling {model_name}")
-    return built, profile(built.model, built.batch, built.loss_fn, built.optimizer)
+    prof = profile(built.model, built.batch, built.loss_fn, built.optimizer)
+    if offload_dir is not None:
+        progress(f"measuring transfer rates to {offload_dir}")
+        prof = dataclasses.replace(prof, bandwidths=measure_bandwidths(model_device(built.model), offload_dir))
+    return built, prof
 
 
-def _verified(built: Any, plan: Plan, label: str, repeats: int, progress: Progress) -> JobRow:
+def _verified(built: Any, plan: Plan, label: str, repeats: int, progress: Progress,
+              offload_dir: str | None = None) -> JobRow:
     from remat.verify import verify
 
     progress(f"verifying {label}")
-    result = verify(built.model, built.batch, plan, built.loss_fn, built.optimizer, repeats=repeats)
+    result = verify(built.model, built.batch, plan, built.loss_fn, built.optimizer, repeats=repeats,
+                    offload_dir=offload_dir)
     return JobRow(label=label, plan=plan, verification=result)
 
 
+def baseline_peak(profile: Profile, baseline: Plan) -> int:
+    """What a percentage budget is a share of: the measured baseline peak (else the predicted one)."""
+    return profile.peak_bytes if profile.peak_bytes > 0 else baseline.prediction.peak_bytes
+
+
 def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", strategy: str = "optimal",
-            sizes: dict[str, Any] | None = None, repeats: int = 3, progress: Progress = _quiet) -> JobResult:
-    """Profile ``model_name``, plan ``strategy`` within ``budget`` (a share is of the baseline
-    peak), apply it to a copy and verify it; the first row is the baseline."""
+            sizes: dict[str, Any] | None = None, seed: int = 0, offload_dir: str | None = None,
+            repeats: int = 3, progress: Progress = _quiet) -> JobResult:
+    """Profile ``model_name``, plan ``strategy`` within ``budget`` (a share is of the measured
+    baseline peak), apply it to a copy and verify it; the first row is the baseline.
+    ``offload_dir``: measure the disk there, so the planner may offload to it."""
     from remat.plan.budget import parse_budget
     from remat.plan.planners import plan as make_plan
 
     sizes = dict(sizes or {})
-    built, prof = _profile(model_name, sizes, progress)
+    built, prof = _profile(model_name, sizes, progress, seed=seed, offload_dir=offload_dir)
     baseline = make_plan(prof, strategy="none")
-    budget_bytes = None if budget is None else parse_budget(budget, baseline.prediction.peak_bytes)
+    budget_bytes = None if budget is None else parse_budget(budget, baseline_peak(prof, baseline))
     chosen = make_plan(prof, budget=budget_bytes, strategy=strategy)
     label = strategy if budget is None else f"{strategy} @ {budget}"
-    rows = (_verified(built, baseline, "none", repeats, progress), _verified(built, chosen, label, repeats, progress))
+    rows = (_verified(built, baseline, "none", repeats, progress),
+            _verified(built, chosen, label, repeats, progress, offload_dir))
     return JobResult(model_name=model_name, sizes=sizes, profile=prof, rows=rows, baseline=baseline)
 
 
-def verify_job(plan: Plan, model_name: str = DEMO_MODEL, *, sizes: dict[str, Any] | None = None,
-               repeats: int = 3, progress: Progress = _quiet) -> JobResult:
-    """Verify a saved ``plan`` on a freshly built ``model_name`` (same sizes as when planned)."""
+def verify_job(plan: Plan, model_name: str = DEMO_MODEL, *, sizes: dict[str, Any] | None = None, seed: int = 0,
+               offload_dir: str | None = None, repeats: int = 3, progress: Progress = _quiet) -> JobResult:
+    """Verify a saved ``plan`` on a freshly built ``model_name`` (same sizes and seed as when planned)."""
     from remat.plan.planners import plan as make_plan
 
     sizes = dict(sizes or {})
-    built, prof = _profile(model_name, sizes, progress)
-    row = _verified(built, plan, plan.strategy_name, repeats, progress)
+    built, prof = _profile(model_name, sizes, progress, seed=seed)
+    row = _verified(built, plan, plan.strategy_name, repeats, progress, offload_dir)
     return JobResult(model_name=model_name, sizes=sizes, profile=prof, rows=(row,),
                      baseline=make_plan(prof, strategy="none"))
 
@@ -127,17 +145,17 @@ def demo_budgets(profile: Profile, baseline: Plan) -> list[int]:
     return [int(floor + f * (top - floor)) for f in DEMO_BUDGET_FRACTIONS]
 
 
-def demo_job(*, model_name: str = DEMO_MODEL, sizes: dict[str, Any] | None = None, repeats: int = 3,
-             progress: Progress = _quiet) -> JobResult:
+def demo_job(*, model_name: str = DEMO_MODEL, sizes: dict[str, Any] | None = None, seed: int = 0,
+             repeats: int = 3, progress: Progress = _quiet) -> JobResult:
     """Profile once; verify none, full, sqrt, two selective policies and optimal at three budgets."""
     from remat.plan.planners import plan as make_plan
 
     sizes = dict(DEMO_SIZES if sizes is None and model_name == DEMO_MODEL else sizes or {})
-    built, prof = _profile(model_name, sizes, progress)
+    built, prof = _profile(model_name, sizes, progress, seed=seed)
     baseline = make_plan(prof, strategy="none")
     plans: list[tuple[str, Plan]] = [(s, make_plan(prof, strategy=s)) for s in DEMO_STRATEGIES]
     for fraction, budget in zip(DEMO_BUDGET_FRACTIONS, demo_budgets(prof, baseline)):
-        share = 100 * budget / baseline.prediction.peak_bytes
+        share = 100 * budget / baseline_peak(prof, baseline)
         plans.append((f"optimal @ {share:.0f}%", make_plan(prof, budget=budget, strategy="optimal")))
     rows = tuple(_verified(built, p, label, repeats, progress) for label, p in plans)
     return JobResult(model_name=model_name, sizes=sizes, profile=prof, rows=rows, baseline=baseline)

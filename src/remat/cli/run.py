@@ -1,1 +1,147 @@
-"""Placeholder until the command lands; registers nothing."""
+"""`remat run` (profile, plan, apply, verify, print) and `remat verify plan.json`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from remat.cli._app import app, console, fail
+
+MIB = 2**20
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / MIB:.2f}"
+
+
+def _grad_cell(v) -> str:
+    if v.grads_identical:
+        return "[green]identical[/]"
+    if v.ok:
+        return f"[yellow]max diff {v.grad_max_abs_diff:.1e}[/]"
+    return f"[bold red]DIFFER {v.grad_max_abs_diff:.1e}[/]"
+
+
+def verification_table(result, title: str) -> Table:
+    """One row per plan: predicted vs measured peak and step time, overhead, gradient check."""
+    table = Table(title=title)
+    headers = ("plan", "peak MiB\npredicted", "peak MiB\nmeasured", "error", "step ms\npredicted",
+               "step ms\nmeasured", "error", "overhead\nvs none", "replays\nas planned", "gradients")
+    for header in headers:
+        table.add_column(header, justify="left" if header in ("plan", "gradients") else "right")
+    for row in result.rows:
+        v = row.verification
+        counts = "[green]yes[/]" if v.recompute_counts_match else "[yellow]no[/]"
+        table.add_row(row.label, _mib(v.predicted_peak_bytes), _mib(v.measured_peak_bytes), f"{v.peak_error_pct:+.1f}%",
+                      f"{v.predicted_step_ms:.1f}", f"{v.measured_step_ms:.1f}", f"{v.step_error_pct:+.1f}%",
+                      f"{v.overhead_pct:+.1f}%", counts, _grad_cell(v))
+    return table
+
+
+def summary_lines(result) -> list[str]:
+    """What the table says, in words: the baseline, and the largest saving with its cost."""
+    rows = [r for r in result.rows if r.plan.strategy_name != "none"]
+    base = result.profile.peak_bytes
+    lines = [f"baseline (no recomputation): peak {_mib(base)} MiB, step {result.profile.step_ms:.1f} ms "
+             f"(model state {_mib(result.profile.model_state_bytes)} MiB of it)."]
+    if rows:
+        best = min(rows, key=lambda r: r.verification.measured_peak_bytes)
+        v = best.verification
+        lines.append(f"lowest peak: {best.label}, {_mib(v.measured_peak_bytes)} MiB "
+                     f"({100 * (1 - v.measured_peak_bytes / base):.0f}% less) for {v.overhead_pct:+.0f}% step time.")
+    bad = [r.label for r in result.rows if not r.verification.ok]
+    lines.append("every gradient is identical to the baseline." if not bad else f"GRADIENTS DIFFER for: {', '.join(bad)}.")
+    return lines
+
+
+def render(result, title: str) -> None:
+    console.print(verification_table(result, title))
+    for line in summary_lines(result):
+        console.print(line)
+
+
+def _progress_to(status):
+    return lambda message: status.update(f"{message}...")
+
+
+SIZE_HELP = {
+    "layers": "Blocks (gpt/hf layers, mlp depth, convnet blocks).",
+    "d_model": "Width (gpt/hf d_model, mlp width, convnet channels).",
+}
+
+
+@app.command("run")
+def run_command(
+    model: str = typer.Option("gpt", "--model", "-m", help="Built-in model (gpt, mlp, convnet, hf:gpt2, hf:llama) or file.py:build."),
+    budget: Optional[str] = typer.Option("40%", "--budget", "-b", help="Memory budget: 6GiB, 750MB, 512MiB or 40% of the measured baseline peak."),
+    strategy: str = typer.Option("optimal", "--strategy", "-s", help="none, full, every:K, sqrt, selective:<policy>, optimal."),
+    offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Measure this directory's disk and let the plan offload to it."),
+    layers: Optional[int] = typer.Option(None, help=SIZE_HELP["layers"]),
+    d_model: Optional[int] = typer.Option(None, "--d-model", help=SIZE_HELP["d_model"]),
+    heads: Optional[int] = typer.Option(None, help="Attention heads."),
+    seq: Optional[int] = typer.Option(None, help="Sequence length (convnet: image size)."),
+    batch: Optional[int] = typer.Option(None, help="Batch size."),
+    seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
+    repeats: int = typer.Option(3, help="Timed steps per plan (the median is kept)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the chosen Plan as JSON here."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the chosen plan's Verification as JSON here."),
+) -> None:
+    """Profile, plan, apply and verify: the chosen plan against no recomputation, measured."""
+    from remat.apply.run import run_job
+    from remat.models import sizes_from_options
+
+    try:
+        sizes = sizes_from_options(model, layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
+        with console.status("building...") as status:
+            result = run_job(model, budget=budget, strategy=strategy, sizes=sizes, seed=seed, repeats=repeats,
+                             offload_dir=None if offload_dir is None else str(offload_dir), progress=_progress_to(status))
+    except (ValueError, TypeError) as error:
+        raise fail(str(error)) from None
+    render(result, f"remat run: {model}, {strategy}" + (f" within {budget}" if budget else ""))
+    chosen = result.rows[-1]
+    if out is not None:
+        chosen.plan.save(out)
+        console.print(f"plan written to {out}")
+    if json_path is not None:
+        chosen.verification.save(json_path)
+        console.print(f"verification written to {json_path}")
+    if not result.all_identical:
+        raise typer.Exit(1)
+
+
+@app.command("verify")
+def verify_command(
+    plan_path: Path = typer.Argument(..., help="A plan JSON written by `remat plan --out` or `remat run --out`."),
+    model: str = typer.Option("gpt", "--model", "-m", help="The model the plan was made for (same sizes and seed)."),
+    layers: Optional[int] = typer.Option(None, help=SIZE_HELP["layers"]),
+    d_model: Optional[int] = typer.Option(None, "--d-model", help=SIZE_HELP["d_model"]),
+    heads: Optional[int] = typer.Option(None, help="Attention heads."),
+    seq: Optional[int] = typer.Option(None, help="Sequence length (convnet: image size)."),
+    batch: Optional[int] = typer.Option(None, help="Batch size."),
+    seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
+    offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Where offload:disk blocks write."),
+    repeats: int = typer.Option(3, help="Timed steps (the median is kept)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the Verification as JSON here."),
+) -> None:
+    """Apply a saved plan to the model and verify it against no recomputation."""
+    from remat.apply.run import verify_job
+    from remat.models import sizes_from_options
+    from remat.plan.types import Plan
+
+    try:
+        plan = Plan.from_json(Path(plan_path))
+        sizes = sizes_from_options(model, layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
+        with console.status("building...") as status:
+            result = verify_job(plan, model, sizes=sizes, seed=seed, repeats=repeats,
+                                offload_dir=None if offload_dir is None else str(offload_dir), progress=_progress_to(status))
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        raise fail(str(error)) from None
+    render(result, f"remat verify: {plan_path.name} on {model}")
+    if json_path is not None:
+        result.rows[0].verification.save(json_path)
+        console.print(f"verification written to {json_path}")
+    if not result.all_identical:
+        raise typer.Exit(1)

@@ -1,0 +1,125 @@
+"""verify: identical gradients, exact op counts, measured peak against predicted, and the
+user's model and optimizer untouched."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import remat
+from remat.models import build
+from remat.plan.planners import plan as make_plan
+from remat.verify_types import Verification
+
+TINY = {
+    "gpt": {"num_layers": 3, "d_model": 32, "num_heads": 2, "seq_len": 16, "batch_size": 2, "vocab_size": 64},
+    "mlp": {"depth": 4, "width": 32, "batch_size": 4},
+    "convnet": {"num_blocks": 3, "channels": 4, "image_size": 8, "batch_size": 4},
+}
+PEAK_TOLERANCE_PCT = 2.0
+"""Measured peak (live-storage tracker) against the planner's prediction, built-in models."""
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def _profiled(name: str):
+    torch.manual_seed(0)
+    built = build(name, **TINY[name])
+    return built, remat.profile(built.model, built.batch, built.loss_fn, built.optimizer)
+
+
+def _verify(name: str, strategy: str, **options) -> Verification:
+    built, prof = _profiled(name)
+    return remat.verify(built.model, built.batch, make_plan(prof, strategy=strategy), built.loss_fn,
+                        built.optimizer, repeats=1, **options)
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("strategy", ["none", "full", "sqrt", "every:2"])
+def test_peak_within_tolerance_and_gradients_identical(name, strategy):
+    v = _verify(name, strategy)
+    assert v.grads_identical and v.ok and v.tolerance == 0.0
+    assert v.loss_max_abs_diff == v.output_max_abs_diff == v.grad_max_abs_diff == 0.0
+    assert v.recompute_counts_match
+    assert abs(v.peak_error_pct) <= PEAK_TOLERANCE_PCT, (v.measured_peak_bytes, v.predicted_peak_bytes)
+
+
+def test_full_recomputation_replays_every_forward_op_once():
+    v = _verify("gpt", "full")
+    rows = {(c.block, c.op): c for c in v.op_counts}
+    addmm = rows[("blocks.1", "aten.addmm.default")]
+    # 4 linears per block (qkv, proj, fc, proj); their backward uses mm, so addmm runs only in forwards
+    assert (addmm.baseline_count, addmm.planned_count, addmm.expected_count) == (4, 8, 8)
+    softmax = rows[("blocks.0", "aten._softmax.default")]
+    assert (softmax.baseline_count, softmax.planned_count) == (1, 2)
+    backward = rows[("blocks.2", "aten._softmax_backward_data.default")]
+    assert backward.baseline_count == backward.planned_count == 1
+
+
+def test_selective_policies_are_identical_and_counted():
+    for strategy in ("selective:attention-core", "selective:save-matmuls"):
+        v = _verify("gpt", strategy)
+        assert v.grads_identical and v.recompute_counts_match
+    rows = {(c.block, c.op): c for c in _verify("gpt", "selective:save-matmuls").op_counts}
+    assert rows[("blocks.0", "aten.addmm.default")].planned_count == 4  # saved: not replayed
+    assert rows[("blocks.0", "aten._softmax.default")].planned_count == 2  # replayed
+
+
+def test_verify_leaves_the_model_and_optimizer_as_they_were():
+    torch.manual_seed(0)
+    built = build("gpt", **TINY["gpt"])
+    built.optimizer.zero_grad()
+    from remat._batch import call_model, compute_loss
+
+    compute_loss(call_model(built.model, built.batch), built.batch).backward()
+    built.optimizer.step()
+    weights = copy.deepcopy(built.model.state_dict())
+    opt_state = copy.deepcopy(built.optimizer.state_dict())
+    rng = torch.get_rng_state()
+    prof = remat.profile(built.model, built.batch, built.loss_fn, built.optimizer)
+    remat.verify(built.model, built.batch, make_plan(prof, strategy="full"), built.loss_fn, built.optimizer, repeats=1)
+    assert all(torch.equal(weights[k], v) for k, v in built.model.state_dict().items())
+    after = built.optimizer.state_dict()
+    for index, state in opt_state["state"].items():
+        assert all(torch.equal(state[k], after["state"][index][k]) for k in state)
+    assert not remat.apply.api.is_applied(built.model)
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_a_replay_with_other_dropout_masks_is_caught(monkeypatch):
+    import remat.apply.strategies as strategies
+
+    real = strategies.checkpoint
+    monkeypatch.setattr(strategies, "checkpoint", lambda *a, **k: real(*a, **{**k, "preserve_rng_state": False}))
+    v = _verify("gpt", "full")
+    assert not v.grads_identical and not v.ok
+    assert v.grad_max_abs_diff > 0.0 and v.loss_max_abs_diff == 0.0
+
+
+def test_verification_json_round_trip(tmp_path):
+    v = _verify("convnet", "sqrt")
+    assert Verification.from_json(v.to_json()) == v
+    v.save(tmp_path / "v.json")
+    assert Verification.from_json(tmp_path / "v.json") == v
+
+
+def test_bad_arguments():
+    built, prof = _profiled("mlp")
+    plan = make_plan(prof, strategy="full")
+    with pytest.raises(TypeError, match="needs a remat Plan"):
+        remat.verify(built.model, built.batch, plan.to_json())
+    with pytest.raises(ValueError, match=r"repeats=0 must be an integer >= 1"):
+        remat.verify(built.model, built.batch, plan, built.loss_fn, repeats=0)
+    other, _ = _profiled("gpt")
+    with pytest.raises(ValueError, match="the plan does not match this model"):
+        remat.verify(other.model, other.batch, plan)
