@@ -190,3 +190,26 @@ def test_pareto_frontier():
         plan(prof, budget=least - 1)
     for p in frontier:  # each point is the optimum at its own peak
         assert plan(prof, budget=p.prediction.peak_bytes).prediction.step_ms == p.prediction.step_ms
+
+
+def test_offload_joins_the_search_when_costed_and_measured():
+    """With measured host<->device rates on a CUDA profile, `optimal` may offload a block: here
+    transfers hide fully behind compute (overlap 1), so offloading the big block beats
+    recomputing it; without rates offload is never offered."""
+    from remat.measure.types import Bandwidths
+    from remat.plan.offload_cost import offloadable_bytes
+
+    from plan_toys import FINGERPRINT, replace
+
+    big = 1 << 20
+    ops = (op("aten.mm.default#0", big, big, 1.0), op("aten.relu.default#0", big, big, 1.0))
+    blocks = [block(i, input_bytes=1 << 10, saved_bytes=2 * big, fwd_ms=2.0, bwd_ms=4.0, ops=ops) for i in range(3)]
+    rates = Bandwidths(host_to_device_bytes_per_s=1e12, device_to_host_bytes_per_s=1e12, overlap_fraction=1.0)
+    prof = profile(blocks, fingerprint=replace(FINGERPRINT, device="cuda"), bandwidths=rates)
+    assert offloadable_bytes(prof.blocks[0]) == 2 * big
+    keep_peak = predict(prof, plan(prof, strategy="none").segments).peak_bytes
+    got = plan(prof, budget=keep_peak - big)
+    assert "offload:cpu" in got.block_strategies()
+    assert got.prediction.extra_ms == 0.0
+    no_rates = replace(prof, bandwidths=Bandwidths())
+    assert "offload:cpu" not in plan(no_rates, budget=keep_peak - big).block_strategies()

@@ -1,0 +1,159 @@
+"""How long `remat.plan(..., strategy="optimal")` takes on long chains of transformer blocks.
+
+Profiles are synthetic but shaped like a measured GPT block (batch 8, sequence 1024, width
+1024, 16 heads, fp32): 24 op calls with their output / saved bytes and times, so the knapsack
+frontier, the named selective policies, recompute and nesting are all in the search. "alike":
+every block identical (the O(N^2 M) path); "unlike": forward times jittered by up to 5 %, as
+in a measured profile (the O(N^3 M) path). The budget is half of the no-recomputation peak.
+Blocks carry no per-block gradient bytes (as profiles measured today): with them, every
+block's backward starts from different gradient bytes and the DP takes the unlike path.
+
+    .venv/bin/python -m benchmarks.planner_speed            # table on stdout
+    .venv/bin/python -m benchmarks.planner_speed --markdown docs/bench_planner.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import random
+import time
+from pathlib import Path
+
+from remat.measure.types import BlockProfile, Environment, Fingerprint, OpRecord, Profile
+from remat.plan.planners import pareto, plan
+
+MIB = 2**20
+B, S, D, H = 8, 1024, 1024, 16
+ACT = B * S * D * 4  # one fp32 activation of the residual stream: 32 MiB
+SCORES = B * H * S * S * 4  # one fp32 attention score matrix: 512 MiB
+
+# (op, output bytes, saved bytes, ms, GFLOPs) of one pre-LN transformer block, in call order
+_OPS = (
+    ("aten.native_layer_norm.default", ACT, ACT, 1.0, 0),
+    ("aten.addmm.default", 3 * ACT, ACT, 12.0, 2 * B * S * D * 3 * D),
+    ("aten.view.default", 0, 0, 0.0, 0),
+    ("aten.transpose.int", 0, 0, 0.0, 0),
+    ("aten.bmm.default", SCORES, 2 * ACT, 8.0, 2 * B * S * S * D),
+    ("aten.div.Tensor", SCORES, 0, 3.0, 0),
+    ("aten.masked_fill.Scalar", SCORES, 0, 3.0, 0),
+    ("aten._softmax.default", SCORES, SCORES, 6.0, 0),
+    ("aten.native_dropout.default", SCORES + SCORES // 4, SCORES + SCORES // 4, 6.0, 0),
+    ("aten.bmm.default", ACT, SCORES, 8.0, 2 * B * S * S * D),
+    ("aten.view.default", 0, 0, 0.0, 0),
+    ("aten.addmm.default", ACT, ACT, 4.0, 2 * B * S * D * D),
+    ("aten.native_dropout.default", ACT + ACT // 4, ACT // 4, 1.0, 0),
+    ("aten.add.Tensor", ACT, 0, 0.5, 0),
+    ("aten.native_layer_norm.default", ACT, ACT, 1.0, 0),
+    ("aten.addmm.default", 4 * ACT, 4 * ACT, 16.0, 2 * B * S * D * 4 * D),
+    ("aten.gelu.default", 4 * ACT, 4 * ACT, 4.0, 0),
+    ("aten.addmm.default", ACT, 0, 16.0, 2 * B * S * 4 * D * D),
+    ("aten.native_dropout.default", ACT + ACT // 4, ACT // 4, 1.0, 0),
+    ("aten.add.Tensor", ACT, 0, 0.5, 0),
+)
+
+
+def transformer_block(index: int, fwd_scale: float = 1.0) -> BlockProfile:
+    counts: dict[str, int] = {}
+    ops = []
+    for name, out_bytes, saved, ms, flops in _OPS:
+        k = counts.get(name, 0)
+        counts[name] = k + 1
+        ops.append(OpRecord(key=f"{name}#{k}", name=name, output_bytes=out_bytes, saved_bytes=saved,
+                            time_ms=ms * fwd_scale, flops=flops, is_random="dropout" in name,
+                            is_view=out_bytes == 0))
+    return BlockProfile(
+        index=index, name=f"layers.{index}", class_name="Block", input_bytes=ACT, output_bytes=ACT,
+        saved_bytes=sum(o.saved_bytes for o in ops), bwd_temp_bytes=4 * ACT,
+        fwd_ms=sum(o.time_ms for o in ops), bwd_ms=2 * sum(o.time_ms for o in ops),
+        fwd_flops=sum(o.flops for o in ops), ops=tuple(ops),
+    )
+
+
+def chain_profile(num_blocks: int, jitter: float, seed: int = 0) -> Profile:
+    rng = random.Random(seed)
+    blocks = tuple(transformer_block(i, 1 + jitter * rng.random()) for i in range(num_blocks))
+    params = 12 * D * D * 4 * num_blocks
+    return Profile(
+        fingerprint=Fingerprint(model_hash="bench", batch_shapes=(f"{B}x{S}:int64",), device="cuda",
+                                dtype="float32", torch_version="bench"),
+        environment=Environment(device_name="synthetic", num_threads=1, python_version=platform.python_version(),
+                                hostname="bench"),
+        blocks=blocks, param_bytes=params, grad_bytes=params, optimizer_state_bytes=2 * params,
+        optimizer_name="AdamW", optimizer_step_temp_bytes=0, optimizer_step_ms=5.0, buffer_bytes=0,
+        fixed_pre_saved_bytes=ACT, fixed_post_saved_bytes=8 * ACT, fixed_post_bwd_temp_bytes=8 * ACT,
+        fixed_fwd_ms=10.0, fixed_bwd_ms=20.0, fixed_flops=0, step_ms=0.0, peak_bytes=0,
+        peak_bytes_by_category={}, device_max_allocated_bytes=None,
+    )
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    """Median seconds of ``repeats`` calls, and the last result."""
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2], result
+
+
+def run(cases: list[tuple[int, str]], repeats: int) -> list[dict]:
+    rows = []
+    for num_blocks, kind in cases:
+        prof = chain_profile(num_blocks, jitter=0.05 if kind == "unlike" else 0.0)
+        baseline = plan(prof, strategy="none").prediction
+        budget = baseline.peak_bytes // 2
+        seconds, result = timed(lambda: plan(prof, budget=budget), repeats if num_blocks <= 100 else 1)
+        full = plan(prof, strategy="full").prediction
+        rows.append(dict(
+            blocks=num_blocks, kind=kind, seconds=seconds, budget_mib=budget / MIB,
+            peak_mib=result.prediction.peak_bytes / MIB,
+            overhead_pct=100 * (result.prediction.step_ms / baseline.step_ms - 1),
+            full_peak_mib=full.peak_bytes / MIB, full_overhead_pct=100 * (full.step_ms / baseline.step_ms - 1),
+        ))
+    return rows
+
+
+def markdown(rows: list[dict], pareto_row: tuple[int, float, int]) -> str:
+    lines = [
+        "| blocks | blocks alike? | optimal: seconds | budget MiB | planned peak MiB | planned overhead | full recompute: peak MiB, overhead |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['blocks']} | {r['kind']} | {r['seconds']:.2f} | {r['budget_mib']:.0f} | {r['peak_mib']:.0f} | "
+            f"{r['overhead_pct']:+.1f}% | {r['full_peak_mib']:.0f}, {r['full_overhead_pct']:+.1f}% |"
+        )
+    n, seconds, points = pareto_row
+    lines.append(f"\n`remat.pareto` on {n} alike blocks: {points} frontier plans in {seconds:.2f} s.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", type=Path, help="Also write the table as Markdown here.")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    cases = [(10, "alike"), (100, "alike"), (100, "unlike"), (1000, "alike")]
+    rows = run(cases, args.repeats)
+    prof = chain_profile(24, 0.0)
+    seconds, frontier = timed(lambda: pareto(prof), 1)
+    text = markdown(rows, (24, seconds, len(frontier)))
+    print(text)
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(_header() + text + "\n")
+
+
+def _header() -> str:
+    return (
+        "## Planner speed (`benchmarks/planner_speed.py`)\n\n"
+        f"`optimal` on synthetic transformer chains, budget = half the no-recomputation peak; "
+        f"machine: {platform.processor() or platform.machine()}, shared 2-core, Python {platform.python_version()}. "
+        "Command: `.venv/bin/python -m benchmarks.planner_speed --markdown docs/bench_planner.md`.\n\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
