@@ -138,3 +138,47 @@ def test_bad_arguments() -> None:
         estimate(SOURCE, optimizer="lamb")
     with pytest.raises(TypeError, match="source must be a ModelSource or a model name, got int"):
         estimate(3)
+
+
+USER_FILE = '''
+import torch
+from torch import nn
+
+
+def build():
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(3)])
+    batch = torch.ones(4, 16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, batch, lambda out, b: out.sum(), optimizer
+'''
+
+
+def test_file_model_uses_its_own_optimizer_and_batch(tmp_path) -> None:
+    path = tmp_path / "user_model.py"
+    path.write_text(USER_FILE)
+    devices = _devices_file(tmp_path, Big=2**32)
+    result = estimate(f"{path}:build", devices=["Big"], devices_file=str(devices), dtype="fp32",
+                      allowance=NO_ALLOWANCE)
+    assert result.optimizer == "sgd-momentum" and result.precision == "fp32"
+    assert result.param_count == 3 * (16 * 16 + 16) and result.num_layers == 3
+    # fp32 weights + gradients + one momentum buffer, 4 bytes each
+    assert result.model_state.total_bytes == 3 * 4 * result.param_count
+    rows = result.devices[0].strategies
+    assert all(r.fits and r.max_micro_batch is None for r in rows)  # the file's batch is fixed
+    # a layer's ReLU saves its output (4x16 fp32); the next Linear saves that same storage, which
+    # counts once, for the layer that saved it first; the first Linear saves the batch (input, not counted)
+    assert result.layer_saved_bytes == 4 * 16 * 4
+
+
+def test_optimizer_names_from_instances() -> None:
+    import torch
+
+    from remat.memory.optimizer_state import optimizer_name_of
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert optimizer_name_of(torch.optim.SGD(params, lr=0.1)) == "sgd"
+    assert optimizer_name_of(torch.optim.SGD(params, lr=0.1, momentum=0.5)) == "sgd-momentum"
+    assert optimizer_name_of(torch.optim.AdamW(params)) == "adamw"
+    assert optimizer_name_of(torch.optim.Adafactor(params)) == "adafactor"
+    with pytest.raises(ValueError, match="optimizer RMSprop has no entry in the state table"):
+        optimizer_name_of(torch.optim.RMSprop(params))

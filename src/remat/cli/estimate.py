@@ -35,7 +35,7 @@ def estimate_command(
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-steps per optimizer step."),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32 (weights and activations)."),
     no_master_weights: bool = typer.Option(False, "--no-master-weights", help="Pure 16-bit training: no fp32 master copy."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="sgd, sgd-momentum, adam, adamw, adafactor, adam8bit, none."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="sgd, sgd-momentum, adam, adamw, adafactor, adam8bit, none (default: a file model's own optimizer, else adamw)."),
     mfu: float = typer.Option(0.4, "--mfu", help="Model FLOP utilization for step time (0.4 = 40% of peak)."),
     explicit_attention: bool = typer.Option(False, "--explicit-attention", help="HF eager attention (scores materialized) instead of SDPA."),
     cpu_kernels: bool = typer.Option(False, "--cpu-kernels", help="Trace the CPU's kernels (no FlashAttention, dropout masks in the activation dtype)."),

@@ -79,7 +79,7 @@ def estimate(
     seq_len: int = 2048,
     dtype: str = "bf16",
     master_weights: bool = True,
-    optimizer: str = "adamw",
+    optimizer: str | None = None,
     world_size: int = 1,
     zero_stage: int = 0,
     grad_accumulation_steps: int = 1,
@@ -92,6 +92,8 @@ def estimate(
     """Estimate memory and step time of one training step per device and strategy, without a GPU.
 
     ``source``: a `ModelSource`, a built-in model name (``"gpt"``) or ``"file.py:build"``.
+    ``optimizer``: a name of the optimizer-state table; None: the optimizer a ``file.py:build``
+    returns (its class decides the layout), else ``adamw``.
     ``gpu_kernels``: SDPA and dropout run as a GPU's fused kernels (FlashAttention, 1-byte
     dropout masks); False traces what the CPU runs. Explicit attention is traced as written. ``master_weights``: fp32 master copy in 16-bit training.
     ``foreach_optimizer``: count the temporaries of PyTorch's foreach Adam step (default: a
@@ -100,9 +102,11 @@ def estimate(
     source = _as_source(source)
     _check_args(micro_batch, seq_len, mfu, grad_accumulation_steps, strategies)
     check_sharding(world_size, zero_stage)
-    optimizer_layout(optimizer)
+    if optimizer is not None:
+        optimizer_layout(optimizer)
     specs = resolve_devices(devices, devices_file)
     traced = trace_source(source, seq_len=seq_len, dtype=dtype, gpu_kernels=gpu_kernels)
+    optimizer = optimizer or traced.optimizer_name or "adamw"
     setup = Pricing(traced=traced, micro_batch=micro_batch, optimizer=optimizer,
                    precision=precision_name(dtype, master_weights), world_size=world_size,
                    zero_stage=zero_stage, accumulation=grad_accumulation_steps, mfu=mfu,

@@ -25,7 +25,7 @@ from remat.estimate.results import DeviceEstimate, StrategyEstimate
 from remat.estimate.scale import at_micro_batch, check_alike, replicate_blocks, timed_for_device
 from remat.estimate.strategies import conservative, price
 from remat.estimate.trace import Traced
-from remat.measure.types import Profile
+from remat.measure.types import Bandwidths, Profile
 from remat.memory.allowance import Allowance
 from remat.memory.model_state import ModelState, model_state, shard_model_state
 from remat.memory.optimizer_state import optimizer_layout
@@ -101,7 +101,7 @@ class Pricing:
         base = self._traced_at(micro_batch)
         blocks = tuple(replace(b, grad_bytes=self._block_grad_bytes) for b in base.blocks)
         profile = replace(
-            base, blocks=blocks, param_bytes=state.param_bytes + state.gathered_bytes,
+            base, blocks=blocks, param_bytes=state.param_bytes + state.gathered_bytes, bandwidths=_host_link(spec),
             grad_bytes=state.grad_bytes, optimizer_state_bytes=optimizer_bytes, buffer_bytes=state.buffer_bytes,
             optimizer_name=self.optimizer, optimizer_step_temp_bytes=self._step_temp_bytes(state),
         )
@@ -182,6 +182,13 @@ class Pricing:
             )
         return explain_activation_overflow(row, self.rank_state, budget_bytes=budget, device=spec,
                                            micro_batch=self.micro_batch)
+
+
+def _host_link(spec: DeviceSpec) -> Bandwidths:
+    """Offload to host memory over the device's host link, both directions at the datasheet rate,
+    none of it assumed hidden behind compute (the planner then offloads only where memory needs it)."""
+    rate = spec.host_link_bytes_per_s
+    return Bandwidths(host_to_device_bytes_per_s=rate, device_to_host_bytes_per_s=rate, overlap_fraction=0.0)
 
 
 def _layout_fits(profile_at: Callable[[int], Profile], segments: tuple[Segment, ...], budget: int) -> Callable[[int], bool]:

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from remat.estimate.sources import ModelSource, build_hf_on_meta, hf_batch, hf_config, num_layers
 from remat.measure.blocks import find_blocks
 from remat.measure.types import Profile
+from remat.memory.optimizer_state import optimizer_name_of
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -61,6 +62,8 @@ class Traced:
     plus the root unit holding everything outside the layers (embeddings, head), the larger."""
     whole: bool = False
     """True when the profile already covers every layer (a file model): nothing is copied."""
+    optimizer_name: str | None = None
+    """The table name of the optimizer the model came with (a file model's), else None."""
     _profiles: dict[int, Profile] = field(default_factory=dict, repr=False, compare=False)
 
     def profile(self, micro_batch: int) -> Profile:
@@ -186,7 +189,7 @@ def _describe(label: str, model: nn.Module, tracer: Callable[[int], Profile], la
     )
 
 
-def _describe_whole(label: str, model: nn.Module, profile: Profile) -> Traced:
+def _describe_whole(label: str, model: nn.Module, profile: Profile, optimizer: Any) -> Traced:
     blocks = find_blocks(model)
     units = [tuple(tuple(p.shape) for p in _unique_params(m)) for _, m in blocks]
     return Traced(
@@ -194,6 +197,7 @@ def _describe_whole(label: str, model: nn.Module, profile: Profile) -> Traced:
         fixed_shapes=tuple(tuple(p.shape) for p in _unique_params(model)), block_shapes=(),
         fixed_buffer_bytes=_buffer_bytes(model), block_buffer_bytes=0, block_name_format="{}",
         unit_shapes=max(units, key=_count) if units else (), whole=True,
+        optimizer_name=optimizer_name_of(optimizer) if optimizer is not None else None,
     )
 
 
@@ -267,4 +271,4 @@ def _trace_file(source: ModelSource, dtype: torch.dtype, fused: bool) -> Traced:
         built = load_target(source.file)
     built.model.to(dtype)
     profile = trace_profile(built.model, _cast_batch(built.batch, dtype), built.loss_fn, gpu_kernels=fused)
-    return _describe_whole(source.file, built.model, profile)
+    return _describe_whole(source.file, built.model, profile, built.optimizer)

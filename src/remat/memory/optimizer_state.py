@@ -126,6 +126,23 @@ def optimizer_state_bytes(name: str, shapes: Iterable[Shape], *, state_dtype_byt
     return total + (layout.shared_bytes if total else 0)
 
 
+_CLASS_NAMES = {"adam": "adam", "adamw": "adamw", "adafactor": "adafactor", "adam8bit": "adam8bit",
+                "adamw8bit": "adam8bit", "pagedadam8bit": "adam8bit", "pagedadamw8bit": "adam8bit"}
+
+
+def optimizer_name_of(optimizer: torch.optim.Optimizer) -> str:
+    """The table's name for a real optimizer instance (SGD: with or without momentum)."""
+    cls = type(optimizer).__name__
+    if cls == "SGD":
+        return "sgd-momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
+    if cls.lower() not in _CLASS_NAMES:
+        raise ValueError(
+            f"optimizer {cls} has no entry in the state table ({', '.join(sorted(LAYOUTS))}); pass the closest "
+            "name explicitly, or measure its state after one step with optimizer_state_bytes_of()."
+        )
+    return _CLASS_NAMES[cls.lower()]
+
+
 def optimizer_state_bytes_of(optimizer: torch.optim.Optimizer, *, include_host: bool = False) -> int:
     """Exact bytes of a real optimizer's state tensors, each storage counted once.
 
