@@ -46,7 +46,7 @@ def estimate_command(
     list_devices: bool = typer.Option(False, "--list-devices", help="List known devices with their sources and exit."),
 ) -> None:
     """Estimate memory and step time per device for none / full / selective / optimal recomputation."""
-    from remat.estimate import ModelSource, estimate
+    from remat.estimate import estimate
     from remat.memory.allowance import Allowance
 
     if list_devices:

@@ -10,7 +10,11 @@ The arithmetic, for each device and strategy (per data-parallel rank):
     step time = grad_accumulation_steps x (forward + backward + recomputation FLOPs)
                 / (MFU x peak FLOP/s) + optimizer step at memory bandwidth
 
-ZeRO/FSDP communication time is not modelled (no interconnect in the device table).
+Kernels: the trace runs SDPA as FlashAttention and dropout with 1-byte masks, as on a GPU
+(``gpu_kernels=False`` traces the CPU's kernels instead). The optimal search may offload a
+layer's saved tensors to host memory over the device's host link (none of the transfer
+assumed hidden behind compute). ZeRO/FSDP communication time is not modelled (no
+interconnect in the device table).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 from remat.estimate.devices import resolve_devices
 from remat.estimate.pricing import Pricing
-from remat.estimate.results import DeviceEstimate, StrategyEstimate
+from remat.estimate.results import DeviceEstimate
 from remat.estimate.scale import forward_flops
 from remat.estimate.sources import ModelSource
 from remat.estimate.strategies import STRATEGY_NAMES
@@ -37,19 +41,31 @@ class Estimate:
     """The answer of `estimate`: the model, the setup and one entry per device."""
 
     model: str
+    """The model's label (built-in name, ``hf:<family>``, config path or ``file.py:build``)."""
     param_count: int
+    """Parameters of the whole model (a shared parameter once)."""
     num_layers: int
+    """Layers (blocks) of the whole model."""
     micro_batch: int
+    """Sequences per rank per micro-step (a file model: its own batch)."""
     seq_len: int
+    """Tokens per sequence."""
     dtype: str
+    """Weights and activations: ``bf16``, ``fp16`` or ``fp32``."""
     precision: str
     """``mixed`` (16-bit weights, fp32 master + optimizer state), ``bf16`` (pure) or ``fp32``."""
     optimizer: str
+    """Name in the optimizer-state table."""
     world_size: int
+    """Data-parallel ranks."""
     zero_stage: int
+    """0 (plain data parallel), 1, 2 or 3 (FSDP)."""
     grad_accumulation_steps: int
+    """Micro-steps per optimizer step."""
     mfu: float
+    """Share of peak FLOP/s assumed for step times."""
     allowance: Allowance
+    """Memory set aside beyond tensors (context, workspaces, fragmentation)."""
     model_state: ModelState
     """Unsharded model state of the whole model."""
     layer_saved_bytes: int
@@ -61,6 +77,7 @@ class Estimate:
     train_flops: int
     """Forward + backward FLOPs of one micro-batch on one rank (no recomputation)."""
     devices: tuple[DeviceEstimate, ...]
+    """One entry per device asked, in order."""
 
 
 def precision_name(dtype: str, master_weights: bool) -> str:
