@@ -30,13 +30,18 @@ def test_frontier_series_and_units(profile, plans, verification):
     assert ax.get_ylabel() == "step time (ms)"
     lines = lines_by_label(ax)
     assert set(lines) == {"optimal frontier (of the plans shown)", "full (predicted)", "optimal (predicted)",
-                          "offload (predicted)", "measured (verify)", "no recomputation", "budget 80.0 MiB"}
+                          "offload (predicted)", "measured (verify, hollow)", "no recomputation", "budget 80.0 MiB"}
     front = lines["optimal frontier (of the plans shown)"]
     assert list(front.get_xdata()) == [76.0, 79.0, 90.0, 100.0]
     assert list(front.get_ydata()) == [38.0, 34.0, 31.0, 30.0]
     assert front.get_drawstyle() == "steps-post"
     assert (list(lines["optimal (predicted)"].get_xdata()), list(lines["optimal (predicted)"].get_ydata())) == ([79.0], [34.0])
-    assert (list(lines["measured (verify)"].get_xdata()), list(lines["measured (verify)"].get_ydata())) == ([81.0], [35.0])
+    (measured,) = [ln for ln in ax.get_lines() if ln.get_gid() == "measured"]
+    assert (list(measured.get_xdata()), list(measured.get_ydata())) == ([81.0], [35.0])
+    # the measurement is a hollow copy of its plan's marker, in its plan's colour
+    assert measured.get_marker() == lines["optimal (predicted)"].get_marker()
+    assert measured.get_color() == lines["optimal (predicted)"].get_color()
+    assert measured.get_markerfacecolor() == "white"
     assert (list(lines["no recomputation"].get_xdata()), list(lines["no recomputation"].get_ydata())) == ([100.0], [30.0])
     assert lines["no recomputation"].get_marker() == "*"
     assert list(lines["budget 80.0 MiB"].get_xdata()) == [80.0, 80.0]

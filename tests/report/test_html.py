@@ -102,3 +102,13 @@ def test_write_report_and_figure_files(tmp_path):
     assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["breakdown.png", "breakdown.svg"]
     with pytest.raises(ValueError, match=r"must end in .html; e.g. report.html"):
         write_report(tmp_path / "report.pdf", make_profile())
+
+
+def test_timeline_shows_the_baseline_and_the_chosen_plan_only():
+    from remat.report.html import report_figures
+
+    chosen = make_verification()
+    other = dataclasses.replace(chosen, strategy_name="full", budget_bytes=None)
+    figures = report_figures(make_profile(), list(make_plans().values()), [other, chosen])
+    labels = [ln.get_label() for ln in figures["timeline"].axes[0].get_lines()]
+    assert labels == ["no recomputation (measured)", "optimal @ 80.0 MiB (measured)", "budget 80.0 MiB"]

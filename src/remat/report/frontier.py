@@ -20,7 +20,8 @@ from remat.report.units import ByteScale, byte_scale, format_bytes
 from remat.verify_types import Verification
 
 FRONTIER_LABEL = "optimal frontier"
-MEASURED_LABEL = "measured (verify)"
+MEASURED_LABEL = "measured (verify, hollow)"
+MEASURED_GID = "measured"
 BASELINE_LABEL = "no recomputation"
 
 
@@ -48,8 +49,9 @@ def plot_frontier(profile: Profile, plans: Sequence[Plan] = (),
     ax = fig.add_subplot()
     style_axes(ax)
     _draw_frontier(ax, scale, frontier or plans, derived=not frontier)
-    _draw_plans(ax, scale, [p for p in plans if p.strategy_name != BASELINE_STRATEGY])
-    _draw_measured(ax, scale, verifications)
+    styles = _plan_styles(plans)
+    _draw_plans(ax, scale, [p for p in plans if p.strategy_name != BASELINE_STRATEGY], styles)
+    _draw_measured(ax, scale, verifications, styles)
     ax.plot([scale(base.peak_bytes)], [base.step_ms], linestyle="none", marker="*", markersize=16,
             color=OKABE_ITO["black"], markerfacecolor=OKABE_ITO["yellow"], label=BASELINE_LABEL, zorder=5)
     if budget is not None:
@@ -73,21 +75,34 @@ def _draw_frontier(ax, scale: ByteScale, plans: Sequence[Plan], *, derived: bool
             color=OKABE_ITO["sky_blue"], linewidth=2.0, linestyle="-", label=label, zorder=2)
 
 
-def _draw_plans(ax, scale: ByteScale, plans: Sequence[Plan]) -> None:
-    names = list(dict.fromkeys(p.strategy_name for p in plans))
-    for i, name in enumerate(names):
+def _plan_styles(plans: Sequence[Plan]) -> dict[str, tuple[str, str]]:
+    """(colour, marker) per planner name, in the order the plans come; ``none`` is the star."""
+    names = [n for n in dict.fromkeys(p.strategy_name for p in plans) if n != BASELINE_STRATEGY]
+    styles = {name: series_style(i)[:2] for i, name in enumerate(names)}
+    styles[BASELINE_STRATEGY] = (OKABE_ITO["black"], "*")
+    return styles
+
+
+def _draw_plans(ax, scale: ByteScale, plans: Sequence[Plan], styles: dict[str, tuple[str, str]]) -> None:
+    for name in dict.fromkeys(p.strategy_name for p in plans):
         group = [p for p in plans if p.strategy_name == name]
-        color, marker, _ = series_style(i)
+        color, marker = styles[name]
         ax.plot([scale(p.prediction.peak_bytes) for p in group], [p.prediction.step_ms for p in group],
                 linestyle="none", marker=marker, markersize=8, color=color, markeredgecolor="black",
                 label=f"{name} (predicted)", zorder=4)
 
 
-def _draw_measured(ax, scale: ByteScale, verifications: Sequence[Verification]) -> None:
-    for i, ver in enumerate(verifications):
+def _draw_measured(ax, scale: ByteScale, verifications: Sequence[Verification],
+                   styles: dict[str, tuple[str, str]]) -> None:
+    """Each measurement as a hollow copy of its plan's marker, joined to its prediction."""
+    for ver in verifications:
+        color, marker = styles.get(ver.strategy_name, (OKABE_ITO["black"], "o"))
         xs = [scale(ver.predicted_peak_bytes), scale(ver.measured_peak_bytes)]
         ys = [ver.predicted_step_ms, ver.measured_step_ms]
         ax.plot(xs, ys, color=OKABE_ITO["black"], linestyle=":", linewidth=1.0, zorder=3)
-        ax.plot(xs[1:], ys[1:], linestyle="none", marker="o", markersize=9, markerfacecolor="none",
-                markeredgewidth=1.6, color=OKABE_ITO["vermillion"],
-                label=MEASURED_LABEL if i == 0 else None, zorder=6)
+        point, = ax.plot(xs[1:], ys[1:], linestyle="none", marker=marker, markersize=10, markerfacecolor="white",
+                         markeredgewidth=1.8, color=color, label=f"_measured {ver.strategy_name}", zorder=6)
+        point.set_gid(MEASURED_GID)
+    if verifications:
+        ax.plot([], [], linestyle="none", marker="o", markersize=10, markerfacecolor="white",
+                markeredgewidth=1.8, color=OKABE_ITO["black"], label=MEASURED_LABEL)

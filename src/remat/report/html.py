@@ -35,7 +35,7 @@ from remat.report.blocks import check_plan_matches, plot_blocks
 from remat.report.breakdown import plot_breakdown
 from remat.report.frontier import plot_frontier
 from remat.report.style import figure_data_uri, save_figure
-from remat.report.summary import choose_plan, report_budget, summary_sentence
+from remat.report.summary import choose_plan, find_verification, report_budget, summary_sentence
 from remat.report.tables import (
     Table,
     blocks_table,
@@ -51,7 +51,8 @@ from remat.verify_types import Verification
 FIGURE_CAPTIONS = {
     "frontier": "Trade-off: peak memory against step time for each plan; the star is no recomputation.",
     "breakdown": "Where the peak goes: model state, fixed part and activations, per step.",
-    "timeline": "Live memory over one training step, measured at block boundaries.",
+    "timeline": "Live memory over one training step, measured at block boundaries: no recomputation "
+                "against the chosen plan.",
     "blocks": "Per block under the chosen plan: bytes kept on the device, recomputed, offloaded.",
 }
 
@@ -76,9 +77,11 @@ def report_figures(profile: Profile, plans: Sequence[Plan] = (),
         figures["frontier"] = plot_frontier(profile, plans, verifications, frontier=frontier,
                                             budget_bytes=budget)
     figures["breakdown"] = plot_breakdown(profile, plans, budget_bytes=budget)
-    if timeline_series(profile, verifications):
-        figures["timeline"] = plot_timeline(profile, verifications, budget_bytes=budget)
     shown = _plan_to_show(plans, budget)
+    # Baseline against the shown plan only: one line per verified plan would hide both.
+    shown_ver = [v for v in verifications if shown is not None and v is find_verification(shown, verifications)]
+    if timeline_series(profile, shown_ver):
+        figures["timeline"] = plot_timeline(profile, shown_ver, budget_bytes=budget)
     if shown is not None:
         figures["blocks"] = plot_blocks(profile, shown)
     return figures
