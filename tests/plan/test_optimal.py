@@ -94,7 +94,7 @@ def _check_against_space(prof):
     for budget in sorted({low - 1, *(low + k * (high - low) // 5 for k in range(6))}):
         expected = _best(space, budget)
         if math.isinf(expected):
-            with pytest.raises(ValueError, match="minimum feasible peak"):
+            with pytest.raises(ValueError, match="minimum feasible peak|Model state alone needs"):
                 plan(prof, budget=budget)
             continue
         got = plan(prof, budget=budget)
@@ -213,3 +213,20 @@ def test_offload_joins_the_search_when_costed_and_measured():
     assert got.prediction.extra_ms == 0.0
     no_rates = replace(prof, bandwidths=Bandwidths())
     assert "offload:cpu" not in plan(no_rates, budget=keep_peak - big).block_strategies()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_optimal_with_gradients_heavier_than_activations(seed):
+    """Per-block gradients larger than what blocks hold: a segment can hold less than the
+    gradients it has not produced yet (negative adjusted bytes in the DP)."""
+    rng = random.Random(100 + seed)
+    n = rng.randint(2, 5)
+    blocks = [block(i, input_bytes=1, saved_bytes=rng.randint(1, 4), bwd_temp_bytes=rng.randint(0, 2),
+                    fwd_ms=float(rng.randint(1, 5))) for i in range(n)]
+    if seed % 2:  # alike blocks: the O(N^2) tables
+        blocks = [block(i, input_bytes=1, saved_bytes=3, bwd_temp_bytes=1, fwd_ms=2.0) for i in range(n)]
+    from plan_toys import replace
+
+    blocks = [replace(b, grad_bytes=6) for b in blocks]
+    prof = profile(blocks, param_bytes=6 * n + 5, grad_bytes=6 * n + 5, fixed_post_saved_bytes=2)
+    _check_against_space(prof)

@@ -8,16 +8,27 @@ The plan space (the one `remat.plan.predict` prices):
   their inputs) and kept blocks, children nesting the same way, to any depth (the Revolve /
   rotor family, Griewank & Walther 2000; Herrmann et al. 2019).
 
-Memory is counted in slots of ``quantum`` bytes (every size rounded up, the allowance down, so
-a plan the DP accepts fits). When every size is a multiple of the quantum the DP is exact for
-the byte model; `choose_quantum` picks the gcd of the sizes whenever that keeps the table small.
+Gradients. Block j's backward starts with the gradients of every block after it (and of the
+fixed part) live: ``G - sum_{i<=j} grad_i``. Since the blocks before j are exactly those covered
+by the elements held before j, the constraint ``held_j + work_j + G - sum_{i<=j} grad_i <= A``
+becomes ``sum_E (retained_E - grad_E) + (work_j - grad_j) <= A - G``: each element holds its
+retained bytes *minus its own blocks' gradients* (possibly negative), each block works with
+``work - grad``, the allowance is ``A - G`` and the head (no gradients yet) needs
+``post + sum grad_i - G``. Nothing depends on a block's position any more, so alike blocks stay
+alike.
 
-Tables (``m`` = slots still free for what the region holds and works with):
+Memory is counted in slots of ``quantum`` bytes (sizes rounded up, gradients and the allowance
+down, so a plan the DP accepts fits). When every size is a multiple of the quantum the DP is
+exact for the byte model; `choose_quantum` picks the gcd of the sizes whenever that keeps the
+table small. Table columns are ``m`` = free slots, from ``lo`` (below it nothing fits) to ``hi``
+(above it keeping everything fits, or ``m`` is unreachable), so ``m`` may be negative.
+
+Tables:
 - ``inner[l][r, m]``: least replay time (ms) of the backward of a replay region of ``l`` blocks
   starting at block ``a`` (row ``r`` = ``a``; a single row when all blocks are alike) that
-  fits in ``m``. First element: keep block ``a`` (needs ``m >= work_a``, leaves ``m - saved_a``)
-  or a recompute child ``[a, a+j)``, ``j < l`` (cost ``fwd[a:a+j] + inner[j][a, m]``, leaves
-  ``m - input_a`` to the rest).
+  fits in ``m``. First element: keep block ``a`` (needs ``m >= work_a - grad_a``, leaves
+  ``m - saved_a + grad_a``) or a recompute child ``[a, a+j)``, ``j < l`` (cost
+  ``fwd[a:a+j] + inner[j][a, m]``, leaves ``m - input_a + grad[a:a+j]`` to the rest).
 - ``top[a, m]``: least extra time of the backward of blocks ``a..N-1`` plus the head's backward
   (``top[N, m] = 0`` iff ``m >= post``), first element a per-block option or a recompute
   segment ``[a, a+j)``, ``j <= N - a``.
@@ -65,20 +76,22 @@ class ChainBlock:
     fwd_ms: float
     """One replay."""
     options: tuple[BlockOption, ...]
-    """Top-level options (keep among them)."""
+    """Top-level options (keep first)."""
+    grad_slots: int = 0
+    """Its parameters' gradients (released from what it holds: see the module docstring)."""
 
     def signature(self) -> tuple:
         opts = tuple((o.retained_slots, o.working_slots, o.extra_ms) for o in self.options)
-        return (self.input_slots, self.saved_slots, self.working_slots, self.fwd_ms, opts)
+        return (self.input_slots, self.saved_slots, self.working_slots, self.grad_slots, self.fwd_ms, opts)
 
 
 @dataclass(kw_only=True, frozen=True)
 class ChainProblem:
     blocks: tuple[ChainBlock, ...]
     post_slots: int
-    """Head backward's working set (fixed post saved + temporaries)."""
+    """Head backward's need, gradient-adjusted: post saved + temporaries + sum grad_i - G."""
     capacity_slots: int
-    """Largest allowance the tables are built for."""
+    """Free slots at the start, gradient-adjusted (allowance - G); may be negative."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -92,52 +105,79 @@ class Element:
     children: tuple[Element, ...] = ()
 
 
+@dataclass(kw_only=True, frozen=True)
+class _Frame:
+    """Column range of the tables and the gradient prefix sums."""
+
+    lo: int
+    width: int
+    grad_prefix: np.ndarray
+
+    def column(self, m: int) -> int:
+        return min(m - self.lo, self.width - 1)
+
+    def grads(self, a: int, b: int) -> int:
+        return int(self.grad_prefix[b] - self.grad_prefix[a])
+
+
+def _frame(problem: ChainProblem) -> _Frame:
+    blocks = problem.blocks
+    needs = [b.working_slots - b.grad_slots for b in blocks]
+    needs += [o.working_slots - b.grad_slots for b in blocks for o in b.options]
+    lo = min(needs + [problem.post_slots])
+    keep_all = sum(max(0, b.saved_slots - b.grad_slots) for b in blocks) + max([0, problem.post_slots] + needs)
+    reach = problem.capacity_slots + sum(b.grad_slots for b in blocks)
+    hi = max(lo, min(reach, keep_all))
+    prefix = np.concatenate([[0], np.cumsum([b.grad_slots for b in blocks])]).astype(np.int64)
+    return _Frame(lo=lo, width=hi - lo + 1, grad_prefix=prefix)
+
+
 class ChainSolution:
     """The filled tables; `cost(m)` and `layout(m)` read them."""
 
-    def __init__(self, problem: ChainProblem, top: np.ndarray, top_choice: np.ndarray, inner, inner_choice, alike: bool):
-        self.problem, self.top, self.top_choice = problem, top, top_choice
+    def __init__(self, problem: ChainProblem, frame: _Frame, top: np.ndarray, top_choice: np.ndarray, inner, inner_choice, alike: bool):
+        self.problem, self.frame, self.top, self.top_choice = problem, frame, top, top_choice
         self.inner, self.inner_choice, self.alike = inner, inner_choice, alike
 
     def cost(self, m: int) -> float:
-        """Least extra ms with ``m`` slots (inf: infeasible)."""
-        return float(self.top[0, min(m, self.problem.capacity_slots)])
+        """Least extra ms with ``m`` free slots (inf: infeasible)."""
+        return _INF if m < self.frame.lo else float(self.top[0, self.frame.column(m)])
 
-    def min_feasible_slots(self) -> int | None:
-        finite = np.flatnonzero(np.isfinite(self.top[0]))
-        return int(finite[0]) if finite.size else None
+    def curve(self) -> list[tuple[int, float]]:
+        """``(m, least extra ms)`` for every column of the table."""
+        return [(k + self.frame.lo, float(c)) for k, c in enumerate(self.top[0])]
 
     def layout(self, m: int) -> tuple[Element, ...]:
-        """Top-level elements of the optimal plan for ``m`` slots."""
+        """Top-level elements of the optimal plan for ``m`` free slots."""
         with deep_recursion(len(self.problem.blocks)):
-            return self._layout(min(m, self.problem.capacity_slots))
+            return self._layout(m)
 
     def _layout(self, m: int) -> tuple[Element, ...]:
         out: list[Element] = []
         a, n = 0, len(self.problem.blocks)
         while a < n:
-            code = int(self.top_choice[a, m])
+            code = int(self.top_choice[a, self.frame.column(m)])
             block = self.problem.blocks[a]
             if code < 0:
                 option = block.options[-code - 1]
                 out.append(Element(start=a, stop=a + 1, option=option.label))
-                a, m = a + 1, m - option.retained_slots
+                a, m = a + 1, m - option.retained_slots + block.grad_slots
             else:
                 out.append(Element(start=a, stop=a + code, option=None, children=self._inner_layout(a, code, m)))
-                a, m = a + code, m - block.input_slots
+                a, m = a + code, m - block.input_slots + self.frame.grads(a, a + code)
         return tuple(out)
 
     def _inner_layout(self, a: int, length: int, m: int) -> tuple[Element, ...]:
         out: list[Element] = []
         while length > 0:
             row = 0 if self.alike else a
-            j = int(self.inner_choice[length][row, m])
+            j = int(self.inner_choice[length][row, self.frame.column(m)])
             block = self.problem.blocks[a]
             if j == 0:
-                a, length, m = a + 1, length - 1, m - block.saved_slots
+                a, length, m = a + 1, length - 1, m - block.saved_slots + block.grad_slots
                 continue
             out.append(Element(start=a, stop=a + j, option=None, children=self._inner_layout(a, j, m)))
-            a, length, m = a + j, length - j, m - block.input_slots
+            a, length, m = a + j, length - j, m - block.input_slots + self.frame.grads(a, a + j)
         return tuple(out)
 
 
@@ -175,13 +215,20 @@ def choose_quantum(sizes_bytes: list[int], allowance_bytes: int, max_slots: int)
 
 
 def _shift(rows: np.ndarray, shifts: np.ndarray) -> np.ndarray:
-    """``out[r, m] = rows[r, m - shifts[r]]`` (inf where ``m - shift < 0``)."""
+    """``out[r, k] = rows[r, k - shifts[r]]``: inf where ``k - shift < 0``, the last column where
+    it passes the end (costs do not rise with free memory; see `_frame` for why it is exact)."""
     width = rows.shape[1]
     if shifts.size and (shifts == shifts[0]).all():
         k = int(shifts[0])
-        out = np.full(rows.shape, _INF)
-        if k < width:
-            out[:, k:] = rows[:, : width - k]
+        out = np.empty(rows.shape)
+        if k >= 0:
+            out[:, : min(k, width)] = _INF
+            if k < width:
+                out[:, k:] = rows[:, : width - k]
+        else:
+            keep = max(width + k, 0)
+            out[:, :keep] = rows[:, -k : -k + keep]
+            out[:, keep:] = rows[:, width - 1 : width]
         return out
     idx = np.arange(width)[None, :] - shifts[:, None]
     out = np.take_along_axis(rows, np.clip(idx, 0, width - 1), axis=1)
@@ -189,35 +236,40 @@ def _shift(rows: np.ndarray, shifts: np.ndarray) -> np.ndarray:
     return out
 
 
+def _below(width: int, lo: int, needs: np.ndarray) -> np.ndarray:
+    """Mask of columns whose free slots ``m = k + lo`` are below each row's need."""
+    return np.arange(width)[None, :] < (needs - lo)[:, None]
+
+
 def solve_chain(problem: ChainProblem) -> ChainSolution:
     """Fill the inner and top tables (see the module docstring)."""
-    blocks = problem.blocks
-    alike = len({b.signature() for b in blocks}) <= 1
-    inner, inner_choice = (_inner_alike if alike else _inner_general)(problem)
-    top, top_choice = _top(problem, inner, alike)
-    return ChainSolution(problem, top, top_choice, inner, inner_choice, alike)
+    frame = _frame(problem)
+    alike = len({b.signature() for b in problem.blocks}) <= 1
+    inner, inner_choice = (_inner_alike if alike else _inner_general)(problem, frame)
+    top, top_choice = _top(problem, frame, inner, alike)
+    return ChainSolution(problem, frame, top, top_choice, inner, inner_choice, alike)
 
 
-def _keep_first(blocks, rest: np.ndarray, width: int) -> np.ndarray:
+def _keep_first(blocks, rest: np.ndarray, frame: _Frame) -> np.ndarray:
     """Cost of keeping the first block of each row, then the rest region in what is left."""
-    saved = np.array([b.saved_slots for b in blocks])
-    work = np.array([b.working_slots for b in blocks])
+    saved = np.array([b.saved_slots - b.grad_slots for b in blocks])
+    need = np.array([b.working_slots - b.grad_slots for b in blocks])
     out = _shift(rest, saved)
-    out[np.arange(width)[None, :] < work[:, None]] = _INF
+    out[_below(frame.width, frame.lo, need)] = _INF
     return out
 
 
-def _inner_alike(problem: ChainProblem):
+def _inner_alike(problem: ChainProblem, frame: _Frame):
     """Inner tables when every block is alike: one row per length, all children at once."""
-    n, width = len(problem.blocks), problem.capacity_slots + 1
+    n, width = len(problem.blocks), frame.width
     block = problem.blocks[0]
     table = np.zeros((n + 1, width))
     choice = np.zeros((n + 1, width), dtype=np.int32)
     for length in range(1, n + 1):
-        stacked = _keep_first([block], table[length - 1 : length], width)
+        stacked = _keep_first([block], table[length - 1 : length], frame)
         if length > 1:
             js = np.arange(1, length)
-            rest = _shift(table[length - 1 : 0 : -1], np.full(length - 1, block.input_slots))
+            rest = _shift(table[length - 1 : 0 : -1], block.input_slots - js * block.grad_slots)
             stacked = np.concatenate([stacked, block.fwd_ms * js[:, None] + table[1:length] + rest])
         choice[length] = np.argmin(stacked, axis=0)
         table[length] = stacked[choice[length], np.arange(width)]
@@ -234,21 +286,23 @@ class _Rows:
         return self.table[length : length + 1]
 
 
-def _inner_general(problem: ChainProblem):
+def _inner_general(problem: ChainProblem, frame: _Frame):
     """Inner tables for unlike blocks: row a of ``inner[l]`` is the region ``[a, a+l)``."""
-    blocks, width = problem.blocks, problem.capacity_slots + 1
+    blocks, width = problem.blocks, frame.width
     n = len(blocks)
     prefix = np.concatenate([[0.0], np.cumsum([b.fwd_ms for b in blocks])])
     inputs = np.array([b.input_slots for b in blocks])
+    gp = frame.grad_prefix
     inner = [np.zeros((n + 1, width))]
     choice = [np.zeros((n + 1, width), dtype=np.int32)]
     for length in range(1, n + 1):
         rows = n - length + 1
-        best = _keep_first(blocks[:rows], inner[length - 1][1 : rows + 1], width)
+        best = _keep_first(blocks[:rows], inner[length - 1][1 : rows + 1], frame)
         pick = np.zeros((rows, width), dtype=np.int32)
         for j in range(1, length):
             fwd = (prefix[j : j + rows] - prefix[:rows])[:, None]
-            cand = fwd + inner[j][:rows] + _shift(inner[length - j][j : j + rows], inputs[:rows])
+            held = inputs[:rows] - (gp[j : j + rows] - gp[:rows])
+            cand = fwd + inner[j][:rows] + _shift(inner[length - j][j : j + rows], held)
             better = cand < best
             best, pick = np.where(better, cand, best), np.where(better, j, pick)
         inner.append(best)
@@ -256,20 +310,21 @@ def _inner_general(problem: ChainProblem):
     return inner, choice
 
 
-def _top(problem: ChainProblem, inner, alike: bool):
+def _top(problem: ChainProblem, frame: _Frame, inner, alike: bool):
     """Top table, filled from the last block back; rows are start blocks ``a``."""
-    blocks, width = problem.blocks, problem.capacity_slots + 1
+    blocks, width = problem.blocks, frame.width
     n = len(blocks)
     prefix = np.concatenate([[0.0], np.cumsum([b.fwd_ms for b in blocks])])
+    gp = frame.grad_prefix
     top = np.full((n + 1, width), _INF)
-    top[n, problem.post_slots :] = 0.0
+    top[n, max(0, problem.post_slots - frame.lo) :] = 0.0
     choice = np.zeros((n + 1, width), dtype=np.int32)
     for a in range(n - 1, -1, -1):
         block = blocks[a]
-        opt_cost = _options_cost(block, top[a + 1], width)
+        opt_cost = _options_cost(block, top[a + 1], frame)
         js = np.arange(1, n - a + 1)
         seg_inner = inner.table[1 : n - a + 1] if alike else np.stack([inner[j][a] for j in js])
-        rest = _shift(top[a + 1 : n + 1], np.full(js.size, block.input_slots))
+        rest = _shift(top[a + 1 : n + 1], block.input_slots - (gp[a + js] - gp[a]))
         seg_cost = (prefix[a + js] - prefix[a])[:, None] + seg_inner + rest
         stacked = np.concatenate([opt_cost, seg_cost])
         pick = np.argmin(stacked, axis=0)
@@ -279,25 +334,33 @@ def _top(problem: ChainProblem, inner, alike: bool):
     return top, choice
 
 
-def _options_cost(block: ChainBlock, rest: np.ndarray, width: int) -> np.ndarray:
-    out = np.full((len(block.options), width), _INF)
-    for row, o in enumerate(block.options):
-        lo = max(o.working_slots, o.retained_slots)
-        if lo < width:
-            out[row, lo:] = o.extra_ms + rest[lo - o.retained_slots : width - o.retained_slots]
+def _options_cost(block: ChainBlock, rest: np.ndarray, frame: _Frame) -> np.ndarray:
+    shifts = np.array([o.retained_slots - block.grad_slots for o in block.options])
+    needs = np.array([o.working_slots - block.grad_slots for o in block.options])
+    extra = np.array([o.extra_ms for o in block.options])
+    out = extra[:, None] + _shift(np.broadcast_to(rest, (shifts.size, frame.width)), shifts)
+    out[_below(frame.width, frame.lo, needs)] = _INF
     return out
 
 
+_NONE = -(1 << 60)
+"""Need of an empty region: no block, no constraint."""
+
+
 def least_requirement(problem: ChainProblem) -> tuple[int, tuple[Element, ...]]:
-    """Least memory any layout needs (in the problem's units, no slot table) and one layout
-    reaching it: a min-max DP over the same space as `solve_chain`,
-    ``need[l][a] = min(max(work_a, saved_a + need[l-1][a+1]),
-                       min_{j<l} max(need[j][a], input_a + need[l-j][a+j]))``,
+    """Least free slots any layout needs (gradient-adjusted, as ``capacity_slots``) and one
+    layout reaching it: a min-max DP over the same space as `solve_chain` (primes: minus the
+    gradients, as in the module docstring),
+    ``need[l][a] = min(max(work'_a, saved'_a + need[l-1][a+1]),
+                       min_{j<l} max(need[j][a], input'_[a,a+j) + need[l-j][a+j]))``,
     with the top level closing on the head's backward."""
     blocks, n = problem.blocks, len(problem.blocks)
-    need = [np.zeros(n + 1, dtype=np.int64)]
+    gp = _frame(problem).grad_prefix
+    need = [np.full(n + 1, _NONE, dtype=np.int64)]
     pick = [np.zeros(n + 1, dtype=np.int64)]
     inputs = np.array([b.input_slots for b in blocks], dtype=np.int64)
+    works = np.array([b.working_slots - b.grad_slots for b in blocks], dtype=np.int64)
+    saves = np.array([b.saved_slots - b.grad_slots for b in blocks], dtype=np.int64)
     alike = len({b.signature() for b in blocks}) <= 1
     for length in range(1, n + 1):
         if alike:
@@ -306,36 +369,41 @@ def least_requirement(problem: ChainProblem) -> tuple[int, tuple[Element, ...]]:
             pick.append(np.full(n - length + 1, choice, dtype=np.int64))
             continue
         rows = n - length + 1
-        best = np.maximum([b.working_slots for b in blocks[:rows]], [b.saved_slots for b in blocks[:rows]] + need[length - 1][1 : rows + 1])
+        best = np.maximum(works[:rows], saves[:rows] + need[length - 1][1 : rows + 1])
         choice = np.zeros(rows, dtype=np.int64)
         for j in range(1, length):
-            cand = np.maximum(need[j][:rows], inputs[:rows] + need[length - j][j : j + rows])
+            held = inputs[:rows] - (gp[j : j + rows] - gp[:rows])
+            cand = np.maximum(need[j][:rows], held + need[length - j][j : j + rows])
             better = cand < best
             best, choice = np.where(better, cand, best), np.where(better, j, choice)
         need.append(best)
         pick.append(choice)
     with deep_recursion(n):
-        return _least_top(problem, need, pick)
+        return _least_top(problem, need, pick, gp)
 
 
 def _least_alike(block: ChainBlock, need, length: int) -> tuple[int, int]:
     """One length of the alike-block table, every first child at once."""
+    g = block.grad_slots
     firsts = np.array([need[j][0] for j in range(length)], dtype=np.int64)
-    keep = max(block.working_slots, block.saved_slots + int(firsts[length - 1]))
+    keep = max(block.working_slots - g, block.saved_slots - g + int(firsts[length - 1]))
     if length == 1:
         return keep, 0
-    cands = np.maximum(firsts[1:length], block.input_slots + firsts[length - 1 : 0 : -1])
+    js = np.arange(1, length)
+    cands = np.maximum(firsts[1:length], block.input_slots - js * g + firsts[length - 1 : 0 : -1])
     j = int(np.argmin(cands))
     return (keep, 0) if keep <= cands[j] else (int(cands[j]), j + 1)
 
 
-def _least_top(problem: ChainProblem, need, pick) -> tuple[int, tuple[Element, ...]]:
+def _least_top(problem: ChainProblem, need, pick, gp: np.ndarray) -> tuple[int, tuple[Element, ...]]:
     blocks, n = problem.blocks, len(problem.blocks)
     top = [0] * n + [problem.post_slots]
     code = [0] * (n + 1)
     for a in range(n - 1, -1, -1):
-        cands = [max(o.working_slots, o.retained_slots + top[a + 1]) for o in blocks[a].options]
-        cands += [max(int(need[j][a]), blocks[a].input_slots + top[a + j]) for j in range(1, n - a + 1)]
+        g = blocks[a].grad_slots
+        cands = [max(o.working_slots - g, o.retained_slots - g + top[a + 1]) for o in blocks[a].options]
+        cands += [max(int(need[j][a]), blocks[a].input_slots - int(gp[a + j] - gp[a]) + top[a + j])
+                  for j in range(1, n - a + 1)]
         k = int(np.argmin(cands))
         top[a] = cands[k]
         code[a] = -(k + 1) if k < len(blocks[a].options) else k - len(blocks[a].options) + 1

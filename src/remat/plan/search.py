@@ -106,7 +106,7 @@ class OptimalSearch:
         if allowance < 0:
             return None
         solution, quantum = self._solve(allowance)
-        slots = allowance // quantum
+        slots = solution.problem.capacity_slots
         if not math.isfinite(solution.cost(slots)):
             return None
         segments = self._segments(solution.layout(slots))
@@ -120,9 +120,8 @@ class OptimalSearch:
     def frontier_segments(self) -> list[tuple[Segment, ...]]:
         """One optimal layout per step of the DP's cost-vs-slots curve."""
         solution, _ = self._solve(self._keep_all_allowance(), to_keep_all=True)
-        costs = solution.top[0]
         out, last = [], math.inf
-        for m, cost in enumerate(costs):
+        for m, cost in solution.curve():
             if cost < last:
                 out.append(self._segments(solution.layout(m)))
                 last = cost
@@ -174,7 +173,7 @@ class OptimalSearch:
         """Tables up to ``allowance``; ``to_keep_all``: up to what keeping every block needs in
         rounded slots (>= allowance // quantum), so the no-recomputation end is in the table."""
         quantum = choose_quantum(self._sizes(), allowance, self._slot_limit())
-        problem = self._problem(quantum, allowance // quantum)
+        problem = self._problem(quantum, (allowance - self.profile.grad_bytes) // quantum)
         if to_keep_all:
             problem = ChainProblem(blocks=problem.blocks, post_slots=problem.post_slots,
                                    capacity_slots=max(problem.capacity_slots, _keep_all_slots(problem)))
@@ -190,28 +189,30 @@ class OptimalSearch:
         return int(max(64, min(MAX_SLOTS, cells / max(work, 1.0))))
 
     def _sizes(self) -> list[int]:
-        sizes = [_head_bytes(self.profile)]
+        sizes = [_head_bytes(self.profile), self.profile.grad_bytes]
         for i, block in enumerate(self.profile.blocks):
             keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
-            grads = grad_bytes_live(self.profile, i)
-            sizes += [block.input_bytes, keep.retained_bytes, keep.working_bytes + grads]
+            sizes += [block.input_bytes, keep.retained_bytes, keep.working_bytes, block.grad_bytes]
             sizes += [p.cost.retained_bytes for p in self.options()[i]]
-            sizes += [p.cost.working_bytes + grads for p in self.options()[i]]
+            sizes += [p.cost.working_bytes for p in self.options()[i]]
         return sizes
 
     def _problem(self, quantum: int, capacity: int) -> ChainProblem:
+        """Slots, gradient-adjusted as in `remat.plan.chain_dp`: the head needs its bytes plus
+        the blocks' gradients minus all gradients."""
         blocks = tuple(self._chain_block(i, quantum) for i in range(self.profile.num_blocks))
-        return ChainProblem(blocks=blocks, post_slots=_ceil(_head_bytes(self.profile), quantum), capacity_slots=capacity)
+        block_grads = sum(b.grad_bytes for b in self.profile.blocks)
+        head = _head_bytes(self.profile) + block_grads - self.profile.grad_bytes
+        return ChainProblem(blocks=blocks, post_slots=_ceil(head, quantum), capacity_slots=capacity)
 
     def _chain_block(self, i: int, quantum: int) -> ChainBlock:
         keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
         replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
-        grads = grad_bytes_live(self.profile, i)
         options = _slot_pareto(
             BlockOption(
                 label=k,
                 retained_slots=_ceil(p.cost.retained_bytes, quantum),
-                working_slots=_ceil(p.cost.working_bytes + grads, quantum),
+                working_slots=_ceil(p.cost.working_bytes, quantum),
                 extra_ms=p.cost.extra_ms,
             )
             for k, p in enumerate(self.options()[i])
@@ -219,9 +220,10 @@ class OptimalSearch:
         return ChainBlock(
             input_slots=_ceil(replay.retained_bytes, quantum),
             saved_slots=_ceil(keep.retained_bytes, quantum),
-            working_slots=_ceil(keep.working_bytes + grads, quantum),
+            working_slots=_ceil(keep.working_bytes, quantum),
             fwd_ms=replay.extra_ms,
             options=options,
+            grad_slots=self.profile.blocks[i].grad_bytes // quantum,
         )
 
     def _segments(self, elements: tuple[Element, ...]) -> tuple[Segment, ...]:
@@ -236,11 +238,12 @@ class OptimalSearch:
 
 
 def _keep_all_slots(problem: ChainProblem) -> int:
-    """Slots keeping every block needs (option 0 is keep)."""
-    held, need = 0, 0
+    """Gradient-adjusted slots keeping every block needs (option 0 is keep)."""
+    held, need = 0, problem.post_slots
     for block in problem.blocks:
         keep = block.options[0]
-        need, held = max(need, held + keep.working_slots), held + keep.retained_slots
+        need = max(need, held + keep.working_slots - block.grad_slots)
+        held += keep.retained_slots - block.grad_slots
     return max(need, held + problem.post_slots)
 
 
