@@ -42,6 +42,7 @@ def test_both_languages_have_the_same_questions_options_and_keys():
         assert _fields(q_en.live_claim) == _fields(q_vi.live_claim), q_en.id
         assert q_en.prompt != q_vi.prompt and q_en.options != q_vi.options
     assert {k: _fields(v) for k, v in en.ui.items()} == {k: _fields(v) for k, v in vi.ui.items()}
+    assert {k: _fields(v) for k, v in en.live_labels.items()} == {k: _fields(v) for k, v in vi.live_labels.items()}
 
 
 def _fields(template: str) -> set[str]:

@@ -45,6 +45,9 @@ def test_every_claim_renders_in_both_languages(demos, language):
     for q in load_quiz(language).questions:
         line = q.live_claim.format(**demos[q.id].values)
         assert "{" not in line and len(line) > 20
+        for row in demos[q.id].rows:
+            assert row.label in load_quiz(language).live_labels, row.label
+            assert "{" not in load_quiz(language).label(row.label, **row.fields)
 
 
 def test_q1_full_recomputation_costs_flops_not_gradients(demos):
@@ -118,5 +121,9 @@ def test_cli_live_renders_each_demonstration(demos, invoke, monkeypatch):
     assert result.exit_code == 0, result.output
     assert result.stdout.count("Measured on this machine by remat") == 8
     assert "(holds)" in result.stdout and "does NOT hold" not in result.stdout
+    assert "fitted exponent: no recomputation / sqrt(N) segments" in result.stdout
+    vi = invoke("quiz", "--answers", "B,D,A,C,D,B,C,A", "--lang", "vi", "--live", env={"COLUMNS": "400"})
+    assert vi.stdout.count("Đo trên máy này bằng remat") == 8 and vi.stdout.count("(đúng)") == 8
+    assert "số mũ ước lượng: không tính toán lại / sqrt(N) đoạn" in vi.stdout
     doc = json.loads(invoke("quiz", "--answers", "B,D,A,C,D,B,C,A", "--json", "--live").stdout)
     assert all(entry["available"] and entry["holds"] for entry in doc["live"].values())

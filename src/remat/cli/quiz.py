@@ -156,8 +156,8 @@ def _print_live(quiz: Quiz, q: Question) -> None:
         console.print(f"[yellow]{escape(quiz.text('live_unavailable', reason=reason))}[/]\n")
         return
     table = Table(title=quiz.text("live"), title_justify="left", show_header=False)
-    for label, value in demo.rows:
-        table.add_row(escape(label), escape(value))
+    for row in demo.rows:
+        table.add_row(escape(quiz.label(row.label, **row.fields)), escape(row.value))
     console.print(table)
     verdict = quiz.text("live_holds") if demo.holds else quiz.text("live_fails")
     colour = "green" if demo.holds else "red"

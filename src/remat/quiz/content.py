@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
@@ -72,6 +72,8 @@ class Quiz:
     ui: Mapping[str, str]
     """Interface strings (``str.format`` templates) by key: ``right``, ``wrong``, ``score``..."""
     questions: tuple[Question, ...]
+    live_labels: Mapping[str, str] = field(default_factory=dict)
+    """Labels of the live measurements' table lines (``str.format`` templates) by key."""
 
     @property
     def answer_key(self) -> str:
@@ -81,6 +83,10 @@ class Quiz:
     def text(self, key: str, **values: Any) -> str:
         """The interface string ``key`` in this language, formatted with ``values``."""
         return self.ui[key].format(**values)
+
+    def label(self, key: str, **fields: Any) -> str:
+        """The live-table label ``key`` in this language; the key itself if the data lacks it."""
+        return self.live_labels.get(key, key).format(**fields)
 
 
 def load_quiz(language: str = "en") -> Quiz:
@@ -112,7 +118,8 @@ def _quiz_from_document(doc: Mapping[str, Any], language: str) -> Quiz:
         )
         for i, q in enumerate(doc["questions"])
     )
-    return Quiz(language=language, title=doc["title"], intro=doc["intro"], ui=dict(doc["ui"]), questions=questions)
+    return Quiz(language=language, title=doc["title"], intro=doc["intro"], ui=dict(doc["ui"]),
+                questions=questions, live_labels=dict(doc.get("live_labels", {})))
 
 
 def default_language(environ: Mapping[str, str] | None = None) -> str:

@@ -27,6 +27,22 @@ KIB = 1024
 
 
 @dataclass(kw_only=True, frozen=True)
+class Row:
+    """One line of a demonstration's table."""
+
+    label: str
+    """Key of the line's label in the quiz data (``live_labels``), translated by the renderer."""
+    value: str
+    """The formatted measurement, e.g. ``"3,080.0 KiB"``."""
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    """Values the label template formats, e.g. ``{"block": "blocks.0"}``."""
+
+
+def _row(label: str, value: str, **fields: Any) -> Row:
+    return Row(label=label, value=value, fields=fields)
+
+
+@dataclass(kw_only=True, frozen=True)
 class Demonstration:
     """What one live measurement found."""
 
@@ -36,8 +52,8 @@ class Demonstration:
     """The measured numbers (and short names) the question's ``live_claim`` template formats."""
     holds: bool
     """Whether the answer's claim holds in this measurement."""
-    rows: tuple[tuple[str, str], ...] = field(default_factory=tuple)
-    """Label and formatted value per measured quantity, for a table."""
+    rows: tuple[Row, ...] = field(default_factory=tuple)
+    """One formatted value per measured quantity, for a table."""
 
 
 DEMONSTRATIONS: dict[str, Callable[[], Demonstration]] = {}
@@ -166,13 +182,13 @@ def extra_flops_of_full_recomputation() -> Demonstration:
         "grads_identical": check.grads_identical,
     }
     rows = (
-        ("model", f"gpt, {job.profile.num_blocks} blocks"),
-        ("forward + backward FLOPs, no recomputation", f"{base_flops / 1e9:.3f} GFLOP"),
-        ("extra FLOPs, full recomputation (counted)", f"{extra_flops / 1e9:.3f} GFLOP"),
-        ("extra FLOPs, full recomputation (predicted)", f"{full.prediction.extra_flops / 1e9:.3f} GFLOP"),
-        ("step time, no recomputation", f"{check.baseline_step_ms:.1f} ms"),
-        ("step time, full recomputation", f"{check.measured_step_ms:.1f} ms"),
-        ("gradients bit-identical", str(check.grads_identical)),
+        _row("model", f"gpt, {job.profile.num_blocks} blocks"),
+        _row("step_flops_none", f"{base_flops / 1e9:.3f} GFLOP"),
+        _row("extra_flops_counted", f"{extra_flops / 1e9:.3f} GFLOP"),
+        _row("extra_flops_predicted", f"{full.prediction.extra_flops / 1e9:.3f} GFLOP"),
+        _row("step_ms_none", f"{check.baseline_step_ms:.1f} ms"),
+        _row("step_ms_full", f"{check.measured_step_ms:.1f} ms"),
+        _row("grads_identical", str(check.grads_identical)),
     )
     return Demonstration(question_id="tradeoff", values=values, holds=extra_flops > 0 and check.grads_identical, rows=rows)
 
@@ -219,17 +235,17 @@ def what_autograd_saves() -> Demonstration:
         "num_blocks": job.profile.num_blocks,
         "saved_kib_all_blocks": _kib(sum(b.saved_bytes for b in job.profile.blocks)),
     }
-    rows = ((f"{block.name}: saved for backward", _fmt_kib(block.saved_bytes)),
-            (f"{block.name}: its own weights", _fmt_kib(params)))
-    rows += tuple((f"  {name} (x{n})", _fmt_kib(b)) for name, n, b in by_op)
+    rows = (_row("block_saved", _fmt_kib(block.saved_bytes), block=block.name),
+            _row("block_weights", _fmt_kib(params), block=block.name))
+    rows += tuple(_row("saving_op", _fmt_kib(b), op=name, calls=n) for name, n, b in by_op)
     return Demonstration(question_id="why-saved", values=values, holds=block.saved_bytes > 0 and bool(by_op), rows=rows)
 
 
 # ---------------------------------------------------------------- Q3: the overhead depends on the model
 
 _Q3_MODELS: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("gpt (large LM head)", "gpt", {"vocab_size": 4096}),
-    ("mlp (blocks only)", "mlp", {"depth": 8, "width": 256, "batch_size": 64}),
+    ("gpt, vocab 4096", "gpt", {"vocab_size": 4096}),
+    ("mlp, 8 blocks", "mlp", {"depth": 8, "width": 256, "batch_size": 64}),
 )
 
 
@@ -254,10 +270,10 @@ def same_strategy_two_models() -> Demonstration:
         "extra_flops_a_pct": flops_a, "extra_flops_b_pct": flops_b,
     }
     rows = (
-        (f"{label_a}: step time overhead", f"{time_a:+.1f} %"),
-        (f"{label_a}: extra FLOPs", f"{flops_a:+.1f} %"),
-        (f"{label_b}: step time overhead", f"{time_b:+.1f} %"),
-        (f"{label_b}: extra FLOPs", f"{flops_b:+.1f} %"),
+        _row("overhead_time", f"{time_a:+.1f} %", model=label_a),
+        _row("overhead_flops", f"{flops_a:+.1f} %", model=label_a),
+        _row("overhead_time", f"{time_b:+.1f} %", model=label_b),
+        _row("overhead_flops", f"{flops_b:+.1f} %", model=label_b),
     )
     # FLOP counts are exact, times are not: the claim is judged on the counted replay work.
     return Demonstration(question_id="measure-overhead", values=values, holds=abs(flops_a - flops_b) >= 5.0, rows=rows)
@@ -298,9 +314,9 @@ def sqrt_segments_scaling() -> Demonstration:
     values = {"exponent": exponent, "exponent_none": exponent_none,
               "sqrt_kib": [_kib(b) for b in sqrt_bytes], "none_kib": [_kib(b) for b in none_bytes]}
     rows = tuple(
-        (f"{depth} blocks: no recomputation / sqrt(N) segments", f"{_fmt_kib(n)} / {_fmt_kib(s)}")
+        _row("chain_bytes", f"{_fmt_kib(n)} / {_fmt_kib(s)}", depth=depth)
         for depth, n, s in zip(SQRT_DEPTHS, none_bytes, sqrt_bytes)
-    ) + (("fitted exponent: none / sqrt", f"{exponent_none:.2f} / {exponent:.2f}"),)
+    ) + (_row("fitted_exponent", f"{exponent_none:.2f} / {exponent:.2f}"),)
     return Demonstration(question_id="sqrt-n", values=values, holds=0.4 <= exponent <= 0.6, rows=rows)
 
 
@@ -323,8 +339,7 @@ def selective_against_full() -> Demonstration:
     values = {f"{name}_kib": _kib(b) for name, b in act.items()}
     values |= {f"{name}_ms": ms for name, ms in step_ms.items()}
     values |= {f"{name}_extra_gflops": flops / 1e9 for name, flops in extra.items()}
-    rows = tuple((f"{name}: activations at peak / step time / extra FLOPs",
-                  f"{_fmt_kib(act[name])} / {step_ms[name]:.1f} ms / {extra[name] / 1e9:.3f} GFLOP")
+    rows = tuple(_row(f"strategy_{name}", f"{_fmt_kib(act[name])} / {step_ms[name]:.1f} ms / {extra[name] / 1e9:.3f} GFLOP")
                  for name in ("keep", "selective", "full"))
     holds = (act["full"] <= act["selective"] < act["keep"] and extra["selective"] < extra["full"]
              and all(c.grads_identical for c in checks.values()))
@@ -371,13 +386,12 @@ def disk_offload_memory() -> Demonstration:
     moved = plan.prediction.offloaded_bytes
     values = {"before_kib": _kib(before), "after_kib": _kib(after),
               "offloaded_kib": _kib(moved), "grads_identical": check.grads_identical}
-    rows = (("live bytes after the forward, no offload", _fmt_kib(before)),
-            ("live bytes after the forward, disk offload", _fmt_kib(after)),
-            ("bytes written to disk per step (planned)", _fmt_kib(moved)),
-            ("step peak, no offload / disk offload",
-             f"{_fmt_kib(check.baseline_peak_bytes)} / {_fmt_kib(check.measured_peak_bytes)}"),
-            ("step time, no offload / disk offload", f"{check.baseline_step_ms:.1f} ms / {check.measured_step_ms:.1f} ms"),
-            ("gradients bit-identical", str(check.grads_identical)))
+    rows = (_row("after_forward_none", _fmt_kib(before)),
+            _row("after_forward_offload", _fmt_kib(after)),
+            _row("written_to_disk", _fmt_kib(moved)),
+            _row("peak_none_offload", f"{_fmt_kib(check.baseline_peak_bytes)} / {_fmt_kib(check.measured_peak_bytes)}"),
+            _row("step_ms_none_offload", f"{check.baseline_step_ms:.1f} ms / {check.measured_step_ms:.1f} ms"),
+            _row("grads_identical", str(check.grads_identical)))
     holds = after < before and moved > 0 and check.grads_identical
     return Demonstration(question_id="offload", values=values, holds=holds, rows=rows)
 
@@ -431,9 +445,9 @@ def dropout_replay_rng() -> Demonstration:
     values = {"diff_preserved": _max_abs_diff(baseline, preserved),
               "diff_not_preserved": _max_abs_diff(baseline, not_preserved),
               "identical_preserved": identical, "differ_not_preserved": differ}
-    rows = (("remat full recomputation (RNG preserved): max |grad diff|", f"{values['diff_preserved']:.3e}"),
-            ("torch checkpoint, preserve_rng_state=False: max |grad diff|", f"{values['diff_not_preserved']:.3e}"),
-            ("gradients bit-identical with RNG preserved", str(identical)))
+    rows = (_row("diff_preserved", f"{values['diff_preserved']:.3e}"),
+            _row("diff_not_preserved", f"{values['diff_not_preserved']:.3e}"),
+            _row("grads_identical", str(identical)))
     return Demonstration(question_id="rng", values=values, holds=identical and differ, rows=rows)
 
 
@@ -460,11 +474,11 @@ def optimizer_state_over_budget() -> Demonstration:
     values = {"optimizer_state_kib": _kib(prof.optimizer_state_bytes), "budget_kib": _kib(budget),
               "param_kib": _kib(prof.param_bytes),
               "reason": reason.splitlines()[0] if reason else "a plan was found"}
-    rows = (("parameters", _fmt_kib(prof.param_bytes)), ("gradients", _fmt_kib(prof.grad_bytes)),
-            (f"{prof.optimizer_name} optimizer state", _fmt_kib(prof.optimizer_state_bytes)),
-            ("activations (saved by autograd)", _fmt_kib(prof.saved_bytes)),
-            ("predicted peak with full recomputation", _fmt_kib(full.prediction.peak_bytes)),
-            ("budget", _fmt_kib(budget)),
-            ("the planner's answer", reason or "a plan was found"))
+    rows = (_row("parameters", _fmt_kib(prof.param_bytes)), _row("gradients", _fmt_kib(prof.grad_bytes)),
+            _row("optimizer_state", _fmt_kib(prof.optimizer_state_bytes), optimizer=prof.optimizer_name),
+            _row("activations", _fmt_kib(prof.saved_bytes)),
+            _row("peak_full", _fmt_kib(full.prediction.peak_bytes)),
+            _row("budget", _fmt_kib(budget)),
+            _row("planner_answer", reason or "-"))
     holds = bool(reason) and "optimizer state" in reason.lower() and full.prediction.peak_bytes > budget
     return Demonstration(question_id="optimizer-state", values=values, holds=holds, rows=rows)
