@@ -258,3 +258,21 @@ def test_forward_temporaries_of_an_mlp_block_by_hand():
     assert result.blocks[0].saved_bytes == row and result.blocks[0].fwd_temp_bytes == 2 * row - row
     assert [b.saved_bytes for b in result.blocks[1:]] == [2 * row] * 2
     assert [b.fwd_temp_bytes for b in result.blocks[1:]] == [2 * row - 2 * row] * 2
+
+
+@pytest.mark.parametrize("attention", ["explicit", "sdpa"])
+def test_flops_agree_with_flop_counter_mode(attention):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    # Without dropout, CPU SDPA runs one fused kernel (with dropout it decomposes into bmm...).
+    built = build("gpt", **TINY_GPT, attention=attention, dropout=0.0)
+    result = profile(built.model, built.batch, optimizer=built.optimizer, repeats=1)
+    x = torch.randn(2, 16, 32)
+    with FlopCounterMode(display=False) as counter:
+        built.model.blocks[0](x)
+    names = {op.name for op in result.blocks[0].ops}
+    missed = 0
+    if attention == "sdpa":  # one fused kernel FlopCounterMode does not count on the CPU
+        assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in names
+        missed = 2 * (2 * 2 * 16 * 16 * 16)  # Q K^T and P V: batch 2, heads 2, T 16, head dim 16
+    assert result.blocks[0].fwd_flops == counter.get_total_flops() + missed
