@@ -28,7 +28,7 @@ def make_plan(model: nn.Module, batch: Any, names: list[str], segments: list[Seg
                 prediction=PREDICTION, fingerprint=fingerprint(model, batch))
 
 
-def train(model: nn.Module, batch: Any, loss_fn: Any = None, plan: Plan | None = None, *, steps: int = 3,
+def train(model: nn.Module, batch: Any, loss_fn: Any = None, plan: Plan | None = None, *, steps: int = 2,
           seed: int = 1) -> list[dict[str, Any]]:
     """Train a deep copy for ``steps`` AdamW steps; per step: loss, grads, state_dict."""
     model = copy.deepcopy(model)

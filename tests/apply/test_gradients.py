@@ -72,7 +72,7 @@ def test_batchnorm_buffers_advance_once_per_step():
     built = build("convnet", **MODELS[3][1])
     names = [n for n, _ in find_blocks(built.model)]
     plan = make_plan(built.model, built.batch, names, [seg(0, len(names))])
-    history = train(built.model, built.batch, built.loss_fn, plan)
+    history = train(built.model, built.batch, built.loss_fn, plan, steps=3)
     assert history[-1]["state"]["blocks.0.bn1.num_batches_tracked"].item() == 3
-    baseline = train(built.model, built.batch, built.loss_fn)
+    baseline = train(built.model, built.batch, built.loss_fn, steps=3)
     assert torch.equal(history[-1]["state"]["blocks.0.bn1.running_mean"], baseline[-1]["state"]["blocks.0.bn1.running_mean"])
