@@ -57,15 +57,18 @@ def _configure_dynamo() -> None:
 
 
 def _frontier_plans(profile: object, count: int) -> tuple[list[tuple[int, float]], list[tuple[str, object]]]:
+    """remat's predicted frontier, and ``count`` of its plans to measure, spread evenly from the
+    fastest to the lowest-peak plan (both ends included)."""
     import remat
 
     frontier = list(remat.pareto(profile))
     points = [(p.prediction.peak_bytes, p.prediction.step_ms) for p in frontier]
     if count <= 0 or not frontier:
         return points, []
-    step = max(1, len(frontier) // count)
-    chosen = frontier[::step][:count]
-    return points, [(f"frontier @ {p.prediction.peak_bytes / results.MIB:.1f} MiB", p) for p in chosen]
+    last = len(frontier) - 1
+    indices = sorted({round(i * last / max(1, count - 1)) for i in range(count)}) if count > 1 else [last]
+    return points, [(f"frontier @ {frontier[i].prediction.peak_bytes / results.MIB:.1f} MiB", frontier[i])
+                    for i in indices]
 
 
 def run(args: argparse.Namespace) -> Suite:

@@ -15,7 +15,7 @@ block's backward starts from different gradient bytes and the DP takes the unlik
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import os
 import platform
 import random
 import time
@@ -88,14 +88,16 @@ def chain_profile(num_blocks: int, jitter: float, seed: int = 0) -> Profile:
     )
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """Median seconds of ``repeats`` calls, and the last result."""
-    times, result = [], None
+def timed(fn, repeats: int) -> tuple[float, float, object]:
+    """Median wall seconds and median CPU seconds of ``repeats`` calls, and the last result.
+    CPU seconds (this process) stay meaningful when other jobs share the cores."""
+    walls, cpus, result = [], [], None
     for _ in range(repeats):
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         result = fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2], result
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return sorted(walls)[len(walls) // 2], sorted(cpus)[len(cpus) // 2], result
 
 
 def run(cases: list[tuple[int, str]], repeats: int) -> list[dict]:
@@ -104,10 +106,10 @@ def run(cases: list[tuple[int, str]], repeats: int) -> list[dict]:
         prof = chain_profile(num_blocks, jitter=0.05 if kind == "unlike" else 0.0)
         baseline = plan(prof, strategy="none").prediction
         budget = baseline.peak_bytes // 2
-        seconds, result = timed(lambda: plan(prof, budget=budget), repeats if num_blocks <= 100 else 1)
+        seconds, cpu_seconds, result = timed(lambda: plan(prof, budget=budget), repeats if num_blocks <= 100 else 1)
         full = plan(prof, strategy="full").prediction
         rows.append(dict(
-            blocks=num_blocks, kind=kind, seconds=seconds, budget_mib=budget / MIB,
+            blocks=num_blocks, kind=kind, seconds=seconds, cpu_seconds=cpu_seconds, budget_mib=budget / MIB,
             peak_mib=result.prediction.peak_bytes / MIB,
             overhead_pct=100 * (result.prediction.step_ms / baseline.step_ms - 1),
             full_peak_mib=full.peak_bytes / MIB, full_overhead_pct=100 * (full.step_ms / baseline.step_ms - 1),
@@ -117,12 +119,12 @@ def run(cases: list[tuple[int, str]], repeats: int) -> list[dict]:
 
 def markdown(rows: list[dict], pareto_row: tuple[int, float, int]) -> str:
     lines = [
-        "| blocks | blocks alike? | optimal: seconds | budget MiB | planned peak MiB | planned overhead | full recompute: peak MiB, overhead |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| blocks | blocks alike? | optimal: wall s | optimal: CPU s | budget MiB | planned peak MiB | planned overhead | full recompute: peak MiB, overhead |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['blocks']} | {r['kind']} | {r['seconds']:.2f} | {r['budget_mib']:.0f} | {r['peak_mib']:.0f} | "
+            f"| {r['blocks']} | {r['kind']} | {r['seconds']:.2f} | {r['cpu_seconds']:.2f} | {r['budget_mib']:.0f} | {r['peak_mib']:.0f} | "
             f"{r['overhead_pct']:+.1f}% | {r['full_peak_mib']:.0f}, {r['full_overhead_pct']:+.1f}% |"
         )
     n, seconds, points = pareto_row
@@ -138,7 +140,7 @@ def main() -> None:
     cases = [(10, "alike"), (100, "alike"), (100, "unlike"), (1000, "alike")]
     rows = run(cases, args.repeats)
     prof = chain_profile(24, 0.0)
-    seconds, frontier = timed(lambda: pareto(prof), 1)
+    seconds, _, frontier = timed(lambda: pareto(prof), 1)
     text = markdown(rows, (24, seconds, len(frontier)))
     print(text)
     if args.markdown is not None:
@@ -150,7 +152,8 @@ def _header() -> str:
     return (
         "## Planner speed (`benchmarks/planner_speed.py`)\n\n"
         f"`optimal` on synthetic transformer chains, budget = half the no-recomputation peak; "
-        f"machine: {platform.processor() or platform.machine()}, shared 2-core, Python {platform.python_version()}. "
+        f"machine: {platform.processor() or platform.machine()}, 2 cores shared with other jobs (load average "
+        f"{os.getloadavg()[0]:.1f} at the end of the run), Python {platform.python_version()}. "
         "Command: `.venv/bin/python -m benchmarks.planner_speed --markdown docs/bench_planner.md`.\n\n"
     )
 

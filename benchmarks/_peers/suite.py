@@ -90,7 +90,9 @@ def plan_summary(plan: Any) -> str:
     counts: dict[str, int] = {}
     for strategy in plan.block_strategies():
         counts[strategy] = counts.get(strategy, 0) + 1
-    return ", ".join(f"{s} x{n}" for s, n in counts.items())
+    pred = plan.prediction
+    return (", ".join(f"{s} x{n}" for s, n in counts.items())
+            + f"; predicted {pred.peak_bytes / 2**20:.1f} MiB, {pred.step_ms:.0f} ms")
 
 
 def remat_profile(workload: Workload) -> Any:

@@ -12,28 +12,28 @@ from remat.models import BuiltModel, build
 SIZE_NAMES = ("tiny", "small", "large")
 
 # Sizes per model and size name. ``tiny`` keeps the smoke test fast; ``small`` and ``large``
-# are the benchmark sizes (chosen so a full run of every model stays under ~15 minutes on a
-# 2-core CPU while activations dominate the step's memory).
+# are the benchmark sizes, chosen so a full run of every model stays within ~15 minutes on a
+# shared 2-core CPU while activations still dominate the step's memory.
 _SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "gpt": {
         "tiny": dict(num_layers=4, d_model=32, num_heads=2, seq_len=16, batch_size=2, vocab_size=64),
-        "small": dict(num_layers=6, d_model=128, num_heads=4, seq_len=128, batch_size=8, vocab_size=512),
-        "large": dict(num_layers=12, d_model=256, num_heads=8, seq_len=256, batch_size=8, vocab_size=1024),
+        "small": dict(num_layers=4, d_model=128, num_heads=4, seq_len=64, batch_size=8, vocab_size=512),
+        "large": dict(num_layers=8, d_model=128, num_heads=4, seq_len=128, batch_size=8, vocab_size=512),
     },
     "mlp": {
         "tiny": dict(depth=9, width=32, batch_size=8),
-        "small": dict(depth=64, width=512, batch_size=512),
-        "large": dict(depth=144, width=1024, batch_size=512),
+        "small": dict(depth=32, width=256, batch_size=256),
+        "large": dict(depth=64, width=512, batch_size=256),
     },
     "convnet": {
         "tiny": dict(num_blocks=4, channels=4, image_size=8, batch_size=2),
-        "small": dict(num_blocks=8, channels=32, image_size=32, batch_size=16),
-        "large": dict(num_blocks=16, channels=64, image_size=32, batch_size=32),
+        "small": dict(num_blocks=8, channels=16, image_size=32, batch_size=8),
+        "large": dict(num_blocks=16, channels=32, image_size=32, batch_size=16),
     },
     "hf:gpt2": {
         "tiny": dict(num_layers=4, d_model=32, num_heads=2, seq_len=16, batch_size=2, vocab_size=64),
-        "small": dict(num_layers=6, d_model=128, num_heads=4, seq_len=128, batch_size=8, vocab_size=512),
-        "large": dict(num_layers=12, d_model=256, num_heads=8, seq_len=256, batch_size=8, vocab_size=1024),
+        "small": dict(num_layers=4, d_model=128, num_heads=4, seq_len=64, batch_size=8, vocab_size=512),
+        "large": dict(num_layers=8, d_model=128, num_heads=4, seq_len=128, batch_size=8, vocab_size=512),
     },
 }
 
