@@ -71,3 +71,12 @@ def test_a_plan_holding_more_than_the_baseline_says_more(profile, plans):
     lean = dataclasses.replace(profile, peak_bytes=80 * MIB)
     assert "1.4x less activation memory" in summary_sentence(profile, [plans["offload"]])
     assert "1.6x more activation memory" in summary_sentence(lean, [plans["offload"]])
+
+
+def test_gradient_verdicts(profile, plans):
+    close = dataclasses.replace(make_verification(), grads_identical=False, grad_max_abs_diff=2e-6, tolerance=1e-5)
+    far = dataclasses.replace(close, grad_max_abs_diff=3e-4)
+    assert summary_sentence(profile, list(plans.values()), [close]).endswith(
+        "gradients within tolerance (max difference 2.0e-06 <= 1.0e-05).")
+    assert summary_sentence(profile, list(plans.values()), [far]).endswith(
+        "gradients DIFFER (max difference 3.0e-04 > tolerance 1.0e-05).")

@@ -143,8 +143,12 @@ def _nothing_fits(plans: Sequence[Plan], budget: int, base: StepPoint) -> str:
 
 
 def _measured(ver: Verification) -> str:
-    grads = ("gradients bit-identical" if ver.grads_identical
-             else f"gradients within {ver.grad_max_abs_diff:.1e} (tolerance {ver.tolerance:.1e})")
+    if ver.grads_identical:
+        grads = "gradients bit-identical"
+    elif ver.ok:
+        grads = f"gradients within tolerance (max difference {ver.grad_max_abs_diff:.1e} <= {ver.tolerance:.1e})"
+    else:
+        grads = f"gradients DIFFER (max difference {ver.grad_max_abs_diff:.1e} > tolerance {ver.tolerance:.1e})"
     return (f"Measured: peak {format_bytes(ver.measured_peak_bytes)} "
             f"({format_pct(ver.peak_error_pct)} vs predicted), step {ver.measured_step_ms:.1f} ms "
             f"({format_pct(ver.overhead_pct)} vs baseline), {grads}.")
