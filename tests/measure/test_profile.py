@@ -274,5 +274,5 @@ def test_flops_agree_with_flop_counter_mode(attention):
     missed = 0
     if attention == "sdpa":  # one fused kernel FlopCounterMode does not count on the CPU
         assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in names
-        missed = 2 * (2 * 2 * 16 * 16 * 16)  # Q K^T and P V: batch 2, heads 2, T 16, head dim 16
+        missed = 2 * (2 * 2 * 2 * 16 * 16 * 16)  # Q K^T and P V, 2 FLOPs per MAC: batch 2, heads 2, T 16, head dim 16
     assert result.blocks[0].fwd_flops == counter.get_total_flops() + missed
