@@ -17,10 +17,14 @@ def test_sentence_names_the_fastest_fitting_plan_with_exact_numbers(profile, pla
 
 def test_sentence_adds_what_verification_measured(profile, plans, verification):
     text = summary_sentence(profile, list(plans.values()), [verification])
+    # measured 81 MiB is over the 80 MiB budget the plan was predicted to fit: the sentence says so
     assert text.endswith(
-        "Measured: peak 81.0 MiB (+2.5% vs predicted), step 35.0 ms (+15% vs baseline), "
-        "gradients bit-identical."
+        "Measured: peak 81.0 MiB (+2.5% vs predicted, over the 80.0 MiB budget), step 35.0 ms "
+        "(+15% vs baseline), gradients bit-identical."
     )
+    within = dataclasses.replace(verification, measured_peak_bytes=79 * MIB, peak_error_pct=0.0)
+    assert "Measured: peak 79.0 MiB (+0.0% vs predicted), step" in summary_sentence(
+        profile, list(plans.values()), [within])
 
 
 def test_nothing_fits_points_at_model_state(profile, plans):

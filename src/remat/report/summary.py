@@ -119,7 +119,7 @@ def summary_sentence(profile: Profile, plans: Sequence[Plan] = (),
     else:
         text = _fits(chosen, budget, base)
     ver = find_verification(chosen, verifications) if chosen is not None else None
-    return text if ver is None else f"{text} {_measured(ver)}"
+    return text if ver is None else f"{text} {_measured(ver, budget)}"
 
 
 def _fits(plan: Plan, budget: int | None, base: StepPoint) -> str:
@@ -142,13 +142,15 @@ def _nothing_fits(plans: Sequence[Plan], budget: int, base: StepPoint) -> str:
             "(fewer optimizer states, lower precision, a smaller batch).")
 
 
-def _measured(ver: Verification) -> str:
+def _measured(ver: Verification, budget: int | None) -> str:
     if ver.grads_identical:
         grads = "gradients bit-identical"
     elif ver.ok:
         grads = f"gradients within tolerance (max difference {ver.grad_max_abs_diff:.1e} <= {ver.tolerance:.1e})"
     else:
         grads = f"gradients DIFFER (max difference {ver.grad_max_abs_diff:.1e} > tolerance {ver.tolerance:.1e})"
+    over = (f", over the {format_bytes(budget)} budget"
+            if budget is not None and ver.measured_peak_bytes > budget else "")
     return (f"Measured: peak {format_bytes(ver.measured_peak_bytes)} "
-            f"({format_pct(ver.peak_error_pct)} vs predicted), step {ver.measured_step_ms:.1f} ms "
+            f"({format_pct(ver.peak_error_pct)} vs predicted{over}), step {ver.measured_step_ms:.1f} ms "
             f"({format_pct(ver.overhead_pct)} vs baseline), {grads}.")
