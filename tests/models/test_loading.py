@@ -34,6 +34,16 @@ def test_file_target(tmp_path: Path):
     assert built.loss_fn(built.model(built.batch), built.batch).dim() == 0
 
 
+def test_file_target_imports_its_neighbours(tmp_path: Path):
+    (tmp_path / "helper_mod_for_remat.py").write_text("WIDTH = 6\n")
+    (tmp_path / "main.py").write_text(
+        "import torch\nfrom torch import nn\nfrom helper_mod_for_remat import WIDTH\n"
+        "def build():\n    return nn.Sequential(nn.Linear(WIDTH, WIDTH)), torch.randn(1, WIDTH)\n"
+    )
+    built = load_target(f"{tmp_path / 'main.py'}:build")
+    assert built.model[0].in_features == 6 and built.loss_fn is None
+
+
 def test_file_target_errors(tmp_path: Path):
     path = tmp_path / "mine.py"
     path.write_text(BUILD_FILE)

@@ -59,7 +59,10 @@ def profile_command(
     console.print(profile_table(result, spec))
     console.print(state_summary(result))
     if json_path is not None:
-        result.save(json_path)
+        try:
+            result.save(json_path)
+        except OSError as error:
+            raise fail(f"cannot write {json_path}: {error.strerror}; pass --json with a writable path.") from None
         console.print(f"profile written to {json_path}")
 
 

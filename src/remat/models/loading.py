@@ -98,7 +98,11 @@ def _import_file(path: Path) -> Any:
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
-    module_spec.loader.exec_module(module)
+    sys.path.insert(0, str(path.resolve().parent))  # the file may import its neighbours
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.resolve().parent))
     return module
 
 
