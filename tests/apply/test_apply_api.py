@@ -218,3 +218,19 @@ def test_eval_and_no_grad_run_the_blocks_plainly():
         assert torch.equal(model(batch), expected)
     counter = _counts(model, batch, names)
     assert _addmm_relu(counter)[0] == (2, 2)
+
+
+def test_auto_profiles_plans_and_applies_within_the_budget():
+    from remat.apply.api import applied_plan, auto_
+    from remat.models import build
+
+    built = build("gpt", num_layers=3, d_model=16, num_heads=2, seq_len=32, batch_size=2, vocab_size=32)
+    baseline = train(built.model, built.batch, steps=1)
+    before = {k: v.clone() for k, v in built.model.state_dict().items()}
+    plan = auto_(built.model, built.batch, optimizer=built.optimizer, budget="85%", strategy="full")
+    assert applied_plan(built.model) is plan and plan.strategy_name == "full"
+    assert plan.budget_bytes is not None and plan.prediction.peak_bytes <= plan.budget_bytes
+    assert all(torch.equal(before[k], v) for k, v in built.model.state_dict().items())
+    assert_identical(baseline, train(built.model, built.batch, steps=1))
+    with pytest.raises(ValueError, match="already has a remat plan applied"):
+        auto_(built.model, built.batch, budget="85%")
