@@ -37,8 +37,9 @@ def test_gpt_layer_matches_korthikanti(seq: int) -> None:
     3. with GPU kernels dropout masks are 1-byte bool (``native_dropout``), as the paper assumes;
        the CPU's dropout saves its mask in the activation dtype, 2 bytes per element: +a*s*s*b
        for the attention dropout and +2*s*b*h for the two residual dropouts;
-    4. at micro-batch 1 (not used here) PyTorch's reshape of the transposed Q, K, V is a view,
-       so the 4*s*b*h + 2*s*b*h of Q/K and V copies saved by the matmuls would be absent.
+    4. (no byte difference) the matmuls save copies of Q, K and V (PyTorch's reshape of a
+       transposed tensor copies); at micro-batch 1 the reshape is a view and they save views of
+       the QKV projection's output instead: one 6*s*b*h storage, the same bytes.
     Everything else (QKV input, Q and K copies, softmax output, attention-dropout output, V copy,
     projection input, GELU input, FC2 input, LayerNorm inputs) matches the paper term by term.
     """

@@ -11,8 +11,8 @@
   traces at ``b = 2`` and ``b = 3`` give every count at any ``b >= 2`` exactly:
   ``f(b) = f(2) + (f(3) - f(2)) (b - 2)``. ``b = 1`` is traced on its own: with a batch
   dimension of 1, PyTorch's ``reshape`` of a transposed tensor is a view instead of a copy
-  (the copies of Q, K and V before an explicit attention matmul disappear), so ``b = 1`` is
-  not on the line.
+  (an explicit attention's matmuls save views of the QKV output instead of copies of Q, K
+  and V), so ``b = 1`` runs other ops and its per-op records are not on the line.
 - Time on a device: FLOPs at a stated MFU (backward = 2 x forward, the usual count for matmuls:
   one product for the input gradient, one for the weight gradient), and the optimizer step
   at memory bandwidth (it reads and writes every state byte once).
