@@ -30,6 +30,7 @@ def test_page_holds_the_numbers_of_its_inputs(page):
                      "500.0 MiB/s", "30.5 ms, peak 101.0 MiB"):
         assert env_fact in text, env_fact
     assert "bit-identical" in text and "as planned" in text
+    assert "<th>fits 80.0 MiB</th>" in page
     assert "remat run --model gpt --budget 80MiB" in text
 
 

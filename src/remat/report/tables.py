@@ -25,7 +25,8 @@ def plans_table(profile: Profile, plans: Sequence[Plan], verifications: Sequence
     base = baseline_point(profile, plans)
     rows = [_plan_row(profile, p, base.step_ms, budget_bytes, find_verification(p, verifications))
             for p in plans]
-    return PLAN_HEADERS, rows
+    fits = f"fits {format_bytes(budget_bytes)}" if budget_bytes is not None else "fits budget"
+    return tuple(fits if h == "fits budget" else h for h in PLAN_HEADERS), rows
 
 
 def _plan_row(profile: Profile, plan: Plan, base_ms: float, budget: int | None,
