@@ -19,7 +19,8 @@ from remat.apply.offload import OffloadEngine
 WIDTH, HIDDEN, ROWS, NUM_BLOCKS = 256, 512, 64, 4
 ROW_BYTES = ROWS * WIDTH * 4  # one (64, 256) float32 activation: 65536 bytes
 MID_BYTES = ROWS * HIDDEN * 4  # one (64, 512) float32 activation: 131072 bytes
-TOY_FILES = NUM_BLOCKS * 2 + NUM_BLOCKS - 1  # storages the toy offloads at min_bytes=1 (see test_disk)
+TOY_STORAGES = NUM_BLOCKS * 2 + NUM_BLOCKS - 1  # storages the toy offloads at min_bytes=1 (see test_disk)
+TOY_FILES = NUM_BLOCKS  # one file per block forward
 
 
 class Wrapped(nn.Module):

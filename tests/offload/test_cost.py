@@ -13,7 +13,7 @@ from remat.plan.predict import predict
 from remat.plan.types import Segment
 
 MiB = 1 << 20
-SMALL = 64 << 10  # a 64 KiB saved tensor: under the threshold, it stays
+SMALL = 16 << 10  # a 16 KiB saved tensor: under the threshold, it stays
 SAVED = 4 * MiB + 8 * MiB + 4 * MiB + SMALL  # input + mm output + gelu output + a small one
 MOVED = 16 * MiB
 FAST = float(2 << 30)  # 2 GiB/s: 16 MiB in 7.8125 ms

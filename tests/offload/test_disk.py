@@ -16,13 +16,13 @@ from remat.apply.offload import MIN_BYTES, OffloadEngine
 from remat.models import build
 
 from offload_helpers import (
-    MID_BYTES, NUM_BLOCKS, ROW_BYTES, TOY_FILES, LiveStorages, Wrapped, assert_grads_equal, dir_entries, toy_step,
+    MID_BYTES, NUM_BLOCKS, ROW_BYTES, TOY_FILES, TOY_STORAGES, LiveStorages, Wrapped, assert_grads_equal, dir_entries, toy_step,
 )
 
 # what the toy's blocks save, by hand: block 0 saves its two (64, 512) activations (GELU's input
 # and output; its own input x is a leaf the user holds), blocks 1..3 also their (64, 256) input.
 TOY_OFFLOADED_BYTES = NUM_BLOCKS * 2 * MID_BYTES + (NUM_BLOCKS - 1) * ROW_BYTES
-TOY_OFFLOADED_STORAGES = TOY_FILES
+TOY_OFFLOADED_STORAGES = TOY_STORAGES
 
 
 def test_toy_gradients_bit_identical_and_bytes_exact(toy, tmp_path):
@@ -73,7 +73,7 @@ def test_threshold_keeps_small_tensors(toy, tmp_path):
     assert engine.stats().offloaded_bytes == NUM_BLOCKS * 2 * MID_BYTES
     assert engine.stats().kept_tensors == 2 * NUM_BLOCKS + 1 + NUM_BLOCKS - 1
     engine.close()
-    assert MIN_BYTES == 1 << 20
+    assert MIN_BYTES == 64 << 10
 
 
 def test_files_private_and_deleted_after_the_step(toy, tmp_path):
@@ -89,7 +89,7 @@ def test_files_private_and_deleted_after_the_step(toy, tmp_path):
         seen["num_files"] = len(dir_entries(private))
 
     toy_step(blocks, x, engine, after_forward)
-    assert seen == {"dir_mode": 0o700, "file_modes": {0o600}, "num_files": TOY_OFFLOADED_STORAGES}
+    assert seen == {"dir_mode": 0o700, "file_modes": {0o600}, "num_files": TOY_FILES}
     assert dir_entries(engine.store.private_dir) == []  # each file deleted once read
     engine.close()
     assert not (tmp_path / "offload").exists()  # we made it, we removed it
@@ -103,7 +103,7 @@ def test_graph_dropped_without_backward_deletes_files(toy, tmp_path):
     for i, block in enumerate(blocks):
         h = Wrapped(block, f"blocks.{i}", engine)(h)
     engine.wait_writes()
-    assert len(engine.store.live_files()) == TOY_OFFLOADED_STORAGES
+    assert len(engine.store.live_files()) == TOY_FILES
     del h
     gc.collect()
     assert engine.store.live_files() == []

@@ -26,7 +26,7 @@ def _fault_after_forward(toy, tmp_path, damage, match):
         engine.wait_writes()
         files = engine.store.live_files()
         assert len(files) == TOY_FILES
-        damage(files[0])  # block 0's first file: read last, after other blocks came back
+        damage(files[0])  # block 0's file (two 131072-byte records): read last
 
     with pytest.raises(OffloadError, match=match):
         toy_step(blocks, x, engine, after_forward)
@@ -52,7 +52,7 @@ def test_corrupted_file(toy, tmp_path):
             f.seek(100)
             f.write(bytes([byte[0] ^ 0xFF]))
 
-    _fault_after_forward(toy, tmp_path, flip_byte, rf"checksum mismatch in offload file {tmp_path}/\S+ of {BLOCK}")
+    _fault_after_forward(toy, tmp_path, flip_byte, rf"checksum mismatch in offload file {tmp_path}/\S+-blocks\.0\.bin of {BLOCK} at offset 0")
 
 
 def test_truncated_file(toy, tmp_path):
@@ -60,7 +60,7 @@ def test_truncated_file(toy, tmp_path):
         os.truncate(path, os.path.getsize(path) - 7)
 
     _fault_after_forward(
-        toy, tmp_path, truncate, rf"offload file {tmp_path}/\S+ of {BLOCK} holds 131065 bytes but 131072 were written"
+        toy, tmp_path, truncate, rf"offload file {tmp_path}/\S+ of {BLOCK} holds 262137 bytes but its record at offset 131072 needs 262144"
     )
 
 
@@ -84,16 +84,16 @@ def test_disk_full_real_tiny_filesystem(toy, tmp_path):
 
 
 def test_disk_full_simulated(toy, tmp_path, monkeypatch):
-    """Without root: the file write raises ENOSPC after the first file, as a full disk does."""
-    real_write, calls = offload_disk.write_file, []
+    """Without root: the record write raises ENOSPC after the first record, as a full disk does."""
+    real_write, calls = offload_disk.write_at, []
 
-    def write_file_then_enospc(path, data):
-        calls.append(path)
+    def write_at_then_enospc(fd, offset, data):
+        calls.append(offset)
         if len(calls) > 1:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-        return real_write(path, data)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, offset, data)
 
-    monkeypatch.setattr(offload_disk, "write_file", write_file_then_enospc)
+    monkeypatch.setattr(offload_disk, "write_at", write_at_then_enospc)
     _fault_in_forward(toy, tmp_path, rf"could not write offload file {tmp_path}/\S+ for {BLOCK}: No space left on device")
 
 

@@ -7,7 +7,7 @@ import torch
 
 from remat.apply.offload import OffloadEngine
 
-from offload_helpers import TOY_FILES, assert_grads_equal, toy_blocks, toy_step
+from offload_helpers import TOY_STORAGES, assert_grads_equal, toy_blocks, toy_step
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="host offload moves CUDA tensors; no CUDA here")
 
@@ -45,7 +45,7 @@ def test_host_offload_gradients_identical_and_memory_freed():
     engine = OffloadEngine("cpu", min_bytes=1)
     got = toy_step(blocks, x, engine, measure("offload", engine))
     assert_grads_equal(got, want)
-    assert engine.stats().offloaded_storages == TOY_FILES
+    assert engine.stats().offloaded_storages == TOY_STORAGES
     assert live["keep"] - live["offload"] == engine.stats().offloaded_bytes
 
 

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import weakref
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -118,27 +118,32 @@ class _Fd:
                 self.lock.release()
 
 
-def _discard_file(path: str, fd: _Fd, writes: list[Future], live: set[str]) -> None:
-    """Finalizer of a block file: delete it, cancel its queued writes, close it after the running
-    ones. It never blocks and takes no shared lock: it may run inside any code that drops the last
-    reference (or in the garbage collector), in any thread."""
-    live.discard(path)
-    _unlink(path)  # a write still running lands in the unlinked inode, freed on close
-    running = [f for f in writes if not f.cancel() and not f.done()]
-    if not running:
-        fd.try_close()
+def _when_all_done(futures: list[Future], then) -> None:
+    """Call ``then()`` once every future has finished or been cancelled, without blocking
+    (`concurrent.futures.wait` never returns for a future cancelled by ``shutdown``)."""
+    if not futures:
+        then()
         return
-    remaining, count_lock = [len(running)], threading.Lock()
+    remaining, count_lock = [len(futures)], threading.Lock()
 
     def one_done(_f: Future) -> None:
         with count_lock:
             remaining[0] -= 1
             last = remaining[0] == 0
         if last:
-            fd.try_close()
+            then()
 
-    for f in running:
+    for f in futures:
         f.add_done_callback(one_done)
+
+
+def _discard_file(path: str, fd: _Fd, writes: list[Future], live: set[str]) -> None:
+    """Finalizer of a block file: delete it, cancel its queued writes, close it after the running
+    ones. It never blocks and takes no shared lock: it may run inside any code that drops the last
+    reference (or in the garbage collector), in any thread."""
+    live.discard(path)
+    _unlink(path)  # a write still running lands in the unlinked inode, freed on close
+    _when_all_done([f for f in writes if not f.cancel()], fd.try_close)
 
 
 class BlockFile:
@@ -170,12 +175,15 @@ class BlockFile:
             raise error from exc
 
     def seal(self) -> None:
-        """After the block's forward: flush the file once its writes are done, then close it."""
-        writes = list(self._writes)
-        self.store._submit(self._seal_job, writes)
+        """After the block's forward: flush and close the file once its writes have ended."""
+        self.store._submit(self._flush_job, list(self._writes))
 
-    def _seal_job(self, writes: list[Future]) -> None:
-        wait(writes)  # FIFO pool: every earlier job has started, so this cannot deadlock
+    def _flush_job(self, writes: list[Future]) -> None:
+        for f in writes:  # FIFO pool: each earlier job has started, so waiting cannot deadlock
+            try:
+                f.result()  # unlike concurrent.futures.wait, returns for futures cancelled by shutdown
+            except BaseException:  # noqa: BLE001 - a failed write reports itself
+                pass
         with self._fd.lock:
             if self._fd.fd is None:
                 return
@@ -354,7 +362,11 @@ class DiskStore:
                 jobs = list(self._jobs)
             if not jobs:
                 break
-            wait(jobs)
+            for job in jobs:
+                try:
+                    job.result()
+                except BaseException:  # noqa: BLE001 - failures surface through check()
+                    pass
         self.check()
 
     def purge(self) -> None:

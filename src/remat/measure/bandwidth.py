@@ -1,9 +1,9 @@
 """Transfer rates for the offload strategies, measured on this machine (fills `Bandwidths`).
 
 - Disk: sequential write then read of one file in the offload directory, through the very I/O
-  path the disk offload uses (`remat.apply.offload_disk.write_file`: write + fdatasync +
-  POSIX_FADV_DONTNEED, so the read comes from the disk, not the page cache; `read_file` with its
-  CRC-32). A 4 MiB pilot sets the size so that the timed write takes about ``target_s``; the
+  path the disk offload uses (`remat.apply.offload_disk`: ``write_at`` with its CRC-32, then
+  ``flush``: fdatasync + POSIX_FADV_DONTNEED, so the read comes from the disk, not the page
+  cache; ``read_at``). A 4 MiB pilot sets the size so that the timed write takes about ``target_s``; the
   whole probe stays under a second on anything faster than ~40 MB/s.
 - Overlap: the rate of a small matmul loop while the offload's transfers run (the `DiskStore`
   writer threads; side-stream D2H copies on CUDA) over its rate alone. Compute that loses
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from remat.apply.offload_disk import DiskStore, read_file, write_file
+from remat.apply.offload_disk import DiskStore, flush, read_at, write_at
 from remat.measure.types import Bandwidths
 
 __all__ = ["measure_bandwidths", "measure_disk", "measure_disk_overlap", "measure_host_device"]
@@ -40,17 +40,16 @@ def _timed_roundtrip(directory: str, nbytes: int) -> tuple[float, float]:
     """Seconds to write (durably) and read back one ``nbytes`` file in ``directory``."""
     data = _payload(nbytes)
     fd, path = tempfile.mkstemp(prefix="remat-bw-", dir=directory)
-    os.close(fd)
-    os.unlink(path)  # write_file creates it with O_EXCL, as the offload does
     try:
         start = time.perf_counter()
-        write_file(path, data)
+        write_at(fd, 0, data)
+        flush(fd)
         mid = time.perf_counter()
-        read_file(path, nbytes, "bandwidth probe")
+        read_at(path, 0, nbytes, "bandwidth probe")
         end = time.perf_counter()
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        os.close(fd)
+        os.unlink(path)
     return mid - start, end - mid
 
 
@@ -90,7 +89,9 @@ def measure_disk_overlap(directory: str | os.PathLike, write_bytes_per_s: float,
     alone = _compute_rate(device, lambda: True, target_s / 2)
     store = DiskStore(directory=directory, num_threads=2)
     try:
-        tickets = [store.put(c, "bandwidth probe") for c in chunks]
+        block_file = store.open_block("bandwidth probe")
+        tickets = [block_file.put(c) for c in chunks]
+        block_file.seal()
         during = _compute_rate(device, lambda: all(t._write.done() for t in tickets), 0.0)
         store.wait_writes()
     finally:
