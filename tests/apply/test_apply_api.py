@@ -234,3 +234,28 @@ def test_auto_profiles_plans_and_applies_within_the_budget():
     assert_identical(baseline, train(built.model, built.batch, steps=1))
     with pytest.raises(ValueError, match="already has a remat plan applied"):
         auto_(built.model, built.batch, budget="85%")
+
+
+def test_offload_to_disk_moves_saved_tensors_and_keeps_gradients(tmp_path):
+    from remat.apply.api import RUNTIME_ATTR
+    from remat.models import build
+
+    # attention scores of 4 x 2 heads x 256 x 256 float32 = 2 MiB: above the 1 MiB offload threshold
+    built = build("gpt", num_layers=2, d_model=16, num_heads=2, seq_len=256, batch_size=4, vocab_size=32)
+    names = ["blocks.0", "blocks.1"]
+    plan = make_plan(built.model, built.batch, names, [seg(0, 1, "offload:disk"), seg(1, 2)])
+    model = copy.deepcopy(built.model)
+    apply_(model, plan, batch=built.batch, offload_dir=str(tmp_path))
+    engine = model.__dict__[RUNTIME_ATTR].options["offload_engines"]["disk"]
+    torch.manual_seed(1)
+    loss = model(*built.batch)
+    engine.wait_writes()
+    assert engine.stats().offloaded_bytes >= 2 * 2**20
+    loss.backward()
+    torch.manual_seed(1)
+    reference = copy.deepcopy(built.model)
+    reference(*built.batch).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    remove_(model)
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
