@@ -132,3 +132,24 @@ def test_llama_with_flash_attention_has_no_quadratic_term() -> None:
                                                             intermediate=128, vocab=96, seq=seq))
         saved[seq] = trace_source(source, seq_len=seq).profile(2).blocks[-1].saved_bytes
     assert saved[64] - 24 == 2 * (saved[32] - 24)
+
+
+def test_two_traced_layers_copied_equal_the_whole_model_on_cpu() -> None:
+    """Trace 2 layers on the meta device and copy the second to 6: every byte and FLOP count equals
+    a CPU profile of the real 6-layer model, except the first layer's backward temporaries (the
+    copy's are the later layers')."""
+    torch.manual_seed(0)
+    sizes = dict(d_model=32, num_heads=2, seq_len=16, batch_size=2, vocab_size=64)
+    real = build("gpt", optimizer="none", num_layers=6, **sizes)
+    measured = profile(real.model, real.batch, warmup=1, repeats=1)
+    with torch.device("meta"):
+        small = build("gpt", optimizer="none", num_layers=2, **sizes)
+    copied = replicate_blocks(trace_profile(small.model, small.batch), 6, name_format="blocks.{}")
+    assert copied.saved_bytes == measured.saved_bytes
+    assert copied.fixed_pre_saved_bytes == measured.fixed_pre_saved_bytes
+    assert copied.fixed_post_saved_bytes == measured.fixed_post_saved_bytes
+    assert copied.fixed_flops == measured.fixed_flops
+    ours = _bytes_and_flops(copied)[0]
+    theirs = _bytes_and_flops(measured)[0]
+    assert ours[1:] == theirs[1:]
+    assert [field for i, field in enumerate(ours[0]) if i != 4] == [field for i, field in enumerate(theirs[0]) if i != 4]

@@ -147,7 +147,8 @@ def state_line(dev) -> str:
 
 
 def device_table(dev) -> Table:
-    table = Table(show_edge=False, caption="GiB per rank; peak = model state + activations + temporaries")
+    table = Table(show_edge=False, caption="GiB per rank; peak = model state + activations + temporaries; "
+                  "max mb: largest micro-batch that fits")
     for name in ("strategy", "layout", "fits", "peak", "+allow", "total", "activ", "recompute TFLOP",
                  "step s", "max mb"):
         table.add_column(name, justify="left" if name in ("strategy", "layout") else "right")
@@ -156,9 +157,16 @@ def device_table(dev) -> Table:
             row.strategy, _layout(row), "[green]yes[/]" if row.fits else "[red]no[/]", _gib(row.peak_bytes),
             _gib(row.allowance_bytes), _gib(row.total_bytes), _gib(row.activation_bytes),
             f"{row.recompute_flops / 1e12:.1f}", f"{row.step_s:.2f}",
-            "-" if row.max_micro_batch is None else str(row.max_micro_batch),
+            _max_mb(row),
         )
     return table
+
+
+def _max_mb(row) -> str:
+    """The largest micro-batch; for optimal a lower bound when it is above 0 (see remat.estimate.pricing)."""
+    if row.max_micro_batch is None:
+        return "-"
+    return f">={row.max_micro_batch}" if row.strategy == "optimal" and row.max_micro_batch else str(row.max_micro_batch)
 
 
 def _layout(row) -> str:
