@@ -17,7 +17,7 @@ Layouts:
 - ``adam8bit``: bitsandbytes ``Adam8bit`` with block-wise quantization
   (``bitsandbytes/optim/optimizer.py``, ``Optimizer2State.init_state``): two ``uint8`` state
   tensors (1 byte per element each) plus one fp32 ``absmax`` per block of ``blocksize``
-  elements for each of them (blocksize 256 in current releases; 2048 in releases before 0.45);
+  elements for each of them (blocksize 256 since bitsandbytes 0.44, pull request #1365; 2048 before);
   tensors with fewer than ``min_8bit_size`` = 4096 elements keep two fp32 states. The two
   256-entry fp32 quantization maps are shared by all tensors (2048 bytes once).
 """
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 BNB_BLOCKSIZE = 256
-"""bitsandbytes block size for block-wise 8-bit optimizer state (releases >= 0.45)."""
+"""bitsandbytes block size for block-wise 8-bit optimizer state (0.44 and later; 2048 before)."""
 BNB_MIN_8BIT_SIZE = 4096
 """bitsandbytes ``min_8bit_size``: smaller tensors keep fp32 optimizer state."""
 BNB_QMAP_BYTES = 2 * 256 * 4
