@@ -54,11 +54,11 @@ def _peak_where(profile: Profile, plan: Plan) -> str:
 
 def blocks_table(profile: Profile, plans: Sequence[Plan]) -> Table:
     """One row per block: its measurements, then its strategy under each plan."""
-    headers = ("#", "block", "class", "saved", "input", "fwd", "bwd", "fwd FLOPs",
+    headers = ("block", "#", "class", "saved", "input", "fwd", "bwd", "fwd FLOPs",
                *(plan_label(p) for p in plans))
     strategies = [p.block_strategies() for p in plans]
     rows = [
-        (str(b.index), b.name, b.class_name, format_bytes(b.saved_bytes), format_bytes(b.input_bytes),
+        (b.name, str(b.index), b.class_name, format_bytes(b.saved_bytes), format_bytes(b.input_bytes),
          format_ms(b.fwd_ms), format_ms(b.bwd_ms), format_flops(b.fwd_flops),
          *(s[b.index] for s in strategies))
         for b in profile.blocks
