@@ -53,7 +53,7 @@ def random_profile(rng: random.Random, num_blocks: int) -> Profile:
         saved = inp + rng.randint(0, 8)
         blocks.append(block(i, input_bytes=inp, saved_bytes=saved, bwd_temp_bytes=rng.randint(0, 3),
                             fwd_ms=float(rng.randint(1, 9)), bwd_ms=2.0))
-    blocks = [replace(b, grad_bytes=rng.randint(0, 2)) for b in blocks]
+    blocks = [replace(b, grad_bytes=rng.randint(0, 2), fwd_temp_bytes=rng.randint(-1, 5)) for b in blocks]
     return profile(blocks, param_bytes=10, grad_bytes=10, fixed_pre_saved_bytes=rng.randint(0, 3),
                    fixed_post_saved_bytes=rng.randint(0, 5), fixed_post_bwd_temp_bytes=rng.randint(0, 2))
 

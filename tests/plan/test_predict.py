@@ -182,3 +182,25 @@ def test_gradients_accumulate_during_backward():
     prof = replace(prof, fixed_pre_saved_bytes=30)  # b0: 340 + 80 + 12 = 432 > head 380, optimizer 410
     pred = predict(prof, [seg(0, 1), seg(1, 2), seg(2, 3)])
     assert (pred.peak_bytes, pred.peak_phase, pred.peak_block, pred.working_bytes) == (432, "block", 0, 12)
+
+
+def test_replayed_forward_temporaries():
+    # b1 forward temporaries 20 (> its backward temporaries 1): wherever b1's forward is replayed
+    # in backward it works with 8 + 20 = 28 instead of 9. Full recompute: b1: 417 + 4 + 28 = 449.
+    prof = toy3()
+    prof = replace(prof, blocks=(prof.blocks[0], replace(prof.blocks[1], fwd_temp_bytes=20), prof.blocks[2]))
+    pred = predict(prof, [seg(0, 1, "recompute"), seg(1, 2, "recompute"), seg(2, 3, "recompute")])
+    assert (pred.peak_bytes, pred.peak_block, pred.working_bytes) == (449, 1, 28)
+    # kept at the top level its forward is not replayed: b2's 450 is the peak again.
+    assert predict(prof, [seg(0, 3)]).peak_bytes == 450
+    # kept inside the replay of [0, 3): 417 + 10 + 28 = 455.
+    assert (predict(prof, [seg(0, 3, "recompute")]).peak_bytes, predict(prof, [seg(0, 3, "recompute")]).peak_block) == (455, 1)
+
+
+def test_pre_part_gradients_arrive_last():
+    # 30 of the 100 gradient bytes belong to the embedding (pre part): not live in blocks'
+    # backward. Keep all: b2: 310 + 70 + 7 + 18 + 15 = 420; optimizer 430 sets the peak.
+    pred = predict(toy3(fixed_pre_grad_bytes=30), [seg(0, 3)])
+    assert (pred.peak_bytes, pred.peak_phase) == (430, "optimizer")
+    pred = predict(toy3(fixed_pre_grad_bytes=30, optimizer_step_temp_bytes=0), [seg(0, 3)])
+    assert (pred.peak_bytes, pred.peak_phase, pred.peak_block) == (420, "block", 2)

@@ -27,6 +27,7 @@ __all__ = [
     "cost_of",
     "has_cost",
     "working_bytes",
+    "replay_working_bytes",
     "selective_saved_bytes",
 ]
 
@@ -95,6 +96,12 @@ def working_bytes(block: BlockProfile) -> int:
     return block.saved_bytes + block.bwd_temp_bytes
 
 
+def replay_working_bytes(block: BlockProfile) -> int:
+    """Bytes a block needs when its forward is replayed in backward: its saved bytes plus the
+    larger of its forward temporaries (the replay's peak) and its backward temporaries."""
+    return block.saved_bytes + max(block.bwd_temp_bytes, block.fwd_temp_bytes)
+
+
 def selective_saved_bytes(block: BlockProfile, saved_ops: tuple[str, ...]) -> int:
     """Bytes of the outputs of the named op calls (each call counted once)."""
     by_key = {op.key: op for op in block.ops}
@@ -120,7 +127,7 @@ def _recompute(profile: Profile, block_index: int, segment: Segment) -> BlockCos
     retained = block.input_bytes if block_index == segment.start else 0
     return BlockCost(
         retained_bytes=retained,
-        working_bytes=working_bytes(block),
+        working_bytes=replay_working_bytes(block),
         extra_ms=block.fwd_ms,
         extra_flops=block.fwd_flops,
     )
@@ -134,7 +141,7 @@ def _selective(profile: Profile, block_index: int, segment: Segment) -> BlockCos
     replayed = [op for op in block.ops if op.key not in saved and not op.is_view]
     return BlockCost(
         retained_bytes=block.input_bytes + selective_saved_bytes(block, segment.saved_ops),
-        working_bytes=working_bytes(block),
+        working_bytes=replay_working_bytes(block),
         extra_ms=sum(op.time_ms for op in replayed),
         extra_flops=sum(op.flops for op in replayed),
     )

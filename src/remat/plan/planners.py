@@ -13,7 +13,7 @@ import math
 from typing import Callable
 
 from remat.measure.types import Profile
-from remat.plan.budget import format_bytes
+from remat.plan.budget import format_bytes, parse_budget
 from remat.plan.infeasible import check_state_fits, infeasible_error
 from remat.plan.predict import predict
 from remat.plan.policies import policy
@@ -35,10 +35,13 @@ def _strategy(name: str) -> Callable[[FixedPlanner], FixedPlanner]:
     return wrap
 
 
-def plan(profile: Profile, budget: int | None = None, strategy: str = "optimal") -> Plan:
-    """A plan for ``profile`` under ``budget`` bytes (parse text with `parse_budget`)."""
+def plan(profile: Profile, budget: int | str | None = None, strategy: str = "optimal") -> Plan:
+    """A plan for ``profile`` under ``budget``: bytes, or text for `parse_budget` (``"6GiB"``,
+    ``"40%"`` of the profile's measured peak, or of the predicted no-recomputation peak)."""
+    if isinstance(budget, str):
+        budget = parse_budget(budget, _baseline_peak(profile))
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
-        raise TypeError(f"budget must be a positive int of bytes or None, got {budget!r}; use remat.parse_budget('6GiB').")
+        raise TypeError(f"budget must be a positive int of bytes, text like '6GiB' or None, got {budget!r}.")
     if profile.num_blocks == 0:
         raise ValueError("the profile has no blocks, so there is nothing to plan; profile with blocks named.")
     kind = strategy.split(":", 1)[0]
@@ -61,6 +64,13 @@ def plan(profile: Profile, budget: int | None = None, strategy: str = "optimal")
             f"({budget} bytes); strategy 'optimal' fits it (down to {best.peak_bytes} bytes)."
         )
     return result
+
+
+def _baseline_peak(profile: Profile) -> int:
+    if profile.peak_bytes > 0:
+        return profile.peak_bytes
+    keep = tuple(Segment(start=i, stop=i + 1, strategy="keep") for i in range(profile.num_blocks))
+    return predict(profile, keep).peak_bytes
 
 
 def make_plan(profile: Profile, segments: tuple[Segment, ...], strategy: str, budget: int | None) -> Plan:

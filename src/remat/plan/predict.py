@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from remat.measure.types import Profile
 from remat.plan.chain_dp import deep_recursion
-from remat.plan.costs import cost_of
+from remat.plan.costs import cost_of, replay_working_bytes
 from remat.plan.types import Plan, Prediction, Segment
 
 __all__ = ["predict", "layout_peak", "baseline_step_ms", "backward_base_bytes", "grad_bytes_live", "check_segments"]
@@ -94,13 +94,13 @@ def grad_bytes_live(profile: Profile, block_index: int) -> int:
 
     The step zeroes gradients to None, so at the head's backward (``block_index ==
     num_blocks``) none exist yet: the head's own gradients are among its measured backward
-    temporaries, as a block's are among its own. At block j: all but those of blocks
-    ``<= j``; the fixed part's gradients count as live (conservative: the profile does not
-    split pre from post), and without per-block gradient bytes every gradient counts."""
+    temporaries, as a block's are among its own. At block j: all but those of blocks ``<= j``
+    and of the pre part (``fixed_pre_grad_bytes``); what the profile does not split out counts
+    as live (conservative)."""
     if block_index >= profile.num_blocks:
         return 0
     own = sum(b.grad_bytes for b in profile.blocks[: block_index + 1])
-    return profile.grad_bytes - own
+    return profile.grad_bytes - profile.fixed_pre_grad_bytes - own
 
 
 def _post_working_bytes(profile: Profile) -> int:
@@ -117,20 +117,24 @@ def _fixed_at(profile: Profile, phase: str) -> int:
     return profile.fixed_pre_saved_bytes if phase == "block" else 0
 
 
-def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, stop: int) -> _Peak:
+def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, stop: int, replay: bool = False) -> _Peak:
     """Peak of the backward of blocks ``[start, stop)`` laid out as ``segments`` (gaps: keep),
-    above what was live before it (gradients accumulated by then included)."""
+    above what was live before it (gradients accumulated by then included); ``replay``: the
+    blocks are replayed in backward (inside a recompute segment)."""
     best = _Peak(bytes=0, block=-1, working_bytes=0)
     held = 0
     for seg in _fill_gaps(segments, start, stop):
         if seg.kind == "recompute":
-            inner = layout_peak(profile, seg.children, seg.start, seg.stop)
+            inner = layout_peak(profile, seg.children, seg.start, seg.stop, replay=True)
             candidate = _Peak(bytes=held + inner.bytes, block=inner.block, working_bytes=inner.working_bytes)
             held += cost_of(profile, seg.start, seg).retained_bytes
         else:
             cost = cost_of(profile, seg.start, seg)
-            need = held + cost.working_bytes + grad_bytes_live(profile, seg.start)
-            candidate = _Peak(bytes=need, block=seg.start, working_bytes=cost.working_bytes)
+            working = cost.working_bytes
+            if replay and seg.kind == "keep":  # kept inside a replay: its forward runs again
+                working = replay_working_bytes(profile.blocks[seg.start])
+            need = held + working + grad_bytes_live(profile, seg.start)
+            candidate = _Peak(bytes=need, block=seg.start, working_bytes=working)
             held += cost.retained_bytes
         # backward runs in reverse: on a tie the later block reaches the peak first
         if (candidate.bytes, candidate.block) > (best.bytes, best.block):

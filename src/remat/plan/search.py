@@ -23,7 +23,7 @@ from remat.plan.chain_dp import (
     least_requirement,
     solve_chain,
 )
-from remat.plan.costs import BlockCost, cost_of, has_cost
+from remat.plan.costs import BlockCost, cost_of, has_cost, replay_working_bytes
 from remat.plan.policies import knapsack, knapsack_frontier, policy
 from remat.plan.predict import backward_base_bytes, grad_bytes_live, predict
 from remat.plan.types import Segment
@@ -53,6 +53,12 @@ def plan_floor(profile: Profile) -> tuple[int, str]:
 
 def _post_bytes(profile: Profile) -> int:
     return profile.fixed_post_saved_bytes + profile.fixed_post_bwd_temp_bytes
+
+
+def _block_phase_grads(profile: Profile) -> int:
+    """Gradients live when the first block's backward would start with no block's own yet:
+    ``grad_bytes_live(0) + grad_bytes of block 0`` (the DP's ``G``)."""
+    return grad_bytes_live(profile, 0) + (profile.blocks[0].grad_bytes if profile.blocks else 0)
 
 
 def _head_bytes(profile: Profile) -> int:
@@ -173,7 +179,7 @@ class OptimalSearch:
         """Tables up to ``allowance``; ``to_keep_all``: up to what keeping every block needs in
         rounded slots (>= allowance // quantum), so the no-recomputation end is in the table."""
         quantum = choose_quantum(self._sizes(), allowance, self._slot_limit())
-        problem = self._problem(quantum, (allowance - self.profile.grad_bytes) // quantum)
+        problem = self._problem(quantum, (allowance - _block_phase_grads(self.profile)) // quantum)
         if to_keep_all:
             problem = ChainProblem(blocks=problem.blocks, post_slots=problem.post_slots,
                                    capacity_slots=max(problem.capacity_slots, _keep_all_slots(problem)))
@@ -189,10 +195,10 @@ class OptimalSearch:
         return int(max(64, min(MAX_SLOTS, cells / max(work, 1.0))))
 
     def _sizes(self) -> list[int]:
-        sizes = [_head_bytes(self.profile), self.profile.grad_bytes]
+        sizes = [_head_bytes(self.profile), _block_phase_grads(self.profile)]
         for i, block in enumerate(self.profile.blocks):
             keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
-            sizes += [block.input_bytes, keep.retained_bytes, keep.working_bytes, block.grad_bytes]
+            sizes += [block.input_bytes, keep.retained_bytes, replay_working_bytes(block), block.grad_bytes]
             sizes += [p.cost.retained_bytes for p in self.options()[i]]
             sizes += [p.cost.working_bytes for p in self.options()[i]]
         return sizes
@@ -202,7 +208,7 @@ class OptimalSearch:
         the blocks' gradients minus all gradients."""
         blocks = tuple(self._chain_block(i, quantum) for i in range(self.profile.num_blocks))
         block_grads = sum(b.grad_bytes for b in self.profile.blocks)
-        head = _head_bytes(self.profile) + block_grads - self.profile.grad_bytes
+        head = _head_bytes(self.profile) + block_grads - _block_phase_grads(self.profile)
         return ChainProblem(blocks=blocks, post_slots=_ceil(head, quantum), capacity_slots=capacity)
 
     def _chain_block(self, i: int, quantum: int) -> ChainBlock:
@@ -220,7 +226,7 @@ class OptimalSearch:
         return ChainBlock(
             input_slots=_ceil(replay.retained_bytes, quantum),
             saved_slots=_ceil(keep.retained_bytes, quantum),
-            working_slots=_ceil(keep.working_bytes, quantum),
+            working_slots=_ceil(replay_working_bytes(self.profile.blocks[i]), quantum),
             fwd_ms=replay.extra_ms,
             options=options,
             grad_slots=self.profile.blocks[i].grad_bytes // quantum,
