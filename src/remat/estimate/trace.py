@@ -4,7 +4,8 @@ The model is built on the meta device with ``trace_layers`` layers (2 by default
 layer sees a layer's output as input, like every later layer) and `remat.profile` traces it at
 micro-batch 1, 2 and 3, each on first use (a configuration whose model state alone does not
 fit never needs 2 and 3): saved bytes per block and per op, block inputs, FLOPs. The same
-code measures a real model on the CPU, so the estimate counts what a real run counts.
+code measures a real model on the CPU, so the estimate counts what a real run counts (with
+`GpuKernels`, what a GPU's fused attention and dropout kernels save instead of the CPU's).
 `remat.estimate.scale` then multiplies the layers and extrapolates the micro-batch.
 
 A ``file.py:build`` model is built under ``torch.device("meta")`` as its function writes it
@@ -13,11 +14,10 @@ A ``file.py:build`` model is built under ``torch.device("meta")`` as its functio
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import contextlib
 
 import torch
 import torch.nn.functional as F
