@@ -11,6 +11,8 @@ Importing remat is cheap and never initialises CUDA: the API is loaded on first 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -35,6 +37,21 @@ _API = {
 }
 
 __all__ = sorted(_API) + ["__version__"]
+
+
+class _RematModule(types.ModuleType):
+    """`remat.plan`, `remat.verify` and `remat.estimate` are functions that share their names
+    with submodules. Importing such a submodule makes Python bind it on the package, which would
+    hide the function: keep the function (the submodule stays importable by its full name)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and name in _API:
+            self.__dict__.pop(name, None)  # unbound: the next access loads the function
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _RematModule
 
 
 def __getattr__(name: str) -> Any:
