@@ -259,3 +259,14 @@ def test_offload_to_disk_moves_saved_tensors_and_keeps_gradients(tmp_path):
         assert torch.equal(p.grad, q.grad), name
     remove_(model)
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_autocast_state_is_replayed():
+    model, batch, names = _toy()
+    reference = copy.deepcopy(model)
+    apply_(model, make_plan(model, batch, names, [seg(0, 6, "recompute", seg(0, 3)), ]))
+    for m in (model, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(batch).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad), name
