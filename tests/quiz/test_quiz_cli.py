@@ -81,9 +81,13 @@ def test_language_defaults_from_the_locale(invoke):
     assert json.loads(result.stdout)["language"] == "vi"
 
 
-def _spawn(remat_argv, *args: str, lang: str = "en_US.UTF-8") -> pexpect.spawn:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LC_")}
-    env.update(LANG=lang, TERM="dumb", NO_COLOR="1", COLUMNS="300")
+def _spawn(remat_argv, *args: str, lang: str = "en_US.UTF-8", colour: bool = False) -> pexpect.spawn:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LC_") and k != "NO_COLOR"}
+    env.update(LANG=lang, COLUMNS="300")
+    if colour:
+        env["TERM"] = "xterm-256color"
+    else:
+        env.update(TERM="dumb", NO_COLOR="1")
     argv = remat_argv("quiz", *args)
     return pexpect.spawn(argv[0], argv[1:], env=env, encoding="utf-8", timeout=60, dimensions=(50, 300))
 
@@ -112,7 +116,8 @@ def test_interactive_reprompts_grades_and_ends_cleanly_on_eof(remat_argv):
 
 
 def test_interactive_vietnamese_all_right_exits_0(remat_argv):
-    child = _spawn(remat_argv, lang="vi_VN.UTF-8")
+    # a colour terminal: the prompt and the verdicts must still read as plain text
+    child = _spawn(remat_argv, lang="vi_VN.UTF-8", colour=True)
     child.expect_exact("Bài kiểm tra đánh đổi tính toán lại kích hoạt")
     for letter in KEY.split(","):
         child.expect_exact("Câu trả lời của bạn (A-D): ")

@@ -9,10 +9,16 @@ from typing import Optional
 import typer
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from remat.cli._app import app, console, fail
 from remat.quiz.content import LANGUAGES, Question, Quiz, default_language, load_quiz
 from remat.quiz.engine import GradedAnswer, QuizResult, grade, parse_answer, parse_answers, shuffle_quiz
+
+
+def _say(*objects: object, **kwargs: object) -> None:
+    # Prose, not data: no automatic colouring of numbers and brackets.
+    console.print(*objects, highlight=False, **kwargs)
 
 
 @app.command("quiz")
@@ -57,7 +63,7 @@ def _print_list(quiz: Quiz, as_json: bool) -> None:
         items = [{"number": q.number, "id": q.id, "prompt": q.prompt, "options": list(q.options)} for q in quiz.questions]
         _print_json({"language": quiz.language, "title": quiz.title, "questions": items})
         return
-    console.print(f"[bold]{escape(quiz.title)}[/]\n")
+    _say(f"[bold]{escape(quiz.title)}[/]\n")
     for q in quiz.questions:
         _print_question(quiz, q)
 
@@ -68,10 +74,10 @@ def _print_json(doc: dict) -> None:
 
 
 def _print_question(quiz: Quiz, q: Question) -> None:
-    console.print(f"[bold]{q.number}. {escape(q.prompt)}[/]")
+    _say(f"[bold]{q.number}. {escape(q.prompt)}[/]")
     for letter, option in zip(q.letters, q.options):
-        console.print(f"   {letter}. {escape(option)}")
-    console.print()
+        _say(f"   {letter}. {escape(option)}")
+    _say()
 
 
 def _grade_given(quiz: Quiz, answers: str, as_json: bool, live: bool, seed: int | None) -> QuizResult:
@@ -94,17 +100,17 @@ def _grade_given(quiz: Quiz, answers: str, as_json: bool, live: bool, seed: int 
 
 
 def _interactive(quiz: Quiz, live: bool) -> QuizResult:
-    console.print(f"[bold]{escape(quiz.title)}[/]\n{escape(quiz.intro)}\n")
+    _say(f"[bold]{escape(quiz.title)}[/]\n{escape(quiz.intro)}\n")
     chosen: list[int] = []
     try:
         for q in quiz.questions:
-            console.print(f"[dim]{escape(quiz.text('question', number=q.number, total=len(quiz.questions)))}[/]")
+            _say(f"[dim]{escape(quiz.text('question', number=q.number, total=len(quiz.questions)))}[/]")
             _print_question(quiz, q)
             chosen.append(_ask(quiz, q))
             _print_feedback(quiz, GradedAnswer(question=q, chosen=chosen[-1]), live)
     except (EOFError, KeyboardInterrupt):
-        console.print()
-        console.print(quiz.text("stopped", answered=len(chosen), total=len(quiz.questions)))
+        _say()
+        _say(escape(quiz.text("stopped", answered=len(chosen), total=len(quiz.questions))))
     result = grade(quiz, chosen)
     _print_score(quiz, result)
     return result
@@ -113,28 +119,28 @@ def _interactive(quiz: Quiz, live: bool) -> QuizResult:
 def _ask(quiz: Quiz, q: Question) -> int:
     last = q.letters[-1]
     while True:
-        index = parse_answer(console.input(quiz.text("prompt", last=last)), q)
+        index = parse_answer(console.input(Text(quiz.text("prompt", last=last))), q)
         if index is not None:
             return index
-        console.print(f"[yellow]{escape(quiz.text('invalid', last=last))}[/]")
+        _say(f"[yellow]{escape(quiz.text('invalid', last=last))}[/]")
 
 
 def _print_feedback(quiz: Quiz, g: GradedAnswer, live: bool) -> None:
     q = g.question
     if g.right:
-        console.print(f"[bold green]{escape(quiz.text('right'))}[/]")
+        _say(f"[bold green]{escape(quiz.text('right'))}[/]")
     else:
         chosen = g.chosen_letter or quiz.text("unanswered")
-        console.print(f"[bold red]{escape(quiz.text('wrong', chosen=chosen))}[/]")
-    console.print(escape(quiz.text("right_answer", letter=q.answer_letter, text=q.options[q.answer])))
-    console.print(f"[italic]{escape(q.explanation)}[/]\n")
+        _say(f"[bold red]{escape(quiz.text('wrong', chosen=chosen))}[/]")
+    _say(escape(quiz.text("right_answer", letter=q.answer_letter, text=q.options[q.answer])))
+    _say(f"[italic]{escape(q.explanation)}[/]\n")
     if live:
         _print_live(quiz, q)
 
 
 def _print_score(quiz: Quiz, result: QuizResult) -> None:
     style = "bold green" if result.all_right else "bold"
-    console.print(f"[{style}]{escape(quiz.text('score', score=result.score, total=result.total))}[/]")
+    _say(f"[{style}]{escape(quiz.text('score', score=result.score, total=result.total))}[/]")
 
 
 def _run_live(q: Question):
@@ -153,15 +159,15 @@ def _print_live(quiz: Quiz, q: Question) -> None:
     with console.status(escape(quiz.text("live")) + "..."):
         demo, reason = _run_live(q)
     if demo is None:
-        console.print(f"[yellow]{escape(quiz.text('live_unavailable', reason=reason))}[/]\n")
+        _say(f"[yellow]{escape(quiz.text('live_unavailable', reason=reason))}[/]\n")
         return
     table = Table(title=quiz.text("live"), title_justify="left", show_header=False)
     for row in demo.rows:
         table.add_row(escape(quiz.label(row.label, **row.fields)), escape(row.value))
-    console.print(table)
+    _say(table)
     verdict = quiz.text("live_holds") if demo.holds else quiz.text("live_fails")
     colour = "green" if demo.holds else "red"
-    console.print(f"{escape(q.live_claim.format(**demo.values))} [{colour}]({escape(verdict)})[/]\n")
+    _say(f"{escape(q.live_claim.format(**demo.values))} [{colour}]({escape(verdict)})[/]\n")
 
 
 def _live_dict(quiz: Quiz, q: Question) -> dict:

@@ -182,7 +182,7 @@ def extra_flops_of_full_recomputation() -> Demonstration:
         "grads_identical": check.grads_identical,
     }
     rows = (
-        _row("model", f"gpt, {job.profile.num_blocks} blocks"),
+        _row("model", f"gpt, {job.profile.num_blocks}"),
         _row("step_flops_none", f"{base_flops / 1e9:.3f} GFLOP"),
         _row("extra_flops_counted", f"{extra_flops / 1e9:.3f} GFLOP"),
         _row("extra_flops_predicted", f"{full.prediction.extra_flops / 1e9:.3f} GFLOP"),
