@@ -66,6 +66,17 @@ def test_every_row_is_the_planner_prediction(traced, tmp_path) -> None:
     flops = 3 * (profile.fixed_flops + sum(b.fwd_flops for b in profile.blocks))
     assert none.step_s == pytest.approx(flops / 0.5e12 + opt_s, rel=1e-12)
     assert full.step_s == pytest.approx(none.step_s + full.recompute_flops / 0.5e12, rel=1e-12)
+    # selective replays the ops it does not save, each at least reading and writing its output
+    # at the device's 1e11 B/s
+    from remat.plan.policies import attention_core
+
+    replay_s = 0.0
+    for block in profile.blocks:
+        saved = set(attention_core(block))
+        replay_s += sum(max(op.flops / 0.5e12, 2 * op.output_bytes / 1e11)
+                        for op in block.ops if op.key not in saved and not op.is_view)
+    assert selective.step_s == pytest.approx(none.step_s + replay_s, rel=1e-9)
+    assert selective.step_s > none.step_s
 
 
 def _segments(profile, strategy: str):

@@ -105,7 +105,8 @@ class Pricing:
             grad_bytes=state.grad_bytes, optimizer_state_bytes=optimizer_bytes, buffer_bytes=state.buffer_bytes,
             optimizer_name=self.optimizer, optimizer_step_temp_bytes=self._step_temp_bytes(state),
         )
-        timed = timed_for_device(profile, flops_per_s=self.mfu * spec.peak_bf16_flops_per_s, optimizer_ms=optimizer_ms)
+        timed = timed_for_device(profile, flops_per_s=self.mfu * spec.peak_bf16_flops_per_s, optimizer_ms=optimizer_ms,
+                                 memory_bytes_per_s=spec.memory_bytes_per_s)
         if self.traced.whole:
             return timed
         return replicate_blocks(timed, self.traced.num_layers, name_format=self.traced.block_name_format)

@@ -15,7 +15,8 @@
   and V), so ``b = 1`` runs other ops and its per-op records are not on the line.
 - Time on a device: FLOPs at a stated MFU (backward = 2 x forward, the usual count for matmuls:
   one product for the input gradient, one for the weight gradient), and the optimizer step
-  at memory bandwidth (it reads and writes every state byte once).
+  at memory bandwidth (it reads and writes every state byte once). A replayed op (selective
+  recomputation) costs at least reading and writing its output at memory bandwidth.
 """
 
 from __future__ import annotations
@@ -105,14 +106,24 @@ def forward_flops(profile: Profile) -> int:
     return profile.fixed_flops + sum(b.fwd_flops for b in profile.blocks)
 
 
-def timed_for_device(profile: Profile, *, flops_per_s: float, optimizer_ms: float) -> Profile:
-    """The profile with every time derived from FLOPs at ``flops_per_s`` (peak x MFU)."""
+def timed_for_device(
+    profile: Profile, *, flops_per_s: float, optimizer_ms: float, memory_bytes_per_s: float | None = None
+) -> Profile:
+    """The profile with every time derived from FLOPs at ``flops_per_s`` (peak x MFU).
+
+    An op's own time (what a selective replay of it costs) is the larger of its FLOPs at that
+    rate and, when ``memory_bytes_per_s`` is given, reading and writing its output once at memory
+    bandwidth: pointwise ops (norms, activations, dropout) do no matmul FLOPs but are not free.
+    """
     def ms(flops: int) -> float:
         return 1e3 * flops / flops_per_s
 
+    def op_ms(op: OpRecord) -> float:
+        moved = 1e3 * 2 * op.output_bytes / memory_bytes_per_s if memory_bytes_per_s and not op.is_view else 0.0
+        return max(ms(op.flops), moved)
+
     blocks = tuple(
-        replace(b, fwd_ms=ms(b.fwd_flops), bwd_ms=2 * ms(b.fwd_flops),
-                ops=tuple(replace(op, time_ms=ms(op.flops)) for op in b.ops))
+        replace(b, fwd_ms=ms(b.fwd_flops), bwd_ms=2 * ms(b.fwd_flops), ops=tuple(replace(op, time_ms=op_ms(op)) for op in b.ops))
         for b in profile.blocks
     )
     fwd_ms = ms(profile.fixed_flops)
