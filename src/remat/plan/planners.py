@@ -4,7 +4,12 @@ Strategies (``strategy=``): ``none``, ``full`` (every block recomputed), ``every
 of K blocks), ``sqrt`` (Chen et al. 2016: segments of about sqrt(N) blocks), ``selective:<p>``
 (policy p on every block), and ``optimal``: the least predicted step time whose predicted peak
 fits the budget, over keep / recompute / selective / offload per block plus nested recompute
-segments, solved exactly by `remat.plan.chain_dp`.
+segments, solved by the dynamic program of `remat.plan.chain_dp`. It is exact for the byte
+model whenever every size is a multiple of the DP's memory slot (`choose_quantum` takes the gcd
+of the sizes when the table stays small: toy profiles, Revolve chains). Otherwise sizes are
+rounded up to the slot (the plan still fits the budget) and the plan is optimal for the rounded
+sizes; the slot count shrinks with N (about 1000 at 100 blocks, 300 at 1000), so long chains
+with inputs far smaller than the budget lose precision (see docs/bench_planner.md).
 """
 
 from __future__ import annotations
