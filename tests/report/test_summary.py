@@ -60,6 +60,8 @@ def test_budget_and_choice(plans):
     assert choose_plan(all_plans, 95 * MIB).strategy_name == "offload"
     assert choose_plan(all_plans, None).strategy_name == "full"
     assert choose_plan(all_plans, 10 * MIB) is None
+    twin = dataclasses.replace(plans["optimal"], strategy_name="sqrt", budget_bytes=None)
+    assert choose_plan([twin, plans["optimal"]], 80 * MIB).strategy_name == "optimal"
     with pytest.raises(ValueError, match=r"budget_bytes must be positive, got -1"):
         report_budget(all_plans, -1)
 

@@ -5,7 +5,8 @@ Definitions used in every figure and table of the report:
   given, else the profile's own measured baseline step;
 - the **budget** is the one passed in, else the tightest budget among the plans;
 - the **chosen plan** is the fastest plan whose predicted peak fits the budget (ties: the
-  smaller peak); with no budget, the plan with the smallest predicted peak;
+  smaller peak, then a plan made for a budget); with no budget, the plan with the smallest
+  predicted peak;
 - **activation memory** is peak minus model state (parameters, gradients, optimizer state,
   buffers): everything the step's activations, fixed part and temporaries add on top.
 """
@@ -89,7 +90,8 @@ def choose_plan(plans: Sequence[Plan], budget_bytes: int | None) -> Plan | None:
     fitting = [p for p in plans if p.prediction.peak_bytes <= budget_bytes]
     if not fitting:
         return None
-    return min(fitting, key=lambda p: (p.prediction.step_ms, p.prediction.peak_bytes))
+    # Ties go to a plan made for a budget: the one that was asked for.
+    return min(fitting, key=lambda p: (p.prediction.step_ms, p.prediction.peak_bytes, p.budget_bytes is None))
 
 
 def find_verification(plan: Plan, verifications: Sequence[Verification]) -> Verification | None:
