@@ -125,7 +125,7 @@ class Runtime:
         self.heads = {seg.start: seg for seg in segments if seg.kind != "keep"}
         self.handlers = handlers
         self.options = options
-        """Per-apply settings the handlers read (e.g. ``offload_dir``)."""
+        """Per-apply settings: ``plan`` (the applied Plan), ``offload_engines`` (target -> engine)."""
         self.saved_forwards: dict[int, Any] = {}
         """Instance ``forward`` attributes the blocks had before apply_ (restored by remove_)."""
         self.pending: dict[int, _Pending] = {}
