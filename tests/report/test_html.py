@@ -1,6 +1,7 @@
 """The HTML page holds the numbers of its inputs, embeds everything and names no external URL."""
 
 import base64
+import html
 import dataclasses
 import re
 import xml.etree.ElementTree as ET
@@ -32,6 +33,8 @@ def test_page_holds_the_numbers_of_its_inputs(page):
     assert "bit-identical" in text and "as planned" in text
     assert "<th>fits 80.0 MiB</th>" in page
     assert "remat run --model gpt --budget 80MiB" in text
+    assert 'plan = remat.Plan.from_json("plan.json")  # optimal @ 80.0 MiB' in html.unescape(text)
+    assert "remat.apply_(model, plan, batch=batch)" in text
 
 
 def test_page_is_self_contained(page):

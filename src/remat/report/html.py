@@ -35,7 +35,7 @@ from remat.report.blocks import check_plan_matches, plot_blocks
 from remat.report.breakdown import plot_breakdown
 from remat.report.frontier import plot_frontier
 from remat.report.style import figure_data_uri, save_figure
-from remat.report.summary import choose_plan, find_verification, report_budget, summary_sentence
+from remat.report.summary import choose_plan, find_verification, plan_label, report_budget, summary_sentence
 from remat.report.tables import (
     Table,
     blocks_table,
@@ -113,7 +113,7 @@ def render_html(profile: Profile, plans: Sequence[Plan] = (),
         ("blocks", "Plan per block", _table_html(blocks_table(profile, plans)) + STRATEGY_NOTE),
         ("verify", "Verification", _verification_html(verifications)) if verifications else None,
         ("environment", "Environment", _table_html(environment_table(profile), header=False, css_class="kv")),
-        ("reproduce", "Reproduce", _commands_html(commands)),
+        ("reproduce", "Reproduce", _commands_html(commands) + _apply_html(choose_plan(plans, budget))),
     ]
     sections = [s for s in sections if s is not None]
     body = [_header(profile, sentence, budget), _nav(sections), *(_section(*s) for s in sections)]
@@ -209,6 +209,16 @@ def _commands_html(commands: Sequence[str]) -> str:
     if not commands:
         return "<p>No command recorded; pass <code>commands=</code> to <code>write_report</code>.</p>"
     return "<pre><code>" + _e("\n".join(commands)) + "</code></pre>"
+
+
+def _apply_html(chosen: Plan | None) -> str:
+    """How to use the chosen plan in a training script."""
+    if chosen is None:
+        return ""
+    code = (f"import remat\n\nplan = remat.Plan.from_json(\"plan.json\")  # {plan_label(chosen)}\n"
+            "remat.apply_(model, plan, batch=batch)  # in place; state_dict keys unchanged\n"
+            "# ... train as usual ...\nremat.remove_(model)  # back to the original forward")
+    return f"<p>Use the chosen plan in your training script:</p><pre><code>{_e(code)}</code></pre>"
 
 
 def _page(title: str, body: str) -> str:
