@@ -35,7 +35,10 @@ def verification_table(result, title: str) -> Table:
     for row in result.rows:
         v = row.verification
         counts = "[green]yes[/]" if v.recompute_counts_match else "[yellow]no[/]"
-        table.add_row(row.label, _mib(v.predicted_peak_bytes), _mib(v.measured_peak_bytes), f"{v.peak_error_pct:+.1f}%",
+        measured = _mib(v.measured_peak_bytes)
+        if v.budget_bytes is not None and v.measured_peak_bytes > v.budget_bytes:
+            measured = f"[red]{measured} > budget {_mib(v.budget_bytes)}[/]"
+        table.add_row(row.label, _mib(v.predicted_peak_bytes), measured, f"{v.peak_error_pct:+.1f}%",
                       f"{v.predicted_step_ms:.1f}", f"{v.measured_step_ms:.1f}", f"{v.step_error_pct:+.1f}%",
                       f"{v.overhead_pct:+.1f}%", counts, _grad_cell(v))
     return table
@@ -52,6 +55,10 @@ def summary_lines(result) -> list[str]:
         v = best.verification
         lines.append(f"lowest peak: {best.label}, {_mib(v.measured_peak_bytes)} MiB "
                      f"({100 * (1 - v.measured_peak_bytes / base):.0f}% less) for {v.overhead_pct:+.0f}% step time.")
+    over = [r.label for r in result.rows
+            if r.verification.budget_bytes is not None and r.verification.measured_peak_bytes > r.verification.budget_bytes]
+    if over:
+        lines.append(f"measured peak over its budget (the prediction missed): {', '.join(over)}.")
     bad = [r.label for r in result.rows if not r.verification.ok]
     lines.append("every gradient is identical to the baseline." if not bad else f"GRADIENTS DIFFER for: {', '.join(bad)}.")
     return lines
