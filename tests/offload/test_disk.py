@@ -13,10 +13,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from remat.apply.offload import MIN_BYTES, OffloadEngine
+from remat.measure.tracker import track_step
 from remat.models import build
 
 from offload_helpers import (
-    MID_BYTES, NUM_BLOCKS, ROW_BYTES, TOY_FILES, TOY_STORAGES, LiveStorages, Wrapped, assert_grads_equal, dir_entries, toy_step,
+    MID_BYTES, NUM_BLOCKS, ROW_BYTES, TOY_FILES, TOY_STORAGES, LiveStorages, Wrapped, assert_grads_equal, dir_entries,
+    toy_blocks, toy_step,
 )
 
 # what the toy's blocks save, by hand: block 0 saves its two (64, 512) activations (GELU's input
@@ -196,3 +198,35 @@ raise KeyboardInterrupt
     assert int(num_files) == 1 and private.startswith(str(tmp_path))
     assert not os.path.exists(private)
     assert dir_entries(tmp_path) == []
+
+
+class _ToyNet(torch.nn.Module):
+    def __init__(self, engine):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Wrapped(b, f"blocks.{i}", engine) for i, b in enumerate(toy_blocks()))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_live_memory_tracker_sees_the_offloaded_bytes_gone(toy, tmp_path):
+    """remat's own tracker: when backward starts, exactly the offloaded bytes are not live."""
+    _, x = toy
+    first_bwd = {}
+    for engine in (None, OffloadEngine("disk", directory=tmp_path, min_bytes=1)):
+        net = _ToyNet(engine)
+
+        def step():
+            loss = net(x).square().sum()
+            if engine is not None:
+                engine.wait_writes()
+            loss.backward()
+
+        tracked = track_step(step, model=net, batch=x)
+        first_bwd[engine is None] = next(e.live_bytes for e in tracked.timeline if e.phase == "bwd")
+        if engine is not None:
+            assert engine.stats().restored_tensors == TOY_OFFLOADED_STORAGES
+            engine.close()
+    assert first_bwd[True] - first_bwd[False] == TOY_OFFLOADED_BYTES
