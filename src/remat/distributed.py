@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from remat.measure.types import Profile
 from remat.memory.model_state import ModelState, shard_model_state
@@ -33,6 +35,8 @@ __all__ = [
     "broadcast_plan",
     "check_same_plan",
     "shard_profile",
+    "fsdp_units",
+    "fully_shard_by_plan",
 ]
 
 
@@ -127,3 +131,31 @@ def shard_profile(profile: Profile, *, world_size: int, zero_stage: int) -> Prof
         optimizer_state_bytes=sharded.optimizer_state_bytes,
         gathered_bytes=sharded.gathered_bytes,
     )
+
+
+def fsdp_units(model: nn.Module, plan: Plan) -> list[list[nn.Module]]:
+    """The FSDP2 units that match ``plan``: one unit per top-level segment of blocks.
+
+    A recomputed segment of several blocks replays them together, so their weights must be
+    gathered together: it becomes one unit. Kept, selective and offloaded blocks are one unit each.
+    """
+    blocks = [model.get_submodule(name) for name in plan.block_names]
+    units: list[list[nn.Module]] = []
+    for seg in plan.segments:
+        if seg.kind == "recompute":
+            units.append(blocks[seg.start:seg.stop])
+        else:
+            units.extend([b] for b in blocks[seg.start:seg.stop])
+    return units
+
+
+def fully_shard_by_plan(model: nn.Module, plan: Plan, **fsdp_kwargs: Any) -> nn.Module:
+    """Shard ``model`` with FSDP2 after `remat.apply_`: ``fully_shard`` on each unit of
+    `fsdp_units`, then on the root (torchtitan's order: recomputation wrapping, then sharding).
+    ``fsdp_kwargs`` go to every ``fully_shard`` call (mesh, mp_policy, reshard_after_forward...)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in fsdp_units(model, plan):
+        fully_shard(unit if len(unit) > 1 else unit[0], **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    return model

@@ -74,12 +74,10 @@ def _compare(rank: int, base: tuple, planned: tuple) -> dict:
     }
 
 
-def _fully_shard(model) -> None:
-    from torch.distributed.fsdp import fully_shard
+def _fully_shard(model, plan) -> None:
+    from remat.distributed import fully_shard_by_plan
 
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    fully_shard_by_plan(model, plan)
 
 
 def fsdp_grads(rank: int, world_size: int, port: int, out_dir: str, strategy: str) -> None:
@@ -93,7 +91,7 @@ def fsdp_grads(rank: int, world_size: int, port: int, out_dir: str, strategy: st
         model = copy.deepcopy(weights.model)
         if applied:
             remat.apply_(model, plan)  # recomputation wrapping first, then sharding
-        _fully_shard(model)
+        _fully_shard(model, plan)
         runs.append(_step(model, batch, weights.loss_fn, seed=1234 + rank))
     _write(out_dir, rank, _compare(rank, *runs))
 
@@ -145,7 +143,7 @@ def fsdp_peak(rank: int, world_size: int, port: int, out_dir: str, strategy: str
     plan = remat.plan(sharded, strategy=strategy)
     model = copy.deepcopy(weights.model)
     remat.apply_(model, plan)
-    _fully_shard(model)
+    _fully_shard(model, plan)
     optimizer = torch.optim.AdamW(model.parameters())
 
     def step() -> None:
