@@ -27,9 +27,12 @@ def test_nothing_measured_without_a_directory_on_cpu():
     assert (bw.disk_write_bytes_per_s, bw.disk_read_bytes_per_s, bw.host_to_device_bytes_per_s) == (None, None, None)
 
 
-def test_missing_directory_is_an_error(tmp_path):
+def test_missing_directory_is_an_error_for_the_probe_but_made_for_the_profile(tmp_path):
     with pytest.raises(ValueError, match=r"offload directory '.*/nope' does not exist; create it"):
         measure_disk(tmp_path / "nope")
+    bw = measure_bandwidths("cpu", tmp_path / "new" / "dir")
+    assert bw.disk_write_bytes_per_s > 0 and bw.disk_dir == str(tmp_path / "new" / "dir")
+    assert dir_entries(tmp_path) == ["new"] and dir_entries(tmp_path / "new") == []  # the leaf it made is gone
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host<->device rates need CUDA")

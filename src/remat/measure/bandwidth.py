@@ -128,19 +128,36 @@ def measure_host_device(device: torch.device, nbytes: int = 64 << 20) -> tuple[f
     return h2d, nbytes / d2h_s, min(1.0, max(0.0, during / alone))
 
 
+def _disk_fields(directory: Path) -> dict:
+    """Disk rates of ``directory``; one that does not exist yet is made (0700) and removed after,
+    as the offload itself does."""
+    made = not directory.exists()
+    if made:
+        try:
+            directory.mkdir(mode=0o700, parents=True)
+        except OSError as exc:
+            raise ValueError(f"cannot create offload directory {str(directory)!r}: {exc.strerror}; choose a writable one.") from exc
+    try:
+        write, read = measure_disk(directory)
+        return dict(
+            disk_write_bytes_per_s=write,
+            disk_read_bytes_per_s=read,
+            disk_dir=str(directory.resolve()),
+            disk_overlap_fraction=measure_disk_overlap(directory, write),
+        )
+    finally:
+        if made:
+            directory.rmdir()
+
+
 def measure_bandwidths(device: torch.device | str = "cpu", offload_dir: str | os.PathLike | None = None) -> Bandwidths:
-    """Every rate this machine has: host<->device on CUDA, disk when ``offload_dir`` is given."""
+    """Every rate this machine has: host<->device on CUDA, disk when ``offload_dir`` is given
+    (made for the measurement and removed after when it does not exist)."""
     device = torch.device(device)
     fields: dict = {}
     if device.type == "cuda":
         h2d, d2h, overlap = measure_host_device(device)
         fields.update(host_to_device_bytes_per_s=h2d, device_to_host_bytes_per_s=d2h, overlap_fraction=overlap)
     if offload_dir is not None:
-        write, read = measure_disk(offload_dir)
-        fields.update(
-            disk_write_bytes_per_s=write,
-            disk_read_bytes_per_s=read,
-            disk_dir=str(Path(offload_dir).resolve()),
-            disk_overlap_fraction=measure_disk_overlap(offload_dir, write),
-        )
+        fields.update(_disk_fields(Path(offload_dir)))
     return Bandwidths(**fields)
