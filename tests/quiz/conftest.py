@@ -36,12 +36,19 @@ def invoke():
 
     from remat.cli import app
 
+    from remat.cli._app import console, err_console
+
     def run(*args: str, env: dict[str, str] | None = None):
         cmd = typer.main.get_command(app)
         argv = list(args) if hasattr(cmd, "commands") else list(args[1:])
         return CliRunner().invoke(cmd, argv, env=env, prog_name="remat")
 
-    return run
+    # Wide consoles: long lines stay whole whatever terminal (or none) the tests run under.
+    saved = [(c, c._width, c._height) for c in (console, err_console)]
+    console.size = err_console.size = (1000, 50)
+    yield run
+    for c, width, height in saved:
+        c._width, c._height = width, height
 
 
 @pytest.fixture(autouse=True)
