@@ -130,9 +130,10 @@ def test_interactive_vietnamese_all_right_exits_0(remat_argv):
 
 
 def test_interactive_ctrl_c_ends_with_the_score_so_far(remat_argv):
-    child = _spawn(remat_argv, "--lang", "en")
+    child = _spawn(remat_argv, "--lang", "en", "--shuffle", "--seed", "11")
+    child.expect_exact("Options shuffled; --shuffle --seed 11 gives this order again.")
     child.expect_exact("Your answer (A-D): ")
-    child.sendline("B")
+    child.sendline(shuffle_quiz(load_quiz("en"), seed=11).questions[0].answer_letter)
     child.expect_exact("Right.")
     child.expect_exact("Your answer (A-D): ")
     child.sendintr()

@@ -39,7 +39,7 @@ def quiz_command(
     if answers is not None:
         result = _grade_given(quiz, answers, as_json, live, seed)
     else:
-        result = _interactive(quiz, live)
+        result = _interactive(quiz, live, seed)
     raise typer.Exit(0 if result.all_right else 1)
 
 
@@ -99,8 +99,11 @@ def _grade_given(quiz: Quiz, answers: str, as_json: bool, live: bool, seed: int 
     return result
 
 
-def _interactive(quiz: Quiz, live: bool) -> QuizResult:
-    _say(f"[bold]{escape(quiz.title)}[/]\n{escape(quiz.intro)}\n")
+def _interactive(quiz: Quiz, live: bool, seed: int | None) -> QuizResult:
+    _say(f"[bold]{escape(quiz.title)}[/]\n{escape(quiz.intro)}")
+    if seed is not None:
+        _say(f"[dim]{escape(quiz.text('shuffled', seed=seed))}[/]")
+    _say()
     chosen: list[int] = []
     try:
         for q in quiz.questions:
