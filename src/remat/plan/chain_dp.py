@@ -46,7 +46,7 @@ import numpy as np
 
 __all__ = [
     "BlockOption", "ChainBlock", "ChainProblem", "ChainSolution", "Element", "solve_chain", "choose_quantum",
-    "least_requirement", "deep_recursion",
+    "least_requirement", "deep_recursion", "EXACT_CELLS",
 ]
 
 _INF = np.inf
@@ -83,6 +83,10 @@ class ChainBlock:
     def signature(self) -> tuple:
         opts = tuple((o.retained_slots, o.working_slots, o.extra_ms) for o in self.options)
         return (self.input_slots, self.saved_slots, self.working_slots, self.grad_slots, self.fwd_ms, opts)
+
+    def byte_signature(self) -> tuple:
+        """What a replay region's tables depend on besides the forward times."""
+        return (self.input_slots, self.saved_slots, self.working_slots, self.grad_slots)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -138,10 +142,35 @@ class ChainSolution:
     def __init__(self, problem: ChainProblem, frame: _Frame, top: np.ndarray, top_choice: np.ndarray, inner, inner_choice, alike: bool):
         self.problem, self.frame, self.top, self.top_choice = problem, frame, top, top_choice
         self.inner, self.inner_choice, self.alike = inner, inner_choice, alike
+        fwd = [b.fwd_ms for b in problem.blocks]
+        self.exact = not alike or len(set(fwd)) <= 1
+        """True: `cost` is the least extra ms of the slot problem. False (shared replay tables
+        over blocks whose forward times differ): `cost` is a lower bound and `gap_ms` bounds how
+        far the layout may be from the least."""
+        self._fwd_prefix = np.concatenate([[0.0], np.cumsum(fwd)])
 
     def cost(self, m: int) -> float:
-        """Least extra ms with ``m`` free slots (inf: infeasible)."""
+        """Least extra ms with ``m`` free slots (inf: infeasible); a lower bound when not `exact`."""
         return _INF if m < self.frame.lo else float(self.top[0, self.frame.column(m)])
+
+    def layout_ms(self, elements: tuple[Element, ...]) -> float:
+        """Extra ms of a layout priced with every block's own forward time."""
+        with deep_recursion(len(self.problem.blocks)):
+            return sum(self._element_ms(e, top=True) for e in elements)
+
+    def _element_ms(self, element: Element, top: bool) -> float:
+        if element.option is not None:
+            options = self.problem.blocks[element.start].options
+            return next(o.extra_ms for o in options if o.label == element.option) if top else 0.0
+        forward = float(self._fwd_prefix[element.stop] - self._fwd_prefix[element.start])
+        return forward + sum(self._element_ms(c, top=False) for c in element.children)
+
+    def gap_ms(self, m: int) -> float:
+        """Upper bound on how much slower the layout for ``m`` free slots is than the least of
+        the slot problem (0.0 when `exact`)."""
+        if self.exact or not math.isfinite(self.cost(m)):
+            return 0.0
+        return max(0.0, self.layout_ms(self.layout(m)) - self.cost(m))
 
     def curve(self) -> list[tuple[int, float]]:
         """``(m, least extra ms)`` for every column of the table."""
@@ -241,10 +270,27 @@ def _below(width: int, lo: int, needs: np.ndarray) -> np.ndarray:
     return np.arange(width)[None, :] < (needs - lo)[:, None]
 
 
-def solve_chain(problem: ChainProblem) -> ChainSolution:
-    """Fill the inner and top tables (see the module docstring)."""
+EXACT_CELLS = 3_000_000
+"""`solve_chain` fills O(N^3 M) exact replay tables for blocks alike in bytes but not in forward
+time while N^3 M / 6 stays under this (about 0.05 s); above it, shared tables and a bound."""
+
+
+def solve_chain(problem: ChainProblem, exact_cells: int = EXACT_CELLS) -> ChainSolution:
+    """Fill the inner and top tables (see the module docstring).
+
+    Replay tables depend on the blocks' slots and forward times. When every block has the same
+    slots (`ChainBlock.byte_signature`) one table of replayed block forwards per length serves
+    every region: O(N^2 M). Equal forward times make it exact; unequal ones price a region at
+    its count times the region's least forward time, a lower bound, and `ChainSolution.gap_ms`
+    says how far the layout may be from the least (the exact O(N^3 M) tables are used instead
+    while ``N^3 M / 6 <= exact_cells``). Top-level options and segment forwards always use each
+    block's own times.
+    """
     frame = _frame(problem)
-    alike = len({b.signature() for b in problem.blocks}) <= 1
+    blocks = problem.blocks
+    alike = len({b.byte_signature() for b in blocks}) <= 1
+    if alike and len({b.fwd_ms for b in blocks}) > 1 and len(blocks) ** 3 * frame.width / 6 <= exact_cells:
+        alike = False
     inner, inner_choice = (_inner_alike if alike else _inner_general)(problem, frame)
     top, top_choice = _top(problem, frame, inner, alike)
     return ChainSolution(problem, frame, top, top_choice, inner, inner_choice, alike)
@@ -260,7 +306,8 @@ def _keep_first(blocks, rest: np.ndarray, frame: _Frame) -> np.ndarray:
 
 
 def _inner_alike(problem: ChainProblem, frame: _Frame):
-    """Inner tables when every block is alike: one row per length, all children at once."""
+    """Inner tables for blocks alike in slots, in replayed block forwards (not ms): one row per
+    length, all first children at once."""
     n, width = len(problem.blocks), frame.width
     block = problem.blocks[0]
     table = np.zeros((n + 1, width))
@@ -270,10 +317,17 @@ def _inner_alike(problem: ChainProblem, frame: _Frame):
         if length > 1:
             js = np.arange(1, length)
             rest = _shift(table[length - 1 : 0 : -1], block.input_slots - js * block.grad_slots)
-            stacked = np.concatenate([stacked, block.fwd_ms * js[:, None] + table[1:length] + rest])
+            stacked = np.concatenate([stacked, js[:, None] + table[1:length] + rest])
         choice[length] = np.argmin(stacked, axis=0)
         table[length] = stacked[choice[length], np.arange(width)]
     return _Rows(table), _Rows(choice)
+
+
+def _scaled(counts: np.ndarray, ms: np.ndarray) -> np.ndarray:
+    """``counts * ms[:, None]``, inf staying inf when ``ms`` is 0."""
+    out = counts * ms[:, None]
+    out[np.isinf(counts)] = _INF
+    return out
 
 
 class _Rows:
@@ -323,7 +377,11 @@ def _top(problem: ChainProblem, frame: _Frame, inner, alike: bool):
         block = blocks[a]
         opt_cost = _options_cost(block, top[a + 1], frame)
         js = np.arange(1, n - a + 1)
-        seg_inner = inner.table[1 : n - a + 1] if alike else np.stack([inner[j][a] for j in js])
+        if alike:
+            least_fwd = np.minimum.accumulate(prefix[a + 1 :] - prefix[a:-1])
+            seg_inner = _scaled(inner.table[1 : n - a + 1], least_fwd)
+        else:
+            seg_inner = np.stack([inner[j][a] for j in js])
         rest = _shift(top[a + 1 : n + 1], block.input_slots - (gp[a + js] - gp[a]))
         seg_cost = (prefix[a + js] - prefix[a])[:, None] + seg_inner + rest
         stacked = np.concatenate([opt_cost, seg_cost])
@@ -361,7 +419,7 @@ def least_requirement(problem: ChainProblem) -> tuple[int, tuple[Element, ...]]:
     inputs = np.array([b.input_slots for b in blocks], dtype=np.int64)
     works = np.array([b.working_slots - b.grad_slots for b in blocks], dtype=np.int64)
     saves = np.array([b.saved_slots - b.grad_slots for b in blocks], dtype=np.int64)
-    alike = len({b.signature() for b in blocks}) <= 1
+    alike = len({b.byte_signature() for b in blocks}) <= 1
     for length in range(1, n + 1):
         if alike:
             best, choice = _least_alike(blocks[0], need, length)

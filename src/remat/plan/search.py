@@ -11,6 +11,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from remat.measure.types import BlockProfile, Profile
 from remat.plan.chain_dp import (
     BlockOption,
@@ -189,7 +191,7 @@ class OptimalSearch:
         if self.max_slots is not None:
             return self.max_slots
         n = self.profile.num_blocks
-        alike = len({_block_key(self.profile, i, self.options()[i]) for i in range(n)}) <= 1
+        alike = len({_byte_key(self.profile, i) for i in range(n)}) <= 1
         work = 1.5 * n * n if alike else n**3 / 6 + 1.5 * n * n
         cells = CELLS_AT_100_BLOCKS * (n / 100) ** 1.5 * (1 if alike else UNLIKE_CELLS_FACTOR)
         return int(max(64, min(MAX_SLOTS, cells / max(work, 1.0))))
@@ -262,33 +264,37 @@ def _keep_block_peak(profile: Profile) -> int:
     return peak
 
 
-def _block_key(profile: Profile, i: int, options: list[_Priced]) -> tuple:
+def _byte_key(profile: Profile, i: int) -> tuple:
+    """What the DP's replay tables read from block ``i`` besides its forward time (blocks with
+    equal keys share O(N^2 M) tables; see `remat.plan.chain_dp.solve_chain`)."""
     b = profile.blocks[i]
-    costs = tuple((p.cost.retained_bytes, p.cost.working_bytes, p.cost.extra_ms) for p in options)
-    return (b.input_bytes, b.saved_bytes, b.bwd_temp_bytes, b.fwd_ms, costs)
+    keep = cost_of(profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
+    replay = cost_of(profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
+    return (replay.retained_bytes, keep.retained_bytes, replay_working_bytes(b), b.grad_bytes)
 
 
 def _pareto_options(priced: list[_Priced]) -> list[_Priced]:
     """Drop options that another beats or ties on retained bytes, working bytes and time
     (keep, listed first, wins ties)."""
-    out: list[_Priced] = []
-    for p in priced:
-        c = p.cost
-        if any(q.cost.retained_bytes <= c.retained_bytes and q.cost.working_bytes <= c.working_bytes
-               and q.cost.extra_ms <= c.extra_ms for q in out):
-            continue
-        out.append(p)
-    return out
+    keys = [(p.cost.retained_bytes, p.cost.working_bytes, p.cost.extra_ms) for p in priced]
+    return [p for p, ok in zip(priced, _undominated(keys)) if ok]
 
 
 def _slot_pareto(options) -> tuple[BlockOption, ...]:
     """Options no other beats or ties in slots and time (the first listed, keep, wins ties)."""
-    out: list[BlockOption] = []
-    for o in options:
-        if not any(q.retained_slots <= o.retained_slots and q.working_slots <= o.working_slots
-                   and q.extra_ms <= o.extra_ms for q in out):
-            out.append(o)
-    return tuple(out)
+    options = list(options)
+    keep = _undominated([(o.retained_slots, o.working_slots, o.extra_ms) for o in options])
+    return tuple(o for o, ok in zip(options, keep) if ok)
+
+
+def _undominated(keys: list[tuple[float, float, float]]) -> np.ndarray:
+    """Mask of the entries that no earlier entry beats or ties in all three values (an entry
+    dropped for an earlier one is itself beaten by a kept one, so this equals filtering in order)."""
+    if not keys:
+        return np.zeros(0, dtype=bool)
+    values = np.array(keys, dtype=float)
+    no_worse = (values[:, None, :] <= values[None, :, :]).all(axis=2)
+    return ~np.triu(no_worse, k=1).any(axis=0)
 
 
 def _ceil(num_bytes: int, quantum: int) -> int:
