@@ -14,12 +14,9 @@ from typing import Any
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from remat.plan.policies import ALLOCATION_OPS, cacheable
 
-ALLOCATION_OPS = frozenset({"aten.empty_like", "aten.empty", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"})
-"""Ops that only allocate: their outputs are filled in place afterwards (a dropout mask is
-``empty_like`` + ``bernoulli_`` + ``div_``), so a cached output would be mutated, which
-selective checkpointing forbids. They cost nothing to replay, so they are always replayed;
-to keep such a value, a plan names the last in-place op that writes it (``div_``)."""
+__all__ = ["ALLOCATION_OPS", "SavedOpsPolicy", "is_saved", "selective_context"]
 
 
 class SavedOpsPolicy:
@@ -44,14 +41,9 @@ class SavedOpsPolicy:
 
 
 def is_saved(key: str, saved_ops: frozenset[str] | set[str]) -> bool:
-    """Whether the op call ``key`` keeps its output under a plan saving ``saved_ops``.
-
-    Allocation ops and in-place ops (``bernoulli_``, ``div_``: their output is their input)
-    are always replayed. Caching them is unsound: the replay of ``dropout`` fills the tensor it
-    allocated (``noise.bernoulli_(); noise.div_()``), not the value an op returns, so a cached
-    in-place op would leave that tensor unfilled."""
-    packet = key.rsplit("#", 1)[0].rsplit(".", 1)[0]
-    return key in saved_ops and packet not in ALLOCATION_OPS and not packet.endswith("_")
+    """Whether the op call ``key`` keeps its output under a plan saving ``saved_ops``: named and
+    `remat.plan.policies.cacheable` (the planner prices selective blocks by the same rule)."""
+    return key in saved_ops and cacheable(key.rsplit("#", 1)[0])
 
 
 def selective_context(saved_ops: frozenset[str]) -> tuple[Any, Any]:

@@ -5,7 +5,10 @@
 policy uses), the bytes of the new storages it allocated for its outputs (storages not among
 its inputs': views and in-place ops allocate none), its FLOPs (`remat.measure.flops`), its
 wall time, and flags: random (the op carries the ``nondeterministic_seeded`` tag: dropout,
-bernoulli, rand*) and view (the overload is declared a view). After the forward,
+bernoulli, rand*) and view (the overload is declared a view), and the block-local ids of the
+storages its outputs live in (numbered in allocation order within the segment; a view or an
+in-place op names its source's id), so a plan that caches an op's output can be priced by the
+distinct storages it keeps alive. After the forward,
 `OpRecorder.records` maps each saved storage back to the op that produced it, so an op's
 ``saved_bytes`` are the bytes of its outputs that autograd saved (first saver's segment only).
 Ops that run during backward are not recorded.
@@ -38,6 +41,8 @@ class _Call:
     flops: int
     is_random: bool
     is_view: bool
+    storage_ids: tuple[int, ...] = ()
+    storage_bytes: tuple[int, ...] = ()
     times_s: list[float] = field(default_factory=list)
 
 
@@ -58,6 +63,8 @@ class OpRecorder(TorchDispatchMode):
         self._producer: dict[int, tuple[str, int]] = {}
         self._counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._index: dict[str, dict[str, int]] = defaultdict(dict)
+        self._storage_ids: dict[int, tuple[str, int]] = {}
+        self._num_storages: dict[str, int] = defaultdict(int)
         self._first_run = True
 
     def next_run(self) -> None:
@@ -93,11 +100,28 @@ class OpRecorder(TorchDispatchMode):
         new = _new_storages(args, kwargs, out)
         for storage in new:
             self._producer[storage] = (segment, len(calls))
+        ids, nbytes = self._output_storages(segment, new, out)
         calls.append(_Call(
             name=name, key=key, new_storages=new, flops=op_flops(func, args, kwargs, out),
             is_random=torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()),
-            is_view=bool(getattr(func, "is_view", False)), times_s=[elapsed_s],
+            is_view=bool(getattr(func, "is_view", False)), storage_ids=ids, storage_bytes=nbytes,
+            times_s=[elapsed_s],
         ))
+
+    def _output_storages(self, segment: str, new: dict[int, int], out: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Block-local ids and bytes of the storages behind ``out``: a new storage gets the next id
+        of ``segment`` (a freed storage's address may come back, so new always wins); an old one
+        keeps its id when ``segment`` allocated it and is left out otherwise."""
+        for key in new:
+            self._storage_ids[key] = (segment, self._num_storages[segment])
+            self._num_storages[segment] += 1
+        found: dict[int, int] = {}
+        for t in flat_tensors((out,)):
+            key = storage_key(t)
+            owner = self._storage_ids.get(key)
+            if owner is not None and owner[0] == segment:
+                found.setdefault(owner[1], storage_nbytes(t))
+        return tuple(found), tuple(found.values())
 
     def segment_flops(self, segment: str) -> int:
         """Forward FLOPs of every recorded call of ``segment``."""
@@ -120,6 +144,7 @@ class OpRecorder(TorchDispatchMode):
                 key=call.key, name=call.name, output_bytes=sum(call.new_storages.values()),
                 saved_bytes=saved_by_call.get((segment, i), 0), time_ms=1e3 * statistics.median(call.times_s),
                 flops=call.flops, is_random=call.is_random, is_view=call.is_view,
+                storage_ids=call.storage_ids, storage_bytes=call.storage_bytes,
             )
             for i, call in enumerate(self.calls.get(segment, []))
         )

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from remat.measure.types import BlockProfile, Profile
+from remat.plan.policies import cacheable, op_storages
 from remat.plan.types import Segment
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "working_bytes",
     "replay_working_bytes",
     "selective_saved_bytes",
+    "cached_ops",
 ]
 
 
@@ -102,8 +104,9 @@ def replay_working_bytes(block: BlockProfile) -> int:
     return block.saved_bytes + max(block.bwd_temp_bytes, block.fwd_temp_bytes)
 
 
-def selective_saved_bytes(block: BlockProfile, saved_ops: tuple[str, ...]) -> int:
-    """Bytes of the outputs of the named op calls (each call counted once)."""
+def cached_ops(block: BlockProfile, saved_ops: tuple[str, ...]) -> frozenset[str]:
+    """The named op calls whose outputs selective checkpointing really keeps: the named ones
+    that are `remat.plan.policies.cacheable` (the rule `remat.apply.selective` applies)."""
     by_key = {op.key: op for op in block.ops}
     unknown = [key for key in saved_ops if key not in by_key]
     if unknown:
@@ -111,7 +114,19 @@ def selective_saved_bytes(block: BlockProfile, saved_ops: tuple[str, ...]) -> in
             f"block {block.name!r} has no op call(s) {unknown}; known keys look like "
             f"{[op.key for op in block.ops[:3]]}. Regenerate the plan from this model's profile."
         )
-    return sum(by_key[key].output_bytes for key in set(saved_ops))
+    return frozenset(key for key in saved_ops if cacheable(by_key[key].name))
+
+
+def selective_saved_bytes(block: BlockProfile, saved_ops: tuple[str, ...]) -> int:
+    """Bytes of the distinct storages the cached op calls keep alive (`cached_ops`): a call's
+    outputs keep their whole storages, shared storages count once (a view of a matmul's output
+    holds the matmul's storage)."""
+    cached = cached_ops(block, saved_ops)
+    storages: dict[object, int] = {}
+    for i, op in enumerate(block.ops):
+        if op.key in cached:
+            storages.update(op_storages(i, op))
+    return sum(storages.values())
 
 
 @register_cost("keep")
@@ -135,9 +150,10 @@ def _recompute(profile: Profile, block_index: int, segment: Segment) -> BlockCos
 
 @register_cost("selective")
 def _selective(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
-    """Hold the input and the saved ops' outputs; replay the other (non-view) ops."""
+    """Hold the input and the storages of the cached ops' outputs; replay the other (non-view)
+    ops, the named ones that cannot be cached included."""
     block = profile.blocks[block_index]
-    saved = set(segment.saved_ops)
+    saved = cached_ops(block, segment.saved_ops)
     replayed = [op for op in block.ops if op.key not in saved and not op.is_view]
     return BlockCost(
         retained_bytes=block.input_bytes + selective_saved_bytes(block, segment.saved_ops),

@@ -5,15 +5,24 @@ Each policy is a registry entry ``fn(block, target_bytes=None) -> tuple of op ke
 block is replayed in backward. An op call is saved or replayed as a whole (a dropout's output
 and mask together), and replayed random ops draw the same numbers because the checkpoint
 restores the RNG state: gradients stay identical either way.
+
+`cacheable` is the one rule of which calls can be saved at all, shared by the planner (policies,
+`remat.plan.costs`) and `remat.apply.selective`: allocation-only and in-place calls never are.
+A saved call keeps alive the whole storages its outputs live in (`OpRecord.storage_ids`): a view
+of a replayed op's output is not free, so `knapsack` prices groups of storages, not op calls.
 """
 
 from __future__ import annotations
 
+from itertools import combinations
 from typing import Callable
 
 from remat.measure.types import BlockProfile, OpRecord
 
 __all__ = [
+    "ALLOCATION_OPS",
+    "cacheable",
+    "op_storages",
     "POLICIES",
     "register_policy",
     "policy",
@@ -48,6 +57,14 @@ MATMUL_OPS = frozenset(
 """Compute-intensive ops whose outputs `save-matmuls` keeps (torchtitan's list, plus the CPU
 fused attention kernel, which differs from the CUDA ones)."""
 
+ALLOCATION_OPS = frozenset({"aten.empty_like", "aten.empty", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"})
+"""Ops that only allocate: their outputs are filled in place afterwards (a dropout mask is
+``empty_like`` + ``bernoulli_`` + ``div_``), so a cached output would be mutated, which
+selective checkpointing forbids. They cost nothing to replay, so they are always replayed."""
+
+_MAX_GROUP_STORAGES = 10
+"""Storages sharing saved ops beyond which `knapsack_frontier` offers a group only whole."""
+
 _SOFTMAX_OPS = frozenset({"aten._softmax", "aten.softmax", "aten._safe_softmax"})
 _SCORE_MATMULS = frozenset({"aten.mm", "aten.bmm", "aten.baddbmm", "aten.matmul"})
 
@@ -76,13 +93,39 @@ def saved_ops_for(name: str, block: BlockProfile, target_bytes: int | None = Non
 
 def _base(op: OpRecord) -> str:
     """``"aten.mm.default"`` -> ``"aten.mm"``."""
-    return op.name.rsplit(".", 1)[0] if op.name.count(".") >= 2 else op.name
+    return _packet(op.name)
+
+
+def _packet(name: str) -> str:
+    return name.rsplit(".", 1)[0] if name.count(".") >= 2 else name
+
+
+def cacheable(name: str) -> bool:
+    """Whether a call of aten overload ``name`` (``"aten.mm.default"``) can keep its output.
+
+    Allocation ops and in-place ops (``bernoulli_``, ``div_``: their output is their input) are
+    always replayed. Caching them is unsound: the replay of ``dropout`` fills the tensor it
+    allocated (``noise.bernoulli_(); noise.div_()``), not the value an op returns, so a cached
+    in-place op would leave that tensor unfilled."""
+    packet = _packet(name)
+    in_place = packet.endswith("_") and not packet.rsplit(".", 1)[-1].startswith("__")  # not __and__
+    return packet not in ALLOCATION_OPS and not in_place
+
+
+def op_storages(index: int, op: OpRecord) -> dict[object, int]:
+    """Bytes per storage that caching ``op`` (the block's ``index``-th call) keeps alive.
+
+    Ids come from `OpRecord.storage_ids`; an op recorded without them counts its own output
+    bytes as one private storage (``("op", index)``)."""
+    if op.storage_ids:
+        return dict(zip(op.storage_ids, op.storage_bytes))
+    return {("op", index): op.output_bytes} if op.output_bytes > 0 else {}
 
 
 @register_policy("save-matmuls")
 def save_matmuls(block: BlockProfile, target_bytes: int | None = None) -> tuple[str, ...]:
     """Save the outputs of matmuls, convolutions and fused attention; replay the rest."""
-    return tuple(op.key for op in block.ops if _base(op) in MATMUL_OPS)
+    return tuple(op.key for op in block.ops if _base(op) in MATMUL_OPS and cacheable(op.name))
 
 
 @register_policy("attention-core")
@@ -92,7 +135,10 @@ def attention_core(block: BlockProfile, target_bytes: int | None = None) -> tupl
     autograd saves. The core spans from the last score matmul before each softmax to the
     first matmul after it."""
     core = _attention_core_indices(block.ops)
-    return tuple(op.key for i, op in enumerate(block.ops) if i not in core and op.saved_bytes > 0 and not op.is_view)
+    return tuple(
+        op.key for i, op in enumerate(block.ops)
+        if i not in core and op.saved_bytes > 0 and not op.is_view and cacheable(op.name)
+    )
 
 
 def _attention_core_indices(ops: tuple[OpRecord, ...]) -> set[int]:
@@ -110,8 +156,8 @@ def _attention_core_indices(ops: tuple[OpRecord, ...]) -> set[int]:
 
 @register_policy("knapsack")
 def knapsack(block: BlockProfile, target_bytes: int | None = None) -> tuple[str, ...]:
-    """Save the op outputs that keep the most replay time within ``target_bytes`` (exact 0/1
-    knapsack over the block's op calls; weights: output bytes, values: op time)."""
+    """Save the op outputs that keep the most replay time within ``target_bytes`` of storages
+    kept alive (exact: see `knapsack_frontier`)."""
     if target_bytes is None or target_bytes < 0:
         raise ValueError(
             f"the knapsack policy needs a byte target >= 0 for block {block.name!r}, got {target_bytes!r}; "
@@ -124,21 +170,58 @@ def knapsack(block: BlockProfile, target_bytes: int | None = None) -> tuple[str,
     return best[2]
 
 
-def knapsack_frontier(block: BlockProfile) -> list[tuple[int, float, tuple[str, ...]]]:
-    """Every Pareto-optimal ``(saved output bytes, saved op time ms, op keys)``, by bytes.
+Point = tuple[int, float, tuple[str, ...]]
 
-    Exact DP over items with dominance pruning: a point survives only if no other point saves
-    at least as much time with no more bytes (Martello & Toth 1990, ch. 2)."""
-    items = [op for op in block.ops if not op.is_view and (op.output_bytes > 0 or op.time_ms > 0)]
-    frontier: list[tuple[int, float, tuple[str, ...]]] = [(0, 0.0, ())]
-    for op in items:
-        grown = [(w + op.output_bytes, v + op.time_ms, keys + (op.key,)) for w, v, keys in frontier]
+
+def knapsack_frontier(block: BlockProfile) -> list[Point]:
+    """Every Pareto-optimal ``(bytes of storages kept, saved op time ms, op keys)``, by bytes.
+
+    Items are the cacheable, non-view op calls. Saving a call keeps its storages alive
+    (`op_storages`), and several calls may share one (an ``_unsafe_view`` of a matmul's output),
+    so the weight of a choice is the bytes of the union of its storages. Calls are grouped into
+    the connected components of shared storages; a group's options are its subsets of storages
+    (value: every call whose storages all lie in the subset), and the groups are combined by an
+    exact multiple-choice knapsack DP with dominance pruning: a point survives only if no other
+    point saves at least as much time with no more bytes (Martello & Toth 1990, ch. 2 and 6)."""
+    frontier: list[Point] = [(0, 0.0, ())]
+    for options in _group_options(block):
+        grown = [(w + ow, v + ov, keys + okeys) for w, v, keys in frontier for ow, ov, okeys in options]
         frontier = _prune(frontier + grown)
     return frontier
 
 
-def _prune(points: list[tuple[int, float, tuple[str, ...]]]) -> list[tuple[int, float, tuple[str, ...]]]:
-    out: list[tuple[int, float, tuple[str, ...]]] = []
+def _group_options(block: BlockProfile) -> list[list[Point]]:
+    """Per group of calls sharing storages: its Pareto options other than saving nothing."""
+    items = [(i, op) for i, op in enumerate(block.ops)
+             if not op.is_view and cacheable(op.name) and (op.output_bytes > 0 or op.time_ms > 0)]
+    groups: list[tuple[dict[object, int], list[tuple[int, OpRecord]]]] = []
+    for i, op in items:
+        storages = op_storages(i, op)
+        merged = (dict(storages), [(i, op)])
+        for g in [g for g in groups if set(storages) & set(g[0])]:
+            merged[0].update(g[0])
+            merged[1].extend(g[1])
+            groups.remove(g)
+        groups.append(merged)
+    return [_subset_options(storages, calls) for storages, calls in groups]
+
+
+def _subset_options(storages: dict[object, int], calls: list[tuple[int, OpRecord]]) -> list[Point]:
+    """Options of one group: each subset of its storages (all of them only, past a size) with
+    the calls that fit inside it, Pareto-pruned."""
+    ids = list(storages)
+    subsets = [ids] if len(ids) > _MAX_GROUP_STORAGES else [list(c) for r in range(len(ids) + 1) for c in combinations(ids, r)]
+    options = []
+    for subset in subsets:
+        inside = [(i, op) for i, op in sorted(calls) if set(op_storages(i, op)) <= set(subset)]
+        if inside:
+            options.append((sum(storages[s] for s in subset), sum(op.time_ms for _, op in inside),
+                            tuple(op.key for _, op in inside)))
+    return _prune(options)
+
+
+def _prune(points: list[Point]) -> list[Point]:
+    out: list[Point] = []
     for point in sorted(points, key=lambda p: (p[0], -p[1])):
         if not out or point[1] > out[-1][1]:
             out.append(point)
