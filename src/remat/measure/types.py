@@ -41,6 +41,13 @@ class OpRecord:
     """True for ops that draw random numbers (dropout, bernoulli, rand*)."""
     is_view: bool
     """True when every output aliases an input (view, transpose, reshape of a contiguous tensor...)."""
+    storage_ids: tuple[int, ...] = ()
+    """Block-local ids of the storages its outputs live in, among those this block's forward
+    allocated: 0, 1... in allocation order. A view or in-place op names its source's id; storages
+    from outside the block (its inputs, parameters) are not listed. Caching an op's output keeps
+    these storages alive whole. () in profiles recorded without it."""
+    storage_bytes: tuple[int, ...] = ()
+    """Bytes of each storage of ``storage_ids``, in the same order."""
 
 
 @dataclass(kw_only=True, frozen=True)
