@@ -244,8 +244,8 @@ def what_autograd_saves() -> Demonstration:
 # ---------------------------------------------------------------- Q3: the overhead depends on the model
 
 _Q3_MODELS: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("gpt, vocab 4096", "gpt", {"vocab_size": 4096}),
-    ("mlp, 8 blocks", "mlp", {"depth": 8, "width": 256, "batch_size": 64}),
+    ("gpt (vocab 4096)", "gpt", {"vocab_size": 4096}),
+    ("mlp (8 blocks)", "mlp", {"depth": 8, "width": 256, "batch_size": 64}),
 )
 
 
