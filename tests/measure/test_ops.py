@@ -1,0 +1,70 @@
+"""The op table's storage fields: which block-local storages each call's outputs live in."""
+
+import torch
+
+from remat.measure.ops import OpRecorder
+
+
+def _table(fn):
+    torch.manual_seed(0)
+    recorder = OpRecorder(lambda: "blk")
+    with recorder:
+        fn()
+    return {r.key: r for r in recorder.records("blk", {})}
+
+
+def _toy():
+    # x: 4x8 float32 (128 B), w: 8x8; both come from outside the block.
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def forward():
+        a = x @ w                                   # storage 0: 4x8 = 128 B
+        c = a.t().contiguous()                      # t: a view of 0; clone: storage 1, 128 B
+        n = torch.nn.functional.layer_norm(c, (4,))  # out 2 (128 B), mean 3 and rstd 4 (8x1: 32 B each)
+        d = torch.nn.functional.dropout(n, 0.5, training=True)  # mask 5 filled in place; out 6
+        x.view(32)                                  # a view of the block's input: no block storage
+        return d.sum()                              # storage 7: 4 B
+
+    return forward
+
+
+def test_storage_ids_and_bytes_by_hand():
+    table = _table(_toy())
+    expected = {
+        "aten.mm.default#0": ((0,), (128,)),
+        "aten.t.default#0": ((0,), (128,)),
+        "aten.clone.default#0": ((1,), (128,)),
+        "aten.native_layer_norm.default#0": ((2, 3, 4), (128, 32, 32)),
+        "aten.empty_like.default#0": ((5,), (128,)),
+        "aten.bernoulli_.float#0": ((5,), (128,)),
+        "aten.div_.Scalar#0": ((5,), (128,)),
+        "aten.mul.Tensor#0": ((6,), (128,)),
+        "aten.view.default#0": ((), ()),
+        "aten.sum.default#0": ((7,), (4,)),
+    }
+    assert {k: (r.storage_ids, r.storage_bytes) for k, r in table.items()} == expected
+
+
+def test_new_bytes_stay_new_bytes():
+    # output_bytes counts only storages the call allocated; views and in-place calls allocate none.
+    table = _table(_toy())
+    assert [table[k].output_bytes for k in ("aten.mm.default#0", "aten.t.default#0", "aten.native_layer_norm.default#0",
+                                            "aten.bernoulli_.float#0", "aten.view.default#0")] == [128, 0, 192, 0, 0]
+
+
+def test_ids_are_per_segment():
+    # A storage made in one segment is foreign to the next: it gets no id there.
+    torch.manual_seed(0)
+    segment = ["a"]
+    recorder = OpRecorder(lambda: segment[0])
+    x = torch.randn(4, 4)
+    with recorder:
+        y = x * 2               # a: storage 0
+        segment[0] = "b"
+        z = y.t()               # b: a view of a's storage
+        (z + 1).relu_()         # b: add -> storage 0 of b; relu_ writes it in place
+    a, b = recorder.records("a", {}), recorder.records("b", {})
+    assert [(r.key, r.storage_ids) for r in a] == [("aten.mul.Tensor#0", (0,))]
+    assert [(r.key, r.storage_ids, r.storage_bytes) for r in b] == [
+        ("aten.t.default#0", (), ()), ("aten.add.Tensor#0", (0,), (64,)), ("aten.relu_.default#0", (0,), (64,))]
