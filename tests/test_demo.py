@@ -44,11 +44,11 @@ def _break_rng(monkeypatch):
     monkeypatch.setattr(strategies, "checkpoint", lambda *a, **k: real(*a, **{**k, "preserve_rng_state": False}))
 
 
-def test_demo_command_prints_one_table_of_every_strategy_and_three_budgets(tiny_demo):
-    out = CliRunner().invoke(app, ["demo", "--repeats", "1"])
+def test_demo_command_prints_one_table_of_every_strategy_and_three_budgets(tiny_demo, tmp_path):
+    out = CliRunner().invoke(app, ["demo", "--repeats", "1", "--out", str(tmp_path / "demo")])
     assert out.exit_code == 0, out.output
     for text in ("remat demo", "selective:attention-core", "selective:save-matmuls", "optimal @", "identical",
-                 "every gradient is identical", "lowest peak"):
+                 "every gradient is identical", "lowest peak", "buys memory with time"):
         assert text in out.output
     result = tiny_demo[0]
     labels = [row.label for row in result.rows]
@@ -59,30 +59,66 @@ def test_demo_command_prints_one_table_of_every_strategy_and_three_budgets(tiny_
     assert all(row.plan.prediction.peak_bytes <= row.plan.budget_bytes for row in result.rows[len(DEMO_STRATEGIES):])
     assert result.all_identical and all(v.grads_identical and v.recompute_counts_match for v in result.verifications)
     assert result.plans[0].strategy_name == "none" and result.profile.num_blocks == 3
+    assert result.budget_bytes == budgets[1]
+    # The command ends with the report's path; the page holds the job's plans and the commands.
+    assert out.output.rstrip().splitlines()[-1].endswith(f"report: {tmp_path / 'demo' / 'report.html'}")
+    page = (tmp_path / "demo" / "report.html").read_text()
+    assert "remat demo --seed 0 --repeats 1" in page and "selective:attention-core" in page
+    assert "http://" not in page and "https://" not in page
+    names = sorted(p.name for p in (tmp_path / "demo").iterdir())
+    assert names == sorted(["profile.json", "report.html", *(f"{kind}-{stem}.json" for kind in ("plan", "verification")
+                                                               for stem in map(run_module.file_stem, labels))])
 
 
-def test_demo_command_fails_when_a_gradient_differs(tiny_demo, monkeypatch):
+def test_demo_command_fails_when_a_gradient_differs(tiny_demo, monkeypatch, tmp_path):
     _break_rng(monkeypatch)
     monkeypatch.setattr(run_module, "DEMO_STRATEGIES", ("none", "full"))
     monkeypatch.setattr(run_module, "DEMO_BUDGET_FRACTIONS", (0.5,))
-    out = CliRunner().invoke(app, ["demo", "--repeats", "1"])
+    out = CliRunner().invoke(app, ["demo", "--repeats", "1", "--out", str(tmp_path)])
     assert out.exit_code == 1
     assert "GRADIENTS DIFFER for: full" in out.output
+    assert (tmp_path / "report.html").exists()  # the report shows the failure too
 
 
 def test_run_then_verify_the_saved_plan(tmp_path, monkeypatch):
     from remat.cli._app import console
 
     monkeypatch.setattr(console, "width", 200)
-    plan_path, json_path = tmp_path / "plan.json", tmp_path / "v.json"
+    out_dir = tmp_path / "run"
     out = CliRunner().invoke(app, ["run", "--model", "gpt", "--budget", "85%", "--repeats", "1", *TINY_OPTIONS,
-                                   "--out", str(plan_path), "--json", str(json_path)])
+                                   "--out", str(out_dir)])
     assert out.exit_code == 0, out.output
-    assert "optimal @ 85%" in out.output and plan_path.exists() and json_path.exists()
-    out = CliRunner().invoke(app, ["verify", str(plan_path), "--model", "gpt", "--repeats", "1", *TINY_OPTIONS],
-)
+    assert "optimal @ 85%" in out.output and f"report: {out_dir / 'report.html'}" in out.output
+    plan_path = out_dir / "plan-optimal-85pct.json"
+    assert sorted(p.name for p in out_dir.iterdir()) == [
+        "plan-none.json", plan_path.name, "profile.json", "report.html", "verification-none.json",
+        "verification-optimal-85pct.json"]
+    plan = remat.Plan.from_json(plan_path)
+    assert plan.strategy_name == "optimal" and plan.prediction.peak_bytes <= plan.budget_bytes
+    page = (out_dir / "report.html").read_text()
+    assert "remat run --model gpt --strategy optimal --budget 85% --layers 3" in page
+    out = CliRunner().invoke(app, ["verify", str(plan_path), "--model", "gpt", "--repeats", "1", *TINY_OPTIONS])
     assert out.exit_code == 0, out.output
     assert "identical" in out.output
+
+
+def test_file_stems_and_an_output_path_that_is_a_file(tmp_path):
+    assert run_module.file_stem("optimal @ 40%") == "optimal-40pct"
+    assert run_module.file_stem("selective:attention-core") == "selective-attention-core"
+    assert run_module._unique(["a", "b", "a"]) == ["0-a", "b", "2-a"]
+    (tmp_path / "taken").write_text("")
+    out = CliRunner().invoke(app, ["run", "--budget", "85%", "--repeats", "1", *TINY_OPTIONS, "--out", str(tmp_path / "taken")])
+    assert out.exit_code == 2
+    assert "is a file; pass a directory" in out.output
+
+
+def test_default_gpt_activations_dominate_so_40_percent_fits():
+    torch.manual_seed(0)
+    built = build("gpt")
+    profile = remat.profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1)
+    assert profile.model_state_bytes < 0.1 * profile.peak_bytes
+    chosen = make_plan(profile, budget="40%", strategy="optimal")
+    assert chosen.prediction.peak_bytes <= 0.4 * profile.peak_bytes
 
 
 def test_verify_command_rejects_a_plan_for_another_model(tmp_path):

@@ -4,31 +4,37 @@
 - `verify_job`: a saved plan against a freshly built model (``remat verify plan.json``).
 - `demo_job`: the built-in GPT, every strategy, optimal at three budgets (``remat demo``).
 
-Each returns a `JobResult` holding the profile, the plans and their verifications, the seam
-for a report (`remat.report.html.write_report(path, result.profile, result.plans, ...)`).
+Each returns a `JobResult` holding the profile, the plans and their verifications;
+`write_outputs` saves them as JSON next to the self-contained HTML report
+(`remat.report.html.write_report`), in ``./remat-out/`` unless told otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from remat.measure.types import Profile
 from remat.plan.types import Plan
 from remat.verify_types import Verification
 
-__all__ = ["JobRow", "JobResult", "run_job", "verify_job", "demo_job", "DEMO_SIZES", "DEMO_STRATEGIES",
-           "DEMO_BUDGET_FRACTIONS"]
+__all__ = ["JobRow", "JobResult", "JobFiles", "run_job", "verify_job", "demo_job", "write_outputs", "DEMO_SIZES",
+           "DEMO_STRATEGIES", "DEMO_BUDGET_FRACTIONS", "DEFAULT_OUT_DIR"]
 
 DEMO_MODEL = "gpt"
-DEMO_SIZES: dict[str, Any] = {"num_layers": 6, "d_model": 64, "num_heads": 4, "seq_len": 64, "batch_size": 8}
-"""Sized so the whole demo takes about a minute on 2 CPU cores, with activations (attention
-scores above all) well above the model state, so budgets have room to act."""
+DEMO_SIZES: dict[str, Any] = {}
+"""The built-in GPT at its default sizes (`remat.models.gpt.GPTConfig`): activations (attention
+scores above all) far above the model state, so budgets have room to act, and the whole demo
+takes about a minute on 2 CPU cores."""
 DEMO_STRATEGIES = ("none", "full", "sqrt", "selective:attention-core", "selective:save-matmuls")
 DEMO_BUDGET_FRACTIONS = (0.25, 0.5, 0.75)
 """Budgets of the optimal rows: this far from the least feasible peak to the baseline peak."""
+DEFAULT_OUT_DIR = Path("remat-out")
+"""Where `remat run` and `remat demo` write their JSON files and report (``run/``, ``demo/``)."""
 
 Progress = Callable[[str], None]
 
@@ -53,6 +59,8 @@ class JobResult:
     rows: tuple[JobRow, ...]
     baseline: Plan
     """The ``none`` plan (its prediction is the baseline the percentages refer to)."""
+    budget_bytes: int | None = None
+    """The budget the report judges the plans by (run: the one asked for; demo: the middle one)."""
 
     @property
     def plans(self) -> tuple[Plan, ...]:
@@ -120,7 +128,8 @@ def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", s
     label = strategy if budget is None else f"{strategy} @ {budget}"
     rows = (_verified(built, baseline, "none", repeats, progress),
             _verified(built, chosen, label, repeats, progress, offload_dir))
-    return JobResult(model_name=model_name, sizes=sizes, profile=prof, rows=rows, baseline=baseline)
+    return JobResult(model_name=model_name, sizes=sizes, profile=prof, rows=rows, baseline=baseline,
+                     budget_bytes=budget_bytes)
 
 
 def verify_job(plan: Plan, model_name: str = DEMO_MODEL, *, sizes: dict[str, Any] | None = None, seed: int = 0,
@@ -154,8 +163,56 @@ def demo_job(*, model_name: str = DEMO_MODEL, sizes: dict[str, Any] | None = Non
     built, prof = _profile(model_name, sizes, progress, seed=seed)
     baseline = make_plan(prof, strategy="none")
     plans: list[tuple[str, Plan]] = [(s, make_plan(prof, strategy=s)) for s in DEMO_STRATEGIES]
-    for fraction, budget in zip(DEMO_BUDGET_FRACTIONS, demo_budgets(prof, baseline)):
+    budgets = demo_budgets(prof, baseline)
+    for budget in budgets:
         share = 100 * budget / baseline_peak(prof, baseline)
         plans.append((f"optimal @ {share:.0f}%", make_plan(prof, budget=budget, strategy="optimal")))
     rows = tuple(_verified(built, p, label, repeats, progress) for label, p in plans)
-    return JobResult(model_name=model_name, sizes=sizes, profile=prof, rows=rows, baseline=baseline)
+    return JobResult(model_name=model_name, sizes=sizes, profile=prof, rows=rows, baseline=baseline,
+                     budget_bytes=budgets[len(budgets) // 2] if budgets else None)
+
+
+@dataclass(kw_only=True, frozen=True)
+class JobFiles:
+    """What `write_outputs` wrote."""
+
+    report: Path
+    """The self-contained HTML report."""
+    profile: Path
+    plans: tuple[Path, ...]
+    """One plan JSON per row of the job, in row order."""
+    verifications: tuple[Path, ...]
+    """One Verification JSON per row, in row order."""
+
+
+def file_stem(label: str) -> str:
+    """A row label as a file-name part: ``"optimal @ 40%"`` -> ``"optimal-40pct"``."""
+    text = label.replace("%", "pct").replace(":", "-")
+    return re.sub(r"[^A-Za-z0-9.-]+", "-", text).strip("-") or "plan"
+
+
+def _unique(stems: list[str]) -> list[str]:
+    """Stems made unique by their row number where two rows share one."""
+    return [stem if stems.count(stem) == 1 else f"{i}-{stem}" for i, stem in enumerate(stems)]
+
+
+def write_outputs(result: JobResult, out_dir: str | Path, *, commands: Sequence[str] = ()) -> JobFiles:
+    """Write ``profile.json``, ``plan-<row>.json`` and ``verification-<row>.json`` per row, and
+    ``report.html`` (with the optimal frontier and ``commands``, which reproduce it) under ``out_dir``."""
+    from remat.plan.planners import pareto
+    from remat.report.html import write_report
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output directory {str(out)!r} is a file; pass a directory, e.g. --out remat-out.")
+    out.mkdir(parents=True, exist_ok=True)
+    stems = _unique([file_stem(row.label) for row in result.rows])
+    plans = tuple(out / f"plan-{stem}.json" for stem in stems)
+    verifications = tuple(out / f"verification-{stem}.json" for stem in stems)
+    for row, plan_path, ver_path in zip(result.rows, plans, verifications):
+        row.plan.save(plan_path)
+        row.verification.save(ver_path)
+    result.profile.save(out / "profile.json")
+    report = write_report(out / "report.html", result.profile, result.plans, result.verifications,
+                          commands=commands, frontier=pareto(result.profile), budget_bytes=result.budget_bytes)
+    return JobFiles(report=report, profile=out / "profile.json", plans=plans, verifications=verifications)

@@ -1,30 +1,40 @@
-"""`remat demo`: the default job. The built-in GPT, every strategy, one table."""
+"""`remat demo`: the default job. The built-in GPT, every strategy, one table, one HTML report."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
+from remat.apply.run import DEFAULT_OUT_DIR
 from remat.cli._app import app, console, fail
-from remat.cli.run import render
+from remat.cli.run import render, save_outputs
+
+DEMO_OUT_DIR = DEFAULT_OUT_DIR / "demo"
 
 
 @app.command("demo")
 def demo_command(
     repeats: int = typer.Option(3, help="Timed steps per plan (the median is kept)."),
     seed: int = typer.Option(0, help="Seed of the model's weights and batch."),
+    out: Path = typer.Option(DEMO_OUT_DIR, "--out", "-o", help="Directory for the JSON files and report.html."),
 ) -> None:
     """Profile the built-in GPT once; verify none, full, sqrt, two selective policies and optimal at
-    three budgets: predicted and measured peak and step time, overhead, gradient check."""
+    three budgets: predicted and measured peak and step time, overhead, gradient check. Ends by
+    writing the HTML report and printing its path."""
     from remat.apply.run import DEMO_SIZES, demo_job
+    from remat.models import model_sizes
 
-    sizes = ", ".join(f"{k}={v}" for k, v in DEMO_SIZES.items())
+    sizes = {**model_sizes("gpt"), **DEMO_SIZES}
+    shown = ", ".join(f"{k}={sizes[k]}" for k in ("num_layers", "d_model", "num_heads", "seq_len", "batch_size"))
     try:
         with console.status("building...") as status:
             result = demo_job(seed=seed, repeats=repeats, progress=lambda m: status.update(f"{m}..."))
     except (ValueError, TypeError) as error:
         raise fail(str(error)) from None
-    render(result, f"remat demo: built-in GPT ({sizes}) on {result.profile.environment.device_name}")
+    render(result, f"remat demo: built-in GPT ({shown}) on {result.profile.environment.device_name}")
     console.print("Peaks are exact live-storage accounts of a whole training step (weights, gradients, "
                   "AdamW state, activations); overhead is against the measured step without recomputation.")
+    save_outputs(result, out, ["remat", "demo", "--seed", str(seed), "--repeats", str(repeats), "--out", str(out)])
     if not result.all_identical:
         raise typer.Exit(1)

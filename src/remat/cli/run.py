@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.table import Table
 
+from remat.apply.run import DEFAULT_OUT_DIR
 from remat.cli._app import app, console, fail
 
 MIB = 2**20
+RUN_OUT_DIR = DEFAULT_OUT_DIR / "run"
+CAPTION = ("Each row buys memory with time: a lower peak costs extra step time, spent replaying "
+           "forwards in backward; the gradients must stay identical.")
 
 
 def _mib(num_bytes: int) -> str:
@@ -27,21 +32,29 @@ def _grad_cell(v) -> str:
 
 def verification_table(result, title: str) -> Table:
     """One row per plan: predicted vs measured peak and step time, overhead, gradient check."""
-    table = Table(title=title)
-    headers = ("plan", "peak MiB\npredicted", "peak MiB\nmeasured", "error", "step ms\npredicted",
+    table = Table(title=title, caption=CAPTION)
+    headers = ("plan", "peak MiB\npredicted", "peak MiB\nmeasured", "error", "peak\nvs none", "step ms\npredicted",
                "step ms\nmeasured", "error", "overhead\nvs none", "replays\nas planned", "gradients")
     for header in headers:
         table.add_column(header, justify="left" if header in ("plan", "gradients") else "right")
+    base = _baseline_measured_peak(result)
     for row in result.rows:
         v = row.verification
+        saved = f"{100 * (v.measured_peak_bytes / base - 1):+.0f}%" if base else "n/a"
         counts = "[green]yes[/]" if v.recompute_counts_match else "[yellow]no[/]"
         measured = _mib(v.measured_peak_bytes)
         if v.budget_bytes is not None and v.measured_peak_bytes > v.budget_bytes:
             measured = f"[red]{measured} > budget {_mib(v.budget_bytes)}[/]"
-        table.add_row(row.label, _mib(v.predicted_peak_bytes), measured, f"{v.peak_error_pct:+.1f}%",
+        table.add_row(row.label, _mib(v.predicted_peak_bytes), measured, f"{v.peak_error_pct:+.1f}%", saved,
                       f"{v.predicted_step_ms:.1f}", f"{v.measured_step_ms:.1f}", f"{v.step_error_pct:+.1f}%",
                       f"{v.overhead_pct:+.1f}%", counts, _grad_cell(v))
     return table
+
+
+def _baseline_measured_peak(result) -> int:
+    """The measured peak of the ``none`` row (else of the profile's baseline step)."""
+    rows = [r for r in result.rows if r.plan.strategy_name == "none"]
+    return rows[0].verification.measured_peak_bytes if rows else result.profile.peak_bytes
 
 
 def summary_lines(result) -> list[str]:
@@ -93,30 +106,55 @@ def run_command(
     batch: Optional[int] = typer.Option(None, help="Batch size."),
     seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
     repeats: int = typer.Option(3, help="Timed steps per plan (the median is kept)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the chosen Plan as JSON here."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the chosen plan's Verification as JSON here."),
+    out: Path = typer.Option(RUN_OUT_DIR, "--out", "-o", help="Directory for profile, plan and verification JSON and report.html."),
 ) -> None:
-    """Profile, plan, apply and verify: the chosen plan against no recomputation, measured."""
+    """Profile, plan, apply and verify: the chosen plan against no recomputation, measured; then
+    write the JSON files and the HTML report under --out and print the report's path."""
     from remat.apply.run import run_job
     from remat.models import sizes_from_options
 
+    options = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
     try:
-        sizes = sizes_from_options(model, layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
+        sizes = sizes_from_options(model, **options)
         with console.status("building...") as status:
             result = run_job(model, budget=budget, strategy=strategy, sizes=sizes, seed=seed, repeats=repeats,
                              offload_dir=None if offload_dir is None else str(offload_dir), progress=_progress_to(status))
     except (ValueError, TypeError) as error:
         raise fail(str(error)) from None
     render(result, f"remat run: {model}, {strategy}" + (f" within {budget}" if budget else ""))
-    chosen = result.rows[-1]
-    if out is not None:
-        chosen.plan.save(out)
-        console.print(f"plan written to {out}")
-    if json_path is not None:
-        chosen.verification.save(json_path)
-        console.print(f"verification written to {json_path}")
+    args = ["--model", model, "--strategy", strategy, *(["--budget", budget] if budget else []),
+            *_size_args(options), "--seed", str(seed), "--out", str(out)]
+    files = save_outputs(result, out, ["remat", "run", *args], chosen_row=len(result.rows) - 1)
+    console.print(f"apply it again: remat verify {files.plans[-1]} --model {model}"
+                  + "".join(f" {a}" for a in _size_args(options)))
     if not result.all_identical:
         raise typer.Exit(1)
+
+
+def _size_args(options: dict) -> list[str]:
+    """The size options that were given, as command-line arguments."""
+    args: list[str] = []
+    for name, value in options.items():
+        if value is not None:
+            args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
+
+
+def save_outputs(result, out: Path, command: list[str], *, chosen_row: int | None = None):
+    """Write the job's JSON files and report under ``out``, print where; the report's commands
+    are ``command`` and the `remat report` call that rebuilds the page from the JSON files."""
+    from remat.apply.run import write_outputs
+
+    rebuild = ["remat", "report", str(out / "profile.json"), *(str(out / f"{kind}-*.json") for kind in ("plan", "verification")),
+               "-o", str(out / "report.html")]
+    try:
+        files = write_outputs(result, out, commands=[shlex.join(command), " ".join(rebuild)])
+    except (ValueError, OSError) as error:
+        raise fail(f"cannot write the results under {str(out)!r}: {error}") from None
+    if chosen_row is not None:
+        console.print(f"plan: {files.plans[chosen_row]}  verification: {files.verifications[chosen_row]}")
+    console.print(f"JSON files in {out}/; report: [bold]{files.report}[/]")
+    return files
 
 
 @app.command("verify")
