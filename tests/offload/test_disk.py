@@ -7,11 +7,13 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from remat.apply import offload_disk
 from remat.apply.offload import MIN_BYTES, OffloadEngine
 from remat.measure.tracker import track_step
 from remat.models import build
@@ -230,3 +232,31 @@ def test_live_memory_tracker_sees_the_offloaded_bytes_gone(toy, tmp_path):
             assert engine.stats().restored_tensors == TOY_OFFLOADED_STORAGES
             engine.close()
     assert first_bwd[True] - first_bwd[False] == TOY_OFFLOADED_BYTES
+
+
+def test_records_not_yet_written_are_used_from_memory(toy, tmp_path, monkeypatch):
+    """One I/O thread held on block 0's first record: every later record is still queued when
+    backward wants it, so it is cancelled and served from memory; only that one write happens."""
+    blocks, x = toy
+    want = toy_step(blocks, x, None)
+    gate, calls, real_write = threading.Event(), [], offload_disk.write_at
+
+    def gated_write(fd, offset, data):
+        calls.append(offset)
+        gate.wait(timeout=120)
+        return real_write(fd, offset, data)
+
+    monkeypatch.setattr(offload_disk, "write_at", gated_write)
+    engine = OffloadEngine("disk", directory=tmp_path, min_bytes=1, num_threads=1)
+    outs = [x]
+    for i, block in enumerate(blocks):
+        outs.append(Wrapped(block, f"blocks.{i}", engine)(outs[-1]))
+    outs[1].register_hook(lambda grad: gate.set())  # block 1's backward done: block 0 is next
+    outs[-1].square().sum().backward()
+    got = [p.grad.clone() for p in blocks.parameters()] + [x.grad.clone()]
+    assert_grads_equal(got, want)
+    assert calls == [0]
+    engine.wait_writes()
+    assert engine.store.live_files() == []
+    engine.close()
+    assert dir_entries(tmp_path) == []

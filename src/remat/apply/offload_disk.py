@@ -161,18 +161,23 @@ class BlockFile:
     def put(self, data: torch.Tensor) -> DiskTicket:
         """Queue ``data`` (1-D uint8, any device) as the next record; the job holds it until written."""
         offset, self.size_bytes = self.size_bytes, self.size_bytes + data.numel()
-        job = self.store._submit(self._write_job, offset, data)
+        holder = [data]  # the only reference to the bytes: the write job empties it when done
+        job = self.store._submit(self._write_job, offset, holder)
         self._writes.append(job)
         self.unread_records += 1
-        return DiskTicket(self, offset, data.numel(), job)
+        return DiskTicket(self, offset, data.numel(), job, holder)
 
-    def _write_job(self, offset: int, data: torch.Tensor) -> int:
+    def _write_job(self, offset: int, holder: list[torch.Tensor]) -> int:
+        data = holder[0]
         try:
             return write_at(self._fd.fd, offset, data.cpu() if data.device.type != "cpu" else data)
         except OSError as exc:
             error = _io_error(exc, f"offload file {self.path}", self.block, "write")
             self.store._fail(error)
             raise error from exc
+        finally:
+            holder.clear()
+            del data
 
     def seal(self) -> None:
         """After the block's forward: flush and close the file once its writes have ended."""
@@ -205,19 +210,27 @@ class BlockFile:
 
 
 class DiskTicket:
-    """One record of a block file: on its way to disk, on disk, or read back."""
+    """One record of a block file: on its way to disk, on disk, or read back. Only the pending
+    write job holds the bytes (through ``holder``), so they are freed as soon as they are written."""
 
-    def __init__(self, file: BlockFile, offset: int, nbytes: int, write: Future) -> None:
+    def __init__(self, file: BlockFile, offset: int, nbytes: int, write: Future, holder: list[torch.Tensor]) -> None:
         self.file, self.offset, self.nbytes = file, offset, nbytes
         self._write = write
+        self._holder = holder
         self._read: Future | None = None
 
     def prefetch(self) -> None:
-        """Start reading the record back (after its write ends) in the background."""
+        """Start reading the record back (after its write ends) in the background. A write that
+        has not started yet is cancelled instead: the bytes never left memory (the last blocks
+        of a forward, needed again at once by backward), so they are used as they are."""
         with self.file.store._lock:
             if self._read is not None:
                 return
             self._read = Future()
+        if self._write.cancel():
+            self._read.set_result(self._holder.pop())
+            self.file.record_read()
+            return
         self._write.add_done_callback(self._start_read)
 
     def _start_read(self, write: Future) -> None:
