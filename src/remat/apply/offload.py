@@ -29,7 +29,8 @@ written by a thread pool, checksummed, deleted once read) for CPU or CUDA models
 models only: asking for it without CUDA raises ValueError.
 
 Prefetch: the first unpack of a block in backward starts reading back every tensor of that block
-and of the block that ran just before it in forward (the next one backward will need).
+and of the block that ran just before it in forward (the next one backward will need). A record
+whose write has not started by then is not written at all: its bytes are still in memory.
 Faults (missing, short or corrupted file, full disk, unwritable directory) raise
 `OffloadError` naming the file and the block; every file of the engine is deleted first.
 """
