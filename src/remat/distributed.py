@@ -124,6 +124,12 @@ def shard_profile(profile: Profile, *, world_size: int, zero_stage: int) -> Prof
     largest = max((b.grad_bytes for b in profile.blocks), default=0)
     unit = ModelState(param_bytes=largest, grad_bytes=largest, master_bytes=0, optimizer_state_bytes=0)
     sharded = shard_model_state(unsharded, world_size=world_size, zero_stage=zero_stage, largest_unit=unit)
+    if zero_stage >= 2:  # gradients sharded: each block's and the pre part's too
+        profile = dataclasses.replace(
+            profile,
+            blocks=tuple(dataclasses.replace(b, grad_bytes=-(-b.grad_bytes // world_size)) for b in profile.blocks),
+            fixed_pre_grad_bytes=-(-profile.fixed_pre_grad_bytes // world_size),
+        )
     return dataclasses.replace(
         profile,
         param_bytes=sharded.param_bytes,

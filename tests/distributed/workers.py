@@ -45,7 +45,10 @@ def _shared_plan(weights, batch, strategy: str, world_size: int, zero_stage: int
     if is_main_process():
         profile = remat.profile(weights.model, batch, weights.loss_fn, weights.optimizer, warmup=0, repeats=1)
         profile = shard_profile(profile, world_size=world_size, zero_stage=zero_stage)
-        budget = int(0.7 * remat.plan(profile, strategy="none").prediction.peak_bytes) if strategy == "optimal" else None
+        budget = None
+        if strategy == "optimal":  # halfway between full recomputation and none
+            peaks = [remat.plan(profile, strategy=s).prediction.peak_bytes for s in ("full", "none")]
+            budget = sum(peaks) // 2
         plan = remat.plan(profile, budget=budget, strategy=strategy)
     return broadcast_plan(plan)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -40,6 +41,18 @@ from remat.measure.types import MemoryEvent
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
 ACT_PREFIX = "act:"
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors inside a wrapper tensor subclass (a DTensor's local shard), recursively.
+
+    A wrapper's own storage is a placeholder of the *global* size: counting it would count a
+    sharded parameter as if it were whole."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inners = (getattr(t, name) for name in names)
+    return [p for inner in inners if isinstance(inner, torch.Tensor) for p in plain_tensors(inner)]
 
 
 def category_of(label: str) -> str:
@@ -78,6 +91,10 @@ class LiveTracker(TorchDispatchMode):
 
     def tag(self, t: torch.Tensor, label: str, *, only_from: str = "temporaries") -> None:
         """Move the tensor's storage to ``label`` if it is counted under ``only_from``."""
+        if is_traceable_wrapper_subclass(t):
+            for inner in plain_tensors(t):
+                self.tag(inner, label, only_from=only_from)
+            return
         entry = self._entries.get(storage_key(t) if self._on_device(t) else None)
         if entry is None or entry.label != only_from:
             return
@@ -127,6 +144,10 @@ class LiveTracker(TorchDispatchMode):
         )
 
     def _add(self, t: torch.Tensor, label: str) -> None:
+        if is_traceable_wrapper_subclass(t):  # DTensor (FSDP2): its local shard is what lives here
+            for inner in plain_tensors(t):
+                self._add(inner, label)
+            return
         key = storage_key(t)
         if key is None or key in self._entries or not self._on_device(t):
             return

@@ -85,8 +85,9 @@ def baseline_step_ms(profile: Profile) -> float:
 
 
 def backward_base_bytes(profile: Profile) -> int:
-    """Model state live during the whole backward: params, buffers, optimizer state."""
-    return profile.param_bytes + profile.buffer_bytes + profile.optimizer_state_bytes
+    """Model state live during the whole backward: params, buffers, optimizer state, and under
+    ZeRO-3/FSDP the largest unit's all-gathered weights and gradients (`remat.distributed`)."""
+    return profile.param_bytes + profile.buffer_bytes + profile.optimizer_state_bytes + profile.gathered_bytes
 
 
 def grad_bytes_live(profile: Profile, block_index: int) -> int:
