@@ -125,6 +125,17 @@ def _verify(job: _Job, plan: Any, *, repeats: int = 3) -> Any:
     return verify(b.model, b.batch, plan, loss_fn=b.loss_fn, optimizer=b.optimizer, repeats=repeats)
 
 
+GPT_SIZES: dict[str, Any] = {
+    "num_layers": 4, "d_model": 128, "num_heads": 4, "seq_len": 64, "batch_size": 4,
+    "vocab_size": 512, "dropout": 0.1, "attention": "explicit",
+}
+"""The built-in GPT as the demonstrations use it, pinned (the model's defaults may change)."""
+
+
+def _gpt(**overrides: Any) -> dict[str, Any]:
+    return {**GPT_SIZES, **overrides}
+
+
 def _activation_bytes(job: _Job, peak_bytes: int) -> int:
     """The part of a measured step peak above model state (parameters, grads, optimizer state)."""
     return peak_bytes - job.profile.model_state_bytes
@@ -169,7 +180,7 @@ def _fmt_kib(num_bytes: float) -> str:
 @demonstration("tradeoff")
 def extra_flops_of_full_recomputation() -> Demonstration:
     """Full recomputation on the built-in GPT: FLOPs and time it adds, gradients it leaves alone."""
-    job = _job("gpt")
+    job = _job("gpt", **_gpt())
     full = _plan(job, "full")
     base_flops = _step_flops(job)
     extra_flops = _flops_with(job, full) - base_flops
@@ -223,7 +234,7 @@ def _saved_by_op(block: Any) -> list[tuple[str, int, int]]:
 @demonstration("why-saved")
 def what_autograd_saves() -> Demonstration:
     """The bytes autograd keeps per block of the built-in GPT for backward, and which ops keep them."""
-    job = _job("gpt", repeats=1)
+    job = _job("gpt", repeats=1, **_gpt())
     block = job.profile.blocks[0]
     params = sum(p.numel() * p.element_size() for p in job.model.get_submodule(block.name).parameters())
     by_op = _saved_by_op(block)
@@ -244,7 +255,7 @@ def what_autograd_saves() -> Demonstration:
 # ---------------------------------------------------------------- Q3: the overhead depends on the model
 
 _Q3_MODELS: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("gpt (vocab 4096)", "gpt", {"vocab_size": 4096}),
+    ("gpt (vocab 4096)", "gpt", _gpt(vocab_size=4096)),
     ("mlp (8 blocks)", "mlp", {"depth": 8, "width": 256, "batch_size": 64}),
 )
 
@@ -328,7 +339,7 @@ SELECTIVE_POLICY = "selective:save-matmuls"
 @demonstration("selective")
 def selective_against_full() -> Demonstration:
     """Keep, selective (save the matmuls, replay the rest) and full recomputation on the built-in GPT."""
-    job = _job("gpt", seq_len=128)
+    job = _job("gpt", **_gpt(seq_len=128))
     plans = {"selective": _plan(job, SELECTIVE_POLICY), "full": _plan(job, "full")}
     checks = {name: _verify(job, plan) for name, plan in plans.items()}
     act = {name: _activation_bytes(job, c.measured_peak_bytes) for name, c in checks.items()}
@@ -378,7 +389,7 @@ def _with_disk_rates(job: _Job, directory: str) -> _Job:
 def disk_offload_memory() -> Demonstration:
     """Disk offload of every GPT block's saved tensors: memory held after the forward, before and after."""
     with tempfile.TemporaryDirectory(prefix="remat-quiz-") as directory:
-        job = _with_disk_rates(_job("gpt", batch_size=4, seq_len=128), directory)
+        job = _with_disk_rates(_job("gpt", **_gpt(seq_len=128)), directory)
     plan = _every_block(job, "offload:disk")
     check = _verify(job, plan)
     before = _forward_end_bytes(job.profile.timeline)
@@ -434,7 +445,7 @@ def _checkpoint_without_rng(blocks: Sequence[nn.Module]) -> Iterator[None]:
 @demonstration("rng")
 def dropout_replay_rng() -> Demonstration:
     """GPT with dropout 0.1: gradients of full recomputation with and without the RNG state preserved."""
-    job = _job("gpt", dropout=0.1, repeats=1)
+    job = _job("gpt", repeats=1, **_gpt())
     baseline = _grads(job, RNG_SEED)
     with _applied(job.model, _plan(job, "full")):
         preserved = _grads(job, RNG_SEED)
