@@ -37,6 +37,7 @@ __all__ = [
     "shard_profile",
     "fsdp_units",
     "fully_shard_by_plan",
+    "init_from_env",
 ]
 
 
@@ -165,3 +166,23 @@ def fully_shard_by_plan(model: nn.Module, plan: Plan, **fsdp_kwargs: Any) -> nn.
         fully_shard(unit if len(unit) > 1 else unit[0], **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
     return model
+
+
+def init_from_env() -> bool:
+    """Join the process group torchrun describes (``WORLD_SIZE`` > 1 in the environment).
+
+    gloo when the process has no CUDA device, NCCL (on ``LOCAL_RANK``'s device) when it has.
+    Returns True when running distributed. Outside torchrun, or when a group already exists,
+    it changes nothing.
+    """
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available():
+        return False
+    if not dist.is_initialized():
+        backend = "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            backend = "nccl"
+        dist.init_process_group(backend)
+    return True

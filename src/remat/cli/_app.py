@@ -21,3 +21,12 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     """Print a user error (no traceback) and return the Exit to raise."""
     err_console.print(f"[bold red]error:[/] {message}")
     return typer.Exit(code)
+
+
+@app.callback()
+def _main() -> None:
+    """Under torchrun, join the process group; only rank 0 prints and writes files."""
+    from remat.distributed import init_from_env, is_main_process
+
+    if init_from_env() and not is_main_process():
+        console.quiet = True

@@ -10,6 +10,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from remat.cli._app import app, console, fail
+from remat.distributed import is_main_process
 from remat.measure.types import Profile
 
 MIB = 2**20
@@ -58,7 +59,7 @@ def profile_command(
         raise fail(str(error)) from None
     console.print(profile_table(result, spec))
     console.print(state_summary(result))
-    if json_path is not None:
+    if json_path is not None and is_main_process():  # under torchrun, rank 0 writes
         try:
             result.save(json_path)
         except OSError as error:
