@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -174,6 +175,7 @@ def main() -> None:
     pred = prediction(args.offload_dir, args.repeats)
     result = {
         "offload_dir": args.offload_dir,
+        "load_average_1min": os.getloadavg()[0],
         "disk_write_bytes_per_s": write_bw, "disk_read_bytes_per_s": read_bw,
         "io_path_write_bytes_per_s": write_io, "io_path_read_bytes_per_s": read_io,
         "io_path_write_ratio": write_io / write_bw, "io_path_read_ratio": read_io / read_bw,
@@ -183,7 +185,8 @@ def main() -> None:
         "prediction": pred,
     }
     lines = [
-        f"directory {args.offload_dir}, medians of {args.repeats}",
+        f"directory {args.offload_dir}, medians of {args.repeats}, load average {os.getloadavg()[0]:.1f}"
+        f" on {os.cpu_count()} CPUs",
         f"sequential disk   write {write_bw / MiB:8.1f} MiB/s   read {read_bw / MiB:8.1f} MiB/s",
         f"offload I/O path  write {write_io / MiB:8.1f} MiB/s   read {read_io / MiB:8.1f} MiB/s"
         f"   ({100 * result['io_path_write_ratio']:.0f}% / {100 * result['io_path_read_ratio']:.0f}% of sequential; target >= 80%)",
