@@ -139,9 +139,10 @@ def _frame(problem: ChainProblem) -> _Frame:
 class ChainSolution:
     """The filled tables; `cost(m)` and `layout(m)` read them."""
 
-    def __init__(self, problem: ChainProblem, frame: _Frame, top: np.ndarray, top_choice: np.ndarray, inner, inner_choice, alike: bool):
-        self.problem, self.frame, self.top, self.top_choice = problem, frame, top, top_choice
+    def __init__(self, problem: ChainProblem, frame: _Frame, top: np.ndarray, inner, inner_choice, alike: bool):
+        self.problem, self.frame, self.top = problem, frame, top
         self.inner, self.inner_choice, self.alike = inner, inner_choice, alike
+        """``inner_choice`` is None for shared tables: choices are found again along the layout."""
         fwd = [b.fwd_ms for b in problem.blocks]
         self.exact = not alike or len(set(fwd)) <= 1
         """True: `cost` is the least extra ms of the slot problem. False (shared replay tables
@@ -185,7 +186,7 @@ class ChainSolution:
         out: list[Element] = []
         a, n = 0, len(self.problem.blocks)
         while a < n:
-            code = int(self.top_choice[a, self.frame.column(m)])
+            code = self._top_code(a, m)
             block = self.problem.blocks[a]
             if code < 0:
                 option = block.options[-code - 1]
@@ -199,8 +200,7 @@ class ChainSolution:
     def _inner_layout(self, a: int, length: int, m: int) -> tuple[Element, ...]:
         out: list[Element] = []
         while length > 0:
-            row = 0 if self.alike else a
-            j = int(self.inner_choice[length][row, self.frame.column(m)])
+            j = self._inner_pick(a, length, m)
             block = self.problem.blocks[a]
             if j == 0:
                 a, length, m = a + 1, length - 1, m - block.saved_slots + block.grad_slots
@@ -208,6 +208,48 @@ class ChainSolution:
             out.append(Element(start=a, stop=a + j, option=None, children=self._inner_layout(a, j, m)))
             a, length, m = a + j, length - j, m - block.input_slots + self.frame.grads(a, a + j)
         return tuple(out)
+
+    def _at(self, rows: np.ndarray, ms: np.ndarray) -> np.ndarray:
+        """``rows[i]`` read at ``ms[i]`` free slots (inf below ``lo``), as `_shift` reads them."""
+        ms = np.asarray(ms)
+        cols = np.clip(ms - self.frame.lo, 0, self.frame.width - 1)
+        return np.where(ms < self.frame.lo, _INF, rows[np.arange(len(rows)), cols])
+
+    def _top_code(self, a: int, m: int) -> int:
+        """The `_top` choice at block ``a`` with ``m`` free slots: ``-(option + 1)`` or a
+        segment length, recomputed from the filled tables with the same arithmetic."""
+        block, n, gp = self.problem.blocks[a], len(self.problem.blocks), self.frame.grad_prefix
+        opts, m = block.options, min(m, self.frame.lo + self.frame.width - 1)
+        shifts = np.array([m - o.retained_slots + block.grad_slots for o in opts])
+        opt_cost = np.array([o.extra_ms for o in opts]) + self._at(np.repeat(self.top[a + 1 : a + 2], len(opts), 0), shifts)
+        opt_cost[np.array([m < o.working_slots - block.grad_slots for o in opts])] = _INF
+        js = np.arange(1, n - a + 1)
+        rest = self._at(self.top[a + js], m - block.input_slots + (gp[a + js] - gp[a]))
+        inner = self._segment_inner(a, js, m)
+        seg_cost = (self._fwd_prefix[a + js] - self._fwd_prefix[a]) + inner + rest
+        k = int(np.argmin(np.concatenate([opt_cost, seg_cost])))
+        return -(k + 1) if k < len(opts) else k - len(opts) + 1
+
+    def _segment_inner(self, a: int, js: np.ndarray, m: int) -> np.ndarray:
+        if not self.alike:
+            return np.array([self._at(self.inner[j][a : a + 1], [m])[0] for j in js])
+        fwd = self._fwd_prefix[a + 1 :] - self._fwd_prefix[a:-1]
+        counts = self._at(self.inner.table[js], np.full(js.size, m))
+        return _scaled(counts[:, None], np.minimum.accumulate(fwd)[: js.size])[:, 0]
+
+    def _inner_pick(self, a: int, length: int, m: int) -> int:
+        """First child's length (0: keep block ``a``) of the replay region ``[a, a+length)``."""
+        if not self.alike:
+            return int(self.inner_choice[length][a, self.frame.column(m)])
+        block, table = self.problem.blocks[0], self.inner.table
+        m = min(m, self.frame.lo + self.frame.width - 1)
+        keep = self._at(table[length - 1 : length], [m - block.saved_slots + block.grad_slots])
+        if m < block.working_slots - block.grad_slots:
+            keep[:] = _INF
+        js = np.arange(1, length)
+        rest = self._at(table[length - js], m - block.input_slots + js * block.grad_slots)
+        children = rest + self._at(table[js], np.full(js.size, m)) + js
+        return int(np.argmin(np.concatenate([keep, children])))
 
 
 @contextlib.contextmanager
@@ -237,8 +279,10 @@ def choose_quantum(sizes_bytes: list[int], allowance_bytes: int, max_slots: int)
     candidates = {least, 1 << (least - 1).bit_length()}
     candidates |= {k * g for k in (-(-least // g), -(-2 * least // g)) if k * g <= 2 * least}
 
+    sizes = np.array([int(v) for v in sizes_bytes], dtype=np.int64)
+
     def waste(q: int) -> int:  # bytes added by rounding every size up to a multiple of q
-        return sum(-(-int(v) // q) * q - int(v) for v in sizes_bytes)
+        return int((-(-sizes // q) * q - sizes).sum())
 
     return min(sorted(candidates), key=waste)
 
@@ -263,6 +307,16 @@ def _shift(rows: np.ndarray, shifts: np.ndarray) -> np.ndarray:
     out = np.take_along_axis(rows, np.clip(idx, 0, width - 1), axis=1)
     out[idx < 0] = _INF
     return out
+
+
+def _shift_row(row: np.ndarray, shifts: np.ndarray) -> np.ndarray:
+    """``out[r, k] = row[k - shifts[r]]`` with `_shift`'s edges, read from windows of one padded row."""
+    width = row.size
+    before = int(np.clip(shifts.max(), 0, width))
+    after = int(np.clip(-shifts.min(), 0, width))
+    padded = np.concatenate([np.full(before, _INF), row, np.full(after, row[-1])])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, width)
+    return windows[before - np.clip(shifts, -after, before)]
 
 
 def _below(width: int, lo: int, needs: np.ndarray) -> np.ndarray:
@@ -292,8 +346,8 @@ def solve_chain(problem: ChainProblem, exact_cells: int = EXACT_CELLS) -> ChainS
     if alike and len({b.fwd_ms for b in blocks}) > 1 and len(blocks) ** 3 * frame.width / 6 <= exact_cells:
         alike = False
     inner, inner_choice = (_inner_alike if alike else _inner_general)(problem, frame)
-    top, top_choice = _top(problem, frame, inner, alike)
-    return ChainSolution(problem, frame, top, top_choice, inner, inner_choice, alike)
+    top = _top(problem, frame, inner, alike)
+    return ChainSolution(problem, frame, top, inner, inner_choice, alike)
 
 
 def _keep_first(blocks, rest: np.ndarray, frame: _Frame) -> np.ndarray:
@@ -311,16 +365,32 @@ def _inner_alike(problem: ChainProblem, frame: _Frame):
     n, width = len(problem.blocks), frame.width
     block = problem.blocks[0]
     table = np.zeros((n + 1, width))
-    choice = np.zeros((n + 1, width), dtype=np.int32)
+    stacked = np.empty((n, width))
+    js = np.arange(1, n)
     for length in range(1, n + 1):
-        stacked = _keep_first([block], table[length - 1 : length], frame)
-        if length > 1:
-            js = np.arange(1, length)
-            rest = _shift(table[length - 1 : 0 : -1], block.input_slots - js * block.grad_slots)
-            stacked = np.concatenate([stacked, js[:, None] + table[1:length] + rest])
-        choice[length] = np.argmin(stacked, axis=0)
-        table[length] = stacked[choice[length], np.arange(width)]
-    return _Rows(table), _Rows(choice)
+        stacked[0] = _keep_first([block], table[length - 1 : length], frame)[0]
+        children = stacked[1:length]
+        if block.grad_slots == 0:
+            _shift_into(children, table[length - 1 : 0 : -1], block.input_slots)
+        else:
+            children[:] = _shift(table[length - 1 : 0 : -1], block.input_slots - js[: length - 1] * block.grad_slots)
+        children += table[1:length]
+        children += js[: length - 1, None]
+        np.min(stacked[:length], axis=0, out=table[length])
+    return _Rows(table), None
+
+
+def _shift_into(out: np.ndarray, rows: np.ndarray, k: int) -> None:
+    """``out[r, c] = rows[r, c - k]`` as `_shift` with one shift ``k``, written into ``out``."""
+    width = rows.shape[1]
+    if k >= 0:
+        out[:, : min(k, width)] = _INF
+        if k < width:
+            out[:, k:] = rows[:, : width - k]
+    else:
+        keep = max(width + k, 0)
+        out[:, :keep] = rows[:, -k : -k + keep]
+        out[:, keep:] = rows[:, width - 1 : width]
 
 
 def _scaled(counts: np.ndarray, ms: np.ndarray) -> np.ndarray:
@@ -372,7 +442,6 @@ def _top(problem: ChainProblem, frame: _Frame, inner, alike: bool):
     gp = frame.grad_prefix
     top = np.full((n + 1, width), _INF)
     top[n, max(0, problem.post_slots - frame.lo) :] = 0.0
-    choice = np.zeros((n + 1, width), dtype=np.int32)
     for a in range(n - 1, -1, -1):
         block = blocks[a]
         opt_cost = _options_cost(block, top[a + 1], frame)
@@ -384,19 +453,15 @@ def _top(problem: ChainProblem, frame: _Frame, inner, alike: bool):
             seg_inner = np.stack([inner[j][a] for j in js])
         rest = _shift(top[a + 1 : n + 1], block.input_slots - (gp[a + js] - gp[a]))
         seg_cost = (prefix[a + js] - prefix[a])[:, None] + seg_inner + rest
-        stacked = np.concatenate([opt_cost, seg_cost])
-        pick = np.argmin(stacked, axis=0)
-        top[a] = stacked[pick, np.arange(width)]
-        num_opts = len(block.options)
-        choice[a] = np.where(pick < num_opts, -(pick + 1), pick - num_opts + 1)
-    return top, choice
+        np.minimum(opt_cost.min(axis=0), seg_cost.min(axis=0), out=top[a])
+    return top
 
 
 def _options_cost(block: ChainBlock, rest: np.ndarray, frame: _Frame) -> np.ndarray:
     shifts = np.array([o.retained_slots - block.grad_slots for o in block.options])
     needs = np.array([o.working_slots - block.grad_slots for o in block.options])
     extra = np.array([o.extra_ms for o in block.options])
-    out = extra[:, None] + _shift(np.broadcast_to(rest, (shifts.size, frame.width)), shifts)
+    out = extra[:, None] + _shift_row(rest, shifts)
     out[_below(frame.width, frame.lo, needs)] = _INF
     return out
 

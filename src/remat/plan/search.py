@@ -172,10 +172,11 @@ class OptimalSearch:
         key = dataclasses.replace(block, index=0, name="")
         if key not in shared:  # keep and selective costs depend on the block's own measurements only
             local = [s for s in block_options(self.profile, i) if s.kind != "offload"]
-            shared[key] = [_Priced(segment=s, cost=cost_of(self.profile, i, s)) for s in local]
+            shared[key] = _pareto_options([_Priced(segment=s, cost=cost_of(self.profile, i, s)) for s in local])
         moved = [_Priced(segment=dataclasses.replace(p.segment, start=i, stop=i + 1), cost=p.cost) for p in shared[key]]
         offload = [_Priced(segment=s, cost=cost_of(self.profile, i, s)) for s in _offload_options(self.profile, i)]
-        return _pareto_options(moved + offload)
+        # filtering the filtered list again equals filtering all at once (see `_undominated`)
+        return _pareto_options(moved + offload) if offload else moved
 
     def _solve(self, allowance: int, to_keep_all: bool = False) -> tuple[ChainSolution, int]:
         """Tables up to ``allowance``; ``to_keep_all``: up to what keeping every block needs in
@@ -208,10 +209,20 @@ class OptimalSearch:
     def _problem(self, quantum: int, capacity: int) -> ChainProblem:
         """Slots, gradient-adjusted as in `remat.plan.chain_dp`: the head needs its bytes plus
         the blocks' gradients minus all gradients."""
-        blocks = tuple(self._chain_block(i, quantum) for i in range(self.profile.num_blocks))
+        shared: dict[tuple, ChainBlock] = {}
+        blocks = tuple(self._shared_chain_block(i, quantum, shared) for i in range(self.profile.num_blocks))
         block_grads = sum(b.grad_bytes for b in self.profile.blocks)
         head = _head_bytes(self.profile) + block_grads - _block_phase_grads(self.profile)
         return ChainProblem(blocks=blocks, post_slots=_ceil(head, quantum), capacity_slots=capacity)
+
+    def _shared_chain_block(self, i: int, quantum: int, shared: dict[tuple, ChainBlock]) -> ChainBlock:
+        """Blocks equal but for index and name, with no offload option, share one ChainBlock."""
+        if _offload_options(self.profile, i):
+            return self._chain_block(i, quantum)
+        key = dataclasses.replace(self.profile.blocks[i], index=0, name="")
+        if key not in shared:
+            shared[key] = self._chain_block(i, quantum)
+        return shared[key]
 
     def _chain_block(self, i: int, quantum: int) -> ChainBlock:
         keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
