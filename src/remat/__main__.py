@@ -1,0 +1,5 @@
+"""`python -m remat` runs the remat command line."""
+
+from remat.cli import main
+
+main()
