@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/remat demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 -q
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.peers --model gpt
