@@ -44,6 +44,7 @@ def test_storage_ids_and_bytes_by_hand():
         "aten.sum.default#0": ((7,), (4,)),
     }
     assert {k: (r.storage_ids, r.storage_bytes) for k, r in table.items()} == expected
+    assert all(r.storage_escapes == (False,) * len(r.storage_ids) for r in table.values())  # one segment
 
 
 def test_new_bytes_stay_new_bytes():
@@ -65,6 +66,27 @@ def test_ids_are_per_segment():
         z = y.t()               # b: a view of a's storage
         (z + 1).relu_()         # b: add -> storage 0 of b; relu_ writes it in place
     a, b = recorder.records("a", {}), recorder.records("b", {})
-    assert [(r.key, r.storage_ids) for r in a] == [("aten.mul.Tensor#0", (0,))]
-    assert [(r.key, r.storage_ids, r.storage_bytes) for r in b] == [
-        ("aten.t.default#0", (), ()), ("aten.add.Tensor#0", (0,), (64,)), ("aten.relu_.default#0", (0,), (64,))]
+    # a's storage 0 is read by b: it outlives block a (a's output).
+    assert [(r.key, r.storage_ids, r.storage_escapes) for r in a] == [("aten.mul.Tensor#0", (0,), (True,))]
+    assert [(r.key, r.storage_ids, r.storage_bytes, r.storage_escapes) for r in b] == [
+        ("aten.t.default#0", (), (), ()), ("aten.add.Tensor#0", (0,), (64,), (False,)),
+        ("aten.relu_.default#0", (0,), (64,), (False,))]
+
+
+def test_post_reading_is_not_holding_but_saving_is():
+    # The head ("post") reads block a's two outputs; it saves only the second (first saver):
+    # the first is freed after the forward unless cached, so it does not escape.
+    from remat.measure.saved import POST, SavedStorage
+
+    torch.manual_seed(0)
+    segment = ["a"]
+    recorder = OpRecorder(lambda: segment[0])
+    x = torch.randn(4, 4)
+    with recorder:
+        y, z = x * 2, x * 3       # a: storages 0 and 1
+        segment[0] = POST
+        y.sum(), z.sum()
+    saved = {z.untyped_storage()._cdata: SavedStorage(nbytes=64, segment=POST)}
+    assert recorder.saved_by_call(saved) == {}
+    a = recorder.records("a", {})
+    assert [(r.storage_ids, r.storage_escapes) for r in a] == [((0,), (False,)), ((1,), (True,))]

@@ -9,11 +9,13 @@ from remat.plan.types import Segment
 from plan_toys import block, profile
 
 
-def rec(key, output_bytes, time_ms, storages=(), *, flops=0, is_view=False):
-    """An op call whose outputs live in ``storages``: ((id, bytes), ...)."""
+def rec(key, output_bytes, time_ms, storages=(), *, flops=0, is_view=False, escapes=()):
+    """An op call whose outputs live in ``storages``: ((id, bytes), ...); ``escapes``: the ids a
+    later block reads."""
     return OpRecord(key=key, name=key.split("#")[0], output_bytes=output_bytes, saved_bytes=0, time_ms=time_ms,
                     flops=flops, is_random=False, is_view=is_view,
-                    storage_ids=tuple(s for s, _ in storages), storage_bytes=tuple(b for _, b in storages))
+                    storage_ids=tuple(s for s, _ in storages), storage_bytes=tuple(b for _, b in storages),
+                    storage_escapes=tuple(s in escapes for s, _ in storages))
 
 
 # scores = bmm (storage 0, 64 B) -> _unsafe_view of it -> softmax (1, 64 B) -> dropout as
@@ -65,6 +67,17 @@ def test_selective_cost_by_hand():
     assert cost.retained_bytes == 144
     assert cost.extra_ms == pytest.approx(3.3125)
     assert cost.extra_flops == 82
+
+
+def test_the_block_output_is_counted_with_its_reader():
+    # The add's storage 0 is read by the next block (its input, held there): caching adds nothing;
+    # the mm's storage 1 is the block's own.
+    out = block(0, input_bytes=4, saved_bytes=8, ops=(
+        rec("aten.mm.default#0", 8, 1.0, ((1, 8),)),
+        rec("aten.add.Tensor#0", 8, 0.5, ((0, 8),), escapes=(0,)),
+    ))
+    assert selective_saved_bytes(out, ("aten.add.Tensor#0",)) == 0
+    assert selective_saved_bytes(out, ("aten.add.Tensor#0", "aten.mm.default#0")) == 8
 
 
 def test_without_storage_ids_an_op_counts_its_own_output():

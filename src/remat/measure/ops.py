@@ -8,7 +8,8 @@ wall time, and flags: random (the op carries the ``nondeterministic_seeded`` tag
 bernoulli, rand*) and view (the overload is declared a view), and the block-local ids of the
 storages its outputs live in (numbered in allocation order within the segment; a view or an
 in-place op names its source's id), so a plan that caches an op's output can be priced by the
-distinct storages it keeps alive. After the forward,
+distinct storages it keeps alive, and which of them outlive the block anyway (a later block
+reads them, or a later segment saves them first). After the forward,
 `OpRecorder.records` maps each saved storage back to the op that produced it, so an op's
 ``saved_bytes`` are the bytes of its outputs that autograd saved (first saver's segment only).
 Ops that run during backward are not recorded.
@@ -28,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.measure.boundaries import in_backward
 from remat.measure.flops import op_flops
-from remat.measure.saved import SavedStorage
+from remat.measure.saved import POST, SavedStorage
 from remat.measure.storage import flat_tensors, storage_key, storage_nbytes
 from remat.measure.types import OpRecord
 
@@ -65,6 +66,7 @@ class OpRecorder(TorchDispatchMode):
         self._index: dict[str, dict[str, int]] = defaultdict(dict)
         self._storage_ids: dict[int, tuple[str, int]] = {}
         self._num_storages: dict[str, int] = defaultdict(int)
+        self._escaped: set[tuple[str, int]] = set()
         self._first_run = True
 
     def next_run(self) -> None:
@@ -97,6 +99,7 @@ class OpRecorder(TorchDispatchMode):
                 calls[index].times_s.append(elapsed_s)
             return
         self._index[segment][key] = len(calls)
+        self._mark_escapes(segment, args, kwargs)
         new = _new_storages(args, kwargs, out)
         for storage in new:
             self._producer[storage] = (segment, len(calls))
@@ -123,15 +126,30 @@ class OpRecorder(TorchDispatchMode):
                 found.setdefault(owner[1], storage_nbytes(t))
         return tuple(found), tuple(found.values())
 
+    def _mark_escapes(self, segment: str, args: tuple, kwargs: dict) -> None:
+        """Storages of another segment read by a later block outlive their block: they are that
+        block's input, which the planner counts there. (``post`` may read without saving: a
+        pooling head; `saved_by_call` catches the storages it saves.)"""
+        if segment == POST:
+            return
+        for t in flat_tensors(args, kwargs):
+            owner = self._storage_ids.get(storage_key(t))
+            if owner is not None and owner[0] != segment:
+                self._escaped.add(owner)
+
     def segment_flops(self, segment: str) -> int:
         """Forward FLOPs of every recorded call of ``segment``."""
         return sum(call.flops for call in self.calls.get(segment, []))
 
     def saved_by_call(self, saved: Mapping[int, SavedStorage]) -> dict[tuple[str, int], int]:
         """Saved bytes per ``(segment, call index)``; ``saved`` is `SavedAccountant.saved` of the
-        same forward. A storage counts for its producer only when saved in the producer's segment."""
+        same forward. A storage counts for its producer only when saved in the producer's segment;
+        one first saved by another segment outlives its block (noted for `records`)."""
         totals: dict[tuple[str, int], int] = defaultdict(int)
         for key, record in saved.items():
+            owner = self._storage_ids.get(key)
+            if owner is not None and owner[0] != record.segment:
+                self._escaped.add(owner)
             producer = self._producer.get(key)
             if producer is not None and producer[0] == record.segment:
                 totals[producer] += record.nbytes
@@ -145,6 +163,7 @@ class OpRecorder(TorchDispatchMode):
                 saved_bytes=saved_by_call.get((segment, i), 0), time_ms=1e3 * statistics.median(call.times_s),
                 flops=call.flops, is_random=call.is_random, is_view=call.is_view,
                 storage_ids=call.storage_ids, storage_bytes=call.storage_bytes,
+                storage_escapes=tuple((segment, s) in self._escaped for s in call.storage_ids),
             )
             for i, call in enumerate(self.calls.get(segment, []))
         )

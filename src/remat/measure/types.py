@@ -48,6 +48,10 @@ class OpRecord:
     these storages alive whole. () in profiles recorded without it."""
     storage_bytes: tuple[int, ...] = ()
     """Bytes of each storage of ``storage_ids``, in the same order."""
+    storage_escapes: tuple[bool, ...] = ()
+    """Per storage of ``storage_ids``: True when it outlives the block anyway: a later block
+    reads it (the block's output is the next one's input, counted there) or a later segment's
+    autograd saves it first. Caching it adds no bytes. () in profiles recorded without it."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -86,6 +90,13 @@ class BlockProfile:
     """Peak live bytes during this block's forward minus those live when it began minus its full
     ``saved_bytes`` (negative when the peak comes before all saves): a forward replayed in
     backward (recompute) peaks at what is live then + ``saved_bytes`` + this."""
+    selective_overhead_ms: float = 0.0
+    """Time selective checkpointing adds to this block's step beyond the ops it replays: the
+    policy's dispatch mode on every op of the forward and of the replay, the replay's Python,
+    the cache and the checkpoint hooks (0: not measured; `remat.measure.overhead`)."""
+    recompute_overhead_ms: float = 0.0
+    """Time plain non-reentrant checkpointing adds to this block's step beyond one replayed
+    forward: saved-tensor hooks, RNG state, the replay's bookkeeping (0: not measured)."""
 
 
 @dataclass(kw_only=True, frozen=True)

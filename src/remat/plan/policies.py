@@ -115,10 +115,12 @@ def cacheable(name: str) -> bool:
 def op_storages(index: int, op: OpRecord) -> dict[object, int]:
     """Bytes per storage that caching ``op`` (the block's ``index``-th call) keeps alive.
 
-    Ids come from `OpRecord.storage_ids`; an op recorded without them counts its own output
-    bytes as one private storage (``("op", index)``)."""
+    Ids come from `OpRecord.storage_ids`, less the storages that outlive the block
+    (`OpRecord.storage_escapes`: the block's output, counted with the next block's input); an
+    op recorded without ids counts its own output bytes as one private storage (``("op", index)``)."""
     if op.storage_ids:
-        return dict(zip(op.storage_ids, op.storage_bytes))
+        escapes = op.storage_escapes or (False,) * len(op.storage_ids)
+        return {s: b for s, b, out in zip(op.storage_ids, op.storage_bytes, escapes) if not out}
     return {("op", index): op.output_bytes} if op.output_bytes > 0 else {}
 
 
@@ -170,10 +172,10 @@ def knapsack(block: BlockProfile, target_bytes: int | None = None) -> tuple[str,
     return best[2]
 
 
-Point = tuple[int, float, tuple[str, ...]]
+_Point = tuple[int, float, tuple[str, ...]]
 
 
-def knapsack_frontier(block: BlockProfile) -> list[Point]:
+def knapsack_frontier(block: BlockProfile) -> list[_Point]:
     """Every Pareto-optimal ``(bytes of storages kept, saved op time ms, op keys)``, by bytes.
 
     Items are the cacheable, non-view op calls. Saving a call keeps its storages alive
@@ -182,15 +184,17 @@ def knapsack_frontier(block: BlockProfile) -> list[Point]:
     the connected components of shared storages; a group's options are its subsets of storages
     (value: every call whose storages all lie in the subset), and the groups are combined by an
     exact multiple-choice knapsack DP with dominance pruning: a point survives only if no other
-    point saves at least as much time with no more bytes (Martello & Toth 1990, ch. 2 and 6)."""
-    frontier: list[Point] = [(0, 0.0, ())]
+    point saves at least as much time with no more bytes (Martello & Toth 1990, ch. 2 and 6).
+    A group of more than `_MAX_GROUP_STORAGES` storages is offered whole only; below that the
+    frontier is exact (the built-in models' groups hold at most 3: a layer norm's outputs)."""
+    frontier: list[_Point] = [(0, 0.0, ())]
     for options in _group_options(block):
         grown = [(w + ow, v + ov, keys + okeys) for w, v, keys in frontier for ow, ov, okeys in options]
         frontier = _prune(frontier + grown)
     return frontier
 
 
-def _group_options(block: BlockProfile) -> list[list[Point]]:
+def _group_options(block: BlockProfile) -> list[list[_Point]]:
     """Per group of calls sharing storages: its Pareto options other than saving nothing."""
     items = [(i, op) for i, op in enumerate(block.ops)
              if not op.is_view and cacheable(op.name) and (op.output_bytes > 0 or op.time_ms > 0)]
@@ -206,7 +210,7 @@ def _group_options(block: BlockProfile) -> list[list[Point]]:
     return [_subset_options(storages, calls) for storages, calls in groups]
 
 
-def _subset_options(storages: dict[object, int], calls: list[tuple[int, OpRecord]]) -> list[Point]:
+def _subset_options(storages: dict[object, int], calls: list[tuple[int, OpRecord]]) -> list[_Point]:
     """Options of one group: each subset of its storages (all of them only, past a size) with
     the calls that fit inside it, Pareto-pruned."""
     ids = list(storages)
@@ -220,8 +224,8 @@ def _subset_options(storages: dict[object, int], calls: list[tuple[int, OpRecord
     return _prune(options)
 
 
-def _prune(points: list[Point]) -> list[Point]:
-    out: list[Point] = []
+def _prune(points: list[_Point]) -> list[_Point]:
+    out: list[_Point] = []
     for point in sorted(points, key=lambda p: (p[0], -p[1])):
         if not out or point[1] > out[-1][1]:
             out.append(point)
