@@ -2,7 +2,8 @@
 
 One call runs ``max(warmup, 1)`` plain steps (so optimizer state exists), one *accounting*
 step under the live-storage tracker, the saved-tensor accountant and the op recorder, then
-``repeats`` timed steps and ``repeats - 1`` more forwards for per-op times. A step is
+``repeats`` timed steps and ``repeats - 1`` more forwards for per-op times, then each block
+alone, plain and checkpointed, for the checkpointing overheads (`remat.measure.overhead`). A step is
 ``zero_grad(set_to_none=True)``, forward, loss, ``loss.backward()``, ``optimizer.step()``.
 Parameters, buffers, gradients, optimizer state and the RNG state are restored afterwards.
 
@@ -46,6 +47,7 @@ from remat.measure.blocks import Blocks, find_blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.fingerprint import fingerprint
 from remat.measure.ops import OpRecorder
+from remat.measure.overhead import BlockOverheads, capture_block_inputs, measure_overheads
 from remat.measure.saved import POST, PRE, SavedAccountant
 from remat.measure.storage import distinct_bytes
 from remat.measure.state import StateSnapshot, buffer_bytes, grad_bytes, optimizer_state_bytes, param_bytes
@@ -136,7 +138,8 @@ def _measure(step: _Step, block_list: Blocks, warmup: int, repeats: int, progres
     for _ in range(repeats - 1):
         _time_ops(step, block_list, memory.recorder)
         report("op timing forward")
-    return _assemble(step, block_list, memory, median_times(times))
+    overheads = _overheads(step, block_list, repeats)
+    return _assemble(step, block_list, memory, median_times(times), overheads)
 
 
 class _Reporter:
@@ -273,12 +276,23 @@ def _time_ops(step: _Step, block_list: Blocks, recorder: OpRecorder) -> None:
         step.forward()
 
 
-def _assemble(step: _Step, block_list: Blocks, memory: _Accounting, times: StepTimes) -> Profile:
+def _overheads(step: _Step, block_list: Blocks, repeats: int) -> tuple[BlockOverheads, ...]:
+    """Per-block checkpointing overheads (`remat.measure.overhead`); zeros on the meta device,
+    where nothing runs and there is no time to measure."""
+    device = model_device(step.model)
+    if device.type == "meta":
+        return tuple(BlockOverheads(selective_overhead_ms=0.0, recompute_overhead_ms=0.0) for _ in block_list)
+    inputs = capture_block_inputs(block_list, step.forward)
+    return measure_overheads(block_list, inputs, repeats=repeats, clock=Clock(device))
+
+
+def _assemble(step: _Step, block_list: Blocks, memory: _Accounting, times: StepTimes,
+              overheads: tuple[BlockOverheads, ...]) -> Profile:
     model, optimizer = step.model, step.optimizer
     saved, recorder = memory.saved_bytes, memory.recorder
     return Profile(
         fingerprint=fingerprint(model, step.batch), environment=_environment(model_device(model)),
-        blocks=_block_profiles(block_list, memory, times),
+        blocks=_block_profiles(block_list, memory, times, overheads),
         param_bytes=param_bytes(model), grad_bytes=memory.grad_bytes,
         optimizer_state_bytes=memory.optimizer_state_bytes,
         optimizer_name=type(optimizer).__name__ if optimizer is not None else "none",
@@ -300,7 +314,8 @@ def _pre_grad_bytes(memory: _Accounting, block_list: Blocks) -> int:
     return memory.grad_bytes - first - memory.windows.grads_at_first_block_bytes
 
 
-def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes) -> tuple[BlockProfile, ...]:
+def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes,
+                    overheads: tuple[BlockOverheads, ...]) -> tuple[BlockProfile, ...]:
     saved_by_call = memory.recorder.saved_by_call(memory.saved)
     return tuple(
         BlockProfile(
@@ -311,6 +326,8 @@ def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes) -
             fwd_flops=memory.recorder.segment_flops(name), ops=memory.recorder.records(name, saved_by_call),
             grad_bytes=distinct_bytes(p.grad for p in module.parameters() if p.grad is not None),
             fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i],
+            selective_overhead_ms=overheads[i].selective_overhead_ms,
+            recompute_overhead_ms=overheads[i].recompute_overhead_ms,
         )
         for i, (name, module) in enumerate(block_list)
     )

@@ -137,13 +137,14 @@ def _keep(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
 
 @register_cost("recompute")
 def _recompute(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
-    """One replay of the block; only the segment's first block holds something (its input)."""
+    """One replay of the block plus the checkpoint's own overhead (hooks, RNG state: measured
+    in `remat.measure.overhead`); only the segment's first block holds something (its input)."""
     block = profile.blocks[block_index]
     retained = block.input_bytes if block_index == segment.start else 0
     return BlockCost(
         retained_bytes=retained,
         working_bytes=replay_working_bytes(block),
-        extra_ms=block.fwd_ms,
+        extra_ms=block.fwd_ms + block.recompute_overhead_ms,
         extra_flops=block.fwd_flops,
     )
 
@@ -151,13 +152,14 @@ def _recompute(profile: Profile, block_index: int, segment: Segment) -> BlockCos
 @register_cost("selective")
 def _selective(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
     """Hold the input and the storages of the cached ops' outputs; replay the other (non-view)
-    ops, the named ones that cannot be cached included."""
+    ops, the named ones that cannot be cached included. Time: the replayed ops plus the selective
+    machinery's dispatch on every op of the forward and the replay (`remat.measure.overhead`)."""
     block = profile.blocks[block_index]
     saved = cached_ops(block, segment.saved_ops)
     replayed = [op for op in block.ops if op.key not in saved and not op.is_view]
     return BlockCost(
         retained_bytes=block.input_bytes + selective_saved_bytes(block, segment.saved_ops),
         working_bytes=replay_working_bytes(block),
-        extra_ms=sum(op.time_ms for op in replayed),
+        extra_ms=sum(op.time_ms for op in replayed) + block.selective_overhead_ms,
         extra_flops=sum(op.flops for op in replayed),
     )

@@ -1,0 +1,155 @@
+"""What the checkpointing machinery itself costs, block by block, measured on the real model.
+
+The planner prices a replayed op by its own time, but torch's checkpointing adds work that no
+op table shows. Selective checkpointing
+(`torch.utils.checkpoint.create_selective_checkpoint_contexts`) runs a Python
+``TorchDispatchMode`` on every op of the block in the forward and again in the replay (a policy
+call, a cache store or lookup), and plain non-reentrant checkpointing adds saved-tensor hooks,
+an RNG state save and restore and the replay's bookkeeping. On small ops this costs more than
+the ops themselves, so a plan that looks cheaper on paper can be slower than full recomputation.
+
+Each block runs alone on the inputs it received in a real forward, forward then backward with
+ones as the output gradient, in three ways per repeat (interleaved, so a loaded machine slows
+them alike), medians over the repeats:
+
+- ``plain``: the block as written (also gives its forward time);
+- ``full``: `torch.utils.checkpoint.checkpoint` (``use_reentrant=False``, RNG preserved), as
+  `remat.apply` runs it: overhead = full - plain - plain forward (the replay);
+- ``selective``: the same under `remat.apply.selective.selective_context` saving nothing (every
+  op goes through the policy's dispatch mode in the forward and is replayed through it):
+  overhead = selective - plain - plain forward. Plans save a few large ops and replay the many
+  small ones, so this is close to what they pay beyond the replayed ops' own time.
+
+Each overhead is the median over repeats of the difference within one repeat (paired: a load
+spike hits the three runs of a repeat alike), clamped at 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import checkpoint
+
+from remat.measure.blocks import Blocks
+from remat.measure.timing import Clock
+
+__all__ = ["BlockOverheads", "BlockInputs", "capture_block_inputs", "measure_overheads"]
+
+Runner = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]
+
+
+@dataclass(kw_only=True, frozen=True)
+class BlockOverheads:
+    """Checkpointing overheads of one block, milliseconds (medians, never negative)."""
+
+    selective_overhead_ms: float
+    """Selective checkpointing's cost beyond the ops it replays (forward + replay dispatch)."""
+    recompute_overhead_ms: float
+    """Plain checkpointing's cost beyond one replayed forward."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class BlockInputs:
+    """The positional and keyword arguments one block received, detached from the graph."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def capture_block_inputs(block_list: Blocks, forward: Callable[[], Any]) -> list[BlockInputs]:
+    """Run ``forward()`` once (gradients enabled) and keep each block's first call's arguments:
+    tensors detached, floating ones needing gradients as they did in the model; Hugging Face
+    key/value caches become None, as `remat.apply` passes them (every call would append to them)."""
+    from remat.apply.runtime import drop_kv_caches  # apply builds on measure: import on use
+
+    captured: dict[int, BlockInputs] = {}
+
+    def hook_for(index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if index not in captured:
+                args, kwargs = drop_kv_caches(args, kwargs)
+                captured[index] = BlockInputs(args=tree_map(_detach, args), kwargs=tree_map(_detach, kwargs))
+
+        return hook
+
+    handles = [module.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, (_, module) in enumerate(block_list)]
+    try:
+        forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [name for i, (name, _) in enumerate(block_list) if i not in captured]
+    if missing:
+        raise ValueError(
+            f"blocks {missing} did not run in the model's forward, so their checkpointing overhead "
+            "cannot be measured. Pass blocks= naming only modules the forward calls."
+        )
+    return [captured[i] for i in range(len(block_list))]
+
+
+def _detach(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().requires_grad_(value.requires_grad and value.is_floating_point())
+
+
+def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], *, repeats: int,
+                      clock: Clock) -> tuple[BlockOverheads, ...]:
+    """Overheads of every block (``inputs`` from `capture_block_inputs`), ``repeats`` timed
+    repeats after one untimed warm-up repeat."""
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed repeats; the median is kept).")
+    return tuple(_block_overheads(module, inputs[i], repeats, clock) for i, (_, module) in enumerate(block_list))
+
+
+def _block_overheads(module: nn.Module, inputs: BlockInputs, repeats: int, clock: Clock) -> BlockOverheads:
+    selective, recompute = [], []
+    for rep in range(repeats + 1):
+        fwd_ms, plain_ms = _timed_run(module, inputs, _plain, clock)
+        full_ms = _timed_run(module, inputs, _full, clock)[1]
+        selective_ms = _timed_run(module, inputs, _selective, clock)[1]
+        if rep > 0:  # the first repeat warms up
+            selective.append(selective_ms - plain_ms - fwd_ms)
+            recompute.append(full_ms - plain_ms - fwd_ms)
+    return BlockOverheads(
+        selective_overhead_ms=max(statistics.median(selective), 0.0),
+        recompute_overhead_ms=max(statistics.median(recompute), 0.0),
+    )
+
+
+def _timed_run(module: nn.Module, inputs: BlockInputs, runner: Runner, clock: Clock) -> tuple[float, float]:
+    """(forward ms, forward + backward ms) of one run; parameter and input gradients start unset,
+    as in a training step after ``zero_grad(set_to_none=True)``."""
+    leaves = [t for t in tree_leaves((inputs.args, inputs.kwargs)) if isinstance(t, torch.Tensor)]
+    for tensor in [*leaves, *module.parameters()]:
+        tensor.grad = None
+    clock.sync()
+    start = clock.mark()
+    out = runner(module, inputs.args, inputs.kwargs)
+    mid = clock.mark()
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    end = clock.mark()
+    clock.sync()
+    return clock.elapsed_ms(start, mid), clock.elapsed_ms(start, end)
+
+
+def _plain(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return module(*args, **kwargs)
+
+
+def _full(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any) -> Any:
+    return checkpoint(lambda *a: module(*a, **kwargs), *args, use_reentrant=False, preserve_rng_state=True, **options)
+
+
+def _selective(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    from remat.apply.selective import selective_context  # apply builds on measure: import on use
+
+    return _full(module, args, kwargs, context_fn=lambda: selective_context(frozenset()))
