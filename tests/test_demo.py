@@ -48,7 +48,7 @@ def test_demo_command_prints_one_table_of_every_strategy_and_three_budgets(tiny_
     out = CliRunner().invoke(app, ["demo", "--repeats", "1", "--out", str(tmp_path / "demo")])
     assert out.exit_code == 0, out.output
     for text in ("remat demo", "selective:attention-core", "selective:save-matmuls", "optimal @", "identical",
-                 "every gradient is identical", "lowest peak", "buys memory with time"):
+                 "every gradient is identical", "lowest peak", "The trade-off: a lower peak costs step time"):
         assert text in out.output
     result = tiny_demo[0]
     labels = [row.label for row in result.rows]
@@ -134,3 +134,12 @@ def test_run_reports_an_impossible_budget():
     out = CliRunner().invoke(app, ["run", "--budget", "1%", "--repeats", "1", *TINY_OPTIONS])
     assert out.exit_code == 2
     assert "budget" in out.output
+
+
+def test_plan_command_says_whether_the_plan_fits():
+    out = CliRunner().invoke(app, ["plan", "--model", "gpt", *TINY_OPTIONS, "--budget", "85%"])
+    assert out.exit_code == 0, out.output
+    assert " fits the budget of " in out.output and "% predicted step time" in out.output
+    out = CliRunner().invoke(app, ["plan", "--model", "gpt", *TINY_OPTIONS, "--budget", "90%", "--strategy", "none"])
+    assert out.exit_code == 2
+    assert "strategy 'none' predicts a peak of" in out.output and "strategy 'optimal' fits it" in out.output

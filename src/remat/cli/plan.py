@@ -47,6 +47,8 @@ def plan_command(
         raise fail(str(error)) from None
     console.print(plan_table(result, profile))
     console.print(comparison(result, baseline))
+    if result.budget_bytes is not None:
+        console.print(fit_line(result, baseline))
     if out is not None:
         result.save(out)
         console.print(f"plan written to {out}")
@@ -122,6 +124,14 @@ def comparison(result: Plan, baseline: Plan) -> Table:
     where = f"block {p.peak_block}" if p.peak_phase == "block" else p.peak_phase
     table.add_row("peak at", b.peak_phase if b.peak_phase != "block" else f"block {b.peak_block}", where, "")
     return table
+
+
+def fit_line(result: Plan, baseline: Plan) -> str:
+    """The plan against its budget and the baseline, in words (`plan` refuses a plan that does not fit)."""
+    p, b = result.prediction, baseline.prediction
+    return (f"predicted peak {_mib(p.peak_bytes)} MiB fits the budget of {_mib(result.budget_bytes)} MiB "
+            f"({100 * (1 - p.peak_bytes / b.peak_bytes):.0f}% below no recomputation) "
+            f"at {100 * (p.step_ms / b.step_ms - 1):+.1f}% predicted step time.")
 
 
 def pareto_table(frontier: list[Plan], baseline: Plan, max_rows: int = 24) -> Table:

@@ -14,8 +14,7 @@ from remat.cli._app import app, console, fail
 
 MIB = 2**20
 RUN_OUT_DIR = DEFAULT_OUT_DIR / "run"
-CAPTION = ("Each row buys memory with time: a lower peak costs extra step time, spent replaying "
-           "forwards in backward; the gradients must stay identical.")
+CAPTION = "The trade-off: a lower peak costs step time (forwards replayed in backward); gradients stay identical."
 
 
 def _mib(num_bytes: int) -> str:
@@ -145,10 +144,10 @@ def save_outputs(result, out: Path, command: list[str], *, chosen_row: int | Non
     are ``command`` and the `remat report` call that rebuilds the page from the JSON files."""
     from remat.apply.run import write_outputs
 
-    rebuild = ["remat", "report", str(out / "profile.json"), *(str(out / f"{kind}-*.json") for kind in ("plan", "verification")),
-               "-o", str(out / "report.html")]
+    folder = shlex.quote(str(out))
+    rebuild = f"remat report {folder}/profile.json {folder}/plan-*.json {folder}/verification-*.json -o {folder}/report.html"
     try:
-        files = write_outputs(result, out, commands=[shlex.join(command), " ".join(rebuild)])
+        files = write_outputs(result, out, commands=[shlex.join(command), rebuild])
     except (ValueError, OSError) as error:
         raise fail(f"cannot write the results under {str(out)!r}: {error}") from None
     if chosen_row is not None:
