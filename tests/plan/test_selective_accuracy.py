@@ -5,6 +5,8 @@ Tolerance: 1% of the predicted peak (the issue asks for 2%). Both sides are exac
 accounts on the CPU, so what is left is bookkeeping the model does not see at all.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -50,6 +52,9 @@ def test_named_policy_peak_matches(gpt, strategy):
 
 def test_optimal_peak_matches_and_fits_at_two_budgets(gpt):
     built, prof = gpt
+    # Priced with its measured dispatch overhead, selective loses to recomputation on this small
+    # GPT; without it the planner picks knapsack options, whose peaks this test is about.
+    prof = dataclasses.replace(prof, blocks=tuple(dataclasses.replace(b, selective_overhead_ms=0.0) for b in prof.blocks))
     kinds = set()
     for budget in _budgets(prof):
         chosen = plan(prof, budget, "optimal")
