@@ -96,6 +96,13 @@ class ChainProblem:
     """Head backward's need, gradient-adjusted: post saved + temporaries + sum grad_i - G."""
     capacity_slots: int
     """Free slots at the start, gradient-adjusted (allowance - G); may be negative."""
+    max_segment_blocks: int | None = None
+    """Longest recompute segment (top level or nested) the DP considers; None: any length.
+    Below the number of blocks the search space is smaller and the result is not optimal."""
+
+    def segment_limit(self) -> int:
+        n = len(self.blocks)
+        return n if self.max_segment_blocks is None else max(1, min(n, self.max_segment_blocks))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -223,7 +230,7 @@ class ChainSolution:
         shifts = np.array([m - o.retained_slots + block.grad_slots for o in opts])
         opt_cost = np.array([o.extra_ms for o in opts]) + self._at(np.repeat(self.top[a + 1 : a + 2], len(opts), 0), shifts)
         opt_cost[np.array([m < o.working_slots - block.grad_slots for o in opts])] = _INF
-        js = np.arange(1, n - a + 1)
+        js = np.arange(1, min(n - a, self.problem.segment_limit()) + 1)
         rest = self._at(self.top[a + js], m - block.input_slots + (gp[a + js] - gp[a]))
         inner = self._segment_inner(a, js, m)
         seg_cost = (self._fwd_prefix[a + js] - self._fwd_prefix[a]) + inner + rest
@@ -362,7 +369,7 @@ def _keep_first(blocks, rest: np.ndarray, frame: _Frame) -> np.ndarray:
 def _inner_alike(problem: ChainProblem, frame: _Frame):
     """Inner tables for blocks alike in slots, in replayed block forwards (not ms): one row per
     length, all first children at once."""
-    n, width = len(problem.blocks), frame.width
+    n, width = problem.segment_limit(), frame.width
     block = problem.blocks[0]
     table = np.zeros((n + 1, width))
     stacked = np.empty((n, width))
@@ -419,7 +426,7 @@ def _inner_general(problem: ChainProblem, frame: _Frame):
     gp = frame.grad_prefix
     inner = [np.zeros((n + 1, width))]
     choice = [np.zeros((n + 1, width), dtype=np.int32)]
-    for length in range(1, n + 1):
+    for length in range(1, problem.segment_limit() + 1):
         rows = n - length + 1
         best = _keep_first(blocks[:rows], inner[length - 1][1 : rows + 1], frame)
         pick = np.zeros((rows, width), dtype=np.int32)
@@ -445,13 +452,14 @@ def _top(problem: ChainProblem, frame: _Frame, inner, alike: bool):
     for a in range(n - 1, -1, -1):
         block = blocks[a]
         opt_cost = _options_cost(block, top[a + 1], frame)
-        js = np.arange(1, n - a + 1)
+        longest = min(n - a, problem.segment_limit())
+        js = np.arange(1, longest + 1)
         if alike:
-            least_fwd = np.minimum.accumulate(prefix[a + 1 :] - prefix[a:-1])
-            seg_inner = _scaled(inner.table[1 : n - a + 1], least_fwd)
+            least_fwd = np.minimum.accumulate(prefix[a + 1 : a + longest + 1] - prefix[a : a + longest])
+            seg_inner = _scaled(inner.table[1 : longest + 1], least_fwd)
         else:
             seg_inner = np.stack([inner[j][a] for j in js])
-        rest = _shift(top[a + 1 : n + 1], block.input_slots - (gp[a + js] - gp[a]))
+        rest = _shift(top[a + 1 : a + longest + 1], block.input_slots - (gp[a + js] - gp[a]))
         seg_cost = (prefix[a + js] - prefix[a])[:, None] + seg_inner + rest
         np.minimum(opt_cost.min(axis=0), seg_cost.min(axis=0), out=top[a])
     return top

@@ -30,12 +30,18 @@ from remat.plan.policies import knapsack, knapsack_frontier, policy
 from remat.plan.predict import backward_base_bytes, grad_bytes_live, predict
 from remat.plan.types import Segment
 
-__all__ = ["OptimalSearch", "plan_floor", "block_options", "CELLS_AT_100_BLOCKS"]
+__all__ = ["OptimalSearch", "Optimality", "plan_floor", "block_options", "CELLS_AT_100_BLOCKS"]
 
 CELLS_AT_100_BLOCKS = 15_000_000
 """DP cell updates allowed for 100 blocks (about 0.15 s); the allowance grows as N^1.5, so 1000
-blocks get about 30x the cells (about 5 s). With the DP's cost (about 1.5 N^2 M cells for alike
-blocks, N^3/6 M otherwise) this sets M, the memory slots (64 <= M <= MAX_SLOTS)."""
+blocks get about 30x the cells. With the DP's cost (about N (K + L) M + L^2 M / 2 cells for
+blocks alike in bytes, N L^2 M / 2 otherwise; K options per block, L the longest segment) this
+sets M, the memory slots (64 <= M <= MAX_SLOTS)."""
+LONG_CHAIN_BLOCKS = 200
+"""Chains longer than this search recompute segments of at most LONG_CHAIN_SEGMENT blocks (top
+level and nested), so the memory slots can stay fine: a smaller space, not optimal, bounded by
+`OptimalSearch.optimality`."""
+LONG_CHAIN_SEGMENT = 16
 UNLIKE_CELLS_FACTOR = 8
 """Unlike blocks (the usual case for measured profiles: times differ) get this many times the
 cells: their DP is a factor N/9 costlier, and an exact plan is worth a second."""
@@ -94,6 +100,29 @@ def _offload_options(profile: Profile, index: int) -> list[Segment]:
 
 
 @dataclass(kw_only=True, frozen=True)
+class Optimality:
+    """How close the optimal planner's plan is to the least extra time any plan fitting the
+    budget has, under the byte model of `remat.plan.predict`."""
+
+    extra_ms: float
+    """The plan's extra time over no recomputation (the DP's pricing: `remat.plan.costs`)."""
+    lower_bound_ms: float
+    """No plan whose predicted peak fits the budget has less extra time: the DP run with every
+    size rounded down (gradients up), a relaxation, and its replay tables' time lower bound."""
+    quantum_bytes: int
+    """The DP's memory slot."""
+
+    @property
+    def exact(self) -> bool:
+        """The plan is optimal: its extra time equals the lower bound."""
+        return self.extra_ms <= self.lower_bound_ms * (1 + 1e-9) + 1e-9
+
+    @property
+    def gap_ms(self) -> float:
+        return max(0.0, self.extra_ms - self.lower_bound_ms)
+
+
+@dataclass(kw_only=True, frozen=True)
 class _Priced:
     segment: Segment
     cost: BlockCost
@@ -106,6 +135,7 @@ class OptimalSearch:
         self.profile = profile
         self.max_slots = max_slots
         self._options: list[list[_Priced]] | None = None
+        self._sizes_cache: list[int] | None = None
 
     # -- public -----------------------------------------------------------------------------
     def best_segments(self, budget_bytes: int) -> tuple[Segment, ...] | None:
@@ -113,12 +143,67 @@ class OptimalSearch:
         allowance = budget_bytes - self._base_bytes()
         if allowance < 0:
             return None
-        solution, quantum = self._solve(allowance)
+        solution, _ = self._best_solution(allowance)
         slots = solution.problem.capacity_slots
         if not math.isfinite(solution.cost(slots)):
             return None
         segments = self._segments(solution.layout(slots))
         return segments if predict(self.profile, segments).peak_bytes <= budget_bytes else None
+
+    def _best_solution(self, allowance: int) -> tuple[ChainSolution, int]:
+        """Tables for ``allowance``; when segments were limited and nothing fits, unlimited."""
+        solution, quantum = self._solve(allowance)
+        if solution.problem.max_segment_blocks is not None and not math.isfinite(solution.cost(solution.problem.capacity_slots)):
+            return self._solve(allowance, limited=False)
+        return solution, quantum
+
+    def optimality(self, budget_bytes: int) -> Optimality:
+        """Bound the plan `best_segments` returns (costs a second DP run): slots round sizes up
+        and forward times may be priced by shared tables, so the plan can be slower than the
+        least; ``Optimality.exact`` says when it is not."""
+        allowance = budget_bytes - self._base_bytes()
+        solution, quantum = self._best_solution(allowance) if allowance >= 0 else (None, 1)
+        if solution is None or not math.isfinite(solution.cost(solution.problem.capacity_slots)):
+            raise ValueError(f"no plan fits the budget of {budget_bytes} bytes; pass a budget that `best_segments` meets.")
+        capacity = solution.problem.capacity_slots
+        extra = solution.layout_ms(solution.layout(capacity))
+        bound = self._knapsack_bound(allowance)
+        if solution.problem.max_segment_blocks is None:  # the relaxed DP spans the whole space
+            bound = max(bound, solve_chain(self._problem(quantum, capacity, relax=True)).cost(capacity))
+        return Optimality(extra_ms=extra, lower_bound_ms=min(extra, bound), quantum_bytes=quantum)
+
+    def _knapsack_bound(self, allowance: int) -> float:
+        """Lower bound on the extra ms of every layout fitting ``allowance``, in bytes: what the
+        layout holds when the head's backward runs must fit (the other moments are dropped), a
+        block in a recompute segment is relaxed to holding nothing and costing its forward once,
+        and the resulting multiple-choice knapsack is bounded by its Lagrangian dual
+        ``max_lam sum_i min_o (ms_io + lam held_io) - lam room`` (every ``lam >= 0`` bounds it)."""
+        block_grads = sum(b.grad_bytes for b in self.profile.blocks)
+        head = _head_bytes(self.profile) + block_grads - _block_phase_grads(self.profile)
+        room = allowance - _block_phase_grads(self.profile) - head
+        held, ms = self._relaxed_choices()
+        if held.min(axis=1).sum() > room:  # not even the relaxation fits
+            return math.inf
+        best, lam = 0.0, 1e-12
+        for _ in range(120):  # geometric scan of lam from 1e-12 to about 5e3 ms per byte
+            best = max(best, float((ms + lam * held).min(axis=1).sum() - lam * room))
+            lam *= 1.35
+        return best
+
+    def _relaxed_choices(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per block (rows), gradient-adjusted held bytes and extra ms of each top-level option
+        and of the relaxed recompute choice (padded with inf ms)."""
+        rows = []
+        for i, options in enumerate(self.options()):
+            grad = self.profile.blocks[i].grad_bytes
+            replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
+            rows.append([(p.cost.retained_bytes - grad, p.cost.extra_ms) for p in options] + [(-grad, replay.extra_ms)])
+        width = max(len(r) for r in rows)
+        held = np.zeros((len(rows), width))
+        ms = np.full((len(rows), width), np.inf)
+        for i, r in enumerate(rows):
+            held[i, : len(r)], ms[i, : len(r)] = zip(*r)
+        return held, ms
 
     def min_peak_segments(self) -> tuple[Segment, ...]:
         """Segments with the least predicted peak over the whole plan space (exact, in bytes)."""
@@ -178,26 +263,46 @@ class OptimalSearch:
         # filtering the filtered list again equals filtering all at once (see `_undominated`)
         return _pareto_options(moved + offload) if offload else moved
 
-    def _solve(self, allowance: int, to_keep_all: bool = False) -> tuple[ChainSolution, int]:
+    def _solve(self, allowance: int, to_keep_all: bool = False, limited: bool = True) -> tuple[ChainSolution, int]:
         """Tables up to ``allowance``; ``to_keep_all``: up to what keeping every block needs in
-        rounded slots (>= allowance // quantum), so the no-recomputation end is in the table."""
-        quantum = choose_quantum(self._sizes(), allowance, self._slot_limit())
+        rounded slots (>= allowance // quantum), so the no-recomputation end is in the table;
+        ``limited``: segments as long as `_segment_limit` allows (the frontier: any length)."""
+        longest = self._segment_limit(allowance) if limited and not to_keep_all else None
+        quantum = choose_quantum(self._sizes(), allowance, self._slot_limit(longest))
         problem = self._problem(quantum, (allowance - _block_phase_grads(self.profile)) // quantum)
+        problem = dataclasses.replace(problem, max_segment_blocks=longest)
         if to_keep_all:
             problem = ChainProblem(blocks=problem.blocks, post_slots=problem.post_slots,
                                    capacity_slots=max(problem.capacity_slots, _keep_all_slots(problem)))
         return solve_chain(problem), quantum
 
-    def _slot_limit(self) -> int:
+    def _segment_limit(self, allowance: int) -> int | None:
+        """LONG_CHAIN_SEGMENT for chains over LONG_CHAIN_BLOCKS blocks whose exact slot (the gcd
+        of the sizes) would not fit the unlimited DP's slot count; else None (any length)."""
+        if self.profile.num_blocks <= LONG_CHAIN_BLOCKS:
+            return None
+        exact = 0
+        for size in self._sizes():
+            exact = math.gcd(exact, int(size))
+        return None if allowance // max(exact, 1) <= self._slot_limit(None) else LONG_CHAIN_SEGMENT
+
+    def _slot_limit(self, longest: int | None) -> int:
         if self.max_slots is not None:
             return self.max_slots
         n = self.profile.num_blocks
+        longest = longest or n
         alike = len({_byte_key(self.profile, i) for i in range(n)}) <= 1
-        work = 1.5 * n * n if alike else n**3 / 6 + 1.5 * n * n
+        options = sum(len(o) for o in self.options()) / max(n, 1)
+        work = n * (options + longest) + longest**2 / 2 + (0 if alike else n * longest**2 / 2)
         cells = CELLS_AT_100_BLOCKS * (n / 100) ** 1.5 * (1 if alike else UNLIKE_CELLS_FACTOR)
         return int(max(64, min(MAX_SLOTS, cells / max(work, 1.0))))
 
     def _sizes(self) -> list[int]:
+        if self._sizes_cache is None:
+            self._sizes_cache = self._all_sizes()
+        return self._sizes_cache
+
+    def _all_sizes(self) -> list[int]:
         sizes = [_head_bytes(self.profile), _block_phase_grads(self.profile)]
         for i, block in enumerate(self.profile.blocks):
             keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
@@ -206,43 +311,48 @@ class OptimalSearch:
             sizes += [p.cost.working_bytes for p in self.options()[i]]
         return sizes
 
-    def _problem(self, quantum: int, capacity: int) -> ChainProblem:
+    def _problem(self, quantum: int, capacity: int, relax: bool = False) -> ChainProblem:
         """Slots, gradient-adjusted as in `remat.plan.chain_dp`: the head needs its bytes plus
-        the blocks' gradients minus all gradients."""
+        the blocks' gradients minus all gradients. Needs round up and gradients down, so a
+        layout the DP accepts fits; ``relax``: the other way round, so every layout that fits
+        in bytes is accepted (the DP's cost is then a lower bound; held slots are integers, so
+        ``(allowance - G) // quantum`` still bounds them)."""
         shared: dict[tuple, ChainBlock] = {}
-        blocks = tuple(self._shared_chain_block(i, quantum, shared) for i in range(self.profile.num_blocks))
+        blocks = tuple(self._shared_chain_block(i, quantum, shared, relax) for i in range(self.profile.num_blocks))
         block_grads = sum(b.grad_bytes for b in self.profile.blocks)
         head = _head_bytes(self.profile) + block_grads - _block_phase_grads(self.profile)
-        return ChainProblem(blocks=blocks, post_slots=_ceil(head, quantum), capacity_slots=capacity)
+        post = head // quantum if relax else _ceil(head, quantum)
+        return ChainProblem(blocks=blocks, post_slots=post, capacity_slots=capacity)
 
-    def _shared_chain_block(self, i: int, quantum: int, shared: dict[tuple, ChainBlock]) -> ChainBlock:
+    def _shared_chain_block(self, i: int, quantum: int, shared: dict[tuple, ChainBlock], relax: bool) -> ChainBlock:
         """Blocks equal but for index and name, with no offload option, share one ChainBlock."""
         if _offload_options(self.profile, i):
-            return self._chain_block(i, quantum)
+            return self._chain_block(i, quantum, relax)
         key = dataclasses.replace(self.profile.blocks[i], index=0, name="")
         if key not in shared:
-            shared[key] = self._chain_block(i, quantum)
+            shared[key] = self._chain_block(i, quantum, relax)
         return shared[key]
 
-    def _chain_block(self, i: int, quantum: int) -> ChainBlock:
+    def _chain_block(self, i: int, quantum: int, relax: bool = False) -> ChainBlock:
+        need, grad = (_floor, _ceil) if relax else (_ceil, _floor)
         keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
         replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
         options = _slot_pareto(
             BlockOption(
                 label=k,
-                retained_slots=_ceil(p.cost.retained_bytes, quantum),
-                working_slots=_ceil(p.cost.working_bytes, quantum),
+                retained_slots=need(p.cost.retained_bytes, quantum),
+                working_slots=need(p.cost.working_bytes, quantum),
                 extra_ms=p.cost.extra_ms,
             )
             for k, p in enumerate(self.options()[i])
         )
         return ChainBlock(
-            input_slots=_ceil(replay.retained_bytes, quantum),
-            saved_slots=_ceil(keep.retained_bytes, quantum),
-            working_slots=_ceil(replay_working_bytes(self.profile.blocks[i]), quantum),
+            input_slots=need(replay.retained_bytes, quantum),
+            saved_slots=need(keep.retained_bytes, quantum),
+            working_slots=need(replay_working_bytes(self.profile.blocks[i]), quantum),
             fwd_ms=replay.extra_ms,
             options=options,
-            grad_slots=self.profile.blocks[i].grad_bytes // quantum,
+            grad_slots=grad(self.profile.blocks[i].grad_bytes, quantum),
         )
 
     def _segments(self, elements: tuple[Element, ...]) -> tuple[Segment, ...]:
@@ -310,4 +420,8 @@ def _undominated(keys: list[tuple[float, float, float]]) -> np.ndarray:
 
 def _ceil(num_bytes: int, quantum: int) -> int:
     return -(-int(num_bytes) // quantum)
+
+
+def _floor(num_bytes: int, quantum: int) -> int:
+    return int(num_bytes) // quantum
 
