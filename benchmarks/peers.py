@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--frontier-points", type=int, default=4,
                         help="extra plans of remat's Pareto frontier to measure (default 4)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch.set_num_threads (default 0: torch's default); 1 helps on an oversubscribed CPU")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 1:
@@ -74,6 +76,8 @@ def _frontier_plans(profile: object, count: int) -> tuple[list[tuple[int, float]
 def run(args: argparse.Namespace) -> Suite:
     """Prepare and measure every strategy of one model; returns the measured suite."""
     _configure_dynamo()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     suite = Suite(workload=Workload(model=args.model, size=args.size, device=args.device))
     add_peers(suite, default_peers(with_compile=not args.no_compile), args.warmup)
     profile = remat_profile(suite.workload)
@@ -100,6 +104,8 @@ def machine() -> str:
 
 def command_line(args: argparse.Namespace) -> str:
     flags = f"--model {args.model} --size {args.size} --device {args.device} --repeats {args.repeats}"
+    flags += f" --warmup {args.warmup} --frontier-points {args.frontier_points}"
+    flags += f" --threads {args.threads}" if args.threads else ""
     return f"python -m benchmarks.peers {flags}" + (" --no-compile" if args.no_compile else "")
 
 

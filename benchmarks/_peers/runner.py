@@ -43,7 +43,7 @@ class Runner:
     times_ms: list[float] = field(default_factory=list)
     """Every timed step."""
     peak_bytes: int | None = None
-    """Peak live bytes of a step (the live tracker)."""
+    """Peak live bytes of a step (the live tracker; eager runs only)."""
     alloc_peak_bytes: int | None = None
     """Resident model bytes + the allocator's peak during a step (torch.profiler memory events)."""
     cuda_peak_bytes: int | None = None
@@ -108,7 +108,11 @@ def measure_peak(runner: Runner) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    runner.peak_bytes = tracked_peak_bytes(runner.module, lambda: step(runner), runner.batch)
+    if runner.mode == "eager":
+        # Under the tracker's dispatch mode and saved-tensor hooks dynamo cannot compile the
+        # frame; it falls back to eager and marks the shared forward code as skipped, so every
+        # later compiled model would silently run eager. Compiled runs use the allocator peak.
+        runner.peak_bytes = tracked_peak_bytes(runner.module, lambda: step(runner), runner.batch)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         resident = sum(t.numel() * t.element_size() for t in _state_tensors(runner))
