@@ -51,7 +51,8 @@ def _runner(name: str, mode: str, source: str, workload: Workload, prepare: Any,
 def _settle(runner: Runner, warmup_steps: int) -> None:
     warm_up(runner, warmup_steps)
     measure_peak(runner)
-    log.info("%s [%s]: peak %.1f MiB", runner.name, runner.mode, (runner.peak_bytes or 0) / 2**20)
+    peak_bytes = runner.peak_bytes if runner.peak_bytes is not None else runner.alloc_peak_bytes
+    log.info("%s [%s]: peak %.1f MiB", runner.name, runner.mode, (peak_bytes or 0) / 2**20)
 
 
 def _failure(exc: Exception) -> str:
