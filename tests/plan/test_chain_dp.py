@@ -1,0 +1,167 @@
+"""The chain DP's fast paths against its exact tables and against exhaustive enumeration.
+
+Slots here are the DP's own units (`remat.plan.chain_dp.ChainProblem`); the profile-level tests
+go through `remat.plan.search.OptimalSearch` and compare with every plan of the space.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, Element, _shift, _shift_row, solve_chain
+from remat.plan.predict import predict
+from remat.plan.search import OptimalSearch, _undominated
+from remat.plan.types import Segment
+
+from plan_toys import block, profile, random_profile, replace
+from test_optimal import _best, _space
+
+EXACT = 10**12
+"""``exact_cells`` that always selects the exact O(N^3 M) tables."""
+
+
+def _chain(fwd_ms: list[float], *, input_slots=1, saved_slots=3, working_slots=2, capacity=12, grad_slots=0):
+    keep = BlockOption(label=0, retained_slots=saved_slots, working_slots=working_slots, extra_ms=0.0)
+    blocks = tuple(ChainBlock(input_slots=input_slots, saved_slots=saved_slots, working_slots=working_slots,
+                              fwd_ms=t, options=(keep,), grad_slots=grad_slots) for t in fwd_ms)
+    return ChainProblem(blocks=blocks, post_slots=1, capacity_slots=capacity)
+
+
+def _columns(solution):
+    return [m for m, cost in solution.curve() if math.isfinite(cost)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shared_tables_bound_the_exact_tables(seed):
+    """Blocks alike in slots, forward times differing: the shared tables' cost is a lower bound
+    of the exact least, and the shared layout priced with the real times (cost + gap) an upper."""
+    rng = random.Random(seed)
+    problem = _chain([float(rng.randint(1, 9)) for _ in range(rng.randint(3, 7))], capacity=rng.randint(6, 20))
+    shared, exact = solve_chain(problem, exact_cells=0), solve_chain(problem, exact_cells=EXACT)
+    assert not shared.exact and exact.exact
+    for m in _columns(exact):
+        least = exact.cost(m)
+        assert exact.layout_ms(exact.layout(m)) == pytest.approx(least)
+        assert shared.cost(m) <= least + 1e-9
+        assert shared.cost(m) + shared.gap_ms(m) == pytest.approx(shared.layout_ms(shared.layout(m)))
+        assert shared.layout_ms(shared.layout(m)) >= least - 1e-9
+
+
+@pytest.mark.parametrize("grad_slots", [0, 1])
+def test_shared_tables_are_exact_for_equal_times(grad_slots):
+    problem = _chain([2.5] * 7, capacity=9, grad_slots=grad_slots)
+    shared, exact = solve_chain(problem, exact_cells=0), solve_chain(problem, exact_cells=EXACT)
+    assert shared.exact
+    costs = torch.tensor([shared.cost(m) for m in _columns(exact)])
+    torch.testing.assert_close(costs, torch.tensor([exact.cost(m) for m in _columns(exact)]))
+    assert all(shared.gap_ms(m) == 0.0 for m in _columns(exact))
+
+
+def _lengths(elements: tuple[Element, ...]):
+    for e in elements:
+        if e.option is None:
+            yield e.stop - e.start
+            yield from _lengths(e.children)
+
+
+@pytest.mark.parametrize("exact_cells", [0, EXACT])
+def test_segment_limit_bounds_every_segment(exact_cells):
+    """With segments of at most 2 blocks: no longer segment at any depth, never cheaper than
+    the unlimited DP, and the same as it when the limit is the chain's length."""
+    problem = _chain([1.0, 2.0, 3.0, 1.0, 2.0, 1.0, 4.0, 1.0], capacity=10)
+    free = solve_chain(problem, exact_cells=exact_cells)
+    limited = solve_chain(ChainProblem(blocks=problem.blocks, post_slots=1, capacity_slots=10, max_segment_blocks=2),
+                          exact_cells=exact_cells)
+    whole = solve_chain(ChainProblem(blocks=problem.blocks, post_slots=1, capacity_slots=10, max_segment_blocks=8),
+                        exact_cells=exact_cells)
+    for m in _columns(limited):
+        assert max(_lengths(limited.layout(m)), default=0) <= 2
+        assert limited.cost(m) >= free.cost(m) - 1e-9
+    assert [whole.cost(m) for m in _columns(free)] == [free.cost(m) for m in _columns(free)]
+    assert min(_columns(free)) < min(_columns(limited))  # the least memory needs long nested segments
+
+
+def test_shift_row_matches_shift():
+    rng = np.random.default_rng(0)
+    row = rng.random(7)
+    shifts = np.array([-9, -7, -3, 0, 2, 6, 7, 12])
+    expected = _shift(np.broadcast_to(row, (shifts.size, row.size)), shifts)
+    np.testing.assert_array_equal(_shift_row(row, shifts), expected)
+
+
+def test_undominated_matches_filtering_in_order():
+    rng = random.Random(3)
+    keys = [(rng.randint(0, 3), rng.randint(0, 3), float(rng.randint(0, 3))) for _ in range(60)]
+    kept: list[tuple] = []
+    for k in keys:
+        if not any(all(q[i] <= k[i] for i in range(3)) for q in kept):
+            kept.append(k)
+    mask = _undominated(keys)
+    assert [k for k, ok in zip(keys, mask) if ok] == kept
+    assert _undominated([]).shape == (0,)
+
+
+def _budgets(space):
+    peaks = [peak for peak, _ in space]
+    return sorted({peaks[0], peaks[len(peaks) // 2], peaks[-1]})
+
+
+def _without_forward_temporaries(prof):
+    return replace(prof, blocks=tuple(replace(b, fwd_temp_bytes=0) for b in prof.blocks))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_optimality_is_exact_when_slots_are(seed):
+    """Small integer sizes: the slot is their gcd, the bound meets the plan and the plan meets
+    exhaustive enumeration."""
+    torch.manual_seed(seed)
+    prof = _without_forward_temporaries(random_profile(random.Random(seed), 4))
+    baseline = predict(prof, tuple(Segment(start=i, stop=i + 1, strategy="keep") for i in range(4))).step_ms
+    space = _space(prof)
+    for budget in _budgets(space):
+        result = OptimalSearch(prof).optimality(budget)
+        assert result.exact and result.gap_ms == 0.0
+        assert result.extra_ms == pytest.approx(_best(space, budget) - baseline)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_optimality_brackets_the_optimum_when_slots_round(seed):
+    """Sizes with no common divisor and 3 slots: the plan may be slower than the best, and the
+    bound is never above the best of every plan that fits (exhaustive enumeration)."""
+    rng = random.Random(50 + seed)
+    blocks = [block(i, input_bytes=rng.randint(5, 13), saved_bytes=rng.randint(14, 40), bwd_temp_bytes=rng.randint(1, 9),
+                    fwd_ms=float(rng.randint(1, 9))) for i in range(4)]
+    prof = profile(blocks, fixed_post_saved_bytes=rng.randint(1, 7))
+    keep = tuple(Segment(start=i, stop=i + 1, strategy="keep") for i in range(4))
+    baseline, space = predict(prof, keep).step_ms, _space(prof)
+    for budget in _budgets(space):
+        search = OptimalSearch(prof, max_slots=3)
+        segments = search.best_segments(budget)
+        if segments is None:  # rounding lost the only fitting plans
+            continue
+        result = search.optimality(budget)
+        best = _best(space, budget) - baseline
+        assert result.lower_bound_ms <= best + 1e-9 <= result.extra_ms + 2e-9
+        assert result.extra_ms == pytest.approx(predict(prof, segments).step_ms - baseline)
+        assert result.gap_ms == pytest.approx(result.extra_ms - result.lower_bound_ms)
+
+
+def test_optimality_rejects_a_budget_nothing_fits():
+    prof = random_profile(random.Random(1), 3)
+    with pytest.raises(ValueError, match="no plan fits the budget of 0 bytes"):
+        OptimalSearch(prof).optimality(0)
+
+
+@pytest.mark.xfail(strict=True, reason="known, cause not found yet: with forward temporaries and per-block "
+                   "gradients the DP misses recompute[0,3){recompute[0,2)} keep[3,4), which predict fits in 33 "
+                   "bytes at +32 ms, and plans +38 ms (the same before the shared tables)")
+def test_forward_temporaries_known_mismatch():
+    prof = random_profile(random.Random(3), 4)
+    keep = tuple(Segment(start=i, stop=i + 1, strategy="keep") for i in range(4))
+    baseline, space = predict(prof, keep).step_ms, _space(prof)
+    assert OptimalSearch(prof).optimality(33).extra_ms == pytest.approx(_best(space, 33) - baseline)
