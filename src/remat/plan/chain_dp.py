@@ -32,7 +32,21 @@ Tables:
 - ``top[a, m]``: least extra time of the backward of blocks ``a..N-1`` plus the head's backward
   (``top[N, m] = 0`` iff ``m >= post``), first element a per-block option or a recompute
   segment ``[a, a+j)``, ``j <= N - a``.
-Time O(N^2 M) for alike blocks, O(N^3 M) otherwise, with M slots.
+Only minima are stored; `ChainSolution.layout` finds each choice again from the tables.
+
+When the result is the optimum, and when it is not:
+- exact for the slot problem when the replay tables are per region (blocks unlike in slots, or
+  alike in slots with ``N^3 M / 6 <= exact_cells``) or the blocks' forward times are equal, and
+  ``max_segment_blocks`` is None; exact for the byte model when, besides, every size is a
+  multiple of the slot;
+- blocks alike in slots whose forward times differ share one table of replayed block forwards
+  per length, priced at the region's least forward time: the DP's cost is a lower bound and
+  `ChainSolution.gap_ms` bounds the distance of its layout from the least;
+- ``max_segment_blocks`` below N searches a smaller space (not optimal);
+- a slot larger than the gcd of the sizes rounds them up (the plan fits, and may be slower
+  than the best): `remat.plan.search.OptimalSearch.optimality` bounds the loss.
+Time O(N (K + L) M + L^2 M) for blocks alike in slots (K options per block, L the longest
+segment, M slots), O(N L^2 M) otherwise.
 """
 
 from __future__ import annotations

@@ -3,6 +3,13 @@
 `OptimalSearch` turns a Profile into a `remat.plan.chain_dp.ChainProblem` (every byte and
 millisecond read through `remat.plan.costs.cost_of`, so the DP prices exactly what `predict`
 prices) and turns DP layouts back into Segments.
+
+It returns the optimum of the byte model when the DP's slot is the gcd of the sizes and the
+chain DP is exact (see `remat.plan.chain_dp`: small and toy profiles, Revolve chains). Long
+chains of measured blocks trade exactness for speed in three stated ways (sizes rounded up to a
+coarser slot, replay tables shared by blocks alike in bytes, segments of at most
+LONG_CHAIN_SEGMENT blocks past LONG_CHAIN_BLOCKS blocks); `OptimalSearch.optimality` then gives
+a lower bound on the best plan, so the distance is known.
 """
 
 from __future__ import annotations
@@ -258,7 +265,9 @@ class OptimalSearch:
         if key not in shared:  # keep and selective costs depend on the block's own measurements only
             local = [s for s in block_options(self.profile, i) if s.kind != "offload"]
             shared[key] = _pareto_options([_Priced(segment=s, cost=cost_of(self.profile, i, s)) for s in local])
-        moved = [_Priced(segment=dataclasses.replace(p.segment, start=i, stop=i + 1), cost=p.cost) for p in shared[key]]
+        moved = shared[key]
+        if moved and moved[0].segment.start != i:
+            moved = [_Priced(segment=dataclasses.replace(p.segment, start=i, stop=i + 1), cost=p.cost) for p in moved]
         offload = [_Priced(segment=s, cost=cost_of(self.profile, i, s)) for s in _offload_options(self.profile, i)]
         # filtering the filtered list again equals filtering all at once (see `_undominated`)
         return _pareto_options(moved + offload) if offload else moved
