@@ -265,6 +265,8 @@ class ChainSolution:
         block, table = self.problem.blocks[0], self.inner.table
         m = min(m, self.frame.lo + self.frame.width - 1)
         keep = self._at(table[length - 1 : length], [m - block.saved_slots + block.grad_slots])
+        if length == 1:  # nothing after it: fits wherever the block's own need does
+            keep[:] = 0.0
         if m < block.working_slots - block.grad_slots:
             keep[:] = _INF
         js = np.arange(1, length)
@@ -371,11 +373,12 @@ def solve_chain(problem: ChainProblem, exact_cells: int = EXACT_CELLS) -> ChainS
     return ChainSolution(problem, frame, top, inner, inner_choice, alike)
 
 
-def _keep_first(blocks, rest: np.ndarray, frame: _Frame) -> np.ndarray:
-    """Cost of keeping the first block of each row, then the rest region in what is left."""
+def _keep_first(blocks, rest: np.ndarray, frame: _Frame, rest_empty: bool) -> np.ndarray:
+    """Cost of keeping the first block of each row, then the rest region in what is left
+    (``rest_empty``: nothing is left to run, which fits in any memory, even below ``lo``)."""
     saved = np.array([b.saved_slots - b.grad_slots for b in blocks])
     need = np.array([b.working_slots - b.grad_slots for b in blocks])
-    out = _shift(rest, saved)
+    out = np.zeros(rest.shape) if rest_empty else _shift(rest, saved)
     out[_below(frame.width, frame.lo, need)] = _INF
     return out
 
@@ -389,7 +392,7 @@ def _inner_alike(problem: ChainProblem, frame: _Frame):
     stacked = np.empty((n, width))
     js = np.arange(1, n)
     for length in range(1, n + 1):
-        stacked[0] = _keep_first([block], table[length - 1 : length], frame)[0]
+        stacked[0] = _keep_first([block], table[length - 1 : length], frame, length == 1)[0]
         children = stacked[1:length]
         if block.grad_slots == 0:
             _shift_into(children, table[length - 1 : 0 : -1], block.input_slots)
@@ -442,7 +445,7 @@ def _inner_general(problem: ChainProblem, frame: _Frame):
     choice = [np.zeros((n + 1, width), dtype=np.int32)]
     for length in range(1, problem.segment_limit() + 1):
         rows = n - length + 1
-        best = _keep_first(blocks[:rows], inner[length - 1][1 : rows + 1], frame)
+        best = _keep_first(blocks[:rows], inner[length - 1][1 : rows + 1], frame, length == 1)
         pick = np.zeros((rows, width), dtype=np.int32)
         for j in range(1, length):
             fwd = (prefix[j : j + rows] - prefix[:rows])[:, None]
