@@ -253,7 +253,8 @@ class OptimalSearch:
         return max(1, sum(pred.retained_bytes) + _head_bytes(self.profile), _keep_block_peak(self.profile))
 
     def options(self) -> list[list[_Priced]]:
-        """Per block, its non-dominated top-level options, priced (alike blocks share the work)."""
+        """Per block, its non-dominated top-level options, priced (alike blocks share the work, and
+        their segments name the first of them: `_option_segment` moves one to its block)."""
         if self._options is None:
             shared: dict[BlockProfile, list[_Priced]] = {}
             self._options = [self._block_options(i, shared) for i in range(self.profile.num_blocks)]
@@ -265,12 +266,15 @@ class OptimalSearch:
         if key not in shared:  # keep and selective costs depend on the block's own measurements only
             local = [s for s in block_options(self.profile, i) if s.kind != "offload"]
             shared[key] = _pareto_options([_Priced(segment=s, cost=cost_of(self.profile, i, s)) for s in local])
-        moved = shared[key]
-        if moved and moved[0].segment.start != i:
-            moved = [_Priced(segment=dataclasses.replace(p.segment, start=i, stop=i + 1), cost=p.cost) for p in moved]
+        moved = shared[key]  # segments still name the first alike block: `_option_segment` moves them
         offload = [_Priced(segment=s, cost=cost_of(self.profile, i, s)) for s in _offload_options(self.profile, i)]
         # filtering the filtered list again equals filtering all at once (see `_undominated`)
         return _pareto_options(moved + offload) if offload else moved
+
+    def _option_segment(self, i: int, k: int) -> Segment:
+        """Option ``k`` of block ``i`` as a segment on block ``i``."""
+        segment = self.options()[i][k].segment
+        return segment if segment.start == i else dataclasses.replace(segment, start=i, stop=i + 1)
 
     def _solve(self, allowance: int, to_keep_all: bool = False, limited: bool = True) -> tuple[ChainSolution, int]:
         """Tables up to ``allowance``; ``to_keep_all``: up to what keeping every block needs in
@@ -370,7 +374,7 @@ class OptimalSearch:
 
     def _segment(self, element: Element) -> Segment:
         if element.option is not None:
-            return self.options()[element.start][element.option].segment
+            return self._option_segment(element.start, element.option)
         children = tuple(self._segment(c) for c in element.children)
         return Segment(start=element.start, stop=element.stop, strategy="recompute", children=children)
 
