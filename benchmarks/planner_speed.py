@@ -169,7 +169,7 @@ NOTES = """Reading the table:
   Blocks alike in bytes share one replay table per length (O(N^2 M), or O(N L M) with segments
   of at most L blocks); forward times that differ are priced at the region's least time, a lower
   bound. Chains over 200 blocks search recompute segments of at most 16 blocks (nested ones
-  too), which lets 1000 blocks use 4096 slots instead of about 300 (+23 % planned overhead
+  too), which lets 1000 blocks use 6144 slots instead of about 300 (+23 % planned overhead
   before this change, against about +8 % now).
 - "optimum's overhead >=": `OptimalSearch.optimality`'s lower bound on any plan fitting the
   budget (the DP again with sizes rounded down, and a Lagrangian knapsack bound on the moment

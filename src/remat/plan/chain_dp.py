@@ -166,7 +166,8 @@ class ChainSolution:
         """``inner_choice`` is None for shared tables: choices are found again along the layout."""
         fwd = [b.fwd_ms for b in problem.blocks]
         self.exact = not alike or len(set(fwd)) <= 1
-        """True: `cost` is the least extra ms of the slot problem. False (shared replay tables
+        """True: `cost` is the least extra ms of the slot problem as posed (its segment limit
+        included). False (shared replay tables
         over blocks whose forward times differ): `cost` is a lower bound and `gap_ms` bounds how
         far the layout may be from the least."""
         self._fwd_prefix = np.concatenate([[0.0], np.cumsum(fwd)])

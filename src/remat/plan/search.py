@@ -52,7 +52,7 @@ LONG_CHAIN_SEGMENT = 16
 UNLIKE_CELLS_FACTOR = 8
 """Unlike blocks (the usual case for measured profiles: times differ) get this many times the
 cells: their DP is a factor N/9 costlier, and an exact plan is worth a second."""
-MAX_SLOTS = 4096
+MAX_SLOTS = 6144
 NAMED_POLICIES = ("attention-core", "save-matmuls")
 """Selective policies offered per block besides every point of the knapsack frontier."""
 
