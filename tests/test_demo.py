@@ -60,6 +60,7 @@ def test_demo_command_prints_one_table_of_every_strategy_and_three_budgets(tiny_
     assert result.all_identical and all(v.grads_identical and v.recompute_counts_match for v in result.verifications)
     assert result.plans[0].strategy_name == "none" and result.profile.num_blocks == 3
     assert result.budget_bytes == budgets[1]
+    _assert_compact_table_fits_80_columns(result)
     # The command ends with the report's path; the page holds the job's plans and the commands.
     assert out.output.rstrip().splitlines()[-1].endswith(f"report: {tmp_path / 'demo' / 'report.html'}")
     page = (tmp_path / "demo" / "report.html").read_text()
@@ -68,6 +69,20 @@ def test_demo_command_prints_one_table_of_every_strategy_and_three_budgets(tiny_
     names = sorted(p.name for p in (tmp_path / "demo").iterdir())
     assert names == sorted(["profile.json", "report.html", *(f"{kind}-{stem}.json" for kind in ("plan", "verification")
                                                                for stem in map(run_module.file_stem, labels))])
+
+
+def _assert_compact_table_fits_80_columns(result):
+    from rich.console import Console
+
+    from remat.cli.run import verification_table
+
+    console = Console(width=80, record=True, color_system=None)
+    console.print(verification_table(result, "demo", wide=False))
+    lines = console.export_text().splitlines()
+    assert "pred/meas" in lines[2] and max(map(len, lines)) <= 80
+    v = result.rows[1].verification
+    row = next(line for line in lines if line.startswith("full "))
+    assert f"{v.predicted_peak_bytes / 2**20:.1f}/{v.measured_peak_bytes / 2**20:.1f}" in row and "identical" in row
 
 
 def test_demo_command_fails_when_a_gradient_differs(tiny_demo, monkeypatch, tmp_path):

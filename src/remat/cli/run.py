@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich import box
 from rich.table import Table
 
 from remat.apply.run import DEFAULT_OUT_DIR
@@ -29,25 +30,55 @@ def _grad_cell(v) -> str:
     return f"[bold red]DIFFER {v.grad_max_abs_diff:.1e}[/]"
 
 
-def verification_table(result, title: str) -> Table:
-    """One row per plan: predicted vs measured peak and step time, overhead, gradient check."""
-    table = Table(title=title, caption=CAPTION)
-    headers = ("plan", "peak MiB\npredicted", "peak MiB\nmeasured", "error", "peak\nvs none", "step ms\npredicted",
-               "step ms\nmeasured", "error", "overhead\nvs none", "replays\nas planned", "gradients")
-    for header in headers:
-        table.add_column(header, justify="left" if header in ("plan", "gradients") else "right")
+WIDE_COLUMNS = 130
+"""Terminal width from which the table shows each prediction error and the replay check as columns."""
+COMPACT_HEADERS = ("plan", "peak MiB\npred/meas", "peak\nvs none", "step ms\npred/meas", "time\nvs none",
+                   "gradients")
+WIDE_HEADERS = ("plan", "peak MiB\npredicted", "peak MiB\nmeasured", "error", "peak\nvs none", "step ms\npredicted",
+                "step ms\nmeasured", "error", "overhead\nvs none", "replays\nas planned", "gradients")
+
+
+def _ms(value: float) -> str:
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def verification_table(result, title: str, *, wide: bool | None = None) -> Table:
+    """One row per plan: predicted vs measured peak and step time, both against no recomputation,
+    gradient check. ``wide`` (default: a terminal of `WIDE_COLUMNS`) adds the errors and replay check."""
+    wide = console.width >= WIDE_COLUMNS if wide is None else wide
+    table = Table(title=title, caption=CAPTION, box=box.HEAVY_HEAD if wide else None, pad_edge=wide)
+    for header in WIDE_HEADERS if wide else COMPACT_HEADERS:
+        table.add_column(header, justify="left" if header in ("plan", "gradients") else "right",
+                         no_wrap=not wide or header == "plan")
     base = _baseline_measured_peak(result)
     for row in result.rows:
-        v = row.verification
-        saved = f"{100 * (v.measured_peak_bytes / base - 1):+.0f}%" if base else "n/a"
-        counts = "[green]yes[/]" if v.recompute_counts_match else "[yellow]no[/]"
-        measured = _mib(v.measured_peak_bytes)
-        if v.budget_bytes is not None and v.measured_peak_bytes > v.budget_bytes:
-            measured = f"[red]{measured} > budget {_mib(v.budget_bytes)}[/]"
-        table.add_row(row.label, _mib(v.predicted_peak_bytes), measured, f"{v.peak_error_pct:+.1f}%", saved,
-                      f"{v.predicted_step_ms:.1f}", f"{v.measured_step_ms:.1f}", f"{v.step_error_pct:+.1f}%",
-                      f"{v.overhead_pct:+.1f}%", counts, _grad_cell(v))
+        table.add_row(*(_wide_cells if wide else _compact_cells)(row, base))
     return table
+
+
+def _measured_peak(v, digits: int = 2) -> str:
+    """The measured peak, red when over the plan's budget."""
+    text = f"{v.measured_peak_bytes / MIB:.{digits}f}"
+    over = v.budget_bytes is not None and v.measured_peak_bytes > v.budget_bytes
+    return f"[red]{text} > budget {_mib(v.budget_bytes)}[/]" if over else text
+
+
+def _peak_vs_none(v, base: int) -> str:
+    return f"{100 * (v.measured_peak_bytes / base - 1):+.0f}%" if base else "n/a"
+
+
+def _compact_cells(row, base: int) -> tuple[str, ...]:
+    v = row.verification
+    return (row.label, f"{v.predicted_peak_bytes / MIB:.1f}/{_measured_peak(v, 1)}", _peak_vs_none(v, base),
+            f"{_ms(v.predicted_step_ms)}/{_ms(v.measured_step_ms)}", f"{v.overhead_pct:+.0f}%", _grad_cell(v))
+
+
+def _wide_cells(row, base: int) -> tuple[str, ...]:
+    v = row.verification
+    counts = "[green]yes[/]" if v.recompute_counts_match else "[yellow]no[/]"
+    return (row.label, _mib(v.predicted_peak_bytes), _measured_peak(v), f"{v.peak_error_pct:+.1f}%",
+            _peak_vs_none(v, base), f"{v.predicted_step_ms:.1f}", f"{v.measured_step_ms:.1f}",
+            f"{v.step_error_pct:+.1f}%", f"{v.overhead_pct:+.1f}%", counts, _grad_cell(v))
 
 
 def _baseline_measured_peak(result) -> int:
@@ -71,6 +102,9 @@ def summary_lines(result) -> list[str]:
             if r.verification.budget_bytes is not None and r.verification.measured_peak_bytes > r.verification.budget_bytes]
     if over:
         lines.append(f"measured peak over its budget (the prediction missed): {', '.join(over)}.")
+    replays = [r.label for r in result.rows if not r.verification.recompute_counts_match]
+    if replays:
+        lines.append(f"ops replayed a different number of times than planned: {', '.join(replays)}.")
     bad = [r.label for r in result.rows if not r.verification.ok]
     lines.append("every gradient is identical to the baseline." if not bad else f"GRADIENTS DIFFER for: {', '.join(bad)}.")
     return lines
