@@ -18,10 +18,17 @@ them alike), medians over the repeats:
 - ``selective``: the same under `remat.apply.selective.selective_context` saving nothing (every
   op goes through the policy's dispatch mode in the forward and is replayed through it):
   overhead = selective - plain - plain forward. Plans save a few large ops and replay the many
-  small ones, so this is close to what they pay beyond the replayed ops' own time.
+  small ones, so this is close to what they pay beyond the replayed ops' own time;
+- ``cached``: the same saving every op call that can be cached (the replay fetches them):
+  cache overhead = cached - plain - the selective overhead, what storing and fetching outputs
+  adds; a plan saving a share of the cacheable calls pays that share of it.
 
-Each overhead is the median over repeats of the difference within one repeat (paired: a load
-spike hits the three runs of a repeat alike), clamped at 0.
+Each overhead is the median over repeats of the difference within one repeat divided by that
+repeat's plain run (paired: a load spike hits the runs of a repeat alike), clamped at 0: a
+share of the block's plain forward + backward. `remat.measure.profile` multiplies the shares by
+the block's times from its timed steps, so that the overheads are in the same conditions as the
+rest of the profile: the load of a shared machine drifts between the two by more than the
+overheads themselves.
 """
 
 from __future__ import annotations
@@ -46,12 +53,15 @@ Runner = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]
 
 @dataclass(kw_only=True, frozen=True)
 class BlockOverheads:
-    """Checkpointing overheads of one block, milliseconds (medians, never negative)."""
+    """Checkpointing overheads of one block as shares of its plain forward + backward time
+    (medians, never negative)."""
 
-    selective_overhead_ms: float
+    selective_share: float
     """Selective checkpointing's cost beyond the ops it replays (forward + replay dispatch)."""
-    recompute_overhead_ms: float
+    recompute_share: float
     """Plain checkpointing's cost beyond one replayed forward."""
+    selective_cache_share: float
+    """What saving every cacheable op call adds to ``selective_share``."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -99,27 +109,35 @@ def _detach(value: Any) -> Any:
     return value.detach().requires_grad_(value.requires_grad and value.is_floating_point())
 
 
-def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], *, repeats: int,
-                      clock: Clock) -> tuple[BlockOverheads, ...]:
-    """Overheads of every block (``inputs`` from `capture_block_inputs`), ``repeats`` timed
-    repeats after one untimed warm-up repeat."""
+def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys: Sequence[frozenset[str]], *,
+                      repeats: int, clock: Clock) -> tuple[BlockOverheads, ...]:
+    """Overheads of every block (``inputs`` from `capture_block_inputs`; ``op_keys[i]``: the
+    `remat.measure.types.OpRecord` keys of block i's forward), ``repeats`` timed repeats after
+    one untimed warm-up repeat."""
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed repeats; the median is kept).")
-    return tuple(_block_overheads(module, inputs[i], repeats, clock) for i, (_, module) in enumerate(block_list))
+    return tuple(_block_overheads(module, inputs[i], op_keys[i], repeats, clock)
+                 for i, (_, module) in enumerate(block_list))
 
 
-def _block_overheads(module: nn.Module, inputs: BlockInputs, repeats: int, clock: Clock) -> BlockOverheads:
-    selective, recompute = [], []
+def _block_overheads(module: nn.Module, inputs: BlockInputs, op_keys: frozenset[str], repeats: int,
+                     clock: Clock) -> BlockOverheads:
+    selective, recompute, cache = [], [], []
     for rep in range(repeats + 1):
         fwd_ms, plain_ms = _timed_run(module, inputs, _plain, clock)
         full_ms = _timed_run(module, inputs, _full, clock)[1]
-        selective_ms = _timed_run(module, inputs, _selective, clock)[1]
-        if rep > 0:  # the first repeat warms up
-            selective.append(selective_ms - plain_ms - fwd_ms)
-            recompute.append(full_ms - plain_ms - fwd_ms)
+        selective_ms = _timed_run(module, inputs, _selective(frozenset()), clock)[1]
+        cached_ms = _timed_run(module, inputs, _selective(op_keys), clock)[1]
+        if rep > 0 and plain_ms > 0:  # the first repeat warms up
+            selective.append((selective_ms - plain_ms - fwd_ms) / plain_ms)
+            recompute.append((full_ms - plain_ms - fwd_ms) / plain_ms)
+            cache.append((cached_ms - selective_ms + fwd_ms) / plain_ms)
+    if not selective:  # a block too fast for the clock: nothing to charge
+        return BlockOverheads(selective_share=0.0, recompute_share=0.0, selective_cache_share=0.0)
     return BlockOverheads(
-        selective_overhead_ms=max(statistics.median(selective), 0.0),
-        recompute_overhead_ms=max(statistics.median(recompute), 0.0),
+        selective_share=max(statistics.median(selective), 0.0),
+        recompute_share=max(statistics.median(recompute), 0.0),
+        selective_cache_share=max(statistics.median(cache), 0.0),
     )
 
 
@@ -149,7 +167,11 @@ def _full(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], **op
     return checkpoint(lambda *a: module(*a, **kwargs), *args, use_reentrant=False, preserve_rng_state=True, **options)
 
 
-def _selective(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _selective(saved_ops: frozenset[str]) -> Runner:
+    """Selective checkpointing as `remat.apply` runs it, saving ``saved_ops`` (those cacheable)."""
     from remat.apply.selective import selective_context  # apply builds on measure: import on use
 
-    return _full(module, args, kwargs, context_fn=lambda: selective_context(frozenset()))
+    def run(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return _full(module, args, kwargs, context_fn=lambda: selective_context(saved_ops))
+
+    return run

@@ -138,7 +138,7 @@ def _measure(step: _Step, block_list: Blocks, warmup: int, repeats: int, progres
     for _ in range(repeats - 1):
         _time_ops(step, block_list, memory.recorder)
         report("op timing forward")
-    overheads = _overheads(step, block_list, repeats)
+    overheads = _overheads(step, block_list, memory.recorder, repeats)
     return _assemble(step, block_list, memory, median_times(times), overheads)
 
 
@@ -276,14 +276,15 @@ def _time_ops(step: _Step, block_list: Blocks, recorder: OpRecorder) -> None:
         step.forward()
 
 
-def _overheads(step: _Step, block_list: Blocks, repeats: int) -> tuple[BlockOverheads, ...]:
+def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: int) -> tuple[BlockOverheads, ...]:
     """Per-block checkpointing overheads (`remat.measure.overhead`); zeros on the meta device,
     where nothing runs and there is no time to measure."""
     device = model_device(step.model)
     if device.type == "meta":
-        return tuple(BlockOverheads(selective_overhead_ms=0.0, recompute_overhead_ms=0.0) for _ in block_list)
+        return tuple(BlockOverheads(selective_share=0.0, recompute_share=0.0, selective_cache_share=0.0) for _ in block_list)
     inputs = capture_block_inputs(block_list, step.forward)
-    return measure_overheads(block_list, inputs, repeats=repeats, clock=Clock(device))
+    keys = [frozenset(call.key for call in recorder.calls.get(name, [])) for name, _ in block_list]
+    return measure_overheads(block_list, inputs, keys, repeats=repeats, clock=Clock(device))
 
 
 def _assemble(step: _Step, block_list: Blocks, memory: _Accounting, times: StepTimes,
@@ -326,11 +327,19 @@ def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes,
             fwd_flops=memory.recorder.segment_flops(name), ops=memory.recorder.records(name, saved_by_call),
             grad_bytes=distinct_bytes(p.grad for p in module.parameters() if p.grad is not None),
             fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i],
-            selective_overhead_ms=overheads[i].selective_overhead_ms,
-            recompute_overhead_ms=overheads[i].recompute_overhead_ms,
+            **_overhead_ms(overheads[i], times.block_fwd_ms[i] + times.block_bwd_ms[i]),
         )
         for i, (name, module) in enumerate(block_list)
     )
+
+
+def _overhead_ms(overheads: BlockOverheads, block_ms: float) -> dict[str, float]:
+    """The `BlockProfile` overhead fields: shares of the block's forward + backward time."""
+    return {
+        "selective_overhead_ms": overheads.selective_share * block_ms,
+        "recompute_overhead_ms": overheads.recompute_share * block_ms,
+        "selective_cache_overhead_ms": overheads.selective_cache_share * block_ms,
+    }
 
 
 def _device_max_allocated(step: _Step) -> int | None:

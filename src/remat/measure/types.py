@@ -94,6 +94,9 @@ class BlockProfile:
     """Time selective checkpointing adds to this block's step beyond the ops it replays: the
     policy's dispatch mode on every op of the forward and of the replay, the replay's Python,
     the cache and the checkpoint hooks (0: not measured; `remat.measure.overhead`)."""
+    selective_cache_overhead_ms: float = 0.0
+    """What saving every cacheable op call adds to ``selective_overhead_ms`` (storing and
+    fetching outputs); a plan saving a share of those calls pays that share (0: not measured)."""
     recompute_overhead_ms: float = 0.0
     """Time plain non-reentrant checkpointing adds to this block's step beyond one replayed
     forward: saved-tensor hooks, RNG state, the replay's bookkeeping (0: not measured)."""

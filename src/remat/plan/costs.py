@@ -153,13 +153,15 @@ def _recompute(profile: Profile, block_index: int, segment: Segment) -> BlockCos
 def _selective(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
     """Hold the input and the storages of the cached ops' outputs; replay the other (non-view)
     ops, the named ones that cannot be cached included. Time: the replayed ops plus the selective
-    machinery's dispatch on every op of the forward and the replay (`remat.measure.overhead`)."""
+    machinery's dispatch on every op of the forward and the replay, plus the cache's share for
+    the share of cacheable calls saved (`remat.measure.overhead`)."""
     block = profile.blocks[block_index]
     saved = cached_ops(block, segment.saved_ops)
     replayed = [op for op in block.ops if op.key not in saved and not op.is_view]
     return BlockCost(
         retained_bytes=block.input_bytes + selective_saved_bytes(block, segment.saved_ops),
         working_bytes=replay_working_bytes(block),
-        extra_ms=sum(op.time_ms for op in replayed) + block.selective_overhead_ms,
+        extra_ms=sum(op.time_ms for op in replayed) + block.selective_overhead_ms
+        + block.selective_cache_overhead_ms * len(saved) / max(sum(cacheable(op.name) for op in block.ops), 1),
         extra_flops=sum(op.flops for op in replayed),
     )
