@@ -55,6 +55,7 @@ def gpt2_config(sizes: HFConfig) -> dict:
         n_layer=sizes.num_layers, n_embd=sizes.d_model, n_head=sizes.num_heads,
         n_positions=sizes.seq_len, vocab_size=sizes.vocab_size, resid_pdrop=sizes.dropout,
         embd_pdrop=sizes.dropout, attn_pdrop=sizes.dropout, bos_token_id=0, eos_token_id=0,
+        use_cache=False,  # training: no key/value cache, as under Hugging Face's own checkpointing
     )
 
 
@@ -65,6 +66,7 @@ def llama_config(sizes: HFConfig) -> dict:
         num_attention_heads=sizes.num_heads, num_key_value_heads=sizes.num_heads,
         intermediate_size=4 * sizes.d_model, max_position_embeddings=sizes.seq_len,
         vocab_size=sizes.vocab_size, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+        use_cache=False,  # training: no key/value cache, as under Hugging Face's own checkpointing
     )
 
 
