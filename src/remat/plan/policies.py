@@ -14,6 +14,8 @@ of a replayed op's output is not free, so `knapsack` prices groups of storages, 
 
 from __future__ import annotations
 
+import functools
+
 from itertools import combinations
 from typing import Callable
 
@@ -100,6 +102,7 @@ def _packet(name: str) -> str:
     return name.rsplit(".", 1)[0] if name.count(".") >= 2 else name
 
 
+@functools.lru_cache(maxsize=4096)  # called per op per option by the optimal search
 def cacheable(name: str) -> bool:
     """Whether a call of aten overload ``name`` (``"aten.mm.default"``) can keep its output.
 
