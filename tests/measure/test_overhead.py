@@ -148,12 +148,12 @@ def test_capture_keeps_each_blocks_arguments_detached():
 
 def test_measured_overheads_are_not_negative_and_the_last_run_gives_the_plain_gradients():
     torch.manual_seed(0)
-    model, x = _Toy(), torch.randn(3, 4)
+    model, x = _Toy(), torch.randn(3, 4, requires_grad=True)  # both blocks' inputs need gradients
     block_list = find_blocks(model, "blocks.*")
     inputs = capture_block_inputs(block_list, lambda: model(x))
     keys = [frozenset({"aten.addmm.default#0", "aten.relu.default#0", "aten.mul.Tensor#0"})] * 2
     found = measure_overheads(block_list, inputs, keys, repeats=2, clock=Clock(torch.device("cpu")))
-    assert len(found) == 2
+    assert len(found) == 2 and found[0] is found[1]  # alike blocks share one measurement
     assert all(min(o.selective_share, o.recompute_share, o.selective_cache_share) >= 0 for o in found)
     # The last run of each block saved every op, gradients unset before it: they equal a
     # plain forward and backward with ones as the output gradient.
@@ -164,6 +164,17 @@ def test_measured_overheads_are_not_negative_and_the_last_run_gives_the_plain_gr
         block(given.args[0].detach(), **given.kwargs).backward(torch.ones(3, 4))
         for got, want in zip(measured, (p.grad for p in block.parameters())):
             assert torch.equal(got, want)
+
+
+def test_blocks_that_differ_are_measured_apart():
+    torch.manual_seed(0)
+    model, x = _Toy(), torch.randn(3, 4)
+    model.blocks[1].linear = nn.Linear(4, 4, bias=False)  # another parameter set, other op calls
+    block_list = find_blocks(model, "blocks.*")
+    inputs = capture_block_inputs(block_list, lambda: model(x))
+    keys = [frozenset({"aten.addmm.default#0"}), frozenset({"aten.mm.default#0"})]
+    found = measure_overheads(block_list, inputs, keys, repeats=1, clock=Clock(torch.device("cpu")))
+    assert found[0] is not found[1]
 
 
 def test_a_block_the_forward_never_calls_is_an_error():

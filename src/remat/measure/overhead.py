@@ -112,23 +112,42 @@ def _detach(value: Any) -> Any:
 def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys: Sequence[frozenset[str]], *,
                       repeats: int, clock: Clock) -> tuple[BlockOverheads, ...]:
     """Overheads of every block (``inputs`` from `capture_block_inputs`; ``op_keys[i]``: the
-    `remat.measure.types.OpRecord` keys of block i's forward), ``repeats`` timed repeats after
-    one untimed warm-up repeat."""
+    `remat.measure.types.OpRecord` keys of block i's forward): one untimed warm-up repeat, then
+    ``repeats`` timed ones. Alike blocks (same class, op calls, parameter and input shapes: the
+    layers of a transformer) share one measurement, its repeats taken in turn on each of them,
+    ``repeats + number of alike blocks - 1`` of them: every block runs at least once."""
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed repeats; the median is kept).")
-    return tuple(_block_overheads(module, inputs[i], op_keys[i], repeats, clock)
-                 for i, (_, module) in enumerate(block_list))
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, (_, module) in enumerate(block_list):
+        groups.setdefault(_alike_key(module, inputs[i], op_keys[i]), []).append(i)
+    found: dict[int, BlockOverheads] = {}
+    for members in groups.values():
+        runs = [(block_list[i][1], inputs[i]) for i in members]
+        shared = _group_overheads(runs, op_keys[members[0]], repeats + len(runs) - 1, clock)
+        found.update((i, shared) for i in members)
+    return tuple(found[i] for i in range(len(block_list)))
 
 
-def _block_overheads(module: nn.Module, inputs: BlockInputs, op_keys: frozenset[str], repeats: int,
+def _alike_key(module: nn.Module, inputs: BlockInputs, op_keys: frozenset[str]) -> tuple[Any, ...]:
+    tensors = [t for t in tree_leaves((inputs.args, inputs.kwargs)) if isinstance(t, torch.Tensor)]
+    return (
+        type(module), op_keys, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors),
+        tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()),
+    )
+
+
+def _group_overheads(runs: list[tuple[nn.Module, BlockInputs]], op_keys: frozenset[str], repeats: int,
                      clock: Clock) -> BlockOverheads:
+    """Repeat r runs on ``runs[(r - 1) % len(runs)]``; repeat 0 (on the first) warms up."""
     selective, recompute, cache = [], [], []
     for rep in range(repeats + 1):
+        module, inputs = runs[max(rep - 1, 0) % len(runs)]
         fwd_ms, plain_ms = _timed_run(module, inputs, _plain, clock)
         full_ms = _timed_run(module, inputs, _full, clock)[1]
         selective_ms = _timed_run(module, inputs, _selective(frozenset()), clock)[1]
         cached_ms = _timed_run(module, inputs, _selective(op_keys), clock)[1]
-        if rep > 0 and plain_ms > 0:  # the first repeat warms up
+        if rep > 0 and plain_ms > 0:
             selective.append((selective_ms - plain_ms - fwd_ms) / plain_ms)
             recompute.append((full_ms - plain_ms - fwd_ms) / plain_ms)
             cache.append((cached_ms - selective_ms + fwd_ms) / plain_ms)
