@@ -117,6 +117,7 @@ def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", s
     """Profile ``model_name``, plan ``strategy`` within ``budget`` (a share is of the measured
     baseline peak), apply it to a copy and verify it; the first row is the baseline.
     ``offload_dir``: measure the disk there, so the planner may offload to it."""
+    from remat.distributed import broadcast_plan, world_size
     from remat.plan.budget import parse_budget
     from remat.plan.planners import plan as make_plan
 
@@ -125,6 +126,8 @@ def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", s
     baseline = make_plan(prof, strategy="none")
     budget_bytes = None if budget is None else parse_budget(budget, baseline_peak(prof, baseline))
     chosen = make_plan(prof, budget=budget_bytes, strategy=strategy)
+    if world_size() > 1:  # under torchrun every rank applies rank 0's plans
+        baseline, chosen = broadcast_plan(baseline), broadcast_plan(chosen)
     label = strategy if budget is None else f"{strategy} @ {budget}"
     rows = (_verified(built, baseline, "none", repeats, progress),
             _verified(built, chosen, label, repeats, progress, offload_dir))

@@ -29,4 +29,4 @@ def _main() -> None:
     from remat.distributed import init_from_env, is_main_process
 
     if init_from_env() and not is_main_process():
-        console.quiet = True
+        console.quiet = err_console.quiet = True

@@ -11,6 +11,7 @@ from rich import box
 from rich.table import Table
 
 from remat.apply.run import DEFAULT_OUT_DIR
+from remat.distributed import is_main_process
 from remat.cli._app import app, console, fail
 
 MIB = 2**20
@@ -158,8 +159,9 @@ def run_command(
     args = ["--model", model, "--strategy", strategy, *(["--budget", budget] if budget else []),
             *_size_args(options), "--seed", str(seed), "--out", str(out)]
     files = save_outputs(result, out, ["remat", "run", *args], chosen_row=len(result.rows) - 1)
-    console.print(f"apply it again: remat verify {files.plans[-1]} --model {model}"
-                  + "".join(f" {a}" for a in _size_args(options)))
+    if files is not None:
+        console.print(f"apply it again: remat verify {files.plans[-1]} --model {model}"
+                      + "".join(f" {a}" for a in _size_args(options)))
     if not result.all_identical:
         raise typer.Exit(1)
 
@@ -177,7 +179,10 @@ def save_outputs(result, out: Path, command: list[str], *, chosen_row: int | Non
     """Write the job's JSON files and report under ``out``, print where; the report's commands
     are ``command`` and the `remat report` call that rebuilds the page from the JSON files."""
     from remat.apply.run import write_outputs
+    from remat.distributed import is_main_process
 
+    if not is_main_process():  # under torchrun, rank 0 writes
+        return None
     folder = shlex.quote(str(out))
     rebuild = f"remat report {folder}/profile.json {folder}/plan-*.json {folder}/verification-*.json -o {folder}/report.html"
     try:
@@ -218,7 +223,7 @@ def verify_command(
     except (ValueError, TypeError, FileNotFoundError) as error:
         raise fail(str(error)) from None
     render(result, f"remat verify: {plan_path.name} on {model}")
-    if json_path is not None:
+    if json_path is not None and is_main_process():  # under torchrun, rank 0 writes
         result.rows[0].verification.save(json_path)
         console.print(f"verification written to {json_path}")
     if not result.all_identical:
