@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -94,12 +95,13 @@ def dir_entries(path) -> list[str]:
 def _can_mount() -> bool:
     if os.geteuid() != 0:
         return False
-    probe = "/tmp/remat-mount-probe"
-    os.makedirs(probe, exist_ok=True)
-    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", probe], capture_output=True).returncode == 0
-    if ok:
-        subprocess.run(["umount", probe], check=True)
-    os.rmdir(probe)
+    probe = tempfile.mkdtemp(prefix="remat-mount-probe-")  # one per process: test workers run side by side
+    try:
+        ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", probe], capture_output=True).returncode == 0
+        if ok:
+            subprocess.run(["umount", probe], check=True)
+    finally:
+        os.rmdir(probe)
     return ok
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ARTIFACTS
+from report_samples import ARTIFACTS
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 

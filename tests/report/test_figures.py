@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from matplotlib.container import BarContainer
 
-from conftest import MIB, make_plans, make_profile, make_verification
+from report_samples import MIB, make_plans, make_profile, make_verification
 from remat.report.blocks import block_bytes, plot_blocks
 from remat.report.breakdown import BREAKDOWN_CATEGORIES, memory_breakdowns, plot_breakdown
 from remat.report.frontier import pareto_points, plot_frontier

@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from conftest import make_plans, make_profile, make_verification
+from report_samples import make_plans, make_profile, make_verification
 from remat.report.html import render_html, write_report
 
 EXTERNAL = ("http:", "https:", "//cdn", "ftp:", "src=\"//", "href=\"//", "@import", "url(", "<script", "<link rel=\"stylesheet")

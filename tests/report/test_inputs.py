@@ -6,7 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from conftest import make_plans, make_profile, make_verification
+from report_samples import make_plans, make_profile, make_verification
 from remat.cli import app
 from remat.report.inputs import document_kind, load_inputs
 

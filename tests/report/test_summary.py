@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from conftest import MIB, make_plans, make_profile, make_verification
+from report_samples import MIB, make_plans, make_profile, make_verification
 from remat.report.summary import baseline_point, choose_plan, report_budget, summary_sentence
 
 
