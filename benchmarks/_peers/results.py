@@ -57,7 +57,8 @@ class Match:
     """Fastest recomputing peer of this mode whose peak is no larger than this peer's."""
     best_peer_ms: float
     remat: str | None
-    """Fastest remat run of this mode with identical gradients and a peak no larger than the peer's."""
+    """Fastest remat run of this mode with a peak no larger than the peer's (eager: with identical
+    gradients)."""
     remat_peak_bytes: int | None
     remat_ms: float | None
 
@@ -125,7 +126,9 @@ def matches(all_rows: list[Row]) -> list[Match]:
         same_mode = [r for r in measured if r.mode == peer.mode and r.match_peak_bytes <= limit]
         peers_within = [r for r in same_mode if r.source == "peer" and r.name != REFERENCE_NAMES[r.mode]]
         best = min(peers_within, key=lambda r: r.step_ms)
-        remats = [r for r in same_mode if r.source == "remat" and r.identical]
+        # No compiled run is bit-identical to another (inductor draws dropout masks with its own
+        # RNG and fuses differently), so identity is required of eager runs only.
+        remats = [r for r in same_mode if r.source == "remat" and (r.identical or r.mode != EAGER)]
         fastest = min(remats, key=lambda r: r.step_ms) if remats else None
         out.append(Match(
             peer=peer.name, mode=peer.mode, peer_peak_bytes=limit, peer_ms=peer.step_ms,
