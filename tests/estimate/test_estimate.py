@@ -57,7 +57,9 @@ def test_every_row_is_the_planner_prediction(traced, tmp_path) -> None:
     profile = pricing.device_profile(2, big)
     assert none.peak_bytes == predict(profile, _segments(profile, "keep")).peak_bytes
     assert full.peak_bytes == predict(profile, _segments(profile, "recompute")).peak_bytes
-    assert full.peak_bytes < selective.peak_bytes < none.peak_bytes
+    assert full.peak_bytes < selective.peak_bytes and full.peak_bytes < none.peak_bytes
+    # selective against none is not ordered on this 3-layer toy: its peak is one block's working
+    # set, which the planner prices for selective as an upper bound (remat.plan.costs._selective)
     assert optimal.peak_bytes == none.peak_bytes and optimal.recompute_flops == 0  # everything fits: keep all
     assert all(r.fits and r.allowance_bytes == 0 and r.diagnosis == "" for r in dev.strategies)
     # step time: (forward + 2 x forward) FLOPs at 50% of 1 TFLOP/s, plus the optimizer at memory bandwidth

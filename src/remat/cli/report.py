@@ -36,7 +36,7 @@ def report(
                             commands=[_command_line(files, output, budget, figures_dir)], budget_bytes=budget_bytes, figures_dir=figures_dir)
     except (ValueError, TypeError) as exc:
         raise fail(str(exc)) from None
-    console.print(f"report: {path}")
+    console.print(f"report: {path}", soft_wrap=True)
 
 
 def _command_line(files: list[Path], output: Path, budget: str | None, figures_dir: Path | None) -> str:

@@ -161,7 +161,7 @@ def run_command(
     files = save_outputs(result, out, ["remat", "run", *args], chosen_row=len(result.rows) - 1)
     if files is not None:
         console.print(f"apply it again: remat verify {files.plans[-1]} --model {model}"
-                      + "".join(f" {a}" for a in _size_args(options)))
+                      + "".join(f" {a}" for a in _size_args(options)), soft_wrap=True)
     if not result.all_identical:
         raise typer.Exit(1)
 
@@ -190,8 +190,8 @@ def save_outputs(result, out: Path, command: list[str], *, chosen_row: int | Non
     except (ValueError, OSError) as error:
         raise fail(f"cannot write the results under {str(out)!r}: {error}") from None
     if chosen_row is not None:
-        console.print(f"plan: {files.plans[chosen_row]}  verification: {files.verifications[chosen_row]}")
-    console.print(f"JSON files in {out}/; report: [bold]{files.report}[/]")
+        console.print(f"plan: {files.plans[chosen_row]}  verification: {files.verifications[chosen_row]}", soft_wrap=True)
+    console.print(f"JSON files in {out}/; report: [bold]{files.report}[/]", soft_wrap=True)
     return files
 
 
