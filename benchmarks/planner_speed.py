@@ -10,7 +10,7 @@ are priced on their own). The budget is half of the no-recomputation peak. Each 
 so "optimum >= x %" bounds how far the plan can be from the best.
 
     .venv/bin/python -m benchmarks.planner_speed            # table on stdout
-    .venv/bin/python -m benchmarks.planner_speed --markdown docs/bench_planner.md
+    .venv/bin/python -m benchmarks.planner_speed --markdown planner-speed.md
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def _header() -> str:
         f"`optimal` on synthetic transformer chains, budget = half the no-recomputation peak; "
         f"machine: {platform.processor() or platform.machine()}, 2 cores shared with other jobs (load average "
         f"{os.getloadavg()[0]:.1f} at the end of the run), Python {platform.python_version()}. "
-        "Command: `.venv/bin/python -m benchmarks.planner_speed --markdown docs/bench_planner.md`.\n\n"
+        "Command: `.venv/bin/python -m benchmarks.planner_speed --markdown planner-speed.md`.\n\n"
     )
 
 

@@ -8,8 +8,9 @@ segments, solved by the dynamic program of `remat.plan.chain_dp`. It is exact fo
 model whenever every size is a multiple of the DP's memory slot (`choose_quantum` takes the gcd
 of the sizes when the table stays small: toy profiles, Revolve chains). Otherwise sizes are
 rounded up to the slot (the plan still fits the budget) and the plan is optimal for the rounded
-sizes; the slot count shrinks with N (about 1000 at 100 blocks, 300 at 1000), so long chains
-with inputs far smaller than the budget lose precision (see docs/bench_planner.md).
+sizes; the slot size and the optimality bound (`OptimalSearch.optimality`) are reported by the
+planner benchmark (BENCHMARKS.md, "Planning speed"); chains over 200 blocks search recompute
+segments of at most 16 blocks so that slots stay fine.
 """
 
 from __future__ import annotations
