@@ -1,14 +1,7 @@
-"""Checkpointing overheads: measured per block in the profile, charged by the planner, and the
-predicted step time of recomputing plans then agrees with the measured one.
+"""Checkpointing overheads: measured per block in the profile and charged by the planner.
 
-The predicted-against-measured check compares slowdowns against no recomputation: predicted
-step / predicted baseline step against `remat.verify`'s planned step / baseline step (medians
-of 7 steps each, run alternately, one thread), within 35% of the measured slowdown. The machine
-running the tests is shared and loaded: its load drifts between profiling and verifying, which
-the ratio cancels, and repeated runs of this check spread by about +-25% around the measured
-slowdown; the precise check of absolute times (10%) belongs to the benchmarks. Without the
-overheads the selective plans on this GPT were predicted at a slowdown of about 1.1 where
-2.3 to 2.9 was measured.
+How well the predicted step time then agrees with the measured one is a timing claim: it is
+checked in the benchmarks (BENCHMARKS.md, the default job's table), not in a unit test.
 """
 
 import dataclasses
@@ -26,11 +19,8 @@ from remat.plan.costs import cached_ops, cost_of
 from remat.plan.planners import plan
 from remat.plan.policies import cacheable
 from remat.plan.types import Segment
-from remat.verify import verify
 
-TOLERANCE = 0.35
 SIZES = {"num_layers": 3, "d_model": 64, "num_heads": 2, "seq_len": 64, "batch_size": 4}
-STRATEGIES = ("full", "selective:save-matmuls", "selective:attention-core")
 
 
 @pytest.fixture(scope="module")
@@ -100,16 +90,6 @@ def test_predicted_step_grows_by_the_overheads(gpt):
         for b, seg in zip(prof.blocks, chosen.segments)
     )
     assert grown == pytest.approx(expected, rel=1e-9)
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_predicted_slowdown_matches_measurement(gpt, strategy):
-    built, prof = gpt
-    result = verify(built.model, built.batch, plan(prof, None, strategy), built.loss_fn, built.optimizer, repeats=7)
-    assert result.grads_identical
-    predicted = result.predicted_step_ms / plan(prof, None, "none").prediction.step_ms
-    measured = result.measured_step_ms / result.baseline_step_ms
-    assert abs(predicted - measured) <= TOLERANCE * measured, (strategy, predicted, measured)
 
 
 class _Block(nn.Module):
