@@ -7,6 +7,8 @@ Eager peers change the model in place and return it; compiled peers return the
 
 from __future__ import annotations
 
+import abc
+
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -33,7 +35,7 @@ class PeerUnavailable(RuntimeError):
 
 
 @dataclass(kw_only=True, frozen=True)
-class Peer:
+class Peer(abc.ABC):
     """A strategy to compare against; subclasses implement `prepare`."""
 
     name: str
@@ -41,8 +43,9 @@ class Peer:
     mode: str = EAGER
     """Execution mode: ``eager`` or ``compile``; remat is compared within the same mode."""
 
+    @abc.abstractmethod
     def prepare(self, model: nn.Module, batch: Any) -> nn.Module:
-        raise NotImplementedError
+        """The model with this strategy applied (in place or wrapped)."""
 
     def describe(self) -> str:
         """One line for the table: what the peer does."""
