@@ -316,16 +316,8 @@ def _shift(rows: np.ndarray, shifts: np.ndarray) -> np.ndarray:
     it passes the end (costs do not rise with free memory; see `_frame` for why it is exact)."""
     width = rows.shape[1]
     if shifts.size and (shifts == shifts[0]).all():
-        k = int(shifts[0])
         out = np.empty(rows.shape)
-        if k >= 0:
-            out[:, : min(k, width)] = _INF
-            if k < width:
-                out[:, k:] = rows[:, : width - k]
-        else:
-            keep = max(width + k, 0)
-            out[:, :keep] = rows[:, -k : -k + keep]
-            out[:, keep:] = rows[:, width - 1 : width]
+        _shift_into(out, rows, int(shifts[0]))
         return out
     idx = np.arange(width)[None, :] - shifts[:, None]
     out = np.take_along_axis(rows, np.clip(idx, 0, width - 1), axis=1)
