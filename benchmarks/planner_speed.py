@@ -24,7 +24,7 @@ from pathlib import Path
 
 from remat.measure.types import BlockProfile, Environment, Fingerprint, OpRecord, Profile
 from remat.plan.planners import pareto, plan
-from remat.plan.search import OptimalSearch
+from remat.plan.search import OptimalSearch, clear_planning_caches
 
 MIB = 2**20
 B, S, D, H = 8, 1024, 1024, 16
@@ -93,10 +93,12 @@ def chain_profile(num_blocks: int, jitter: float, seed: int = 0) -> Profile:
 
 
 def timed(fn, repeats: int) -> tuple[float, float, object]:
-    """Median wall seconds and median CPU seconds of ``repeats`` calls, and the last result.
-    CPU seconds (this process) stay meaningful when other jobs share the cores."""
+    """Median wall seconds and median CPU seconds of ``repeats`` calls, and the last result,
+    each call from cold (the planner's caches cleared). CPU seconds (this process) stay
+    meaningful when other jobs share the cores."""
     walls, cpus, result = [], [], None
     for _ in range(repeats):
+        clear_planning_caches()
         wall, cpu = time.perf_counter(), time.process_time()
         result = fn()
         walls.append(time.perf_counter() - wall)
@@ -161,10 +163,11 @@ NOTES = """Reading the table:
 - CPU seconds are this process's own; wall seconds include waiting for the 2 shared cores (the
   load average above), so CPU seconds are what a quiet 2-core machine would show as wall time.
   Targets: 100 blocks < 0.2 s, 1000 blocks < 5 s.
-- "of which pricing options": `remat.plan.costs.cost_of` for every block's keep / selective
-  options (about 50 knapsack frontier points and named policies per block). Alike blocks share
-  it; blocks whose op times differ (every measured profile) each price their own, and that part
-  grows as N: it is most of the "unlike" rows' time.
+- "of which pricing options": keep / selective options of every block (named policies and the
+  knapsack frontier points). Blocks alike in structure (equal op tables but for times, as a
+  transformer's layers are) share the work: one knapsack frontier union and one vectorized
+  pricing (`remat.plan.costs.selective_prices`) with each block's own op times; each block then
+  keeps its own non-dominated options.
 - Slot: the DP counts memory in slots of this size; sizes round up to it, so a plan always fits.
   Blocks alike in bytes share one replay table per length (O(N^2 M), or O(N L M) with segments
   of at most L blocks); forward times that differ are priced at the region's least time, a lower

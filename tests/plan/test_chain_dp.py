@@ -15,7 +15,7 @@ import torch
 
 from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, Element, _shift, _shift_row, solve_chain
 from remat.plan.predict import predict
-from remat.plan.search import OptimalSearch, _undominated
+from remat.plan.search import OptimalSearch, _undominated_rows
 from remat.plan.types import Segment
 
 from plan_toys import block, profile, random_profile
@@ -95,15 +95,20 @@ def test_shift_row_matches_shift():
 
 
 def test_undominated_matches_filtering_in_order():
+    """Rows share the bytes and differ in times; each row's mask equals filtering it in order."""
     rng = random.Random(3)
-    keys = [(rng.randint(0, 3), rng.randint(0, 3), float(rng.randint(0, 3))) for _ in range(60)]
-    kept: list[tuple] = []
-    for k in keys:
-        if not any(all(q[i] <= k[i] for i in range(3)) for q in kept):
-            kept.append(k)
-    mask = _undominated(keys)
-    assert [k for k, ok in zip(keys, mask) if ok] == kept
-    assert _undominated([]).shape == (0,)
+    retained = np.array([rng.randint(0, 3) for _ in range(60)])
+    working = np.array([rng.randint(0, 3) for _ in range(60)])
+    ms = np.array([[float(rng.randint(0, 3)) for _ in range(60)] for _ in range(5)])
+    mask = _undominated_rows(retained, working, ms)
+    for row in range(5):
+        keys = list(zip(retained.tolist(), working.tolist(), ms[row].tolist()))
+        kept: list[tuple] = []
+        for k in keys:
+            if not any(all(q[i] <= k[i] for i in range(3)) for q in kept):
+                kept.append(k)
+        assert [k for k, ok in zip(keys, mask[row]) if ok] == kept
+    assert _undominated_rows(np.zeros(0), np.zeros(0), np.zeros((2, 0))).shape == (2, 0)
 
 
 def _budgets(space):

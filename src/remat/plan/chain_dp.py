@@ -52,9 +52,11 @@ segment, M slots), O(N L^2 M) otherwise.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -66,9 +68,9 @@ __all__ = [
 _INF = np.inf
 
 
-@dataclass(kw_only=True, frozen=True)
-class BlockOption:
-    """A top-level per-block choice other than recompute."""
+class BlockOption(NamedTuple):
+    """A top-level per-block choice other than recompute (a named tuple: chains of a thousand
+    blocks have tens of thousands of options)."""
 
     label: int
     """Caller's index for this option."""
@@ -93,6 +95,12 @@ class ChainBlock:
     """Top-level options (keep first)."""
     grad_slots: int = 0
     """Its parameters' gradients (released from what it holds: see the module docstring)."""
+
+    @functools.cached_property
+    def option_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Retained slots, working slots and extra ms of the options, as arrays."""
+        retained, working, extra = zip(*((o.retained_slots, o.working_slots, o.extra_ms) for o in self.options))
+        return np.array(retained, dtype=np.int64), np.array(working, dtype=np.int64), np.array(extra, dtype=float)
 
     def signature(self) -> tuple:
         opts = tuple((o.retained_slots, o.working_slots, o.extra_ms) for o in self.options)
@@ -148,7 +156,10 @@ class _Frame:
 def _frame(problem: ChainProblem) -> _Frame:
     blocks = problem.blocks
     needs = [b.working_slots - b.grad_slots for b in blocks]
-    needs += [o.working_slots - b.grad_slots for b in blocks for o in b.options]
+    for b in blocks:
+        if b.options:
+            working = b.option_arrays[1]
+            needs += [int(working.min()) - b.grad_slots, int(working.max()) - b.grad_slots]
     lo = min(needs + [problem.post_slots])
     keep_all = sum(max(0, b.saved_slots - b.grad_slots) for b in blocks) + max([0, problem.post_slots] + needs)
     reach = problem.capacity_slots + sum(b.grad_slots for b in blocks)
@@ -242,9 +253,9 @@ class ChainSolution:
         segment length, recomputed from the filled tables with the same arithmetic."""
         block, n, gp = self.problem.blocks[a], len(self.problem.blocks), self.frame.grad_prefix
         opts, m = block.options, min(m, self.frame.lo + self.frame.width - 1)
-        shifts = np.array([m - o.retained_slots + block.grad_slots for o in opts])
-        opt_cost = np.array([o.extra_ms for o in opts]) + self._at(np.repeat(self.top[a + 1 : a + 2], len(opts), 0), shifts)
-        opt_cost[np.array([m < o.working_slots - block.grad_slots for o in opts])] = _INF
+        retained, working, extra = block.option_arrays
+        opt_cost = extra + self._at(np.repeat(self.top[a + 1 : a + 2], len(opts), 0), m - retained + block.grad_slots)
+        opt_cost[m < working - block.grad_slots] = _INF
         js = np.arange(1, min(n - a, self.problem.segment_limit()) + 1)
         rest = self._at(self.top[a + js], m - block.input_slots + (gp[a + js] - gp[a]))
         inner = self._segment_inner(a, js, m)
@@ -476,11 +487,9 @@ def _top(problem: ChainProblem, frame: _Frame, inner, alike: bool):
 
 
 def _options_cost(block: ChainBlock, rest: np.ndarray, frame: _Frame) -> np.ndarray:
-    shifts = np.array([o.retained_slots - block.grad_slots for o in block.options])
-    needs = np.array([o.working_slots - block.grad_slots for o in block.options])
-    extra = np.array([o.extra_ms for o in block.options])
-    out = extra[:, None] + _shift_row(rest, shifts)
-    out[_below(frame.width, frame.lo, needs)] = _INF
+    retained, working, extra = block.option_arrays
+    out = extra[:, None] + _shift_row(rest, retained - block.grad_slots)
+    out[_below(frame.width, frame.lo, working - block.grad_slots)] = _INF
     return out
 
 

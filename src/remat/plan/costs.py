@@ -14,8 +14,11 @@ Memory terms follow ../DESIGN.md "The memory model":
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
+
+import numpy as np
 
 from remat.measure.types import BlockProfile, Profile
 from remat.plan.policies import cacheable, op_storages
@@ -31,6 +34,9 @@ __all__ = [
     "replay_working_bytes",
     "selective_saved_bytes",
     "cached_ops",
+    "SelectivePrices",
+    "selective_prices",
+    "clear_cost_cache",
 ]
 
 
@@ -151,23 +157,91 @@ def _recompute(profile: Profile, block_index: int, segment: Segment) -> BlockCos
 
 @register_cost("selective")
 def _selective(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
-    # Working set: the replay's plus the cached storages again, an upper bound. Measured on the
-    # built-in GPT (4 layers, d_model 256): selective checkpointing keeps cached storages that
-    # autograd saves alive through the block's whole backward, where a plain backward frees the
-    # MLP's before the attention's peak; without this term that peak was 7-10% over the
-    # prediction, with it the prediction is 1-13% above the measurement.
     """Hold the input and the storages of the cached ops' outputs; replay the other (non-view)
     ops, the named ones that cannot be cached included. Time: the replayed ops plus the selective
     machinery's dispatch on every op of the forward and the replay, plus the cache's share for
-    the share of cacheable calls saved (`remat.measure.overhead`)."""
-    block = profile.blocks[block_index]
-    saved = cached_ops(block, segment.saved_ops)
-    replayed = [op for op in block.ops if op.key not in saved and not op.is_view]
-    cached_bytes = selective_saved_bytes(block, segment.saved_ops)
-    return BlockCost(
-        retained_bytes=block.input_bytes + cached_bytes,
-        working_bytes=replay_working_bytes(block) + cached_bytes,
-        extra_ms=sum(op.time_ms for op in replayed) + block.selective_overhead_ms
-        + block.selective_cache_overhead_ms * len(saved) / max(sum(cacheable(op.name) for op in block.ops), 1),
-        extra_flops=sum(op.flops for op in replayed),
+    the share of cacheable calls saved (`remat.measure.overhead`). Priced by `selective_prices`,
+    the one formula the optimal search also uses."""
+    return _selective_cost(profile.blocks[block_index], segment.saved_ops)
+
+
+_SELECTIVE_COSTS: dict[tuple[int, tuple[str, ...]], tuple[BlockProfile, BlockCost]] = {}
+"""`_selective_cost`'s results by block identity (hashing a block's op table costs more than a
+lookup should): predict prices each block's option several times per plan."""
+
+
+def clear_cost_cache() -> None:
+    """Forget cached selective costs (benchmarks time cold planning)."""
+    _SELECTIVE_COSTS.clear()
+
+
+def _selective_cost(block: BlockProfile, saved_ops: tuple[str, ...]) -> BlockCost:
+    hit = _SELECTIVE_COSTS.get((id(block), saved_ops))
+    if hit is not None and hit[0] is block:
+        return hit[1]
+    if len(_SELECTIVE_COSTS) >= 65536:
+        _SELECTIVE_COSTS.clear()
+    prices = selective_prices([block], [saved_ops])
+    cost = BlockCost(
+        retained_bytes=int(prices.retained_bytes[0]),
+        working_bytes=int(prices.working_bytes[0]),
+        extra_ms=float(prices.extra_ms[0, 0]),
+        extra_flops=int(prices.extra_flops[0]),
+    )
+    _SELECTIVE_COSTS[(id(block), saved_ops)] = (block, cost)
+    return cost
+
+
+@dataclass(kw_only=True, frozen=True)
+class SelectivePrices:
+    """`_selective`'s cost of K saved-op choices on B blocks alike in structure (equal op tables
+    but for times): bytes and FLOPs per choice, milliseconds per block and choice."""
+
+    retained_bytes: np.ndarray
+    """(K,) int."""
+    working_bytes: np.ndarray
+    """(K,) int."""
+    extra_flops: np.ndarray
+    """(K,) int."""
+    extra_ms: np.ndarray
+    """(B, K) float."""
+
+
+def selective_prices(blocks: Sequence[BlockProfile], saved_ops: Sequence[tuple[str, ...]]) -> SelectivePrices:
+    """Cost of saving each of ``saved_ops`` (op keys) in each of ``blocks``; the blocks must be
+    alike in structure (the first one's bytes, FLOPs and cached storages are used for all).
+
+    Working set: the replay's plus the cached storages again, an upper bound. Measured on the
+    built-in GPT (4 layers, d_model 256): selective checkpointing keeps cached storages that
+    autograd saves alive through the block's whole backward, where a plain backward frees the
+    MLP's before the attention's peak; without this term that peak was 7-10% over the
+    prediction, with it the prediction is 1-13% above the measurement."""
+    first = blocks[0]
+    replayed = np.zeros((len(saved_ops), len(first.ops)))
+    cached_bytes = np.zeros(len(saved_ops), dtype=np.int64)
+    num_cached = np.zeros(len(saved_ops))
+    views = np.array([op.is_view for op in first.ops], dtype=bool)
+    for k, keys in enumerate(saved_ops):
+        cached = cached_ops(first, keys)
+        replayed[k] = [op.key not in cached for op in first.ops]
+        cached_bytes[k] = selective_saved_bytes(first, keys)
+        num_cached[k] = len(cached)
+    replayed[:, views] = 0.0
+    times = np.array([[op.time_ms for op in b.ops] for b in blocks], dtype=float).reshape(len(blocks), -1)
+    flops = np.array([op.flops for op in first.ops], dtype=np.int64)
+    select = np.array([b.selective_overhead_ms for b in blocks])[:, None]
+    cache = np.array([b.selective_cache_overhead_ms for b in blocks])[:, None]
+    cacheable_calls = max(sum(cacheable(op.name) for op in first.ops), 1)
+    # a sum over each row's own ops: the same rounding for one block and for many (rows in
+    # chunks of about 4M products)
+    ms = np.empty((len(blocks), len(saved_ops)))
+    step = max(1, 4_000_000 // max(replayed.size, 1))
+    for lo in range(0, len(blocks), step):
+        ms[lo : lo + step] = (times[lo : lo + step, None, :] * replayed[None, :, :]).sum(axis=2)
+    ms += select + cache * num_cached[None, :] / cacheable_calls
+    return SelectivePrices(
+        retained_bytes=first.input_bytes + cached_bytes,
+        working_bytes=replay_working_bytes(first) + cached_bytes,
+        extra_flops=(replayed.astype(np.int64) * flops[None, :]).sum(axis=1),
+        extra_ms=ms,
     )

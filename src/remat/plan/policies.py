@@ -15,9 +15,11 @@ of a replayed op's output is not free, so `knapsack` prices groups of storages, 
 from __future__ import annotations
 
 import functools
-
+from collections.abc import Sequence
 from itertools import combinations
 from typing import Callable
+
+import numpy as np
 
 from remat.measure.types import BlockProfile, OpRecord
 
@@ -33,6 +35,8 @@ __all__ = [
     "save_matmuls",
     "knapsack",
     "knapsack_frontier",
+    "knapsack_frontier_union",
+    "clear_subset_cache",
     "MATMUL_OPS",
 ]
 
@@ -199,32 +203,98 @@ def knapsack_frontier(block: BlockProfile) -> list[_Point]:
 
 def _group_options(block: BlockProfile) -> list[list[_Point]]:
     """Per group of calls sharing storages: its Pareto options other than saving nothing."""
-    items = [(i, op) for i, op in enumerate(block.ops)
-             if not op.is_view and cacheable(op.name) and (op.output_bytes > 0 or op.time_ms > 0)]
-    groups: list[tuple[dict[object, int], list[tuple[int, OpRecord]]]] = []
-    for i, op in items:
-        storages = op_storages(i, op)
-        merged = (dict(storages), [(i, op)])
-        for g in [g for g in groups if set(storages) & set(g[0])]:
+    times = [op.time_ms for op in block.ops]
+    return [
+        _prune([(w, sum(times[i] for i in calls), tuple(block.ops[i].key for i in calls)) for w, calls in group])
+        for group in _group_subsets(block)
+    ]
+
+
+_Subsets = tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
+
+
+def _group_subsets(block: BlockProfile) -> _Subsets:
+    """Per group of calls sharing storages (connected components), each subset of its storages
+    (all of them only, past `_MAX_GROUP_STORAGES`) as ``(bytes, indices of the calls inside)``,
+    subsets with no call inside left out. It depends on the block's op structure, not its times:
+    blocks alike but for times share the work."""
+    return _subsets_of(tuple(
+        (not op.is_view and cacheable(op.name), tuple(op_storages(i, op).items())) for i, op in enumerate(block.ops)
+    ))
+
+
+def clear_subset_cache() -> None:
+    """Forget the knapsack groups' subsets cached by op structure."""
+    _subsets_of.cache_clear()
+
+
+@functools.lru_cache(maxsize=256)
+def _subsets_of(structure: tuple[tuple[bool, tuple], ...]) -> _Subsets:
+    groups: list[tuple[dict[object, int], list[int]]] = []
+    for i, (candidate, storages) in enumerate(structure):
+        if not candidate:
+            continue
+        merged: tuple[dict[object, int], list[int]] = (dict(storages), [i])
+        for g in [g for g in groups if set(dict(storages)) & set(g[0])]:
             merged[0].update(g[0])
             merged[1].extend(g[1])
             groups.remove(g)
         groups.append(merged)
-    return [_subset_options(storages, calls) for storages, calls in groups]
+    out = []
+    for storages, calls in groups:
+        ids = list(storages)
+        subsets = [ids] if len(ids) > _MAX_GROUP_STORAGES else [c for r in range(len(ids) + 1) for c in combinations(ids, r)]
+        options = []
+        for subset in subsets:
+            inside = tuple(i for i in sorted(calls) if set(dict(structure[i][1])) <= set(subset))
+            if inside:
+                options.append((sum(storages[s] for s in subset), inside))
+        out.append(tuple(options))
+    return tuple(out)
 
 
-def _subset_options(storages: dict[object, int], calls: list[tuple[int, OpRecord]]) -> list[_Point]:
-    """Options of one group: each subset of its storages (all of them only, past a size) with
-    the calls that fit inside it, Pareto-pruned."""
-    ids = list(storages)
-    subsets = [ids] if len(ids) > _MAX_GROUP_STORAGES else [list(c) for r in range(len(ids) + 1) for c in combinations(ids, r)]
-    options = []
-    for subset in subsets:
-        inside = [(i, op) for i, op in sorted(calls) if set(op_storages(i, op)) <= set(subset)]
-        if inside:
-            options.append((sum(storages[s] for s in subset), sum(op.time_ms for _, op in inside),
-                            tuple(op.key for _, op in inside)))
-    return _prune(options)
+def knapsack_frontier_union(blocks: Sequence[BlockProfile]) -> list[tuple[int, tuple[str, ...]]]:
+    """``(bytes of storages kept, op keys)`` of every point on the `knapsack_frontier` of any of
+    ``blocks`` (alike in structure: equal op tables but for times), by bytes, computed at once.
+
+    The same multiple-choice knapsack DP, keeping a point while it is Pareto-optimal for at least
+    one block: a point that a block prunes cannot grow into a point on that block's frontier
+    (what grows from it is beaten by what grows from the point that beat it). A block may pick
+    another of several equal points than `knapsack_frontier` does alone (equal bytes and time);
+    the optimal search's dominance filter drops, block by block, the points it does not need."""
+    times = np.array([[op.time_ms for op in b.ops] for b in blocks], dtype=float).reshape(len(blocks), -1)
+    weights = np.zeros(1, dtype=np.int64)
+    calls: list[tuple[int, ...]] = [()]
+    values = np.zeros((len(blocks), 1))
+    for group in _group_subsets(blocks[0]):
+        gw = np.array([w for w, _ in group], dtype=np.int64)
+        gv = np.stack([times[:, list(inside)].sum(axis=1) for _, inside in group], axis=1)
+        weights = np.concatenate([weights, (weights[:, None] + gw[None, :]).ravel()])
+        values = np.concatenate([values, (values[:, :, None] + gv[:, None, :]).reshape(len(blocks), -1)], axis=1)
+        calls = calls + [c + inside for c in calls for _, inside in group]
+        keep = _union_pareto(weights, values)
+        weights, values, calls = weights[keep], values[:, keep], [calls[k] for k in keep]
+    keys = [op.key for op in blocks[0].ops]
+    return [(int(w), tuple(keys[i] for i in sorted(c))) for w, c in zip(weights.tolist(), calls)]
+
+
+def _union_pareto(weights: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Indices, by bytes, of the points Pareto-optimal for some row of ``values`` by `_prune`'s
+    rule: per row, the first point of the best value of its byte level, kept when that value
+    is above every value with fewer bytes."""
+    order = np.argsort(weights, kind="stable")
+    w, v = weights[order], values[:, order]
+    new_level = np.r_[True, w[1:] != w[:-1]]
+    starts = np.flatnonzero(new_level)
+    level = np.cumsum(new_level) - 1
+    level_best = np.maximum.reduceat(v, starts, axis=1)
+    below = np.maximum.accumulate(np.c_[np.full((v.shape[0], 1), -np.inf), level_best[:, :-1]], axis=1)
+    best = v == level_best[:, level]
+    seen = np.cumsum(best, axis=1)
+    before_level = seen[:, starts] - best[:, starts]
+    first = best & (seen - before_level[:, level] == 1)
+    useful = first & (level_best[:, level] > below[:, level])
+    return order[useful.any(axis=0)]
 
 
 def _prune(points: list[_Point]) -> list[_Point]:

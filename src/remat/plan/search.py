@@ -1,8 +1,11 @@
 """The optimal planner's search: per-block options from the cost registry, slots, the chain DP.
 
-`OptimalSearch` turns a Profile into a `remat.plan.chain_dp.ChainProblem` (every byte and
-millisecond read through `remat.plan.costs.cost_of`, so the DP prices exactly what `predict`
-prices) and turns DP layouts back into Segments.
+`OptimalSearch` turns a Profile into a `remat.plan.chain_dp.ChainProblem` and turns DP layouts
+back into Segments. Every byte and millisecond comes from the cost registry, so the DP prices
+what `predict` prices: keep and recompute through `remat.plan.costs.cost_of`, selective options
+through `remat.plan.costs.selective_prices` (the formula `cost_of` uses, bit for bit), once for
+all blocks alike in structure (`structure_classes`: a transformer's layers), which share their
+option list (the union of their knapsack frontiers) and differ in times only.
 
 It returns the optimum of the byte model when the DP's slot is the gcd of the sizes and the
 chain DP is exact (see `remat.plan.chain_dp`: small and toy profiles, Revolve chains). Long
@@ -32,12 +35,13 @@ from remat.plan.chain_dp import (
     least_requirement,
     solve_chain,
 )
-from remat.plan.costs import BlockCost, cost_of, has_cost, replay_working_bytes
-from remat.plan.policies import knapsack, knapsack_frontier, policy
+from remat.plan.costs import clear_cost_cache, cost_of, has_cost, replay_working_bytes, selective_prices, working_bytes
+from remat.plan.policies import clear_subset_cache, knapsack, knapsack_frontier, knapsack_frontier_union, policy
 from remat.plan.predict import backward_base_bytes, grad_bytes_live, predict
 from remat.plan.types import Segment
 
-__all__ = ["OptimalSearch", "Optimality", "plan_floor", "block_options", "CELLS_AT_100_BLOCKS"]
+__all__ = ["OptimalSearch", "Optimality", "plan_floor", "block_options", "structure_classes", "clear_planning_caches",
+           "CELLS_AT_100_BLOCKS"]
 
 CELLS_AT_100_BLOCKS = 15_000_000
 """DP cell updates allowed for 100 blocks (about 0.15 s); the allowance grows as N^1.5, so 1000
@@ -55,6 +59,13 @@ cells: their DP is a factor N/9 costlier, and an exact plan is worth a second.""
 MAX_SLOTS = 6144
 NAMED_POLICIES = ("attention-core", "save-matmuls")
 """Selective policies offered per block besides every point of the knapsack frontier."""
+
+
+def clear_planning_caches() -> None:
+    """Forget what planning caches between calls (selective costs by block, knapsack group
+    subsets by op structure): benchmarks time planning from cold."""
+    clear_cost_cache()
+    clear_subset_cache()
 
 
 def plan_floor(profile: Profile) -> tuple[int, str]:
@@ -82,16 +93,39 @@ def _head_bytes(profile: Profile) -> int:
 
 
 def block_options(profile: Profile, index: int) -> list[Segment]:
-    """Top-level single-block choices other than recompute: keep, selective policies (named and
-    every knapsack frontier point), offload where a cost and a measured bandwidth exist."""
-    block = profile.blocks[index]
-    out = [Segment(start=index, stop=index + 1, strategy="keep")]
-    if block.ops:
+    """Top-level single-block choices other than recompute: keep, selective policies (named, and
+    every point of the knapsack frontier of any block alike in structure: `structure_classes`),
+    offload where a cost and a measured bandwidth exist."""
+    members = next(m for m in structure_classes(profile) if index in m)
+    return [dataclasses.replace(s, start=index, stop=index + 1) for s in _class_segments(profile, members)] + _offload_options(profile, index)
+
+
+def structure_classes(profile: Profile) -> list[list[int]]:
+    """Blocks grouped by structure: equal op tables and bytes, times aside (`_structure_key`)."""
+    classes: dict[tuple, list[int]] = {}
+    for i, block in enumerate(profile.blocks):
+        classes.setdefault(_structure_key(block), []).append(i)
+    return list(classes.values())
+
+
+def _structure_key(block: BlockProfile) -> tuple:
+    ops = tuple((o.key, o.name, o.output_bytes, o.saved_bytes, o.flops, o.is_random, o.is_view, o.storage_ids,
+                 o.storage_bytes, o.storage_escapes) for o in block.ops)
+    return (block.class_name, block.input_bytes, block.output_bytes, block.saved_bytes, block.bwd_temp_bytes,
+            block.fwd_temp_bytes, block.grad_bytes, block.fwd_flops, ops)
+
+
+def _class_segments(profile: Profile, members: list[int]) -> list[Segment]:
+    """Keep, the named policies and the knapsack union, on the class's first block."""
+    first = profile.blocks[members[0]]
+    a, b = first.index, first.index + 1
+    out = [Segment(start=a, stop=b, strategy="keep")]
+    if first.ops:
         for name in NAMED_POLICIES:
-            out.append(Segment(start=index, stop=index + 1, strategy=f"selective:{name}", saved_ops=policy(name)(block)))
-        for _, _, keys in knapsack_frontier(block):
-            out.append(Segment(start=index, stop=index + 1, strategy="selective:knapsack", saved_ops=keys))
-    return out + _offload_options(profile, index)
+            out.append(Segment(start=a, stop=b, strategy=f"selective:{name}", saved_ops=policy(name)(first)))
+        for _, keys in knapsack_frontier_union([profile.blocks[i] for i in members]):
+            out.append(Segment(start=a, stop=b, strategy="selective:knapsack", saved_ops=keys))
+    return out
 
 
 def _offload_options(profile: Profile, index: int) -> list[Segment]:
@@ -130,9 +164,17 @@ class Optimality:
 
 
 @dataclass(kw_only=True, frozen=True)
-class _Priced:
-    segment: Segment
-    cost: BlockCost
+class _Options:
+    """One block's non-dominated top-level options, keep first: segments (named on the first
+    block of its structure class: `OptimalSearch._option_segment` moves one) and their costs."""
+
+    segments: tuple[Segment, ...]
+    retained_bytes: np.ndarray
+    working_bytes: np.ndarray
+    extra_ms: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.segments)
 
 
 class OptimalSearch:
@@ -141,7 +183,7 @@ class OptimalSearch:
     def __init__(self, profile: Profile, max_slots: int | None = None):
         self.profile = profile
         self.max_slots = max_slots
-        self._options: list[list[_Priced]] | None = None
+        self._options: list[_Options] | None = None
         self._sizes_cache: list[int] | None = None
 
     # -- public -----------------------------------------------------------------------------
@@ -204,7 +246,8 @@ class OptimalSearch:
         for i, options in enumerate(self.options()):
             grad = self.profile.blocks[i].grad_bytes
             replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
-            rows.append([(p.cost.retained_bytes - grad, p.cost.extra_ms) for p in options] + [(-grad, replay.extra_ms)])
+            held = (options.retained_bytes - grad).tolist() + [-grad]
+            rows.append(list(zip(held, options.extra_ms.tolist() + [replay.extra_ms])))
         width = max(len(r) for r in rows)
         held = np.zeros((len(rows), width))
         ms = np.full((len(rows), width), np.inf)
@@ -252,28 +295,50 @@ class OptimalSearch:
         pred = predict(self.profile, keep)
         return max(1, sum(pred.retained_bytes) + _head_bytes(self.profile), _keep_block_peak(self.profile))
 
-    def options(self) -> list[list[_Priced]]:
-        """Per block, its non-dominated top-level options, priced (alike blocks share the work, and
-        their segments name the first of them: `_option_segment` moves one to its block)."""
+    def options(self) -> list[_Options]:
+        """Per block, its non-dominated top-level options, priced: blocks alike in structure are
+        priced together (`remat.plan.costs.selective_prices`), offload options block by block."""
         if self._options is None:
-            shared: dict[BlockProfile, list[_Priced]] = {}
-            self._options = [self._block_options(i, shared) for i in range(self.profile.num_blocks)]
-        return self._options
+            options: list[_Options | None] = [None] * self.profile.num_blocks
+            for members in structure_classes(self.profile):
+                for i, opts in zip(members, self._class_options(members)):
+                    options[i] = self._with_offload(i, opts)
+            self._options = options  # type: ignore[assignment]
+        return self._options  # type: ignore[return-value]
 
-    def _block_options(self, i: int, shared: dict[BlockProfile, list[_Priced]]) -> list[_Priced]:
-        block = self.profile.blocks[i]
-        key = dataclasses.replace(block, index=0, name="")
-        if key not in shared:  # keep and selective costs depend on the block's own measurements only
-            local = [s for s in block_options(self.profile, i) if s.kind != "offload"]
-            shared[key] = _pareto_options([_Priced(segment=s, cost=cost_of(self.profile, i, s)) for s in local])
-        moved = shared[key]  # segments still name the first alike block: `_option_segment` moves them
-        offload = [_Priced(segment=s, cost=cost_of(self.profile, i, s)) for s in _offload_options(self.profile, i)]
-        # filtering the filtered list again equals filtering all at once (see `_undominated`)
-        return _pareto_options(moved + offload) if offload else moved
+    def _class_options(self, members: list[int]) -> list[_Options]:
+        blocks = [self.profile.blocks[i] for i in members]
+        segments = _class_segments(self.profile, members)
+        first = blocks[0]
+        prices = selective_prices(blocks, [s.saved_ops for s in segments[1:]])
+        retained = np.r_[first.saved_bytes, prices.retained_bytes].astype(np.int64)
+        working = np.r_[working_bytes(first), prices.working_bytes].astype(np.int64)
+        ms = np.c_[np.zeros(len(blocks)), prices.extra_ms]
+        ok = _undominated_rows(retained, working, ms)
+        out = []
+        for row in range(len(blocks)):
+            keep = np.flatnonzero(ok[row])
+            out.append(_Options(segments=tuple(segments[k] for k in keep), retained_bytes=retained[keep],
+                                working_bytes=working[keep], extra_ms=ms[row, keep]))
+        return out
+
+    def _with_offload(self, i: int, opts: _Options) -> _Options:
+        offload = _offload_options(self.profile, i)
+        if not offload:
+            return opts
+        costs = [cost_of(self.profile, i, s) for s in offload]
+        retained = np.r_[opts.retained_bytes, [c.retained_bytes for c in costs]].astype(np.int64)
+        working = np.r_[opts.working_bytes, [c.working_bytes for c in costs]].astype(np.int64)
+        ms = np.r_[opts.extra_ms, [c.extra_ms for c in costs]]
+        segments = opts.segments + tuple(offload)
+        # filtering the filtered list again equals filtering all at once (see `_undominated_rows`)
+        keep = np.flatnonzero(_undominated_rows(retained, working, ms[None, :])[0])
+        return _Options(segments=tuple(segments[k] for k in keep), retained_bytes=retained[keep],
+                        working_bytes=working[keep], extra_ms=ms[keep])
 
     def _option_segment(self, i: int, k: int) -> Segment:
         """Option ``k`` of block ``i`` as a segment on block ``i``."""
-        segment = self.options()[i][k].segment
+        segment = self.options()[i].segments[k]
         return segment if segment.start == i else dataclasses.replace(segment, start=i, stop=i + 1)
 
     def _solve(self, allowance: int, to_keep_all: bool = False, limited: bool = True) -> tuple[ChainSolution, int]:
@@ -320,8 +385,7 @@ class OptimalSearch:
         for i, block in enumerate(self.profile.blocks):
             keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
             sizes += [block.input_bytes, keep.retained_bytes, replay_working_bytes(block), block.grad_bytes]
-            sizes += [p.cost.retained_bytes for p in self.options()[i]]
-            sizes += [p.cost.working_bytes for p in self.options()[i]]
+            sizes += self.options()[i].retained_bytes.tolist() + self.options()[i].working_bytes.tolist()
         return sizes
 
     def _problem(self, quantum: int, capacity: int, relax: bool = False) -> ChainProblem:
@@ -350,15 +414,11 @@ class OptimalSearch:
         need, grad = (_floor, _ceil) if relax else (_ceil, _floor)
         keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
         replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
-        options = _slot_pareto(
-            BlockOption(
-                label=k,
-                retained_slots=need(p.cost.retained_bytes, quantum),
-                working_slots=need(p.cost.working_bytes, quantum),
-                extra_ms=p.cost.extra_ms,
-            )
-            for k, p in enumerate(self.options()[i])
-        )
+        opts = self.options()[i]
+        retained, working = _slots(opts.retained_bytes, quantum, relax), _slots(opts.working_bytes, quantum, relax)
+        ok = _undominated_rows(retained, working, opts.extra_ms[None, :])[0]
+        options = tuple(BlockOption(label=k, retained_slots=r, working_slots=w, extra_ms=ms) for k, r, w, ms in zip(
+            np.flatnonzero(ok).tolist(), retained[ok].tolist(), working[ok].tolist(), opts.extra_ms[ok].tolist()))
         return ChainBlock(
             input_slots=need(replay.retained_bytes, quantum),
             saved_slots=need(keep.retained_bytes, quantum),
@@ -407,28 +467,23 @@ def _byte_key(profile: Profile, i: int) -> tuple:
     return (replay.retained_bytes, keep.retained_bytes, replay_working_bytes(b), b.grad_bytes)
 
 
-def _pareto_options(priced: list[_Priced]) -> list[_Priced]:
-    """Drop options that another beats or ties on retained bytes, working bytes and time
-    (keep, listed first, wins ties)."""
-    keys = [(p.cost.retained_bytes, p.cost.working_bytes, p.cost.extra_ms) for p in priced]
-    return [p for p, ok in zip(priced, _undominated(keys)) if ok]
+def _undominated_rows(retained: np.ndarray, working: np.ndarray, ms: np.ndarray) -> np.ndarray:
+    """Mask (B, K) of the options that no earlier option of their row beats or ties in retained
+    bytes, working bytes and time (B rows of K options sharing bytes, times per row). An entry
+    dropped for an earlier one is itself beaten by a kept one, so this equals filtering in order,
+    and filtering a filtered list again equals filtering all at once."""
+    bytes_no_worse = np.triu((retained[:, None] <= retained[None, :]) & (working[:, None] <= working[None, :]), k=1)
+    out = np.empty(ms.shape, dtype=bool)
+    step = max(1, 4_000_000 // max(ms.shape[1] ** 2, 1))  # rows at a time: about 4M booleans
+    for lo in range(0, ms.shape[0], step):
+        part = ms[lo : lo + step]
+        out[lo : lo + step] = ~(bytes_no_worse[None] & (part[:, :, None] <= part[:, None, :])).any(axis=1)
+    return out
 
 
-def _slot_pareto(options) -> tuple[BlockOption, ...]:
-    """Options no other beats or ties in slots and time (the first listed, keep, wins ties)."""
-    options = list(options)
-    keep = _undominated([(o.retained_slots, o.working_slots, o.extra_ms) for o in options])
-    return tuple(o for o, ok in zip(options, keep) if ok)
-
-
-def _undominated(keys: list[tuple[float, float, float]]) -> np.ndarray:
-    """Mask of the entries that no earlier entry beats or ties in all three values (an entry
-    dropped for an earlier one is itself beaten by a kept one, so this equals filtering in order)."""
-    if not keys:
-        return np.zeros(0, dtype=bool)
-    values = np.array(keys, dtype=float)
-    no_worse = (values[:, None, :] <= values[None, :, :]).all(axis=2)
-    return ~np.triu(no_worse, k=1).any(axis=0)
+def _slots(num_bytes: np.ndarray, quantum: int, relax: bool) -> np.ndarray:
+    """Sizes in slots: rounded up (down with ``relax``), as `_ceil` / `_floor`."""
+    return num_bytes // quantum if relax else -(-num_bytes // quantum)
 
 
 def _ceil(num_bytes: int, quantum: int) -> int:
