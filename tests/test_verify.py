@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 
 import pytest
 import torch
@@ -123,3 +124,25 @@ def test_bad_arguments():
     other, _ = _profiled("gpt")
     with pytest.raises(ValueError, match="the plan does not match this model"):
         remat.verify(other.model, other.batch, plan)
+
+
+def test_step_times_are_paired_and_compared_at_this_runs_speed(monkeypatch):
+    """Timing: one untimed step each, then rounds in swapped order (base, plan), (plan, base)...;
+    the side-by-side error scales the prediction by the baseline measured beside it."""
+    verify_module = importlib.import_module("remat.verify")  # `remat.verify` is the function
+
+    clock_ms = iter([100.0, 150.0,  # untimed warm-up: base, plan
+                     110.0, 180.0,  # round 0: base then plan
+                     170.0, 90.0,   # round 1: plan then base
+                     120.0, 175.0])  # round 2: base then plan
+    monkeypatch.setattr(verify_module._Run, "timed_step", lambda self, clock: next(clock_ms))
+    built, prof = _profiled("mlp")
+    plan = make_plan(prof, strategy="full")
+    v = remat.verify(built.model, built.batch, plan, built.loss_fn, built.optimizer, repeats=3)
+    pred = plan.prediction
+    assert (v.baseline_step_ms, v.measured_step_ms) == (110.0, 175.0)  # medians of [110, 90, 120], [180, 170, 175]
+    assert v.predicted_baseline_step_ms == pytest.approx(pred.step_ms - pred.extra_ms)
+    assert v.predicted_overhead_pct == pytest.approx(100 * pred.extra_ms / (pred.step_ms - pred.extra_ms))
+    assert v.paired_step_error_pct == pytest.approx(100 * (175.0 / (110.0 * (1 + v.predicted_overhead_pct / 100)) - 1))
+    assert v.baseline_drift_pct == pytest.approx(100 * (110.0 / v.predicted_baseline_step_ms - 1))
+    assert v.step_error_pct == pytest.approx(100 * (175.0 / pred.step_ms - 1))

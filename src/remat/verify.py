@@ -8,8 +8,10 @@ touched), through the same sequence, so the two copies hold equal weights at eve
    against the baseline plus the replays the plan implies;
 3. a step under the live-storage tracker (`remat.measure.tracker.track_step`): measured peak
    against the plan's prediction;
-4. ``repeats`` timed steps, baseline and planned alternating: medians against each other and
-   against the prediction.
+4. one untimed step each, then ``repeats`` rounds timing both, the order swapped every round:
+   medians against each other and against the prediction, absolute (``step_error_pct``) and at
+   this run's speed (``paired_step_error_pct``: the prediction scaled by the baseline measured
+   side by side, which removes the machine's drift since profiling, ``baseline_drift_pct``).
 
 Every step starts from the same seed, so dropout draws the same masks in both. On the CPU the
 same kernels run in the same order, so loss, outputs and gradients must be bit-identical
@@ -146,6 +148,19 @@ class _Run:
             remove_(self.model)
 
 
+def _timed_pairs(base: _Run, planned: _Run, repeats: int, clock: Clock) -> tuple[list[float], list[float]]:
+    """One untimed step of each (the first steps after a copy fault in fresh memory), then
+    ``repeats`` rounds timing both, the order swapped every round (ABBA), so that a drift in the
+    machine's speed hits both alike."""
+    base.timed_step(clock)
+    planned.timed_step(clock)
+    times: dict[int, list[float]] = {0: [], 1: []}
+    for r in range(repeats):
+        for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+            times[which].append((base, planned)[which].timed_step(clock))
+    return times[0], times[1]
+
+
 def _op_counts(plan: Plan, base: BlockOpCounter, planned: BlockOpCounter) -> tuple[OpCount, ...]:
     extra = expected_extra_calls(plan, base.forward_keys)
     rows = []
@@ -171,7 +186,7 @@ def _tolerance(device: torch.device) -> tuple[float, str]:
 
 
 def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = None,
-           optimizer: torch.optim.Optimizer | None = None, *, repeats: int = 3,
+           optimizer: torch.optim.Optimizer | None = None, *, repeats: int = 5,
            offload_dir: str | None = None) -> Verification:
     """Run the baseline and ``plan``'s step from the same weights and seed; compare them.
 
@@ -196,16 +211,14 @@ def _compare(plan: Plan, base: _Run, planned: _Run, repeats: int, device: torch.
     (loss_b, out_b, grads_b), (loss_p, out_p, grads_p) = base.compared_step(), planned.compared_step()
     counts = _op_counts(plan, base.counted_step(), planned.counted_step())
     tracked_b, tracked_p = base.tracked_step(), planned.tracked_step()
-    clock = Clock(device)
-    times_b, times_p = [], []
-    for _ in range(repeats):
-        times_b.append(base.timed_step(clock))
-        times_p.append(planned.timed_step(clock))
+    times_b, times_p = _timed_pairs(base, planned, repeats, Clock(device))
     loss_diff = _max_abs_diff([loss_b], [loss_p])
     out_diff, grad_diff = _max_abs_diff(out_b, out_p), _max_abs_diff(grads_b, grads_p)
     tolerance, reason = _tolerance(device)
     step_b, step_p = statistics.median(times_b), statistics.median(times_p)
     pred = plan.prediction
+    pred_base = pred.step_ms - pred.extra_ms
+    at_this_speed = step_b * pred.step_ms / pred_base if pred_base > 0 else pred.step_ms
     return Verification(
         strategy_name=plan.strategy_name, budget_bytes=plan.budget_bytes,
         loss_max_abs_diff=loss_diff, output_max_abs_diff=out_diff, grad_max_abs_diff=grad_diff,
@@ -216,6 +229,8 @@ def _compare(plan: Plan, base: _Run, planned: _Run, repeats: int, device: torch.
         device_max_allocated_bytes=tracked_p.device_max_allocated_bytes,
         baseline_step_ms=step_b, measured_step_ms=step_p, predicted_step_ms=pred.step_ms,
         step_error_pct=_pct(step_p, pred.step_ms), overhead_pct=100.0 * (step_p / step_b - 1.0),
+        predicted_baseline_step_ms=pred_base, predicted_overhead_pct=_pct(pred.step_ms, pred_base) if pred_base > 0 else 0.0,
+        paired_step_error_pct=_pct(step_p, at_this_speed), baseline_drift_pct=_pct(step_b, pred_base) if pred_base > 0 else 0.0,
         op_counts=counts, recompute_counts_match=all(c.planned_count == c.expected_count for c in counts),
         timeline=tracked_p.timeline,
     )

@@ -65,9 +65,21 @@ class Verification:
     predicted_step_ms: float
     """The plan's predicted step time."""
     step_error_pct: float
-    """100 * (measured - predicted) / predicted."""
+    """100 * (measured - predicted) / predicted: absolute, so it includes the machine's change of
+    speed between profiling and this run (`baseline_drift_pct`)."""
     overhead_pct: float
     """100 * (measured_step_ms / baseline_step_ms - 1)."""
+    predicted_baseline_step_ms: float = 0.0
+    """The profile's prediction of the step without recomputation (0: not recorded)."""
+    predicted_overhead_pct: float = 0.0
+    """100 * (predicted_step_ms / predicted_baseline_step_ms - 1)."""
+    paired_step_error_pct: float = 0.0
+    """The time model's error: measured planned step against the prediction at this run's
+    speed, ``baseline_step_ms * predicted_step_ms / predicted_baseline_step_ms`` (both steps
+    timed side by side, so a machine that got slower or faster since profiling cancels out)."""
+    baseline_drift_pct: float = 0.0
+    """100 * (baseline_step_ms / predicted_baseline_step_ms - 1): how the machine's speed moved
+    since profiling (load on a shared machine, clocks); the step time model is not in it."""
     op_counts: tuple[OpCount, ...]
     """Per block and op: baseline, planned and expected call counts."""
     recompute_counts_match: bool

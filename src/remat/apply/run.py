@@ -61,6 +61,8 @@ class JobResult:
     """The ``none`` plan (its prediction is the baseline the percentages refer to)."""
     budget_bytes: int | None = None
     """The budget the report judges the plans by (run: the one asked for; demo: the middle one)."""
+    repeats: int = 5
+    """Timed pairs (baseline, plan) per row."""
 
     @property
     def plans(self) -> tuple[Plan, ...]:
@@ -113,7 +115,7 @@ def baseline_peak(profile: Profile, baseline: Plan) -> int:
 
 def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", strategy: str = "optimal",
             sizes: dict[str, Any] | None = None, seed: int = 0, offload_dir: str | None = None,
-            repeats: int = 3, progress: Progress = _quiet) -> JobResult:
+            repeats: int = 5, progress: Progress = _quiet) -> JobResult:
     """Profile ``model_name``, plan ``strategy`` within ``budget`` (a share is of the measured
     baseline peak), apply it to a copy and verify it; the first row is the baseline.
     ``offload_dir``: measure the disk there, so the planner may offload to it."""
@@ -132,11 +134,11 @@ def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", s
     rows = (_verified(built, baseline, "none", repeats, progress),
             _verified(built, chosen, label, repeats, progress, offload_dir))
     return JobResult(model_name=model_name, sizes=sizes, profile=prof, rows=rows, baseline=baseline,
-                     budget_bytes=budget_bytes)
+                     budget_bytes=budget_bytes, repeats=repeats)
 
 
 def verify_job(plan: Plan, model_name: str = DEMO_MODEL, *, sizes: dict[str, Any] | None = None, seed: int = 0,
-               offload_dir: str | None = None, repeats: int = 3, progress: Progress = _quiet) -> JobResult:
+               offload_dir: str | None = None, repeats: int = 5, progress: Progress = _quiet) -> JobResult:
     """Verify a saved ``plan`` on a freshly built ``model_name`` (same sizes and seed as when planned)."""
     from remat.plan.planners import plan as make_plan
 
@@ -144,7 +146,7 @@ def verify_job(plan: Plan, model_name: str = DEMO_MODEL, *, sizes: dict[str, Any
     built, prof = _profile(model_name, sizes, progress, seed=seed)
     row = _verified(built, plan, plan.strategy_name, repeats, progress, offload_dir)
     return JobResult(model_name=model_name, sizes=sizes, profile=prof, rows=(row,),
-                     baseline=make_plan(prof, strategy="none"))
+                     baseline=make_plan(prof, strategy="none"), repeats=repeats)
 
 
 def demo_budgets(profile: Profile, baseline: Plan) -> list[int]:
@@ -158,7 +160,7 @@ def demo_budgets(profile: Profile, baseline: Plan) -> list[int]:
 
 
 def demo_job(*, model_name: str = DEMO_MODEL, sizes: dict[str, Any] | None = None, seed: int = 0,
-             repeats: int = 3, progress: Progress = _quiet) -> JobResult:
+             repeats: int = 5, progress: Progress = _quiet) -> JobResult:
     """Profile once; verify none, full, sqrt, two selective policies and optimal at three budgets."""
     from remat.plan.planners import plan as make_plan
 
@@ -172,7 +174,7 @@ def demo_job(*, model_name: str = DEMO_MODEL, sizes: dict[str, Any] | None = Non
         plans.append((f"optimal @ {share:.0f}%", make_plan(prof, budget=budget, strategy="optimal")))
     rows = tuple(_verified(built, p, label, repeats, progress) for label, p in plans)
     return JobResult(model_name=model_name, sizes=sizes, profile=prof, rows=rows, baseline=baseline,
-                     budget_bytes=budgets[len(budgets) // 2] if budgets else None)
+                     budget_bytes=budgets[len(budgets) // 2] if budgets else None, repeats=repeats)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -15,7 +15,7 @@ DEMO_OUT_DIR = DEFAULT_OUT_DIR / "demo"
 
 @app.command("demo")
 def demo_command(
-    repeats: int = typer.Option(3, help="Timed steps per plan (the median is kept)."),
+    repeats: int = typer.Option(5, help="Timed pairs (baseline, plan) per plan, order swapped each round (medians)."),
     seed: int = typer.Option(0, help="Seed of the model's weights and batch."),
     out: Path = typer.Option(DEMO_OUT_DIR, "--out", "-o", help="Directory for the JSON files and report.html."),
 ) -> None:

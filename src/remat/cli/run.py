@@ -33,10 +33,11 @@ def _grad_cell(v) -> str:
 
 WIDE_COLUMNS = 130
 """Terminal width from which the table shows each prediction error and the replay check as columns."""
-COMPACT_HEADERS = ("plan", "peak MiB\npred/meas", "peak\nvs none", "step ms\npred/meas", "time\nvs none",
+COMPACT_HEADERS = ("plan", "peak MiB\npred/meas", "peak\nvs none", "step ms\npred/meas", "time vs none\npred/meas",
                    "gradients")
 WIDE_HEADERS = ("plan", "peak MiB\npredicted", "peak MiB\nmeasured", "error", "peak\nvs none", "step ms\npredicted",
-                "step ms\nmeasured", "error", "overhead\nvs none", "replays\nas planned", "gradients")
+                "step ms\nmeasured", "overhead\npredicted", "overhead\nmeasured", "step\nerror", "replays\nas planned",
+                "gradients")
 
 
 def _ms(value: float) -> str:
@@ -71,7 +72,8 @@ def _peak_vs_none(v, base: int) -> str:
 def _compact_cells(row, base: int) -> tuple[str, ...]:
     v = row.verification
     return (row.label, f"{v.predicted_peak_bytes / MIB:.1f}/{_measured_peak(v, 1)}", _peak_vs_none(v, base),
-            f"{_ms(v.predicted_step_ms)}/{_ms(v.measured_step_ms)}", f"{v.overhead_pct:+.0f}%", _grad_cell(v))
+            f"{_ms(v.predicted_step_ms)}/{_ms(v.measured_step_ms)}",
+            f"{v.predicted_overhead_pct:+.0f}%/{v.overhead_pct:+.0f}%", _grad_cell(v))
 
 
 def _wide_cells(row, base: int) -> tuple[str, ...]:
@@ -79,7 +81,8 @@ def _wide_cells(row, base: int) -> tuple[str, ...]:
     counts = "[green]yes[/]" if v.recompute_counts_match else "[yellow]no[/]"
     return (row.label, _mib(v.predicted_peak_bytes), _measured_peak(v), f"{v.peak_error_pct:+.1f}%",
             _peak_vs_none(v, base), f"{v.predicted_step_ms:.1f}", f"{v.measured_step_ms:.1f}",
-            f"{v.step_error_pct:+.1f}%", f"{v.overhead_pct:+.1f}%", counts, _grad_cell(v))
+            f"{v.predicted_overhead_pct:+.1f}%", f"{v.overhead_pct:+.1f}%", f"{v.paired_step_error_pct:+.1f}%",
+            counts, _grad_cell(v))
 
 
 def _baseline_measured_peak(result) -> int:
@@ -106,6 +109,10 @@ def summary_lines(result) -> list[str]:
     replays = [r.label for r in result.rows if not r.verification.recompute_counts_match]
     if replays:
         lines.append(f"ops replayed a different number of times than planned: {', '.join(replays)}.")
+    drift = [r.verification.baseline_drift_pct for r in result.rows]
+    lines.append(f"step times: medians of {result.repeats} side-by-side pairs (baseline, plan) per row; the step "
+                 "error compares the plan with its prediction at the speed of the baseline timed beside it (the "
+                 f"baseline itself ran {min(drift):+.0f}% to {max(drift):+.0f}% against the profile's times).")
     bad = [r.label for r in result.rows if not r.verification.ok]
     lines.append("every gradient is identical to the baseline." if not bad else f"GRADIENTS DIFFER for: {', '.join(bad)}.")
     return lines
@@ -139,7 +146,7 @@ def run_command(
     seq: Optional[int] = typer.Option(None, help="Sequence length (convnet: image size)."),
     batch: Optional[int] = typer.Option(None, help="Batch size."),
     seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
-    repeats: int = typer.Option(3, help="Timed steps per plan (the median is kept)."),
+    repeats: int = typer.Option(5, help="Timed pairs (baseline, plan) per plan, order swapped each round (medians)."),
     out: Path = typer.Option(RUN_OUT_DIR, "--out", "-o", help="Directory for profile, plan and verification JSON and report.html."),
 ) -> None:
     """Profile, plan, apply and verify: the chosen plan against no recomputation, measured; then
@@ -206,7 +213,7 @@ def verify_command(
     batch: Optional[int] = typer.Option(None, help="Batch size."),
     seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
     offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Where offload:disk blocks write."),
-    repeats: int = typer.Option(3, help="Timed steps (the median is kept)."),
+    repeats: int = typer.Option(5, help="Timed pairs (baseline, plan), order swapped each round (medians)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the Verification as JSON here."),
 ) -> None:
     """Apply a saved plan to the model and verify it against no recomputation."""

@@ -39,7 +39,7 @@ def _plan_row(profile: Profile, plan: Plan, base_ms: float, budget: int | None,
     measured_peak = "-" if ver is None else (
         f"{format_bytes(ver.measured_peak_bytes)} ({format_pct(ver.peak_error_pct)})")
     measured_step = "-" if ver is None else (
-        f"{format_ms(ver.measured_step_ms)} ({format_pct(ver.step_error_pct)})")
+        f"{format_ms(ver.measured_step_ms)} ({format_pct(ver.paired_step_error_pct)} side by side)")
     return (plan_label(plan), format_bytes(pred.peak_bytes), fits, format_ms(pred.step_ms), overhead,
             recompute, format_bytes(pred.offloaded_bytes), _peak_where(profile, plan),
             measured_peak, measured_step)
@@ -68,7 +68,8 @@ def blocks_table(profile: Profile, plans: Sequence[Plan]) -> Table:
 
 VERIFICATION_HEADERS = ("plan", "gradients", "max |grad diff|", "max |loss diff|", "recompute counts",
                         "measured peak", "predicted peak", "peak error", "measured step",
-                        "predicted step", "step error", "overhead vs baseline")
+                        "predicted step", "overhead predicted", "overhead measured", "step error (side by side)",
+                        "baseline vs profile")
 
 
 def verifications_table(verifications: Sequence[Verification]) -> Table:
@@ -79,7 +80,8 @@ def verifications_table(verifications: Sequence[Verification]) -> Table:
          "as planned" if v.recompute_counts_match else "MISMATCH",
          format_bytes(v.measured_peak_bytes), format_bytes(v.predicted_peak_bytes),
          format_pct(v.peak_error_pct), format_ms(v.measured_step_ms), format_ms(v.predicted_step_ms),
-         format_pct(v.step_error_pct), format_pct(v.overhead_pct))
+         format_pct(v.predicted_overhead_pct), format_pct(v.overhead_pct), format_pct(v.paired_step_error_pct),
+         format_pct(v.baseline_drift_pct))
         for v in verifications
     ]
     return VERIFICATION_HEADERS, rows
