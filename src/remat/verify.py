@@ -34,6 +34,7 @@ from torch import nn
 from remat._batch import LossFn, call_model, check_batch_device, compute_loss, model_device
 from remat.apply.api import apply_, check_plan_matches, is_applied, remove_
 from remat.apply.opcount import BlockOpCounter, expected_extra_calls
+from remat.measure.faults import fault_bytes
 from remat.measure.profile import _Step
 from remat.measure.timing import Clock
 from remat.measure.tracker import track_step
@@ -109,6 +110,8 @@ class _Run:
         self.plan = plan
         self.step = _Step(self.model, batch, loss_fn, self.optimizer)
         self.blocks = [self.model.get_submodule(n) for n in plan.block_names]
+        self.faults: list[int] = []
+        """Host memory faulted in fresh by each timed step (CPU)."""
 
     def compared_step(self) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]:
         torch.manual_seed(SEED)
@@ -138,14 +141,21 @@ class _Run:
     def timed_step(self, clock: Clock) -> float:
         torch.manual_seed(SEED)
         clock.sync()
+        faults = fault_bytes() if not clock.cuda else None
         start = clock.mark()
         self.step.run()
         end = clock.mark()
+        if faults is not None:
+            self.faults.append(max(0, (fault_bytes() or 0) - faults))
         return clock.elapsed_ms(start, end)
 
     def close(self) -> None:
         if is_applied(self.model):
             remove_(self.model)
+
+
+def _median_int(values: list[int]) -> int:
+    return int(statistics.median(values)) if values else 0
 
 
 def _timed_pairs(base: _Run, planned: _Run, repeats: int, clock: Clock) -> tuple[list[float], list[float]]:
@@ -217,7 +227,7 @@ def _compare(plan: Plan, base: _Run, planned: _Run, repeats: int, device: torch.
     tolerance, reason = _tolerance(device)
     step_b, step_p = statistics.median(times_b), statistics.median(times_p)
     pred = plan.prediction
-    pred_base = pred.step_ms - pred.extra_ms
+    pred_base = pred.step_ms - pred.extra_ms + pred.fault_saving_ms
     at_this_speed = step_b * pred.step_ms / pred_base if pred_base > 0 else pred.step_ms
     return Verification(
         strategy_name=plan.strategy_name, budget_bytes=plan.budget_bytes,
@@ -229,6 +239,8 @@ def _compare(plan: Plan, base: _Run, planned: _Run, repeats: int, device: torch.
         device_max_allocated_bytes=tracked_p.device_max_allocated_bytes,
         baseline_step_ms=step_b, measured_step_ms=step_p, predicted_step_ms=pred.step_ms,
         step_error_pct=_pct(step_p, pred.step_ms), overhead_pct=100.0 * (step_p / step_b - 1.0),
+        baseline_fault_bytes=_median_int(base.faults[1:]), measured_fault_bytes=_median_int(planned.faults[1:]),
+        predicted_fault_bytes=pred.fault_bytes,
         predicted_baseline_step_ms=pred_base, predicted_overhead_pct=_pct(pred.step_ms, pred_base) if pred_base > 0 else 0.0,
         paired_step_error_pct=_pct(step_p, at_this_speed), baseline_drift_pct=_pct(step_b, pred_base) if pred_base > 0 else 0.0,
         op_counts=counts, recompute_counts_match=all(c.planned_count == c.expected_count for c in counts),

@@ -77,6 +77,12 @@ class Verification:
     """The time model's error: measured planned step against the prediction at this run's
     speed, ``baseline_step_ms * predicted_step_ms / predicted_baseline_step_ms`` (both steps
     timed side by side, so a machine that got slower or faster since profiling cancels out)."""
+    baseline_fault_bytes: int = 0
+    """Host memory the baseline's timed steps faulted in fresh (median; 0 on CUDA)."""
+    measured_fault_bytes: int = 0
+    """Host memory the planned timed steps faulted in fresh (median; 0 on CUDA)."""
+    predicted_fault_bytes: int = 0
+    """What the plan's prediction says it faults in (`remat.plan.predict.fresh_memory`)."""
     baseline_drift_pct: float = 0.0
     """100 * (baseline_step_ms / predicted_baseline_step_ms - 1): how the machine's speed moved
     since profiling (load on a shared machine, clocks); the step time model is not in it."""

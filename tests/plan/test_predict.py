@@ -204,3 +204,31 @@ def test_pre_part_gradients_arrive_last():
     assert (pred.peak_bytes, pred.peak_phase) == (430, "optimizer")
     pred = predict(toy3(fixed_pre_grad_bytes=30, optimizer_step_temp_bytes=0), [seg(0, 3)])
     assert (pred.peak_bytes, pred.peak_phase, pred.peak_block) == (420, "block", 2)
+
+
+def test_fresh_memory_a_lower_peak_does_not_fault_in():
+    # The baseline faults in 8 bytes at 0.25 ms each. Keep: peak 450, nothing saved, 15.5 ms.
+    # Recompute every block: peak 439, 11 lower, so all 8 bytes avoided: 21.5 - 2.0 = 19.5 ms.
+    # Recompute b0 only: retained (4, 8, 12), b2's backward 417 + 12 + 15 = 444: 6 bytes avoided,
+    # 2 still faulted; 15.5 + 1.0 - 1.5 = 15.0 ms, faster than keeping everything.
+    prof = toy3(step_fault_bytes=8, first_touch_ms_per_byte=0.25)
+    keep = predict(prof, [seg(0, 3)])
+    assert (keep.peak_bytes, keep.fault_bytes, keep.fault_saving_ms, keep.step_ms) == (450, 8, 0.0, 15.5)
+    full = predict(prof, [seg(0, 1, "recompute"), seg(1, 2, "recompute"), seg(2, 3, "recompute")])
+    assert (full.peak_bytes, full.fault_bytes, full.fault_saving_ms, full.step_ms) == (439, 0, 2.0, 19.5)
+    first = predict(prof, [seg(0, 1, "recompute"), seg(1, 3)])
+    assert (first.peak_bytes, first.fault_bytes, first.fault_saving_ms, first.step_ms) == (444, 2, 1.5, 15.0)
+    # without a measured fault cost the term is absent
+    assert predict(toy3(step_fault_bytes=8), [seg(0, 1, "recompute"), seg(1, 3)]).step_ms == 16.5
+
+
+def test_optimal_takes_a_lower_peak_when_it_pays_for_its_replay():
+    """With room for everything, recomputing b0 (+1 ms, 6 bytes less faulted: -1.5 ms) is the
+    fastest plan (see the test above: every other layout is slower: b1 alone +0.75 ms, b0 and b1
+    +1.0 ms); without the fault cost, keeping everything is."""
+    from remat.plan.planners import plan
+
+    got = plan(toy3(step_fault_bytes=8, first_touch_ms_per_byte=0.25), budget=450)
+    assert got.prediction.step_ms == 15.0
+    assert [(s.start, s.stop, s.strategy) for s in got.segments] == [(0, 1, "recompute"), (1, 2, "keep"), (2, 3, "keep")]
+    assert plan(toy3(), budget=450).prediction.step_ms == 15.5

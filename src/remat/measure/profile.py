@@ -32,6 +32,8 @@ whose backward accumulates them first).
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import platform
 import socket
@@ -45,6 +47,7 @@ from torch import nn
 from remat._batch import LossFn, call_model, check_batch_device, compute_loss, model_device
 from remat.measure.blocks import Blocks, find_blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
+from remat.measure.faults import fault_bytes, first_touch_ms_per_byte
 from remat.measure.fingerprint import fingerprint
 from remat.measure.ops import OpRecorder
 from remat.measure.overhead import BlockOverheads, capture_block_inputs, measure_overheads
@@ -257,13 +260,18 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
 
 
 def _time_step(step: _Step, block_list: Blocks) -> StepTimes:
-    clock = Clock(model_device(step.model))
+    device = model_device(step.model)
+    clock = Clock(device)
     timer = StepTimer(clock, len(block_list))
     clock.sync()
+    faults = fault_bytes() if device.type == "cpu" else None
     with StepBoundaries(block_list, step.optimizer, [timer]) as marks:
         step.run(marks)
     clock.sync()
-    return timer.times()
+    times = timer.times()
+    if faults is None:
+        return times
+    return dataclasses.replace(times, fault_bytes=max(0, (fault_bytes() or 0) - faults))
 
 
 def _time_ops(step: _Step, block_list: Blocks, recorder: OpRecorder) -> None:
@@ -306,6 +314,8 @@ def _assemble(step: _Step, block_list: Blocks, memory: _Accounting, times: StepT
         fixed_flops=recorder.segment_flops(PRE) + recorder.segment_flops(POST),
         step_ms=times.step_ms, peak_bytes=memory.peak_bytes, peak_bytes_by_category=memory.peak_by_category,
         device_max_allocated_bytes=_device_max_allocated(step), timeline=memory.timeline,
+        step_fault_bytes=times.fault_bytes,
+        first_touch_ms_per_byte=first_touch_ms_per_byte(model_device(model)) if times.fault_bytes else 0.0,
     )
 
 

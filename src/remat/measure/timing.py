@@ -60,6 +60,8 @@ class StepTimes:
     fixed_bwd_ms: float
     optimizer_step_ms: float
     step_ms: float
+    fault_bytes: int = 0
+    """Host memory faulted in fresh during the step (`remat.measure.faults`; 0 when not counted)."""
 
 
 class StepTimer:
@@ -101,4 +103,5 @@ def median_times(steps: Sequence[StepTimes]) -> StepTimes:
         block_bwd_ms=tuple(med(col) for col in zip(*(s.block_bwd_ms for s in steps))),
         fixed_fwd_ms=med(s.fixed_fwd_ms for s in steps), fixed_bwd_ms=med(s.fixed_bwd_ms for s in steps),
         optimizer_step_ms=med(s.optimizer_step_ms for s in steps), step_ms=med(s.step_ms for s in steps),
+        fault_bytes=int(med(s.fault_bytes for s in steps)),
     )

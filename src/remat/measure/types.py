@@ -220,6 +220,12 @@ class Profile:
     """Gradient bytes allocated only after the first block's backward, other than its own: the
     pre part's (embeddings, and weights tied to them, whose one gradient accumulates last).
     Block j's backward sees ``grad_bytes - this - sum(grad_bytes of blocks <= j)`` (0: not measured)."""
+    step_fault_bytes: int = 0
+    """Host memory a baseline step faults in fresh (median over the timed steps; 0 on CUDA, where
+    the caching allocator keeps memory, and where the platform does not count page faults):
+    `remat.measure.faults`."""
+    first_touch_ms_per_byte: float = 0.0
+    """What faulting in a fresh byte costs on this host (`remat.measure.faults`)."""
 
     @property
     def num_blocks(self) -> int:

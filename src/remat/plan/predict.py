@@ -19,7 +19,7 @@ per-strategy terms (incl. offload in flight) in the cost registry.
 
 Step time = baseline forward + backward + optimizer step + the extra time of every block cost
 (one replay per recompute nesting level; selective: the ops it does not save; offload: exposed
-transfer).
+transfer), less the fresh memory the plan no longer faults in (`fresh_memory`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from remat.plan.chain_dp import deep_recursion
 from remat.plan.costs import cost_of, replay_working_bytes
 from remat.plan.types import Plan, Prediction, Segment
 
-__all__ = ["predict", "layout_peak", "baseline_step_ms", "backward_base_bytes", "grad_bytes_live", "check_segments"]
+__all__ = ["predict", "layout_peak", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -52,20 +52,15 @@ def predict(profile: Profile, plan_or_segments: Plan | tuple[Segment, ...] | lis
 
 def _predict(profile: Profile, segments: tuple[Segment, ...]) -> Prediction:
     check_segments(profile, segments)
-    retained = _top_retained(profile, segments)
-    base = backward_base_bytes(profile)
-    inner = layout_peak(profile, segments, 0, profile.num_blocks)
-    phases = {
-        "block": base + profile.fixed_pre_saved_bytes + inner.bytes,
-        "post": base + grad_bytes_live(profile, profile.num_blocks) + profile.fixed_pre_saved_bytes
-        + sum(retained) + _post_working_bytes(profile),
-        "optimizer": _optimizer_phase_bytes(profile),
-    }
+    _, phases, retained, inner = _peak_phases(profile, segments)
     phase = max(phases, key=lambda name: phases[name])
     extra_ms, extra_flops, offloaded = _extras(profile, segments)
+    faulted, saving = fresh_memory(profile, phases[phase])
     return Prediction(
         peak_bytes=phases[phase],
-        step_ms=baseline_step_ms(profile) + extra_ms,
+        step_ms=baseline_step_ms(profile) + extra_ms - saving,
+        fault_bytes=faulted,
+        fault_saving_ms=saving,
         extra_flops=extra_flops,
         extra_ms=extra_ms,
         model_state_bytes=profile.model_state_bytes,
@@ -76,6 +71,51 @@ def _predict(profile: Profile, segments: tuple[Segment, ...]) -> Prediction:
         working_bytes=inner.working_bytes if phase == "block" else 0,
         offloaded_bytes=offloaded,
     )
+
+
+def _peak_phases(profile: Profile, segments: tuple[Segment, ...]) -> tuple[int, dict[str, int], tuple[int, ...], _Peak]:
+    """(peak, bytes per phase, retained bytes per block, the block phase's peak)."""
+    retained = _top_retained(profile, segments)
+    base = backward_base_bytes(profile)
+    inner = layout_peak(profile, segments, 0, profile.num_blocks)
+    phases = {
+        "block": base + profile.fixed_pre_saved_bytes + inner.bytes,
+        "post": base + grad_bytes_live(profile, profile.num_blocks) + profile.fixed_pre_saved_bytes
+        + sum(retained) + _post_working_bytes(profile),
+        "optimizer": _optimizer_phase_bytes(profile),
+    }
+    return max(phases.values()), phases, retained, inner
+
+
+def fresh_memory(profile: Profile, peak_bytes: int) -> tuple[int, float]:
+    """(bytes a step with this peak faults in fresh, ms it saves against the baseline).
+
+    The baseline step faults in ``profile.step_fault_bytes`` (measured: the part of its
+    high-water mark the host allocator had returned to the kernel); a plan whose peak is lower
+    by D reaches D bytes less far and faults in D fewer (never fewer than none), each saving
+    ``profile.first_touch_ms_per_byte`` (`remat.measure.faults`). The replayed forwards reuse
+    memory the backward has just freed and fault nothing. 0 on CUDA (a caching allocator)."""
+    if not profile.step_fault_bytes or not profile.first_touch_ms_per_byte:
+        return profile.step_fault_bytes, 0.0
+    avoided = min(profile.step_fault_bytes, max(0, keep_peak_bytes(profile) - peak_bytes))
+    return profile.step_fault_bytes - avoided, avoided * profile.first_touch_ms_per_byte
+
+
+_KEEP_PEAKS: dict[int, tuple[Profile, int]] = {}
+
+
+def keep_peak_bytes(profile: Profile) -> int:
+    """Predicted peak without recomputation (cached by profile identity)."""
+    hit = _KEEP_PEAKS.get(id(profile))
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    if len(_KEEP_PEAKS) > 64:
+        _KEEP_PEAKS.clear()
+    keep = tuple(Segment(start=i, stop=i + 1, strategy="keep") for i in range(profile.num_blocks))
+    with deep_recursion(profile.num_blocks):
+        peak = _peak_phases(profile, keep)[0]
+    _KEEP_PEAKS[id(profile)] = (profile, peak)
+    return peak
 
 
 def baseline_step_ms(profile: Profile) -> float:

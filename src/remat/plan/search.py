@@ -37,7 +37,7 @@ from remat.plan.chain_dp import (
 )
 from remat.plan.costs import clear_cost_cache, cost_of, has_cost, replay_working_bytes, selective_prices, working_bytes
 from remat.plan.policies import clear_subset_cache, knapsack, knapsack_frontier, knapsack_frontier_union, policy
-from remat.plan.predict import backward_base_bytes, grad_bytes_live, predict
+from remat.plan.predict import backward_base_bytes, grad_bytes_live, keep_peak_bytes, predict
 from remat.plan.types import Segment
 
 __all__ = ["OptimalSearch", "Optimality", "plan_floor", "block_options", "structure_classes", "clear_planning_caches",
@@ -192,12 +192,29 @@ class OptimalSearch:
         allowance = budget_bytes - self._base_bytes()
         if allowance < 0:
             return None
-        solution, _ = self._best_solution(allowance)
+        solution, quantum = self._best_solution(allowance)
         slots = solution.problem.capacity_slots
         if not math.isfinite(solution.cost(slots)):
             return None
-        segments = self._segments(solution.layout(slots))
+        segments = self._segments(solution.layout(self._fastest_slots(solution, quantum, slots)))
         return segments if predict(self.profile, segments).peak_bytes <= budget_bytes else None
+
+    def _fastest_slots(self, solution: ChainSolution, quantum: int, slots: int) -> int:
+        """The free slots, up to ``slots``, whose layout has the least predicted step time: the
+        least extra ms when a lower peak saves nothing, else the least extra ms less what the
+        lower peak saves in fresh memory (`remat.plan.predict.fresh_memory`), priced at the
+        peak the slots allow (a layout's peak is at most that, so its saving at least that)."""
+        prof = self.profile
+        if not prof.step_fault_bytes or not prof.first_touch_ms_per_byte or slots < solution.frame.lo:
+            return slots
+        m = np.arange(solution.frame.lo, slots + 1)
+        costs = solution.top[0, np.minimum(m - solution.frame.lo, solution.frame.width - 1)]
+        peak = np.maximum(self._base_bytes() + _block_phase_grads(prof) + m * quantum,
+                          prof.model_state_bytes + prof.optimizer_step_temp_bytes)
+        avoided = np.clip(keep_peak_bytes(prof) - peak, 0, prof.step_fault_bytes)
+        total = costs - avoided * prof.first_touch_ms_per_byte
+        best = np.flatnonzero(total <= total.min() + 1e-9)
+        return int(m[best[-1]])  # of equal times, the most memory: the least extra ms
 
     def _best_solution(self, allowance: int) -> tuple[ChainSolution, int]:
         """Tables for ``allowance``; when segments were limited and nothing fits, unlimited."""

@@ -102,6 +102,10 @@ class Prediction:
     """Working set of the peak block (its saved bytes rematerialized + backward temporaries)."""
     offloaded_bytes: int = 0
     """Bytes moved off the device per step."""
+    fault_bytes: int = 0
+    """Host memory the step faults in fresh (`remat.plan.predict.fresh_memory`)."""
+    fault_saving_ms: float = 0.0
+    """Time the step saves against the baseline by faulting in less fresh memory (in ``step_ms``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
