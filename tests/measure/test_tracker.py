@@ -108,3 +108,23 @@ def test_meta_device_is_tracked():
         del a, b
     assert tracker.peak_bytes == 2 * 100 * F32
     assert tracker.live_bytes == 0
+
+
+def test_window_records_the_free_order_of_a_watched_label():
+    tracker = LiveTracker(torch.device("cpu"))
+    with tracker:
+        a, b = torch.zeros(10), torch.zeros(20)  # 40 and 80 bytes, the watched block's saved
+        tracker.tag(a, "act:blk")
+        tracker.tag(b, "act:blk")
+        tracker.open_window(offset_bytes=120, watch_label="act:blk")  # value 0 at the start
+        t1 = torch.zeros(25)  # +100: value 100, nothing freed
+        del b  # first freed: 80 bytes; value 20
+        t2 = torch.zeros(30)  # +120: value 140 after one free (the peak)
+        del a  # second freed; value 100
+        del t1, t2
+        peak = tracker.close_window()
+    assert peak == 140
+    assert [nbytes for _, nbytes in tracker.window_freed()] == [80, 40]
+    # moments (frees so far, value) that no other beats in both: (1, 140) and, after the second
+    # free, (2, 100); (0, 100) is beaten by (1, 140)
+    assert tracker.window_points() == ((1, 140), (2, 100))

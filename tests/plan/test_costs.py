@@ -3,10 +3,10 @@
 import pytest
 
 from remat.measure.types import OpRecord
-from remat.plan.costs import cached_ops, cost_of, selective_saved_bytes
+from remat.plan.costs import cached_ops, cost_of, replay_working_bytes, selective_saved_bytes
 from remat.plan.types import Segment
 
-from plan_toys import block, profile
+from plan_toys import block, profile, replace
 
 
 def rec(key, output_bytes, time_ms, storages=(), *, flops=0, is_view=False, escapes=()):
@@ -96,3 +96,29 @@ def test_without_storage_ids_an_op_counts_its_own_output():
 def test_unknown_op_is_an_error():
     with pytest.raises(ValueError, match=r"block 'blocks.0' has no op call\(s\) \['aten.mm.default#0'\]"):
         selective_saved_bytes(BLOCK, ("aten.mm.default#0",))
+
+
+def test_selective_working_set_from_the_measured_free_order():
+    # The plain backward freed storages 3, 1, 2 (64 B each), 4 (16 B) and an input's (-1, 16 B),
+    # in that order; its temporaries were 20 B before any free, 90 B after two (the peak), and
+    # 10 B after four. Saved 300, forward temporaries 30, output gradient 16.
+    blk = replace(BLOCK, bwd_temp_bytes=90, fwd_temp_bytes=30, output_grad_bytes=16,
+                  bwd_free_order=((3, 64), (1, 64), (2, 64), (4, 16), (-1, 16)),
+                  bwd_free_points=((0, 20), (2, 90), (4, 10)))
+    prof = profile([blk])
+
+    def working(keys):
+        return cost_of(prof, 0, Segment(start=0, stop=1, strategy="selective:x", saved_ops=keys)).working_bytes
+
+    # Caching mul (storage 3, freed first): alive at the peak, 90 + 64 = 154; before the peak
+    # the replay held nothing unsaved: 30 + 16 = 46. Working 300 + 154 = 454.
+    assert working(("aten.mul.Tensor#0",)) == 454
+    # Caching layer_norm (storages 4, 5, 6: only 4, freed fourth, is saved): at the peak nothing
+    # of it is freed yet (90); after four frees 10 + 16 = 26; the replay holds 5 and 6 (8 B)
+    # until it fetches them: 30 + 16 + 8 = 54. Working 300 + 90 = 390.
+    assert working(("aten.native_layer_norm.default#0",)) == 390
+    # Caching bmm (storage 0, never saved: a plain forward frees it): the replay holds its 64 B on
+    # top of its own peak, 30 + 16 + 64 = 110 > 90. Working 300 + 110 = 410.
+    assert working(("aten.bmm.default#0",)) == 410
+    # Nothing cached: the replay's working set, 300 + max(90, 30 + 16) = 390.
+    assert working(()) == 390 == replay_working_bytes(blk)

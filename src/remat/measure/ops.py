@@ -126,6 +126,12 @@ class OpRecorder(TorchDispatchMode):
                 found.setdefault(owner[1], storage_nbytes(t))
         return tuple(found), tuple(found.values())
 
+    def storage_id(self, key: int, segment: str) -> int:
+        """The id ``segment`` gave the storage with this key (`OpRecord.storage_ids`), -1 when
+        another segment (or nothing recorded) allocated it."""
+        owner = self._storage_ids.get(key)
+        return owner[1] if owner is not None and owner[0] == segment else -1
+
     def _mark_escapes(self, segment: str, args: tuple, kwargs: dict) -> None:
         """Storages of another segment read by a later block outlive their block: they are that
         block's input, which the planner counts there. (``post`` may read without saving: a

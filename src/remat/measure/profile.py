@@ -165,6 +165,10 @@ class _Windows:
         self.names = block_names
         self.accountant = accountant
         self.block_temp_bytes = [0] * len(block_names)
+        self.block_free_points: list[tuple[tuple[int, int], ...]] = [()] * len(block_names)
+        self.block_free_order: list[tuple[tuple[int, int], ...]] = [()] * len(block_names)
+        self.storage_id: Callable[[int, str], int] = lambda key, segment: -1
+        """Block-local storage id (`remat.measure.types.OpRecord.storage_ids`) of a storage key."""
         self.block_fwd_temp_bytes = [0] * len(block_names)
         self.post_temp_bytes = 0
         self.optimizer_temp_bytes = 0
@@ -200,7 +204,8 @@ class _Windows:
         grads_live = self.tracker.live_by_label.get("gradients", 0)
         if index == 0:
             self.grads_at_first_block_bytes = grads_live
-        self.tracker.open_window(labels, offset_bytes=self.accountant.segment_bytes(own) + grads_live)
+        watch = ACT_PREFIX + own if index < len(self.names) else None
+        self.tracker.open_window(labels, offset_bytes=self.accountant.segment_bytes(own) + grads_live, watch_label=watch)
 
     def _close(self) -> None:
         if self._open is None:
@@ -210,6 +215,10 @@ class _Windows:
             self.post_temp_bytes = peak
         else:
             self.block_temp_bytes[self._open] = peak
+            self.block_free_points[self._open] = self.tracker.window_points()
+            own = self.names[self._open]
+            self.block_free_order[self._open] = tuple(
+                (self.storage_id(key, own), nbytes) for key, nbytes in self.tracker.window_freed())
         self._open = None
 
 
@@ -246,6 +255,7 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
     tracking = StepTracking(step.model, optimizer=step.optimizer, blocks=block_list, batch=step.batch)
     windows = _Windows(tracking.tracker, names, tracking.accountant)
     recorder = OpRecorder(lambda: tracking.accountant.segment, sync=Clock(model_device(step.model)).sync)
+    windows.storage_id = recorder.storage_id
     tracking.boundaries.listeners += [windows, _ForwardGate(recorder)]
     with recorder, tracking:
         step.run(tracking.boundaries)
@@ -337,6 +347,9 @@ def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes,
             fwd_flops=memory.recorder.segment_flops(name), ops=memory.recorder.records(name, saved_by_call),
             grad_bytes=distinct_bytes(p.grad for p in module.parameters() if p.grad is not None),
             fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i],
+            bwd_free_points=memory.windows.block_free_points[i],
+            output_grad_bytes=memory.output_bytes.get(name, 0),
+            bwd_free_order=memory.windows.block_free_order[i],
             **_overhead_ms(overheads[i], times.block_fwd_ms[i] + times.block_bwd_ms[i]),
         )
         for i, (name, module) in enumerate(block_list)

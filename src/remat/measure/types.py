@@ -90,6 +90,18 @@ class BlockProfile:
     """Peak live bytes during this block's forward minus those live when it began minus its full
     ``saved_bytes`` (negative when the peak comes before all saves): a forward replayed in
     backward (recompute) peaks at what is live then + ``saved_bytes`` + this."""
+    output_grad_bytes: int = 0
+    """Bytes of the gradient of the block's output, live while a replay of the block runs in
+    backward (its output bytes when measured; 0: not counted)."""
+    bwd_free_order: tuple[tuple[int, int], ...] = ()
+    """The block's saved storages in the order its backward freed them, as ``(storage id of
+    `OpRecord.storage_ids` or -1, bytes)`` (empty: not measured)."""
+    bwd_free_points: tuple[tuple[int, int], ...] = ()
+    """Moments of the block's backward as ``(how many of bwd_free_order were freed by then,
+    backward temporaries then)``, in the units of ``bwd_temp_bytes`` (the largest of them), the
+    moments no other beats in both. Selective checkpointing keeps its cached outputs alive
+    through the block's whole backward: the peak is then the largest temporaries plus the
+    cached storages among those already freed (`remat.plan.costs.selective_working_bytes`)."""
     selective_overhead_ms: float = 0.0
     """Time selective checkpointing adds to this block's step beyond the ops it replays: the
     policy's dispatch mode on every op of the forward and of the replay, the replay's Python,

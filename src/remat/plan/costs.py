@@ -36,6 +36,7 @@ __all__ = [
     "cached_ops",
     "SelectivePrices",
     "selective_prices",
+    "selective_working_bytes",
     "clear_cost_cache",
 ]
 
@@ -106,8 +107,9 @@ def working_bytes(block: BlockProfile) -> int:
 
 def replay_working_bytes(block: BlockProfile) -> int:
     """Bytes a block needs when its forward is replayed in backward: its saved bytes plus the
-    larger of its forward temporaries (the replay's peak) and its backward temporaries."""
-    return block.saved_bytes + max(block.bwd_temp_bytes, block.fwd_temp_bytes)
+    larger of its backward temporaries and its forward temporaries with the gradient of its
+    output, which is already there while the replay runs (the replay's peak)."""
+    return block.saved_bytes + max(block.bwd_temp_bytes, block.fwd_temp_bytes + block.output_grad_bytes)
 
 
 def cached_ops(block: BlockProfile, saved_ops: tuple[str, ...]) -> frozenset[str]:
@@ -127,12 +129,15 @@ def selective_saved_bytes(block: BlockProfile, saved_ops: tuple[str, ...]) -> in
     """Bytes of the distinct storages the cached op calls keep alive (`cached_ops`): a call's
     outputs keep their whole storages, shared storages count once (a view of a matmul's output
     holds the matmul's storage)."""
-    cached = cached_ops(block, saved_ops)
+    return sum(_cached_storages(block, cached_ops(block, saved_ops)).values())
+
+
+def _cached_storages(block: BlockProfile, cached: frozenset[str]) -> dict[object, int]:
     storages: dict[object, int] = {}
     for i, op in enumerate(block.ops):
         if op.key in cached:
             storages.update(op_storages(i, op))
-    return sum(storages.values())
+    return storages
 
 
 @register_cost("keep")
@@ -192,6 +197,34 @@ def _selective_cost(block: BlockProfile, saved_ops: tuple[str, ...]) -> BlockCos
     return cost
 
 
+def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, int]]) -> np.ndarray:
+    """Working sets of a selective block for each of ``cached`` (storage id -> bytes of the
+    storages its cached op calls keep alive: `selective_saved_bytes`'s storages).
+
+    Selective checkpointing keeps its cached outputs alive through the block's whole backward,
+    where a plain backward frees saved tensors as it goes (on the built-in GPT, the MLP's before
+    the attention's peak: ignoring this under-predicted that peak by 7-10 %). With the measured
+    order in which the plain backward freed the block's storages and its temporaries at each
+    moment (`BlockProfile.bwd_free_order`, `bwd_free_points`) the peak is the largest
+    temporaries plus the cached storages already freed by then; the replay, before that, holds
+    the cached storages autograd does not save (not in the order) until it fetches them, an
+    upper bound on top of its forward temporaries. Without these measurements: the replay's
+    working set plus every cached byte, an upper bound."""
+    totals = np.array([sum(c.values()) for c in cached], dtype=np.int64)
+    if not block.bwd_free_points or not block.bwd_free_order:
+        return replay_working_bytes(block) + totals
+    ids = [sid for sid, _ in block.bwd_free_order]
+    kept = np.array([[c.get(sid, 0) if sid >= 0 else 0 for sid in ids] for c in cached], dtype=np.int64)
+    prefix = np.concatenate([np.zeros((len(cached), 1), dtype=np.int64), np.cumsum(kept, axis=1)], axis=1)
+    counts = np.array([min(k, len(ids)) for k, _ in block.bwd_free_points])
+    temps = np.array([t for _, t in block.bwd_free_points], dtype=np.int64)
+    held = np.maximum((temps[None, :] + prefix[:, counts]).max(axis=1), block.bwd_temp_bytes)
+    # cached storages autograd does not save: held by the cache from the forward until the
+    # replay fetches them (then freed as in a plain forward), so on top of the replay's peak
+    unsaved = totals - kept.sum(axis=1)
+    return block.saved_bytes + np.maximum(held, block.fwd_temp_bytes + block.output_grad_bytes + unsaved)
+
+
 @dataclass(kw_only=True, frozen=True)
 class SelectivePrices:
     """`_selective`'s cost of K saved-op choices on B blocks alike in structure (equal op tables
@@ -211,20 +244,19 @@ def selective_prices(blocks: Sequence[BlockProfile], saved_ops: Sequence[tuple[s
     """Cost of saving each of ``saved_ops`` (op keys) in each of ``blocks``; the blocks must be
     alike in structure (the first one's bytes, FLOPs and cached storages are used for all).
 
-    Working set: the replay's plus the cached storages again, an upper bound. Measured on the
-    built-in GPT (4 layers, d_model 256): selective checkpointing keeps cached storages that
-    autograd saves alive through the block's whole backward, where a plain backward frees the
-    MLP's before the attention's peak; without this term that peak was 7-10% over the
-    prediction, with it the prediction is 1-13% above the measurement."""
+    Working set: the replay's, plus what the cached storages add by staying alive through the
+    block's whole backward (`selective_working_bytes`)."""
     first = blocks[0]
     replayed = np.zeros((len(saved_ops), len(first.ops)))
     cached_bytes = np.zeros(len(saved_ops), dtype=np.int64)
     num_cached = np.zeros(len(saved_ops))
     views = np.array([op.is_view for op in first.ops], dtype=bool)
+    storages: list[dict[object, int]] = []
     for k, keys in enumerate(saved_ops):
         cached = cached_ops(first, keys)
         replayed[k] = [op.key not in cached for op in first.ops]
-        cached_bytes[k] = selective_saved_bytes(first, keys)
+        storages.append(_cached_storages(first, cached))
+        cached_bytes[k] = sum(storages[-1].values())
         num_cached[k] = len(cached)
     replayed[:, views] = 0.0
     times = np.array([[op.time_ms for op in b.ops] for b in blocks], dtype=float).reshape(len(blocks), -1)
@@ -241,7 +273,7 @@ def selective_prices(blocks: Sequence[BlockProfile], saved_ops: Sequence[tuple[s
     ms += select + cache * num_cached[None, :] / cacheable_calls
     return SelectivePrices(
         retained_bytes=first.input_bytes + cached_bytes,
-        working_bytes=replay_working_bytes(first) + cached_bytes,
+        working_bytes=selective_working_bytes(first, storages),
         extra_flops=(replayed.astype(np.int64) * flops[None, :]).sum(axis=1),
         extra_ms=ms,
     )
