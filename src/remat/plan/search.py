@@ -112,7 +112,8 @@ def _structure_key(block: BlockProfile) -> tuple:
     ops = tuple((o.key, o.name, o.output_bytes, o.saved_bytes, o.flops, o.is_random, o.is_view, o.storage_ids,
                  o.storage_bytes, o.storage_escapes) for o in block.ops)
     return (block.class_name, block.input_bytes, block.output_bytes, block.saved_bytes, block.bwd_temp_bytes,
-            block.fwd_temp_bytes, block.grad_bytes, block.fwd_flops, ops)
+            block.fwd_temp_bytes, block.grad_bytes, block.fwd_flops, block.output_grad_bytes, block.bwd_free_order,
+            block.bwd_free_points, ops)
 
 
 def _class_segments(profile: Profile, members: list[int]) -> list[Segment]:
