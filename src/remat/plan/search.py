@@ -165,6 +165,18 @@ class Optimality:
 
 
 @dataclass(kw_only=True, frozen=True)
+class _Class:
+    """The priced options of one structure class: bytes per option, times and the dominance
+    mask per member block (rows in ``members`` order)."""
+
+    members: list[int]
+    retained_bytes: np.ndarray
+    working_bytes: np.ndarray
+    extra_ms: np.ndarray
+    ok: np.ndarray
+
+
+@dataclass(kw_only=True, frozen=True)
 class _Options:
     """One block's non-dominated top-level options, keep first: segments (named on the first
     block of its structure class: `OptimalSearch._option_segment` moves one) and their costs."""
@@ -185,6 +197,7 @@ class OptimalSearch:
         self.profile = profile
         self.max_slots = max_slots
         self._options: list[_Options] | None = None
+        self._classes: list[_Class] = []
         self._sizes_cache: list[int] | None = None
 
     # -- public -----------------------------------------------------------------------------
@@ -318,6 +331,7 @@ class OptimalSearch:
         priced together (`remat.plan.costs.selective_prices`), offload options block by block."""
         if self._options is None:
             options: list[_Options | None] = [None] * self.profile.num_blocks
+            self._classes = []
             for members in structure_classes(self.profile):
                 for i, opts in zip(members, self._class_options(members)):
                     options[i] = self._with_offload(i, opts)
@@ -325,6 +339,7 @@ class OptimalSearch:
         return self._options  # type: ignore[return-value]
 
     def _class_options(self, members: list[int]) -> list[_Options]:
+        """Options of the blocks of one structure class; keeps the class's arrays (`_Class`)."""
         blocks = [self.profile.blocks[i] for i in members]
         segments = _class_segments(self.profile, members)
         first = blocks[0]
@@ -333,6 +348,7 @@ class OptimalSearch:
         working = np.r_[working_bytes(first), prices.working_bytes].astype(np.int64)
         ms = np.c_[np.zeros(len(blocks)), prices.extra_ms]
         ok = _undominated_rows(retained, working, ms)
+        self._classes.append(_Class(members=members, retained_bytes=retained, working_bytes=working, extra_ms=ms, ok=ok))
         out = []
         for row in range(len(blocks)):
             keep = np.flatnonzero(ok[row])
@@ -412,31 +428,45 @@ class OptimalSearch:
         layout the DP accepts fits; ``relax``: the other way round, so every layout that fits
         in bytes is accepted (the DP's cost is then a lower bound; held slots are integers, so
         ``(allowance - G) // quantum`` still bounds them)."""
-        shared: dict[tuple, ChainBlock] = {}
-        blocks = tuple(self._shared_chain_block(i, quantum, shared, relax) for i in range(self.profile.num_blocks))
+        self.options()
+        chain: list[ChainBlock | None] = [None] * self.profile.num_blocks
+        for group in self._classes:
+            plain = [row for row, i in enumerate(group.members) if not _offload_options(self.profile, i)]
+            for row, block in zip(plain, self._class_chain_blocks(group, plain, quantum, relax)):
+                chain[group.members[row]] = block
+        blocks = tuple(b if b is not None else self._chain_block(i, quantum, relax) for i, b in enumerate(chain))
         block_grads = sum(b.grad_bytes for b in self.profile.blocks)
         head = _head_bytes(self.profile) + block_grads - _block_phase_grads(self.profile)
         post = head // quantum if relax else _ceil(head, quantum)
         return ChainProblem(blocks=blocks, post_slots=post, capacity_slots=capacity)
 
-    def _shared_chain_block(self, i: int, quantum: int, shared: dict[tuple, ChainBlock], relax: bool) -> ChainBlock:
-        """Blocks equal but for index and name, with no offload option, share one ChainBlock."""
-        if _offload_options(self.profile, i):
-            return self._chain_block(i, quantum, relax)
-        key = dataclasses.replace(self.profile.blocks[i], index=0, name="")
-        if key not in shared:
-            shared[key] = self._chain_block(i, quantum, relax)
-        return shared[key]
+    def _class_chain_blocks(self, group: _Class, rows: list[int], quantum: int, relax: bool) -> list[ChainBlock]:
+        """Chain blocks of a structure class's rows (blocks without offload options): the slot
+        dominance filter runs on all of them at once; labels index each block's `_Options`."""
+        retained = _slots(group.retained_bytes, quantum, relax)
+        working = _slots(group.working_bytes, quantum, relax)
+        ok = group.ok[rows]
+        keep = _undominated_rows(retained, working, np.where(ok, group.extra_ms[rows], np.inf)) & ok
+        position = np.cumsum(ok, axis=1) - 1  # index of a class option in the block's own list
+        out = []
+        for r, row in enumerate(rows):
+            k = np.flatnonzero(keep[r])
+            options = tuple(map(BlockOption._make, zip(position[r, k].tolist(), retained[k].tolist(),
+                                                       working[k].tolist(), group.extra_ms[row, k].tolist())))
+            out.append(self._chain_block(group.members[row], quantum, relax, options))
+        return out
 
-    def _chain_block(self, i: int, quantum: int, relax: bool = False) -> ChainBlock:
+    def _chain_block(self, i: int, quantum: int, relax: bool = False,
+                     options: tuple[BlockOption, ...] | None = None) -> ChainBlock:
         need, grad = (_floor, _ceil) if relax else (_ceil, _floor)
         keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
         replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
-        opts = self.options()[i]
-        retained, working = _slots(opts.retained_bytes, quantum, relax), _slots(opts.working_bytes, quantum, relax)
-        ok = _undominated_rows(retained, working, opts.extra_ms[None, :])[0]
-        options = tuple(BlockOption(label=k, retained_slots=r, working_slots=w, extra_ms=ms) for k, r, w, ms in zip(
-            np.flatnonzero(ok).tolist(), retained[ok].tolist(), working[ok].tolist(), opts.extra_ms[ok].tolist()))
+        if options is None:
+            opts = self.options()[i]
+            retained, working = _slots(opts.retained_bytes, quantum, relax), _slots(opts.working_bytes, quantum, relax)
+            ok = _undominated_rows(retained, working, opts.extra_ms[None, :])[0]
+            options = tuple(BlockOption(label=k, retained_slots=r, working_slots=w, extra_ms=ms) for k, r, w, ms in zip(
+                np.flatnonzero(ok).tolist(), retained[ok].tolist(), working[ok].tolist(), opts.extra_ms[ok].tolist()))
         return ChainBlock(
             input_slots=need(replay.retained_bytes, quantum),
             saved_slots=need(keep.retained_bytes, quantum),
