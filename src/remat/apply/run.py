@@ -156,7 +156,7 @@ def demo_budgets(profile: Profile, baseline: Plan) -> list[int]:
 
     floor = make_plan(profile, OptimalSearch(profile).min_peak_segments(), "optimal", None).prediction.peak_bytes
     top = baseline.prediction.peak_bytes
-    return [int(floor + f * (top - floor)) for f in DEMO_BUDGET_FRACTIONS]
+    return sorted({int(floor + f * (top - floor)) for f in DEMO_BUDGET_FRACTIONS})  # one row when floor == top
 
 
 def demo_job(*, model_name: str = DEMO_MODEL, sizes: dict[str, Any] | None = None, seed: int = 0,

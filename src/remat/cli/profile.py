@@ -33,7 +33,7 @@ def profile_command(
     blocks: Optional[list[str]] = typer.Option(None, "--blocks", help="Glob over module names or a class name; repeatable."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the Profile as JSON here."),
     warmup: int = typer.Option(1, help="Plain steps before measuring."),
-    repeats: int = typer.Option(3, help="Timed steps (the median is kept)."),
+    repeats: int = typer.Option(5, help="Timed steps (the median is kept)."),
     seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
 ) -> None:
     """Measure the real model block by block: saved bytes, time, FLOPs, memory peak."""

@@ -71,7 +71,7 @@ def profile(
     blocks: str | Sequence[str] | None = None,
     *,
     warmup: int = 1,
-    repeats: int = 3,
+    repeats: int = 5,
     progress: Progress | None = None,
 ) -> Profile:
     """Measure ``model`` on ``batch`` (calling convention of `remat._batch`) block by block.
