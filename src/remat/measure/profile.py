@@ -141,8 +141,11 @@ def _measure(step: _Step, block_list: Blocks, warmup: int, repeats: int, progres
     for _ in range(repeats - 1):
         _time_ops(step, block_list, memory.recorder)
         report("op timing forward")
-    overheads = _overheads(step, block_list, memory.recorder, repeats)
-    return _assemble(step, block_list, memory, median_times(times), overheads)
+    steps = median_times(times)
+    device = model_device(step.model)
+    touch = first_touch_ms_per_byte(device) if steps.fault_bytes else 0.0
+    overheads = _overheads(step, block_list, memory.recorder, repeats, touch)
+    return _assemble(step, block_list, memory, steps, overheads, touch)
 
 
 class _Reporter:
@@ -294,7 +297,8 @@ def _time_ops(step: _Step, block_list: Blocks, recorder: OpRecorder) -> None:
         step.forward()
 
 
-def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: int) -> tuple[BlockOverheads, ...]:
+def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: int,
+               touch_ms_per_byte: float) -> tuple[BlockOverheads, ...]:
     """Per-block checkpointing overheads (`remat.measure.overhead`); zeros on the meta device,
     where nothing runs and there is no time to measure."""
     device = model_device(step.model)
@@ -302,11 +306,12 @@ def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: i
         return tuple(BlockOverheads(selective_share=0.0, recompute_share=0.0, selective_cache_share=0.0) for _ in block_list)
     inputs = capture_block_inputs(block_list, step.forward)
     keys = [frozenset(call.key for call in recorder.calls.get(name, [])) for name, _ in block_list]
-    return measure_overheads(block_list, inputs, keys, repeats=repeats, clock=Clock(device))
+    return measure_overheads(block_list, inputs, keys, repeats=repeats, clock=Clock(device),
+                             touch_ms_per_byte=touch_ms_per_byte)
 
 
 def _assemble(step: _Step, block_list: Blocks, memory: _Accounting, times: StepTimes,
-              overheads: tuple[BlockOverheads, ...]) -> Profile:
+              overheads: tuple[BlockOverheads, ...], touch_ms_per_byte: float) -> Profile:
     model, optimizer = step.model, step.optimizer
     saved, recorder = memory.saved_bytes, memory.recorder
     return Profile(
@@ -325,7 +330,7 @@ def _assemble(step: _Step, block_list: Blocks, memory: _Accounting, times: StepT
         step_ms=times.step_ms, peak_bytes=memory.peak_bytes, peak_bytes_by_category=memory.peak_by_category,
         device_max_allocated_bytes=_device_max_allocated(step), timeline=memory.timeline,
         step_fault_bytes=times.fault_bytes,
-        first_touch_ms_per_byte=first_touch_ms_per_byte(model_device(model)) if times.fault_bytes else 0.0,
+        first_touch_ms_per_byte=touch_ms_per_byte,
     )
 
 
