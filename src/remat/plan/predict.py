@@ -55,7 +55,7 @@ def _predict(profile: Profile, segments: tuple[Segment, ...]) -> Prediction:
     _, phases, retained, inner = _peak_phases(profile, segments)
     phase = max(phases, key=lambda name: phases[name])
     extra_ms, extra_flops, offloaded = _extras(profile, segments)
-    faulted, saving = fresh_memory(profile, phases[phase])
+    faulted, saving = fresh_memory(profile, phases[phase], offloaded)
     return Prediction(
         peak_bytes=phases[phase],
         step_ms=baseline_step_ms(profile) + extra_ms - saving,
@@ -87,17 +87,20 @@ def _peak_phases(profile: Profile, segments: tuple[Segment, ...]) -> tuple[int, 
     return max(phases.values()), phases, retained, inner
 
 
-def fresh_memory(profile: Profile, peak_bytes: int) -> tuple[int, float]:
+def fresh_memory(profile: Profile, peak_bytes: int, offloaded_bytes: int = 0) -> tuple[int, float]:
     """(bytes a step with this peak faults in fresh, ms it saves against the baseline).
 
     The baseline step faults in ``profile.step_fault_bytes`` (measured: the part of its
     high-water mark the host allocator had returned to the kernel); a plan whose peak is lower
     by D reaches D bytes less far and faults in D fewer (never fewer than none), each saving
     ``profile.first_touch_ms_per_byte`` (`remat.measure.faults`). The replayed forwards reuse
-    memory the backward has just freed and fault nothing. 0 on CUDA (a caching allocator)."""
+    memory the backward has just freed and fault nothing; offloaded tensors come back into new
+    read buffers, so the part of D they account for (``offloaded_bytes``) saves nothing. 0 on
+    CUDA (a caching allocator)."""
     if not profile.step_fault_bytes or not profile.first_touch_ms_per_byte:
         return profile.step_fault_bytes, 0.0
-    avoided = min(profile.step_fault_bytes, max(0, keep_peak_bytes(profile) - peak_bytes))
+    lower = keep_peak_bytes(profile) - peak_bytes - offloaded_bytes
+    avoided = min(profile.step_fault_bytes, max(0, lower))
     return profile.step_fault_bytes - avoided, avoided * profile.first_touch_ms_per_byte
 
 

@@ -221,6 +221,8 @@ class OptimalSearch:
         prof = self.profile
         if not prof.step_fault_bytes or not prof.first_touch_ms_per_byte or slots < solution.frame.lo:
             return slots
+        if any(_offload_options(prof, i) for i in range(prof.num_blocks)):
+            return slots  # offloaded bytes save no faults, and the columns do not say how many
         m = np.arange(solution.frame.lo, slots + 1)
         costs = solution.top[0, np.minimum(m - solution.frame.lo, solution.frame.width - 1)]
         peak = np.maximum(self._base_bytes() + _block_phase_grads(prof) + m * quantum,
