@@ -56,7 +56,7 @@ from remat.measure.storage import distinct_bytes
 from remat.measure.state import StateSnapshot, buffer_bytes, grad_bytes, optimizer_state_bytes, param_bytes
 from remat.measure.timing import Clock, StepTimer, StepTimes, median_times
 from remat.measure.tracker import ACT_PREFIX, LiveTracker, StepTracking
-from remat.measure.types import BlockProfile, Environment, Profile
+from remat.measure.types import BlockProfile, Environment, OpRecord, Profile
 
 STATE_LABELS = ("parameters", "buffers", "optimizer_state")
 
@@ -349,7 +349,8 @@ def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes,
             input_bytes=memory.input_bytes.get(name, 0), output_bytes=memory.output_bytes.get(name, 0),
             saved_bytes=memory.saved_bytes[name], bwd_temp_bytes=memory.windows.block_temp_bytes[i],
             fwd_ms=times.block_fwd_ms[i], bwd_ms=times.block_bwd_ms[i],
-            fwd_flops=memory.recorder.segment_flops(name), ops=memory.recorder.records(name, saved_by_call),
+            fwd_flops=memory.recorder.segment_flops(name),
+            ops=_scaled_times(memory.recorder.records(name, saved_by_call), times.block_fwd_ms[i]),
             grad_bytes=distinct_bytes(p.grad for p in module.parameters() if p.grad is not None),
             fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i],
             bwd_free_points=memory.windows.block_free_points[i],
@@ -359,6 +360,16 @@ def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes,
         )
         for i, (name, module) in enumerate(block_list)
     )
+
+
+def _scaled_times(ops: tuple[OpRecord, ...], fwd_ms: float) -> tuple[OpRecord, ...]:
+    """The calls with their times scaled to add up to the block's forward time from the timed
+    steps: the recorder times each call alone (a synchronisation and its own dispatch per call),
+    which inflates the sum; the shares between calls are what it measures well."""
+    total = sum(op.time_ms for op in ops)
+    if total <= 0 or fwd_ms <= 0:
+        return ops
+    return tuple(dataclasses.replace(op, time_ms=op.time_ms * fwd_ms / total) for op in ops)
 
 
 def _overhead_ms(overheads: BlockOverheads, block_ms: float) -> dict[str, float]:
