@@ -88,6 +88,13 @@ def test_block_input_output_bytes_and_times(gpt_profile):
     assert all(b.input_bytes == b.output_bytes == activation for b in result.blocks)
     assert all(b.fwd_ms > 0 and b.bwd_ms > 0 for b in result.blocks)
     assert result.step_ms > 0 and result.fixed_fwd_ms >= 0
+    # op times are shares of the block's forward from the timed steps: they add up to it
+    for b in result.blocks:
+        assert sum(op.time_ms for op in b.ops) == pytest.approx(b.fwd_ms)
+    # the replay counts the gradient of the block's output; the backward's free order is recorded
+    assert all(b.output_grad_bytes == activation for b in result.blocks)
+    assert all(b.bwd_free_points and any(sid >= 0 for sid, _ in b.bwd_free_order) for b in result.blocks)
+    assert all(max(t for _, t in b.bwd_free_points) == b.bwd_temp_bytes for b in result.blocks)
 
 
 def test_memory_is_consistent_with_the_measured_peak(gpt_profile):
