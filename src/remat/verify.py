@@ -34,7 +34,7 @@ from torch import nn
 from remat._batch import LossFn, call_model, check_batch_device, compute_loss, model_device
 from remat.apply.api import apply_, check_plan_matches, is_applied, remove_
 from remat.apply.opcount import BlockOpCounter, expected_extra_calls
-from remat.measure.faults import fault_bytes
+from remat.measure.faults import FaultCount
 from remat.measure.profile import _Step
 from remat.measure.timing import Clock
 from remat.measure.tracker import track_step
@@ -141,12 +141,12 @@ class _Run:
     def timed_step(self, clock: Clock) -> float:
         torch.manual_seed(SEED)
         clock.sync()
-        faults = fault_bytes() if not clock.cuda else None
-        start = clock.mark()
-        self.step.run()
-        end = clock.mark()
-        if faults is not None:
-            self.faults.append(max(0, (fault_bytes() or 0) - faults))
+        with FaultCount(enabled=not clock.cuda) as faults:
+            start = clock.mark()
+            self.step.run()
+            end = clock.mark()
+        if faults.bytes is not None:
+            self.faults.append(faults.bytes)
         return clock.elapsed_ms(start, end)
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-__all__ = ["fault_bytes", "first_touch_ms_per_byte", "PROBE_BYTES"]
+__all__ = ["fault_bytes", "FaultCount", "first_touch_ms_per_byte", "PROBE_BYTES"]
 
 PROBE_BYTES = 64 * 2**20
 """Size of the first-touch probe: above glibc's largest mmap threshold (32 MiB)."""
@@ -46,6 +46,24 @@ def fault_bytes() -> int | None:
     if _resource is None:
         return None
     return int(_resource.getrusage(_resource.RUSAGE_SELF).ru_minflt) * _PAGE
+
+
+class FaultCount:
+    """Context manager: ``bytes`` faulted in fresh inside it (None when not counted: ``enabled``
+    False, or a platform without the count)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.bytes: int | None = None
+        self._start: int | None = None
+
+    def __enter__(self) -> FaultCount:
+        self._start = fault_bytes() if self.enabled else None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._start is not None:
+            self.bytes = max(0, (fault_bytes() or 0) - self._start)
 
 
 def first_touch_ms_per_byte(device: torch.device, repeats: int = 3) -> float:

@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import checkpoint
 
 from remat.measure.blocks import Blocks
-from remat.measure.faults import fault_bytes
+from remat.measure.faults import FaultCount
 from remat.measure.timing import Clock
 
 __all__ = ["BlockOverheads", "BlockInputs", "capture_block_inputs", "measure_overheads"]
@@ -179,17 +179,16 @@ def _timed_run(module: nn.Module, inputs: BlockInputs, runner: Runner, clock: Cl
     for tensor in [*leaves, *module.parameters()]:
         tensor.grad = None
     clock.sync()
-    faults = fault_bytes() if touch_ms_per_byte else None
-    start = clock.mark()
-    out = runner(module, inputs.args, inputs.kwargs)
-    mid = clock.mark()
-    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if outs:
-        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-    end = clock.mark()
-    clock.sync()
-    faulted = max(0, (fault_bytes() or 0) - faults) if faults is not None else 0
-    return clock.elapsed_ms(start, mid), clock.elapsed_ms(start, end) - touch_ms_per_byte * faulted
+    with FaultCount(enabled=bool(touch_ms_per_byte)) as faults:
+        start = clock.mark()
+        out = runner(module, inputs.args, inputs.kwargs)
+        mid = clock.mark()
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        end = clock.mark()
+        clock.sync()
+    return clock.elapsed_ms(start, mid), clock.elapsed_ms(start, end) - touch_ms_per_byte * (faults.bytes or 0)
 
 
 def _plain(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

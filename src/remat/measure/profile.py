@@ -47,7 +47,7 @@ from torch import nn
 from remat._batch import LossFn, call_model, check_batch_device, compute_loss, model_device
 from remat.measure.blocks import Blocks, find_blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
-from remat.measure.faults import fault_bytes, first_touch_ms_per_byte
+from remat.measure.faults import FaultCount, first_touch_ms_per_byte
 from remat.measure.fingerprint import fingerprint
 from remat.measure.ops import OpRecorder
 from remat.measure.overhead import BlockOverheads, capture_block_inputs, measure_overheads
@@ -277,14 +277,11 @@ def _time_step(step: _Step, block_list: Blocks) -> StepTimes:
     clock = Clock(device)
     timer = StepTimer(clock, len(block_list))
     clock.sync()
-    faults = fault_bytes() if device.type == "cpu" else None
-    with StepBoundaries(block_list, step.optimizer, [timer]) as marks:
+    with FaultCount(enabled=device.type == "cpu") as faults, StepBoundaries(block_list, step.optimizer, [timer]) as marks:
         step.run(marks)
     clock.sync()
     times = timer.times()
-    if faults is None:
-        return times
-    return dataclasses.replace(times, fault_bytes=max(0, (fault_bytes() or 0) - faults))
+    return times if faults.bytes is None else dataclasses.replace(times, fault_bytes=faults.bytes)
 
 
 def _time_ops(step: _Step, block_list: Blocks, recorder: OpRecorder) -> None:
