@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from remat.measure.blocks import find_blocks
-from remat.measure.overhead import capture_block_inputs, measure_overheads
+from remat.measure.overhead import capture_block_inputs, measure_checkpoint_call_ms, measure_overheads, uncacheable_share
 from remat.measure.profile import profile
 from remat.measure.timing import Clock
 from remat.models import load_target
@@ -144,6 +144,29 @@ def test_measured_overheads_are_not_negative_and_the_last_run_gives_the_plain_gr
         block(given.args[0].detach(), **given.kwargs).backward(torch.ones(3, 4))
         for got, want in zip(measured, (p.grad for p in block.parameters())):
             assert torch.equal(got, want)
+
+
+def test_measuring_leaves_every_blocks_forward_as_it_was():
+    # the checkpointed runs go through remat's own runtime, installed for each run only
+    torch.manual_seed(0)
+    model, x = _Toy(), torch.randn(3, 4)
+    block_list = find_blocks(model, "blocks.*")
+    inputs = capture_block_inputs(block_list, lambda: model(x))
+    measure_overheads(block_list, inputs, [frozenset({"aten.relu.default#0"})] * 2, repeats=1,
+                      clock=Clock(torch.device("cpu")), uncacheable_shares=[0.25, 0.25])
+    assert all("forward" not in block.__dict__ for _, block in block_list)
+    assert measure_checkpoint_call_ms(torch.device("cpu"), repeats=1, clock=Clock(torch.device("cpu"))) >= 0
+    with pytest.raises(ValueError, match=r"repeats=0 must be an integer >= 1"):
+        measure_checkpoint_call_ms(torch.device("cpu"), repeats=0, clock=Clock(torch.device("cpu")))
+
+
+def test_uncacheable_share_by_hand():
+    calls = [("aten.mm.default", False, 3.0),  # cacheable
+             ("aten.bernoulli_.float", False, 1.0),  # in place: replayed
+             ("aten.empty_like.default", False, 0.5),  # allocation: replayed
+             ("aten.view.default", True, 0.5)]  # a view: free to replay, counted in the total only
+    assert uncacheable_share(calls) == 1.5 / 5.0
+    assert uncacheable_share([]) == 0.0
 
 
 def test_blocks_that_differ_are_measured_apart():

@@ -88,6 +88,11 @@ def test_block_input_output_bytes_and_times(gpt_profile):
     assert all(b.input_bytes == b.output_bytes == activation for b in result.blocks)
     assert all(b.fwd_ms > 0 and b.bwd_ms > 0 for b in result.blocks)
     assert result.step_ms > 0 and result.fixed_fwd_ms >= 0
+    # the parts cover the whole step, scaled to the plain steps' length together with it
+    parts = result.fixed_fwd_ms + result.fixed_bwd_ms + result.optimizer_step_ms
+    assert parts + sum(b.fwd_ms + b.bwd_ms for b in result.blocks) == pytest.approx(result.step_ms, rel=1e-9)
+    # one checkpointed call's own cost: a part of every block's checkpoint overhead
+    assert 0 <= result.checkpoint_call_ms <= min(b.recompute_overhead_ms for b in result.blocks)
     # op times are shares of the block's forward from the timed steps: they add up to it
     for b in result.blocks:
         assert sum(op.time_ms for op in b.ops) == pytest.approx(b.fwd_ms)
@@ -244,6 +249,7 @@ def test_meta_device_profile_equals_cpu_byte_for_byte():
     for f in ("fixed_pre_saved_bytes", "fixed_post_saved_bytes", "fixed_post_bwd_temp_bytes", "peak_bytes", "param_bytes"):
         assert getattr(cpu, f) == getattr(meta, f), f
     assert meta.fingerprint.device == "meta"
+    assert meta.checkpoint_call_ms == 0.0  # nothing runs on meta: nothing measured
 
 
 def test_progress_reports_every_stage():

@@ -7,6 +7,7 @@ profiles) or a recompute segment [a, b); inside a recompute segment the replay i
 sequence of kept blocks and recompute children [c, d) strictly inside [a, b), nested to any depth.
 """
 
+import dataclasses
 import math
 import random
 
@@ -109,6 +110,45 @@ def test_optimal_equals_exhaustive_enumeration(seed):
         _check_against_space(_with_ops(random_profile(rng, rng.randint(2, 4)), rng))
     else:
         _check_against_space(random_profile(rng, rng.randint(2, 5)))
+
+
+def _with_call_cost(prof, rng, call_ms):
+    """Checkpoint overheads per block, of which one checkpointed call's cost is ``call_ms``
+    (paid once per segment, top level or nested)."""
+    blocks = [dataclasses.replace(b, recompute_overhead_ms=call_ms + rng.randint(0, 3) / 4) for b in prof.blocks]
+    return dataclasses.replace(prof, blocks=tuple(blocks), checkpoint_call_ms=call_ms)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_optimal_equals_exhaustive_enumeration_with_a_cost_per_segment(seed):
+    # a segment of k blocks pays the checkpointed call's cost once: the DP charges it per
+    # segment, predict on the segment's first block; both must agree on every layout
+    rng = random.Random(100 + seed)
+    prof = random_profile(rng, rng.randint(2, 5))
+    _check_against_space(_with_call_cost(prof if seed % 2 else _with_ops(prof, rng), rng, 1.5))
+
+
+@pytest.mark.parametrize("num_blocks", [3, 5])
+def test_alike_chain_with_a_cost_per_segment_is_exact(num_blocks):
+    # alike blocks share one replay table in units of block forwards: the segment's cost joins
+    # it as a fraction of a forward (equal forwards: exact)
+    prof = chain(num_blocks, input_bytes=1, saved_bytes=3, param_bytes=2, grad_bytes=2)
+    prof = dataclasses.replace(prof, checkpoint_call_ms=0.75,
+                               blocks=tuple(dataclasses.replace(b, recompute_overhead_ms=1.0) for b in prof.blocks))
+    _check_against_space(prof)
+
+
+def test_segment_cost_is_paid_once_per_segment():
+    prof = chain(3, input_bytes=1, saved_bytes=3)
+    prof = dataclasses.replace(prof, checkpoint_call_ms=0.5,
+                               blocks=tuple(dataclasses.replace(b, recompute_overhead_ms=0.75) for b in prof.blocks))
+    one = (Segment(start=0, stop=3, strategy="recompute"),)
+    each = tuple(Segment(start=i, stop=i + 1, strategy="recompute") for i in range(3))
+    nested = (Segment(start=0, stop=3, strategy="recompute", children=(Segment(start=1, stop=3, strategy="recompute"),)),)
+    # forward 1 ms a block; overhead 0.75 a block, of which 0.5 once per segment
+    assert predict(prof, one).extra_ms == 3 * 1.0 + 0.5 + 3 * 0.25
+    assert predict(prof, each).extra_ms == 3 * (1.0 + 0.75)
+    assert predict(prof, nested).extra_ms == (3 * 1.0 + 0.5 + 3 * 0.25) + (2 * 1.0 + 0.5 + 2 * 0.25)
 
 
 def test_pareto_equals_enumerated_frontier():

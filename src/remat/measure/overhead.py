@@ -20,8 +20,11 @@ them alike), medians over the repeats:
   overhead = selective - plain - plain forward. Plans save a few large ops and replay the many
   small ones, so this is close to what they pay beyond the replayed ops' own time;
 - ``cached``: the same saving every op call that can be cached (the replay fetches them):
-  cache overhead = cached - plain - the selective overhead, what storing and fetching outputs
-  adds; a plan saving a share of the cacheable calls pays that share of it.
+  cache overhead = cached - plain - the selective overhead - the replay of the calls that cannot
+  be cached (random and in-place ops: `uncacheable_share` of the forward), what storing and
+  fetching outputs adds; a plan saving a share of the cacheable calls pays that share of it.
+  (Before the uncacheable replay was taken out, dropout's random numbers counted as the cache's
+  cost: half the built-in GPT block's time, over-predicting its selective plans by 10-16 %.)
 
 On the CPU each run's time is taken less the fresh host memory it faulted in, at the measured
 cost per byte (`remat.measure.faults`): a block run alone faults in memory a step would not, and
@@ -47,13 +50,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.checkpoint import checkpoint
 
 from remat.measure.blocks import Blocks
 from remat.measure.faults import FaultCount
 from remat.measure.timing import Clock
 
-__all__ = ["BlockOverheads", "BlockInputs", "capture_block_inputs", "measure_overheads"]
+__all__ = ["BlockOverheads", "BlockInputs", "capture_block_inputs", "measure_overheads", "uncacheable_share",
+           "measure_checkpoint_call_ms"]
 
 Runner = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]
 
@@ -117,9 +120,12 @@ def _detach(value: Any) -> Any:
 
 
 def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys: Sequence[frozenset[str]], *,
-                      repeats: int, clock: Clock, touch_ms_per_byte: float = 0.0) -> tuple[BlockOverheads, ...]:
+                      repeats: int, clock: Clock, touch_ms_per_byte: float = 0.0,
+                      uncacheable_shares: Sequence[float] | None = None) -> tuple[BlockOverheads, ...]:
     """Overheads of every block (``inputs`` from `capture_block_inputs`; ``op_keys[i]``: the
-    `remat.measure.types.OpRecord` keys of block i's forward): one untimed warm-up repeat, then
+    `remat.measure.types.OpRecord` keys of block i's forward; ``uncacheable_shares[i]``: the share
+    of its forward's op time in calls that cannot be cached, replayed even when every other call
+    is: `uncacheable_share`): one untimed warm-up repeat, then
     ``repeats`` timed ones. Alike blocks (same class, op calls, parameter and input shapes: the
     layers of a transformer) share one measurement, its repeats taken in turn on each of them,
     ``repeats + number of alike blocks - 1`` of them: every block runs at least once."""
@@ -131,7 +137,9 @@ def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys
     found: dict[int, BlockOverheads] = {}
     for members in groups.values():
         runs = [(block_list[i][1], inputs[i]) for i in members]
-        shared = _group_overheads(runs, op_keys[members[0]], repeats + len(runs) - 1, clock, touch_ms_per_byte)
+        uncacheable = uncacheable_shares[members[0]] if uncacheable_shares is not None else 0.0
+        shared = _group_overheads(runs, op_keys[members[0]], repeats + len(runs) - 1, clock, touch_ms_per_byte,
+                                  uncacheable)
         found.update((i, shared) for i in members)
     return tuple(found[i] for i in range(len(block_list)))
 
@@ -145,11 +153,13 @@ def _alike_key(module: nn.Module, inputs: BlockInputs, op_keys: frozenset[str]) 
 
 
 def _group_overheads(runs: list[tuple[nn.Module, BlockInputs]], op_keys: frozenset[str], repeats: int,
-                     clock: Clock, touch_ms_per_byte: float = 0.0) -> BlockOverheads:
+                     clock: Clock, touch_ms_per_byte: float = 0.0, uncacheable: float = 0.0) -> BlockOverheads:
     """Repeat r runs on ``runs[(r - 1) % len(runs)]``; repeat 0 (on the first) warms up. Each
     run's time is less the fresh host memory it faulted in (``touch_ms_per_byte`` per byte):
     a block run alone faults in what a step would not, and the step's faults are modelled
-    from its peak (`remat.plan.predict.fresh_memory`)."""
+    from its peak (`remat.plan.predict.fresh_memory`). The cached run still replays the calls
+    that cannot be cached (``uncacheable``: their share of the forward), which the planner
+    prices as replayed ops: they are not the cache's cost."""
     selective, recompute, cache = [], [], []
     for rep in range(repeats + 1):
         module, inputs = runs[max(rep - 1, 0) % len(runs)]
@@ -160,7 +170,7 @@ def _group_overheads(runs: list[tuple[nn.Module, BlockInputs]], op_keys: frozens
         if rep > 0 and plain_ms > 0:
             selective.append((selective_ms - plain_ms - fwd_ms) / plain_ms)
             recompute.append((full_ms - plain_ms - fwd_ms) / plain_ms)
-            cache.append((cached_ms - selective_ms + fwd_ms) / plain_ms)
+            cache.append((cached_ms - selective_ms + (1.0 - uncacheable) * fwd_ms) / plain_ms)
     if not selective:  # a block too fast for the clock: nothing to charge
         return BlockOverheads(selective_share=0.0, recompute_share=0.0, selective_cache_share=0.0)
     return BlockOverheads(
@@ -168,6 +178,47 @@ def _group_overheads(runs: list[tuple[nn.Module, BlockInputs]], op_keys: frozens
         recompute_share=max(statistics.median(recompute), 0.0),
         selective_cache_share=max(statistics.median(cache), 0.0),
     )
+
+
+class _Twice(nn.Module):
+    """The least a checkpointed call can run: one op that saves nothing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def measure_checkpoint_call_ms(device: torch.device, *, repeats: int, clock: Clock,
+                               touch_ms_per_byte: float = 0.0) -> float:
+    """What one checkpointed call costs beyond its replay whatever it runs: a one-element
+    multiply run plainly and checkpointed as `remat.apply` runs it (``10 * repeats`` pairs,
+    at least 25, after one warm-up pair; median of the differences, never negative). A segment
+    of k blocks pays it once where k one-block segments pay it k times: on the built-in MLP's
+    0.2 ms blocks 0.16-0.28 ms of their 0.3-0.5 ms checkpoint overhead, which made √N plans
+    cost 15 points of overhead less than full recomputation."""
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed repeats; the median is kept).")
+    module = _Twice()
+    inputs = BlockInputs(args=(torch.ones(1, device=device, requires_grad=True),), kwargs={})
+    found = []
+    for rep in range(max(25, 10 * repeats) + 1):
+        fwd_ms, plain_ms = _timed_run(module, inputs, _plain, clock, touch_ms_per_byte)
+        full_ms = _timed_run(module, inputs, _full, clock, touch_ms_per_byte)[1]
+        if rep > 0:
+            found.append(full_ms - plain_ms - fwd_ms)
+    return max(statistics.median(found), 0.0)
+
+
+def uncacheable_share(calls: Sequence[tuple[str, bool, float]]) -> float:
+    """Share of a forward's op time (``calls``: ``(aten overload name, is a view, ms)`` per call)
+    in the calls selective checkpointing replays even when it caches every call it can
+    (`remat.plan.policies.cacheable`: random and in-place ops, dropout's above all); views cost
+    nothing to replay and are not counted."""
+    from remat.plan.policies import cacheable  # plan builds on measure: import on use
+
+    total = sum(ms for _, _, ms in calls)
+    if total <= 0:
+        return 0.0
+    return sum(ms for name, view, ms in calls if not view and not cacheable(name)) / total
 
 
 def _timed_run(module: nn.Module, inputs: BlockInputs, runner: Runner, clock: Clock,
@@ -195,15 +246,33 @@ def _plain(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return module(*args, **kwargs)
 
 
-def _full(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], **options: Any) -> Any:
-    return checkpoint(lambda *a: module(*a, **kwargs), *args, use_reentrant=False, preserve_rng_state=True, **options)
+def _full(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Plain checkpointing as `remat.apply` runs it (the same runtime and handler)."""
+    return _applied(module, args, kwargs, strategy="recompute")
 
 
 def _selective(saved_ops: frozenset[str]) -> Runner:
     """Selective checkpointing as `remat.apply` runs it, saving ``saved_ops`` (those cacheable)."""
-    from remat.apply.selective import selective_context  # apply builds on measure: import on use
 
     def run(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return _full(module, args, kwargs, context_fn=lambda: selective_context(saved_ops))
+        return _applied(module, args, kwargs, strategy="selective", saved_ops=tuple(sorted(saved_ops)))
 
     return run
+
+
+def _applied(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], **segment: Any) -> Any:
+    """Call ``module`` with a one-block plan of ``segment`` applied through `remat.apply`'s own
+    runtime and strategy handlers: the overhead measured is the one a planned step pays (the
+    runtime's bookkeeping is 0.06-0.1 ms a block on the built-in MLP, a third of checkpointing's
+    own), removed before returning."""
+    from remat.apply.runtime import Runtime  # apply builds on measure: import on use
+    from remat.apply.strategies import HANDLERS
+    from remat.plan.types import Segment
+
+    runtime = Runtime(blocks=[module], block_names=(type(module).__name__,),
+                      segments=(Segment(start=0, stop=1, **segment),), handlers=HANDLERS, options={})
+    runtime.install()
+    try:
+        return module(*args, **kwargs)
+    finally:
+        runtime.uninstall()

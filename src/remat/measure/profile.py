@@ -2,8 +2,10 @@
 
 One call runs ``max(warmup, 1)`` plain steps (so optimizer state exists), one *accounting*
 step under the live-storage tracker, the saved-tensor accountant and the op recorder, then
-``repeats`` timed steps and ``repeats - 1`` more forwards for per-op times, then each block
-alone, plain and checkpointed, for the checkpointing overheads (`remat.measure.overhead`). A step is
+``repeats`` timed steps (each after a plain one, timed whole: the parts are scaled to the plain
+steps' median, `remat.measure.timing.without_instrumentation`) and ``repeats - 1`` more forwards
+for per-op times, then each block alone, plain and checkpointed, for the checkpointing overheads
+(`remat.measure.overhead`). A step is
 ``zero_grad(set_to_none=True)``, forward, loss, ``loss.backward()``, ``optimizer.step()``.
 Parameters, buffers, gradients, optimizer state and the RNG state are restored afterwards.
 
@@ -33,10 +35,10 @@ whose backward accumulates them first).
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import platform
 import socket
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,11 +52,12 @@ from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.faults import FaultCount, first_touch_ms_per_byte
 from remat.measure.fingerprint import fingerprint
 from remat.measure.ops import OpRecorder
-from remat.measure.overhead import BlockOverheads, capture_block_inputs, measure_overheads
+from remat.measure.overhead import (BlockOverheads, capture_block_inputs, measure_checkpoint_call_ms, measure_overheads,
+                                    uncacheable_share)
 from remat.measure.saved import POST, PRE, SavedAccountant
 from remat.measure.storage import distinct_bytes
 from remat.measure.state import StateSnapshot, buffer_bytes, grad_bytes, optimizer_state_bytes, param_bytes
-from remat.measure.timing import Clock, StepTimer, StepTimes, median_times
+from remat.measure.timing import Clock, StepTimer, StepTimes, median_times, without_instrumentation
 from remat.measure.tracker import ACT_PREFIX, LiveTracker, StepTracking
 from remat.measure.types import BlockProfile, Environment, OpRecord, Profile
 
@@ -134,18 +137,23 @@ def _measure(step: _Step, block_list: Blocks, warmup: int, repeats: int, progres
         report("warm-up step")
     memory = _account(step, block_list)
     report("accounting step")
-    times = []
+    times, plain = [], []
     for _ in range(repeats):
+        plain.append(_time_plain_step(step))
         times.append(_time_step(step, block_list))
         report("timed step")
     for _ in range(repeats - 1):
         _time_ops(step, block_list, memory.recorder)
         report("op timing forward")
-    steps = median_times(times)
+    steps = without_instrumentation(median_times(times), statistics.median(plain))
     device = model_device(step.model)
     touch = first_touch_ms_per_byte(device) if steps.fault_bytes else 0.0
     overheads = _overheads(step, block_list, memory.recorder, repeats, touch)
-    return _assemble(step, block_list, memory, steps, overheads, touch)
+    call_ms = 0.0 if device.type == "meta" else measure_checkpoint_call_ms(
+        device, repeats=repeats, clock=Clock(device), touch_ms_per_byte=touch)
+    prof = _assemble(step, block_list, memory, steps, overheads, touch)
+    least = min((b.recompute_overhead_ms for b in prof.blocks), default=0.0)
+    return dataclasses.replace(prof, checkpoint_call_ms=min(call_ms, least))
 
 
 class _Reporter:
@@ -284,6 +292,17 @@ def _time_step(step: _Step, block_list: Blocks) -> StepTimes:
     return times if faults.bytes is None else dataclasses.replace(times, fault_bytes=faults.bytes)
 
 
+def _time_plain_step(step: _Step) -> float:
+    """Milliseconds of one step without the boundary hooks (what a trained model spends)."""
+    clock = Clock(model_device(step.model))
+    clock.sync()
+    start = clock.mark()
+    step.run()
+    end = clock.mark()
+    clock.sync()
+    return clock.elapsed_ms(start, end)
+
+
 def _time_ops(step: _Step, block_list: Blocks, recorder: OpRecorder) -> None:
     """One more forward under the same recorder, for a median time per op call."""
     accountant = SavedAccountant(block_list)
@@ -303,8 +322,10 @@ def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: i
         return tuple(BlockOverheads(selective_share=0.0, recompute_share=0.0, selective_cache_share=0.0) for _ in block_list)
     inputs = capture_block_inputs(block_list, step.forward)
     keys = [frozenset(call.key for call in recorder.calls.get(name, [])) for name, _ in block_list]
+    uncacheable = [uncacheable_share([(c.name, c.is_view, statistics.median(c.times_s) if c.times_s else 0.0)
+                                      for c in recorder.calls.get(name, [])]) for name, _ in block_list]
     return measure_overheads(block_list, inputs, keys, repeats=repeats, clock=Clock(device),
-                             touch_ms_per_byte=touch_ms_per_byte)
+                             touch_ms_per_byte=touch_ms_per_byte, uncacheable_shares=uncacheable)
 
 
 def _assemble(step: _Step, block_list: Blocks, memory: _Accounting, times: StepTimes,

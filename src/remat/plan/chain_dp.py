@@ -90,7 +90,7 @@ class ChainBlock:
     working_slots: int
     """Needed by its own backward."""
     fwd_ms: float
-    """One replay."""
+    """One replay (less `ChainProblem.segment_ms`, which a segment pays once)."""
     options: tuple[BlockOption, ...]
     """Top-level options (keep first)."""
     grad_slots: int = 0
@@ -121,6 +121,16 @@ class ChainProblem:
     max_segment_blocks: int | None = None
     """Longest recompute segment (top level or nested) the DP considers; None: any length.
     Below the number of blocks the search space is smaller and the result is not optimal."""
+    segment_ms: float = 0.0
+    """Paid once per recompute segment, top level or nested (one checkpointed call's own cost:
+    `remat.measure.types.Profile.checkpoint_call_ms`), on top of its blocks' ``fwd_ms``."""
+
+    def segment_units(self) -> float:
+        """`segment_ms` in the shared replay tables' unit (replayed block forwards): at the
+        slowest block's forward, so that scaled by a region's least forward it never exceeds
+        `segment_ms` (the tables stay a lower bound; exact when the forwards are equal)."""
+        slowest = max((b.fwd_ms for b in self.blocks), default=0.0)
+        return self.segment_ms / slowest if slowest > 0 else 0.0
 
     def segment_limit(self) -> int:
         n = len(self.blocks)
@@ -196,7 +206,7 @@ class ChainSolution:
         if element.option is not None:
             options = self.problem.blocks[element.start].options
             return next(o.extra_ms for o in options if o.label == element.option) if top else 0.0
-        forward = float(self._fwd_prefix[element.stop] - self._fwd_prefix[element.start])
+        forward = float(self._fwd_prefix[element.stop] - self._fwd_prefix[element.start]) + self.problem.segment_ms
         return forward + sum(self._element_ms(c, top=False) for c in element.children)
 
     def gap_ms(self, m: int) -> float:
@@ -259,7 +269,7 @@ class ChainSolution:
         js = np.arange(1, min(n - a, self.problem.segment_limit()) + 1)
         rest = self._at(self.top[a + js], m - block.input_slots + (gp[a + js] - gp[a]))
         inner = self._segment_inner(a, js, m)
-        seg_cost = (self._fwd_prefix[a + js] - self._fwd_prefix[a]) + inner + rest
+        seg_cost = (self._fwd_prefix[a + js] - self._fwd_prefix[a]) + self.problem.segment_ms + inner + rest
         k = int(np.argmin(np.concatenate([opt_cost, seg_cost])))
         return -(k + 1) if k < len(opts) else k - len(opts) + 1
 
@@ -283,7 +293,7 @@ class ChainSolution:
             keep[:] = _INF
         js = np.arange(1, length)
         rest = self._at(table[length - js], m - block.input_slots + js * block.grad_slots)
-        children = rest + self._at(table[js], np.full(js.size, m)) + js
+        children = rest + self._at(table[js], np.full(js.size, m)) + js + self.problem.segment_units()
         return int(np.argmin(np.concatenate([keep, children])))
 
 
@@ -391,7 +401,7 @@ def _inner_alike(problem: ChainProblem, frame: _Frame):
     """Inner tables for blocks alike in slots, in replayed block forwards (not ms): one row per
     length, all first children at once."""
     n, width = problem.segment_limit(), frame.width
-    block = problem.blocks[0]
+    block, units = problem.blocks[0], problem.segment_units()
     table = np.zeros((n + 1, width))
     stacked = np.empty((n, width))
     js = np.arange(1, n)
@@ -403,7 +413,7 @@ def _inner_alike(problem: ChainProblem, frame: _Frame):
         else:
             children[:] = _shift(table[length - 1 : 0 : -1], block.input_slots - js[: length - 1] * block.grad_slots)
         children += table[1:length]
-        children += js[: length - 1, None]
+        children += js[: length - 1, None] + units
         np.min(stacked[:length], axis=0, out=table[length])
     return _Rows(table), None
 
@@ -454,7 +464,7 @@ def _inner_general(problem: ChainProblem, frame: _Frame):
         for j in range(1, length):
             fwd = (prefix[j : j + rows] - prefix[:rows])[:, None]
             held = inputs[:rows] - (gp[j : j + rows] - gp[:rows])
-            cand = fwd + inner[j][:rows] + _shift(inner[length - j][j : j + rows], held)
+            cand = fwd + problem.segment_ms + inner[j][:rows] + _shift(inner[length - j][j : j + rows], held)
             better = cand < best
             best, pick = np.where(better, cand, best), np.where(better, j, pick)
         inner.append(best)
@@ -481,7 +491,7 @@ def _top(problem: ChainProblem, frame: _Frame, inner, alike: bool):
         else:
             seg_inner = np.stack([inner[j][a] for j in js])
         rest = _shift(top[a + 1 : a + longest + 1], block.input_slots - (gp[a + js] - gp[a]))
-        seg_cost = (prefix[a + js] - prefix[a])[:, None] + seg_inner + rest
+        seg_cost = (prefix[a + js] - prefix[a])[:, None] + problem.segment_ms + seg_inner + rest
         np.minimum(opt_cost.min(axis=0), seg_cost.min(axis=0), out=top[a])
     return top
 

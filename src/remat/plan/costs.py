@@ -149,13 +149,15 @@ def _keep(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
 @register_cost("recompute")
 def _recompute(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
     """One replay of the block plus the checkpoint's own overhead (hooks, RNG state: measured
-    in `remat.measure.overhead`); only the segment's first block holds something (its input)."""
+    in `remat.measure.overhead`), of which the segment's first block alone pays the part one
+    checkpointed call costs (`Profile.checkpoint_call_ms`); only the segment's first block holds
+    something (its input)."""
     block = profile.blocks[block_index]
-    retained = block.input_bytes if block_index == segment.start else 0
+    first = block_index == segment.start
     return BlockCost(
-        retained_bytes=retained,
+        retained_bytes=block.input_bytes if first else 0,
         working_bytes=replay_working_bytes(block),
-        extra_ms=block.fwd_ms + block.recompute_overhead_ms,
+        extra_ms=block.fwd_ms + block.recompute_overhead_ms - (0.0 if first else profile.checkpoint_call_ms),
         extra_flops=block.fwd_flops,
     )
 

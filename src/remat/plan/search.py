@@ -280,7 +280,9 @@ class OptimalSearch:
             grad = self.profile.blocks[i].grad_bytes
             replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
             held = (options.retained_bytes - grad).tolist() + [-grad]
-            rows.append(list(zip(held, options.extra_ms.tolist() + [replay.extra_ms])))
+            # in a long segment a block pays no checkpointed call of its own: a lower bound
+            relaxed = replay.extra_ms - self.profile.checkpoint_call_ms
+            rows.append(list(zip(held, options.extra_ms.tolist() + [relaxed])))
         width = max(len(r) for r in rows)
         held = np.zeros((len(rows), width))
         ms = np.full((len(rows), width), np.inf)
@@ -386,8 +388,8 @@ class OptimalSearch:
         problem = self._problem(quantum, (allowance - _block_phase_grads(self.profile)) // quantum)
         problem = dataclasses.replace(problem, max_segment_blocks=longest)
         if to_keep_all:
-            problem = ChainProblem(blocks=problem.blocks, post_slots=problem.post_slots,
-                                   capacity_slots=max(problem.capacity_slots, _keep_all_slots(problem)))
+            problem = dataclasses.replace(problem, max_segment_blocks=None,
+                                          capacity_slots=max(problem.capacity_slots, _keep_all_slots(problem)))
         return solve_chain(problem), quantum
 
     def _segment_limit(self, allowance: int) -> int | None:
@@ -440,7 +442,8 @@ class OptimalSearch:
         block_grads = sum(b.grad_bytes for b in self.profile.blocks)
         head = _head_bytes(self.profile) + block_grads - _block_phase_grads(self.profile)
         post = head // quantum if relax else _ceil(head, quantum)
-        return ChainProblem(blocks=blocks, post_slots=post, capacity_slots=capacity)
+        return ChainProblem(blocks=blocks, post_slots=post, capacity_slots=capacity,
+                            segment_ms=self.profile.checkpoint_call_ms)
 
     def _class_chain_blocks(self, group: _Class, rows: list[int], quantum: int, relax: bool) -> list[ChainBlock]:
         """Chain blocks of a structure class's rows (blocks without offload options): the slot
@@ -473,7 +476,7 @@ class OptimalSearch:
             input_slots=need(replay.retained_bytes, quantum),
             saved_slots=need(keep.retained_bytes, quantum),
             working_slots=need(replay_working_bytes(self.profile.blocks[i]), quantum),
-            fwd_ms=replay.extra_ms,
+            fwd_ms=replay.extra_ms - self.profile.checkpoint_call_ms,  # the segment pays that once
             options=options,
             grad_slots=grad(self.profile.blocks[i].grad_bytes, quantum),
         )
