@@ -134,7 +134,7 @@ def test_measured_overheads_are_not_negative_and_the_last_run_gives_the_plain_gr
     keys = [frozenset({"aten.addmm.default#0", "aten.relu.default#0", "aten.mul.Tensor#0"})] * 2
     found = measure_overheads(block_list, inputs, keys, repeats=2, clock=Clock(torch.device("cpu")))
     assert len(found) == 2 and found[0] is found[1]  # alike blocks share one measurement
-    assert all(min(o.selective_share, o.recompute_share, o.selective_cache_share) >= 0 for o in found)
+    assert all(min(o.selective_ms, o.recompute_ms, o.selective_cache_ms) >= 0 for o in found)
     # The last run of each block saved every op, gradients unset before it: they equal a
     # plain forward and backward with ones as the output gradient.
     for (_, block), given in zip(block_list, inputs):

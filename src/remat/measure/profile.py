@@ -137,17 +137,19 @@ def _measure(step: _Step, block_list: Blocks, warmup: int, repeats: int, progres
         report("warm-up step")
     memory = _account(step, block_list)
     report("accounting step")
-    times, plain = [], []
+    device = model_device(step.model)
+    times, plain, probes = [], [], []
     for _ in range(repeats):
         plain.append(_time_plain_step(step))
         times.append(_time_step(step, block_list))
+        # the cost of a fault probed beside each timed step: a burst of load slows a few probes
+        probes.append(first_touch_ms_per_byte(device, repeats=1))
         report("timed step")
     for _ in range(repeats - 1):
         _time_ops(step, block_list, memory.recorder)
         report("op timing forward")
     steps = without_instrumentation(median_times(times), statistics.median(plain))
-    device = model_device(step.model)
-    touch = first_touch_ms_per_byte(device) if steps.fault_bytes else 0.0
+    touch = statistics.median(probes) if steps.fault_bytes else 0.0
     overheads = _overheads(step, block_list, memory.recorder, repeats, touch)
     call_ms = 0.0 if device.type == "meta" else measure_checkpoint_call_ms(
         device, repeats=repeats, clock=Clock(device), touch_ms_per_byte=touch)
@@ -319,7 +321,7 @@ def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: i
     where nothing runs and there is no time to measure."""
     device = model_device(step.model)
     if device.type == "meta":
-        return tuple(BlockOverheads(selective_share=0.0, recompute_share=0.0, selective_cache_share=0.0) for _ in block_list)
+        return tuple(BlockOverheads(selective_ms=0.0, recompute_ms=0.0, selective_cache_ms=0.0) for _ in block_list)
     inputs = capture_block_inputs(block_list, step.forward)
     keys = [frozenset(call.key for call in recorder.calls.get(name, [])) for name, _ in block_list]
     uncacheable = [uncacheable_share([(c.name, c.is_view, statistics.median(c.times_s) if c.times_s else 0.0)
@@ -374,7 +376,7 @@ def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes,
             bwd_free_points=memory.windows.block_free_points[i],
             output_grad_bytes=memory.output_bytes.get(name, 0),
             bwd_free_order=memory.windows.block_free_order[i],
-            **_overhead_ms(overheads[i], times.block_fwd_ms[i] + times.block_bwd_ms[i]),
+            **_overhead_ms(overheads[i]),
         )
         for i, (name, module) in enumerate(block_list)
     )
@@ -390,12 +392,12 @@ def _scaled_times(ops: tuple[OpRecord, ...], fwd_ms: float) -> tuple[OpRecord, .
     return tuple(dataclasses.replace(op, time_ms=op.time_ms * fwd_ms / total) for op in ops)
 
 
-def _overhead_ms(overheads: BlockOverheads, block_ms: float) -> dict[str, float]:
-    """The `BlockProfile` overhead fields: shares of the block's forward + backward time."""
+def _overhead_ms(overheads: BlockOverheads) -> dict[str, float]:
+    """The `BlockProfile` overhead fields."""
     return {
-        "selective_overhead_ms": overheads.selective_share * block_ms,
-        "recompute_overhead_ms": overheads.recompute_share * block_ms,
-        "selective_cache_overhead_ms": overheads.selective_cache_share * block_ms,
+        "selective_overhead_ms": overheads.selective_ms,
+        "recompute_overhead_ms": overheads.recompute_ms,
+        "selective_cache_overhead_ms": overheads.selective_cache_ms,
     }
 
 
