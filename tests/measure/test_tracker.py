@@ -125,6 +125,3 @@ def test_window_records_the_free_order_of_a_watched_label():
         peak = tracker.close_window()
     assert peak == 140
     assert [nbytes for _, nbytes in tracker.window_freed()] == [80, 40]
-    # moments (frees so far, value) that no other beats in both: (1, 140) and, after the second
-    # free, (2, 100); (0, 100) is beaten by (1, 140)
-    assert tracker.window_points() == ((1, 140), (2, 100))

@@ -98,27 +98,34 @@ def test_unknown_op_is_an_error():
         selective_saved_bytes(BLOCK, ("aten.mm.default#0",))
 
 
-def test_selective_working_set_from_the_measured_free_order():
-    # The plain backward freed storages 3, 1, 2 (64 B each), 4 (16 B) and an input's (-1, 16 B),
-    # in that order; its temporaries were 20 B before any free, 90 B after two (the peak), and
-    # 10 B after four. Saved 300, forward temporaries 30, output gradient 16.
-    blk = replace(BLOCK, bwd_temp_bytes=90, fwd_temp_bytes=30, output_grad_bytes=16,
-                  bwd_free_order=((3, 64), (1, 64), (2, 64), (4, 16), (-1, 16)),
-                  bwd_free_points=((0, 20), (2, 90), (4, 10)))
+def test_selective_working_set_from_the_forward_curve():
+    # The plain forward's live bytes after each call (beyond the block's start): the bmm's 64 B,
+    # a peak of 256 during the dropout, 216 at the end. Autograd saves storages 3, 1, 2, 4 (the
+    # backward's free order), not the bmm's (0) nor layer_norm's mean and rstd (5, 6). Saved 240,
+    # forward temporaries 16 (240 + 16 = the curve's 256), output gradient 16, backward
+    # temporaries 20, input 16.
+    blk = replace(BLOCK, saved_bytes=240, bwd_temp_bytes=20, fwd_temp_bytes=16, output_grad_bytes=16,
+                  fwd_live_bytes=(64, 64, 192, 256, 256, 256, 192, 192, 216),
+                  bwd_free_order=((3, 64), (1, 64), (2, 64), (4, 16), (-1, 16)))
     prof = profile([blk])
 
-    def working(keys):
-        return cost_of(prof, 0, Segment(start=0, stop=1, strategy="selective:x", saved_ops=keys)).working_bytes
+    def working(keys, block_profile=prof):
+        segment = Segment(start=0, stop=1, strategy="selective:x", saved_ops=keys)
+        return cost_of(block_profile, 0, segment).working_bytes
 
-    # Caching mul (storage 3, freed first): alive at the peak, 90 + 64 = 154; before the peak
-    # the replay held nothing unsaved: 30 + 16 = 46. Working 300 + 154 = 454.
-    assert working(("aten.mul.Tensor#0",)) == 454
-    # Caching layer_norm (storages 4, 5, 6: only 4, freed fourth, is saved): at the peak nothing
-    # of it is freed yet (90); after four frees 10 + 16 = 26; the replay holds 5 and 6 (8 B)
-    # until it fetches them: 30 + 16 + 8 = 54. Working 300 + 90 = 390.
-    assert working(("aten.native_layer_norm.default#0",)) == 390
-    # Caching bmm (storage 0, never saved: a plain forward frees it): the replay holds its 64 B on
-    # top of its own peak, 30 + 16 + 64 = 110 > 90. Working 300 + 110 = 410.
-    assert working(("aten.bmm.default#0",)) == 410
-    # Nothing cached: the replay's working set, 300 + max(90, 30 + 16) = 390.
-    assert working(()) == 390 == replay_working_bytes(blk)
+    # Nothing cached: the replay's own working set, 240 + max(20, 16 + 16) = 272.
+    assert working(()) == 272 == replay_working_bytes(blk)
+    # Caching mul (storage 3, made by call 6): during the dropout (calls 3-5) the replay holds it
+    # on top of the curve's 256: a rise of 64, 240 + 16 + 16 + 64 = 336.
+    assert working(("aten.mul.Tensor#0",)) == 336
+    # Caching layer_norm (storages 4, 5, 6: 24 B, made by the last call): a rise of 24, 296; its
+    # forward holds mean and rstd (8 B autograd would not keep) at the end, 16 + 216 + 8 = 240.
+    assert working(("aten.native_layer_norm.default#0",)) == 296
+    # Caching bmm (storage 0, made by the first call, never saved): the replay fetches it at once
+    # (no rise, 272), but the forward keeps it through the dropout: 16 + 256 + 64 = 336.
+    assert working(("aten.bmm.default#0",)) == 336
+    # bmm and layer_norm: replay 240 + 32 + 24 = 296; forward 16 + 256 + 64 = 336.
+    both = ("aten.bmm.default#0", "aten.native_layer_norm.default#0")
+    assert working(both) == 336
+    # A profile without the curve: the replay's working set plus every cached byte, 272 + 88.
+    assert working(both, profile([replace(blk, fwd_live_bytes=())])) == 360

@@ -65,7 +65,7 @@ def test_structure_classes_ignore_times_only():
     blocks[2] = replace(blocks[2], input_bytes=32)  # bytes differ: its own class
     blocks[3] = replace(blocks[3], recompute_overhead_ms=5.0, bwd_ms=9.0)  # times only: alike
     assert structure_classes(profile(blocks)) == [[0, 1, 3], [2]]
-    blocks[1] = replace(blocks[1], bwd_free_points=((0, 4),))  # its backward frees differently
+    blocks[1] = replace(blocks[1], fwd_live_bytes=(4,) * len(blocks[1].ops))  # its forward lives differently
     assert structure_classes(profile(blocks)) == [[0, 3], [1], [2]]
 
 

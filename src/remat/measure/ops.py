@@ -45,6 +45,8 @@ class _Call:
     storage_ids: tuple[int, ...] = ()
     storage_bytes: tuple[int, ...] = ()
     times_s: list[float] = field(default_factory=list)
+    live_after: int = 0
+    """``live_bytes()`` once the call's outputs exist (0 without a ``live_bytes``)."""
 
 
 class OpRecorder(TorchDispatchMode):
@@ -55,9 +57,13 @@ class OpRecorder(TorchDispatchMode):
     of every run after the first must match the first run's keys.
     """
 
-    def __init__(self, segment_of: Callable[[], str], sync: Callable[[], None] | None = None) -> None:
+    def __init__(self, segment_of: Callable[[], str], sync: Callable[[], None] | None = None,
+                 live_bytes: Callable[[], int] | None = None) -> None:
         super().__init__()
         self.segment_of = segment_of
+        self.live_bytes = live_bytes
+        """Bytes live on the device (the accounting step's tracker), read at each call of the
+        first run: the forward's live curve (`remat.measure.types.BlockProfile.fwd_live_bytes`)."""
         self.enabled = True
         self._sync = sync
         self.calls: dict[str, list[_Call]] = defaultdict(list)
@@ -109,6 +115,8 @@ class OpRecorder(TorchDispatchMode):
             is_random=torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()),
             is_view=bool(getattr(func, "is_view", False)), storage_ids=ids, storage_bytes=nbytes,
             times_s=[elapsed_s],
+            # the tracker is the outer mode: it adds this call's outputs after the call returns
+            live_after=self.live_bytes() + sum(new.values()) if self.live_bytes is not None else 0,
         ))
 
     def _output_storages(self, segment: str, new: dict[int, int], out: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -178,11 +178,11 @@ class _Windows:
         self.names = block_names
         self.accountant = accountant
         self.block_temp_bytes = [0] * len(block_names)
-        self.block_free_points: list[tuple[tuple[int, int], ...]] = [()] * len(block_names)
         self.block_free_order: list[tuple[tuple[int, int], ...]] = [()] * len(block_names)
         self.storage_id: Callable[[int, str], int] = lambda key, segment: -1
         """Block-local storage id (`remat.measure.types.OpRecord.storage_ids`) of a storage key."""
         self.block_fwd_temp_bytes = [0] * len(block_names)
+        self.block_fwd_start_bytes = [0] * len(block_names)
         self.post_temp_bytes = 0
         self.optimizer_temp_bytes = 0
         self.grads_at_first_block_bytes = 0  # gradients live when block 0's backward starts
@@ -191,6 +191,7 @@ class _Windows:
 
     def __call__(self, event: Boundary) -> None:
         if event.kind == "fwd_start":
+            self.block_fwd_start_bytes[event.index] = self.tracker.live_bytes
             self.tracker.open_window(offset_bytes=self.tracker.live_bytes)
         elif event.kind == "fwd_end":
             own = self.accountant.segment_bytes(self.names[event.index])
@@ -228,7 +229,6 @@ class _Windows:
             self.post_temp_bytes = peak
         else:
             self.block_temp_bytes[self._open] = peak
-            self.block_free_points[self._open] = self.tracker.window_points()
             own = self.names[self._open]
             self.block_free_order[self._open] = tuple(
                 (self.storage_id(key, own), nbytes) for key, nbytes in self.tracker.window_freed())
@@ -267,7 +267,8 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
     names = [name for name, _ in block_list]
     tracking = StepTracking(step.model, optimizer=step.optimizer, blocks=block_list, batch=step.batch)
     windows = _Windows(tracking.tracker, names, tracking.accountant)
-    recorder = OpRecorder(lambda: tracking.accountant.segment, sync=Clock(model_device(step.model)).sync)
+    recorder = OpRecorder(lambda: tracking.accountant.segment, sync=Clock(model_device(step.model)).sync,
+                          live_bytes=lambda: tracking.tracker.live_bytes)
     windows.storage_id = recorder.storage_id
     tracking.boundaries.listeners += [windows, _ForwardGate(recorder)]
     with recorder, tracking:
@@ -373,9 +374,10 @@ def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes,
             ops=_scaled_times(memory.recorder.records(name, saved_by_call), times.block_fwd_ms[i]),
             grad_bytes=distinct_bytes(p.grad for p in module.parameters() if p.grad is not None),
             fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i],
-            bwd_free_points=memory.windows.block_free_points[i],
             output_grad_bytes=memory.output_bytes.get(name, 0),
             bwd_free_order=memory.windows.block_free_order[i],
+            fwd_live_bytes=tuple(max(0, c.live_after - memory.windows.block_fwd_start_bytes[i])
+                                 for c in memory.recorder.calls.get(name, [])),
             **_overhead_ms(overheads[i]),
         )
         for i, (name, module) in enumerate(block_list)

@@ -116,14 +116,13 @@ class LiveTracker(TorchDispatchMode):
     def open_window(self, excluded_labels: Iterable[str] = (), offset_bytes: int = 0,
                     watch_label: str | None = None) -> None:
         """Start measuring the peak of live bytes minus the bytes now under ``excluded_labels``
-        minus a constant ``offset_bytes``; with ``watch_label``, also the moments that could set
-        that peak had some storages freed under that label stayed alive (`window_points`)."""
+        minus a constant ``offset_bytes``; with ``watch_label``, also the order in which storages
+        under that label are freed (`window_freed`)."""
         self._window = frozenset(excluded_labels)
         self._window_excluded = offset_bytes + sum(self.live_by_label.get(label, 0) for label in self._window)
         self._window_peak = self.live_bytes - self._window_excluded
         self._watch = watch_label
         self._watch_freed = []
-        self._watch_points = [(0, self._window_peak)] if watch_label else []
 
     def close_window(self) -> int:
         """End the window; its peak."""
@@ -134,17 +133,6 @@ class LiveTracker(TorchDispatchMode):
         """Of the last window with a watched label: ``(storage key, bytes)`` of the storages freed
         under that label, in the order they were freed."""
         return tuple(self._watch_freed)
-
-    def window_points(self) -> tuple[tuple[int, int], ...]:
-        """Of the last window with a watched label: ``(storages freed under it so far, window
-        value then)`` at the moments no other moment beats in both: had a set of those storages
-        stayed alive, the window's peak would be the largest value plus the bytes of the set
-        among the first freed ones (`window_freed`), over these moments."""
-        out: list[tuple[int, int]] = []
-        for freed, value in sorted(self._watch_points, key=lambda p: (-p[0], -p[1])):
-            if not out or value > out[-1][1]:
-                out.append((freed, value))
-        return tuple(sorted(out))
 
     # ---- dispatch ---------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -196,8 +184,6 @@ class LiveTracker(TorchDispatchMode):
                 self._window_excluded += delta
             value = self.live_bytes - self._window_excluded
             self._window_peak = max(self._window_peak, value)
-            if self._watch is not None and (delta > 0 or label == self._watch):
-                self._watch_points.append((len(self._watch_freed), value))
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self.peak_by_category = dict(self._live_by_category)

@@ -95,15 +95,15 @@ class BlockProfile:
     output_grad_bytes: int = 0
     """Bytes of the gradient of the block's output, live while a replay of the block runs in
     backward (its output bytes when measured; 0: not counted)."""
+    fwd_live_bytes: tuple[int, ...] = ()
+    """Per op call of ``ops``: bytes the block's forward had made live (beyond those live when
+    it began) once that call's outputs existed. A selective replay holds the cached outputs of
+    later calls on top of this curve (`remat.plan.costs.selective_working_bytes`); empty: not
+    measured."""
     bwd_free_order: tuple[tuple[int, int], ...] = ()
     """The block's saved storages in the order its backward freed them, as ``(storage id of
-    `OpRecord.storage_ids` or -1, bytes)`` (empty: not measured)."""
-    bwd_free_points: tuple[tuple[int, int], ...] = ()
-    """Moments of the block's backward as ``(how many of bwd_free_order were freed by then,
-    backward temporaries then)``, in the units of ``bwd_temp_bytes`` (the largest of them), the
-    moments no other beats in both. Selective checkpointing keeps its cached outputs alive
-    through the block's whole backward: the peak is then the largest temporaries plus the
-    cached storages among those already freed (`remat.plan.costs.selective_working_bytes`)."""
+    `OpRecord.storage_ids` or -1, bytes)``: which storages autograd keeps for the backward, so
+    which cached outputs a selective forward holds beyond them (empty: not measured)."""
     selective_overhead_ms: float = 0.0
     """Time selective checkpointing adds to this block's step beyond the ops it replays: the
     policy's dispatch mode on every op of the forward and of the replay, the replay's Python,
