@@ -201,11 +201,11 @@ class _Twice(nn.Module):
 def measure_checkpoint_call_ms(device: torch.device, *, repeats: int, clock: Clock,
                                touch_ms_per_byte: float = 0.0) -> float:
     """What one checkpointed call costs beyond its replay whatever it runs: a one-element
-    multiply run plainly and checkpointed as `remat.apply` runs it (``10 * repeats`` pairs,
-    at least 25, after one warm-up pair; median of the differences, never negative). A segment
-    of k blocks pays it once where k one-block segments pay it k times: on the built-in MLP's
-    0.2 ms blocks 0.16-0.28 ms of their 0.3-0.5 ms checkpoint overhead, which made √N plans
-    cost 15 points of overhead less than full recomputation."""
+    multiply run plainly and checkpointed as `remat.apply` runs it (at least ``10 * repeats``
+    pairs and 25, more while under `MIN_MEASURE_S`, after one warm-up pair; median of the
+    differences, never negative). A segment of k blocks pays it once where k one-block segments
+    pay it k times: 0.1-0.3 ms here, a third to a half of a built-in MLP block's checkpoint
+    overhead, which made √N plans cost 13-23 points of overhead less than full recomputation."""
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed repeats; the median is kept).")
     module = _Twice()
