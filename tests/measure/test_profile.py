@@ -104,6 +104,9 @@ def test_block_input_output_bytes_and_times(gpt_profile):
     for b in result.blocks:
         assert len(b.fwd_live_bytes) == len(b.ops)
         assert max(b.fwd_live_bytes) == b.saved_bytes + b.fwd_temp_bytes
+        # a checkpointed forward runs the same calls and holds no saved storage of its own
+        assert len(b.checkpointed_fwd_live_bytes) == len(b.ops)
+        assert max(b.checkpointed_fwd_live_bytes) < max(b.fwd_live_bytes)
 
 
 def test_memory_is_consistent_with_the_measured_peak(gpt_profile):

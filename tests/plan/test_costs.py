@@ -129,3 +129,9 @@ def test_selective_working_set_from_the_forward_curve():
     assert working(both) == 336
     # A profile without the curve: the replay's working set plus every cached byte, 272 + 88.
     assert working(both, profile([replace(blk, fwd_live_bytes=())])) == 360
+    # With the checkpointed forward's own curve (autograd keeps nothing: 64 B less during the
+    # dropout), bmm's forward is at most that curve plus its 64 B at each call: 16 + 192 + 64 =
+    # 272, the replay's; the lesser of the two bounds counts at each call.
+    measured = profile([replace(blk, checkpointed_fwd_live_bytes=(64, 64, 128, 192, 192, 192, 128, 128, 88))])
+    assert working(("aten.bmm.default#0",), measured) == 272
+    assert working(("aten.mul.Tensor#0",), measured) == 336  # the replay's rise, as before

@@ -106,7 +106,7 @@ class OpRecorder(TorchDispatchMode):
             return
         self._index[segment][key] = len(calls)
         self._mark_escapes(segment, args, kwargs)
-        new = _new_storages(args, kwargs, out)
+        new = new_storages(args, kwargs, out)
         for storage in new:
             self._producer[storage] = (segment, len(calls))
         ids, nbytes = self._output_storages(segment, new, out)
@@ -183,7 +183,8 @@ class OpRecorder(TorchDispatchMode):
         )
 
 
-def _new_storages(args: tuple, kwargs: dict, out: Any) -> dict[int, int]:
+def new_storages(args: tuple, kwargs: dict, out: Any) -> dict[int, int]:
+    """Storage key -> bytes of the storages behind ``out`` that none of the inputs has."""
     inputs = {storage_key(t) for t in flat_tensors(args, kwargs)}
     new: dict[int, int] = {}
     for t in flat_tensors((out,)):

@@ -400,6 +400,7 @@ def _overhead_ms(overheads: BlockOverheads) -> dict[str, float]:
         "selective_overhead_ms": overheads.selective_ms,
         "recompute_overhead_ms": overheads.recompute_ms,
         "selective_cache_overhead_ms": overheads.selective_cache_ms,
+        "checkpointed_fwd_live_bytes": overheads.checkpointed_fwd_live_bytes,
     }
 
 

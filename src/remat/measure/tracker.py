@@ -84,7 +84,6 @@ class LiveTracker(TorchDispatchMode):
         self._window_peak = 0
         self._watch: str | None = None
         self._watch_freed: list[tuple[int, int]] = []
-        self._watch_points: list[tuple[int, int]] = []
 
     # ---- registration and labels -------------------------------------------------------
     def register(self, tensors: Iterable[torch.Tensor], label: str) -> None:

@@ -100,6 +100,10 @@ class BlockProfile:
     it began) once that call's outputs existed. A selective replay holds the cached outputs of
     later calls on top of this curve (`remat.plan.costs.selective_working_bytes`); empty: not
     measured."""
+    checkpointed_fwd_live_bytes: tuple[int, ...] = ()
+    """The same curve for a checkpointed forward of the block run alone (autograd keeps only its
+    input): what a selective forward holds beyond its cache (`remat.measure.overhead
+    .checkpointed_forward_curve`; empty: not measured)."""
     bwd_free_order: tuple[tuple[int, int], ...] = ()
     """The block's saved storages in the order its backward freed them, as ``(storage id of
     `OpRecord.storage_ids` or -1, bytes)``: which storages autograd keeps for the backward, so

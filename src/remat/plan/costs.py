@@ -212,9 +212,11 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     (``saved_bytes + fwd_temp_bytes``) plus how far that curve rises above it, with the output's
     gradient on top. On the built-in GPT, attention-core's replay of QK^T, softmax and dropout
     runs while the cached MLP outputs (16 MiB) are held: 9.5 % of the step's peak. The block's
-    forward is bounded too (its need counts against what earlier blocks hold, as the backward's
-    does, with the later blocks' gradients: a bound). Without the curve (older profiles): the
-    replay's working set plus every cached byte, an upper bound."""
+    forward is bounded too, from the checkpointed forward's own curve
+    (`BlockProfile.checkpointed_fwd_live_bytes`) plus the cached outputs made so far; its need
+    counts against what earlier blocks hold, as the backward's does, with the later blocks'
+    gradients: a bound. Without the curve (older profiles): the replay's working set plus every
+    cached byte, an upper bound."""
     totals = np.array([sum(c.values()) for c in cached], dtype=np.int64)
     curve = np.array(block.fwd_live_bytes, dtype=np.int64)
     if curve.size == 0 or curve.size != len(block.ops):
@@ -232,10 +234,25 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     rise = np.maximum(held - int(curve.max()), 0)
     replay = block.fwd_temp_bytes + block.output_grad_bytes + rise
     backward = block.saved_bytes + np.maximum(block.bwd_temp_bytes, replay)
-    # the forward itself: autograd holds nothing (checkpointed), the cache holds what it caches,
-    # so the plain curve plus the cached outputs autograd would not have kept, made by then, bounds
-    # it (on the built-in GPT, save-matmuls caches QK^T's 8 MiB: its last block's forward is the
-    # step's peak, 3.3 % above the backward's)
+    # the forward itself: autograd holds nothing (checkpointed), the cache holds what it caches
+    # (on the built-in GPT, save-matmuls caches QK^T's 8 MiB: its last block's forward is the
+    # step's peak, 3.3 % above the backward's). Two bounds at each call, the lesser kept: the
+    # plain curve plus the cached outputs autograd would not have kept, made by then (it counts
+    # saved storages the checkpointed forward has dropped); the checkpointed forward's measured
+    # curve plus every cached output made by then (an output cached and still in use counts twice)
+    saved = {sid for sid, _ in block.bwd_free_order if sid >= 0}
+    unsaved = made.copy()
+    for k, storages in enumerate(cached):
+        for sid, nbytes in storages.items():
+            if sid in saved:
+                unsaved[k, created.get(sid, 0)] -= nbytes
+    held_then = curve[None, :] + np.cumsum(unsaved, axis=1)
+    checkpointed = np.array(block.checkpointed_fwd_live_bytes, dtype=np.int64)
+    if checkpointed.size == curve.size:
+        held_then = np.minimum(held_then, checkpointed[None, :] + np.cumsum(made, axis=1))
+    forward = block.input_bytes + held_then.max(axis=1)
+    return np.maximum(backward, forward)
+    # without it, the plain curve plus the cached outputs autograd would not have kept: looser
     saved = {sid for sid, _ in block.bwd_free_order if sid >= 0}
     unsaved = made.copy()
     for k, storages in enumerate(cached):
