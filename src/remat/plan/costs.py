@@ -225,10 +225,14 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     for i, op in enumerate(block.ops):
         for sid in op_storages(i, op):
             created.setdefault(sid, i)
+    saved = {sid for sid, _ in block.bwd_free_order if sid >= 0}
     made = np.zeros((len(cached), curve.size), dtype=np.int64)  # cached bytes first made at each call
+    unsaved = np.zeros_like(made)  # of those, the ones autograd does not keep
     for k, storages in enumerate(cached):
         for sid, nbytes in storages.items():
             made[k, created.get(sid, 0)] += nbytes
+            if sid not in saved:
+                unsaved[k, created.get(sid, 0)] += nbytes
     ahead = totals[:, None] - np.cumsum(made, axis=1)  # after call t: cached outputs of calls > t
     held = np.maximum((curve[None, :] + ahead).max(axis=1), totals)  # totals: before the first call
     rise = np.maximum(held - int(curve.max()), 0)
@@ -240,26 +244,11 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     # plain curve plus the cached outputs autograd would not have kept, made by then (it counts
     # saved storages the checkpointed forward has dropped); the checkpointed forward's measured
     # curve plus every cached output made by then (an output cached and still in use counts twice)
-    saved = {sid for sid, _ in block.bwd_free_order if sid >= 0}
-    unsaved = made.copy()
-    for k, storages in enumerate(cached):
-        for sid, nbytes in storages.items():
-            if sid in saved:
-                unsaved[k, created.get(sid, 0)] -= nbytes
     held_then = curve[None, :] + np.cumsum(unsaved, axis=1)
     checkpointed = np.array(block.checkpointed_fwd_live_bytes, dtype=np.int64)
     if checkpointed.size == curve.size:
         held_then = np.minimum(held_then, checkpointed[None, :] + np.cumsum(made, axis=1))
     forward = block.input_bytes + held_then.max(axis=1)
-    return np.maximum(backward, forward)
-    # without it, the plain curve plus the cached outputs autograd would not have kept: looser
-    saved = {sid for sid, _ in block.bwd_free_order if sid >= 0}
-    unsaved = made.copy()
-    for k, storages in enumerate(cached):
-        for sid, nbytes in storages.items():
-            if sid in saved:
-                unsaved[k, created.get(sid, 0)] -= nbytes
-    forward = block.input_bytes + (curve[None, :] + np.cumsum(unsaved, axis=1)).max(axis=1)
     return np.maximum(backward, forward)
 
 
