@@ -72,9 +72,10 @@ class FaultCount:
 def first_touch_ms_per_byte(device: torch.device, repeats: int = 5) -> float:
     """Milliseconds per byte that faulting in fresh host memory adds to writing it (median of
     ``repeats`` after one discarded probe; 0 on devices other than the CPU, and where faults are
-    not counted). Right after a model's steps have freed their activations the first probe can
-    take several times as long (2.3 against 0.3 ms per MiB, measured here, one profile in three
-    with a single probe of three): a transient the steps themselves do not see."""
+    not counted). A probe can take several times as long as the next (1.7-2.3 against 0.25-0.38
+    ms per MiB, in 5 of 12 profiles of the built-in GPT that probed once after their timed
+    steps), which is why `remat.measure.profile` probes beside each timed step and keeps the
+    median."""
     if torch.device(device).type != "cpu" or fault_bytes() is None:
         return 0.0
     costs = []
