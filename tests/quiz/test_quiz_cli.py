@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pexpect
 import pytest
@@ -89,7 +90,15 @@ def _spawn(remat_argv, *args: str, lang: str = "en_US.UTF-8", colour: bool = Fal
     else:
         env.update(TERM="dumb", NO_COLOR="1")
     argv = remat_argv("quiz", *args)
-    return pexpect.spawn(argv[0], argv[1:], env=env, encoding="utf-8", timeout=60, dimensions=(50, 300))
+    # Started as a terminal's shell starts a foreground job: Ctrl-C interrupts it. A runner that
+    # starts the tests in the background passes SIGINT down ignored, and Python then keeps it so.
+    return pexpect.spawn(
+        argv[0], argv[1:], env=env, encoding="utf-8", timeout=60, dimensions=(50, 300), preexec_fn=_default_sigint
+    )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_interactive_reprompts_grades_and_ends_cleanly_on_eof(remat_argv):
