@@ -169,3 +169,18 @@ def test_bad_arguments_are_refused() -> None:
 
     with pytest.raises(SystemExit):
         peers.parse_args(["--repeats", "0"])
+
+
+def test_attention_core_benchmark_on_a_small_gpt(monkeypatch) -> None:
+    from benchmarks import attention_core
+
+    sizes = dict(num_layers=2, d_model=32, num_heads=4, seq_len=64, batch_size=2, dropout=0.1)
+    monkeypatch.setitem(attention_core.SHAPES, "small", sizes)
+    row = attention_core.measure("small", repeats=1)
+    assert row["identical"]
+    # a*s/h = 8: the core's scores, probabilities and dropout outweigh the matmul outputs it caches
+    assert row["stored_core"] < row["stored_base"] and row["peak_act_core"] < row["peak_act_base"]
+    assert abs(row["peak_error"]) <= 2.0
+    assert 0 < row["rng_share"] < row["replay_share"] <= 100
+    text = attention_core.markdown([row], repeats=1)
+    assert "| small | 2 x 32 / 4 x 64 x 2, p=0.1 |" in text and "identical" in text

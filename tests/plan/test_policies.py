@@ -2,7 +2,7 @@
 
 import pytest
 
-from remat.plan.policies import POLICIES, attention_core, knapsack, knapsack_frontier, save_matmuls, saved_ops_for
+from remat.plan.policies import POLICIES, attention_core, has_attention_core, knapsack, knapsack_frontier, save_matmuls, saved_ops_for
 
 from plan_toys import block, op
 
@@ -31,13 +31,19 @@ def test_registry_names():
 
 def test_attention_core_replays_scores_softmax_dropout_and_av():
     # core = bmm#0 .. bmm#1 (QK^T, scale, softmax, dropout, @V); outside it, the ops autograd
-    # saves are layer_norm and the qkv projection.
-    assert attention_core(ATTN) == ("aten.native_layer_norm.default#0", "aten.addmm.default#0")
+    # saves are layer_norm and the qkv projection, and the out-projection is saved as a matmul
+    # (autograd keeps nothing of it); the residual add is replayed.
+    assert attention_core(ATTN) == ("aten.native_layer_norm.default#0", "aten.addmm.default#0", "aten.addmm.default#1")
 
 
 def test_attention_core_without_softmax_saves_everything_saved():
     mlp = block(0, input_bytes=4, saved_bytes=8, ops=(op("aten.addmm.default#0", 8, 4, 1.0), op("aten.relu.default#0", 8, 8, 0.5)))
     assert attention_core(mlp) == ("aten.addmm.default#0", "aten.relu.default#0")
+    assert has_attention_core(ATTN) and not has_attention_core(mlp)
+    # a matmul autograd keeps nothing of (it feeds a dropout) is saved all the same
+    drop = block(0, input_bytes=4, saved_bytes=8, ops=(op("aten.addmm.default#0", 8, 0, 1.0),
+                                                       op("aten.native_dropout.default#0", 10, 2, 0.5, is_random=True)))
+    assert attention_core(drop) == ("aten.addmm.default#0", "aten.native_dropout.default#0")
 
 
 def test_save_matmuls_includes_cpu_fused_attention():

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from remat.measure.types import Profile
 from remat.plan.planners import make_plan, plan
-from remat.plan.policies import attention_core
+from remat.plan.policies import has_attention_core
 from remat.plan.search import OptimalSearch
 from remat.plan.types import Plan
 
@@ -42,10 +42,7 @@ class Priced:
 
 def selective_policy(profile: Profile) -> str:
     """``selective:attention-core`` when the layers have an attention core, else ``save-matmuls``."""
-    block = profile.blocks[0]
-    core_saves = attention_core(block)
-    saved_ops = {op.key for op in block.ops if op.saved_bytes > 0 and not op.is_view}
-    return "selective:attention-core" if set(core_saves) != saved_ops else "selective:save-matmuls"
+    return "selective:attention-core" if has_attention_core(profile.blocks[0]) else "selective:save-matmuls"
 
 
 def price(profile: Profile, strategy: str, budget_bytes: int, *, search: bool = True) -> Priced:
