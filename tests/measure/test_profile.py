@@ -107,6 +107,16 @@ def test_block_input_output_bytes_and_times(gpt_profile):
         # a checkpointed forward runs the same calls and holds no saved storage of its own
         assert len(b.checkpointed_fwd_live_bytes) == len(b.ops)
         assert max(b.checkpointed_fwd_live_bytes) < max(b.fwd_live_bytes)
+        # it made the storages the op table names, in the same order: each freed after the call
+        # that made it; the block's output (read by the next block) is live at the end
+        made = {}
+        for i, op in enumerate(b.ops):
+            for sid in op.storage_ids:
+                made.setdefault(sid, i)
+        assert len(b.checkpointed_fwd_freed_at) == len(made) == 1 + max(made)
+        assert all(made[sid] < at <= len(b.ops) for sid, at in enumerate(b.checkpointed_fwd_freed_at))
+        escaping = {sid for op in b.ops for sid, out in zip(op.storage_ids, op.storage_escapes) if out}
+        assert escaping and all(b.checkpointed_fwd_freed_at[sid] == len(b.ops) for sid in escaping)
 
 
 def test_memory_is_consistent_with_the_measured_peak(gpt_profile):

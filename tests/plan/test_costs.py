@@ -135,3 +135,27 @@ def test_selective_working_set_from_the_forward_curve():
     measured = profile([replace(blk, checkpointed_fwd_live_bytes=(64, 64, 128, 192, 192, 192, 128, 128, 88))])
     assert working(("aten.bmm.default#0",), measured) == 272
     assert working(("aten.mul.Tensor#0",), measured) == 336  # the replay's rise, as before
+
+
+def test_checkpointed_forward_counts_a_cached_output_from_the_call_that_would_free_it():
+    # mm (storage 0, never saved) -> gelu (1, saved) -> mm (2); both forwards hold all three to
+    # the end: curves 100, 200, 300. Saved 100, forward temporaries 200, backward 50, output
+    # gradient 16: the backward needs 100 + max(50, 200 + 16) = 316.
+    ops = (rec("aten.mm.default#0", 100, 1.0, ((0, 100),)), rec("aten.gelu.default#0", 100, 1.0, ((1, 100),)),
+           rec("aten.mm.default#1", 100, 1.0, ((2, 100),)))
+    blk = replace(block(0, input_bytes=16, saved_bytes=100, ops=ops), bwd_temp_bytes=50, fwd_temp_bytes=200,
+                  output_grad_bytes=16, fwd_live_bytes=(100, 200, 300), checkpointed_fwd_live_bytes=(100, 200, 300),
+                  bwd_free_order=((1, 100),))
+
+    def working(freed_at):
+        prof = profile([replace(blk, checkpointed_fwd_freed_at=freed_at)])
+        return cost_of(prof, 0, Segment(start=0, stop=1, strategy="selective:x", saved_ops=("aten.mm.default#0",))).working_bytes
+
+    # The checkpointed forward still holds the cached mm output at its peak: counted once,
+    # 16 + 300 = 316, the backward's.
+    assert working((3, 3, 3)) == 316
+    # Freed from call 1 in that forward: the cache holds it on top from then, 16 + 300 + 100.
+    assert working((1, 3, 3)) == 416
+    # Without free points, or with a different number of storages than the op table names: from
+    # the call that made it, the upper bound 416.
+    assert working(()) == 416 and working((3, 3)) == 416

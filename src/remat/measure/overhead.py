@@ -88,6 +88,9 @@ class BlockOverheads:
     checkpointed_fwd_live_bytes: tuple[int, ...] = ()
     """Per op call of a checkpointed forward of the block, the bytes it had made live once the
     call's outputs existed (`checkpointed_forward_curve`)."""
+    checkpointed_fwd_freed_at: tuple[int, ...] = ()
+    """Per storage the forward made (numbered as `remat.measure.ops.OpRecorder` numbers them),
+    the call from which it was no longer live (`checkpointed_forward_curve`)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -178,7 +181,7 @@ def _group_overheads(runs: list[tuple[nn.Module, BlockInputs]], op_keys: frozens
     that cannot be cached (``uncacheable``: their share of the forward), which the planner
     prices as replayed ops: they are not the cache's cost."""
     selective, recompute, cache = [], [], []
-    curve = checkpointed_forward_curve(*runs[0])
+    curve, freed_at = checkpointed_forward_curve(*runs[0])
     rep, start = 0, time.perf_counter()
     while rep <= repeats or (time.perf_counter() - start < MIN_MEASURE_S and rep <= MAX_REPEATS):
         module, inputs = runs[max(rep - 1, 0) % len(runs)]
@@ -196,31 +199,51 @@ def _group_overheads(runs: list[tuple[nn.Module, BlockInputs]], op_keys: frozens
         recompute_ms=max(statistics.median(recompute), 0.0),
         selective_cache_ms=max(statistics.median(cache), 0.0),
         checkpointed_fwd_live_bytes=curve,
+        checkpointed_fwd_freed_at=freed_at,
     )
 
 
 class _Curve(TorchDispatchMode):
     """Live bytes after each op call, read from a `LiveTracker` entered after this mode (the
-    tracker then counts a call's outputs once the call has returned here: they are added)."""
+    tracker then counts a call's outputs once the call has returned here: they are added), and
+    the call from which each storage the forward made was no longer live. Storages are numbered
+    in the order they are made, as `remat.measure.ops.OpRecorder` numbers a block's storages."""
 
     def __init__(self, tracker: LiveTracker) -> None:
         super().__init__()
         self.tracker = tracker
         self.points: list[int] = []
+        self.freed_at: list[int] = []
+        self._live: dict[int, int] = {}  # storage key -> number, while live
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.points.append(self.tracker.live_bytes + sum(new_storages(args, kwargs, out).values()))
+        call = len(self.points)
+        new = new_storages(args, kwargs, out)
+        live = self.tracker.live_keys()
+        for key in [k for k in self._live if k not in live or k in new]:
+            self.freed_at[self._live.pop(key)] = call  # freed (an address that comes back is new)
+        for key in new:
+            self._live[key] = len(self.freed_at)
+            self.freed_at.append(-1)
+        self.points.append(self.tracker.live_bytes + sum(new.values()))
         return out
 
+    def finish(self) -> tuple[int, ...]:
+        """``freed_at``, with the storages still live at the end at ``len(points)``."""
+        return tuple(len(self.points) if at < 0 else at for at in self.freed_at)
 
-def checkpointed_forward_curve(module: nn.Module, inputs: BlockInputs) -> tuple[int, ...]:
-    """Bytes a checkpointed forward of ``module`` (as `remat.apply` runs it: autograd keeps only
-    the input) has made live after each op call, beyond what was live before it. What a
-    selective forward holds beyond this is its cache (`remat.plan.costs.selective_working_bytes`):
-    with the plain forward's curve instead, which counts every saved storage, the bound on the
-    built-in GPT's save-matmuls forward was 4.6 % above the measured peak."""
+
+def checkpointed_forward_curve(module: nn.Module, inputs: BlockInputs) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(curve, freed at) of a checkpointed forward of ``module`` (as `remat.apply` runs it:
+    autograd keeps only the input). Curve: the bytes it has made live after each op call, beyond
+    what was live before it. Freed at: per storage it made, numbered in the order made, the call
+    from which it was no longer live (the number of calls: still live at the end). What a
+    selective forward holds beyond the curve is its cache, each cached output from the call its
+    storage would have been freed at (`remat.plan.costs.selective_working_bytes`): with the plain
+    forward's curve instead, which counts every saved storage, the bound on the built-in GPT's
+    save-matmuls forward was 4.6 % above the measured peak."""
     leaves = [t for t in tree_leaves((inputs.args, inputs.kwargs)) if isinstance(t, torch.Tensor)]
     device = leaves[0].device if leaves else next((p.device for p in module.parameters()), torch.device("cpu"))
     tracker = LiveTracker(device)
@@ -228,7 +251,7 @@ def checkpointed_forward_curve(module: nn.Module, inputs: BlockInputs) -> tuple[
     with torch.enable_grad(), curve, tracker:
         out = _full(module, inputs.args, inputs.kwargs)
     del out
-    return tuple(curve.points)
+    return tuple(curve.points), curve.finish()
 
 
 class _Twice(nn.Module):

@@ -401,6 +401,7 @@ def _overhead_ms(overheads: BlockOverheads) -> dict[str, float]:
         "recompute_overhead_ms": overheads.recompute_ms,
         "selective_cache_overhead_ms": overheads.selective_cache_ms,
         "checkpointed_fwd_live_bytes": overheads.checkpointed_fwd_live_bytes,
+        "checkpointed_fwd_freed_at": overheads.checkpointed_fwd_freed_at,
     }
 
 

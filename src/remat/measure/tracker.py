@@ -106,6 +106,10 @@ class LiveTracker(TorchDispatchMode):
         if self.live_bytes == self.peak_bytes:  # still at the peak: reclassify it too
             self.peak_by_category = dict(self._live_by_category)
 
+    def live_keys(self) -> Any:
+        """The `storage_key` of every storage tracked and live now (a set-like view)."""
+        return self._entries.keys()
+
     def label_of(self, t: torch.Tensor) -> str | None:
         """The label the tensor's storage is counted under, or None when not counted."""
         entry = self._entries.get(storage_key(t))

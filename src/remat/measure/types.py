@@ -104,6 +104,10 @@ class BlockProfile:
     """The same curve for a checkpointed forward of the block run alone (autograd keeps only its
     input): what a selective forward holds beyond its cache (`remat.measure.overhead
     .checkpointed_forward_curve`; empty: not measured)."""
+    checkpointed_fwd_freed_at: tuple[int, ...] = ()
+    """Per storage of `OpRecord.storage_ids` (index = id), the op call of that checkpointed
+    forward from which the storage was no longer live (``len(ops)``: live at its end): a cached
+    output adds to the curve only from then on (empty: not measured)."""
     bwd_free_order: tuple[tuple[int, int], ...] = ()
     """The block's saved storages in the order its backward freed them, as ``(storage id of
     `OpRecord.storage_ids` or -1, bytes)``: which storages autograd keeps for the backward, so

@@ -247,9 +247,34 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     held_then = curve[None, :] + np.cumsum(unsaved, axis=1)
     checkpointed = np.array(block.checkpointed_fwd_live_bytes, dtype=np.int64)
     if checkpointed.size == curve.size:
-        held_then = np.minimum(held_then, checkpointed[None, :] + np.cumsum(made, axis=1))
+        held_then = np.minimum(held_then, checkpointed[None, :] + np.cumsum(
+            _outliving(block, cached, created, made), axis=1))
     forward = block.input_bytes + held_then.max(axis=1)
     return np.maximum(backward, forward)
+
+
+def _outliving(block: BlockProfile, cached: Sequence[dict[object, int]], created: dict[object, int],
+               made: np.ndarray) -> np.ndarray:
+    """(K, calls): the cached bytes a selective forward holds beyond the checkpointed forward's
+    curve, by the call they start at: each cached storage from the call the checkpointed forward
+    freed it at (`BlockProfile.checkpointed_fwd_freed_at`); while that forward still holds it,
+    the curve counts it. Without the free points, or with a different number of storages than
+    the op table names (the two forwards did not make the same storages): from the call that
+    made it (an upper bound)."""
+    freed_at = block.checkpointed_fwd_freed_at
+    calls = made.shape[1]
+    named = 1 + max((sid for op in block.ops for sid in op.storage_ids), default=-1)
+    if not freed_at or len(freed_at) != named:
+        return made
+    extra = np.zeros_like(made)
+    for k, storages in enumerate(cached):
+        for sid, nbytes in storages.items():
+            at = created.get(sid, 0)
+            if isinstance(sid, int) and 0 <= sid < len(freed_at):
+                at = max(freed_at[sid], at)
+            if at < calls:
+                extra[k, at] += nbytes
+    return extra
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -113,7 +113,7 @@ def _structure_key(block: BlockProfile) -> tuple:
                  o.storage_bytes, o.storage_escapes) for o in block.ops)
     return (block.class_name, block.input_bytes, block.output_bytes, block.saved_bytes, block.bwd_temp_bytes,
             block.fwd_temp_bytes, block.grad_bytes, block.fwd_flops, block.output_grad_bytes, block.bwd_free_order,
-            block.fwd_live_bytes, block.checkpointed_fwd_live_bytes, ops)
+            block.fwd_live_bytes, block.checkpointed_fwd_live_bytes, block.checkpointed_fwd_freed_at, ops)
 
 
 def _class_segments(profile: Profile, members: list[int]) -> list[Segment]:
