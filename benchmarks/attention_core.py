@@ -14,8 +14,8 @@ round, medians). Reported:
 - at peak: measured peak less the model state (parameters, gradients, optimizer state, buffers),
   baseline against plan: what the step needed for activations and temporaries;
 - overhead: measured and predicted step time against no recomputation;
-- the replayed ops' share of a block's forward time, and the random-number generation's share
-  (dropout's ``bernoulli_``/``native_dropout``), from the profile's op times.
+- the replayed ops' share of a block's forward time and FLOPs, and the random ops' share of its
+  time (`OpRecord.is_random`: dropout's ``bernoulli_``/``native_dropout``), from the profile.
 
 Target (issue [3 of 9]): at least 65 % fewer activation bytes at no more than 5 % overhead,
 Megatron-LM's 70 % at 2.7 % extra FLOPs on GPT-3 175B. Both numbers depend on the shape: the core
@@ -37,7 +37,6 @@ import torch
 
 from remat.apply.run import run_job
 from remat.plan.costs import cost_of
-from remat.plan.policies import ALLOCATION_OPS
 
 SHAPES: dict[str, dict[str, float | int]] = {
     # the default job's GPT: seq / d_model = 4, the core is most of the FLOPs
@@ -48,7 +47,6 @@ SHAPES: dict[str, dict[str, float | int]] = {
     "wide-nodrop": dict(num_layers=2, d_model=1024, num_heads=16, seq_len=1024, batch_size=1, dropout=0.0),
 }
 STRATEGY = "selective:attention-core"
-_RANDOM = ("aten.bernoulli_", "aten.native_dropout", "aten.rand", "aten.randn", "aten.uniform_")
 
 
 def measure(shape: str, repeats: int) -> dict:
@@ -65,8 +63,7 @@ def measure(shape: str, repeats: int) -> dict:
     block = prof.blocks[0]
     fwd = sum(op.time_ms for op in block.ops)
     replayed = [op for op in block.ops if op.key not in saved_ops and not op.is_view]
-    rng = [op for op in replayed if op.name.rsplit(".", 1)[0] in _RANDOM]
-    alloc = [op for op in replayed if op.name.rsplit(".", 1)[0] in ALLOCATION_OPS]
+    rng = [op for op in replayed if op.is_random]
     return dict(
         shape=shape, sizes=sizes, seconds=time.perf_counter() - start,
         stored_base=stored_base, stored_core=stored_core,
@@ -76,7 +73,7 @@ def measure(shape: str, repeats: int) -> dict:
         overhead=core.overhead_pct, predicted_overhead=core.predicted_overhead_pct,
         baseline_ms=core.baseline_step_ms,
         replay_share=100 * sum(op.time_ms for op in replayed) / fwd,
-        rng_share=100 * sum(op.time_ms for op in rng + alloc) / fwd,
+        rng_share=100 * sum(op.time_ms for op in rng) / fwd,
         replay_flops_share=100 * sum(op.flops for op in replayed) / max(block.fwd_flops, 1),
         identical=core.grads_identical and base.grads_identical,
     )
