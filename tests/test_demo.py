@@ -101,9 +101,10 @@ def test_run_then_verify_the_saved_plan(tmp_path, monkeypatch):
     monkeypatch.setattr(console, "width", 200)
     out_dir = tmp_path / "run"
     out = CliRunner().invoke(app, ["run", "--model", "gpt", "--budget", "85%", "--repeats", "1", *TINY_OPTIONS,
-                                   "--out", str(out_dir)])
+                                   "--device", "cpu", "--out", str(out_dir)])
     assert out.exit_code == 0, out.output
     assert "optimal @ 85%" in out.output and f"report: {out_dir / 'report.html'}" in out.output
+    assert "--batch 2 --device cpu" in out.output  # the verify command it suggests runs on the same device
     plan_path = out_dir / "plan-optimal-85pct.json"
     assert sorted(p.name for p in out_dir.iterdir()) == [
         "plan-none.json", plan_path.name, "profile.json", "report.html", "verification-none.json",
@@ -143,6 +144,16 @@ def test_verify_command_rejects_a_plan_for_another_model(tmp_path):
     out = CliRunner().invoke(app, ["verify", str(tmp_path / "plan.json"), "--model", "gpt", "--layers", "2"])
     assert out.exit_code == 2
     assert "the plan does not match this model" in out.output
+
+
+def test_run_refuses_a_device_this_machine_lacks_before_building():
+    out = CliRunner().invoke(app, ["run", "--repeats", "1", *TINY_OPTIONS, "--device", "nope"])
+    assert out.exit_code == 2
+    assert "device='nope' is not a device name torch knows; use cpu, cuda or cuda:N." in out.output
+    if not torch.cuda.is_available():
+        out = CliRunner().invoke(app, ["profile", "--model", "gpt", *TINY_OPTIONS, "--device", "cuda"])
+        assert out.exit_code == 2
+        assert "device='cuda' is not available here" in out.output and "use --device cpu" in out.output
 
 
 def test_run_reports_an_impossible_budget():

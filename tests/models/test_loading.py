@@ -63,3 +63,35 @@ def test_size_options_map_to_each_model():
     assert sizes_from_options("convnet", layers=3, seq=16) == {"num_blocks": 3, "image_size": 16}
     with pytest.raises(ValueError, match=r"option --heads does not apply to model 'mlp'; its size options: --batch, --d-model, --layers"):
         sizes_from_options("mlp", heads=2)
+
+
+def test_device_moves_model_and_batch_and_keeps_the_optimizer_on_the_same_parameters():
+    plain = load_target("gpt", num_layers=1, d_model=16, num_heads=2, seq_len=8, batch_size=2, vocab_size=32)
+    moved = load_target("gpt", num_layers=1, d_model=16, num_heads=2, seq_len=8, batch_size=2, vocab_size=32,
+                        device="cpu")
+    # built on the CPU from the seed first: the same weights and batch wherever they go
+    for a, b in zip(plain.model.parameters(), moved.model.parameters()):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(plain.batch, moved.batch))
+    params = {id(p) for group in moved.optimizer.param_groups for p in group["params"]}
+    assert params == {id(p) for p in moved.model.parameters()}
+
+
+def test_bad_devices_are_refused_before_building():
+    from remat.models.loading import move_to, resolve_device
+
+    with pytest.raises(ValueError, match=r"device='nope' is not a device name torch knows; use cpu, cuda or cuda:N"):
+        load_target("mlp", device="nope")
+    with pytest.raises(ValueError, match=r"device='meta' runs nothing to measure"):
+        resolve_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda:1' is not available here .*use --device cpu"):
+            load_target("mlp", device="cuda:1")
+    else:
+        with pytest.raises(ValueError, match=r"this machine has \d+ cuda device"):
+            resolve_device(f"cuda:{torch.cuda.device_count()}")
+    built = load_target("mlp", depth=1, width=4, batch_size=2)
+    built.model(built.batch[0] if isinstance(built.batch, tuple) else built.batch).sum().backward()
+    built.optimizer.step()
+    with pytest.raises(ValueError, match="the optimizer already has state"):
+        move_to(built, torch.device("cpu"))

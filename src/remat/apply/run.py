@@ -83,13 +83,13 @@ def _quiet(_: str) -> None:
 
 
 def _profile(model_name: str, sizes: dict[str, Any], progress: Progress, *, seed: int = 0,
-             offload_dir: str | None = None) -> tuple[Any, Profile]:
+             offload_dir: str | None = None, device: str | None = None) -> tuple[Any, Profile]:
     from remat._batch import model_device
     from remat.measure.bandwidth import measure_bandwidths
     from remat.measure.profile import profile
     from remat.models import load_target
 
-    built = load_target(model_name, seed=seed, **sizes)
+    built = load_target(model_name, seed=seed, device=device, **sizes)
     progress(f"profiling {model_name}")
     prof = profile(built.model, built.batch, built.loss_fn, built.optimizer)
     if offload_dir is not None:
@@ -115,16 +115,17 @@ def baseline_peak(profile: Profile, baseline: Plan) -> int:
 
 def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", strategy: str = "optimal",
             sizes: dict[str, Any] | None = None, seed: int = 0, offload_dir: str | None = None,
-            repeats: int = 5, progress: Progress = _quiet) -> JobResult:
+            repeats: int = 5, progress: Progress = _quiet, device: str | None = None) -> JobResult:
     """Profile ``model_name``, plan ``strategy`` within ``budget`` (a share is of the measured
     baseline peak), apply it to a copy and verify it; the first row is the baseline.
-    ``offload_dir``: measure the disk there, so the planner may offload to it."""
+    ``offload_dir``: measure the disk there, so the planner may offload to it. ``device``: where
+    the model and batch run (`remat.models.load_target`; None: where they were built)."""
     from remat.distributed import broadcast_plan, world_size
     from remat.plan.budget import parse_budget
     from remat.plan.planners import plan as make_plan
 
     sizes = dict(sizes or {})
-    built, prof = _profile(model_name, sizes, progress, seed=seed, offload_dir=offload_dir)
+    built, prof = _profile(model_name, sizes, progress, seed=seed, offload_dir=offload_dir, device=device)
     baseline = make_plan(prof, strategy="none")
     budget_bytes = None if budget is None else parse_budget(budget, baseline_peak(prof, baseline))
     chosen = make_plan(prof, budget=budget_bytes, strategy=strategy)
@@ -138,12 +139,14 @@ def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", s
 
 
 def verify_job(plan: Plan, model_name: str = DEMO_MODEL, *, sizes: dict[str, Any] | None = None, seed: int = 0,
-               offload_dir: str | None = None, repeats: int = 5, progress: Progress = _quiet) -> JobResult:
-    """Verify a saved ``plan`` on a freshly built ``model_name`` (same sizes and seed as when planned)."""
+               offload_dir: str | None = None, repeats: int = 5, progress: Progress = _quiet,
+               device: str | None = None) -> JobResult:
+    """Verify a saved ``plan`` on a freshly built ``model_name`` (same sizes, seed and device as
+    when planned)."""
     from remat.plan.planners import plan as make_plan
 
     sizes = dict(sizes or {})
-    built, prof = _profile(model_name, sizes, progress, seed=seed)
+    built, prof = _profile(model_name, sizes, progress, seed=seed, device=device)
     row = _verified(built, plan, plan.strategy_name, repeats, progress, offload_dir)
     return JobResult(model_name=model_name, sizes=sizes, profile=prof, rows=(row,),
                      baseline=make_plan(prof, strategy="none"), repeats=repeats)
@@ -160,12 +163,12 @@ def demo_budgets(profile: Profile, baseline: Plan) -> list[int]:
 
 
 def demo_job(*, model_name: str = DEMO_MODEL, sizes: dict[str, Any] | None = None, seed: int = 0,
-             repeats: int = 5, progress: Progress = _quiet) -> JobResult:
+             repeats: int = 5, progress: Progress = _quiet, device: str | None = None) -> JobResult:
     """Profile once; verify none, full, sqrt, two selective policies and optimal at three budgets."""
     from remat.plan.planners import plan as make_plan
 
     sizes = dict(DEMO_SIZES if sizes is None and model_name == DEMO_MODEL else sizes or {})
-    built, prof = _profile(model_name, sizes, progress, seed=seed)
+    built, prof = _profile(model_name, sizes, progress, seed=seed, device=device)
     baseline = make_plan(prof, strategy="none")
     plans: list[tuple[str, Plan]] = [(s, make_plan(prof, strategy=s)) for s in DEMO_STRATEGIES]
     budgets = demo_budgets(prof, baseline)

@@ -13,6 +13,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+DEVICE_HELP = ("Device the model and batch run on: cpu, cuda, cuda:N (default: where they are built, the "
+               "CPU for built-in models).")
+
 console = Console()
 err_console = Console(stderr=True)
 

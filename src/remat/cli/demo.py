@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import typer
 
 from remat.apply.run import DEFAULT_OUT_DIR
-from remat.cli._app import app, console, fail
+from remat.cli._app import DEVICE_HELP, app, console, fail
 from remat.cli.run import render, save_outputs
 
 DEMO_OUT_DIR = DEFAULT_OUT_DIR / "demo"
@@ -17,6 +18,7 @@ DEMO_OUT_DIR = DEFAULT_OUT_DIR / "demo"
 def demo_command(
     repeats: int = typer.Option(5, help="Timed pairs (baseline, plan) per plan, order swapped each round (medians)."),
     seed: int = typer.Option(0, help="Seed of the model's weights and batch."),
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     out: Path = typer.Option(DEMO_OUT_DIR, "--out", "-o", help="Directory for the JSON files and report.html."),
 ) -> None:
     """Profile the built-in GPT once; verify none, full, sqrt, two selective policies and optimal at
@@ -29,12 +31,13 @@ def demo_command(
     shown = ", ".join(f"{k}={sizes[k]}" for k in ("num_layers", "d_model", "num_heads", "seq_len", "batch_size"))
     try:
         with console.status("building...") as status:
-            result = demo_job(seed=seed, repeats=repeats, progress=lambda m: status.update(f"{m}..."))
+            result = demo_job(seed=seed, repeats=repeats, progress=lambda m: status.update(f"{m}..."), device=device)
     except (ValueError, TypeError) as error:
         raise fail(str(error)) from None
     render(result, f"remat demo: built-in GPT ({shown}) on {result.profile.environment.device_name}")
     console.print("Peaks are exact live-storage accounts of a whole training step (weights, gradients, "
                   "AdamW state, activations); overhead is against the measured step without recomputation.")
-    save_outputs(result, out, ["remat", "demo", "--seed", str(seed), "--repeats", str(repeats), "--out", str(out)])
+    on = ["--device", device] if device else []
+    save_outputs(result, out, ["remat", "demo", "--seed", str(seed), *on, "--repeats", str(repeats), "--out", str(out)])
     if not result.all_identical:
         raise typer.Exit(1)

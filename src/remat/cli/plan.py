@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from remat.cli._app import app, console, fail
+from remat.cli._app import DEVICE_HELP, app, console, fail
 from remat.measure.types import Profile
 from remat.plan.types import Plan, Segment
 
@@ -30,13 +30,15 @@ def plan_command(
     seq: Optional[int] = typer.Option(None, help="Sequence length."),
     batch: Optional[int] = typer.Option(None, help="Batch size."),
     seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
 ) -> None:
     """Plan the fastest step that fits the budget and print it per block, against the baseline."""
     from remat.plan.budget import parse_budget
     from remat.plan.planners import pareto, plan
 
     try:
-        profile = _load_profile(profile_path, model, dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch), seed)
+        profile = _load_profile(profile_path, model, dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch), seed,
+                                device)
         baseline = plan(profile, strategy="none")
         if show_pareto:
             console.print(pareto_table(pareto(profile), baseline))
@@ -54,10 +56,10 @@ def plan_command(
         console.print(f"plan written to {out}")
 
 
-def _load_profile(path: Optional[Path], model: Optional[str], sizes: dict, seed: int) -> Profile:
+def _load_profile(path: Optional[Path], model: Optional[str], sizes: dict, seed: int, device: Optional[str] = None) -> Profile:
     if path is not None:
-        if model is not None:
-            raise ValueError("give either a profile JSON or --model, not both.")
+        if model is not None or device is not None:
+            raise ValueError("give either a profile JSON or --model (and --device), not both.")
         return Profile.from_json(Path(path))
     if model is None:
         raise ValueError("give a profile JSON (remat profile --json p.json) or --model NAME to profile first.")
@@ -65,7 +67,7 @@ def _load_profile(path: Optional[Path], model: Optional[str], sizes: dict, seed:
     from remat.models import load_target, sizes_from_options
 
     with console.status(f"profiling {model}..."):
-        built = load_target(model, seed=seed, **sizes_from_options(model, **sizes))
+        built = load_target(model, seed=seed, device=device, **sizes_from_options(model, **sizes))
         return profile(built.model, built.batch, built.loss_fn, built.optimizer)
 
 

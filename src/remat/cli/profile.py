@@ -9,7 +9,7 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from remat.cli._app import app, console, fail
+from remat.cli._app import DEVICE_HELP, app, console, fail
 from remat.distributed import is_main_process
 from remat.measure.types import Profile
 
@@ -35,6 +35,7 @@ def profile_command(
     warmup: int = typer.Option(1, help="Plain steps before measuring."),
     repeats: int = typer.Option(5, help="Timed steps (the median is kept)."),
     seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
 ) -> None:
     """Measure the real model block by block: saved bytes, time, FLOPs, memory peak."""
     from remat.measure.profile import profile
@@ -46,7 +47,7 @@ def profile_command(
     try:
         with console.status(f"building {spec}..."):
             sizes = sizes_from_options(spec, **options)
-            built = load_target(spec, seed=seed, **sizes)
+            built = load_target(spec, seed=seed, device=device, **sizes)
         with Progress(*Progress.get_default_columns(), console=console, transient=True) as bar:
             task = bar.add_task(f"profiling {spec}", total=None)
 

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from remat.apply.run import DEFAULT_OUT_DIR
 from remat.distributed import is_main_process
-from remat.cli._app import app, console, fail
+from remat.cli._app import DEVICE_HELP, app, console, fail
 
 MIB = 2**20
 RUN_OUT_DIR = DEFAULT_OUT_DIR / "run"
@@ -146,6 +146,7 @@ def run_command(
     seq: Optional[int] = typer.Option(None, help="Sequence length (convnet: image size)."),
     batch: Optional[int] = typer.Option(None, help="Batch size."),
     seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     repeats: int = typer.Option(5, help="Timed pairs (baseline, plan) per plan, order swapped each round (medians)."),
     out: Path = typer.Option(RUN_OUT_DIR, "--out", "-o", help="Directory for profile, plan and verification JSON and report.html."),
 ) -> None:
@@ -159,16 +160,18 @@ def run_command(
         sizes = sizes_from_options(model, **options)
         with console.status("building...") as status:
             result = run_job(model, budget=budget, strategy=strategy, sizes=sizes, seed=seed, repeats=repeats,
-                             offload_dir=None if offload_dir is None else str(offload_dir), progress=_progress_to(status))
+                             offload_dir=None if offload_dir is None else str(offload_dir), progress=_progress_to(status),
+                             device=device)
     except (ValueError, TypeError) as error:
         raise fail(str(error)) from None
     render(result, f"remat run: {model}, {strategy}" + (f" within {budget}" if budget else ""))
+    on = ["--device", device] if device else []
     args = ["--model", model, "--strategy", strategy, *(["--budget", budget] if budget else []),
-            *_size_args(options), "--seed", str(seed), "--out", str(out)]
+            *_size_args(options), "--seed", str(seed), *on, "--out", str(out)]
     files = save_outputs(result, out, ["remat", "run", *args], chosen_row=len(result.rows) - 1)
     if files is not None:
         console.print(f"apply it again: remat verify {files.plans[-1]} --model {model}"
-                      + "".join(f" {a}" for a in _size_args(options)), soft_wrap=True)
+                      + "".join(f" {a}" for a in [*_size_args(options), *on]), soft_wrap=True)
     if not result.all_identical:
         raise typer.Exit(1)
 
@@ -212,6 +215,7 @@ def verify_command(
     seq: Optional[int] = typer.Option(None, help="Sequence length (convnet: image size)."),
     batch: Optional[int] = typer.Option(None, help="Batch size."),
     seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Where offload:disk blocks write."),
     repeats: int = typer.Option(5, help="Timed pairs (baseline, plan), order swapped each round (medians)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the Verification as JSON here."),
@@ -226,7 +230,8 @@ def verify_command(
         sizes = sizes_from_options(model, layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
         with console.status("building...") as status:
             result = verify_job(plan, model, sizes=sizes, seed=seed, repeats=repeats,
-                                offload_dir=None if offload_dir is None else str(offload_dir), progress=_progress_to(status))
+                                offload_dir=None if offload_dir is None else str(offload_dir), progress=_progress_to(status),
+                                device=device)
     except (ValueError, TypeError, FileNotFoundError) as error:
         raise fail(str(error)) from None
     render(result, f"remat verify: {plan_path.name} on {model}")

@@ -11,7 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import dataclasses
+
+import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from remat.models.registry import MODEL_NAMES, BuiltModel, build, model_sizes
 
@@ -56,21 +60,62 @@ def is_file_target(spec: str) -> bool:
     return ":" in spec and not spec.startswith("hf:")
 
 
-def load_target(spec: str, *, seed: int = 0, **sizes: Any) -> BuiltModel:
+def load_target(spec: str, *, seed: int = 0, device: str | torch.device | None = None, **sizes: Any) -> BuiltModel:
     """A built-in model (``"gpt"``, ``"hf:llama"``...) or the result of ``file.py:function()``.
 
     Sizes whose value is None are ignored, so a CLI can pass every option through; ``seed``
-    seeds a built-in model (a build function seeds itself).
+    seeds a built-in model (a build function seeds itself). ``device``: move the model and the
+    batch's tensors there (`resolve_device`); built-in models are built on the CPU first, so a
+    seed gives the same weights on every device. None leaves them where they were built.
     """
     sizes = {k: v for k, v in sizes.items() if v is not None}
+    target = None if device is None else resolve_device(device)  # a bad device fails before building
     if is_file_target(spec):
         if sizes:
             raise ValueError(
                 f"size options {sorted(sizes)} apply to built-in models only, not to {spec!r}; "
                 "set the sizes inside the build function instead."
             )
-        return load_file_target(spec)
-    return build(spec, seed=seed, **sizes)
+        built = load_file_target(spec)
+    else:
+        built = build(spec, seed=seed, **sizes)
+    return built if target is None else move_to(built, target)
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a `torch.device` this machine has: ``cpu``, ``cuda``, ``cuda:N`` (or another
+    accelerator torch reports available); a clear error otherwise."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not a device name torch knows; use cpu, cuda or cuda:N.") from None
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type == "meta":
+        raise ValueError("device='meta' runs nothing to measure; use cpu or cuda (remat estimate traces on meta itself).")
+    backend = getattr(torch, resolved.type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        raise ValueError(
+            f"device={str(device)!r} is not available here (torch {torch.__version__}: "
+            f"torch.{resolved.type}.is_available() is False); use --device cpu."
+        )
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if resolved.index is not None and resolved.index >= count:
+        raise ValueError(
+            f"device={str(device)!r}: this machine has {count} {resolved.type} device(s), "
+            f"{resolved.type}:0 to {resolved.type}:{count - 1}."
+        )
+    return resolved
+
+
+def move_to(built: BuiltModel, device: torch.device) -> BuiltModel:
+    """``built`` with its model and the batch's tensors on ``device``. The parameters move in
+    place, so an optimizer made on them still holds them (it must not have state yet)."""
+    if built.optimizer is not None and any(built.optimizer.state.values()):
+        raise ValueError("the optimizer already has state on the old device; move the model before its first step.")
+    built.model.to(device)
+    batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, built.batch)
+    return dataclasses.replace(built, batch=batch)
 
 
 def load_file_target(spec: str) -> BuiltModel:

@@ -18,7 +18,8 @@ class BuiltModel:
     """A model ready to train: its batch, loss and optimizer."""
 
     model: nn.Module
-    """The module (random weights, on the CPU, in training mode)."""
+    """The module (random weights, on the CPU unless `remat.models.load_target` moved it, in training
+    mode)."""
     batch: Any
     """The batch, by the calling convention of `remat._batch`."""
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
