@@ -2,7 +2,7 @@
 activation bytes it removes and the step time it adds, measured side by side with no recomputation.
 
     .venv/bin/python -m benchmarks.attention_core [--repeats 5] [--shapes demo wide wide-nodrop]
-                                                  [--markdown attention-core.md]
+                                                  [--device cuda] [--markdown attention-core.md]
 
 Per shape: `remat run`'s job (`remat.apply.run.run_job`): one profile, then the baseline and the
 attention-core plan verified by `remat.verify` (``--repeats`` timed pairs, order swapped each
@@ -49,10 +49,10 @@ SHAPES: dict[str, dict[str, float | int]] = {
 STRATEGY = "selective:attention-core"
 
 
-def measure(shape: str, repeats: int) -> dict:
+def measure(shape: str, repeats: int, device: str | None = None) -> dict:
     sizes = SHAPES[shape]
     start = time.perf_counter()
-    job = run_job("gpt", budget=None, strategy=STRATEGY, sizes=dict(sizes), repeats=repeats)
+    job = run_job("gpt", budget=None, strategy=STRATEGY, sizes=dict(sizes), repeats=repeats, device=device)
     prof = job.profile
     base, core = job.rows[0].verification, job.rows[1].verification
     state = prof.param_bytes + prof.grad_bytes + prof.optimizer_state_bytes + prof.buffer_bytes
@@ -76,6 +76,7 @@ def measure(shape: str, repeats: int) -> dict:
         rng_share=100 * sum(op.time_ms for op in rng) / fwd,
         replay_flops_share=100 * sum(op.flops for op in replayed) / max(block.fwd_flops, 1),
         identical=core.grads_identical and base.grads_identical,
+        device=prof.environment.device_name,
     )
 
 
@@ -103,7 +104,8 @@ def markdown(rows: list[dict], repeats: int) -> str:
     lines.append("")
     lines.append(
         f"Medians of {repeats} side-by-side pairs (baseline, plan) per shape; torch {torch.__version__}, "
-        f"{platform.machine()}, {torch.get_num_threads()} threads, {os.cpu_count()} cores."
+        f"{platform.machine()}, {torch.get_num_threads()} threads, {os.cpu_count()} cores"
+        + "".join(f", {d}" for d in sorted({r['device'] for r in rows})) + "."
     )
     return "\n".join(lines)
 
@@ -112,11 +114,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: the CPU)")
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
     rows = []
     for shape in args.shapes:
-        rows.append(measure(shape, args.repeats))
+        rows.append(measure(shape, args.repeats, args.device))
         print(f"{shape}: {rows[-1]['seconds']:.0f} s", flush=True)
     text = markdown(rows, args.repeats)
     print(text)

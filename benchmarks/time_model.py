@@ -1,7 +1,7 @@
 """How well `remat.predict` foresees step time and peak on every built-in model.
 
     .venv/bin/python -m benchmarks.time_model [--repeats 9] [--models gpt mlp convnet hf:gpt2 hf:llama]
-                                             [--markdown time-model.md]
+                                             [--device cuda] [--markdown time-model.md]
 
 Per model: `remat demo`'s job (`remat.apply.run.demo_job`) at the model's default sizes: one
 profile, then none, full, sqrt, selective:attention-core, selective:save-matmuls and optimal at
@@ -28,14 +28,14 @@ from remat.models.hf import transformers_available
 MODELS = ("gpt", "mlp", "convnet", "hf:gpt2", "hf:llama")
 
 
-def run(models: list[str], repeats: int) -> list[dict]:
+def run(models: list[str], repeats: int, device: str | None = None) -> list[dict]:
     rows = []
     for name in models:
         if name.startswith("hf:") and not transformers_available():
             print(f"{name}: skipped (transformers is not installed)", flush=True)
             continue
         start = time.perf_counter()
-        result = demo_job(model_name=name, repeats=repeats)
+        result = demo_job(model_name=name, repeats=repeats, device=device)
         for row in result.rows:
             v = row.verification
             rows.append(dict(model=name, plan=row.label, peak_error=v.peak_error_pct,
@@ -76,10 +76,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: the CPU)")
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
     start = time.perf_counter()
-    rows = run(args.models, args.repeats)
+    rows = run(args.models, args.repeats, args.device)
     text = markdown(rows, args.repeats)
     print(text)
     if args.markdown is not None:
