@@ -95,3 +95,20 @@ def test_bad_devices_are_refused_before_building():
     built.optimizer.step()
     with pytest.raises(ValueError, match="the optimizer already has state"):
         move_to(built, torch.device("cpu"))
+
+
+def test_dtype_casts_parameters_and_floating_batch_tensors_only():
+    mlp = load_target("mlp", depth=2, width=4, batch_size=3, dtype=torch.bfloat16)
+    assert {p.dtype for p in mlp.model.parameters()} == {torch.bfloat16}
+    assert all(t.dtype == torch.bfloat16 for t in (mlp.batch if isinstance(mlp.batch, tuple) else (mlp.batch,)))
+    plain = load_target("mlp", depth=2, width=4, batch_size=3)
+    for a, b in zip(plain.model.parameters(), mlp.model.parameters()):
+        assert torch.equal(a.to(torch.bfloat16), b)  # the same seed's weights, rounded
+    gpt = load_target("gpt", num_layers=1, d_model=16, num_heads=2, seq_len=8, batch_size=2, vocab_size=32,
+                      dtype=torch.bfloat16)
+    assert all(t.dtype == torch.int64 for t in gpt.batch)  # token ids keep their dtype
+    assert gpt.model.blocks[0].attn.causal_mask.dtype == torch.bool
+    params = {id(p) for group in gpt.optimizer.param_groups for p in group["params"]}
+    assert params == {id(p) for p in gpt.model.parameters()}
+    with pytest.raises(TypeError, match=r"dtype=torch\.int64 is not a floating torch\.dtype; pass e\.g\. torch\.bfloat16"):
+        load_target("mlp", dtype=torch.int64)

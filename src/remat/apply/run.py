@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from remat.measure.types import Profile
 from remat.plan.types import Plan
 from remat.verify_types import Verification
@@ -83,13 +85,14 @@ def _quiet(_: str) -> None:
 
 
 def _profile(model_name: str, sizes: dict[str, Any], progress: Progress, *, seed: int = 0,
-             offload_dir: str | None = None, device: str | None = None) -> tuple[Any, Profile]:
+             offload_dir: str | None = None, device: str | None = None,
+             dtype: torch.dtype | None = None) -> tuple[Any, Profile]:
     from remat._batch import model_device
     from remat.measure.bandwidth import measure_bandwidths
     from remat.measure.profile import profile
     from remat.models import load_target
 
-    built = load_target(model_name, seed=seed, device=device, **sizes)
+    built = load_target(model_name, seed=seed, device=device, dtype=dtype, **sizes)
     progress(f"profiling {model_name}")
     prof = profile(built.model, built.batch, built.loss_fn, built.optimizer)
     if offload_dir is not None:
@@ -115,17 +118,20 @@ def baseline_peak(profile: Profile, baseline: Plan) -> int:
 
 def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", strategy: str = "optimal",
             sizes: dict[str, Any] | None = None, seed: int = 0, offload_dir: str | None = None,
-            repeats: int = 5, progress: Progress = _quiet, device: str | None = None) -> JobResult:
+            repeats: int = 5, progress: Progress = _quiet, device: str | None = None,
+            dtype: torch.dtype | None = None) -> JobResult:
     """Profile ``model_name``, plan ``strategy`` within ``budget`` (a share is of the measured
     baseline peak), apply it to a copy and verify it; the first row is the baseline.
     ``offload_dir``: measure the disk there, so the planner may offload to it. ``device``: where
-    the model and batch run (`remat.models.load_target`; None: where they were built)."""
+    the model and batch run, ``dtype``: their floating dtype (`remat.models.load_target`; None:
+    where and as they were built)."""
     from remat.distributed import broadcast_plan, world_size
     from remat.plan.budget import parse_budget
     from remat.plan.planners import plan as make_plan
 
     sizes = dict(sizes or {})
-    built, prof = _profile(model_name, sizes, progress, seed=seed, offload_dir=offload_dir, device=device)
+    built, prof = _profile(model_name, sizes, progress, seed=seed, offload_dir=offload_dir, device=device,
+                           dtype=dtype)
     baseline = make_plan(prof, strategy="none")
     budget_bytes = None if budget is None else parse_budget(budget, baseline_peak(prof, baseline))
     chosen = make_plan(prof, budget=budget_bytes, strategy=strategy)

@@ -60,16 +60,20 @@ def is_file_target(spec: str) -> bool:
     return ":" in spec and not spec.startswith("hf:")
 
 
-def load_target(spec: str, *, seed: int = 0, device: str | torch.device | None = None, **sizes: Any) -> BuiltModel:
+def load_target(spec: str, *, seed: int = 0, device: str | torch.device | None = None,
+                dtype: torch.dtype | None = None, **sizes: Any) -> BuiltModel:
     """A built-in model (``"gpt"``, ``"hf:llama"``...) or the result of ``file.py:function()``.
 
     Sizes whose value is None are ignored, so a CLI can pass every option through; ``seed``
     seeds a built-in model (a build function seeds itself). ``device``: move the model and the
     batch's tensors there (`resolve_device`); built-in models are built on the CPU first, so a
     seed gives the same weights on every device. None leaves them where they were built.
+    ``dtype``: a floating dtype for the parameters, floating buffers and floating batch tensors
+    (``torch.bfloat16``: pure 16-bit training); integer tensors (token ids, masks) keep theirs.
     """
     sizes = {k: v for k, v in sizes.items() if v is not None}
     target = None if device is None else resolve_device(device)  # a bad device fails before building
+    _check_dtype(dtype)
     if is_file_target(spec):
         if sizes:
             raise ValueError(
@@ -79,7 +83,7 @@ def load_target(spec: str, *, seed: int = 0, device: str | torch.device | None =
         built = load_file_target(spec)
     else:
         built = build(spec, seed=seed, **sizes)
-    return built if target is None else move_to(built, target)
+    return built if target is None and dtype is None else move_to(built, target, dtype)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -108,13 +112,25 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return resolved
 
 
-def move_to(built: BuiltModel, device: torch.device) -> BuiltModel:
-    """``built`` with its model and the batch's tensors on ``device``. The parameters move in
-    place, so an optimizer made on them still holds them (it must not have state yet)."""
+def _check_dtype(dtype: Any) -> None:
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype={dtype!r} is not a floating torch.dtype; pass e.g. torch.bfloat16, or None to keep float32.")
+
+
+def _moved(t: Any, device: torch.device | None, dtype: torch.dtype | None) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    return t.to(device=device, dtype=dtype if t.is_floating_point() else None)
+
+
+def move_to(built: BuiltModel, device: torch.device | None, dtype: torch.dtype | None = None) -> BuiltModel:
+    """``built`` with its model and the batch's tensors on ``device`` (None: where they are),
+    floating ones cast to ``dtype`` (None: kept). The parameters change in place, so an
+    optimizer made on them still holds them (it must not have state yet)."""
     if built.optimizer is not None and any(built.optimizer.state.values()):
         raise ValueError("the optimizer already has state on the old device; move the model before its first step.")
-    built.model.to(device)
-    batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, built.batch)
+    built.model.to(device=device, dtype=dtype)
+    batch = tree_map(lambda t: _moved(t, device, dtype), built.batch)
     return dataclasses.replace(built, batch=batch)
 
 
