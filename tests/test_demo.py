@@ -118,6 +118,17 @@ def test_run_then_verify_the_saved_plan(tmp_path, monkeypatch):
     assert "identical" in out.output
 
 
+def test_demo_job_verifies_the_strategies_and_budgets_it_is_given():
+    result = run_module.demo_job(model_name="gpt", sizes=TINY_GPT, repeats=1, strategies=("none", "full"),
+                                 budget_fractions=(0.5, 1.0))
+    middle, top = run_module.demo_budgets(result.profile, result.baseline, (0.5, 1.0))
+    baseline_peak = run_module.baseline_peak(result.profile, result.baseline)
+    assert [r.label for r in result.rows] == ["none", "full", f"optimal @ {100 * middle / baseline_peak:.0f}%",
+                                              f"optimal @ {100 * top / baseline_peak:.0f}%"]
+    assert top == result.baseline.prediction.peak_bytes  # fraction 1.0: the baseline peak itself
+    assert all(v.grads_identical for v in result.verifications)
+
+
 def test_file_stems_and_an_output_path_that_is_a_file(tmp_path):
     assert run_module.file_stem("optimal @ 40%") == "optimal-40pct"
     assert run_module.file_stem("selective:attention-core") == "selective-attention-core"

@@ -158,26 +158,29 @@ def verify_job(plan: Plan, model_name: str = DEMO_MODEL, *, sizes: dict[str, Any
                      baseline=make_plan(prof, strategy="none"), repeats=repeats)
 
 
-def demo_budgets(profile: Profile, baseline: Plan) -> list[int]:
-    """The optimal rows' budgets: `DEMO_BUDGET_FRACTIONS` of the way from the floor to the baseline."""
+def demo_budgets(profile: Profile, baseline: Plan, fractions: Sequence[float] = DEMO_BUDGET_FRACTIONS) -> list[int]:
+    """The optimal rows' budgets: ``fractions`` of the way from the floor to the baseline."""
     from remat.plan.planners import make_plan
     from remat.plan.search import OptimalSearch
 
     floor = make_plan(profile, OptimalSearch(profile).min_peak_segments(), "optimal", None).prediction.peak_bytes
     top = baseline.prediction.peak_bytes
-    return sorted({int(floor + f * (top - floor)) for f in DEMO_BUDGET_FRACTIONS})  # one row when floor == top
+    return sorted({int(floor + f * (top - floor)) for f in fractions})  # one row when floor == top
 
 
 def demo_job(*, model_name: str = DEMO_MODEL, sizes: dict[str, Any] | None = None, seed: int = 0,
-             repeats: int = 5, progress: Progress = _quiet, device: str | None = None) -> JobResult:
-    """Profile once; verify none, full, sqrt, two selective policies and optimal at three budgets."""
+             repeats: int = 5, progress: Progress = _quiet, device: str | None = None,
+             strategies: Sequence[str] = DEMO_STRATEGIES,
+             budget_fractions: Sequence[float] = DEMO_BUDGET_FRACTIONS) -> JobResult:
+    """Profile once; verify each of ``strategies`` (default: none, full, sqrt, two selective
+    policies) and optimal at each of ``budget_fractions`` (`demo_budgets`)."""
     from remat.plan.planners import plan as make_plan
 
     sizes = dict(DEMO_SIZES if sizes is None and model_name == DEMO_MODEL else sizes or {})
     built, prof = _profile(model_name, sizes, progress, seed=seed, device=device)
     baseline = make_plan(prof, strategy="none")
-    plans: list[tuple[str, Plan]] = [(s, make_plan(prof, strategy=s)) for s in DEMO_STRATEGIES]
-    budgets = demo_budgets(prof, baseline)
+    plans: list[tuple[str, Plan]] = [(s, make_plan(prof, strategy=s)) for s in strategies]
+    budgets = demo_budgets(prof, baseline, budget_fractions)
     for budget in budgets:
         share = 100 * budget / baseline_peak(prof, baseline)
         plans.append((f"optimal @ {share:.0f}%", make_plan(prof, budget=budget, strategy="optimal")))
