@@ -50,9 +50,17 @@ STRATEGY = "selective:attention-core"
 
 
 def measure(shape: str, repeats: int, device: str | None = None) -> dict:
-    sizes = SHAPES[shape]
+    """One of `SHAPES`, measured (`measure_sizes`)."""
+    return measure_sizes(shape, SHAPES[shape], repeats, device)
+
+
+def measure_sizes(shape: str, sizes: dict[str, float | int], repeats: int, device: str | None = None,
+                  dtype: torch.dtype | None = None) -> dict:
+    """The built-in GPT at ``sizes`` (named ``shape`` in the table) in ``dtype`` (None: float32):
+    no recomputation against attention-core, side by side."""
     start = time.perf_counter()
-    job = run_job("gpt", budget=None, strategy=STRATEGY, sizes=dict(sizes), repeats=repeats, device=device)
+    job = run_job("gpt", budget=None, strategy=STRATEGY, sizes=dict(sizes), repeats=repeats, device=device,
+                  dtype=dtype)
     prof = job.profile
     base, core = job.rows[0].verification, job.rows[1].verification
     state = prof.param_bytes + prof.grad_bytes + prof.optimizer_state_bytes + prof.buffer_bytes
@@ -65,7 +73,8 @@ def measure(shape: str, repeats: int, device: str | None = None) -> dict:
     replayed = [op for op in block.ops if op.key not in saved_ops and not op.is_view]
     rng = [op for op in replayed if op.is_random]
     return dict(
-        shape=shape, sizes=sizes, seconds=time.perf_counter() - start,
+        shape=shape, sizes=sizes, dtype=str(dtype or torch.float32).removeprefix("torch."),
+        seconds=time.perf_counter() - start,
         stored_base=stored_base, stored_core=stored_core,
         peak_act_base=base.measured_peak_bytes - state, peak_act_core=core.measured_peak_bytes - state,
         peak_base=base.measured_peak_bytes, peak_core=core.measured_peak_bytes,
@@ -78,6 +87,10 @@ def measure(shape: str, repeats: int, device: str | None = None) -> dict:
         identical=core.grads_identical and base.grads_identical,
         device=prof.environment.device_name,
     )
+
+
+def _dtype(row: dict) -> str:
+    return "" if row.get("dtype", "float32") == "float32" else f", {row['dtype']}"
 
 
 def _pct(new: float, old: float) -> str:
@@ -95,7 +108,7 @@ def markdown(rows: list[dict], repeats: int) -> str:
         s = r["sizes"]
         lines.append(
             f"| {r['shape']} | {s['num_layers']} x {s['d_model']} / {s['num_heads']} x {s['seq_len']} x "
-            f"{s['batch_size']}, p={s['dropout']} | {r['stored_base'] / 2**20:.1f} -> {r['stored_core'] / 2**20:.1f} MiB "
+            f"{s['batch_size']}, p={s['dropout']}{_dtype(r)} | {r['stored_base'] / 2**20:.1f} -> {r['stored_core'] / 2**20:.1f} MiB "
             f"({_pct(r['stored_core'], r['stored_base'])}) | {r['peak_act_base'] / 2**20:.1f} -> "
             f"{r['peak_act_core'] / 2**20:.1f} MiB ({_pct(r['peak_act_core'], r['peak_act_base'])}) | "
             f"{r['overhead']:+.1f}% | {r['predicted_overhead']:+.1f}% | {r['replay_share']:.0f}% / "
