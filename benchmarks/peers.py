@@ -24,7 +24,7 @@ import torch
 
 from benchmarks._peers import plot, results
 from benchmarks._peers.runner import interleaved_timing
-from benchmarks._peers.strategies import COMPILED, EAGER, default_peers
+from benchmarks._peers.strategies import COMPILED, EAGER, Peer, default_peers
 from benchmarks._peers.suite import Suite, add_peers, add_remat, matched_plans, remat_profile
 from benchmarks._peers.workloads import MODEL_CHOICES, SIZE_NAMES, Workload
 
@@ -75,22 +75,33 @@ def _frontier_plans(profile: object, count: int) -> tuple[list[tuple[int, float]
 
 def run(args: argparse.Namespace) -> Suite:
     """Prepare and measure every strategy of one model; returns the measured suite."""
-    _configure_dynamo()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    suite = Suite(workload=Workload(model=args.model, size=args.size, device=args.device))
-    add_peers(suite, default_peers(with_compile=not args.no_compile), args.warmup)
+    workload = Workload(model=args.model, size=args.size, device=args.device)
+    return run_suite(workload, default_peers(with_compile=not args.no_compile), repeats=args.repeats,
+                     warmup=args.warmup, frontier_points=args.frontier_points)
+
+
+def run_suite(workload: Workload, peers: list[Peer], *, repeats: int, warmup: int = 2,
+              frontier_points: int = 4) -> Suite:
+    """Measure ``peers`` on ``workload``, then remat's optimal plan at each peer's peak (in the
+    peer's mode: eager, and compiled when a compiled peer is among them) and ``frontier_points``
+    plans of remat's frontier, all timed interleaved; returns the measured suite."""
+    _configure_dynamo()
+    suite = Suite(workload=workload)
+    add_peers(suite, peers, warmup)
     profile = remat_profile(suite.workload)
     suite.num_blocks = profile.num_blocks
-    for mode in (EAGER,) + (() if args.no_compile else (COMPILED,)):
+    compiled = any(p.mode == COMPILED for p in peers)
+    for mode in (EAGER,) + ((COMPILED,) if compiled else ()):
         budgets = {r.name: r.peak_bytes if mode == EAGER else r.alloc_peak_bytes
                    for r in suite.runners if r.source == "peer" and r.mode == mode}
         plans = [(f"@ {name}", plan) for name, plan in matched_plans(profile, budgets).items()]
         if mode == EAGER:
-            suite.frontier, extra = _frontier_plans(profile, args.frontier_points)
+            suite.frontier, extra = _frontier_plans(profile, frontier_points)
             plans += extra
-        add_remat(suite, profile, plans, mode, args.warmup)
-    interleaved_timing(suite.runners, args.repeats)
+        add_remat(suite, profile, plans, mode, warmup)
+    interleaved_timing(suite.runners, repeats)
     return suite
 
 

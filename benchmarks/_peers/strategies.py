@@ -264,8 +264,9 @@ class Rockmate(Peer):
         return "Rockmate 2.0.0 (PyPI)"
 
 
-def default_peers(*, with_compile: bool) -> list[Peer]:
-    """Every peer of the comparison, eager first."""
+def default_peers(*, with_compile: bool, compile_budgets: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7)) -> list[Peer]:
+    """Every peer of the comparison, eager first; ``compile_budgets``: the activation memory
+    budgets of the compiled peers besides plain ``compile`` (1.0)."""
     peers: list[Peer] = [
         NoRecompute(name="none"),
         PerBlockCheckpoint(name="per-block checkpoint"),
@@ -275,5 +276,5 @@ def default_peers(*, with_compile: bool) -> list[Peer]:
     ]
     if with_compile:
         peers.append(CompileBudget(name="compile", budget=1.0))
-        peers += [CompileBudget(name=f"compile budget {b}", budget=b) for b in (0.1, 0.3, 0.5, 0.7)]
+        peers += [CompileBudget(name=f"compile budget {b}", budget=b) for b in compile_budgets]
     return peers
