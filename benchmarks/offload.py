@@ -39,7 +39,7 @@ import remat
 from remat.apply.offload import OffloadEngine
 from remat.apply.offload_disk import DiskStore
 from remat.measure.bandwidth import measure_bandwidths, measure_disk
-from remat.models import build
+from remat.models import build, load_target
 from remat.plan.planners import make_plan
 from remat.plan.predict import predict
 from remat.plan.types import Segment
@@ -130,14 +130,61 @@ def _step_ms(model, batch, loss_fn, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
+def all_offloaded(profile: remat.Profile, strategy: str) -> remat.Plan:
+    """Every block of ``profile`` offloaded with ``strategy`` (``offload:cpu`` or ``offload:disk``)."""
+    segments = (Segment(start=0, stop=profile.num_blocks, strategy=strategy),)
+    return make_plan(profile, segments, "offload", None)
+
+
+def host_offload(sizes: dict, device: str, repeats: int) -> dict:
+    """Pinned host offload (``offload:cpu``) of every block of the built-in GPT at ``sizes`` on
+    a CUDA ``device``, verified against no offload (`remat.verify`: CUDA-event medians of
+    ``repeats`` side-by-side pairs).
+
+    Transfer overlap achieved: the step time the offload adds (measured, planned minus baseline)
+    against the time its copies take at the profile's pinned rates (device->host of every
+    offloaded byte, then host->device): ``hidden = 1 - added / transfer``. 1: the copies cost
+    the step nothing; 0: the step waits for every byte. The bandwidth probe's own figure
+    (`remat.measure.bandwidth.measure_host_device`: a side-stream copy under a matmul loop)
+    is given beside it."""
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"device={device!r}: offload:cpu moves CUDA tensors to pinned host memory; use a CUDA device.")
+    built = load_target("gpt", device=device, **sizes)
+    profile = remat.profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=repeats)
+    profile = dataclasses.replace(profile, bandwidths=measure_bandwidths(device))
+    plan = all_offloaded(profile, "offload:cpu")
+    check = remat.verify(built.model, built.batch, plan, built.loss_fn, built.optimizer, repeats=repeats)
+    bw, moved = profile.bandwidths, plan.prediction.offloaded_bytes
+    transfer_ms = 1e3 * moved * (1 / bw.device_to_host_bytes_per_s + 1 / bw.host_to_device_bytes_per_s)
+    added_ms = check.measured_step_ms - check.baseline_step_ms
+    return {
+        "offloaded_bytes": moved,
+        "device_to_host_bytes_per_s": bw.device_to_host_bytes_per_s,
+        "host_to_device_bytes_per_s": bw.host_to_device_bytes_per_s,
+        "probe_overlap_fraction": bw.overlap_fraction,
+        "transfer_ms": transfer_ms,
+        "added_ms": added_ms,
+        "predicted_added_ms": plan.prediction.extra_ms,
+        "hidden_fraction": 1 - added_ms / transfer_ms if transfer_ms > 0 else None,
+        "baseline_step_ms": check.baseline_step_ms,
+        "measured_step_ms": check.measured_step_ms,
+        "predicted_step_ms": check.predicted_step_ms,
+        "paired_step_error_pct": check.paired_step_error_pct,
+        "baseline_peak_bytes": check.baseline_peak_bytes,
+        "measured_peak_bytes": check.measured_peak_bytes,
+        "predicted_peak_bytes": check.predicted_peak_bytes,
+        "grads_ok": check.ok,
+        "grad_max_abs_diff": check.grad_max_abs_diff,
+    }
+
+
 def prediction(directory: str, repeats: int) -> dict:
     """Predicted vs measured step time of the built-in GPT with every block offloaded to disk."""
     built = build("gpt", optimizer="none", d_model=256, seq_len=128, batch_size=8, num_layers=4)
     model, batch = built.model, built.batch
     profile = remat.profile(model, batch, built.loss_fn, None, repeats=repeats)
     profile = dataclasses.replace(profile, bandwidths=measure_bandwidths("cpu", directory))
-    segments = (Segment(start=0, stop=profile.num_blocks, strategy="offload:disk"),)
-    plan = make_plan(profile, segments, "offload", None)
+    plan = all_offloaded(profile, "offload:disk")
     predicted = predict(profile, plan)
     predicted_baseline = predicted.step_ms - predicted.extra_ms + predicted.fault_saving_ms
     baseline_ms = _step_ms(model, batch, built.loss_fn, repeats)
