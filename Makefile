@@ -3,13 +3,18 @@
 #   make test   # the whole test suite
 # TORCH overrides the torch requirement (default: the CPU build of 2.13.0), e.g.
 #   make test TORCH='torch==2.5.1'
+# On a machine with a GPU (and a CUDA build of torch through TORCH where the default is not one):
+#   make device-check OUT=device-check   # DEVICE=cuda (default), SIZE=full (default) or small
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+DEVICE ?= cuda
+SIZE ?= full
+OUT ?= device-check
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean bench
+.PHONY: demo test setup clean bench device-check
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +33,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.peers --model gpt
+
+device-check: $(STAMP)
+	$(BIN)/python -m benchmarks.device_check --device $(DEVICE) --size $(SIZE) --out $(OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
