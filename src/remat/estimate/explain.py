@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import replace
 
 from remat.estimate.devices import DeviceSpec
+from remat.estimate.results import StrategyEstimate
 from remat.memory.diagnose import format_gib, min_world_size
 from remat.memory.model_state import ModelState, shard_model_state
 from remat.memory.optimizer_state import BNB_QMAP_BYTES, adam8bit_tensor_bytes, optimizer_layout
-
-if TYPE_CHECKING:
-    from remat.estimate.api import StrategyEstimate
 
 
 def explain_state_overflow(
