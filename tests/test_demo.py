@@ -38,10 +38,10 @@ def tiny_demo(monkeypatch):
 
 
 def _break_rng(monkeypatch):
-    import remat.apply.strategies as strategies
+    import remat.checkpointing.region as region
 
-    real = strategies.checkpoint
-    monkeypatch.setattr(strategies, "checkpoint", lambda *a, **k: real(*a, **{**k, "preserve_rng_state": False}))
+    real = region.checkpoint
+    monkeypatch.setattr(region, "checkpoint", lambda *a, **k: real(*a, **{**k, "preserve_rng_state": False}))
 
 
 def test_demo_command_prints_one_table_of_every_strategy_and_three_budgets(tiny_demo, tmp_path):

@@ -112,10 +112,10 @@ def test_verify_leaves_the_model_and_optimizer_as_they_were():
 
 
 def test_a_replay_with_other_dropout_masks_is_caught(monkeypatch):
-    import remat.apply.strategies as strategies
+    import remat.checkpointing.region as region
 
-    real = strategies.checkpoint
-    monkeypatch.setattr(strategies, "checkpoint", lambda *a, **k: real(*a, **{**k, "preserve_rng_state": False}))
+    real = region.checkpoint
+    monkeypatch.setattr(region, "checkpoint", lambda *a, **k: real(*a, **{**k, "preserve_rng_state": False}))
     v = _verify("gpt", "full")
     assert not v.grads_identical and not v.ok
     assert v.grad_max_abs_diff > 0.0 and v.loss_max_abs_diff == 0.0

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 import torch
 
-from remat.measure.bandwidth import measure_bandwidths, measure_disk
+from remat.apply.offload_disk import DiskStore
+from remat.measure.bandwidth import WRITER_THREADS, measure_bandwidths, measure_disk
 
 from offload_helpers import dir_entries
 
@@ -20,6 +22,10 @@ def test_disk_rates_measured_in_the_directory(tmp_path):
     assert bw.disk_dir == str(tmp_path.resolve())
     assert bw.host_to_device_bytes_per_s is None and bw.overlap_fraction is None  # CPU: no host link
     assert dir_entries(tmp_path) == []
+
+
+def test_the_overlap_probe_writes_with_as_many_threads_as_the_offload():
+    assert WRITER_THREADS == inspect.signature(DiskStore).parameters["num_threads"].default
 
 
 def test_nothing_measured_without_a_directory_on_cpu():

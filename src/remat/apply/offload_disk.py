@@ -6,8 +6,8 @@ the user chose (default: the system temporary directory). A block's forward open
 thread and written with ``pwrite`` by the pool, so records of one block are written in parallel
 and land sequentially. When the block's forward ends, a sealing job waits for its writes, then
 ``fdatasync`` + ``POSIX_FADV_DONTNEED``: the bytes really leave memory (dirty page cache is not
-free memory). `remat.measure.bandwidth` times this same path, so the planner's disk rates
-describe it.
+free memory). The raw I/O is `remat._diskio`'s, which `remat.measure.bandwidth` times, so the
+planner's disk rates describe this path.
 
 Every record carries a CRC-32 (`zlib.crc32`) computed while writing and checked after reading.
 A missing file, a file too short for a record, a checksum mismatch, a full disk or an
@@ -27,60 +27,12 @@ import shutil
 import tempfile
 import threading
 import weakref
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-CHUNK_BYTES = 8 << 20
-"""Bytes per write/read system call (and per CRC update)."""
-
-
-class OffloadError(RuntimeError):
-    """An offloaded tensor could not be stored or restored; the message names the file and block."""
-
-
-def write_at(fd: int, offset: int, data: torch.Tensor) -> int:
-    """``pwrite`` a 1-D uint8 CPU tensor at ``offset``; return the CRC-32 of its bytes."""
-    view = memoryview(data.numpy()).cast("B")
-    crc, pos = 0, 0
-    while pos < len(view):
-        written = os.pwrite(fd, view[pos : pos + CHUNK_BYTES], offset + pos)
-        crc = zlib.crc32(view[pos : pos + written], crc)
-        pos += written
-    return crc
-
-
-def flush(fd: int) -> None:
-    """Make the file durable and drop its pages from the cache."""
-    os.fdatasync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-def read_at(path: str, offset: int, nbytes: int, block: str) -> tuple[torch.Tensor, int]:
-    """Read ``nbytes`` at ``offset`` into a new uint8 tensor; return it and the CRC-32 read."""
-    out = torch.empty(nbytes, dtype=torch.uint8)
-    view = memoryview(out.numpy()).cast("B")
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        if size < offset + nbytes:
-            raise OffloadError(
-                f"offload file {path} of block {block!r} holds {size} bytes but its record at "
-                f"offset {offset} needs {offset + nbytes} (short or truncated file); the saved "
-                "activations are lost: run the step again."
-            )
-        crc, pos = 0, 0
-        while pos < nbytes:
-            got = os.preadv(fd, [view[pos : pos + CHUNK_BYTES]], offset + pos)
-            if not got:
-                raise OffloadError(f"short read from offload file {path} of block {block!r} at offset {offset + pos}.")
-            crc = zlib.crc32(view[pos : pos + got], crc)
-            pos += got
-    finally:
-        os.close(fd)
-    return out, crc
+from remat._diskio import OffloadError, flush, read_at, write_at
 
 
 def _io_error(exc: OSError, what: str, block: str, verb: str) -> OffloadError:

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from remat.apply.runtime import block_listener
-from remat.apply.selective import is_saved
+from remat.checkpointing.selective import is_saved
 from remat.plan.types import Plan, Segment
 
 __all__ = ["BlockOpCounter", "expected_extra_calls", "op_name"]

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 
+from remat.checkpointing.caches import drop_kv_caches
 from remat.plan.types import Segment
 
 Listener = Callable[[int, bool], None]
@@ -66,22 +66,6 @@ def _same(a: Any, b: Any) -> bool:
         return bool(type(a) is type(b) and a == b)
     except Exception:  # noqa: BLE001 - objects whose == is not a bool are simply not "the same"
         return False
-
-
-def _is_kv_cache(value: Any) -> bool:
-    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
-
-
-def drop_kv_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Replace Hugging Face key/value caches by None for a planned segment.
-
-    A cache is appended to by every forward, so a replay would append the keys and values a
-    second time; training does not use it. Hugging Face's own gradient checkpointing does the
-    same (``use_cache=True`` is incompatible with gradient checkpointing)."""
-    if not any(_is_kv_cache(v) for v in (*args, *kwargs.values())):
-        return args, kwargs
-    args = tuple(None if _is_kv_cache(v) else v for v in args)
-    return args, {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()}
 
 
 @dataclass(kw_only=True)
@@ -130,7 +114,8 @@ class Runtime:
         """Instance ``forward`` attributes the blocks had before apply_ (restored by remove_)."""
         self.pending: dict[int, _Pending] = {}
         self.mutating: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-        """Buffers a region's forward changes, per (start, stop, training modes); see BufferGuard."""
+        """Buffers a region's forward changes, per (start, stop, training modes): the store of
+        `remat.checkpointing.region.BufferGuard`."""
 
     # -- installing -------------------------------------------------------------------------
     def planned_indices(self) -> list[int]:
@@ -240,58 +225,3 @@ class Runtime:
                 first = first_of(outputs[-1])
             outputs += self.run_plain(pos, seg.stop, first, extra, kwargs)
         return outputs
-
-    def block_buffers(self, start: int, stop: int) -> list[torch.Tensor]:
-        return [b for i in range(start, stop) for b in self.blocks[i].buffers()]
-
-
-@contextlib.contextmanager
-def _outside_modes() -> Iterator[None]:
-    """Bookkeeping copies must not be seen by the selective-checkpoint cache (it would expect
-    them in the replay) nor counted as the step's ops."""
-    with _disable_current_modes(), torch.no_grad():
-        yield
-
-
-class BufferGuard:
-    """Undo buffer updates made by a replay (BatchNorm running statistics...).
-
-    The first run of a region is the real forward; every later run is a replay. Which buffers
-    a forward changes is found once per region and training mode by comparing values (the
-    kernels that update running statistics do not bump version counters) and kept in
-    ``runtime.mutating``. A replay copies those buffers first and restores them after, so
-    they advance once per step, as without recomputation."""
-
-    def __init__(self, runtime: Runtime, start: int, stop: int) -> None:
-        self.runtime = runtime
-        self.start, self.stop = start, stop
-        self.calls = 0
-
-    def _key(self) -> tuple[Any, ...]:
-        modes = tuple(m.training for i in range(self.start, self.stop) for m in self.runtime.blocks[i].modules())
-        return (self.start, self.stop, modes)
-
-    @contextlib.contextmanager
-    def run(self) -> Iterator[None]:
-        self.calls += 1
-        key = self._key()
-        known = self.runtime.mutating.get(key)
-        if self.calls == 1 and known is None:
-            buffers = self.runtime.block_buffers(self.start, self.stop)
-            with _outside_modes():
-                before = [b.detach().clone() for b in buffers]
-            yield
-            with _outside_modes():
-                self.runtime.mutating[key] = [b for b, v in zip(buffers, before) if not torch.equal(b, v)]
-            return
-        if self.calls == 1 or not known:
-            yield
-            return
-        with _outside_modes():
-            saved = [b.detach().clone() for b in known]
-        try:
-            yield
-        finally:
-            with _outside_modes():
-                for buf, value in zip(known, saved):
-                    buf.copy_(value)

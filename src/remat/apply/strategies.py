@@ -4,14 +4,12 @@ A handler is ``handler(runtime, segment, first, extra, kwargs) -> outputs``: it 
 ``segment.start..segment.stop-1`` starting from input ``first`` (with the extra positional and
 keyword arguments every block receives) and returns one output per block.
 
-Recomputation uses `torch.utils.checkpoint.checkpoint` with ``use_reentrant=False`` and
-``preserve_rng_state=True`` (CPU and device generators restored before the replay, so dropout
-masks repeat) and the autocast state of the forward. ``early_stop=False``: the replay runs the
-whole segment, so a segment's forward is recomputed exactly once per backward, the number the
-planner prices and `remat.verify` counts. Nested children are checkpointed in the forward and in
-the parent's replay alike; by torch's nesting rules (a saved tensor belongs to the innermost
-checkpoint, a child's inputs to its parent) the forward then retains only the parent's input,
-and the parent's replay retains only the children's inputs and the blocks kept between them.
+Recomputation runs each segment as one `remat.checkpointing.region.checkpointed` call
+(non-reentrant, RNG and autocast state preserved, whole-segment replays). Nested children are
+checkpointed in the forward and in the parent's replay alike; by torch's nesting rules (a saved
+tensor belongs to the innermost checkpoint, a child's inputs to its parent) the forward then
+retains only the parent's input, and the parent's replay retains only the children's inputs and
+the blocks kept between them.
 """
 
 from __future__ import annotations
@@ -20,29 +18,18 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from torch.utils.checkpoint import checkpoint
-
-from remat.apply.runtime import BufferGuard, Runtime
-from remat.apply.selective import selective_context
+from remat.apply.runtime import Runtime
+from remat.checkpointing.region import BufferGuard, checkpointed
+from remat.checkpointing.selective import selective_context
 from remat.plan.types import Segment
 
-EARLY_STOP = False
-"""Replay whole segments (see the module docstring): counts and prices stay exact."""
 Handler = Callable[[Runtime, Segment, Any, tuple[Any, ...], dict[str, Any]], list[Any]]
 
 
 def _checkpointed(runtime: Runtime, seg: Segment, body: Callable[[Any], list[Any]],
                   first: Any, extra: tuple[Any, ...], context_fn: Callable[[], Any] | None = None) -> list[Any]:
-    guard = BufferGuard(runtime, seg.start, seg.stop)
-
-    def region(first: Any, *extra_args: Any) -> tuple[Any, ...]:
-        with guard.run():
-            return tuple(body(first, extra_args))
-
-    options: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
-    out = checkpoint(region, first, *extra, use_reentrant=False, preserve_rng_state=True,
-                     early_stop=EARLY_STOP, **options)
-    return list(out)
+    guard = BufferGuard(runtime.blocks[seg.start : seg.stop], runtime.mutating, (seg.start, seg.stop))
+    return checkpointed(body, first, extra, guard=guard, context_fn=context_fn)
 
 
 def run_keep(runtime: Runtime, seg: Segment, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:

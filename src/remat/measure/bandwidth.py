@@ -1,12 +1,13 @@
 """Transfer rates for the offload strategies, measured on this machine (fills `Bandwidths`).
 
 - Disk: sequential write then read of one file in the offload directory, through the very I/O
-  path the disk offload uses (`remat.apply.offload_disk`: ``write_at`` with its CRC-32, then
-  ``flush``: fdatasync + POSIX_FADV_DONTNEED, so the read comes from the disk, not the page
-  cache; ``read_at``). A 4 MiB pilot sets the size so that the timed write takes about ``target_s``; the
+  path the disk offload uses (`remat._diskio`: ``write_at`` with its CRC-32, then ``flush``:
+  fdatasync + POSIX_FADV_DONTNEED, so the read comes from the disk, not the page cache;
+  ``read_at``). A 4 MiB pilot sets the size so that the timed write takes about ``target_s``; the
   whole probe stays under a second on anything faster than ~40 MB/s.
-- Overlap: the rate of a small matmul loop while the offload's transfers run (the `DiskStore`
-  writer threads; side-stream D2H copies on CUDA) over its rate alone. Compute that loses
+- Overlap: the rate of a small matmul loop while the offload's transfers run (records written
+  by a pool of `WRITER_THREADS` threads, as the disk offload's store writes them; side-stream
+  D2H copies on CUDA) over its rate alone. Compute that loses
   nothing to the transfers hides them fully (1.0); compute that stalls for them hides nothing.
 - Host<->device (CUDA only): pinned copies timed with CUDA events.
 """
@@ -16,11 +17,12 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from remat.apply.offload_disk import DiskStore, flush, read_at, write_at
+from remat._diskio import flush, read_at, write_at
 from remat.measure.types import Bandwidths
 
 __all__ = ["measure_bandwidths", "measure_disk", "measure_disk_overlap", "measure_host_device"]
@@ -28,6 +30,9 @@ __all__ = ["measure_bandwidths", "measure_disk", "measure_disk_overlap", "measur
 PILOT_BYTES = 4 << 20
 MIN_PROBE_BYTES = 8 << 20
 MAX_PROBE_BYTES = 256 << 20
+WRITER_THREADS = 2
+"""I/O threads writing records, the disk offload's default (`remat.apply.offload_disk.DiskStore`;
+a test keeps them equal)."""
 
 
 def _payload(nbytes: int) -> torch.Tensor:
@@ -87,15 +92,18 @@ def measure_disk_overlap(directory: str | os.PathLike, write_bytes_per_s: float,
     chunks = list(_payload(nbytes).chunk(4))
     _compute_rate(device, lambda: True, 0.01)  # warm-up
     alone = _compute_rate(device, lambda: True, target_s / 2)
-    store = DiskStore(directory=directory, num_threads=2)
+    offsets = [sum(c.numel() for c in chunks[:i]) for i in range(len(chunks))]
+    fd, path = tempfile.mkstemp(prefix="remat-bw-", dir=str(directory))
     try:
-        block_file = store.open_block("bandwidth probe")
-        tickets = [block_file.put(c) for c in chunks]
-        block_file.seal()
-        during = _compute_rate(device, lambda: all(t._write.done() for t in tickets), 0.0)
-        store.wait_writes()
+        with ThreadPoolExecutor(WRITER_THREADS, thread_name_prefix="remat-bw") as pool:
+            writes = [pool.submit(write_at, fd, offset, chunk) for offset, chunk in zip(offsets, chunks)]
+            during = _compute_rate(device, lambda: all(w.done() for w in writes), 0.0)
+            for write in writes:
+                write.result()
+        flush(fd)
     finally:
-        store.close()
+        os.close(fd)
+        os.unlink(path)
     return min(1.0, max(0.0, during / alone))
 
 

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from remat.measure.types import BlockProfile, Profile
-from remat.plan.policies import cacheable, op_storages
+from remat.plan.policies import op_cacheable, op_storages
 from remat.plan.types import Segment
 
 __all__ = [
@@ -114,7 +114,7 @@ def replay_working_bytes(block: BlockProfile) -> int:
 
 def cached_ops(block: BlockProfile, saved_ops: tuple[str, ...]) -> frozenset[str]:
     """The named op calls whose outputs selective checkpointing really keeps: the named ones
-    that are `remat.plan.policies.cacheable` (the rule `remat.apply.selective` applies)."""
+    that can be cached (`remat.plan.policies.op_cacheable`: the rule the runtime applies)."""
     by_key = {op.key: op for op in block.ops}
     unknown = [key for key in saved_ops if key not in by_key]
     if unknown:
@@ -122,7 +122,7 @@ def cached_ops(block: BlockProfile, saved_ops: tuple[str, ...]) -> frozenset[str
             f"block {block.name!r} has no op call(s) {unknown}; known keys look like "
             f"{[op.key for op in block.ops[:3]]}. Regenerate the plan from this model's profile."
         )
-    return frozenset(key for key in saved_ops if cacheable(by_key[key].name))
+    return frozenset(key for key in saved_ops if op_cacheable(by_key[key]))
 
 
 def selective_saved_bytes(block: BlockProfile, saved_ops: tuple[str, ...]) -> int:
@@ -315,7 +315,7 @@ def selective_prices(blocks: Sequence[BlockProfile], saved_ops: Sequence[tuple[s
     flops = np.array([op.flops for op in first.ops], dtype=np.int64)
     select = np.array([b.selective_overhead_ms for b in blocks])[:, None]
     cache = np.array([b.selective_cache_overhead_ms for b in blocks])[:, None]
-    cacheable_calls = max(sum(cacheable(op.name) for op in first.ops), 1)
+    cacheable_calls = max(sum(op_cacheable(op) for op in first.ops), 1)
     # a sum over each row's own ops: the same rounding for one block and for many (rows in
     # chunks of about 4M products)
     ms = np.empty((len(blocks), len(saved_ops)))

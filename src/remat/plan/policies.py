@@ -6,8 +6,10 @@ block is replayed in backward. An op call is saved or replayed as a whole (a dro
 and mask together), and replayed random ops draw the same numbers because the checkpoint
 restores the RNG state: gradients stay identical either way.
 
-`cacheable` is the one rule of which calls can be saved at all, shared by the planner (policies,
-`remat.plan.costs`) and `remat.apply.selective`: allocation-only and in-place calls never are.
+Which calls can be saved at all is `remat.checkpointing.cacheable.cacheable`, the one rule the
+planner (policies, `remat.plan.costs`), the runtime and the profile's probes share
+(`op_cacheable` reads it for a recorded call): allocation-only and in-place calls never are, nor
+calls whose output a later call writes into.
 A saved call keeps alive the whole storages its outputs live in (`OpRecord.storage_ids`): a view
 of a replayed op's output is not free, so `knapsack` prices groups of storages, not op calls.
 """
@@ -21,11 +23,13 @@ from typing import Callable
 
 import numpy as np
 
+from remat.checkpointing.cacheable import ALLOCATION_OPS, cacheable, op_packet
 from remat.measure.types import BlockProfile, OpRecord
 
 __all__ = [
     "ALLOCATION_OPS",
     "cacheable",
+    "op_cacheable",
     "op_storages",
     "POLICIES",
     "register_policy",
@@ -64,11 +68,6 @@ MATMUL_OPS = frozenset(
 """Compute-intensive ops whose outputs `save-matmuls` keeps (torchtitan's list, plus the CPU
 fused attention kernel, which differs from the CUDA ones)."""
 
-ALLOCATION_OPS = frozenset({"aten.empty_like", "aten.empty", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"})
-"""Ops that only allocate: their outputs are filled in place afterwards (a dropout mask is
-``empty_like`` + ``bernoulli_`` + ``div_``), so a cached output would be mutated, which
-selective checkpointing forbids. They cost nothing to replay, so they are always replayed."""
-
 _MAX_GROUP_STORAGES = 10
 """Storages sharing saved ops beyond which `knapsack_frontier` offers a group only whole."""
 
@@ -100,24 +99,12 @@ def saved_ops_for(name: str, block: BlockProfile, target_bytes: int | None = Non
 
 def _base(op: OpRecord) -> str:
     """``"aten.mm.default"`` -> ``"aten.mm"``."""
-    return _packet(op.name)
+    return op_packet(op.name)
 
 
-def _packet(name: str) -> str:
-    return name.rsplit(".", 1)[0] if name.count(".") >= 2 else name
-
-
-@functools.lru_cache(maxsize=4096)  # called per op per option by the optimal search
-def cacheable(name: str) -> bool:
-    """Whether a call of aten overload ``name`` (``"aten.mm.default"``) can keep its output.
-
-    Allocation ops and in-place ops (``bernoulli_``, ``div_``: their output is their input) are
-    always replayed. Caching them is unsound: the replay of ``dropout`` fills the tensor it
-    allocated (``noise.bernoulli_(); noise.div_()``), not the value an op returns, so a cached
-    in-place op would leave that tensor unfilled."""
-    packet = _packet(name)
-    in_place = packet.endswith("_") and not packet.rsplit(".", 1)[-1].startswith("__")  # not __and__
-    return packet not in ALLOCATION_OPS and not in_place
+def op_cacheable(op: OpRecord) -> bool:
+    """Whether selective checkpointing can keep the output of the recorded call ``op``."""
+    return cacheable(op.name)
 
 
 def op_storages(index: int, op: OpRecord) -> dict[object, int]:
@@ -135,7 +122,7 @@ def op_storages(index: int, op: OpRecord) -> dict[object, int]:
 @register_policy("save-matmuls")
 def save_matmuls(block: BlockProfile, target_bytes: int | None = None) -> tuple[str, ...]:
     """Save the outputs of matmuls, convolutions and fused attention; replay the rest."""
-    return tuple(op.key for op in block.ops if _base(op) in MATMUL_OPS and cacheable(op.name))
+    return tuple(op.key for op in block.ops if _base(op) in MATMUL_OPS and op_cacheable(op))
 
 
 @register_policy("attention-core")
@@ -152,7 +139,7 @@ def attention_core(block: BlockProfile, target_bytes: int | None = None) -> tupl
     core = _attention_core_indices(block.ops)
     return tuple(
         op.key for i, op in enumerate(block.ops)
-        if i not in core and (op.saved_bytes > 0 or _base(op) in MATMUL_OPS) and not op.is_view and cacheable(op.name)
+        if i not in core and (op.saved_bytes > 0 or _base(op) in MATMUL_OPS) and not op.is_view and op_cacheable(op)
     )
 
 
@@ -230,7 +217,7 @@ def _group_subsets(block: BlockProfile) -> _Subsets:
     subsets with no call inside left out. It depends on the block's op structure, not its times:
     blocks alike but for times share the work."""
     return _subsets_of(tuple(
-        (not op.is_view and cacheable(op.name), tuple(op_storages(i, op).items())) for i, op in enumerate(block.ops)
+        (not op.is_view and op_cacheable(op), tuple(op_storages(i, op).items())) for i, op in enumerate(block.ops)
     ))
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from remat.plan.policies import ALLOCATION_OPS, cacheable
+from remat.checkpointing.cacheable import cacheable
 
-__all__ = ["ALLOCATION_OPS", "SavedOpsPolicy", "is_saved", "selective_context"]
+__all__ = ["SavedOpsPolicy", "is_saved", "selective_context"]
 
 
 class SavedOpsPolicy:
@@ -42,7 +42,8 @@ class SavedOpsPolicy:
 
 def is_saved(key: str, saved_ops: frozenset[str] | set[str]) -> bool:
     """Whether the op call ``key`` keeps its output under a plan saving ``saved_ops``: named and
-    `remat.plan.policies.cacheable` (the planner prices selective blocks by the same rule)."""
+    `remat.checkpointing.cacheable.cacheable` by its overload. Plans name no call whose output is
+    written later (the planner reads that from the profile, `OpRecord.mutated_later`)."""
     return key in saved_ops and cacheable(key.rsplit("#", 1)[0])
 
 

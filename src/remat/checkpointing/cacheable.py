@@ -1,0 +1,48 @@
+"""Which op calls selective checkpointing can keep: the one rule measure, plan and apply share.
+
+`torch.utils.checkpoint`'s selective mode stores an op's outputs in the forward and hands the
+same tensors back in the replay; a cached tensor whose version counter moved in between raises
+``Tensor cached during selective activation checkpoint has been mutated``. So a call can be
+cached only when nothing writes into its outputs afterwards:
+
+- allocation-only calls never (their output is filled in place next: a dropout mask is
+  ``empty_like`` + ``bernoulli_`` + ``div_``);
+- in-place calls never (their output is their input, written by them);
+- a call whose output storage a later call of the forward writes in place
+  (`remat.measure.types.OpRecord.mutated_later`: T5's ``relative_buckets += ...``, Mixtral's
+  router ``top_k_weights /= ...``) never.
+
+Torch-free on purpose: the planner prices selective blocks by this rule without importing torch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+__all__ = ["ALLOCATION_OPS", "cacheable", "is_in_place", "op_packet"]
+
+ALLOCATION_OPS = frozenset({"aten.empty_like", "aten.empty", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"})
+"""Ops that only allocate: their outputs are filled in place afterwards, so a cached output would
+be mutated. They cost nothing to replay, so they are always replayed."""
+
+
+def op_packet(name: str) -> str:
+    """``"aten.mm.default"`` -> ``"aten.mm"``."""
+    return name.rsplit(".", 1)[0] if name.count(".") >= 2 else name
+
+
+def is_in_place(name: str) -> bool:
+    """Whether aten overload ``name`` writes into its first argument (``add_``, not ``__and__``)."""
+    packet = op_packet(name)
+    return packet.endswith("_") and not packet.rsplit(".", 1)[-1].startswith("__")
+
+
+@functools.lru_cache(maxsize=8192)  # called per op per option by the optimal search
+def cacheable(name: str, mutated_later: bool = False) -> bool:
+    """Whether a call of aten overload ``name`` (``"aten.mm.default"``) can keep its output;
+    ``mutated_later``: a later call of the same forward writes into that output's storage.
+
+    Caching an in-place call is unsound besides: the replay of ``dropout`` fills the tensor it
+    allocated (``noise.bernoulli_(); noise.div_()``), not the value an op returns, so a cached
+    in-place op would leave that tensor unfilled."""
+    return not mutated_later and op_packet(name) not in ALLOCATION_OPS and not is_in_place(name)
