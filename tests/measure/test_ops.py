@@ -90,3 +90,29 @@ def test_post_reading_is_not_holding_but_saving_is():
     assert recorder.saved_by_call(saved) == {}
     a = recorder.records("a", {})
     assert [(r.storage_ids, r.storage_escapes) for r in a] == [((0,), (False,)), ((1,), (True,))]
+
+
+def test_a_call_whose_output_is_written_later_is_marked():
+    # The dropout toy's mask: empty_like's output is filled by bernoulli_ and div_ (both write
+    # into storage 5); nothing writes into the others.
+    table = _table(_toy())
+    marked = {k for k, r in table.items() if r.mutated_later}
+    assert marked == {"aten.empty_like.default#0", "aten.bernoulli_.float#0"}  # div_ is the last write
+
+
+def test_writes_through_a_view_and_into_out_mark_every_holder_of_the_storage():
+    x = torch.randn(4, 8)
+
+    def forward():
+        a = x * 2                     # mul#0: storage 0, written below through its view
+        v = a.view(32)                # view#0: lives in storage 0 too
+        b = x + 1                     # add#0: never written
+        s = a.softmax(-1)             # _softmax#0: read before the write, not written
+        v.add_(1)                     # add_#0: writes storage 0
+        torch.mul(b, 3, out=s)        # mul.out#0 writes into _softmax#0's storage
+        return s
+
+    table = _table(forward)
+    marked = {k for k, r in table.items() if r.mutated_later}
+    assert marked == {"aten.mul.Tensor#0", "aten.view.default#0", "aten._softmax.default#0"}
+

@@ -17,7 +17,7 @@ from remat.measure.timing import Clock
 from remat.models import load_target
 from remat.plan.costs import cached_ops, cost_of
 from remat.plan.planners import plan
-from remat.plan.policies import cacheable
+from remat.plan.policies import cacheable, op_cacheable
 from remat.plan.types import Segment
 
 SIZES = {"num_layers": 3, "d_model": 64, "num_heads": 2, "seq_len": 64, "batch_size": 4}
@@ -71,7 +71,7 @@ def test_costs_charge_the_overheads_exactly(gpt):
     saved = cached_ops(block, matmuls.saved_ops)
     replayed_ms = sum(op.time_ms for op in block.ops if op.key not in saved and not op.is_view)
     # save-matmuls keeps the matmul calls, a share of the calls that can be cached at all.
-    cacheable_calls = sum(cacheable(op.name) for op in block.ops)
+    cacheable_calls = sum(op_cacheable(op) for op in block.ops)
     assert len(saved) > 0 and cacheable_calls > len(saved)
     share = 3.0 * len(saved) / cacheable_calls
     assert cost_of(prof, 1, matmuls).extra_ms == pytest.approx(replayed_ms + 7.25 + share, rel=1e-12)
@@ -86,7 +86,7 @@ def test_predicted_step_grows_by_the_overheads(gpt):
     grown = chosen.prediction.step_ms - plan(bare, None, "selective:save-matmuls").prediction.step_ms
     expected = sum(
         b.selective_overhead_ms + b.selective_cache_overhead_ms * len(cached_ops(b, seg.saved_ops))
-        / sum(cacheable(op.name) for op in b.ops)
+        / sum(op_cacheable(op) for op in b.ops)
         for b, seg in zip(prof.blocks, chosen.segments)
     )
     assert grown == pytest.approx(expected, rel=1e-9)
@@ -147,7 +147,7 @@ def test_measured_overheads_are_not_negative_and_the_last_run_gives_the_plain_gr
 
 
 def test_measuring_leaves_every_blocks_forward_as_it_was():
-    # the checkpointed runs go through remat's own runtime, installed for each run only
+    # the checkpointed runs go through remat's own checkpoint region, not an installed forward
     torch.manual_seed(0)
     model, x = _Toy(), torch.randn(3, 4)
     block_list = find_blocks(model, "blocks.*")
@@ -161,11 +161,12 @@ def test_measuring_leaves_every_blocks_forward_as_it_was():
 
 
 def test_uncacheable_share_by_hand():
-    calls = [("aten.mm.default", False, 3.0),  # cacheable
-             ("aten.bernoulli_.float", False, 1.0),  # in place: replayed
-             ("aten.empty_like.default", False, 0.5),  # allocation: replayed
-             ("aten.view.default", True, 0.5)]  # a view: free to replay, counted in the total only
-    assert uncacheable_share(calls) == 1.5 / 5.0
+    calls = [(cacheable("aten.mm.default"), False, 3.0),  # cacheable
+             (cacheable("aten.bernoulli_.float"), False, 1.0),  # in place: replayed
+             (cacheable("aten.empty_like.default"), False, 0.5),  # allocation: replayed
+             (cacheable("aten.add.Tensor", mutated_later=True), False, 2.0),  # written into later: replayed
+             (cacheable("aten.view.default"), True, 0.5)]  # a view: free to replay, counted in the total only
+    assert uncacheable_share(calls) == 3.5 / 7.0
     assert uncacheable_share([]) == 0.0
 
 

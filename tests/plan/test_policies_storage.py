@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from remat.plan.costs import selective_saved_bytes
-from remat.plan.policies import attention_core, cacheable, knapsack, knapsack_frontier, save_matmuls
+from remat.plan.costs import cached_ops, selective_saved_bytes
+from remat.plan.policies import attention_core, cacheable, knapsack, knapsack_frontier, op_cacheable, save_matmuls
 
 from plan_toys import block, replace
 from test_costs import BLOCK, rec
@@ -17,6 +17,19 @@ def test_cacheable_rule():
     assert cacheable("aten.mm.default") and cacheable("aten._unsafe_view.default") and cacheable("aten.__and__.Tensor")
     assert not cacheable("aten.empty_like.default") and not cacheable("aten.bernoulli_.float")
     assert not cacheable("aten.div_.Scalar")
+    assert not cacheable("aten.mm.default", mutated_later=True)
+
+
+def test_a_call_written_later_is_never_named_nor_priced_as_cached():
+    # The bmm's output written into by a later call (as T5 writes its relative buckets): it is
+    # replayed, never named, priced or counted among the cached calls.
+    written = replace(BLOCK, ops=tuple(replace(op, mutated_later=op.key == "aten.bmm.default#0") for op in BLOCK.ops))
+    assert "aten.bmm.default#0" in save_matmuls(BLOCK) and "aten.bmm.default#0" not in save_matmuls(written)
+    for target in (64, 1000):
+        assert "aten.bmm.default#0" not in knapsack(written, target_bytes=target)
+    assert cached_ops(written, ("aten.bmm.default#0", "aten._softmax.default#0")) == {"aten._softmax.default#0"}
+    assert selective_saved_bytes(written, ("aten.bmm.default#0",)) == 0
+    assert op_cacheable(BLOCK.ops[0]) and not op_cacheable(written.ops[0])
 
 
 # An attention block as the CPU GPT records it: dropouts are empty_like + bernoulli_ + div_ + mul.

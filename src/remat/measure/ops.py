@@ -9,7 +9,10 @@ bernoulli, rand*) and view (the overload is declared a view), and the block-loca
 storages its outputs live in (numbered in allocation order within the segment; a view or an
 in-place op names its source's id), so a plan that caches an op's output can be priced by the
 distinct storages it keeps alive, and which of them outlive the block anyway (a later block
-reads them, or a later segment saves them first). After the forward,
+reads them, or a later segment saves them first). A call is marked ``mutated_later`` when a later
+call of the forward writes into a storage its outputs live in (an argument the op's schema
+declares written: ``add_``'s self, an ``out=``), which selective checkpointing cannot cache
+(`remat.checkpointing.cacheable`). After the forward,
 `OpRecorder.records` maps each saved storage back to the op that produced it, so an op's
 ``saved_bytes`` are the bytes of its outputs that autograd saved (first saver's segment only).
 Ops that run during backward are not recorded.
@@ -47,6 +50,8 @@ class _Call:
     times_s: list[float] = field(default_factory=list)
     live_after: int = 0
     """``live_bytes()`` once the call's outputs exist (0 without a ``live_bytes``)."""
+    mutated_later: bool = False
+    """A later call of the forward wrote into a storage of its outputs."""
 
 
 class OpRecorder(TorchDispatchMode):
@@ -73,6 +78,8 @@ class OpRecorder(TorchDispatchMode):
         self._storage_ids: dict[int, tuple[str, int]] = {}
         self._num_storages: dict[str, int] = defaultdict(int)
         self._escaped: set[tuple[str, int]] = set()
+        self._holders: dict[int, list[_Call]] = {}
+        """Storage key -> the calls whose outputs live in it, while it lives (`_note_writes`)."""
         self._first_run = True
 
     def next_run(self) -> None:
@@ -106,6 +113,7 @@ class OpRecorder(TorchDispatchMode):
             return
         self._index[segment][key] = len(calls)
         self._mark_escapes(segment, args, kwargs)
+        self._note_writes(func, args, kwargs)
         new = new_storages(args, kwargs, out)
         for storage in new:
             self._producer[storage] = (segment, len(calls))
@@ -118,6 +126,21 @@ class OpRecorder(TorchDispatchMode):
             # the tracker is the outer mode: it adds this call's outputs after the call returns
             live_after=self.live_bytes() + sum(new.values()) if self.live_bytes is not None else 0,
         ))
+        self._hold(calls[-1], new, out)
+
+    def _note_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Mark every earlier call whose outputs live in a storage this call writes into."""
+        for t in written_tensors(func, args, kwargs):
+            for call in self._holders.get(storage_key(t), ()):
+                call.mutated_later = True
+
+    def _hold(self, call: _Call, new: dict[int, int], out: Any) -> None:
+        """Remember that ``call``'s outputs live in their storages (a new storage starts a new
+        list: a freed storage's key may come back)."""
+        for key in new:
+            self._holders[key] = []
+        for key in {storage_key(t) for t in flat_tensors((out,))} - {None}:
+            self._holders.setdefault(key, []).append(call)
 
     def _output_storages(self, segment: str, new: dict[int, int], out: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Block-local ids and bytes of the storages behind ``out``: a new storage gets the next id
@@ -178,9 +201,27 @@ class OpRecorder(TorchDispatchMode):
                 flops=call.flops, is_random=call.is_random, is_view=call.is_view,
                 storage_ids=call.storage_ids, storage_bytes=call.storage_bytes,
                 storage_escapes=tuple((segment, s) in self._escaped for s in call.storage_ids),
+                mutated_later=call.mutated_later,
             )
             for i, call in enumerate(self.calls.get(segment, []))
         )
+
+
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among a call's arguments that its op's schema declares written in place."""
+    found = []
+    for position, argument in enumerate(_schema_arguments(func)):
+        info = argument.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = kwargs.get(argument.name) if argument.kwarg_only or position >= len(args) else args[position]
+        found += flat_tensors((value,))
+    return found
+
+
+def _schema_arguments(func: Any) -> list[Any]:
+    schema = getattr(func, "_schema", None)
+    return list(schema.arguments) if schema is not None else []
 
 
 def new_storages(args: tuple, kwargs: dict, out: Any) -> dict[int, int]:

@@ -22,7 +22,8 @@ them alike), medians over the repeats:
   small ones, so this is close to what they pay beyond the replayed ops' own time;
 - ``cached``: the same saving every op call that can be cached (the replay fetches them):
   cache overhead = cached - plain - the selective overhead - the replay of the calls that cannot
-  be cached (random and in-place ops: `uncacheable_share` of the forward), what storing and
+  be cached (random and in-place ops, outputs written later: `uncacheable_share` of the
+  forward), what storing and
   fetching outputs adds; a plan saving a share of the cacheable calls pays that share of it.
   (Before the uncacheable replay was taken out, dropout's random numbers counted as the cache's
   cost: half the built-in GPT block's time, over-predicting its selective plans by 10-16 %.)
@@ -57,7 +58,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from remat.checkpointing.cacheable import cacheable
 from remat.checkpointing.caches import drop_kv_caches
 from remat.checkpointing.region import BufferGuard, checkpointed
 from remat.checkpointing.selective import selective_context
@@ -148,7 +148,8 @@ def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys
                       repeats: int, clock: Clock, touch_ms_per_byte: float = 0.0,
                       uncacheable_shares: Sequence[float] | None = None) -> tuple[BlockOverheads, ...]:
     """Overheads of every block (``inputs`` from `capture_block_inputs`; ``op_keys[i]``: the
-    `remat.measure.types.OpRecord` keys of block i's forward; ``uncacheable_shares[i]``: the share
+    `remat.measure.types.OpRecord` keys of block i's calls that can be cached
+    (`remat.checkpointing.cacheable.cacheable`); ``uncacheable_shares[i]``: the share
     of its forward's op time in calls that cannot be cached, replayed even when every other call
     is: `uncacheable_share`): one untimed warm-up repeat, then at least ``repeats`` timed ones,
     more while the measurement has taken less than `MIN_MEASURE_S`. Alike blocks (same class, op
@@ -291,15 +292,15 @@ def measure_checkpoint_call_ms(device: torch.device, *, repeats: int, clock: Clo
     return max(statistics.median(found), 0.0)
 
 
-def uncacheable_share(calls: Sequence[tuple[str, bool, float]]) -> float:
-    """Share of a forward's op time (``calls``: ``(aten overload name, is a view, ms)`` per call)
-    in the calls selective checkpointing replays even when it caches every call it can
+def uncacheable_share(calls: Sequence[tuple[bool, bool, float]]) -> float:
+    """Share of a forward's op time (``calls``: ``(can be cached, is a view, ms)`` per call) in
+    the calls selective checkpointing replays even when it caches every call it can
     (`remat.checkpointing.cacheable.cacheable`: random and in-place ops, dropout's above all);
     views cost nothing to replay and are not counted."""
     total = sum(ms for _, _, ms in calls)
     if total <= 0:
         return 0.0
-    return sum(ms for name, view, ms in calls if not view and not cacheable(name)) / total
+    return sum(ms for can_cache, view, ms in calls if not view and not can_cache) / total
 
 
 def _timed_run(module: nn.Module, inputs: BlockInputs, runner: Runner, clock: Clock,

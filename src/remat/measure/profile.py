@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from remat._batch import LossFn, call_model, check_batch_device, compute_loss, model_device
+from remat.checkpointing.cacheable import cacheable
 from remat.measure.blocks import Blocks, find_blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.faults import FaultCount, first_touch_ms_per_byte
@@ -324,9 +325,11 @@ def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: i
     if device.type == "meta":
         return tuple(BlockOverheads(selective_ms=0.0, recompute_ms=0.0, selective_cache_ms=0.0) for _ in block_list)
     inputs = capture_block_inputs(block_list, step.forward)
-    keys = [frozenset(call.key for call in recorder.calls.get(name, [])) for name, _ in block_list]
-    uncacheable = [uncacheable_share([(c.name, c.is_view, statistics.median(c.times_s) if c.times_s else 0.0)
-                                      for c in recorder.calls.get(name, [])]) for name, _ in block_list]
+    calls = [recorder.calls.get(name, []) for name, _ in block_list]
+    keys = [frozenset(c.key for c in block if cacheable(c.name, c.mutated_later)) for block in calls]
+    uncacheable = [uncacheable_share([(cacheable(c.name, c.mutated_later), c.is_view,
+                                       statistics.median(c.times_s) if c.times_s else 0.0) for c in block])
+                   for block in calls]
     return measure_overheads(block_list, inputs, keys, repeats=repeats, clock=Clock(device),
                              touch_ms_per_byte=touch_ms_per_byte, uncacheable_shares=uncacheable)
 

@@ -54,6 +54,10 @@ class OpRecord:
     """Per storage of ``storage_ids``: True when it outlives the block anyway: a later block
     reads it (the block's output is the next one's input, counted there) or a later segment's
     autograd saves it first. Caching it adds no bytes. () in profiles recorded without it."""
+    mutated_later: bool = False
+    """A later call of the step's forward writes in place into a storage its outputs live in
+    (T5's ``relative_buckets += ...``): selective checkpointing cannot cache it
+    (`remat.checkpointing.cacheable`)."""
 
 
 @dataclass(kw_only=True, frozen=True)

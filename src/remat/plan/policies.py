@@ -104,7 +104,7 @@ def _base(op: OpRecord) -> str:
 
 def op_cacheable(op: OpRecord) -> bool:
     """Whether selective checkpointing can keep the output of the recorded call ``op``."""
-    return cacheable(op.name)
+    return cacheable(op.name, op.mutated_later)
 
 
 def op_storages(index: int, op: OpRecord) -> dict[object, int]:
