@@ -53,3 +53,28 @@ def test_profile_user_errors():
     assert result.exit_code == 2 and "matches no module" in result.output
     result = runner.invoke(app, ["profile", "missing.py:build"])
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_profile_and_plan_say_which_strategy_a_block_cannot_run_and_why(tmp_path: Path):
+    path = tmp_path / "mine.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n"
+        "from torch.utils._python_dispatch import _get_current_dispatch_mode\n"
+        "class NoSelective(nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        if type(_get_current_dispatch_mode()).__name__ == '_CachingTorchDispatchMode':\n"
+        "            raise RuntimeError('not under selective checkpointing')\n"
+        "        return super().forward(x).relu()\n"
+        "def build():\n"
+        "    model = nn.Sequential(*[NoSelective(4, 4) for _ in range(3)])\n"
+        "    return model, torch.randn(2, 4), lambda out, batch: out.sum()\n"
+    )
+    out = tmp_path / "p.json"
+    result = runner.invoke(app, ["profile", f"{path}:build", "--repeats", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "strategies a block cannot run" in result.output
+    assert result.output.count("RuntimeError: not under selective checkpointing") == 3
+    result = runner.invoke(app, ["plan", str(out), "--strategy", "selective:save-matmuls"])
+    assert result.exit_code == 0, result.output
+    assert "RuntimeError: not under selective checkpointing" in result.output
+    assert "ops saved)" not in result.output and result.output.count("│ recompute ") == 3  # no block selective

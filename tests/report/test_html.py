@@ -116,3 +116,13 @@ def test_timeline_shows_the_baseline_and_the_chosen_plan_only():
     figures = report_figures(make_profile(), list(make_plans().values()), [other, chosen])
     labels = [ln.get_label() for ln in figures["timeline"].axes[0].get_lines()]
     assert labels == ["no recomputation (measured)", "optimal @ 80.0 MiB (measured)", "budget 80.0 MiB"]
+
+
+def test_strategies_a_block_cannot_run_are_listed_with_why():
+    profile = make_profile()
+    assert "cannot run" not in render_html(profile)
+    blocks = list(profile.blocks)
+    blocks[2] = dataclasses.replace(blocks[2], unavailable=(("selective", "RuntimeError: mutated <after> caching"),))
+    text = render_html(dataclasses.replace(profile, blocks=tuple(blocks)))
+    assert "Strategies a block cannot run" in text
+    assert "<td>blocks.2</td><td>2</td><td>selective</td><td>RuntimeError: mutated &lt;after&gt; caching</td>" in text

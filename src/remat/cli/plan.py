@@ -48,6 +48,10 @@ def plan_command(
     except (ValueError, TypeError, FileNotFoundError) as error:
         raise fail(str(error)) from None
     console.print(plan_table(result, profile))
+    if any(b.unavailable for b in profile.blocks):
+        from remat.cli.profile import unavailable_rich
+
+        console.print(unavailable_rich(profile))
     console.print(comparison(result, baseline))
     if result.budget_bytes is not None:
         console.print(fit_line(result, baseline))

@@ -59,6 +59,8 @@ def profile_command(
     except (ValueError, TypeError) as error:
         raise fail(str(error)) from None
     console.print(profile_table(result, spec))
+    if any(b.unavailable for b in result.blocks):
+        console.print(unavailable_rich(result))
     console.print(state_summary(result))
     if json_path is not None and is_main_process():  # under torchrun, rank 0 writes
         try:
@@ -83,6 +85,19 @@ def profile_table(result: Profile, title: str) -> Table:
                       f"{100 * (b.fwd_ms + b.bwd_ms) / step_ms:.1f}%")
     table.add_row("", "optimizer step", result.optimizer_name, "", _mib(result.optimizer_step_temp_bytes),
                   "", f"{result.optimizer_step_ms:.2f}", "", f"{100 * result.optimizer_step_ms / step_ms:.1f}%")
+    return table
+
+
+def unavailable_rich(result: Profile) -> Table:
+    """The strategies a block cannot run, and why (`remat.report.tables.unavailable_table`)."""
+    from remat.report.tables import unavailable_table
+
+    headers, rows = unavailable_table(result)
+    table = Table(title="strategies a block cannot run (their probes raised; no plan picks them there)")
+    for header in headers:
+        table.add_column(header, justify="right" if header == "#" else "left")
+    for row in rows:
+        table.add_row(*row)
     return table
 
 

@@ -34,6 +34,11 @@ a step's faults are modelled from its peak (`remat.plan.predict.fresh_memory`). 
 built-in GPT: a block under plain checkpointing faults in 16 MiB more than run plainly, which
 had counted 4 ms (two thirds) of its measured overhead.
 
+A probe that raises marks its strategy unavailable for the block, with the reason (exception
+type and message, one line: `BlockOverheads.unavailable`); the other probes go on. A block that
+cannot even run alone on its captured inputs has nothing measured, and both strategies are
+marked: the planner never picks what was not seen to run.
+
 Each overhead is the median over repeats of the difference within one repeat (paired: a load
 spike hits the runs of a repeat alike), clamped at 0, in milliseconds. Most of it is Python run
 per call and per op (the dispatch mode, the checkpoint's frame, remat's runtime), which does not
@@ -64,6 +69,7 @@ from remat.checkpointing.selective import selective_context
 from remat.measure.blocks import Blocks
 from remat.measure.faults import FaultCount
 from remat.measure.ops import new_storages
+from remat.measure.probes import Attempts
 from remat.measure.timing import Clock
 from remat.measure.tracker import LiveTracker
 
@@ -99,6 +105,8 @@ class BlockOverheads:
     checkpointed_fwd_freed_at: tuple[int, ...] = ()
     """Per storage the forward made (numbered as `remat.measure.ops.OpRecorder` numbers them),
     the call from which it was no longer live (`checkpointed_forward_curve`)."""
+    unavailable: tuple[tuple[str, str], ...] = ()
+    """``(strategy, reason)`` of each strategy whose probe raised (``recompute``, ``selective``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -186,28 +194,59 @@ def _group_overheads(runs: list[tuple[nn.Module, BlockInputs]], op_keys: frozens
     a block run alone faults in what a step would not, and the step's faults are modelled
     from its peak (`remat.plan.predict.fresh_memory`). The cached run still replays the calls
     that cannot be cached (``uncacheable``: their share of the forward), which the planner
-    prices as replayed ops: they are not the cache's cost."""
-    selective, recompute, cache = [], [], []
-    curve, freed_at = checkpointed_forward_curve(*runs[0])
+    prices as replayed ops: they are not the cache's cost. A probe that raises stops its
+    strategy's runs (`remat.measure.probes.Attempts`)."""
+    attempts = Attempts()
+    series: dict[str, list[float]] = {"selective": [], "recompute": [], "cache": []}
+    curve, freed_at = attempts.run("recompute", checkpointed_forward_curve, *runs[0]) or ((), ())
     rep, start = 0, time.perf_counter()
     while rep <= repeats or (time.perf_counter() - start < MIN_MEASURE_S and rep <= MAX_REPEATS):
         module, inputs = runs[max(rep - 1, 0) % len(runs)]
-        fwd_ms, plain_ms = _timed_run(module, inputs, _plain, clock, touch_ms_per_byte)
-        full_ms = _timed_run(module, inputs, _full, clock, touch_ms_per_byte)[1]
-        selective_ms = _timed_run(module, inputs, _selective(frozenset()), clock, touch_ms_per_byte)[1]
-        cached_ms = _timed_run(module, inputs, _selective(op_keys), clock, touch_ms_per_byte)[1]
+        timed = functools.partial(_timed_run, module, inputs, clock=clock, touch_ms_per_byte=touch_ms_per_byte)
+        plain = attempts.run(_ALONE, timed, _plain)
+        if plain is None:
+            break
+        full, selective, cached = (attempts.run(strategy, timed, runner) for strategy, runner in (
+            ("recompute", _full), ("selective", _selective(frozenset())), ("selective", _selective(op_keys))))
         if rep > 0:
-            selective.append(selective_ms - plain_ms - fwd_ms)
-            recompute.append(full_ms - plain_ms - fwd_ms)
-            cache.append(cached_ms - selective_ms + (1.0 - uncacheable) * fwd_ms)
+            _add(series, plain, full, selective, cached, uncacheable)
         rep += 1
-    return BlockOverheads(
-        selective_ms=max(statistics.median(selective), 0.0),
-        recompute_ms=max(statistics.median(recompute), 0.0),
-        selective_cache_ms=max(statistics.median(cache), 0.0),
-        checkpointed_fwd_live_bytes=curve,
-        checkpointed_fwd_freed_at=freed_at,
-    )
+    return _overheads_of(series, curve, freed_at, _unavailable(attempts))
+
+
+_ALONE = "run alone"
+"""The plain run of a block alone: without it nothing can be measured."""
+
+
+def _unavailable(attempts: Attempts) -> tuple[tuple[str, str], ...]:
+    """``(strategy, reason)`` per strategy whose probe failed; both when the block cannot run alone."""
+    failed = attempts.failed()
+    if _ALONE in failed:
+        reason = f"the block run alone on its captured inputs raised {failed[_ALONE]}"
+        return (("recompute", reason), ("selective", reason))
+    return tuple(sorted(failed.items()))
+
+
+def _add(series: dict[str, list[float]], plain: tuple[float, float], full: tuple[float, float] | None,
+         selective: tuple[float, float] | None, cached: tuple[float, float] | None, uncacheable: float) -> None:
+    """One repeat's differences, for the probes that ran."""
+    fwd_ms, plain_ms = plain
+    if full is not None:
+        series["recompute"].append(full[1] - plain_ms - fwd_ms)
+    if selective is not None:
+        series["selective"].append(selective[1] - plain_ms - fwd_ms)
+        if cached is not None:
+            series["cache"].append(cached[1] - selective[1] + (1.0 - uncacheable) * fwd_ms)
+
+
+def _overheads_of(series: dict[str, list[float]], curve: tuple[int, ...], freed_at: tuple[int, ...],
+                  unavailable: tuple[tuple[str, str], ...]) -> BlockOverheads:
+    def median(name: str) -> float:
+        return max(statistics.median(series[name]), 0.0) if series[name] else 0.0
+
+    return BlockOverheads(selective_ms=median("selective"), recompute_ms=median("recompute"),
+                          selective_cache_ms=median("cache"), checkpointed_fwd_live_bytes=curve,
+                          checkpointed_fwd_freed_at=freed_at, unavailable=unavailable)
 
 
 class _Curve(TorchDispatchMode):

@@ -5,7 +5,8 @@ step under the live-storage tracker, the saved-tensor accountant and the op reco
 ``repeats`` timed steps (each after a plain one, timed whole: the parts are scaled to the plain
 steps' median, `remat.measure.timing.without_instrumentation`) and ``repeats - 1`` more forwards
 for per-op times, then each block alone, plain and checkpointed, for the checkpointing overheads
-(`remat.measure.overhead`). A step is
+(`remat.measure.overhead`; a probe that fails marks its strategy unavailable for the block,
+`BlockProfile.unavailable`). A step is
 ``zero_grad(set_to_none=True)``, forward, loss, ``loss.backward()``, ``optimizer.step()``.
 Parameters, buffers, gradients, optimizer state and the RNG state are restored afterwards.
 
@@ -397,14 +398,15 @@ def _scaled_times(ops: tuple[OpRecord, ...], fwd_ms: float) -> tuple[OpRecord, .
     return tuple(dataclasses.replace(op, time_ms=op.time_ms * fwd_ms / total) for op in ops)
 
 
-def _overhead_ms(overheads: BlockOverheads) -> dict[str, float]:
-    """The `BlockProfile` overhead fields."""
+def _overhead_ms(overheads: BlockOverheads) -> dict[str, Any]:
+    """The `BlockProfile` overhead fields, and the strategies whose probes failed."""
     return {
         "selective_overhead_ms": overheads.selective_ms,
         "recompute_overhead_ms": overheads.recompute_ms,
         "selective_cache_overhead_ms": overheads.selective_cache_ms,
         "checkpointed_fwd_live_bytes": overheads.checkpointed_fwd_live_bytes,
         "checkpointed_fwd_freed_at": overheads.checkpointed_fwd_freed_at,
+        "unavailable": overheads.unavailable,
     }
 
 

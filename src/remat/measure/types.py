@@ -126,6 +126,16 @@ class BlockProfile:
     recompute_overhead_ms: float = 0.0
     """Time plain non-reentrant checkpointing adds to this block's step beyond one replayed
     forward: saved-tensor hooks, RNG state, the replay's bookkeeping (0: not measured)."""
+    unavailable: tuple[tuple[str, str], ...] = ()
+    """``(strategy, reason)`` per strategy that cannot run on this block: ``recompute``,
+    ``selective`` (every policy), ``offload:cpu`` or ``offload:disk``; the reason is what its
+    probe raised, in one line (`remat.measure.probes`). The planner never picks them."""
+
+    def unavailable_reason(self, strategy: str) -> str | None:
+        """Why ``strategy`` (``recompute``, ``selective:<policy>``, ``offload:disk``...) cannot
+        run on this block; None when it can. ``keep`` always can."""
+        kind = strategy.split(":", 1)[0]
+        return next((reason for name, reason in self.unavailable if name in (strategy, kind)), None)
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -2,7 +2,8 @@
 
 Strategies (``strategy=``): ``none``, ``full`` (every block recomputed), ``every:K`` (segments
 of K blocks), ``sqrt`` (Chen et al. 2016: segments of about sqrt(N) blocks), ``selective:<p>``
-(policy p on every block), and ``optimal``: the least predicted step time whose predicted peak
+(policy p on every block; each fixed planner gives a block that cannot run its strategy the
+nearest it can, `remat.plan.available`), and ``optimal``: the least predicted step time whose predicted peak
 fits the budget, over keep / recompute / selective / offload per block plus nested recompute
 segments, solved by the dynamic program of `remat.plan.chain_dp`. It is exact for the byte
 model whenever every size is a multiple of the DP's memory slot (`choose_quantum` takes the gcd
@@ -19,6 +20,7 @@ import math
 from typing import Callable
 
 from remat.measure.types import Profile
+from remat.plan.available import check_available, fall_back
 from remat.plan.budget import format_bytes, parse_budget
 from remat.plan.infeasible import check_state_fits, infeasible_error
 from remat.plan.predict import predict
@@ -58,7 +60,7 @@ def plan(profile: Profile, budget: int | str | None = None, strategy: str = "opt
     if budget is not None:
         floor_bytes, floor_name = plan_floor(profile)
         check_state_fits(profile, budget, floor_bytes, floor_name)
-    segments = STRATEGIES[kind](profile, strategy, budget)
+    segments = fall_back(profile, STRATEGIES[kind](profile, strategy, budget))
     result = make_plan(profile, segments, strategy, budget)
     if budget is not None and result.prediction.peak_bytes > budget:
         best = make_plan(profile, OptimalSearch(profile).min_peak_segments(), "optimal", None).prediction
@@ -80,7 +82,9 @@ def _baseline_peak(profile: Profile) -> int:
 
 
 def make_plan(profile: Profile, segments: tuple[Segment, ...], strategy: str, budget: int | None) -> Plan:
-    """A Plan of ``segments`` with its prediction and the profile's fingerprint."""
+    """A Plan of ``segments`` with its prediction and the profile's fingerprint; ValueError when a
+    segment's strategy cannot run on one of its blocks (`remat.plan.available`)."""
+    check_available(profile, segments)
     return Plan(
         segments=tuple(segments),
         block_names=tuple(b.name for b in profile.blocks),

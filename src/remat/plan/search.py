@@ -58,6 +58,10 @@ UNLIKE_CELLS_FACTOR = 8
 cells: their DP is a factor N/9 costlier, and an exact plan is worth a second."""
 MAX_SLOTS = 6144
 NAMED_POLICIES = ("attention-core", "save-matmuls")
+NEVER_SLOTS = 1 << 40
+"""Input and replay working slots of a block that cannot be recomputed: no recompute segment
+can then start at it (its input would not fit) nor hold it kept or inside a child (its replay
+would not fit), at any depth, while its top-level options stay as they are."""
 """Selective policies offered per block besides every point of the knapsack frontier."""
 
 
@@ -113,15 +117,17 @@ def _structure_key(block: BlockProfile) -> tuple:
                  o.storage_bytes, o.storage_escapes, o.mutated_later) for o in block.ops)
     return (block.class_name, block.input_bytes, block.output_bytes, block.saved_bytes, block.bwd_temp_bytes,
             block.fwd_temp_bytes, block.grad_bytes, block.fwd_flops, block.output_grad_bytes, block.bwd_free_order,
-            block.fwd_live_bytes, block.checkpointed_fwd_live_bytes, block.checkpointed_fwd_freed_at, ops)
+            block.fwd_live_bytes, block.checkpointed_fwd_live_bytes, block.checkpointed_fwd_freed_at, ops,
+            block.unavailable)
 
 
 def _class_segments(profile: Profile, members: list[int]) -> list[Segment]:
-    """Keep, the named policies and the knapsack union, on the class's first block."""
+    """Keep, the named policies and the knapsack union, on the class's first block (no selective
+    option where its probe failed: the class's blocks share their `BlockProfile.unavailable`)."""
     first = profile.blocks[members[0]]
     a, b = first.index, first.index + 1
     out = [Segment(start=a, stop=b, strategy="keep")]
-    if first.ops:
+    if first.ops and first.unavailable_reason("selective") is None:
         for name in NAMED_POLICIES:
             out.append(Segment(start=a, stop=b, strategy=f"selective:{name}", saved_ops=policy(name)(first)))
         for _, keys in knapsack_frontier_union([profile.blocks[i] for i in members]):
@@ -138,7 +144,8 @@ def _offload_options(profile: Profile, index: int) -> list[Segment]:
         targets.append("offload:cpu")
     if bw.disk_write_bytes_per_s and bw.disk_read_bytes_per_s:
         targets.append("offload:disk")
-    return [Segment(start=index, stop=index + 1, strategy=t) for t in targets]
+    block = profile.blocks[index]
+    return [Segment(start=index, stop=index + 1, strategy=t) for t in targets if block.unavailable_reason(t) is None]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -282,6 +289,8 @@ class OptimalSearch:
             held = (options.retained_bytes - grad).tolist() + [-grad]
             # in a long segment a block pays no checkpointed call of its own: a lower bound
             relaxed = replay.extra_ms - self.profile.checkpoint_call_ms
+            if self.profile.blocks[i].unavailable_reason("recompute") is not None:
+                relaxed = math.inf
             rows.append(list(zip(held, options.extra_ms.tolist() + [relaxed])))
         width = max(len(r) for r in rows)
         held = np.zeros((len(rows), width))
@@ -472,10 +481,11 @@ class OptimalSearch:
             ok = _undominated_rows(retained, working, opts.extra_ms[None, :])[0]
             options = tuple(BlockOption(label=k, retained_slots=r, working_slots=w, extra_ms=ms) for k, r, w, ms in zip(
                 np.flatnonzero(ok).tolist(), retained[ok].tolist(), working[ok].tolist(), opts.extra_ms[ok].tolist()))
+        never = self.profile.blocks[i].unavailable_reason("recompute") is not None
         return ChainBlock(
-            input_slots=need(replay.retained_bytes, quantum),
+            input_slots=NEVER_SLOTS if never else need(replay.retained_bytes, quantum),
             saved_slots=need(keep.retained_bytes, quantum),
-            working_slots=need(replay_working_bytes(self.profile.blocks[i]), quantum),
+            working_slots=NEVER_SLOTS if never else need(replay_working_bytes(self.profile.blocks[i]), quantum),
             fwd_ms=replay.extra_ms - self.profile.checkpoint_call_ms,  # the segment pays that once
             options=options,
             grad_slots=grad(self.profile.blocks[i].grad_bytes, quantum),

@@ -42,6 +42,7 @@ from remat.report.tables import (
     environment_table,
     op_mismatch_table,
     plans_table,
+    unavailable_table,
     verifications_table,
 )
 from remat.report.timeline import plot_timeline, timeline_series
@@ -61,6 +62,11 @@ STRATEGY_NOTE = (
     "input, replay the forward in backward; <b>selective</b>: save the outputs of expensive ops, "
     "recompute the cheap ones; <b>offload</b>: move saved tensors to host memory or disk and "
     "fetch them back in backward.</p>"
+)
+
+UNAVAILABLE_NOTE = (
+    '<p class="note">The profile ran each block alone under each strategy; where that raised, the '
+    "strategy is left out for the block, and no plan picks it there.</p>"
 )
 
 
@@ -111,6 +117,8 @@ def render_html(profile: Profile, plans: Sequence[Plan] = (),
         if plans else None,
         ("figures", "Plots", _figures_html(figures)),
         ("blocks", "Plan per block", _table_html(blocks_table(profile, plans)) + STRATEGY_NOTE),
+        ("unavailable", "Strategies a block cannot run", _table_html(unavailable_table(profile)) + UNAVAILABLE_NOTE)
+        if unavailable_table(profile)[1] else None,
         ("verify", "Verification", _verification_html(verifications)) if verifications else None,
         ("environment", "Environment", _table_html(environment_table(profile), header=False, css_class="kv")),
         ("reproduce", "Reproduce", _commands_html(commands) + _apply_html(choose_plan(plans, budget))),

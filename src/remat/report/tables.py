@@ -66,6 +66,13 @@ def blocks_table(profile: Profile, plans: Sequence[Plan]) -> Table:
     return headers, rows
 
 
+def unavailable_table(profile: Profile) -> Table:
+    """One row per strategy a block cannot run and why (what its probe raised in the profile);
+    no rows when every block can run every strategy."""
+    rows = [(b.name, str(b.index), strategy, reason) for b in profile.blocks for strategy, reason in b.unavailable]
+    return ("block", "#", "strategy", "why it cannot run there"), rows
+
+
 VERIFICATION_HEADERS = ("plan", "gradients", "max |grad diff|", "max |loss diff|", "recompute counts",
                         "measured peak", "predicted peak", "peak error", "measured step",
                         "predicted step", "overhead predicted", "overhead measured", "step error (side by side)",
