@@ -47,3 +47,39 @@ def test_host_device_rates_on_cuda():
     bw = measure_bandwidths("cuda")
     assert bw.host_to_device_bytes_per_s > 0 and bw.device_to_host_bytes_per_s > 0
     assert 0.0 <= bw.overlap_fraction <= 1.0
+
+
+def test_a_disk_probe_that_fails_marks_disk_offload_unavailable_on_every_block(tmp_path, monkeypatch):
+    """A disk that fails mid-probe (here: fdatasync raising EIO) leaves the profile's disk rates
+    out and every block's offload:disk unavailable with the reason; a directory that cannot be
+    made stays the caller's error."""
+    import errno
+    import os
+
+    import remat.measure.bandwidth as bandwidth
+    from remat.measure.profile import profile
+    from remat.plan.planners import plan
+    from remat.plan.search import block_options
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    prof = profile(model, torch.randn(2, 4), lambda out, batch: out.sum(), blocks="*", repeats=1)
+
+    def failing_flush(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(bandwidth, "flush", failing_flush)
+    got = bandwidth.with_bandwidths(prof, "cpu", tmp_path)
+    assert got.bandwidths.disk_write_bytes_per_s is None and got.bandwidths.disk_dir is None
+    assert [b.unavailable for b in got.blocks] == [(("offload:disk", "OSError: [Errno 5] Input/output error"),)] * 2
+    assert all(s.strategy != "offload:disk" for i in range(2) for s in block_options(got, i))
+    assert plan(got, strategy="none").block_strategies() == ("keep", "keep")
+    assert dir_entries(tmp_path) == []  # the probe's file is gone
+    with pytest.raises(OSError):
+        bandwidth.measure_bandwidths("cpu", tmp_path)  # the plain probe still raises
+    monkeypatch.undo()
+    fine = bandwidth.with_bandwidths(prof, "cpu", tmp_path)
+    assert fine.bandwidths.disk_write_bytes_per_s > 0 and all(b.unavailable == () for b in fine.blocks)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"cannot create offload directory .*; choose a writable one"):
+        bandwidth.with_bandwidths(prof, "cpu", tmp_path / "file" / "sub")

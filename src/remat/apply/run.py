@@ -11,7 +11,6 @@ Each returns a `JobResult` holding the profile, the plans and their verification
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -88,7 +87,7 @@ def _profile(model_name: str, sizes: dict[str, Any], progress: Progress, *, seed
              offload_dir: str | None = None, device: str | None = None,
              dtype: torch.dtype | None = None) -> tuple[Any, Profile]:
     from remat._batch import model_device
-    from remat.measure.bandwidth import measure_bandwidths
+    from remat.measure.bandwidth import with_bandwidths
     from remat.measure.profile import profile
     from remat.models import load_target
 
@@ -97,7 +96,7 @@ def _profile(model_name: str, sizes: dict[str, Any], progress: Progress, *, seed
     prof = profile(built.model, built.batch, built.loss_fn, built.optimizer)
     if offload_dir is not None:
         progress(f"measuring transfer rates to {offload_dir}")
-        prof = dataclasses.replace(prof, bandwidths=measure_bandwidths(model_device(built.model), offload_dir))
+        prof = with_bandwidths(prof, model_device(built.model), offload_dir)
     return built, prof
 
 

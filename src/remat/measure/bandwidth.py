@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -23,9 +24,10 @@ from pathlib import Path
 import torch
 
 from remat._diskio import flush, read_at, write_at
-from remat.measure.types import Bandwidths
+from remat.measure.probes import Attempts
+from remat.measure.types import Bandwidths, Profile
 
-__all__ = ["measure_bandwidths", "measure_disk", "measure_disk_overlap", "measure_host_device"]
+__all__ = ["measure_bandwidths", "measure_disk", "measure_disk_overlap", "measure_host_device", "with_bandwidths"]
 
 PILOT_BYTES = 4 << 20
 MIN_PROBE_BYTES = 8 << 20
@@ -136,9 +138,15 @@ def measure_host_device(device: torch.device, nbytes: int = 64 << 20) -> tuple[f
     return h2d, nbytes / d2h_s, min(1.0, max(0.0, during / alone))
 
 
-def _disk_fields(directory: Path) -> dict:
+def _host_fields(device: torch.device) -> dict:
+    h2d, d2h, overlap = measure_host_device(device)
+    return dict(host_to_device_bytes_per_s=h2d, device_to_host_bytes_per_s=d2h, overlap_fraction=overlap)
+
+
+def _disk_fields(directory: Path, attempts: Attempts | None = None) -> dict:
     """Disk rates of ``directory``; one that does not exist yet is made (0700) and removed after,
-    as the offload itself does."""
+    as the offload itself does (a directory that cannot be made is the caller's error). With
+    ``attempts``, a probe that raises leaves the rates out and marks ``offload:disk`` failed."""
     made = not directory.exists()
     if made:
         try:
@@ -146,26 +154,37 @@ def _disk_fields(directory: Path) -> dict:
         except OSError as exc:
             raise ValueError(f"cannot create offload directory {str(directory)!r}: {exc.strerror}; choose a writable one.") from exc
     try:
-        write, read = measure_disk(directory)
-        return dict(
-            disk_write_bytes_per_s=write,
-            disk_read_bytes_per_s=read,
-            disk_dir=str(directory.resolve()),
-            disk_overlap_fraction=measure_disk_overlap(directory, write),
-        )
+        return (attempts or Attempts.raising()).run("offload:disk", _disk_rates, directory) or {}
     finally:
         if made:
             directory.rmdir()
+
+
+def _disk_rates(directory: Path) -> dict:
+    write, read = measure_disk(directory)
+    return dict(disk_write_bytes_per_s=write, disk_read_bytes_per_s=read, disk_dir=str(directory.resolve()),
+                disk_overlap_fraction=measure_disk_overlap(directory, write))
 
 
 def measure_bandwidths(device: torch.device | str = "cpu", offload_dir: str | os.PathLike | None = None) -> Bandwidths:
     """Every rate this machine has: host<->device on CUDA, disk when ``offload_dir`` is given
     (made for the measurement and removed after when it does not exist)."""
     device = torch.device(device)
-    fields: dict = {}
-    if device.type == "cuda":
-        h2d, d2h, overlap = measure_host_device(device)
-        fields.update(host_to_device_bytes_per_s=h2d, device_to_host_bytes_per_s=d2h, overlap_fraction=overlap)
+    fields: dict = _host_fields(device) if device.type == "cuda" else {}
     if offload_dir is not None:
         fields.update(_disk_fields(Path(offload_dir)))
     return Bandwidths(**fields)
+
+
+def with_bandwidths(profile: Profile, device: torch.device | str = "cpu",
+                    offload_dir: str | os.PathLike | None = None) -> Profile:
+    """``profile`` with the rates `measure_bandwidths` measures; a probe that raises (a disk that
+    fails mid-probe, a copy the device refuses) leaves its rates out and marks its target
+    (``offload:cpu``, ``offload:disk``) unavailable on every block, with the reason."""
+    device, attempts = torch.device(device), Attempts()
+    fields: dict = (attempts.run("offload:cpu", _host_fields, device) or {}) if device.type == "cuda" else {}
+    if offload_dir is not None:
+        fields.update(_disk_fields(Path(offload_dir), attempts))
+    failed = tuple(sorted(attempts.failed().items()))
+    blocks = tuple(dataclasses.replace(b, unavailable=b.unavailable + failed) for b in profile.blocks)
+    return dataclasses.replace(profile, bandwidths=Bandwidths(**fields), blocks=blocks)

@@ -27,8 +27,14 @@ class Attempts:
     """Probes by strategy: the first that raises marks its strategy failed, with the reason,
     and the strategy's later probes are skipped."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, catch: bool = True) -> None:
         self._failed: dict[str, str] = {}
+        self._catch = catch
+
+    @classmethod
+    def raising(cls) -> Attempts:
+        """Attempts that let every failure through (a caller that wants the error itself)."""
+        return cls(catch=False)
 
     def run(self, strategy: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, or None once a probe of ``strategy`` has raised."""
@@ -37,6 +43,8 @@ class Attempts:
         try:
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - a probe's failure is reported, never raised
+            if not self._catch:
+                raise
             self._failed[strategy] = failure_reason(exc)
             return None
 
