@@ -34,6 +34,7 @@ from torch import nn
 from remat._batch import LossFn, call_model, check_batch_device, compute_loss, model_device
 from remat.apply.api import apply_, check_plan_matches, is_applied, remove_
 from remat.apply.opcount import BlockOpCounter, expected_extra_calls
+from remat.checkpointing.caches import CacheOff
 from remat.measure.faults import FaultCount
 from remat.measure.profile import _Step
 from remat.measure.timing import Clock
@@ -107,6 +108,8 @@ class _Run:
         self.optimizer = _copy_optimizer(optimizer, model, self.model)
         if planned:
             apply_(self.model, plan, batch=batch, offload_dir=offload_dir)
+        else:  # as under the plan and in the profile: no key/value cache (remat.checkpointing.caches)
+            CacheOff(self.model).install()
         self.plan = plan
         self.step = _Step(self.model, batch, loss_fn, self.optimizer)
         self.blocks = [self.model.get_submodule(n) for n in plan.block_names]

@@ -3,8 +3,10 @@
 ``apply_`` checks everything before it changes anything: a second apply, a plan made for
 another model (structure, dtype, device) or another batch (shapes) is an error and leaves the
 model untouched. It changes only the ``forward`` instance attribute of the planned blocks
-(`remat.apply.runtime`); ``state_dict`` keys and values stay as they are, and ``remove_``
-restores every block's ``forward`` exactly.
+(`remat.apply.runtime`) and, on Hugging Face models, adds a forward pre-hook that turns the
+key/value cache off where gradients are enabled (`remat.checkpointing.caches.CacheOff`, with a
+one-time warning); ``state_dict`` keys and values stay as they are, and ``remove_`` restores
+every block's ``forward`` exactly and takes the hook off.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from remat._batch import LossFn, check_batch_device
 from remat.apply.runtime import Runtime
 from remat.apply.strategies import HANDLERS
+from remat.checkpointing.caches import CacheOff
 from remat.measure.types import Fingerprint
 from remat.plan.types import Plan
 
@@ -106,10 +109,11 @@ def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str 
     if batch is not None:
         check_batch_device(model, batch)
     check_plan_matches(model, plan, batch)
-    options = {"plan": plan, "offload_engines": _offload_engines(plan, offload_dir)}
+    options = {"plan": plan, "offload_engines": _offload_engines(plan, offload_dir), "cache_off": CacheOff(model)}
     runtime = Runtime(blocks=blocks, block_names=plan.block_names, segments=plan.segments,
                       handlers=HANDLERS, options=options)
     runtime.install()
+    options["cache_off"].install()
     model.__dict__[RUNTIME_ATTR] = runtime
     return model
 
@@ -120,6 +124,7 @@ def remove_(model: nn.Module) -> nn.Module:
     if runtime is None:
         raise ValueError(f"{type(model).__name__} has no remat plan applied; nothing to remove.")
     runtime.uninstall()
+    runtime.options["cache_off"].remove()
     for engine in runtime.options["offload_engines"].values():
         engine.close()
     del model.__dict__[RUNTIME_ATTR]

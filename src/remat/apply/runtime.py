@@ -109,7 +109,8 @@ class Runtime:
         self.heads = {seg.start: seg for seg in segments if seg.kind != "keep"}
         self.handlers = handlers
         self.options = options
-        """Per-apply settings: ``plan`` (the applied Plan), ``offload_engines`` (target -> engine)."""
+        """Per-apply settings: ``plan`` (the applied Plan), ``offload_engines`` (target -> engine),
+        ``cache_off`` (`remat.checkpointing.caches.CacheOff`)."""
         self.saved_forwards: dict[int, Any] = {}
         """Instance ``forward`` attributes the blocks had before apply_ (restored by remove_)."""
         self.pending: dict[int, _Pending] = {}

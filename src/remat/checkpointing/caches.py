@@ -1,15 +1,36 @@
-"""Hugging Face key/value caches where blocks are replayed.
+"""Hugging Face key/value caches where blocks are replayed: turned off, with a warning.
 
 A cache is appended to by every forward of a layer, so a replay would append the keys and
 values a second time; training does not read it. Hugging Face's own gradient checkpointing
-turns it off (``use_cache=True`` is incompatible with gradient checkpointing).
+turns it off in training (``use_cache=True`` is incompatible with gradient checkpointing.
+Setting ``use_cache=False``). remat does the same wherever gradients are enabled, in the
+profile, in `remat.verify`'s runs and under an applied plan (`CacheOff`), so that what is
+measured, what is predicted and what runs are the same step; blocks still handed a cache (a
+wrapper passing its own) get None instead (`drop_kv_caches`). Either way the user is told once.
 """
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from typing import Any
 
-__all__ = ["drop_kv_caches", "is_kv_cache"]
+import torch
+from torch import nn
+
+__all__ = ["CACHE_WARNING", "CacheOff", "drop_kv_caches", "is_kv_cache"]
+
+CACHE_WARNING = (
+    "use_cache=True is incompatible with remat's recomputation (a replayed layer would append to "
+    "the key/value cache again). Setting use_cache=False where gradients are enabled, as Hugging "
+    "Face's gradient checkpointing does; pass use_cache=False (or set model.config.use_cache = False) "
+    "to silence this."
+)
+
+
+def _warn() -> None:
+    # issued from this one line, so Python's default filter shows it once per process
+    warnings.warn(CACHE_WARNING, UserWarning, stacklevel=1)
 
 
 def is_kv_cache(value: Any) -> bool:
@@ -18,8 +39,60 @@ def is_kv_cache(value: Any) -> bool:
 
 
 def drop_kv_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args`` and ``kwargs`` with every Hugging Face key/value cache replaced by None."""
+    """``args`` and ``kwargs`` with every Hugging Face key/value cache replaced by None (warned)."""
     if not any(is_kv_cache(v) for v in (*args, *kwargs.values())):
         return args, kwargs
+    _warn()
     args = tuple(None if is_kv_cache(v) else v for v in args)
     return args, {k: None if is_kv_cache(v) else v for k, v in kwargs.items()}
+
+
+def _takes_use_cache(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    if getattr(config, "use_cache", None) is None:
+        return False
+    try:
+        return "use_cache" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature
+        return False
+
+
+def _cache_off_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+    """Forward pre-hook: ``use_cache=False`` when gradients are enabled and the call would cache."""
+    if not torch.is_grad_enabled():
+        return None  # generation: the cache is what it is for
+    asked = kwargs.get("use_cache")
+    if asked is False or (asked is None and not module.config.use_cache):
+        return None
+    _warn()
+    return args, {**kwargs, "use_cache": False}
+
+
+class CacheOff:
+    """Forward pre-hooks on the outermost Hugging Face modules of ``model`` (those with a
+    ``config.use_cache`` and a ``use_cache`` argument) that turn the cache off in every forward
+    with gradients enabled: `install`, `remove`, or ``with CacheOff(model): ...``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.handles: list[Any] = []
+
+    def install(self) -> CacheOff:
+        hooked: list[str] = []
+        for name, module in self.model.named_modules():
+            if any(h == "" or name.startswith(h + ".") for h in hooked) or not _takes_use_cache(module):
+                continue
+            hooked.append(name)
+            self.handles.append(module.register_forward_pre_hook(_cache_off_hook, with_kwargs=True))
+        return self
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def __enter__(self) -> CacheOff:
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()

@@ -9,6 +9,8 @@ for per-op times, then each block alone, plain and checkpointed, for the checkpo
 `BlockProfile.unavailable`). A step is
 ``zero_grad(set_to_none=True)``, forward, loss, ``loss.backward()``, ``optimizer.step()``.
 Parameters, buffers, gradients, optimizer state and the RNG state are restored afterwards.
+Hugging Face key/value caches are off throughout, as under a plan (`remat.checkpointing.caches`;
+not on the meta device, `_cache_off`).
 
 The memory quantities satisfy, for the measured (keep-everything) step, exactly (``P, B,
 O``: parameter, buffer, optimizer-state bytes; ``G_j``: gradient bytes live when block j's
@@ -35,6 +37,7 @@ whose backward accumulates them first).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
@@ -49,6 +52,7 @@ from torch import nn
 
 from remat._batch import LossFn, call_model, check_batch_device, compute_loss, model_device
 from remat.checkpointing.cacheable import cacheable
+from remat.checkpointing.caches import CacheOff
 from remat.measure.blocks import Blocks, find_blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.faults import FaultCount, first_touch_ms_per_byte
@@ -91,10 +95,18 @@ def profile(
     device = model_device(model)
     snapshot = StateSnapshot(model, optimizer)
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _cache_off(model, device):
             return _measure(_Step(model, batch, loss_fn, optimizer), block_list, warmup, repeats, progress)
     finally:
         snapshot.restore()
+
+
+def _cache_off(model: nn.Module, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Hugging Face key/value caches off, as under a plan; left as they are on the meta device
+    (`remat.estimate`): without a cache, transformers asks a meta tensor whether the sequences are
+    packed (``.all()``), which it cannot answer. Nothing is replayed there, and the bytes are the
+    same: attention reads the cache's copies of the keys and values, which autograd then saves."""
+    return CacheOff(model) if device.type != "meta" else contextlib.nullcontext()
 
 
 def _check_counts(warmup: int, repeats: int) -> None:

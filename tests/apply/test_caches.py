@@ -1,0 +1,77 @@
+"""Hugging Face key/value caches under a plan: off where gradients are enabled, said once, and the
+op counts then match the plan (the profile and verify's baseline run without the cache too).
+Tiny configs, random weights, nothing downloaded."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import remat
+from remat.checkpointing.caches import CACHE_WARNING, CacheOff, drop_kv_caches
+from remat.plan.planners import plan
+
+transformers = pytest.importorskip("transformers")
+
+SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=64)
+FAMILIES = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=2, **SIZES)),
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(num_key_value_heads=2, **SIZES)),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_key_value_heads=2, **SIZES)),
+    "gpt-neox": lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**SIZES)),
+}
+
+
+def _built(family: str):
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    model.config._attn_implementation = "eager"
+    assert model.config.use_cache  # the default: a cache in every forward unless told otherwise
+    ids = torch.randint(1, 64, (2, 16))
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_op_counts_match_the_plan_on_models_with_a_cache(family):
+    model, batch = _built(family)
+    # full recomputation replays every call of every layer, the cache's included were it on
+    check = remat.verify(model, batch, plan(remat.profile(model, batch, repeats=1), strategy="full"), repeats=1)
+    mismatched = [c for c in check.op_counts if c.planned_count != c.expected_count]
+    assert check.recompute_counts_match and not mismatched, mismatched[:4]
+    assert check.grads_identical
+
+
+def test_an_applied_plan_turns_the_cache_off_in_training_with_a_warning_and_remove_takes_it_back():
+    model, batch = _built("llama")
+    full = remat.plan(remat.profile(model, batch, repeats=1), strategy="full")
+    remat.apply_(model, full)
+    with pytest.warns(UserWarning, match=r"use_cache=True is incompatible with remat's recomputation .* Setting "
+                                         r"use_cache=False where gradients are enabled"):
+        out = model(**batch)
+    assert out.past_key_values is None
+    out.loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for explicitly: no warning, no cache
+        assert model(**batch, use_cache=False).past_key_values is None
+        with torch.no_grad():  # generation: nothing is replayed, the cache works
+            assert model(**batch).past_key_values.get_seq_length() == 16
+    remat.remove_(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert model(**batch).past_key_values.get_seq_length() == 16  # as before apply_
+
+
+def test_only_the_outermost_model_is_hooked_and_a_cache_reaching_a_block_is_dropped_with_the_warning():
+    model, _ = _built("llama")
+    with CacheOff(model) as off:
+        assert len(off.handles) == 1 and model._forward_pre_hooks  # LlamaForCausalLM, not its LlamaModel
+    assert not model._forward_pre_hooks
+    cache = transformers.DynamicCache(config=model.config)
+    with pytest.warns(UserWarning, match="use_cache=True is incompatible"):
+        args, kwargs = drop_kv_caches((1, cache), {"past_key_values": cache, "mask": 2})
+    assert args == (1, None) and kwargs == {"past_key_values": None, "mask": 2}
+    assert CACHE_WARNING.startswith("use_cache=True is incompatible")
