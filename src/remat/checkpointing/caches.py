@@ -12,6 +12,7 @@ wrapper passing its own) get None instead (`drop_kv_caches`). Either way the use
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 from typing import Any
 
@@ -34,15 +35,19 @@ def _warn() -> None:
 
 
 def is_kv_cache(value: Any) -> bool:
-    """Whether ``value`` is a transformers ``Cache`` (checked by name: transformers stays optional)."""
-    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+    """Whether ``value`` is a transformers ``Cache``. transformers stays optional and is not
+    imported here: without it loaded there is no cache (and ``torch.compile`` traces this)."""
+    module = sys.modules.get("transformers.cache_utils")
+    cache = getattr(module, "Cache", None)
+    return cache is not None and isinstance(value, cache)
 
 
 def drop_kv_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args`` and ``kwargs`` with every Hugging Face key/value cache replaced by None (warned)."""
     if not any(is_kv_cache(v) for v in (*args, *kwargs.values())):
         return args, kwargs
-    _warn()
+    if not torch.compiler.is_compiling():
+        _warn()
     args = tuple(None if is_kv_cache(v) else v for v in args)
     return args, {k: None if is_kv_cache(v) else v for k, v in kwargs.items()}
 
@@ -64,7 +69,8 @@ def _cache_off_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     asked = kwargs.get("use_cache")
     if asked is False or (asked is None and not module.config.use_cache):
         return None
-    _warn()
+    if not torch.compiler.is_compiling():  # a warning breaks a compiled graph; eager runs say it
+        _warn()
     return args, {**kwargs, "use_cache": False}
 
 

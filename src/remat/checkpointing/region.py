@@ -13,6 +13,7 @@ the replay runs the forward again.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -40,11 +41,14 @@ def _outside_modes() -> Iterator[None]:
 class BufferGuard:
     """Undo buffer updates made by a replay (BatchNorm running statistics...).
 
-    The first run of a region is the real forward; every later run is a replay. Which buffers
-    a forward changes is found once per region and training mode by comparing values (the
-    kernels that update running statistics do not bump version counters) and kept in
-    ``known``, shared by every guard of the same blocks. A replay copies those buffers first
-    and restores them after, so they advance once per step, as without recomputation."""
+    Torch tells the forward from the replay: `checkpointed` hands `forward` and `replay` to
+    the checkpoint as its (forward, recompute) contexts. Which buffers a forward changes is found
+    once per region and training mode by comparing values (the kernels that update running
+    statistics do not bump version counters) and kept in ``known``, shared by every guard of the
+    same blocks. A replay copies those buffers first and restores them after, so they advance
+    once per step, as without recomputation. Nothing is counted inside the region, so a compiled
+    region has no side effect of remat's (under ``torch.compile`` the guard is left out: the
+    compiled backward replays no buffer update)."""
 
     def __init__(self, blocks: Sequence[nn.Module], known: dict[tuple[Any, ...], list[torch.Tensor]],
                  name: tuple[Any, ...] = ()) -> None:
@@ -52,25 +56,29 @@ class BufferGuard:
         self.known = known
         self.name = name
         """Tells regions apart in ``known`` (the runtime's ``(start, stop)``)."""
-        self.calls = 0
 
     def _key(self) -> tuple[Any, ...]:
         return (*self.name, tuple(m.training for block in self.blocks for m in block.modules()))
 
     @contextlib.contextmanager
-    def run(self) -> Iterator[None]:
-        self.calls += 1
+    def forward(self) -> Iterator[None]:
+        """The region's forward: the first one in a training mode learns what it changes."""
         key = self._key()
-        known = self.known.get(key)
-        if self.calls == 1 and known is None:
-            buffers = [b for block in self.blocks for b in block.buffers()]
-            with _outside_modes():
-                before = [b.detach().clone() for b in buffers]
+        if key in self.known:
             yield
-            with _outside_modes():
-                self.known[key] = [b for b, v in zip(buffers, before) if not torch.equal(b, v)]
             return
-        if self.calls == 1 or not known:
+        buffers = [b for block in self.blocks for b in block.buffers()]
+        with _outside_modes():
+            before = [b.detach().clone() for b in buffers]
+        yield
+        with _outside_modes():
+            self.known[key] = [b for b, v in zip(buffers, before) if not torch.equal(b, v)]
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """The region's replay: the buffers its forward changes are put back after it."""
+        known = self.known.get(self._key())
+        if not known:
             yield
             return
         with _outside_modes():
@@ -84,16 +92,35 @@ class BufferGuard:
 
 
 def checkpointed(body: Body, first: Any, extra: tuple[Any, ...], *, guard: BufferGuard,
-                 context_fn: Callable[[], Any] | None = None) -> list[Any]:
+                 context_fn: Callable[[], tuple[Any, Any]] | None = None) -> list[Any]:
     """``body(first, extra)``'s outputs, computed under one non-reentrant checkpoint that keeps
     only ``first`` and ``extra``; ``context_fn``: torch's (forward, recompute) context pair
-    (selective checkpointing)."""
+    (selective checkpointing), a function or `functools.partial` (what ``torch.compile`` accepts).
+
+    Whether a run is the forward or the replay is torch's to say (the context pair), not a
+    counter's inside the region: a region that mutates outside state breaks the graph under
+    ``torch.compile`` (it would be replayed)."""
 
     def region(first: Any, *extra_args: Any) -> tuple[Any, ...]:
-        with guard.run():
-            return tuple(body(first, extra_args))
+        return tuple(body(first, extra_args))
 
-    options: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
+    if torch.compiler.is_compiling():
+        contexts = context_fn  # decided while tracing: the compiled graph keeps no guard
+    else:
+        contexts = functools.partial(_guarded, guard, context_fn)
+    options: dict[str, Any] = {"context_fn": contexts} if contexts is not None else {}
     out = checkpoint(region, first, *extra, use_reentrant=False, preserve_rng_state=True,
                      early_stop=EARLY_STOP, **options)
     return list(out)
+
+
+def _guarded(guard: BufferGuard, context_fn: Callable[[], tuple[Any, Any]] | None) -> tuple[Any, Any]:
+    """``context_fn``'s pair (none: no context) with the guard's forward and replay around them."""
+    inner = context_fn() if context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+    return _both(guard.forward(), inner[0]), _both(guard.replay(), inner[1])
+
+
+@contextlib.contextmanager
+def _both(outer: Any, inner: Any) -> Iterator[None]:
+    with outer, inner:
+        yield
