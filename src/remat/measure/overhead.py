@@ -313,8 +313,10 @@ def measure_checkpoint_call_ms(device: torch.device, *, repeats: int, clock: Clo
     multiply run plainly and checkpointed as `remat.apply` runs it (at least ``10 * repeats``
     pairs and 25, more while under `MIN_MEASURE_S`, after one warm-up pair; median of the
     differences, never negative). A segment of k blocks pays it once where k one-block segments
-    pay it k times: 0.1-0.3 ms here, a third to a half of a built-in MLP block's checkpoint
-    overhead, which made √N plans cost 13-23 points of overhead less than full recomputation."""
+    pay it k times: 0.1-0.3 ms here when the probe ran through an installed runtime, a third to
+    a half of a built-in MLP block's checkpoint overhead, which made √N plans cost 13-23 points
+    of overhead less than full recomputation; 0.05-0.08 ms through the checkpoint region alone,
+    as it runs now (12 profiles of the test GPT, a loaded machine)."""
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed repeats; the median is kept).")
     module = _Twice()

@@ -264,7 +264,7 @@ class Profile:
     """What faulting in a fresh byte costs on this host (`remat.measure.faults`)."""
     checkpoint_call_ms: float = 0.0
     """Of each block's ``recompute_overhead_ms``, the part one checkpointed call pays whatever
-    it runs (RNG state saved and restored, the checkpoint's frame, remat's runtime): a segment
+    it runs (RNG state saved and restored, the checkpoint's frame, the buffer guard): a segment
     of k blocks pays it once, not k times (`remat.measure.overhead.measure_checkpoint_call_ms`;
     never above any block's ``recompute_overhead_ms``; 0: not measured)."""
 
