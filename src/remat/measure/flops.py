@@ -5,7 +5,8 @@ The formulas are those of ``torch.utils.flop_counter`` (the table behind
 attention kernels it knows). CPU attention kernels it does not list get the same formula as
 its other attention kernels: ``2*B*H*L*S*E`` for ``Q @ K^T`` plus ``2*B*H*L*S*Ev`` for
 ``P @ V`` (no discount for a causal mask, as in ``torch.utils.flop_counter.sdpa_flop_count``).
-Every other op counts 0: pointwise ops, norms and softmax are memory-bound and are not
+``torch._grouped_mm`` (the experts of mixture-of-experts layers), which it does not list
+either, counts 2 FLOPs per multiply-add of each group. Every other op counts 0: pointwise ops, norms and softmax are memory-bound and are not
 counted by FlopCounterMode either.
 """
 
@@ -29,16 +30,28 @@ def _cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return attention_flops(query, key, value)
 
 
+def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, *_: Any, out_val: torch.Tensor, **__: Any) -> int:
+    """``torch._grouped_mm`` (mixture-of-experts layers): 2 FLOPs per multiply-add of each group.
+    2-D x 3-D (tokens grouped by expert) and 3-D x 3-D: every output element sums over the
+    inner dimension; 2-D x 2-D (groups along the inner dimension, as for expert weight
+    gradients): every input row meets every output column once."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        return 2 * mat_a.shape[0] * mat_a.shape[1] * mat_b.shape[1]
+    return 2 * out_val.numel() * mat_a.shape[-1]
+
+
 _EXTRA: dict[Any, Any] = {}
 if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
     _EXTRA[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_attention
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    _EXTRA[torch.ops.aten._grouped_mm] = _grouped_mm
 
 
 def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """Forward FLOPs of ``func(*args, **kwargs)`` that returned ``out`` (0 when not a FLOP op)."""
     packet = getattr(func, "_overloadpacket", func)
     if packet in _EXTRA:
-        return int(_EXTRA[packet](*args, **kwargs))
+        return int(_EXTRA[packet](*args, **kwargs, out_val=out))
     formula = flop_registry.get(packet)
     if formula is None:
         return 0
