@@ -1,0 +1,146 @@
+"""Bytes and FLOPs of a traced model, split by how each parallelism divides them.
+
+A `Share` holds one quantity of one segment (a layer, or the parts before and after the layers)
+in five buckets (Korthikanti et al. 2022, section 4.2: tensor parallelism splits what lies
+between a column-parallel and a row-parallel linear; sequence parallelism splits the rest along
+the sequence; context parallelism splits every tensor indexed by token along the sequence):
+
+- ``split``: inside the tensor-parallel region (attention heads, the MLP's hidden units):
+  divided by the tensor-parallel size t;
+- ``whole``: outside it (norm inputs, residual stream, dropout masks, the inputs of the
+  column-parallel linears): whole on every tensor-parallel rank, divided by t only under
+  sequence parallelism;
+- ``core``: attention-core internals (scores, softmax, its dropout; a fused kernel's
+  log-sum-exp), inside the split region: what Megatron-LM's selective recomputation frees;
+- ``expert_split`` / ``expert_whole``: the same inside routed experts, whose token count is
+  scaled by the router's load assumption (`remat.estimate.parallel.Parallelism.expert_load`).
+
+A traced quantity is affine in the micro-batch ``b`` for ``b >= 2`` (each tensor has a batch
+dimension or none: position ids, causal masks), so each one is
+kept as a ``per_token`` part (proportional to the tokens of the micro-batch: divided by context
+parallelism, and by t under sequence parallelism when ``whole``) and a ``constant`` part (a causal
+mask, rotary tables: never divided by the sequence).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+BUCKETS = ("split", "whole", "core", "expert_split", "expert_whole")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Share:
+    """One quantity of one segment, by bucket (see the module docstring)."""
+
+    split: float = 0
+    """Inside the tensor-parallel region."""
+    whole: float = 0
+    """Outside it."""
+    core: float = 0
+    """Attention-core internals (inside the tensor-parallel region)."""
+    expert_split: float = 0
+    """Inside routed experts, inside the tensor-parallel region."""
+    expert_whole: float = 0
+    """Inside routed experts, outside it (dispatched tokens)."""
+
+    @property
+    def total(self) -> float:
+        return self.split + self.whole + self.core + self.expert_split + self.expert_whole
+
+    def divided(self, *, tensor: int, sequence: int, context: int, expert_load: float) -> float:
+        """This share on one GPU: split buckets over ``tensor``, whole ones over ``sequence``
+        (t under sequence parallelism, else 1), everything over ``context``, experts' buckets
+        times ``expert_load``."""
+        inside = (self.split + self.core + expert_load * self.expert_split) / tensor
+        outside = (self.whole + expert_load * self.expert_whole) / sequence
+        return (inside + outside) / context
+
+    def without_core(self) -> Share:
+        return dataclasses.replace(self, core=0)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Segment:
+    """A segment's shares at one micro-batch."""
+
+    saved: Share
+    """Bytes of the storages autograd saves first in this segment."""
+    flops: Share
+    """Forward FLOPs."""
+    input_bytes: float = 0
+    """A layer's own input (the hidden states it is called with; shared tensors excluded)."""
+    core_moved_bytes: float = 0
+    """Bytes the attention core's ops write in forward (what replaying it moves at least)."""
+    working_bytes: float = 0
+    """What the segment's backward needs on top of what is held: its saved bytes and backward
+    temporaries (`remat.plan.costs.working_bytes`; after the layers, the head's temporaries)."""
+    replay_working_bytes: float = 0
+    """The same when its forward is replayed in backward (`remat.plan.costs.replay_working_bytes`)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Flow:
+    """A model's segments at one micro-batch: before the layers, each traced layer, after them."""
+
+    pre: Segment
+    """Embeddings, plus tensors made before the layers and held for the whole backward (rotary
+    tables, masks, position ids passed to every layer: counted once, not per layer)."""
+    layers: tuple[Segment, ...]
+    """Each traced layer, in forward order."""
+    post: Segment
+    """Final norm, head and loss."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Split:
+    """A flow at some micro-batch as a per-token part and a constant part."""
+
+    per_token: Flow
+    """Proportional to the micro-batch's tokens."""
+    constant: Flow
+    """Independent of the micro-batch (and of the sequence split)."""
+
+
+def combine(a: T, b: T, fn: Callable[[float, float], float]) -> T:
+    """``fn`` field by field over two alike trees of Share/Segment/Flow (tuples element-wise)."""
+    if isinstance(a, (int, float)):
+        return fn(a, b)  # type: ignore[return-value]
+    if isinstance(a, tuple):
+        return tuple(combine(x, y, fn) for x, y in zip(a, b, strict=True))  # type: ignore[return-value]
+    values: dict[str, Any] = {f.name: combine(getattr(a, f.name), getattr(b, f.name), fn) for f in dataclasses.fields(a)}
+    return type(a)(**values)
+
+
+def scale(a: T, k: float) -> T:
+    """Every number of the tree times ``k``."""
+    return combine(a, a, lambda x, _: x * k)
+
+
+def split_by_tokens(one: Flow | None, two: Flow, three: Flow, micro_batch: int) -> Split:
+    """The flow at ``micro_batch`` from flows traced at micro-batch 2 and 3 (and 1, needed only
+    when ``micro_batch`` is 1): the line through 2 and 3 gives the constant part (its value at
+    0) and every micro-batch from 2 on. Micro-batch 1 is traced on its own: with a batch dimension
+    of 1, PyTorch's ``reshape`` of a transposed tensor is a view instead of a copy, so other ops
+    run and the bytes per op are not on the line."""
+    constant = combine(two, three, lambda f2, f3: 3 * f2 - 2 * f3)
+    if micro_batch == 1:
+        if one is None:
+            raise ValueError("micro-batch 1 needs its own trace; pass the flow traced at micro-batch 1.")
+        at = one
+    else:
+        at = combine(two, three, lambda f2, f3: f2 + (f3 - f2) * (micro_batch - 2))
+    return Split(per_token=combine(at, constant, lambda x, k: x - k), constant=constant)
+
+
+def untokenized(flow: Flow) -> Split:
+    """A flow traced at one fixed batch (a file model's), all of it taken as per-token."""
+    return Split(per_token=flow, constant=scale(flow, 0.0))
+
+
+__all__ = ["BUCKETS", "Flow", "Segment", "Share", "Split", "combine", "scale", "split_by_tokens", "untokenized"]
