@@ -8,6 +8,9 @@ A user file (JSON or TOML) lists devices with the same fields, for example in TO
     peak_bf16_flops_per_s = 362e12
     memory_bytes_per_s = 864e9        # optional
     host_link_bytes_per_s = 32e9      # optional
+    gpu_link_bytes_per_s = 32e9       # optional: GPU to GPU in a node, one direction
+    gpus_per_node = 8                 # optional
+    network_bytes_per_s = 25e9        # optional: between nodes, per GPU, one direction
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 _REQUIRED = ("name", "memory_bytes", "peak_bf16_flops_per_s")
-_OPTIONAL = ("description", "memory_bytes_per_s", "host_link_bytes_per_s", "sources")
+_OPTIONAL = ("description", "memory_bytes_per_s", "host_link_bytes_per_s", "gpu_link_bytes_per_s", "gpus_per_node",
+             "network_bytes_per_s", "sources")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -38,6 +42,12 @@ class DeviceSpec:
     """Device memory bandwidth."""
     host_link_bytes_per_s: float | None = None
     """Host link bandwidth, one direction (offload)."""
+    gpu_link_bytes_per_s: float | None = None
+    """GPU-to-GPU bandwidth inside a node, one direction (NVLink, Infinity Fabric; None: the host link)."""
+    gpus_per_node: int | None = None
+    """GPUs sharing that link in the vendor's standard node (None: 8)."""
+    network_bytes_per_s: float | None = None
+    """Between nodes, per GPU, one direction (None: `remat.estimate.pricing.DEFAULT_NETWORK_BYTES_PER_S`)."""
     description: str = ""
     """Full product name."""
     sources: dict[str, str] = field(default_factory=dict)
