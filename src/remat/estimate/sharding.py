@@ -1,0 +1,157 @@
+"""Model state on one GPU of one pipeline stage, as Megatron-LM shards it.
+
+Each parameter has a role (`remat.estimate.dataflow.ROLES`, found by tracing its use): a GPU of
+stage ``k`` holds
+
+- ``tensor`` and ``vocab`` parameters of its layers (and of the embedding on the first stage,
+  the head on the last) divided by the tensor-parallel size t, ``whole`` ones entire, ``expert``
+  ones divided by expert_tensor x expert (``megatron/training/theoretical_memory_usage.py``,
+  ``compute_weight_and_optimizer_memory``: ``tp_sharded``, ``replicated`` and
+  ``expert_sharded`` parameters on the most loaded shard);
+- with a pipeline, the layers ``[k L/p, (k + 1) L/p)``; a head tied to the embedding is held by
+  the first stage and, as a copy, by the last (Megatron-LM keeps the word embeddings on the
+  last stage for its output layer);
+- its optimizer state sharded over the data-parallel ranks by ZeRO (stage 1 is Megatron-LM's
+  distributed optimizer: ``6 + 12/d`` bytes per parameter with fp32 gradients) over ``d`` for
+  the dense parameters and over ``expert_data`` for the experts' (`remat.memory.model_state`).
+
+``fp32_grads``: gradients kept in fp32 whatever the weights' dtype (Megatron-LM's ``main_grad``
+buffers, 18 bytes per parameter with mixed-precision Adam and no distributed optimizer).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from remat.estimate.parallel import Parallelism
+from remat.memory.model_state import ModelState, model_state, shard_model_state
+
+Shape = tuple[int, ...]
+
+
+@dataclass(kw_only=True, frozen=True)
+class RoleShapes:
+    """Parameter shapes of one part of the model by sharding role."""
+
+    tensor: tuple[Shape, ...] = ()
+    """Column- and row-parallel weights, column-parallel biases."""
+    vocab: tuple[Shape, ...] = ()
+    """Token embedding and head (vocabulary-parallel)."""
+    whole: tuple[Shape, ...] = ()
+    """Norms, routers, row-parallel biases, position embeddings."""
+    expert: tuple[Shape, ...] = ()
+    """Routed experts."""
+
+    @property
+    def count(self) -> int:
+        return sum(math.prod(s) for s in (*self.tensor, *self.vocab, *self.whole, *self.expert))
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelParams:
+    """Every parameter of the full model, by part and role."""
+
+    pre: RoleShapes
+    """Used before the layers only (embeddings)."""
+    post: RoleShapes
+    """Used after the layers only (final norm, an untied head)."""
+    tied: RoleShapes
+    """Used both before and after the layers (a head tied to the embedding)."""
+    layers: tuple[RoleShapes, ...]
+    """One entry per layer of the full model (layers of one kind share an entry)."""
+
+    @property
+    def count(self) -> int:
+        """Parameters of the whole model, a tied one once."""
+        return self.pre.count + self.post.count + self.tied.count + sum(layer.count for layer in self.layers)
+
+
+@dataclass(kw_only=True, frozen=True)
+class StateRecipe:
+    """How model state is stored: optimizer, precision, ZeRO stage, gradient dtype."""
+
+    optimizer: str
+    """Name in the optimizer-state table."""
+    precision: str
+    """``mixed``, ``bf16`` or ``fp32`` (`remat.memory.model_state.PRECISIONS`)."""
+    zero_stage: int
+    """0..3 over the data-parallel ranks (1 = Megatron-LM's distributed optimizer)."""
+    fp32_grads: bool = False
+    """Gradients in fp32 whatever the weights' dtype (Megatron-LM's ``main_grad``)."""
+
+
+def stage_layers(num_layers: int, pipeline: int, stage: int) -> range:
+    """The layers stage ``stage`` of ``pipeline`` runs (the stages hold equal counts)."""
+    per = num_layers // pipeline
+    return range(stage * per, (stage + 1) * per)
+
+
+def check_layers(num_layers: int, par: Parallelism) -> None:
+    """Every stage (and every interleaved chunk) holds the same number of layers."""
+    chunks = par.pipeline * par.virtual_stages
+    if num_layers % chunks:
+        raise ValueError(
+            f"{num_layers} layers do not split evenly over {par.pipeline} pipeline stage(s) x {par.virtual_stages} "
+            f"chunk(s) = {chunks}; pick --pipeline-parallel (and --virtual-stages) dividing the layer count.")
+
+
+def _stage_parts(params: ModelParams, par: Parallelism, stage: int) -> list[RoleShapes]:
+    first, last = stage == 0, stage == par.pipeline - 1
+    parts = [params.layers[i] for i in stage_layers(len(params.layers), par.pipeline, stage)]
+    if first:
+        parts += [params.pre, params.tied]
+    if last:
+        parts.append(params.post)
+        if not first:
+            parts.append(params.tied)  # the last stage's copy of the tied embedding
+    return parts
+
+
+def _shard(shapes: Sequence[Shape], divisor: int) -> list[Shape]:
+    """Shapes of one rank's shard: the first dimension divided (rounded up) when it can be."""
+    return [(-(-s[0] // divisor), *s[1:]) if s else s for s in shapes]
+
+
+def gpu_state(params: ModelParams, par: Parallelism, stage: int, recipe: StateRecipe,
+              buffer_bytes: int = 0) -> ModelState:
+    """Model state on one GPU of ``stage`` (module docstring)."""
+    parts = _stage_parts(params, par, stage)
+    dense = [s for p in parts for s in _dense(p, par)]
+    experts = [s for p in parts for s in _shard(p.expert, par.expert_tensor_size * par.expert)]
+    unit = largest_unit(params, par, stage, recipe) if recipe.zero_stage == 3 else None
+    state = add_states(_sharded(dense, par.data, recipe, unit), _sharded(experts, par.expert_data, recipe, None))
+    return replace(state, buffer_bytes=buffer_bytes)
+
+
+def _dense(part: RoleShapes, par: Parallelism) -> list[Shape]:
+    return [*_shard(part.tensor, par.tensor), *_shard(part.vocab, par.tensor), *part.whole]
+
+
+def largest_unit(params: ModelParams, par: Parallelism, stage: int, recipe: StateRecipe) -> ModelState:
+    """What ZeRO-3 all-gathers at once on ``stage``: the largest dense shard of one layer (or of
+    the embedding and head), unsharded over the data-parallel ranks."""
+    units = [_dense(p, par) for p in _stage_parts(params, par, stage)]
+    return _state(max(units, key=lambda shapes: sum(math.prod(s) for s in shapes), default=[]), recipe)
+
+
+def _sharded(shapes: list[Shape], ranks: int, recipe: StateRecipe, unit: ModelState | None) -> ModelState:
+    return shard_model_state(_state(shapes, recipe), world_size=ranks, zero_stage=recipe.zero_stage, largest_unit=unit)
+
+
+def _state(shapes: list[Shape], recipe: StateRecipe) -> ModelState:
+    state = model_state(shapes, optimizer=recipe.optimizer, precision_name=recipe.precision)
+    if recipe.fp32_grads and state.grad_bytes:
+        state = replace(state, grad_bytes=4 * sum(math.prod(s) for s in shapes))
+    return state
+
+
+def add_states(a: ModelState, b: ModelState) -> ModelState:
+    """Field-by-field sum of two model states."""
+    return ModelState(**{f: getattr(a, f) + getattr(b, f) for f in (
+        "param_bytes", "grad_bytes", "master_bytes", "optimizer_state_bytes", "buffer_bytes", "gathered_bytes")})
+
+
+__all__ = ["ModelParams", "RoleShapes", "StateRecipe", "add_states", "check_layers", "gpu_state", "largest_unit",
+           "stage_layers"]

@@ -1,0 +1,150 @@
+"""One pipeline stage on one GPU: its peak memory and its time per micro-batch.
+
+Memory, with every gradient live for the whole step (Megatron-LM and PyTorch DDP keep
+gradient buffers allocated; with gradient accumulation or a pipeline every gradient persists
+across micro-batches anyway) and ``n`` the micro-batches in flight (`Parallelism.in_flight`):
+
+    layers   = state + n (pre + sum_i retained_i) + buffers - sum_{j >= i} retained_j + working_i
+               (the backward of layer i of the first micro-batch in flight, i from the last)
+    head     = state + n pre + sum_i retained_i + post saved + post working   (last stage)
+    optimizer= state + optimizer step temporaries
+    peak     = the largest
+
+as `remat.plan.predict` prices a chain (../docs/memory-model.md), with shared tensors made
+before the layers counted once in ``pre``. ``buffers``: the pipeline's send and receive buffers
+(one output activation each way).
+
+Time per micro-batch: forward + backward FLOPs (backward = 2 x forward, the usual count for
+matmuls: one product for the input gradient, one for the weight gradient) and the replayed
+FLOPs at ``MFU x peak FLOP/s``; a replayed op at least writes its outputs at memory bandwidth;
+offloaded bytes go to host memory and back over the host link; communication as
+`remat.estimate.comms` times it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from remat.estimate.comms import ModelFacts, Network, micro_batch_comm_s
+from remat.estimate.layers import LayerCost, LayerOnGpu
+from remat.estimate.parallel import Parallelism
+from remat.memory.model_state import ModelState
+
+
+@dataclass(kw_only=True, frozen=True)
+class Stage:
+    """One pipeline stage on one GPU at one micro-batch, before choosing strategies."""
+
+    index: int
+    """0 .. p - 1."""
+    first: bool
+    """Holds the embedding and the most micro-batches in flight."""
+    last: bool
+    """Holds the head and the loss."""
+    state: ModelState
+    """Model state on this GPU."""
+    layers: tuple[LayerOnGpu, ...]
+    """The stage's layers in forward order."""
+    pre_bytes: float
+    """Held per micro-batch before the layers (first stage): embedding outputs and masks."""
+    post_saved_bytes: float
+    """Saved by the head and loss (last stage)."""
+    post_working_bytes: float
+    """The head's backward temporaries (last stage)."""
+    post_flops: float
+    """Forward FLOPs of the head and loss (last stage)."""
+    in_flight: float
+    """Micro-batches whose activations the stage holds at its peak."""
+    buffer_bytes: float
+    """Pipeline send and receive buffers."""
+    optimizer_temp_bytes: float = 0.0
+    """Temporaries of the optimizer step."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class StagePeak:
+    """The stage's predicted peak and its parts."""
+
+    peak_bytes: float
+    """Model state plus activations plus temporaries at the peak."""
+    phase: str
+    """``layers``, ``head`` or ``optimizer``."""
+    held_bytes: float
+    """Activations held at that moment (every micro-batch in flight, the part before the layers)."""
+    working_bytes: float
+    """On top: the working set of the layer (or head) whose backward runs, and buffers."""
+
+
+def stage_peak(stage: Stage, costs: Sequence[LayerCost]) -> StagePeak:
+    """The peak of ``stage`` with layer ``i`` under ``costs[i]`` (module docstring)."""
+    state = float(stage.state.total_bytes)
+    n = stage.in_flight
+    retained = sum(c.retained_bytes for c in costs)
+    held = n * (stage.pre_bytes + retained)
+    moments = [StagePeak(peak_bytes=state + stage.optimizer_temp_bytes, phase="optimizer", held_bytes=0.0,
+                         working_bytes=stage.optimizer_temp_bytes)]
+    freed = 0.0
+    for cost in reversed(costs):
+        freed += cost.retained_bytes
+        on_top = cost.working_bytes + stage.buffer_bytes
+        moments.append(StagePeak(peak_bytes=state + held - freed + on_top, phase="layers", held_bytes=held - freed,
+                                 working_bytes=on_top))
+    if stage.last:
+        head = stage.post_saved_bytes + stage.post_working_bytes
+        moments.append(StagePeak(peak_bytes=state + held + head, phase="head", held_bytes=held, working_bytes=head))
+    return max(moments, key=lambda m: m.peak_bytes)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Rates:
+    """What a GPU computes and moves per second."""
+
+    flops_per_s: float
+    """Peak dense BF16 FLOP/s x MFU."""
+    memory_bytes_per_s: float | None = None
+    """Device memory bandwidth."""
+    host_link_bytes_per_s: float | None = None
+    """Host link, one direction (offload)."""
+
+
+def extra_s(cost: LayerCost, rates: Rates) -> float:
+    """What a strategy adds to a layer's time per micro-batch, communication aside."""
+    replay = cost.extra_flops / rates.flops_per_s
+    if rates.memory_bytes_per_s:
+        replay = max(replay, cost.extra_moved_bytes / rates.memory_bytes_per_s)
+    offload = 0.0
+    if cost.offloaded_bytes:
+        link = rates.host_link_bytes_per_s
+        offload = 2 * cost.offloaded_bytes / link if link else float("inf")
+    return replay + offload
+
+
+@dataclass(kw_only=True, frozen=True)
+class StageTime:
+    """One micro-batch through one stage."""
+
+    compute_s: float
+    """Forward, backward and replays."""
+    comm_s: float
+    """Tensor, context, expert and pipeline communication not hidden."""
+    backward_s: float
+    """The backward's share of ``compute_s`` (what hides data-parallel traffic)."""
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+def stage_time(stage: Stage, costs: Sequence[LayerCost], rates: Rates, *, par: Parallelism, net: Network,
+               facts: ModelFacts) -> StageTime:
+    """One micro-batch through ``stage`` with layer ``i`` under ``costs[i]`` (module docstring)."""
+    flops = sum(layer.fwd_flops for layer in stage.layers) + (stage.post_flops if stage.last else 0.0)
+    forward = flops / rates.flops_per_s
+    extra = sum(extra_s(c, rates) for c in costs)
+    core = 3 * sum(layer.core_flops for layer in stage.layers) / rates.flops_per_s
+    comm = micro_batch_comm_s(stage.layers, costs, par, net, facts, core)
+    return StageTime(compute_s=3 * forward + extra, comm_s=comm, backward_s=2 * forward + extra)
+
+
+__all__ = ["Rates", "Stage", "StagePeak", "StageTime", "extra_s", "stage_peak", "stage_time"]
