@@ -1,4 +1,4 @@
-"""The meta-device trace: published activation formula, meta == CPU, micro-batch extrapolation."""
+"""The meta-device trace: published activation formula, meta == CPU, micro-batch line, copied layers."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from remat.estimate.scale import at_micro_batch, check_alike, replicate_blocks
+from remat.estimate.dataflow import classify
+from remat.estimate.shares import combine, split_by_tokens
 from remat.estimate.sources import ModelSource
-from remat.estimate.trace import trace_profile, trace_source
+from remat.estimate.trace import check_alike, trace_profile, trace_source
+from remat.measure.blocks import find_blocks
 from remat.measure.profile import profile
 from remat.models import build
 from remat.plan.costs import cost_of
@@ -73,8 +75,8 @@ def test_attention_core_recomputation_removes_the_quadratic_term() -> None:
     assert core_32 > keep_32 and core_64 < keep_64
 
 
-def _gpt_cpu_and_meta(batch_size: int):
-    sizes = dict(num_layers=2, d_model=32, num_heads=2, seq_len=16, batch_size=batch_size, vocab_size=64)
+def _gpt_cpu_and_meta(batch_size: int, num_layers: int = 2):
+    sizes = dict(num_layers=num_layers, d_model=32, num_heads=2, seq_len=16, batch_size=batch_size, vocab_size=64)
     cpu = build("gpt", optimizer="none", **sizes)
     with torch.device("meta"):
         meta = build("gpt", optimizer="none", **sizes)
@@ -101,27 +103,30 @@ def test_meta_trace_equals_cpu_profile_byte_for_byte() -> None:
     assert traced.blocks[1].saved_bytes > 0
 
 
+def _flow(batch_size: int, num_layers: int = 2):
+    _, meta = _gpt_cpu_and_meta(batch_size=batch_size, num_layers=num_layers)
+    return classify(meta.model, meta.batch, find_blocks(meta.model)).flow
+
+
 def test_micro_batch_line_is_exact() -> None:
-    """Traces at micro-batch 2 and 3 give micro-batch 5 exactly (bytes and FLOPs)."""
-    profiles = {}
-    for b in (2, 3, 5):
-        _, meta = _gpt_cpu_and_meta(batch_size=b)
-        profiles[b] = trace_profile(meta.model, meta.batch)
-    assert _bytes_and_flops(at_micro_batch(profiles[2], profiles[3], 5)) == _bytes_and_flops(profiles[5])
-    with pytest.raises(ValueError, match="micro_batch must be >= 2 to extrapolate, got 1"):
-        at_micro_batch(profiles[2], profiles[3], 1)
+    """Shares traced at micro-batch 2 and 3 give micro-batch 5 exactly (bytes and FLOPs, every
+    bucket of every segment): the per-token part on the line, plus the constant part."""
+    flows = {b: _flow(b) for b in (2, 3, 5)}
+    split = split_by_tokens(None, flows[2], flows[3], 5)
+    assert combine(split.per_token, split.constant, lambda x, k: x + k) == flows[5]
+    assert split.constant.layers[1].saved.total > 0  # the causal mask: one per layer, whatever the batch
+    with pytest.raises(ValueError, match="micro-batch 1 needs its own trace"):
+        split_by_tokens(None, flows[2], flows[3], 1)
 
 
-def test_replicate_moves_shared_bytes_to_the_fixed_part() -> None:
+def test_traced_layers_equal_the_whole_models() -> None:
+    """The 6 layers of the real model are alike to the byte and FLOP, and equal the second of 2
+    traced layers: what estimate copies; the parts before and after the layers are the same."""
+    six, two = _flow(2, num_layers=6), _flow(2)
+    assert all(layer == two.layers[1] for layer in six.layers)
+    assert six.pre == two.pre and six.post == two.post
     _, meta = _gpt_cpu_and_meta(batch_size=2)
     traced = trace_profile(meta.model, meta.batch)
-    first = replace(traced.blocks[0], saved_bytes=traced.blocks[1].saved_bytes + 1000)
-    bumped = replace(traced, blocks=(first, traced.blocks[1]))
-    big = replicate_blocks(bumped, 80, name_format="blocks.{}")
-    assert big.num_blocks == 80 and big.blocks[79].name == "blocks.79" and big.blocks[79].index == 79
-    assert all(b.saved_bytes == traced.blocks[1].saved_bytes for b in big.blocks)
-    assert big.fixed_pre_saved_bytes == traced.fixed_pre_saved_bytes + 1000
-    assert big.saved_bytes == bumped.saved_bytes + 78 * traced.blocks[1].saved_bytes
     check_alike(traced)
     with pytest.raises(ValueError, match="run different ops"):
         check_alike(replace(traced, blocks=(traced.blocks[0], replace(traced.blocks[1], fwd_flops=1))))
@@ -137,24 +142,3 @@ def test_llama_with_flash_attention_has_no_quadratic_term() -> None:
                                                             intermediate=128, vocab=96, seq=seq))
         saved[seq] = trace_source(source, seq_len=seq).profile(2).blocks[-1].saved_bytes
     assert saved[64] - 24 == 2 * (saved[32] - 24)
-
-
-def test_two_traced_layers_copied_equal_the_whole_model_on_cpu() -> None:
-    """Trace 2 layers on the meta device and copy the second to 6: every byte and FLOP count equals
-    a CPU profile of the real 6-layer model, except the first layer's backward temporaries (the
-    copy's are the later layers')."""
-    torch.manual_seed(0)
-    sizes = dict(d_model=32, num_heads=2, seq_len=16, batch_size=2, vocab_size=64)
-    real = build("gpt", optimizer="none", num_layers=6, **sizes)
-    measured = profile(real.model, real.batch, warmup=1, repeats=1)
-    with torch.device("meta"):
-        small = build("gpt", optimizer="none", num_layers=2, **sizes)
-    copied = replicate_blocks(trace_profile(small.model, small.batch), 6, name_format="blocks.{}")
-    assert copied.saved_bytes == measured.saved_bytes
-    assert copied.fixed_pre_saved_bytes == measured.fixed_pre_saved_bytes
-    assert copied.fixed_post_saved_bytes == measured.fixed_post_saved_bytes
-    assert copied.fixed_flops == measured.fixed_flops
-    ours = _bytes_and_flops(copied)[0]
-    theirs = _bytes_and_flops(measured)[0]
-    assert ours[1:] == theirs[1:]
-    assert [field for i, field in enumerate(ours[0]) if i != 4] == [field for i, field in enumerate(theirs[0]) if i != 4]

@@ -1,13 +1,16 @@
 """Estimate a training step's memory and time on devices this machine does not have.
 
-`estimate` builds the model on the meta device, traces one training step, prices the
-strategies none / full / selective / optimal with the planner's model on each device, and
-says why a configuration does not fit.
+`estimate` builds the model on the meta device, traces one training step, divides what it
+saves and computes by a parallel layout (data, tensor, sequence, pipeline, context, expert
+parallelism), prices the strategies none / full / selective / optimal per GPU on each device,
+and says why a configuration does not fit. `search` lists the fastest layouts that fit a
+number of GPUs.
 """
 
 from remat.estimate.api import Estimate, estimate, precision_name
 from remat.estimate.devices import DeviceSpec, builtin_devices, load_devices_file, resolve_devices
-from remat.estimate.results import DeviceEstimate, StrategyEstimate
+from remat.estimate.parallel import Parallelism
+from remat.estimate.results import DeviceEstimate, StepTime, StrategyEstimate
 from remat.estimate.sources import HF_FAMILIES, ModelSource
 
 __all__ = [
@@ -16,6 +19,8 @@ __all__ = [
     "DeviceSpec",
     "Estimate",
     "ModelSource",
+    "Parallelism",
+    "StepTime",
     "StrategyEstimate",
     "builtin_devices",
     "estimate",

@@ -1,34 +1,35 @@
 """`remat.estimate`: will this training step fit, on which device, with which strategy?
 
-The arithmetic, for each device and strategy (per data-parallel rank):
+Per GPU, for each device and strategy (`remat.estimate.pricing`):
 
     total = allocated peak + allowance
-    allocated peak = plan's predicted peak (`remat.plan.predict`) on a profile whose model
-                     state is the rank's share (`remat.memory.model_state`) and whose layers
-                     and micro-batch come from a meta-device trace (`remat.estimate.trace`,
-                     `remat.estimate.scale`)
-    step time = grad_accumulation_steps x (forward + backward + recomputation FLOPs)
-                / (MFU x peak FLOP/s) + optimizer step at memory bandwidth
+    allocated peak = model state of the GPU's pipeline stage (`remat.estimate.sharding`: tensor,
+                     pipeline and expert parallelism as Megatron-LM shards weights, ZeRO over
+                     the data-parallel ranks) + the stage's activations at its peak
+                     (`remat.estimate.stage`: the traced layers divided by the layout,
+                     `remat.estimate.layers`, times the micro-batches in flight)
+    step time = m x (forward + backward + replayed FLOPs) / (MFU x peak FLOP/s)
+                + communication (`remat.estimate.comms`) + pipeline bubble
+                + optimizer step at memory bandwidth
 
 Kernels: the trace runs SDPA as FlashAttention and dropout with 1-byte masks, as on a GPU
-(``gpu_kernels=False`` traces the CPU's kernels instead). The optimal search may offload a
-layer's saved tensors to host memory over the device's host link (none of the transfer
-assumed hidden behind compute). ZeRO/FSDP communication time is not modelled (no
-interconnect in the device table).
+(``gpu_kernels=False`` traces the CPU's kernels instead). Explicit attention is traced as written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from remat.estimate.devices import resolve_devices
+from remat.estimate.parallel import Parallelism
 from remat.estimate.pricing import Pricing
 from remat.estimate.results import DeviceEstimate
-from remat.estimate.scale import forward_flops
-from remat.estimate.sources import ModelSource
+from remat.estimate.sharding import StateRecipe, check_layers, gpu_state
+from remat.estimate.sources import ModelSource, as_source
 from remat.estimate.strategies import STRATEGY_NAMES
-from remat.estimate.trace import trace_source
+from remat.estimate.trace import Traced, trace_source
 from remat.memory.allowance import Allowance
 from remat.memory.model_state import ModelState, check_sharding
 from remat.memory.optimizer_state import optimizer_layout
@@ -47,7 +48,7 @@ class Estimate:
     num_layers: int
     """Layers (blocks) of the whole model."""
     micro_batch: int
-    """Sequences per rank per micro-step (a file model: its own batch)."""
+    """Sequences per micro-batch (a file model: its own batch)."""
     seq_len: int
     """Tokens per sequence."""
     dtype: str
@@ -59,9 +60,15 @@ class Estimate:
     world_size: int
     """Data-parallel ranks."""
     zero_stage: int
-    """0 (plain data parallel), 1, 2 or 3 (FSDP)."""
+    """0 (plain data parallel), 1 (Megatron-LM's distributed optimizer), 2 or 3 (FSDP)."""
+    fp32_grads: bool
+    """Gradients kept in fp32 (Megatron-LM's ``main_grad``)."""
+    parallelism: Parallelism
+    """The parallel layout (its ``data`` is ``world_size``)."""
+    gpus: int
+    """GPUs of the job: data x tensor x pipeline x context."""
     grad_accumulation_steps: int
-    """Micro-steps per optimizer step."""
+    """Micro-batches per optimizer step per pipeline."""
     mfu: float
     """Share of peak FLOP/s assumed for step times."""
     allowance: Allowance
@@ -69,13 +76,14 @@ class Estimate:
     model_state: ModelState
     """Unsharded model state of the whole model."""
     layer_saved_bytes: int
-    """Saved bytes of one layer at this micro-batch."""
+    """One layer's saved bytes per micro-batch on one GPU, without recomputation."""
     layer_input_bytes: int
-    """Input bytes of one layer (what full recomputation holds per layer)."""
+    """One layer's input on one GPU: what full recomputation holds per layer."""
     fixed_saved_bytes: int
-    """Saved bytes outside the layers (embeddings, head, loss)."""
+    """Saved bytes per micro-batch outside the layers on one GPU (embeddings and shared tensors
+    before them, head and loss after)."""
     train_flops: int
-    """Forward + backward FLOPs of one micro-batch on one rank (no recomputation)."""
+    """Forward + backward FLOPs of one micro-batch on the GPU of the busiest stage (no recomputation)."""
     devices: tuple[DeviceEstimate, ...]
     """One entry per device asked, in order."""
 
@@ -105,50 +113,89 @@ def estimate(
     strategies: Sequence[str] = STRATEGY_NAMES,
     gpu_kernels: bool = True,
     foreach_optimizer: bool = False,
+    parallelism: Parallelism | None = None,
+    fp32_grads: bool = False,
+    network_bytes_per_s: float | None = None,
 ) -> Estimate:
-    """Estimate memory and step time of one training step per device and strategy, without a GPU.
+    """Estimate memory and step time of one training step per GPU, device and strategy, without a GPU.
 
     ``source``: a `ModelSource`, a built-in model name (``"gpt"``) or ``"file.py:build"``.
+    ``world_size``: data-parallel ranks; ``parallelism``: tensor, sequence, pipeline, context and
+    expert parallelism (`remat.estimate.parallel.Parallelism`; its ``data`` defaults to ``world_size``).
     ``optimizer``: a name of the optimizer-state table; None: the optimizer a ``file.py:build``
     returns (its class decides the layout), else ``adamw``.
     ``gpu_kernels``: SDPA and dropout run as a GPU's fused kernels (FlashAttention, 1-byte
-    dropout masks); False traces what the CPU runs. Explicit attention is traced as written. ``master_weights``: fp32 master copy in 16-bit training.
+    dropout masks); False traces what the CPU runs. ``master_weights``: fp32 master copy in
+    16-bit training. ``fp32_grads``: fp32 gradients (Megatron-LM's ``main_grad``).
     ``foreach_optimizer``: count the temporaries of PyTorch's foreach Adam step (default: a
-    fused step, which has none).
+    fused step, which has none). ``network_bytes_per_s``: between nodes, per GPU, one direction.
     """
-    source = _as_source(source)
+    source = as_source(source)
     _check_args(micro_batch, seq_len, mfu, grad_accumulation_steps, strategies)
     check_sharding(world_size, zero_stage)
+    par = _layout(parallelism, world_size, grad_accumulation_steps)
     if optimizer is not None:
         optimizer_layout(optimizer)
     specs = resolve_devices(devices, devices_file)
     traced = trace_source(source, seq_len=seq_len, dtype=dtype, gpu_kernels=gpu_kernels)
-    optimizer = optimizer or traced.optimizer_name or "adamw"
-    setup = Pricing(traced=traced, micro_batch=micro_batch, optimizer=optimizer,
-                   precision=precision_name(dtype, master_weights), world_size=world_size,
-                   zero_stage=zero_stage, accumulation=grad_accumulation_steps, mfu=mfu,
-                   allowance=allowance or Allowance(), strategies=tuple(strategies),
-                   foreach_optimizer=foreach_optimizer)
-    base = setup.profile_at(micro_batch)
+    recipe = StateRecipe(optimizer=optimizer or traced.optimizer_name or "adamw",
+                         precision=precision_name(dtype, master_weights), zero_stage=zero_stage, fp32_grads=fp32_grads)
+    check_layout(traced, par, seq_len)
+    setup = Pricing(traced=traced, micro_batch=micro_batch, micro_batches=grad_accumulation_steps, recipe=recipe,
+                    parallelism=par, mfu=mfu, allowance=allowance or Allowance(), strategies=tuple(strategies),
+                    network_bytes_per_s=network_bytes_per_s, foreach_optimizer=foreach_optimizer)
+    return _answer(setup, specs, seq_len=seq_len, dtype=dtype)
+
+
+def _answer(setup: Pricing, specs: Sequence, *, seq_len: int, dtype: str) -> Estimate:
+    traced, par, recipe = setup.traced, setup.parallelism, setup.recipe
+    layer = setup.layer(setup.micro_batch, traced.layer_kinds[-1])
+    stages = setup.stages(setup.micro_batch)
+    whole = gpu_state(traced.params, Parallelism(), 0, dataclasses.replace(recipe, zero_stage=0))
     return Estimate(
         model=traced.label, param_count=traced.param_count, num_layers=traced.num_layers,
-        micro_batch=micro_batch, seq_len=seq_len,
-        dtype=dtype, precision=setup.precision, optimizer=optimizer, world_size=world_size,
-        zero_stage=zero_stage, grad_accumulation_steps=grad_accumulation_steps, mfu=mfu,
-        allowance=setup.allowance, model_state=setup.unsharded_state,
-        layer_saved_bytes=base.blocks[-1].saved_bytes, layer_input_bytes=base.blocks[-1].input_bytes,
-        fixed_saved_bytes=base.fixed_saved_bytes, train_flops=3 * forward_flops(base),
+        micro_batch=setup.micro_batch, seq_len=seq_len, dtype=dtype, precision=recipe.precision,
+        optimizer=recipe.optimizer, world_size=par.data, zero_stage=recipe.zero_stage, fp32_grads=recipe.fp32_grads,
+        parallelism=par, gpus=par.gpus, grad_accumulation_steps=setup.micro_batches, mfu=setup.mfu,
+        allowance=setup.allowance, model_state=whole,
+        layer_saved_bytes=int(layer.saved_bytes), layer_input_bytes=int(layer.input_bytes),
+        fixed_saved_bytes=int(stages[0].pre_bytes + stages[-1].post_saved_bytes),
+        train_flops=int(max(3 * (sum(x.fwd_flops for x in s.layers) + s.post_flops) for s in stages)),
         devices=tuple(setup.on_device(spec) for spec in specs),
     )
 
 
-def _as_source(source: ModelSource | str) -> ModelSource:
-    if isinstance(source, ModelSource):
-        return source
-    if isinstance(source, str):
-        is_file = source.endswith(".py") or ".py:" in source
-        return ModelSource(file=source) if is_file else ModelSource(builtin=source)
-    raise TypeError(f"source must be a ModelSource or a model name, got {type(source).__name__}.")
+def _layout(parallelism: Parallelism | None, world_size: int, micro_batches: int) -> Parallelism:
+    par = parallelism or Parallelism()
+    if par.data not in (1, world_size) and world_size != 1:
+        raise ValueError(f"the data-parallel size is given twice: world_size={world_size} and "
+                         f"parallelism.data={par.data}; pass it once.")
+    par = dataclasses.replace(par, data=max(par.data, world_size))
+    par.check_micro_batches(micro_batches)
+    par.check_experts()
+    return par
+
+
+def check_layout(traced: Traced, par: Parallelism, seq_len: int) -> None:
+    """Refuse a layout the model cannot be split by (with what would fit)."""
+    check_layers(traced.num_layers, par)
+    shape, t = traced.shape, par.tensor
+    for name, value in (("attention heads", shape.heads), ("key/value heads", shape.kv_heads)):
+        if value and value % t:
+            raise ValueError(f"tensor-parallel size {t} does not divide the model's {value} {name}; "
+                             f"pick a --tensor-parallel that divides {value}.")
+    if t > 1:
+        widths = traced.classified(1).split_widths
+        bad = sorted(name for name, width in widths.items() if width % t)
+        if bad:
+            raise ValueError(f"tensor-parallel size {t} does not divide the width {widths[bad[0]]} that "
+                             f"{bad[0]} splits ({len(bad)} linear(s) in all); pick a --tensor-parallel dividing it.")
+    if par.expert > 1 and (not shape.experts or shape.experts % par.expert):
+        raise ValueError(f"expert-parallel size {par.expert} must divide the model's routed experts "
+                         f"({shape.experts or 'none: not a MoE model'}); pick --expert-parallel dividing it.")
+    if seq_len % par.context:
+        raise ValueError(f"context-parallel size {par.context} does not divide the sequence of {seq_len} tokens; "
+                         "pick --context-parallel dividing --seq.")
 
 
 def _check_args(micro_batch: int, seq_len: int, mfu: float, accumulation: int, strategies: Sequence[str]) -> None:

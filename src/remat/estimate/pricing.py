@@ -1,16 +1,22 @@
-"""Price each strategy on each device: the rank's model state, the planner's peak, the step time.
+"""Price each strategy on each device: per GPU, the stages' model state, peaks and step time.
 
-The per-device profile is the traced profile with the rank's model state filled in
-(`remat.memory.model_state`: ZeRO sharding, the all-gathered ZeRO-3 unit counted as
-parameters) and every time derived from FLOPs (`remat.estimate.scale.timed_for_device`).
+A `Pricing` holds what is fixed across devices (the traced model, the micro-batch, the state
+recipe, the parallel layout) and builds, per micro-batch, the pipeline stages a GPU can run:
+the first (the embedding, the most micro-batches in flight) and the last (the head and loss);
+one stage without a pipeline. Each layer is the traced layer divided by the layout
+(`remat.estimate.layers.on_gpu`); model state is `remat.estimate.sharding.gpu_state`. A strategy
+is chosen per stage (`remat.estimate.strategies.choose`), the peak is the higher stage's
+(`remat.estimate.stage.stage_peak`) and the step runs at the slower stage's pace:
 
-Largest micro-batch: bytes grow with the micro-batch, so a doubling then bisection search
-finds it with about 2 log2(b) predictions for ``none``, ``full`` and ``selective``. For
-``optimal`` it is a lower bound: the best of those three and of the optimal search's
-minimum-peak layout (one exact search at micro-batch 2, then priced at every micro-batch),
-because running the exact search at every candidate would take too long for 80 layers.
-When model state alone exceeds the device, no layout can fit, so ``optimal`` is not searched
-and shows the full-recomputation layout.
+    step = m x (compute + communication of one micro-batch) + bubble + data-parallel traffic
+           not hidden + optimizer step at memory bandwidth
+
+with compute = (forward + backward + replayed FLOPs) / (MFU x peak FLOP/s) (`remat.estimate.stage`)
+and the communication terms of `remat.estimate.comms`.
+
+Largest micro-batch: every byte is affine in the micro-batch, so a doubling then bisection
+search finds it in about 2 log2(b) pricings, for ``optimal`` too (its mix is searched again at
+each micro-batch: milliseconds).
 """
 
 from __future__ import annotations
@@ -19,181 +25,229 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from remat.estimate.comms import Network, bubble_s, data_parallel_s
 from remat.estimate.devices import DeviceSpec
 from remat.estimate.explain import explain_activation_overflow, explain_state_overflow
-from remat.estimate.results import DeviceEstimate, StrategyEstimate
-from remat.estimate.scale import at_micro_batch, check_alike, replicate_blocks, timed_for_device
-from remat.estimate.strategies import conservative, price
+from remat.estimate.layers import LayerOnGpu, on_gpu, per_gpu
+from remat.estimate.parallel import Parallelism
+from remat.estimate.results import DeviceEstimate, StepTime, StrategyEstimate
+from remat.estimate.sharding import StateRecipe, gpu_state, largest_unit, stage_layers
+from remat.estimate.shares import Segment, Split, untokenized
+from remat.estimate.stage import Rates, Stage, StagePeak, StageTime, stage_peak, stage_time
+from remat.estimate.strategies import Choice, choose
 from remat.estimate.trace import Traced
-from remat.measure.types import Bandwidths, Profile
 from remat.memory.allowance import Allowance
-from remat.memory.model_state import ModelState, model_state, shard_model_state
+from remat.memory.model_state import ModelState
 from remat.memory.optimizer_state import optimizer_layout
-from remat.plan.predict import grad_bytes_live, predict
-from remat.plan.search import OptimalSearch
-from remat.plan.types import Prediction, Segment
 
 MAX_MICRO_BATCH = 1 << 16
+DEFAULT_NETWORK_BYTES_PER_S = 50e9
+"""Between nodes, per GPU, one direction, when neither the device nor the user says: 400 Gb/s,
+one NVIDIA ConnectX-7 InfiniBand NDR port per GPU as in a DGX H100 (NVIDIA DGX H100 datasheet,
+https://resources.nvidia.com/en-us-dgx-systems/ai-enterprise-dgx: "8x single-port NVIDIA
+ConnectX-7 VPI, 400Gb/s InfiniBand/Ethernet")."""
 
 
 @dataclass(kw_only=True, frozen=True)
 class Pricing:
-    """Everything fixed across devices; builds the per-device profiles and prices strategies."""
+    """Everything fixed across devices; builds the stages and prices strategies."""
 
     traced: Traced
+    """The model."""
     micro_batch: int
-    optimizer: str
-    precision: str
-    world_size: int
-    zero_stage: int
-    accumulation: int
+    """Sequences per micro-batch."""
+    micro_batches: int
+    """Micro-batches per optimizer step per pipeline (gradient accumulation)."""
+    recipe: StateRecipe
+    """Optimizer, precision, ZeRO stage, gradient dtype."""
+    parallelism: Parallelism
+    """The layout."""
     mfu: float
+    """Share of peak FLOP/s reached."""
     allowance: Allowance
+    """Memory set aside beyond tensors."""
     strategies: tuple[str, ...]
+    """Strategies to price, in order."""
+    network_bytes_per_s: float | None = None
+    """Between nodes, per GPU, one direction (None: the device's, else `DEFAULT_NETWORK_BYTES_PER_S`)."""
     foreach_optimizer: bool = False
+    """Count the temporaries of PyTorch's foreach Adam step (default: a fused step, none)."""
 
-    @cached_property
-    def unsharded_state(self) -> ModelState:
-        t = self.traced
-        buffers = t.fixed_buffer_bytes + t.num_layers * t.block_buffer_bytes
-        return model_state(t.param_shapes(), optimizer=self.optimizer, precision_name=self.precision, buffer_bytes=buffers)
-
-    @cached_property
-    def rank_state(self) -> ModelState:
-        unit = model_state(self.traced.unit_shapes, optimizer=self.optimizer, precision_name=self.precision)
-        return shard_model_state(self.unsharded_state, world_size=self.world_size, zero_stage=self.zero_stage,
-                                 largest_unit=unit)
-
-    def profile_at(self, micro_batch: int) -> Profile:
-        """The whole model's profile at ``micro_batch`` (model state not yet filled in)."""
-        t = self.traced
-        return self._traced_at(micro_batch) if t.whole else replicate_blocks(
-            self._traced_at(micro_batch), t.num_layers, name_format=t.block_name_format)
-
-    def _traced_at(self, micro_batch: int) -> Profile:
-        """The traced (few-layer) profile at ``micro_batch``."""
-        t = self.traced
-        if t.whole:
-            return t.profile(1)
-        if micro_batch == 1:
-            check_alike(t.profile(1))
-            return t.profile(1)
-        check_alike(t.profile(2))
-        return at_micro_batch(t.profile(2), t.profile(3), micro_batch)
-
-    def device_profile(self, micro_batch: int, spec: DeviceSpec) -> Profile:
-        """The profile at ``micro_batch`` with this rank's model state and FLOP-derived times
-        (scaled and timed on the few traced layers, then copied: cheap for 80 layers)."""
-        key = (micro_batch, spec.name)
+    # -- the stages ------------------------------------------------------------------------
+    def split(self, micro_batch: int) -> Split:
+        """The traced shares at ``micro_batch``. At micro-batch 1 without a sequence split the
+        constant part is divided as the per-token part is, so the traces at 2 and 3 that tell
+        them apart are skipped (a configuration whose model state alone does not fit never
+        needs them)."""
+        key = ("split", micro_batch)
         if key not in self._cache:
-            self._cache[key] = self._device_profile(micro_batch, spec)
+            par = self.parallelism
+            unsplit = micro_batch == 1 and par.sequence_divisor == 1 and par.context == 1
+            self._cache[key] = untokenized(self.traced.flow(1)) if unsplit else self.traced.split(micro_batch)
         return self._cache[key]
 
     @cached_property
-    def _cache(self) -> dict[tuple[int, str], Profile]:
+    def _cache(self) -> dict:
         return {}
 
-    def _device_profile(self, micro_batch: int, spec: DeviceSpec) -> Profile:
-        state = self.rank_state
-        optimizer_bytes = state.master_bytes + state.optimizer_state_bytes
-        touched = 2 * (state.param_bytes + state.grad_bytes + optimizer_bytes)
-        optimizer_ms = 1e3 * touched / spec.memory_bytes_per_s if spec.memory_bytes_per_s else 0.0
-        base = self._traced_at(micro_batch)
-        blocks = tuple(replace(b, grad_bytes=self._block_grad_bytes) for b in base.blocks)
-        profile = replace(
-            base, blocks=blocks, param_bytes=state.param_bytes + state.gathered_bytes, bandwidths=_host_link(spec),
-            grad_bytes=state.grad_bytes, optimizer_state_bytes=optimizer_bytes, buffer_bytes=state.buffer_bytes,
-            optimizer_name=self.optimizer, optimizer_step_temp_bytes=self._step_temp_bytes(state),
-        )
-        timed = timed_for_device(profile, flops_per_s=self.mfu * spec.peak_bf16_flops_per_s, optimizer_ms=optimizer_ms,
-                                 memory_bytes_per_s=spec.memory_bytes_per_s)
-        if self.traced.whole:
-            return timed
-        return replicate_blocks(timed, self.traced.num_layers, name_format=self.traced.block_name_format)
+    def layer(self, micro_batch: int, kind: int) -> LayerOnGpu:
+        """Traced layer ``kind`` on one GPU."""
+        split = self.split(micro_batch)
+        return on_gpu(split.per_token.layers[kind], split.constant.layers[kind], self.parallelism)
 
-    @cached_property
-    def _block_grad_bytes(self) -> int:
-        """Gradient bytes of one layer on this rank, for the planner's count of gradients live
-        in backward. With gradient accumulation every gradient persists across micro-steps, so
-        0: the planner then counts all of them as live for the whole backward."""
-        if self.accumulation > 1 or self.traced.whole:
-            return 0
-        layer = model_state(self.traced.block_shapes, optimizer=self.optimizer, precision_name=self.precision)
-        return shard_model_state(layer, world_size=self.world_size, zero_stage=self.zero_stage).grad_bytes
+    def stage_indices(self) -> tuple[int, ...]:
+        """The stages priced: the first and the last (one without a pipeline)."""
+        return tuple(sorted({0, self.parallelism.pipeline - 1}))
+
+    def stages(self, micro_batch: int) -> tuple[Stage, ...]:
+        key = ("stages", micro_batch)
+        if key not in self._cache:
+            self._cache[key] = tuple(self._stage(micro_batch, k) for k in self.stage_indices())
+        return self._cache[key]
+
+    def _stage(self, micro_batch: int, index: int) -> Stage:
+        par, split = self.parallelism, self.split(micro_batch)
+        kinds = [self.traced.layer_kinds[i] for i in stage_layers(self.traced.num_layers, par.pipeline, index)]
+        by_kind = {k: self.layer(micro_batch, k) for k in set(kinds)}
+        first, last = index == 0, index == par.pipeline - 1
+        post = _divided(split.per_token.post, split.constant.post, par)
+        layers = tuple(by_kind[k] for k in kinds)
+        return Stage(
+            index=index, first=first, last=last, state=self.state(index), layers=layers,
+            pre_bytes=_divided(split.per_token.pre, split.constant.pre, par)[0] if first else 0.0,
+            post_saved_bytes=post[0] if last else 0.0, post_working_bytes=post[1] if last else 0.0,
+            post_flops=post[2] if last else 0.0,
+            in_flight=par.in_flight(self.micro_batches) if first else 1.0,
+            buffer_bytes=2 * layers[-1].hidden_bytes / par.sequence_divisor if par.pipeline > 1 and layers else 0.0,
+            optimizer_temp_bytes=self._step_temp_bytes(self.state(index)),
+        )
+
+    def state(self, index: int, zero_stage: int | None = None) -> ModelState:
+        """Model state on one GPU of stage ``index`` (at ``zero_stage``, default the recipe's)."""
+        recipe = self.recipe if zero_stage is None else StateRecipe(
+            optimizer=self.recipe.optimizer, precision=self.recipe.precision, zero_stage=zero_stage,
+            fp32_grads=self.recipe.fp32_grads)
+        t, par = self.traced, self.parallelism
+        count = len(stage_layers(t.num_layers, par.pipeline, index))
+        buffers = count * t.block_buffer_bytes + (t.fixed_buffer_bytes if index == 0 else 0)
+        return gpu_state(t.params, par, index, recipe, buffer_bytes=buffers)
 
     def _step_temp_bytes(self, state: ModelState) -> int:
         """A fused optimizer step (``fused=True``, DeepSpeed FusedAdam) allocates nothing. PyTorch's
         foreach Adam (``foreach_optimizer``) allocates the square root of the second moment, one
         state element per parameter: half the moments' bytes."""
-        adam = optimizer_layout(self.optimizer).name in ("adam", "adamw")
+        adam = optimizer_layout(self.recipe.optimizer).name in ("adam", "adamw")
         return state.optimizer_state_bytes // 2 if adam and self.foreach_optimizer else 0
+
+    @cached_property
+    def heaviest_state(self) -> ModelState:
+        """The model state of the stage that holds the most."""
+        return max((self.state(k) for k in self.stage_indices()), key=lambda s: s.total_bytes)
+
+    # -- pricing on a device -----------------------------------------------------------------
+    def network(self, spec: DeviceSpec) -> Network:
+        net = self.network_bytes_per_s or spec.network_bytes_per_s or DEFAULT_NETWORK_BYTES_PER_S
+        link = spec.gpu_link_bytes_per_s or spec.host_link_bytes_per_s or net
+        return Network(intra_node_bytes_per_s=link, inter_node_bytes_per_s=net, gpus_per_node=spec.gpus_per_node or 8)
+
+    def rates(self, spec: DeviceSpec) -> Rates:
+        return Rates(flops_per_s=self.mfu * spec.peak_bf16_flops_per_s, memory_bytes_per_s=spec.memory_bytes_per_s,
+                     host_link_bytes_per_s=spec.host_link_bytes_per_s)
 
     def on_device(self, spec: DeviceSpec) -> DeviceEstimate:
         """Every strategy on ``spec``."""
         budget = self.allowance.max_allocated_bytes(spec.memory_bytes)
-        rows = tuple(self._strategy(spec, name, budget) for name in self.strategies)
-        return DeviceEstimate(device=spec, budget_bytes=budget, model_state=self.rank_state, strategies=rows)
+        rows = tuple(self._row(spec, name, budget) for name in self.strategies)
+        return DeviceEstimate(device=spec, budget_bytes=budget, model_state=self.heaviest_state, strategies=rows)
 
-    def _state_fits(self, budget: int) -> bool:
-        return self.rank_state.total_bytes <= budget
+    def price(self, spec: DeviceSpec, strategy: str, micro_batch: int, budget: float) -> Priced:
+        """``strategy`` on every stage at ``micro_batch``."""
+        net, rates, par = self.network(spec), self.rates(spec), self.parallelism
+        stages = self.stages(micro_batch)
+        choices = tuple(choose(s, strategy, budget, rates=rates, par=par, net=net) for s in stages)
+        peaks = tuple(stage_peak(s, c.costs) for s, c in zip(stages, choices))
+        times = tuple(stage_time(s, c.costs, rates, par=par, net=net, facts=self.traced.facts)
+                      for s, c in zip(stages, choices))
+        return Priced(stages=stages, choices=choices, peaks=peaks, time=self._step(spec, times, net))
 
-    def _strategy(self, spec: DeviceSpec, name: str, budget: int) -> StrategyEstimate:
-        profile = self.device_profile(self.micro_batch, spec)
-        priced = price(profile, name, budget, search=self._state_fits(budget))
-        pred = priced.plan.prediction
-        opt_ms = profile.optimizer_step_ms
+    def _step(self, spec: DeviceSpec, times: tuple[StageTime, ...], net: Network) -> StepTime:
+        slowest = max(times, key=lambda t: t.total_s)
+        m, zero = self.micro_batches, self.recipe.zero_stage
+        whole = self.state(0, zero_stage=0)
+        traffic = data_parallel_s(param_bytes=whole.param_bytes, grad_bytes=whole.grad_bytes, zero_stage=zero,
+                                  par=self.parallelism, net=net)
+        exposed = m * max(0.0, traffic - slowest.compute_s) if zero == 3 else max(0.0, traffic - slowest.backward_s)
+        state = self.heaviest_state
+        touched = 2 * (state.param_bytes + state.grad_bytes + state.master_bytes + state.optimizer_state_bytes)
+        return StepTime(compute_s=m * slowest.compute_s, comm_s=m * slowest.comm_s,
+                        bubble_s=bubble_s(self.parallelism, slowest.total_s), data_parallel_s=exposed,
+                        optimizer_s=touched / spec.memory_bytes_per_s if spec.memory_bytes_per_s else 0.0)
+
+    def _row(self, spec: DeviceSpec, name: str, budget: int) -> StrategyEstimate:
+        priced = self.price(spec, name, self.micro_batch, budget)
+        k = max(range(len(priced.peaks)), key=lambda i: priced.peaks[i].peak_bytes)
+        peak, stage, choice = priced.peaks[k], priced.stages[k], priced.choices[k]
+        state = stage.state.total_bytes
         row = StrategyEstimate(
-            strategy=name, plan_strategy=priced.label, fits=priced.fits, peak_bytes=pred.peak_bytes,
-            allowance_bytes=self.allowance.bytes_for(pred.peak_bytes),
-            activation_bytes=pred.peak_bytes - _state_at_peak(profile, pred),
-            peak_phase=pred.peak_phase, recompute_flops=pred.extra_flops,
-            step_s=(self.accumulation * (pred.step_ms - opt_ms) + opt_ms) / 1e3,
-            max_micro_batch=self._max_micro_batch(spec, name, budget) if self.traced.scalable else None,
+            strategy=name, plan_strategy=choice.label, fits=peak.peak_bytes <= budget,
+            peak_bytes=int(peak.peak_bytes), allowance_bytes=self.allowance.bytes_for(int(peak.peak_bytes)),
+            activation_bytes=int(peak.peak_bytes - state), peak_phase=peak.phase,
+            recompute_flops=int(sum(c.extra_flops for c in choice.costs)), step_s=priced.time.total_s,
+            max_micro_batch=self.max_micro_batch(spec, name, budget) if self.traced.scalable else None,
+            peak_stage=stage.index, layer_retained_bytes=int(_mean(c.retained_bytes for c in choice.costs)),
+            held_bytes=int(peak.held_bytes), working_bytes=int(peak.working_bytes), time=priced.time,
         )
-        if row.fits and row.max_micro_batch is not None and row.max_micro_batch < self.micro_batch:
-            row = replace(row, max_micro_batch=self.micro_batch)  # optimal's bound is a lower bound
-        return replace(row, diagnosis="" if row.fits else self._diagnose(spec, row, budget))
+        return row if row.fits else replace(row, diagnosis=self._diagnose(spec, row, budget, stage.index))
 
-    def _max_micro_batch(self, spec: DeviceSpec, name: str, budget: int) -> int:
-        key = (spec.name, name, budget)
-        if key not in self._max_cache:
-            self._max_cache[key] = self._search_max_micro_batch(spec, name, budget)
-        return self._max_cache[key]
+    def fits(self, spec: DeviceSpec, name: str, micro_batch: int, budget: float) -> bool:
+        priced = self.price(spec, name, micro_batch, budget)
+        return all(p.peak_bytes <= budget for p in priced.peaks)
 
-    @cached_property
-    def _max_cache(self) -> dict[tuple[str, str, int], int]:
-        return {}
-
-    def _search_max_micro_batch(self, spec: DeviceSpec, name: str, budget: int) -> int:
-        if not self._state_fits(budget):
+    def max_micro_batch(self, spec: DeviceSpec, name: str, budget: int) -> int:
+        """The largest micro-batch with which ``name`` fits (0: none)."""
+        if any(self.state(k).total_bytes > budget for k in self.stage_indices()):
             return 0
-        if name != "optimal":
-            return _largest(lambda b: price(self.device_profile(b, spec), name, budget).fits)
-        others = [self._max_micro_batch(spec, other, budget) for other in ("none", "full", "selective")]
-        lowest = OptimalSearch(conservative(self.device_profile(2, spec))).min_peak_segments()
-        fits = _layout_fits(lambda b: self.device_profile(b, spec), lowest, budget)
-        return max(others + [_largest(lambda b: fits(max(b, 2)))])
+        return _largest(lambda b: self.fits(spec, name, b, budget))
 
-    def _diagnose(self, spec: DeviceSpec, row: StrategyEstimate, budget: int) -> str:
-        if not self._state_fits(budget):
+    def _diagnose(self, spec: DeviceSpec, row: StrategyEstimate, budget: int, index: int) -> str:
+        rank = self.state(index)
+        if rank.total_bytes > budget:
+            unit = largest_unit(self.traced.params, self.parallelism, index, self.recipe)
             return explain_state_overflow(
-                self.unsharded_state, self.rank_state, budget_bytes=budget, device=spec, optimizer=self.optimizer,
-                world_size=self.world_size, zero_stage=self.zero_stage, param_count=self.traced.param_count,
-                unit_state=model_state(self.traced.unit_shapes, optimizer=self.optimizer, precision_name=self.precision),
+                self.state(index, zero_stage=0), rank, budget_bytes=budget, device=spec, optimizer=self.recipe.optimizer,
+                world_size=self.parallelism.data, zero_stage=self.recipe.zero_stage,
+                param_count=_param_count(self.state(index, zero_stage=0), self.recipe), unit_state=unit,
             )
-        return explain_activation_overflow(row, self.rank_state, budget_bytes=budget, device=spec,
-                                           micro_batch=self.micro_batch)
+        return explain_activation_overflow(row, rank, budget_bytes=budget, device=spec, micro_batch=self.micro_batch)
 
 
-def _host_link(spec: DeviceSpec) -> Bandwidths:
-    """Offload to host memory over the device's host link, both directions at the datasheet rate,
-    none of it assumed hidden behind compute (the planner then offloads only where memory needs it)."""
-    rate = spec.host_link_bytes_per_s
-    return Bandwidths(host_to_device_bytes_per_s=rate, device_to_host_bytes_per_s=rate, overlap_fraction=0.0)
+@dataclass(kw_only=True, frozen=True)
+class Priced:
+    """One strategy priced on every stage."""
+
+    stages: tuple[Stage, ...]
+    choices: tuple[Choice, ...]
+    peaks: tuple[StagePeak, ...]
+    time: StepTime
 
 
-def _layout_fits(profile_at: Callable[[int], Profile], segments: tuple[Segment, ...], budget: int) -> Callable[[int], bool]:
-    return lambda b: predict(profile_at(b), segments).peak_bytes <= budget
+def _divided(per_token: Segment, constant: Segment, par: Parallelism) -> tuple[float, float, float]:
+    """(saved bytes, working bytes, FLOPs) of the part before or after the layers on one GPU."""
+    saved = per_gpu(per_token.saved, constant.saved, par)
+    traced = per_token.saved.total + constant.saved.total
+    working = (per_token.working_bytes + constant.working_bytes) * (saved / traced if traced else 1.0)
+    return saved, working, per_gpu(per_token.flops, constant.flops, par)
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def _param_count(state: ModelState, recipe: StateRecipe) -> int:
+    from remat.memory.model_state import precision
+
+    return state.param_bytes // precision(recipe.precision).param_elem_bytes
 
 
 def _largest(fits: Callable[[int], bool]) -> int:
@@ -210,14 +264,4 @@ def _largest(fits: Callable[[int], bool]) -> int:
     return lo
 
 
-def _state_at_peak(profile: Profile, prediction: Prediction) -> int:
-    """Model state counted in the peak: parameters, buffers, optimizer state and the gradients
-    live at that moment (`remat.plan.predict.grad_bytes_live`; all of them in the optimizer step)."""
-    state = profile.param_bytes + profile.buffer_bytes + profile.optimizer_state_bytes
-    if prediction.peak_phase == "optimizer":
-        return state + profile.grad_bytes
-    index = profile.num_blocks if prediction.peak_phase == "post" else max(prediction.peak_block, 0)
-    return state + grad_bytes_live(profile, index)
-
-
-__all__ = ["MAX_MICRO_BATCH", "Pricing"]
+__all__ = ["DEFAULT_NETWORK_BYTES_PER_S", "MAX_MICRO_BATCH", "Priced", "Pricing"]

@@ -2,7 +2,7 @@
 
 Every source builds on the meta device (no memory, no download) with a chosen number of
 layers, so a 70B-parameter configuration is traced with a few layers and the layers are
-multiplied afterwards (`remat.estimate.trace.replicate_blocks`).
+multiplied afterwards (`remat.estimate.trace.Traced.layer_kinds`).
 
 Hugging Face families and the sizes they take (``HF_SIZE_KEYS``): ``gpt2`` (GPT2Config),
 ``llama`` (LlamaConfig), ``mistral`` (MistralConfig); or any ``config.json`` with a
@@ -66,6 +66,16 @@ class ModelSource:
     def label(self) -> str:
         """A short human name."""
         return self.builtin or self.file or self.hf_config_path or f"hf:{self.hf_family}"
+
+
+def as_source(source: ModelSource | str) -> ModelSource:
+    """A `ModelSource` from itself, a built-in model name (``"gpt"``) or ``"file.py:build"``."""
+    if isinstance(source, ModelSource):
+        return source
+    if isinstance(source, str):
+        is_file = source.endswith(".py") or ".py:" in source
+        return ModelSource(file=source) if is_file else ModelSource(builtin=source)
+    raise TypeError(f"source must be a ModelSource or a model name, got {type(source).__name__}.")
 
 
 def hf_config(source: ModelSource) -> Any:

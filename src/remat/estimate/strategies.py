@@ -1,87 +1,76 @@
-"""The four strategies estimate compares, priced by the planner's model on a built profile.
+"""The four strategies estimate compares, chosen per pipeline stage.
 
-- ``none``: keep every layer's saved tensors;
-- ``full``: recompute every layer (each layer its own checkpoint, holding its input);
-- ``selective``: Megatron-LM's selective recomputation (Korthikanti et al. 2022): replay the
-  attention core (QK^T, softmax, dropout, x V) and keep the rest (``selective:attention-core``);
-  for a model without an explicit attention core (a fused attention kernel already stores no
-  score matrix), ``selective:save-matmuls`` (keep matmul outputs, replay pointwise ops);
-- ``optimal``: the planner's exact search for the fastest layout under the device budget.
+- ``none``: every layer keeps what autograd saves;
+- ``full``: every layer keeps only its input and replays its forward in backward;
+- ``selective``: Megatron-LM's selective recomputation (Korthikanti et al. 2022, section 4.3):
+  every layer replays its attention core and keeps the rest; a layer without one (an MLP, a
+  convolution) keeps everything;
+- ``optimal``: per layer the fastest of ``none``, ``selective``, ``full`` and, where the
+  device has a host link, ``offload``, mixed so that the stage fits (`remat.estimate.optimal`).
+  When nothing fits, the mix with the lowest peak is shown: every layer on the option that
+  retains the least.
 
-Every strategy is priced by `remat.plan.predict`, so estimate and `remat plan` agree.
+What a layer holds and spends under each is `remat.estimate.layers.LAYER_STRATEGIES`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections import Counter
+from dataclasses import dataclass
 
-from remat.measure.types import Profile
-from remat.plan.planners import make_plan, plan
-from remat.plan.policies import has_attention_core
-from remat.plan.search import OptimalSearch
-from remat.plan.types import Plan
+from remat.estimate.comms import Network, all_reduce_s
+from remat.estimate.layers import LayerCost, LayerOnGpu, layer_cost
+from remat.estimate.optimal import cheapest_mix
+from remat.estimate.parallel import Parallelism
+from remat.estimate.stage import Rates, Stage, extra_s, stage_peak
 
 STRATEGY_NAMES = ("none", "full", "selective", "optimal")
+UNIFORM = ("none", "selective", "full")
 
 
 @dataclass(kw_only=True, frozen=True)
-class Priced:
-    """One strategy's plan on one profile (the plan's prediction holds peak and time)."""
+class Choice:
+    """The strategies one stage's layers run."""
 
-    strategy: str
-    """``none``, ``full``, ``selective`` or ``optimal``."""
-    plan: Plan
-    """The layout and its prediction."""
-    fits: bool
-    """Predicted peak within the budget."""
+    costs: tuple[LayerCost, ...]
+    """Per layer, in forward order."""
     label: str
-    """What ran: ``none``, ``full``, ``selective:attention-core``, ``optimal``; for ``optimal``
-    also ``lowest peak`` (no layout fits; the least peak shown) or ``full (not searched)`` (model
-    state alone exceeds the device, so the search is skipped and full recomputation shown)."""
+    """What ran, e.g. ``selective`` or ``optimal: 60 none, 20 full``; for ``optimal`` with
+    nothing fitting, ``lowest peak: ...``."""
 
 
-def selective_policy(profile: Profile) -> str:
-    """``selective:attention-core`` when the layers have an attention core, else ``save-matmuls``."""
-    return "selective:attention-core" if has_attention_core(profile.blocks[0]) else "selective:save-matmuls"
+def option_seconds(layer: LayerOnGpu, cost: LayerCost, rates: Rates, par: Parallelism, net: Network) -> float:
+    """What ``cost`` adds to one micro-batch of ``layer``: its replay or transfer, and a replayed
+    forward's two tensor-parallel all-reduces."""
+    replayed = 2 * all_reduce_s(layer.hidden_bytes, par.tensor, net.bandwidth(par.tensor, 1)) if cost.replays_forward else 0.0
+    return extra_s(cost, rates) + replayed
 
 
-def price(profile: Profile, strategy: str, budget_bytes: int, *, search: bool = True) -> Priced:
-    """Plan and predict ``strategy`` on ``profile``; ``optimal`` searches under ``budget_bytes``
-    (with ``search=False`` it shows the full-recomputation layout instead: used when model state
-    alone exceeds the budget, where no layout fits)."""
+def choose(stage: Stage, strategy: str, budget_bytes: float, *, rates: Rates, par: Parallelism, net: Network) -> Choice:
+    """The layers of ``stage`` under ``strategy`` (module docstring)."""
     if strategy not in STRATEGY_NAMES:
         raise ValueError(f"unknown strategy {strategy!r}; allowed: {', '.join(STRATEGY_NAMES)}.")
-    if strategy == "optimal":
-        return _optimal(profile, budget_bytes) if search else _not_searched(profile, budget_bytes)
-    name = selective_policy(profile) if strategy == "selective" else strategy
-    result = plan(profile, None, name)
-    return Priced(strategy=strategy, plan=result, fits=result.prediction.peak_bytes <= budget_bytes, label=name)
+    if strategy != "optimal":
+        return Choice(costs=tuple(layer_cost(layer, strategy) for layer in stage.layers), label=strategy)
+    names = UNIFORM + (("offload",) if rates.host_link_bytes_per_s else ())
+    options = [[layer_cost(layer, n) for n in names] for layer in stage.layers]
+    seconds = [[option_seconds(layer, c, rates, par, net) for c in opts] for layer, opts in zip(stage.layers, options)]
+    mix = cheapest_mix(stage, options, seconds, budget_bytes)
+    if mix is not None:
+        return Choice(costs=mix, label="optimal: " + _counts(mix, options, names))
+    lowest = tuple(min(opts, key=lambda c: c.retained_bytes) for opts in options)
+    return Choice(costs=lowest, label="lowest peak: " + _counts(lowest, options, names))
 
 
-def _not_searched(profile: Profile, budget_bytes: int) -> Priced:
-    result = plan(profile, None, "full")
-    return Priced(strategy="optimal", plan=result, fits=result.prediction.peak_bytes <= budget_bytes,
-                  label="full (not searched)")
+def _counts(mix: tuple[LayerCost, ...], options: list[list[LayerCost]], names: tuple[str, ...]) -> str:
+    """``"60 none, 20 full"``: how many layers run each strategy (an option equal to an earlier
+    one is named as that one: ``selective`` of a layer without attention core is ``none``)."""
+    counts = Counter(names[opts.index(cost)] for cost, opts in zip(mix, options))
+    return ", ".join(f"{counts[n]} {n}" for n in names if counts[n])
 
 
-def conservative(profile: Profile) -> Profile:
-    """The profile without per-layer gradient bytes: the planner then counts every gradient as
-    live through the whole backward (never less than the truth), and identical layers stay
-    identical to its exact search, which is then O(N^2) instead of O(N^3) in the layers."""
-    return replace(profile, blocks=tuple(replace(b, grad_bytes=0) for b in profile.blocks))
+def fits(stage: Stage, costs: tuple[LayerCost, ...], budget_bytes: float) -> bool:
+    return stage_peak(stage, costs).peak_bytes <= budget_bytes
 
 
-def _optimal(profile: Profile, budget_bytes: int) -> Priced:
-    """Search under the conservative gradient model (`conservative`), then price the layout it
-    finds with per-layer gradients: a layout that fits the former fits the latter. Only when
-    nothing fits the conservative model does the slower search with per-layer gradients run."""
-    search = OptimalSearch(conservative(profile))
-    segments = search.best_segments(budget_bytes) if budget_bytes > 0 else None
-    if segments is None and budget_bytes > 0:
-        segments = OptimalSearch(profile).best_segments(budget_bytes)  # exact gradients: slower, rarer
-    if segments is None:
-        lowest = make_plan(profile, search.min_peak_segments(), "optimal", None)
-        return Priced(strategy="optimal", plan=lowest, fits=lowest.prediction.peak_bytes <= budget_bytes,
-                      label="lowest peak")
-    result = make_plan(profile, segments, "optimal", budget_bytes)
-    return Priced(strategy="optimal", plan=result, fits=result.prediction.peak_bytes <= budget_bytes, label="optimal")
+__all__ = ["Choice", "STRATEGY_NAMES", "choose", "fits", "option_seconds"]

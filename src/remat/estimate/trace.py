@@ -1,12 +1,19 @@
 """Trace one training step of a model on the meta device: no memory, no download, no data.
 
-The model is built on the meta device with ``trace_layers`` layers (2 by default: the second
-layer sees a layer's output as input, like every later layer) and `remat.profile` traces it at
-micro-batch 1, 2 and 3, each on first use (a configuration whose model state alone does not
-fit never needs 2 and 3): saved bytes per block and per op, block inputs, FLOPs. The same
-code measures a real model on the CPU, so the estimate counts what a real run counts (with
-`GpuKernels`, what a GPU's fused attention and dropout kernels save instead of the CPU's).
-`remat.estimate.scale` then multiplies the layers and extrapolates the micro-batch.
+The model is built on the meta device with a few layers (2 by default: the second layer sees a
+layer's output as input, like every later layer; DeepSeek-style models whose first
+``first_k_dense_replace`` layers are dense get those and two MoE layers) and traced twice at
+each micro-batch 1, 2 and 3, each on first use:
+
+- `remat.profile` (`trace_profile`): saved bytes per block and per op, backward temporaries,
+  FLOPs. The same code measures a real model on the CPU, so the estimate counts what a real run
+  counts (with `remat.estimate.kernels.GpuKernels`, what a GPU's fused attention and dropout
+  kernels save instead of the CPU's);
+- `remat.estimate.dataflow.classify`: which of those bytes and FLOPs each parallelism divides.
+
+Every layer of the full model is a copy of one traced layer (`Traced.layer_kinds`); the
+micro-batch is extrapolated along the line through 2 and 3 (`remat.estimate.shares`). Hugging
+Face models are traced as they train: without a key/value cache (``use_cache=False``).
 
 A ``file.py:build`` model is built under ``torch.device("meta")`` as its function writes it
 (all its layers) and traced once at the batch it returns.
@@ -15,26 +22,43 @@ A ``file.py:build`` model is built under ``torch.device("meta")`` as its functio
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
+from remat.estimate.comms import ModelFacts
+from remat.estimate.dataflow import Classified, classify
+from remat.estimate.kernels import GpuKernels, no_packed_sequence_check
+from remat.estimate.shares import Flow, Split, split_by_tokens, untokenized
+from remat.estimate.sharding import ModelParams, RoleShapes
 from remat.estimate.sources import ModelSource, build_hf_on_meta, hf_batch, hf_config, num_layers
 from remat.measure.blocks import find_blocks
 from remat.measure.types import Profile
 from remat.memory.optimizer_state import optimizer_name_of
+from remat.plan.costs import replay_working_bytes, working_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 Shape = tuple[int, ...]
 
 TRACED_MICRO_BATCHES = (1, 2, 3)
-"""1 exactly; 2 and 3 for the line through every larger micro-batch (`remat.estimate.scale`)."""
+"""1 exactly; 2 and 3 for the line through every larger micro-batch (`remat.estimate.shares`)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelShape:
+    """What the parallel layout is checked against (from the model's config when it has one)."""
+
+    heads: int = 0
+    """Attention heads (0: unknown)."""
+    kv_heads: int = 0
+    """Key/value heads."""
+    experts: int = 0
+    """Routed experts per MoE layer (0: no MoE layer)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -43,61 +67,127 @@ class Traced:
 
     label: str
     """Human name of the model."""
-    tracer: Callable[[int], Profile] = field(repr=False, compare=False)
+    tracer: Callable[[int], tuple[Profile, Classified]] = field(repr=False, compare=False)
     """Traces one step at a micro-batch (1, 2 or 3); a file model ignores it (its own batch)."""
     num_layers: int
-    """Layers of the full model (the traced blocks are copied to this count)."""
-    fixed_shapes: tuple[Shape, ...]
-    """Shapes of the parameters outside the blocks (each shared parameter once)."""
-    block_shapes: tuple[Shape, ...]
-    """Shapes of one block's parameters."""
+    """Layers of the full model."""
+    layer_kinds: tuple[int, ...]
+    """For each layer of the full model, the traced layer it copies."""
+    layer_names: tuple[str, ...]
+    """Qualified names of the traced layers."""
+    param_shapes: Mapping[str, Shape] = field(repr=False)
+    """Shape of every parameter of the traced model."""
     fixed_buffer_bytes: int
-    """Buffers outside the blocks."""
+    """Buffers outside the layers."""
     block_buffer_bytes: int
-    """Buffers of one block."""
-    block_name_format: str
-    """How the full model names its blocks, e.g. ``"model.layers.{}"``."""
-    unit_shapes: tuple[Shape, ...]
-    """Shapes of the largest ZeRO-3/FSDP unit, all-gathered while it runs: one unit per layer
-    plus the root unit holding everything outside the layers (embeddings, head), the larger."""
+    """Buffers of one layer."""
+    facts: ModelFacts = ModelFacts()
+    """Experts per token and key/value width, for the communication terms."""
+    shape: ModelShape = ModelShape()
+    """Heads and experts, for checking a parallel layout."""
     whole: bool = False
-    """True when the profile already covers every layer (a file model): nothing is copied."""
+    """True when the trace already covers every layer (a file model): nothing is copied."""
     optimizer_name: str | None = None
     """The table name of the optimizer the model came with (a file model's), else None."""
-    _profiles: dict[int, Profile] = field(default_factory=dict, repr=False, compare=False)
+    _traces: dict[int, tuple[Profile, Classified]] = field(default_factory=dict, repr=False, compare=False)
 
-    def profile(self, micro_batch: int) -> Profile:
-        """The traced profile at micro-batch 1, 2 or 3, traced on first use (a file model: its batch)."""
+    def _trace(self, micro_batch: int) -> tuple[Profile, Classified]:
         key = 1 if self.whole else micro_batch
         if key not in TRACED_MICRO_BATCHES:
             raise ValueError(f"traced micro-batches are {TRACED_MICRO_BATCHES}, got {micro_batch}.")
-        if key not in self._profiles:
-            self._profiles[key] = self.tracer(key)
-        return self._profiles[key]
+        if key not in self._traces:
+            self._traces[key] = self.tracer(key)
+        return self._traces[key]
+
+    def profile(self, micro_batch: int) -> Profile:
+        """The traced profile at micro-batch 1, 2 or 3, traced on first use (a file model: its batch)."""
+        return self._trace(micro_batch)[0]
+
+    def classified(self, micro_batch: int) -> Classified:
+        """The dataflow classification at micro-batch 1, 2 or 3."""
+        return self._trace(micro_batch)[1]
+
+    def flow(self, micro_batch: int) -> Flow:
+        """The shares at micro-batch 1, 2 or 3, with each layer's working set from the profile."""
+        profile, classified = self._trace(micro_batch)
+        if not self.whole:
+            _check_kinds(profile, self.layer_kinds)
+        flow = classified.flow
+        layers = tuple(replace(seg, working_bytes=working_bytes(b), replay_working_bytes=replay_working_bytes(b))
+                       for seg, b in zip(flow.layers, profile.blocks))
+        return replace(flow, layers=layers, post=replace(flow.post, working_bytes=profile.fixed_post_bwd_temp_bytes))
+
+    def split(self, micro_batch: int) -> Split:
+        """The shares at any micro-batch, as per-token and constant parts."""
+        if self.whole:
+            return untokenized(self.flow(1))
+        one = self.flow(1) if micro_batch == 1 else None
+        return split_by_tokens(one, self.flow(2), self.flow(3), micro_batch)
 
     @property
     def scalable(self) -> bool:
         """True when the micro-batch can be changed (traced at micro-batch 1, 2 and 3 on demand)."""
         return not self.whole
 
+    @cached_property
+    def params(self) -> ModelParams:
+        """Every parameter of the full model by part and role (`remat.estimate.sharding`)."""
+        classified = self.classified(1)
+        traced = [_role_shapes(self._names_in(name), self.param_shapes, classified.roles) for name in self.layer_names]
+        outside = [n for n in self.param_shapes if not any(n.startswith(b + ".") for b in self.layer_names)]
+
+        def part(where: set[str]) -> RoleShapes:
+            names = [n for n in outside if _part(classified.used_in.get(n, frozenset())) == where]
+            return _role_shapes(names, self.param_shapes, classified.roles)
+
+        return ModelParams(pre=part({"pre"}), post=part({"post"}), tied=part({"pre", "post"}),
+                           layers=tuple(traced[k] for k in self.layer_kinds))
+
+    def _names_in(self, block: str) -> list[str]:
+        return [n for n in self.param_shapes if n.startswith(block + ".")]
+
     @property
     def param_count(self) -> int:
-        """Parameters of the full model."""
-        return _count(self.fixed_shapes) + self.num_layers * _count(self.block_shapes)
-
-    def param_shapes(self) -> list[Shape]:
-        """Shapes of every parameter of the full model."""
-        return list(self.fixed_shapes) + list(self.block_shapes) * self.num_layers
+        """Parameters of the full model (a shared one once)."""
+        return self.params.count
 
 
-def _count(shapes: Sequence[Shape]) -> int:
-    total = 0
-    for shape in shapes:
-        n = 1
-        for d in shape:
-            n *= d
-        total += n
-    return total
+def _part(segments: frozenset[str]) -> set[str]:
+    """Where a parameter outside the layers lives: before them, after them, or both (tied)."""
+    where = {"post" if s == "post" else "pre" for s in segments} or {"pre"}
+    return where
+
+
+def _role_shapes(names: Sequence[str], shapes: Mapping[str, Shape], roles: Mapping[str, str]) -> RoleShapes:
+    grouped: dict[str, list[Shape]] = {"tensor": [], "vocab": [], "whole": [], "expert": []}
+    for name in names:
+        grouped[roles.get(name, "whole")].append(shapes[name])
+    return RoleShapes(**{k: tuple(v) for k, v in grouped.items()})
+
+
+def check_alike(profile: Profile) -> None:
+    """Raise if the last two traced layers run different ops (then copying one is wrong).
+
+    Bytes may differ between the first layer and the others: tensors made before the layers
+    and shared by all of them (rotary tables, masks) are counted by the first layer that saves
+    them (the dataflow classification counts them once, before the layers).
+    """
+    if profile.num_blocks < 2:
+        raise ValueError(f"the trace has {profile.num_blocks} block(s); trace at least 2 identical layers.")
+    first, last = profile.blocks[-2], profile.blocks[-1]
+    if first.fwd_flops != last.fwd_flops or [op.name for op in first.ops] != [op.name for op in last.ops]:
+        raise ValueError(
+            f"traced layers {first.name!r} and {last.name!r} run different ops ({len(first.ops)} vs "
+            f"{len(last.ops)} calls, {first.fwd_flops} vs {last.fwd_flops} FLOPs); estimate copies one layer and "
+            "needs identical layers. Estimate such a model from a file.py:build that builds all of it."
+        )
+
+
+def _check_kinds(profile: Profile, kinds: tuple[int, ...]) -> None:
+    """The traced layers copied more than once run the same ops as the layer before them."""
+    last = max(kinds)
+    if last >= 1:
+        check_alike(profile)
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -107,63 +197,19 @@ def dtype_of(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _unique_params(module: nn.Module) -> list[torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for p in module.parameters():
-        seen.setdefault(id(p), p)
-    return list(seen.values())
-
-
-def _split_shapes(model: nn.Module, blocks: list[nn.Module]) -> tuple[tuple[Shape, ...], tuple[Shape, ...]]:
-    """Shapes outside every block, and shapes of the last block."""
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
-    fixed = tuple(tuple(p.shape) for p in _unique_params(model) if id(p) not in in_blocks)
-    return fixed, tuple(tuple(p.shape) for p in _unique_params(blocks[-1]))
+def _unique_shapes(module: nn.Module) -> dict[str, Shape]:
+    """Shape of each parameter of ``module`` under its first name (a tied one once)."""
+    seen: dict[int, str] = {}
+    out: dict[str, Shape] = {}
+    for name, p in module.named_parameters():
+        if id(p) not in seen:
+            seen[id(p)] = name
+            out[name] = tuple(p.shape)
+    return out
 
 
 def _buffer_bytes(module: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers())
-
-
-class GpuKernels(TorchFunctionMode):
-    """Run two functions as the fused kernels a GPU runs, where the meta device (like the CPU)
-    would decompose them into ops that save more:
-
-    - ``F.scaled_dot_product_attention`` without an explicit mask: FlashAttention
-      (``aten._scaled_dot_product_flash_attention``, whose meta kernel gives the real saved
-      tensors: the output and a float32 log-sum-exp per query, no seq x seq scores).
-      Grouped-query attention repeats K and V to all heads first (transformers' ``repeat_kv``).
-      Calls with a mask keep PyTorch's own path.
-    - ``F.dropout`` in training: ``aten.native_dropout``, whose mask is 1-byte bool (the CPU
-      path saves a mask in the activation dtype: 2 or 4 bytes per element).
-    """
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return _flash(*args, **kwargs)
-        if func is F.dropout:
-            return _native_dropout(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def _native_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
-    if not training or p == 0.0 or inplace:
-        return F.dropout(input, p, training, inplace)
-    return torch.native_dropout(input, p, True)[0]
-
-
-def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
-           dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-           enable_gqa: bool = False) -> torch.Tensor:
-    if attn_mask is not None:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    groups = query.size(-3) // key.size(-3)
-    if groups > 1:
-        key, value = (t.repeat_interleave(groups, dim=-3) for t in (key, value))
-    flash = torch.ops.aten._scaled_dot_product_flash_attention
-    return flash(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
 
 
 def trace_profile(model: nn.Module, batch: Any, loss_fn: Any = None, *, gpu_kernels: bool = False) -> Profile:
@@ -176,46 +222,37 @@ def trace_profile(model: nn.Module, batch: Any, loss_fn: Any = None, *, gpu_kern
         return profile(model, batch, loss_fn=loss_fn, optimizer=None, warmup=0, repeats=1)
 
 
-def _describe(label: str, model: nn.Module, tracer: Callable[[int], Profile], layers: int) -> Traced:
+def _tracer(model: nn.Module, batch_at: Callable[[int], Any], loss_fn: Any, fused: bool,
+            plan: Mapping[str, str] | None) -> Callable[[int], tuple[Profile, Classified]]:
     blocks = find_blocks(model)
-    last_name, last = blocks[-1]
-    fixed, block = _split_shapes(model, [m for _, m in blocks])
-    prefix = last_name.rsplit(".", 1)[0] + "." if "." in last_name else ""
+
+    def trace(micro_batch: int) -> tuple[Profile, Classified]:
+        batch = batch_at(micro_batch)
+        with no_packed_sequence_check():
+            profile = trace_profile(model, batch, loss_fn, gpu_kernels=fused)
+            with GpuKernels() if fused else contextlib.nullcontext():
+                classified = classify(model, batch, blocks, loss_fn=loss_fn, plan=plan)
+        return profile, classified
+
+    return trace
+
+
+def _describe(label: str, model: nn.Module, tracer: Callable[[int], tuple[Profile, Classified]],
+              kinds: tuple[int, ...], **extra: Any) -> Traced:
+    blocks = find_blocks(model)
+    last = blocks[-1][1]
     return Traced(
-        label=label, tracer=tracer, num_layers=layers, fixed_shapes=fixed, block_shapes=block,
+        label=label, tracer=tracer, num_layers=len(kinds), layer_kinds=kinds,
+        layer_names=tuple(name for name, _ in blocks), param_shapes=_unique_shapes(model),
         fixed_buffer_bytes=_buffer_bytes(model) - len(blocks) * _buffer_bytes(last),
-        block_buffer_bytes=_buffer_bytes(last), block_name_format=prefix + "{}",
-        unit_shapes=max((block, fixed), key=_count),
+        block_buffer_bytes=_buffer_bytes(last), **extra,
     )
-
-
-def _describe_whole(label: str, model: nn.Module, profile: Profile, optimizer: Any) -> Traced:
-    blocks = find_blocks(model)
-    units = [tuple(tuple(p.shape) for p in _unique_params(m)) for _, m in blocks]
-    return Traced(
-        label=label, tracer=lambda _: profile, num_layers=len(blocks),
-        fixed_shapes=tuple(tuple(p.shape) for p in _unique_params(model)), block_shapes=(),
-        fixed_buffer_bytes=_buffer_bytes(model), block_buffer_bytes=0, block_name_format="{}",
-        unit_shapes=max(units, key=_count) if units else (), whole=True,
-        optimizer_name=optimizer_name_of(optimizer) if optimizer is not None else None,
-    )
-
-
-def _cast_batch(batch: Any, dtype: torch.dtype) -> Any:
-    """Floating-point batch tensors in ``dtype`` (token ids and masks unchanged)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(dtype) if batch.is_floating_point() else batch
-    if isinstance(batch, dict):
-        return {k: _cast_batch(v, dtype) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_cast_batch(v, dtype) for v in batch)
-    return batch
 
 
 def trace_source(
     source: ModelSource, *, seq_len: int, dtype: str = "bf16", trace_layers: int = 2, gpu_kernels: bool = True
 ) -> Traced:
-    """Build ``source`` on the meta device and trace it (micro-batch 1, 2 and 3 where it can vary).
+    """Build ``source`` on the meta device (module docstring); nothing is traced until asked.
 
     ``gpu_kernels``: SDPA and dropout run as a GPU's fused kernels (`GpuKernels`); False traces
     what the CPU runs (the same bytes a CPU profile measures)."""
@@ -227,15 +264,36 @@ def trace_source(
     return _trace_hf(source, seq_len=seq_len, dtype=torch_dtype, layers=trace_layers, fused=gpu_kernels)
 
 
+def hf_layer_kinds(config: Any, full: int, layers: int) -> tuple[int, tuple[int, ...]]:
+    """(layers to trace, traced layer per full-model layer): the first ``first_k_dense_replace``
+    layers of DeepSeek-style models are dense, the rest MoE; other models are uniform."""
+    dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    if 0 < dense < full:
+        traced = min(full, dense + 2)
+        return traced, (dense - 1,) * dense + (traced - 1,) * (full - dense)
+    traced = min(layers, full)
+    return traced, (traced - 1,) * full
+
+
+def _hf_facts(config: Any) -> tuple[ModelFacts, ModelShape]:
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    kv = int(getattr(config, "num_key_value_heads", 0) or heads)
+    experts = int(next((getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                        if getattr(config, k, None)), 0))
+    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0
+    facts = ModelFacts(experts_per_token=top_k, kv_fraction=kv / heads if heads else 1.0)
+    return facts, ModelShape(heads=heads, kv_heads=kv, experts=experts)
+
+
 def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: int, fused: bool) -> Traced:
     config = hf_config(source)
-    full = num_layers(config)
-    model = build_hf_on_meta(config, layers=min(layers, full), dtype=dtype)
-
-    def tracer(micro_batch: int) -> Profile:
-        return trace_profile(model, hf_batch(config, micro_batch=micro_batch, seq_len=seq_len), gpu_kernels=fused)
-
-    return _describe(source.label, model, tracer, full)
+    config.use_cache = False
+    traced, kinds = hf_layer_kinds(config, num_layers(config), layers)
+    model = build_hf_on_meta(config, layers=traced, dtype=dtype)
+    batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len)  # noqa: E731
+    tracer = _tracer(model, batch_at, None, fused, getattr(config, "base_model_tp_plan", None))
+    facts, shape = _hf_facts(config)
+    return _describe(source.label, model, tracer, kinds, facts=facts, shape=shape)
 
 
 def _trace_builtin(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: int, fused: bool) -> Traced:
@@ -250,18 +308,35 @@ def _trace_builtin(source: ModelSource, *, seq_len: int, dtype: torch.dtype, lay
     full = int(sizes.pop(layer_key, known[layer_key]))
     if "seq_len" in known:
         sizes["seq_len"] = seq_len
+    traced = min(layers, full)
+    built = {}
 
     def make(micro_batch: int) -> Any:
-        with torch.device("meta"):
-            built = build(source.builtin, optimizer="none", batch_size=micro_batch, **{layer_key: min(layers, full)}, **sizes)
-        built.model.to(dtype)
-        return built
+        if micro_batch not in built:
+            with torch.device("meta"):
+                built[micro_batch] = build(source.builtin, optimizer="none", batch_size=micro_batch,
+                                           **{layer_key: traced}, **sizes)
+            built[micro_batch].model.to(dtype)
+        return built[micro_batch]
 
-    def tracer(micro_batch: int) -> Profile:
-        built = make(micro_batch)
-        return trace_profile(built.model, _cast_batch(built.batch, dtype), built.loss_fn, gpu_kernels=fused)
+    def trace(micro_batch: int) -> tuple[Profile, Classified]:
+        one = make(micro_batch)
+        return _tracer(one.model, lambda _: _cast_batch(one.batch, dtype), one.loss_fn, fused, None)(micro_batch)
 
-    return _describe(source.builtin, make(1).model, tracer, full)
+    heads = int(sizes.get("num_heads", known.get("num_heads", 0)) or 0)
+    return _describe(source.builtin, make(1).model, trace, (traced - 1,) * full,
+                     shape=ModelShape(heads=heads, kv_heads=heads))
+
+
+def _cast_batch(batch: Any, dtype: torch.dtype) -> Any:
+    """Floating-point batch tensors in ``dtype`` (token ids and masks unchanged)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: _cast_batch(v, dtype) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_cast_batch(v, dtype) for v in batch)
+    return batch
 
 
 def _trace_file(source: ModelSource, dtype: torch.dtype, fused: bool) -> Traced:
@@ -270,5 +345,12 @@ def _trace_file(source: ModelSource, dtype: torch.dtype, fused: bool) -> Traced:
     with torch.device("meta"):
         built = load_target(source.file)
     built.model.to(dtype)
-    profile = trace_profile(built.model, _cast_batch(built.batch, dtype), built.loss_fn, gpu_kernels=fused)
-    return _describe_whole(source.file, built.model, profile, built.optimizer)
+    batch = _cast_batch(built.batch, dtype)
+    tracer = _tracer(built.model, lambda _: batch, built.loss_fn, fused, None)
+    count = len(find_blocks(built.model))
+    optimizer = optimizer_name_of(built.optimizer) if built.optimizer is not None else None
+    return _describe(source.file, built.model, tracer, tuple(range(count)), whole=True, optimizer_name=optimizer)
+
+
+__all__ = ["DTYPES", "ModelShape", "TRACED_MICRO_BATCHES", "Traced", "check_alike", "dtype_of", "hf_layer_kinds",
+           "trace_profile", "trace_source"]

@@ -1,0 +1,126 @@
+"""`remat.estimate` on Hugging Face configs: MoE with expert parallelism, DeepSeek's dense-first
+layers, explicit attention's shared mask, ``use_cache: false``, and layouts a model cannot take."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import transformers
+
+from remat.estimate import DeviceSpec, ModelSource, Parallelism, estimate
+from remat.estimate.pricing import Pricing
+from remat.estimate.sharding import StateRecipe
+from remat.estimate.strategies import STRATEGY_NAMES
+from remat.estimate.trace import trace_source
+from remat.memory.allowance import NO_ALLOWANCE
+
+H, A, S = 64, 4, 32
+DEVICE = DeviceSpec(name="Big", memory_bytes=2**40, peak_bf16_flops_per_s=1e15, memory_bytes_per_s=1e12)
+MIXTRAL = dict(model_type="mixtral", hidden_size=H, num_hidden_layers=4, num_attention_heads=A, num_key_value_heads=2,
+               intermediate_size=96, num_local_experts=8, num_experts_per_tok=2, vocab_size=96)
+
+
+def _config(tmp_path, **cfg) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _hf_param_count(path: str) -> int:
+    data = json.loads(open(path).read())
+    config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_mixtral_with_expert_parallelism(tmp_path) -> None:
+    """Experts over 2 and 4 ranks: the routed experts' weights per GPU halve and quarter (every
+    other parameter stays); a router twice as loaded on the busiest rank doubles the experts'
+    activations and FLOPs. Pricing every strategy takes well under a second (the planner's
+    search, which took over 300 s on a Mixtral config, is not run)."""
+    path = _config(tmp_path, **MIXTRAL)
+    traced = trace_source(ModelSource(hf_config_path=path), seq_len=S)
+    assert traced.param_count == _hf_param_count(path)
+    params = {e: _pricing(traced, Parallelism(data=4, expert=e)).state(0).param_bytes for e in (1, 2, 4)}
+    experts = 4 * 8 * (2 * 96 * H + H * 96)  # 4 layers x 8 experts x (gate_up + down) parameters, bf16
+    assert params[1] - params[2] == 2 * experts // 2 and params[1] - params[4] == 2 * experts * 3 // 4
+    even = _pricing(traced, Parallelism(data=4, expert=2)).layer(2, 1)
+    loaded = _pricing(traced, Parallelism(data=4, expert=2, expert_load=2.0)).layer(2, 1)
+    split = traced.split(2)
+    saved = [part.layers[1].saved for part in (split.per_token, split.constant)]
+    assert loaded.saved_bytes - even.saved_bytes == sum(x.expert_split + x.expert_whole for x in saved)
+    assert loaded.expert_flops == 2 * even.expert_flops
+    pricing = _pricing(traced, Parallelism(data=4, expert=2))
+    start = time.perf_counter()
+    rows = pricing.on_device(DEVICE).strategies
+    assert time.perf_counter() - start < 5 and all(r.fits for r in rows)
+
+
+def _pricing(traced, par: Parallelism) -> Pricing:
+    return Pricing(traced=traced, micro_batch=2, micro_batches=1, parallelism=par, mfu=0.4, allowance=NO_ALLOWANCE,
+                   recipe=StateRecipe(optimizer="adamw", precision="mixed", zero_stage=0), strategies=STRATEGY_NAMES)
+
+
+def test_deepseek_dense_first_layers_and_latent_attention(tmp_path) -> None:
+    """DeepSeek-V3's first ``first_k_dense_replace`` layers are dense: traced as such (layer 0),
+    the MoE layers copied from the last traced layer; multi-head latent attention's values are
+    narrower than its queries (run as the memory-efficient kernel)."""
+    path = _config(tmp_path, model_type="deepseek_v3", hidden_size=H, num_hidden_layers=4, num_attention_heads=A,
+                   num_key_value_heads=A, intermediate_size=128, moe_intermediate_size=32, n_shared_experts=1,
+                   n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1,
+                   q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                   vocab_size=96)
+    traced = trace_source(ModelSource(hf_config_path=path), seq_len=S)
+    assert traced.layer_kinds == (0, 2, 2, 2) and traced.param_count == _hf_param_count(path)
+    pricing = _pricing(traced, Parallelism())
+    dense, moe = pricing.layer(1, 0), pricing.layer(1, 2)
+    assert dense.expert_flops == 0 < moe.expert_flops
+    assert all(p.peak_bytes < 2**30 for p in pricing.price(DEVICE, "none", 1, 2**40).peaks)
+
+
+@pytest.mark.slow
+def test_explicit_attention_mask_counts_once_and_no_cache(tmp_path) -> None:
+    """A Llama with eager attention passes one (b, 1, s, s) mask to every layer: the layer's input
+    is its hidden states alone, 2sbh. ``use_cache: false`` (how models train) traces too."""
+    sizes = dict(hidden=H, layers=4, heads=A, kv_heads=2, intermediate=128, vocab=96, seq=S)
+    eager = estimate(ModelSource(hf_family="llama", sizes=sizes, attention="eager"), seq_len=S, micro_batch=2,
+                     strategies=("full",))
+    assert eager.layer_input_bytes == 2 * S * 2 * H
+    path = _config(tmp_path, model_type="llama", hidden_size=H, num_hidden_layers=2, num_attention_heads=A,
+                   num_key_value_heads=A, intermediate_size=128, vocab_size=96, use_cache=False)
+    assert estimate(ModelSource(hf_config_path=path), seq_len=S, strategies=("none",)).devices[0].strategies[0].fits
+
+
+def test_layouts_the_model_cannot_take(tmp_path) -> None:
+    llama = ModelSource(hf_family="llama", sizes=dict(hidden=H, layers=4, heads=A, kv_heads=2, intermediate=128,
+                                                      vocab=96, seq=S))
+    with pytest.raises(ValueError, match="tensor-parallel size 4 does not divide the model's 2 key/value heads"):
+        estimate(llama, seq_len=S, parallelism=Parallelism(tensor=4))
+    with pytest.raises(ValueError, match="4 layers do not split evenly over 3 pipeline stage"):
+        estimate(llama, seq_len=S, parallelism=Parallelism(pipeline=3))
+    with pytest.raises(ValueError, match="context-parallel size 3 does not divide the sequence of 32 tokens"):
+        estimate(llama, seq_len=S, parallelism=Parallelism(context=3))
+    with pytest.raises(ValueError, match=r"expert-parallel size 2 must divide the model's routed experts \(none"):
+        estimate(llama, seq_len=S, world_size=2, parallelism=Parallelism(expert=2))
+    with pytest.raises(ValueError, match="the data-parallel size is given twice: world_size=2 and parallelism.data=4"):
+        estimate(llama, seq_len=S, world_size=2, parallelism=Parallelism(data=4))
+    model = tmp_path / "mlp_model.py"
+    model.write_text(MLP_FILE)
+    with pytest.raises(ValueError, match=r"tensor-parallel size 64 does not divide the width 96 that 0\.0\.weight"):
+        estimate(f"{model}:build", seq_len=S, parallelism=Parallelism(tensor=64))
+
+
+MLP_FILE = """
+import torch
+from torch import nn
+
+
+def build():
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(48, 96), nn.ReLU(), nn.Linear(96, 48)) for _ in range(2)])
+    return blocks, torch.ones(4, 48), lambda out, batch: out.sum()
+"""

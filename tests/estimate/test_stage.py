@@ -1,0 +1,93 @@
+"""A stage's peak and time, and the optimal per-layer mix, on hand-made layers."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from remat.estimate.comms import ModelFacts, Network
+from remat.estimate.layers import LayerOnGpu, layer_cost
+from remat.estimate.optimal import cheapest_mix
+from remat.estimate.parallel import Parallelism
+from remat.estimate.stage import Rates, Stage, stage_peak, stage_time
+from remat.estimate.strategies import choose, option_seconds
+from remat.memory.model_state import ModelState
+
+LAYER = LayerOnGpu(saved_bytes=100.0, core_bytes=40.0, input_bytes=10.0, working_bytes=130.0, replay_working_bytes=140.0,
+                   fwd_flops=1e6, core_flops=2e5, core_moved_bytes=1000.0, expert_flops=0.0, hidden_bytes=10.0)
+STATE = ModelState(param_bytes=1000, grad_bytes=1000, master_bytes=0, optimizer_state_bytes=2000)
+RATES = Rates(flops_per_s=1e9, memory_bytes_per_s=1e6, host_link_bytes_per_s=1e4)
+NET = Network(intra_node_bytes_per_s=1e3, inter_node_bytes_per_s=1e2, gpus_per_node=8)
+
+
+def _stage(n: int = 3, *, in_flight: float = 1.0, first: bool = True, last: bool = True) -> Stage:
+    return Stage(index=0, first=first, last=last, state=STATE, layers=(LAYER,) * n, pre_bytes=7.0,
+                 post_saved_bytes=50.0 if last else 0.0, post_working_bytes=20.0 if last else 0.0, post_flops=3e5,
+                 in_flight=in_flight, buffer_bytes=0.0)
+
+
+def test_peak_by_hand() -> None:
+    """Keep everything: the head's moment holds state 4000 + pre 7 + 3 x 100 + head 50 + 20 = 4377;
+    the last layer's backward 4000 + 7 + 200 + 130 = 4337. Full: head 4000 + 7 + 30 + 70 = 4107,
+    layer 4000 + 7 + 20 + 140 = 4167 (its replay's working set sets the peak)."""
+    none = stage_peak(_stage(), [layer_cost(LAYER, "none")] * 3)
+    assert (none.peak_bytes, none.phase, none.held_bytes, none.working_bytes) == (4377.0, "head", 307.0, 70.0)
+    full = stage_peak(_stage(), [layer_cost(LAYER, "full")] * 3)
+    assert (full.peak_bytes, full.phase) == (4167.0, "layers")
+    # a pipeline's first stage holds 4 micro-batches: 4 x (7 + 300) - 100 + 130
+    first = stage_peak(_stage(in_flight=4.0, last=False), [layer_cost(LAYER, "none")] * 3)
+    assert first.peak_bytes == 4000 + 4 * 307 - 100 + 130
+
+
+def test_time_by_hand() -> None:
+    """Forward 3e6 + head 3e5 FLOPs at 1e9 FLOP/s, x3 for forward and backward; selective adds the
+    core: max(2e5 FLOPs at 1e9, 1000 bytes at 1e6 B/s) = 1 ms per layer."""
+    par = Parallelism()
+    none = stage_time(_stage(), [layer_cost(LAYER, "none")] * 3, RATES, par=par, net=NET, facts=ModelFacts())
+    assert none.compute_s == pytest.approx(3 * 3.3e6 / 1e9) and none.comm_s == 0.0
+    selective = stage_time(_stage(), [layer_cost(LAYER, "selective")] * 3, RATES, par=par, net=NET, facts=ModelFacts())
+    assert selective.compute_s == pytest.approx(none.compute_s + 3 * 1e-3)
+    # tensor parallel 2: 4 all-reduces of the hidden states per layer, 6 for a replayed forward
+    tp = stage_time(_stage(), [layer_cost(LAYER, "full")] * 3, RATES, par=Parallelism(tensor=2), net=NET, facts=ModelFacts())
+    assert tp.comm_s == pytest.approx(3 * 6 * (2 * 1 / 2 * 10.0 / 1e3))
+
+
+def _brute(stage: Stage, budget: float, names=("none", "selective", "full", "offload")):
+    best = None
+    for combo in itertools.product(names, repeat=len(stage.layers)):
+        costs = [layer_cost(x, n) for x, n in zip(stage.layers, combo)]
+        costs = sorted(costs, key=lambda c: c.retained_bytes)  # identical layers: holding the most last
+        if stage_peak(stage, costs).peak_bytes > budget:
+            continue
+        seconds = sum(option_seconds(x, c, RATES, Parallelism(), NET) for x, c in zip(stage.layers, costs))
+        if best is None or seconds < best:
+            best = seconds
+    return best
+
+
+@pytest.mark.parametrize("budget", [4100.0, 4150.0, 4200.0, 4260.0, 4330.0, 4400.0])
+def test_optimal_mix_equals_enumeration(budget: float) -> None:
+    """The knapsack's mix is as fast as the best of all 4^4 assignments that fit, at budgets from
+    where only offloading every layer fits to where keeping everything does."""
+    stage = _stage(4)
+    choice = choose(stage, "optimal", budget, rates=RATES, par=Parallelism(), net=NET)
+    expected = _brute(stage, budget)
+    if expected is None:
+        assert choice.label.startswith("lowest peak")
+        return
+    assert stage_peak(stage, choice.costs).peak_bytes <= budget
+    seconds = sum(option_seconds(x, c, RATES, Parallelism(), NET) for x, c in zip(stage.layers, choice.costs))
+    assert seconds == pytest.approx(expected)
+
+
+def test_optimal_labels_and_nothing_fits() -> None:
+    stage = _stage(4)
+    assert choose(stage, "optimal", 1e9, rates=RATES, par=Parallelism(), net=NET).label == "optimal: 4 none"
+    lowest = choose(stage, "optimal", 10.0, rates=RATES, par=Parallelism(), net=NET)
+    assert lowest.label == "lowest peak: 4 offload"
+    no_host = Rates(flops_per_s=1e9)
+    assert "offload" not in choose(stage, "optimal", 10.0, rates=no_host, par=Parallelism(), net=NET).label
+    assert cheapest_mix(stage, [[layer_cost(LAYER, "none")]] * 4, [[0.0]] * 4, 10.0) is None
+    with pytest.raises(ValueError, match="unknown strategy 'sqrt'; allowed: none, full, selective, optimal"):
+        choose(stage, "sqrt", 1.0, rates=RATES, par=Parallelism(), net=NET)
