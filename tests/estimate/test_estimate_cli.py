@@ -24,6 +24,18 @@ def test_json_output_is_the_estimate() -> None:
     assert device["device"]["name"] == "L4-24GB"
     assert [row["strategy"] for row in device["strategies"]] == ["none", "full", "selective", "optimal"]
     assert all(row["fits"] for row in device["strategies"])
+    assert data["parallelism"]["tensor"] == 1 and data["gpus"] == 1
+    none, full = device["strategies"][:2]
+    assert none["layer_retained_bytes"] == data["layer_saved_bytes"] and full["layer_retained_bytes"] == data["layer_input_bytes"]
+    assert set(none["time"]) == {"compute_s", "comm_s", "bubble_s", "data_parallel_s", "optimizer_s"}
+
+
+def test_parallel_options() -> None:
+    result = runner.invoke(app, GPT + ["--layers", "4", "--tp", "2", "--sp", "--pp", "2", "--grad-accum", "4",
+                                       "--distributed-optimizer", "--world-size", "2"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "layout: dp2 tp2+sp pp2 = 8 GPU(s)" in result.output and "stage" in result.output
+    assert "fp32 gradients" in result.output and "ZeRO-1" in result.output
 
 
 def test_table_output_and_errors(tmp_path) -> None:
@@ -37,3 +49,7 @@ def test_table_output_and_errors(tmp_path) -> None:
     assert bad.exit_code == 2 and "apply to --hf models only" in bad.output
     listed = runner.invoke(app, ["estimate", "--list-devices"], env={"COLUMNS": "200"})
     assert listed.exit_code == 0 and "RTX4090-24GB" in listed.output and "989.4" in listed.output
+    assert "MI300X-192GB" in listed.output and "GPU link" in listed.output
+    both = runner.invoke(app, GPT + ["--distributed-optimizer", "--zero", "3"])
+    assert both.exit_code == 2 and "--distributed-optimizer is ZeRO-1" in both.output
+

@@ -1,0 +1,114 @@
+"""What `remat estimate` prints: the setup, model state, one table per device, diagnoses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from rich.table import Table
+
+from remat.cli._app import console
+
+GIB = 2**30
+MIB = 2**20
+
+STEP_MODEL = ("step = micro-batches x (forward + backward + replayed FLOPs) / (MFU x peak FLOP/s) "
+              "+ tensor/context/expert/pipeline communication + pipeline bubble + data-parallel traffic not "
+              "hidden by the backward + optimizer step at memory bandwidth")
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.2f}"
+
+
+def render(result) -> None:
+    """Print the estimate: setup, model state, one table per device, diagnoses."""
+    par = result.parallelism
+    console.print(
+        f"[bold]{result.model}[/]: {result.param_count / 1e9:.3f} B parameters, {result.num_layers} layers; "
+        f"micro-batch {result.micro_batch} x seq {result.seq_len}, {result.dtype} ({result.precision} precision"
+        f"{', fp32 gradients' if result.fp32_grads else ''}), {result.optimizer}, ZeRO-{result.zero_stage}, "
+        f"{result.grad_accumulation_steps} micro-batch(es) per step, MFU {result.mfu:.0%}"
+    )
+    console.print(f"layout: {par.describe()} = {result.gpus} GPU(s)"
+                  + (f", expert load {par.expert_load:g}x the mean" if par.expert > 1 or par.expert_load > 1 else ""))
+    console.print(
+        f"per layer and GPU: saved {result.layer_saved_bytes / MIB:.1f} MiB, input {result.layer_input_bytes / MIB:.1f} MiB; "
+        f"outside layers: saved {result.fixed_saved_bytes / MIB:.1f} MiB; "
+        f"{result.train_flops / 1e12:.1f} TFLOP per micro-batch (forward + backward) on the busiest GPU"
+    )
+    a = result.allowance
+    console.print(
+        f"allowance: context {a.context_bytes / MIB:.0f} MiB + workspaces {a.workspace_bytes / MIB:.0f} MiB "
+        f"+ fragmentation {a.fragmentation_fraction:.0%} of the peak"
+    )
+    console.print(STEP_MODEL)
+    for dev in result.devices:
+        console.print(state_line(dev))
+        console.print(device_table(dev, pipeline=par.pipeline > 1))
+        for row in dev.strategies:
+            if row.diagnosis:
+                console.print(f"[yellow]{row.strategy}[/]: {row.diagnosis}")
+                if row.diagnosis.startswith(f"On {dev.device.name}, model state"):
+                    break  # the same words for every strategy
+
+
+def state_line(dev) -> str:
+    s = dev.model_state
+    parts = [f"params {_gib(s.param_bytes)}", f"grads {_gib(s.grad_bytes)}"]
+    if s.master_bytes:
+        parts.append(f"fp32 master {_gib(s.master_bytes)}")
+    parts.append(f"optimizer {_gib(s.optimizer_state_bytes)}")
+    if s.gathered_bytes:
+        parts.append(f"all-gathered unit {_gib(s.gathered_bytes)}")
+    return (f"\n[bold]{dev.device.name}[/] ({_gib(dev.device.memory_bytes)} GiB, {_gib(dev.budget_bytes)} GiB for tensors): "
+            f"model state per GPU {_gib(s.total_bytes)} GiB = " + " + ".join(parts) + " GiB")
+
+
+def device_table(dev, *, pipeline: bool = False) -> Table:
+    caption = ("GiB per GPU; peak = model state + activations held + working set; comm s: communication, "
+               "bubble and data-parallel traffic not hidden; max mb: largest micro-batch that fits")
+    table = Table(show_edge=False, caption=caption)
+    names = ["strategy", "layout", "fits", "peak", "+allow", "total", "held", "recompute TFLOP", "step s", "comm s",
+             "max mb"] + (["stage"] if pipeline else [])
+    for name in names:
+        table.add_column(name, justify="left" if name in ("strategy", "layout") else "right")
+    for row in dev.strategies:
+        t = row.time
+        comm = t.comm_s + t.bubble_s + t.data_parallel_s if t else 0.0
+        cells = [row.strategy, _layout(row), "[green]yes[/]" if row.fits else "[red]no[/]", _gib(row.peak_bytes),
+                 _gib(row.allowance_bytes), _gib(row.total_bytes), _gib(row.held_bytes),
+                 f"{row.recompute_flops / 1e12:.1f}", f"{row.step_s:.2f}", f"{comm:.2f}", _max_mb(row)]
+        table.add_row(*cells, *([f"{row.peak_stage} ({row.peak_phase})"] if pipeline else []))
+    return table
+
+
+def _max_mb(row) -> str:
+    return "-" if row.max_micro_batch is None else str(row.max_micro_batch)
+
+
+def _layout(row) -> str:
+    """The strategies behind a row in a few words (the optimal mix, or nothing for a uniform one)."""
+    return row.plan_strategy.split(": ", 1)[1] if ": " in row.plan_strategy else "-"
+
+
+def devices_table(devices_file: Optional[Path]) -> Table:
+    from remat.estimate.devices import builtin_devices, load_devices_file
+
+    specs = builtin_devices()
+    if devices_file is not None:
+        specs.update(load_devices_file(devices_file))
+    table = Table(show_edge=False)
+    for name in ("device", "memory GiB", "bf16 TFLOP/s", "memory TB/s", "host link GB/s", "GPU link GB/s",
+                 "GPUs/node", "source"):
+        table.add_column(name)
+    for spec in specs.values():
+        table.add_row(
+            spec.name, _gib(spec.memory_bytes), f"{spec.peak_bf16_flops_per_s / 1e12:.1f}",
+            f"{spec.memory_bytes_per_s / 1e12:.2f}" if spec.memory_bytes_per_s else "-",
+            f"{spec.host_link_bytes_per_s / 1e9:.0f}" if spec.host_link_bytes_per_s else "-",
+            f"{spec.gpu_link_bytes_per_s / 1e9:.0f}" if spec.gpu_link_bytes_per_s else "-",
+            str(spec.gpus_per_node or "-"),
+            spec.sources.get("memory_bytes", "user file").split(",")[0],
+        )
+    return table
