@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from remat.cli import app
@@ -30,12 +31,19 @@ def test_json_output_is_the_estimate() -> None:
     assert set(none["time"]) == {"compute_s", "comm_s", "bubble_s", "data_parallel_s", "optimizer_s"}
 
 
-def test_parallel_options() -> None:
+@pytest.mark.slow
+def test_parallel_options_and_search() -> None:
     result = runner.invoke(app, GPT + ["--layers", "4", "--tp", "2", "--sp", "--pp", "2", "--grad-accum", "4",
                                        "--distributed-optimizer", "--world-size", "2"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert "layout: dp2 tp2+sp pp2 = 8 GPU(s)" in result.output and "stage" in result.output
     assert "fp32 gradients" in result.output and "ZeRO-1" in result.output
+    found = runner.invoke(app, GPT + ["--search", "--gpus", "4", "--global-batch", "8", "--top", "3", "--json"])
+    assert found.exit_code == 0, found.output
+    layouts = json.loads(found.output)
+    assert 1 <= len(layouts) <= 3 and [c["step_s"] for c in layouts] == sorted(c["step_s"] for c in layouts)
+    table = runner.invoke(app, GPT + ["--search", "--gpus", "4", "--global-batch", "8"], env={"COLUMNS": "200"})
+    assert table.exit_code == 0 and "tokens/s/GPU" in table.output
 
 
 def test_table_output_and_errors(tmp_path) -> None:
@@ -52,4 +60,5 @@ def test_table_output_and_errors(tmp_path) -> None:
     assert "MI300X-192GB" in listed.output and "GPU link" in listed.output
     both = runner.invoke(app, GPT + ["--distributed-optimizer", "--zero", "3"])
     assert both.exit_code == 2 and "--distributed-optimizer is ZeRO-1" in both.output
-
+    no_gpus = runner.invoke(app, GPT + ["--search"])
+    assert no_gpus.exit_code == 2 and "--search needs the number of GPUs" in no_gpus.output

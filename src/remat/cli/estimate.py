@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from remat.cli._app import app, console, fail
-from remat.cli.estimate_view import devices_table, render
+from remat.cli.estimate_view import devices_table, render, render_search
 
 MIB = 2**20
 
@@ -52,6 +52,10 @@ def estimate_command(
     context_mib: int = typer.Option(512, "--context-mib", help="Allowance: CUDA context, kernels, NCCL (MiB)."),
     workspace_mib: int = typer.Option(32, "--workspace-mib", help="Allowance: library workspaces (MiB)."),
     fragmentation: float = typer.Option(0.05, "--fragmentation", help="Allowance: allocator fragmentation, share of the peak."),
+    search: bool = typer.Option(False, "--search", help="List the fastest layouts of --gpus GPUs of --device that fit."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="--search: GPUs of the job."),
+    global_batch: int = typer.Option(1024, "--global-batch", help="--search: sequences per optimizer step."),
+    top: int = typer.Option(5, "--top", help="--search: layouts listed."),
     as_json: bool = typer.Option(False, "--json", help="Print the estimate as JSON."),
     list_devices: bool = typer.Option(False, "--list-devices", help="List known devices with their sources and exit."),
 ) -> None:
@@ -70,6 +74,10 @@ def estimate_command(
                        allowance=allowance, gpu_kernels=not cpu_kernels, fp32_grads=fp32_grads or distributed_optimizer,
                        network_bytes_per_s=network_gbps * 1e9 / 8 if network_gbps else None,
                        zero_stage=_zero(zero, distributed_optimizer))
+        if search:
+            _search(source, device, devices_file, seq=seq, gpus=gpus, global_batch=global_batch, top=top,
+                    as_json=as_json, **options)
+            return
         from remat.estimate import Parallelism, estimate
 
         layout = Parallelism(tensor=tensor_parallel, sequence_parallel=sequence_parallel, pipeline=pipeline_parallel,
@@ -94,6 +102,26 @@ def _zero(zero: int, distributed_optimizer: bool) -> int:
         raise ValueError(f"--distributed-optimizer is ZeRO-1 (Megatron-LM's sharded optimizer state); it contradicts "
                          f"--zero {zero}: pass one of them.")
     return 1 if distributed_optimizer else zero
+
+
+def _search(source, device: list[str], devices_file: Optional[Path], *, seq: int, gpus: Optional[int],
+            global_batch: int, top: int, as_json: bool, **options) -> None:
+    from remat.estimate.devices import resolve_devices
+    from remat.estimate.fastest import search_source
+
+    if gpus is None:
+        raise ValueError("--search needs the number of GPUs: pass --gpus N (and --global-batch G sequences per step).")
+    if len(device) != 1:
+        raise ValueError(f"--search prices one device kind at a time, got {len(device)} (--device {' --device '.join(device)}).")
+    spec = resolve_devices(device, str(devices_file) if devices_file else None)[0]
+    with console.status(f"searching layouts of {gpus} x {spec.name}..."):
+        found = search_source(source, spec, gpus=gpus, global_batch=global_batch, seq_len=seq, top=top, **options)
+    if as_json:
+        from remat._serialize import to_dict
+
+        console.print_json(json.dumps([to_dict(c) for c in found]))
+        return
+    render_search(found, spec, gpus=gpus, global_batch=global_batch, seq_len=seq)
 
 
 _BUILTIN_SIZE_OPTIONS = {"hidden": "d_model", "layers": "layers", "heads": "heads", "vocab": "vocab"}

@@ -1,4 +1,5 @@
-"""What `remat estimate` prints: the setup, model state, one table per device, diagnoses."""
+"""What `remat estimate` prints: the setup, model state, one table per device, diagnoses, and
+the fastest layouts of ``--search``."""
 
 from __future__ import annotations
 
@@ -90,6 +91,24 @@ def _max_mb(row) -> str:
 def _layout(row) -> str:
     """The strategies behind a row in a few words (the optimal mix, or nothing for a uniform one)."""
     return row.plan_strategy.split(": ", 1)[1] if ": " in row.plan_strategy else "-"
+
+
+def render_search(found, spec, *, gpus: int, global_batch: int, seq_len: int) -> None:
+    """The fastest layouts, fastest first."""
+    console.print(f"[bold]{gpus} x {spec.name}[/], global batch {global_batch} x {seq_len} tokens: "
+                  f"{len(found)} fastest layout(s) that fit")
+    if not found:
+        console.print("[red]no layout of the search space fits[/]: more GPUs, a device with more memory, or a "
+                      "smaller global batch per step.")
+        return
+    table = Table(show_edge=False, caption=STEP_MODEL)
+    for name in ("#", "layout", "ZeRO", "mb", "m", "strategy", "peak GiB", "step s", "tokens/s/GPU", "MFU"):
+        table.add_column(name, justify="left" if name in ("layout", "strategy") else "right")
+    for i, c in enumerate(found, 1):
+        table.add_row(str(i), c.parallelism.describe(), str(c.zero_stage), str(c.micro_batch), str(c.micro_batches),
+                      c.strategy, _gib(c.peak_bytes), f"{c.step_s:.2f}", f"{c.tokens_per_s_per_gpu:,.0f}",
+                      f"{c.mfu:.1%}")
+    console.print(table)
 
 
 def devices_table(devices_file: Optional[Path]) -> Table:

@@ -9,16 +9,20 @@ number of GPUs.
 
 from remat.estimate.api import Estimate, estimate, precision_name
 from remat.estimate.devices import DeviceSpec, builtin_devices, load_devices_file, resolve_devices
+from remat.estimate.fastest import Candidate, SearchSpace
+from remat.estimate.fastest import search_source as search
 from remat.estimate.parallel import Parallelism
 from remat.estimate.results import DeviceEstimate, StepTime, StrategyEstimate
 from remat.estimate.sources import HF_FAMILIES, ModelSource
 
 __all__ = [
     "HF_FAMILIES",
+    "Candidate",
     "DeviceEstimate",
     "DeviceSpec",
     "Estimate",
     "ModelSource",
+    "SearchSpace",
     "Parallelism",
     "StepTime",
     "StrategyEstimate",
@@ -27,4 +31,5 @@ __all__ = [
     "load_devices_file",
     "precision_name",
     "resolve_devices",
+    "search",
 ]

@@ -1,0 +1,207 @@
+"""How to train a model on N GPUs of one kind: the fastest layouts that fit.
+
+`search` traces the model once (`remat.estimate.trace`) and prices every layout of the space
+(`SearchSpace`): tensor parallelism t (with sequence parallelism when t > 1: it moves the same
+bytes as t's all-reduces and holds less, Korthikanti et al. 2022, section 4.2.2), pipeline
+parallelism p (1F1B, and interleaved with v = 2 where the micro-batches allow), context
+parallelism c, expert parallelism e (MoE models), data parallelism d = N / (t p c), ZeRO stage
+(1 = Megatron-LM's distributed optimizer, 3 = FSDP), micro-batch b with ``m = G / (d b)``
+micro-batches per step for a global batch of G sequences; and per layout every recomputation
+strategy (`remat.estimate.strategies`: none, selective, full and the optimal per-layer mix with
+offload). It keeps the fastest strategy that fits per layout and returns the fastest layouts.
+
+Step time is the model of `remat.estimate.pricing`: ``m`` micro-batches of (forward + backward +
+replayed FLOPs) / (MFU x peak FLOP/s) plus the communication of `remat.estimate.comms` at the
+device table's link bandwidths, the pipeline bubble, and the optimizer step at memory
+bandwidth. Tensor and context parallelism stay inside a node (their collectives run every
+layer); a layout whose model state alone does not fit is dropped before its activations are
+priced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from remat.estimate.devices import DeviceSpec, resolve_devices
+from remat.estimate.parallel import Parallelism
+from remat.estimate.pricing import Pricing
+from remat.estimate.sharding import StateRecipe
+from remat.estimate.api import precision_name
+from remat.estimate.sources import ModelSource, as_source
+from remat.estimate.strategies import STRATEGY_NAMES
+from remat.estimate.trace import Traced, trace_source
+from remat.memory.allowance import Allowance
+from remat.memory.optimizer_state import optimizer_layout
+
+_TENSOR = (1, 2, 4, 8)
+_CONTEXT = (1, 2, 4, 8)
+_MICRO_BATCH = (1, 2, 4, 8)
+_ZERO = (1, 3)
+
+
+@dataclass(kw_only=True, frozen=True)
+class SearchSpace:
+    """The layouts `search` prices."""
+
+    gpus: int
+    """GPUs of the job."""
+    global_batch: int
+    """Sequences per optimizer step."""
+    seq_len: int
+    """Tokens per sequence."""
+    tensor: tuple[int, ...] = _TENSOR
+    """Tensor-parallel sizes tried (those above the GPUs of a node are skipped)."""
+    context: tuple[int, ...] = _CONTEXT
+    """Context-parallel sizes tried (t x c stays inside a node)."""
+    micro_batch: tuple[int, ...] = _MICRO_BATCH
+    """Micro-batches tried."""
+    zero: tuple[int, ...] = _ZERO
+    """ZeRO stages tried."""
+    max_pipeline: int = 32
+    """Largest pipeline size tried."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "global_batch", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Candidate:
+    """One layout that fits, with its fastest strategy."""
+
+    parallelism: Parallelism
+    """The layout (data = GPUs / (t p c))."""
+    zero_stage: int
+    """ZeRO stage over the data-parallel ranks."""
+    micro_batch: int
+    """Sequences per micro-batch."""
+    micro_batches: int
+    """Micro-batches per step per pipeline."""
+    strategy: str
+    """The fastest strategy that fits, as `remat.estimate.strategies.Choice.label` says it."""
+    peak_bytes: int
+    """Predicted allocated peak per GPU."""
+    step_s: float
+    """Predicted step time."""
+    tokens_per_s_per_gpu: float
+    """Global batch tokens / step time / GPUs."""
+    mfu: float
+    """Model FLOPs of the step (forward + backward, no recomputation) / (step time x GPUs x peak)."""
+
+
+def layouts(space: SearchSpace, traced: Traced, gpus_per_node: int) -> Iterator[tuple[Parallelism, int, int]]:
+    """Every (layout, micro-batch, micro-batches per step) of ``space`` the model can be split by."""
+    layers, experts = traced.num_layers, traced.shape.experts
+    for t in space.tensor:
+        if t > gpus_per_node or not _divides_heads(traced, t):
+            continue
+        for c in space.context:
+            if t * c > gpus_per_node or space.seq_len % c or space.gpus % (t * c):
+                continue
+            for p in range(1, min(space.max_pipeline, layers) + 1):
+                if layers % p or space.gpus % (t * c * p):
+                    continue
+                d = space.gpus // (t * c * p)
+                for e in _expert_sizes(experts, t * c * d):
+                    yield from _batches(space, Parallelism(data=d, tensor=t, sequence_parallel=t > 1, pipeline=p,
+                                                           context=c, expert=e), layers)
+
+
+def _divides_heads(traced: Traced, t: int) -> bool:
+    shape = traced.shape
+    return all(not v or v % t == 0 for v in (shape.heads, shape.kv_heads))
+
+
+def _expert_sizes(experts: int, ranks: int) -> list[int]:
+    if not experts:
+        return [1]
+    return [e for e in (1, 2, 4, 8, 16, 32, 64) if experts % e == 0 and ranks % e == 0]
+
+
+def _batches(space: SearchSpace, par: Parallelism, layers: int) -> Iterator[tuple[Parallelism, int, int]]:
+    for b in space.micro_batch:
+        if space.global_batch % (par.data * b):
+            continue
+        m = space.global_batch // (par.data * b)
+        yield par, b, m
+        if par.pipeline > 1 and m % par.pipeline == 0 and layers % (2 * par.pipeline) == 0:
+            yield replace(par, virtual_stages=2), b, m
+
+
+def search(traced: Traced, spec: DeviceSpec, space: SearchSpace, *, recipe: StateRecipe, mfu: float,
+           allowance: Allowance, network_bytes_per_s: float | None = None, top: int = 5) -> list[Candidate]:
+    """The ``top`` fastest layouts of ``space`` that fit ``spec``, fastest first (module docstring)."""
+    if not traced.scalable:
+        raise ValueError(f"search varies the micro-batch; {traced.label} is a file model with a fixed batch. "
+                         "Estimate it with fixed options instead, or build it from sizes (--model, --hf, --config).")
+    budget = allowance.max_allocated_bytes(spec.memory_bytes)
+    found: list[Candidate] = []
+    for par, b, m in layouts(space, traced, spec.gpus_per_node or 8):
+        for zero in space.zero:
+            pricing = Pricing(traced=traced, micro_batch=b, micro_batches=m, recipe=replace(recipe, zero_stage=zero),
+                              parallelism=par, mfu=mfu, allowance=allowance, strategies=STRATEGY_NAMES,
+                              network_bytes_per_s=network_bytes_per_s)
+            best = _fastest(pricing, spec, budget)
+            if best is not None:
+                found.append(_candidate(pricing, spec, space, *best))
+    return sorted(found, key=lambda c: c.step_s)[:top]
+
+
+def _fastest(pricing: Pricing, spec: DeviceSpec, budget: int):
+    """(strategy label, peak, step s) of the fastest strategy that fits; None when none does."""
+    if any(pricing.state(k).total_bytes > budget for k in pricing.stage_indices()):
+        return None
+    best = None
+    for name in ("none", "selective", "full", "optimal"):
+        priced = pricing.price(spec, name, pricing.micro_batch, budget)
+        peak = max(p.peak_bytes for p in priced.peaks)
+        if peak <= budget and (best is None or priced.time.total_s < best[2]):
+            best = (_label(priced.choices), int(peak), priced.time.total_s)
+    return best
+
+
+def _label(choices) -> str:
+    """The strategy of every stage, once when they agree (``first: ...; last: ...`` otherwise)."""
+    labels = [c.label for c in choices]
+    return labels[0] if len(set(labels)) == 1 else f"first: {labels[0]}; last: {labels[-1]}"
+
+
+def _candidate(pricing: Pricing, spec: DeviceSpec, space: SearchSpace, label: str, peak: int, step_s: float) -> Candidate:
+    tokens = space.global_batch * space.seq_len
+    return Candidate(parallelism=pricing.parallelism, zero_stage=pricing.recipe.zero_stage,
+                     micro_batch=pricing.micro_batch, micro_batches=pricing.micro_batches, strategy=label,
+                     peak_bytes=peak, step_s=step_s, tokens_per_s_per_gpu=tokens / step_s / space.gpus,
+                     mfu=model_flops(pricing.traced) * space.global_batch / (step_s * space.gpus * spec.peak_bf16_flops_per_s))
+
+
+def model_flops(traced: Traced) -> float:
+    """Forward + backward FLOPs of one sequence through the whole model (3 x forward), from the
+    per-token part of the trace at micro-batch 2."""
+    flow = traced.split(2).per_token
+    layers = sum(flow.layers[k].flops.total for k in traced.layer_kinds)
+    return 3 * (layers + flow.pre.flops.total + flow.post.flops.total) / 2
+
+
+def search_source(source: ModelSource | str, device: str | DeviceSpec, *, gpus: int, global_batch: int, seq_len: int,
+                  top: int = 5, dtype: str = "bf16", master_weights: bool = True, optimizer: str | None = None,
+                  mfu: float = 0.4, allowance: Allowance | None = None, gpu_kernels: bool = True,
+                  fp32_grads: bool = False, zero_stage: int = 0, network_bytes_per_s: float | None = None,
+                  devices_file: str | None = None) -> list[Candidate]:
+    """Trace ``source`` and `search` the layouts of ``gpus`` x ``device`` for ``global_batch``
+    sequences of ``seq_len`` tokens per step (``zero_stage`` above 0 searches only that stage,
+    else ZeRO-1 and ZeRO-3); the fastest ``top`` that fit, fastest first."""
+    spec = device if isinstance(device, DeviceSpec) else resolve_devices([device], devices_file)[0]
+    space = SearchSpace(gpus=gpus, global_batch=global_batch, seq_len=seq_len,
+                        zero=(zero_stage,) if zero_stage else _ZERO)
+    if optimizer is not None:
+        optimizer_layout(optimizer)
+    traced = trace_source(as_source(source), seq_len=seq_len, dtype=dtype, gpu_kernels=gpu_kernels)
+    recipe = StateRecipe(optimizer=optimizer or traced.optimizer_name or "adamw",
+                         precision=precision_name(dtype, master_weights), zero_stage=space.zero[0], fp32_grads=fp32_grads)
+    return search(traced, spec, space, recipe=recipe, mfu=mfu, allowance=allowance or Allowance(),
+                  network_bytes_per_s=network_bytes_per_s, top=top)
+
+
+__all__ = ["Candidate", "SearchSpace", "layouts", "model_flops", "search", "search_source"]
