@@ -55,15 +55,12 @@ def render(result) -> None:
 
 
 def state_line(dev) -> str:
+    from remat.estimate.explain import state_parts
+
     s = dev.model_state
-    parts = [f"params {_gib(s.param_bytes)}", f"grads {_gib(s.grad_bytes)}"]
-    if s.master_bytes:
-        parts.append(f"fp32 master {_gib(s.master_bytes)}")
-    parts.append(f"optimizer {_gib(s.optimizer_state_bytes)}")
-    if s.gathered_bytes:
-        parts.append(f"all-gathered unit {_gib(s.gathered_bytes)}")
+    parts = " + ".join(f"{name} {_gib(num_bytes)}" for name, num_bytes in state_parts(s))
     return (f"\n[bold]{dev.device.name}[/] ({_gib(dev.device.memory_bytes)} GiB, {_gib(dev.budget_bytes)} GiB for tensors): "
-            f"model state per GPU {_gib(s.total_bytes)} GiB = " + " + ".join(parts) + " GiB")
+            f"model state per GPU {_gib(s.total_bytes)} GiB = {parts} GiB")
 
 
 def device_table(dev, *, pipeline: bool = False) -> Table:

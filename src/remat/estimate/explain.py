@@ -33,14 +33,20 @@ def explain_state_overflow(
     return "\n".join(lines)
 
 
-def _parts(state: ModelState) -> str:
-    parts = [f"parameters {format_gib(state.param_bytes)}", f"gradients {format_gib(state.grad_bytes)}"]
+def state_parts(state: ModelState) -> list[tuple[str, int]]:
+    """(name, bytes) of each kind of model state a GPU holds, as diagnoses and tables print them
+    (the fp32 master copy and the all-gathered unit only when there is one)."""
+    parts = [("parameters", state.param_bytes), ("gradients", state.grad_bytes)]
     if state.master_bytes:
-        parts.append(f"fp32 master weights {format_gib(state.master_bytes)}")
-    parts.append(f"optimizer state {format_gib(state.optimizer_state_bytes)}")
+        parts.append(("fp32 master weights", state.master_bytes))
+    parts.append(("optimizer state", state.optimizer_state_bytes))
     if state.gathered_bytes:
-        parts.append(f"all-gathered unit {format_gib(state.gathered_bytes)}")
-    return ", ".join(parts)
+        parts.append(("all-gathered unit", state.gathered_bytes))
+    return parts
+
+
+def _parts(state: ModelState) -> str:
+    return ", ".join(f"{name} {format_gib(num_bytes)}" for name, num_bytes in state_parts(state))
 
 
 def _at_this_setup(unsharded: ModelState, *, budget_bytes: int, optimizer: str, world_size: int, zero_stage: int,

@@ -22,7 +22,7 @@ from remat.estimate.comms import Network, all_reduce_s
 from remat.estimate.layers import LayerCost, LayerOnGpu, layer_cost
 from remat.estimate.optimal import cheapest_mix
 from remat.estimate.parallel import Parallelism
-from remat.estimate.stage import Rates, Stage, extra_s, stage_peak
+from remat.estimate.stage import Rates, Stage, extra_s
 
 STRATEGY_NAMES = ("none", "full", "selective", "optimal")
 UNIFORM = ("none", "selective", "full")
@@ -69,8 +69,4 @@ def _counts(mix: tuple[LayerCost, ...], options: list[list[LayerCost]], names: t
     return ", ".join(f"{counts[n]} {n}" for n in names if counts[n])
 
 
-def fits(stage: Stage, costs: tuple[LayerCost, ...], budget_bytes: float) -> bool:
-    return stage_peak(stage, costs).peak_bytes <= budget_bytes
-
-
-__all__ = ["Choice", "STRATEGY_NAMES", "choose", "fits", "option_seconds"]
+__all__ = ["Choice", "STRATEGY_NAMES", "choose", "option_seconds"]
