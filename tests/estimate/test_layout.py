@@ -7,7 +7,7 @@ import pytest
 from remat.estimate.comms import Network, all_reduce_s, bubble_s, data_parallel_s, gather_s
 from remat.estimate.parallel import Parallelism
 from remat.estimate.sharding import ModelParams, RoleShapes, StateRecipe, check_layers, gpu_state
-from tests.estimate.published import interleaved_in_flight, zero_per_rank
+from benchmarks.published_formulas import interleaved_in_flight, zero_per_rank
 
 MEGATRON = StateRecipe(optimizer="adamw", precision="mixed", zero_stage=1, fp32_grads=True)
 

@@ -24,7 +24,7 @@ from remat.estimate.pricing import Pricing
 from remat.estimate.sharding import StateRecipe
 from remat.estimate.trace import trace_source
 from remat.memory.allowance import NO_ALLOWANCE
-from tests.estimate.published import (
+from benchmarks.published_formulas import (
     korthikanti_full,
     korthikanti_layer,
     megatron_activation_sp_selective,

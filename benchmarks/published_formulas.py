@@ -4,7 +4,9 @@ bias, GeLU MLP of 4h, multi-head attention, bf16): nothing here is computed by r
 - Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
   (arXiv:2205.05198), Table 2: activation bytes per transformer layer;
 - Megatron-LM, ``megatron/training/theoretical_memory_usage.py`` (NVIDIA/Megatron-LM at commit
-  d98e8a64ddf3), ``compute_weight_and_optimizer_memory`` and ``compute_activation_memory``.
+  d98e8a64ddf3), ``compute_weight_and_optimizer_memory`` and ``compute_activation_memory``;
+- Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+  Models", Figure 1 and Table 1: model-state bytes per device under ZeRO's three stages.
 """
 
 from __future__ import annotations
