@@ -65,12 +65,13 @@ def _room(stage: Stage, last: LayerCost, allowed: Sequence[Sequence[LayerCost]],
     ``state + n (pre + sum r) - sum_{j >= i} r_j + w_i <= state + n (pre + sum r) - r_last + max(w_last, w_i - r_i)``
     (every later layer holds at least r_i, the last r_last), and the head at
     ``state + n (pre + sum r) + head``."""
-    state = float(stage.state.total_bytes)
+    state = float(stage.state.total_bytes - stage.state.grad_bytes) + stage.grads_live(0)
     n = stage.in_flight
     slack = max([last.working_bytes] + [o.working_bytes - o.retained_bytes for opts in allowed for o in opts])
     room = (budget_bytes - state - stage.buffer_bytes + last.retained_bytes - slack) / n
     if stage.last:
-        room = min(room, (budget_bytes - state - stage.post_saved_bytes - stage.post_working_bytes) / n)
+        head = stage.state.total_bytes - stage.state.grad_bytes + stage.grads_live(None)
+        room = min(room, (budget_bytes - head - stage.post_saved_bytes - stage.post_working_bytes) / n)
     return room - stage.pre_bytes - last.retained_bytes
 
 

@@ -31,7 +31,7 @@ from remat.estimate.explain import explain_activation_overflow, explain_state_ov
 from remat.estimate.layers import LayerOnGpu, on_gpu, per_gpu
 from remat.estimate.parallel import Parallelism
 from remat.estimate.results import DeviceEstimate, StepTime, StrategyEstimate
-from remat.estimate.sharding import StateRecipe, gpu_state, largest_unit, stage_layers
+from remat.estimate.sharding import StateRecipe, gpu_state, largest_unit, part_grad_bytes, stage_layers
 from remat.estimate.shares import Segment, Split, untokenized
 from remat.estimate.stage import Rates, Stage, StagePeak, StageTime, stage_peak, stage_time
 from remat.estimate.strategies import Choice, choose
@@ -119,8 +119,24 @@ class Pricing:
             post_flops=post[2] if last else 0.0,
             in_flight=par.in_flight(self.micro_batches) if first else 1.0,
             buffer_bytes=2 * layers[-1].hidden_bytes / par.sequence_divisor if par.pipeline > 1 and layers else 0.0,
-            optimizer_temp_bytes=self._step_temp_bytes(self.state(index)),
+            optimizer_temp_bytes=self._step_temp_bytes(self.state(index)), **self._grads(index),
         )
+
+    def _grads(self, index: int) -> dict:
+        """Per-layer and pre-part gradient bytes when gradients appear as the backward makes them:
+        one micro-batch per step, no pipeline (`remat.estimate.stage`); else none (all live)."""
+        if self.micro_batches > 1 or self.parallelism.pipeline > 1:
+            return {}
+        key = ("grads", index)
+        if key not in self._cache:
+            self._cache[key] = self._grad_bytes(index)
+        return self._cache[key]
+
+    def _grad_bytes(self, index: int) -> dict:
+        params, par = self.traced.params, self.parallelism
+        layers = [params.layers[i] for i in stage_layers(self.traced.num_layers, par.pipeline, index)]
+        return dict(layer_grad_bytes=tuple(float(part_grad_bytes(x, par, self.recipe)) for x in layers),
+                    pre_grad_bytes=float(sum(part_grad_bytes(x, par, self.recipe) for x in (params.pre, params.tied))))
 
     def state(self, index: int, zero_stage: int | None = None) -> ModelState:
         """Model state on one GPU of stage ``index`` (at ``zero_stage``, default the recipe's)."""

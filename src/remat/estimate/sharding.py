@@ -129,6 +129,13 @@ def _dense(part: RoleShapes, par: Parallelism) -> list[Shape]:
     return [*_shard(part.tensor, par.tensor), *_shard(part.vocab, par.tensor), *part.whole]
 
 
+def part_grad_bytes(part: RoleShapes, par: Parallelism, recipe: StateRecipe) -> int:
+    """Gradient bytes one GPU holds for ``part`` (sharded over the data-parallel ranks from ZeRO-2 on)."""
+    dense = _sharded(_dense(part, par), par.data, recipe, None)
+    experts = _sharded(_shard(part.expert, par.expert_tensor_size * par.expert), par.expert_data, recipe, None)
+    return dense.grad_bytes + experts.grad_bytes
+
+
 def largest_unit(params: ModelParams, par: Parallelism, stage: int, recipe: StateRecipe) -> ModelState:
     """What ZeRO-3 all-gathers at once on ``stage``: the largest dense shard of one layer (or of
     the embedding and head), unsharded over the data-parallel ranks."""
@@ -154,4 +161,4 @@ def add_states(a: ModelState, b: ModelState) -> ModelState:
 
 
 __all__ = ["ModelParams", "RoleShapes", "StateRecipe", "add_states", "check_layers", "gpu_state", "largest_unit",
-           "stage_layers"]
+           "part_grad_bytes", "stage_layers"]

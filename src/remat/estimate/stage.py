@@ -1,18 +1,21 @@
 """One pipeline stage on one GPU: its peak memory and its time per micro-batch.
 
-Memory, with every gradient live for the whole step (Megatron-LM and PyTorch DDP keep
-gradient buffers allocated; with gradient accumulation or a pipeline every gradient persists
-across micro-batches anyway) and ``n`` the micro-batches in flight (`Parallelism.in_flight`):
+Memory, with ``n`` the micro-batches in flight (`Parallelism.in_flight`):
 
-    layers   = state + n (pre + sum_i retained_i) + buffers - sum_{j >= i} retained_j + working_i
+    layers   = state_i + n (pre + sum_i retained_i) + buffers - sum_{j >= i} retained_j + working_i
                (the backward of layer i of the first micro-batch in flight, i from the last)
-    head     = state + n pre + sum_i retained_i + post saved + post working   (last stage)
+    head     = state_head + n pre + sum_i retained_i + post saved + post working   (last stage)
     optimizer= state + optimizer step temporaries
     peak     = the largest
 
 as `remat.plan.predict` prices a chain (../docs/memory-model.md), with shared tensors made
 before the layers counted once in ``pre``. ``buffers``: the pipeline's send and receive buffers
-(one output activation each way).
+(one output activation each way). Gradients: with one micro-batch per step and no pipeline,
+PyTorch's gradients (set to None between steps) appear as the backward makes them, as the
+planner counts them (`remat.plan.predict.grad_bytes_live`): none at the head's backward, at
+layer i's those of the layers after it (its own are among its working bytes); with several
+micro-batches every gradient persists across them, so every one is live the whole step (as in
+Megatron-LM's contiguous gradient buffers).
 
 Time per micro-batch: forward + backward FLOPs (backward = 2 x forward, the usual count for
 matmuls: one product for the input gradient, one for the weight gradient) and the replayed
@@ -60,6 +63,19 @@ class Stage:
     """Pipeline send and receive buffers."""
     optimizer_temp_bytes: float = 0.0
     """Temporaries of the optimizer step."""
+    layer_grad_bytes: tuple[float, ...] = ()
+    """Gradient bytes of each layer on this GPU (empty: every gradient live the whole step)."""
+    pre_grad_bytes: float = 0.0
+    """Gradient bytes of the parts before the layers (made last, after every layer's backward)."""
+
+    def grads_live(self, layer: int | None) -> float:
+        """Gradient bytes live when the backward of ``layer`` starts (None: the head's)."""
+        total = float(self.state.grad_bytes)
+        if not self.layer_grad_bytes:
+            return total
+        if layer is None:
+            return 0.0
+        return max(0.0, total - self.pre_grad_bytes - sum(self.layer_grad_bytes[: layer + 1]))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -79,20 +95,22 @@ class StagePeak:
 def stage_peak(stage: Stage, costs: Sequence[LayerCost]) -> StagePeak:
     """The peak of ``stage`` with layer ``i`` under ``costs[i]`` (module docstring)."""
     state = float(stage.state.total_bytes)
+    base = state - stage.state.grad_bytes
     n = stage.in_flight
     retained = sum(c.retained_bytes for c in costs)
     held = n * (stage.pre_bytes + retained)
     moments = [StagePeak(peak_bytes=state + stage.optimizer_temp_bytes, phase="optimizer", held_bytes=0.0,
                          working_bytes=stage.optimizer_temp_bytes)]
     freed = 0.0
-    for cost in reversed(costs):
-        freed += cost.retained_bytes
-        on_top = cost.working_bytes + stage.buffer_bytes
-        moments.append(StagePeak(peak_bytes=state + held - freed + on_top, phase="layers", held_bytes=held - freed,
-                                 working_bytes=on_top))
+    for i in range(len(costs) - 1, -1, -1):
+        freed += costs[i].retained_bytes
+        on_top = costs[i].working_bytes + stage.buffer_bytes
+        moments.append(StagePeak(peak_bytes=base + stage.grads_live(i) + held - freed + on_top, phase="layers",
+                                 held_bytes=held - freed, working_bytes=on_top))
     if stage.last:
         head = stage.post_saved_bytes + stage.post_working_bytes
-        moments.append(StagePeak(peak_bytes=state + held + head, phase="head", held_bytes=held, working_bytes=head))
+        moments.append(StagePeak(peak_bytes=base + stage.grads_live(None) + held + head, phase="head", held_bytes=held,
+                                 working_bytes=head))
     return max(moments, key=lambda m: m.peak_bytes)
 
 
