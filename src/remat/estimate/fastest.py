@@ -20,6 +20,7 @@ priced.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -143,22 +144,30 @@ def search(traced: Traced, spec: DeviceSpec, space: SearchSpace, *, recipe: Stat
             pricing = Pricing(traced=traced, micro_batch=b, micro_batches=m, recipe=replace(recipe, zero_stage=zero),
                               parallelism=par, mfu=mfu, allowance=allowance, strategies=STRATEGY_NAMES,
                               network_bytes_per_s=network_bytes_per_s)
-            best = _fastest(pricing, spec, budget)
+            bound = found[top - 1].step_s if len(found) >= top else math.inf
+            best = _fastest(pricing, spec, budget, bound)
             if best is not None:
-                found.append(_candidate(pricing, spec, space, *best))
-    return sorted(found, key=lambda c: c.step_s)[:top]
+                found = sorted([*found, _candidate(pricing, spec, space, *best)], key=lambda c: c.step_s)
+    return found[:top]
 
 
-def _fastest(pricing: Pricing, spec: DeviceSpec, budget: int):
-    """(strategy label, peak, step s) of the fastest strategy that fits; None when none does."""
+def _fastest(pricing: Pricing, spec: DeviceSpec, budget: int, bound: float):
+    """(strategy label, peak, step s) of the fastest strategy that fits, None when none does or
+    when it cannot beat ``bound``: every strategy adds time to no recomputation (replays, transfers;
+    more backward hides no more data-parallel traffic than it adds), so ``none``'s step is a
+    lower bound, and when ``none`` fits it is the fastest."""
     if any(pricing.state(k).total_bytes > budget for k in pricing.stage_indices()):
         return None
     best = None
     for name in ("none", "selective", "full", "optimal"):
         priced = pricing.price(spec, name, pricing.micro_batch, budget)
+        if name == "none" and priced.time.total_s >= bound:
+            return None
         peak = max(p.peak_bytes for p in priced.peaks)
         if peak <= budget and (best is None or priced.time.total_s < best[2]):
             best = (_label(priced.choices), int(peak), priced.time.total_s)
+            if name == "none":
+                return best
     return best
 
 

@@ -140,13 +140,14 @@ class Pricing:
 
     def state(self, index: int, zero_stage: int | None = None) -> ModelState:
         """Model state on one GPU of stage ``index`` (at ``zero_stage``, default the recipe's)."""
-        recipe = self.recipe if zero_stage is None else StateRecipe(
-            optimizer=self.recipe.optimizer, precision=self.recipe.precision, zero_stage=zero_stage,
-            fp32_grads=self.recipe.fp32_grads)
-        t, par = self.traced, self.parallelism
-        count = len(stage_layers(t.num_layers, par.pipeline, index))
-        buffers = count * t.block_buffer_bytes + (t.fixed_buffer_bytes if index == 0 else 0)
-        return gpu_state(t.params, par, index, recipe, buffer_bytes=buffers)
+        key = ("state", index, zero_stage)
+        if key not in self._cache:
+            recipe = self.recipe if zero_stage is None else replace(self.recipe, zero_stage=zero_stage)
+            t, par = self.traced, self.parallelism
+            count = len(stage_layers(t.num_layers, par.pipeline, index))
+            buffers = count * t.block_buffer_bytes + (t.fixed_buffer_bytes if index == 0 else 0)
+            self._cache[key] = gpu_state(t.params, par, index, recipe, buffer_bytes=buffers)
+        return self._cache[key]
 
     def _step_temp_bytes(self, state: ModelState) -> int:
         """A fused optimizer step (``fused=True``, DeepSpeed FusedAdam) allocates nothing. PyTorch's
