@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def _config(tmp_path, **cfg) -> str:
 
 
 def _hf_param_count(path: str) -> int:
-    data = json.loads(open(path).read())
+    data = json.loads(Path(path).read_text())
     config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
