@@ -55,18 +55,24 @@ def check_batch_device(model: nn.Module, batch: Any) -> None:
             )
 
 
-def call_model(model: nn.Module, batch: Any) -> Any:
-    """Run ``model`` on ``batch`` by the calling convention."""
+def call_arguments(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments the calling convention passes to the model."""
     if isinstance(batch, torch.Tensor):
-        return model(batch)
+        return (batch,), {}
     if isinstance(batch, Mapping):
-        return model(**batch)
+        return (), dict(batch)
     if isinstance(batch, (tuple, list)):
-        return model(*batch)
+        return tuple(batch), {}
     raise TypeError(
         f"batch of type {type(batch).__name__} is not supported; pass a tensor (model(batch)), "
         "a tuple/list (model(*batch)) or a dict (model(**batch))."
     )
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """Run ``model`` on ``batch`` by the calling convention."""
+    args, kwargs = call_arguments(batch)
+    return model(*args, **kwargs)
 
 
 def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None = None) -> torch.Tensor:

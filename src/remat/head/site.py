@@ -1,0 +1,235 @@
+"""Find a model's head: its output projection, where the labels come in, the loss it computes.
+
+A registry keyed by model class (matched by qualified name along the class's MRO, so that
+finding a Hugging Face model's head does not import transformers) gives a `HeadKind`: how the
+model is called with labels, which module projects the hidden states to logits, its loss
+convention (`remat.head.loss.TokenLoss`) and how to return the loss without the logits:
+
+- Hugging Face causal LMs (``PreTrainedModel`` with ``get_output_embeddings()`` and a
+  ``labels`` argument): ``labels`` (plus ``num_items_in_batch``, ``shift_labels``), the
+  output embeddings, ``ForCausalLMLoss``; the output comes back with ``logits=None``.
+- the built-in GPT (`remat.models.gpt.GPT`): ``targets``, ``head``, plain cross-entropy; the
+  loss is the output, as without a plan.
+
+`find_head` checks what it can see in the structure (a plain ``nn.Linear``, the standard loss,
+no known logit transform such as Gemma-2's final soft-capping); `remat.measure.head` then
+checks on the real batch that the model's loss is bit for bit the convention's loss of the
+projection's output. Any other model has no head part: its loss stays in the fixed part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.head.loss import LossInputs, TokenLoss, reference_loss
+
+__all__ = ["HeadSite", "HeadKind", "find_head", "kind_named", "bind_call", "capture_projection", "Captured", "KINDS"]
+
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""Hugging Face config fields of models that change the logits between the projection and the
+loss (Gemma-2 soft-capping, Cohere's scale, Granite's scaling): such a head is refused."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class HeadSite:
+    """A model's head, found: what runs it and what it computes (no tensors, no modules)."""
+
+    kind: str
+    """Registry key of the `HeadKind`: ``"hf-causal-lm"`` or ``"remat-gpt"``."""
+    projection: str
+    """Qualified name of the output projection (an ``nn.Linear``), e.g. ``"lm_head"``."""
+    labels_arg: str
+    """The forward's argument that carries the labels (``"labels"``, ``"targets"``)."""
+    loss: TokenLoss
+    """The loss the model computes from the logits."""
+    tied: bool
+    """The projection's weight is also another module's (input embedding): its gradient waits
+    for that module's backward before it is accumulated."""
+
+
+class HeadKind:
+    """How one family of models runs its head (subclasses are the registry's values)."""
+
+    name = ""
+    labels_arg = "labels"
+    token_loss = TokenLoss(shift=True, upcast=True)
+
+    def projection(self, model: nn.Module) -> nn.Module | None:
+        raise NotImplementedError
+
+    def refusal(self, model: nn.Module) -> str:
+        """Why this model's head cannot be planned, from its structure ('' when it can)."""
+        return ""
+
+    def loss_inputs(self, arguments: dict[str, Any]) -> LossInputs:
+        """The labels and loss keywords of one call (bound arguments of the forward)."""
+        return LossInputs(labels=arguments[self.labels_arg])
+
+    def loss_extra(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments the model passes on to its loss besides logits and labels."""
+        return {}
+
+    def model_loss(self, model: nn.Module, logits: torch.Tensor, inputs: LossInputs, extra: dict[str, Any]) -> torch.Tensor:
+        """The loss exactly as the model computes it from ``logits``."""
+        return reference_loss(logits, inputs, self.token_loss)
+
+    def output(self, output: Any, loss: torch.Tensor) -> Any:
+        """The output of a call made without labels, turned into that of the call with them
+        (and without logits)."""
+        return loss
+
+    def logits_of(self, output: Any) -> Any:
+        """What the model returned as logits from a call without labels."""
+        return output
+
+
+class GPTHead(HeadKind):
+    """`remat.models.gpt.GPT`: ``forward(idx, targets)``, ``head``, mean cross-entropy."""
+
+    name = "remat-gpt"
+    labels_arg = "targets"
+    token_loss = TokenLoss(shift=False, upcast=False)
+
+    def projection(self, model: nn.Module) -> nn.Module | None:
+        return getattr(model, "head", None)
+
+
+class HFCausalLMHead(HeadKind):
+    """Hugging Face ``*ForCausalLM``: ``labels``, ``get_output_embeddings()``, ``ForCausalLMLoss``."""
+
+    name = "hf-causal-lm"
+
+    def projection(self, model: nn.Module) -> nn.Module | None:
+        get = getattr(model, "get_output_embeddings", None)
+        return get() if callable(get) else None
+
+    def refusal(self, model: nn.Module) -> str:
+        config = getattr(model, "config", None)
+        for field in LOGIT_TRANSFORMS:
+            if getattr(config, field, None) not in (None, 1, 1.0):
+                return (f"{type(model).__name__} transforms its logits after the projection (config.{field}="
+                        f"{getattr(config, field)!r}); the head is planned only as a projection followed by the loss")
+        if "labels" not in inspect.signature(model.forward).parameters:
+            return f"{type(model).__name__}.forward takes no labels argument"
+        loss_fn = getattr(model, "loss_function", None)
+        if getattr(loss_fn, "__name__", "") != "ForCausalLMLoss":
+            return (f"{type(model).__name__}'s loss is {getattr(loss_fn, '__name__', type(loss_fn).__name__)}, "
+                    "not transformers' ForCausalLMLoss")
+        return ""
+
+    def loss_inputs(self, arguments: dict[str, Any]) -> LossInputs:
+        extra = arguments.get("kwargs", {})
+        return LossInputs(labels=arguments["labels"], num_items_in_batch=extra.get("num_items_in_batch"),
+                          shift_labels=extra.get("shift_labels"))
+
+    def model_loss(self, model: nn.Module, logits: torch.Tensor, inputs: LossInputs, extra: dict[str, Any]) -> torch.Tensor:
+        return model.loss_function(logits=logits, labels=inputs.labels, vocab_size=model.config.vocab_size, **extra)
+
+    def loss_extra(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        return dict(arguments.get("kwargs", {}))
+
+    def output(self, output: Any, loss: torch.Tensor) -> Any:
+        if not hasattr(output, "items"):
+            raise ValueError(
+                f"the model returned {type(output).__name__}; a planned head needs the Hugging Face output "
+                "object. Call the model with return_dict=True (the default) or plan the head as keep."
+            )
+        fields = {k: v for k, v in output.items() if k not in ("loss", "logits")}
+        return type(output)(loss=loss, **fields)
+
+    def logits_of(self, output: Any) -> Any:
+        return getattr(output, "logits", None)
+
+
+KINDS: dict[str, HeadKind] = {
+    "remat.models.gpt.GPT": GPTHead(),
+    "transformers.modeling_utils.PreTrainedModel": HFCausalLMHead(),
+}
+"""Head kinds keyed by the qualified name of a model class (the first match along the MRO)."""
+
+
+def _kind_of(model: nn.Module) -> HeadKind | None:
+    for cls in type(model).__mro__:
+        kind = KINDS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if kind is not None:
+            return kind
+    return None
+
+
+def kind_named(name: str) -> HeadKind:
+    """The `HeadKind` registered under ``name`` (`HeadSite.kind`)."""
+    for kind in KINDS.values():
+        if kind.name == name:
+            return kind
+    raise ValueError(f"unknown head kind {name!r}; known: {', '.join(k.name for k in KINDS.values())}.")
+
+
+def find_head(model: nn.Module) -> tuple[HeadSite | None, str]:
+    """``(site, "")`` for a model whose head can be planned, else ``(None, why not)``."""
+    kind = _kind_of(model)
+    if kind is None:
+        return None, f"{type(model).__name__} is not a language model remat knows the head of (Hugging Face *ForCausalLM, the built-in GPT)"
+    projection = kind.projection(model)
+    if type(projection) is not nn.Linear:
+        return None, f"the output projection of {type(model).__name__} is {type(projection).__name__}, not a plain nn.Linear"
+    reason = kind.refusal(model)
+    if reason:
+        return None, reason
+    name = next(n for n, m in model.named_modules() if m is projection)
+    site = HeadSite(kind=kind.name, projection=name, labels_arg=kind.labels_arg, loss=kind.token_loss,
+                    tied=_is_tied(model, projection))
+    return site, ""
+
+
+def _is_tied(model: nn.Module, projection: nn.Module) -> bool:
+    """The projection's weight is registered under another module too (tied to the embedding)."""
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is projection.weight]
+    return len(names) > 1
+
+
+def bind_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+              forward: Callable[..., Any] | None = None) -> inspect.BoundArguments:
+    """The call's arguments bound to the model's forward signature (defaults not applied)."""
+    return inspect.signature(forward or model.forward).bind(*args, **kwargs)
+
+
+@dataclass
+class Captured:
+    """What the projection received and returned during one captured call."""
+
+    hidden: torch.Tensor | None = None
+    """Its input: the hidden states."""
+    output: Any = None
+    """What it returned."""
+    calls: int = 0
+    """How often it was called."""
+
+
+@contextlib.contextmanager
+def capture_projection(projection: nn.Module, *, run: bool) -> Iterator[Captured]:
+    """While open, the projection records its input; ``run``: it computes its output as usual,
+    else it returns an empty tensor instead of the logits (which then never exist)."""
+    captured = Captured()
+    previous = projection.__dict__.get("forward")
+    own = type(projection).forward.__get__(projection) if previous is None else previous
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        captured.hidden, captured.calls = hidden, captured.calls + 1
+        captured.output = own(hidden) if run else hidden.new_empty(0)
+        return captured.output
+
+    projection.forward = forward
+    try:
+        yield captured
+    finally:
+        if previous is None:
+            del projection.__dict__["forward"]
+        else:
+            projection.forward = previous
