@@ -57,6 +57,7 @@ from remat.measure.blocks import Blocks, find_blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.faults import FaultCount, first_touch_ms_per_byte
 from remat.measure.fingerprint import fingerprint
+from remat.measure.head import HeadBoundary, capture_head, chunk_candidates, measure_head
 from remat.measure.ops import OpRecorder
 from remat.measure.overhead import (BlockOverheads, capture_block_inputs, measure_checkpoint_call_ms, measure_overheads,
                                     uncacheable_share)
@@ -65,6 +66,7 @@ from remat.measure.storage import distinct_bytes
 from remat.measure.state import StateSnapshot, buffer_bytes, grad_bytes, optimizer_state_bytes, param_bytes
 from remat.measure.timing import Clock, StepTimer, StepTimes, median_times, without_instrumentation
 from remat.measure.tracker import ACT_PREFIX, LiveTracker, StepTracking
+from remat.head.site import HeadSite, find_head
 from remat.measure.types import BlockProfile, Environment, OpRecord, Profile
 
 STATE_LABELS = ("parameters", "buffers", "optimizer_state")
@@ -82,21 +84,26 @@ def profile(
     warmup: int = 1,
     repeats: int = 5,
     progress: Progress | None = None,
+    head_chunks: Sequence[int] | None = None,
 ) -> Profile:
     """Measure ``model`` on ``batch`` (calling convention of `remat._batch`) block by block.
 
     ``blocks``: None to detect them, or glob(s) over qualified module names / class names.
     ``warmup``: plain steps before measuring (at least one runs). ``repeats``: timed steps.
     ``progress(done, total, stage)`` is called after each step or forward it runs.
+    ``head_chunks``: chunk sizes (tokens) of the chunked head to measure (None: `chunk_candidates`).
     """
     _check_counts(warmup, repeats)
     check_batch_device(model, batch)
     block_list = find_blocks(model, blocks)
     device = model_device(model)
+    site, note = find_head(model) if loss_fn is None else (None, "the loss is a loss_fn outside the model")
     snapshot = StateSnapshot(model, optimizer)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _cache_off(model, device):
-            return _measure(_Step(model, batch, loss_fn, optimizer), block_list, warmup, repeats, progress)
+            step = _Step(model, batch, loss_fn, optimizer, site)
+            prof, windows = _measure(step, block_list, warmup, repeats, progress)
+            return _with_head(step, prof, windows, note, head_chunks, repeats)
     finally:
         snapshot.restore()
 
@@ -124,6 +131,8 @@ class _Step:
     batch: Any
     loss_fn: LossFn | None
     optimizer: torch.optim.Optimizer | None
+    site: HeadSite | None = None
+    """The model's head part, when it has one (`remat.head.site.find_head`)."""
 
     def run(self, marks: StepBoundaries | None = None) -> None:
         emit = marks.emit if marks is not None else (lambda *a: None)
@@ -144,7 +153,8 @@ class _Step:
         compute_loss(call_model(self.model, self.batch), self.batch, self.loss_fn)
 
 
-def _measure(step: _Step, block_list: Blocks, warmup: int, repeats: int, progress: Progress | None) -> Profile:
+def _measure(step: _Step, block_list: Blocks, warmup: int, repeats: int,
+             progress: Progress | None) -> tuple[Profile, _Windows]:
     report = _Reporter(progress, max(warmup, 1) + 1 + repeats + (repeats - 1))
     for _ in range(max(warmup, 1)):
         step.run()
@@ -169,7 +179,27 @@ def _measure(step: _Step, block_list: Blocks, warmup: int, repeats: int, progres
         device, repeats=repeats, clock=Clock(device), touch_ms_per_byte=touch)
     prof = _assemble(step, block_list, memory, steps, overheads, touch)
     least = min((b.recompute_overhead_ms for b in prof.blocks), default=0.0)
-    return dataclasses.replace(prof, checkpoint_call_ms=min(call_ms, least))
+    return dataclasses.replace(prof, checkpoint_call_ms=min(call_ms, least)), memory.windows
+
+
+def _with_head(step: _Step, prof: Profile, windows: _Windows, note: str, chunks: Sequence[int] | None,
+               repeats: int) -> Profile:
+    """The profile with its head part measured (`remat.measure.head`), or the reason it has none.
+    Not on the meta device: `remat.estimate` scales the head from its formulas
+    (`remat.memory.head`), not from one traced micro-batch."""
+    if step.site is None or model_device(step.model).type == "meta":
+        return dataclasses.replace(prof, head_note=note or "the meta device: nothing runs to measure")
+    capture, note = capture_head(step.model, step.batch, step.site)
+    if capture is None:
+        return dataclasses.replace(prof, head_note=note)
+    post = prof.fixed_post_saved_bytes
+    split = windows.post_head_temp_bytes is not None  # else the head's backward ended the window
+    head = measure_head(
+        capture, post_head_bytes=post + (windows.post_head_temp_bytes if split else windows.post_temp_bytes),
+        post_rest_bytes=post + windows.post_rest_temp_bytes if split else 0,
+        chunks=chunk_candidates(capture.hidden.numel() // capture.hidden.size(-1)) if chunks is None else tuple(chunks),
+        repeats=repeats, touch_ms_per_byte=prof.first_touch_ms_per_byte)
+    return dataclasses.replace(prof, head=head)
 
 
 class _Reporter:
@@ -198,10 +228,16 @@ class _Windows:
         self.block_fwd_temp_bytes = [0] * len(block_names)
         self.block_fwd_start_bytes = [0] * len(block_names)
         self.post_temp_bytes = 0
+        self.post_head_temp_bytes: int | None = None
+        """Of the post window, the peak up to the end of the head's backward (``head_bwd_end``);
+        ``post_temp_bytes`` then covers the rest, and the larger of the two at the close."""
         self.optimizer_temp_bytes = 0
         self.grads_at_first_block_bytes = 0  # gradients live when block 0's backward starts
+        self.post_rest_temp_bytes = 0
         self._open: int | None = None  # block index, len(names) for the post part
         self._opt_start_bytes = 0
+        self._labels: list[str] = []
+        self._offset = 0
 
     def __call__(self, event: Boundary) -> None:
         if event.kind == "fwd_start":
@@ -212,6 +248,9 @@ class _Windows:
             self.block_fwd_temp_bytes[event.index] = self.tracker.close_window() - own
         elif event.kind == "bwd_begin":
             self._start(len(self.names), self.names, POST)
+        elif event.kind == "head_bwd_end" and self._open == len(self.names):
+            self.post_head_temp_bytes = self.tracker.close_window()
+            self.tracker.open_window(self._labels, offset_bytes=self._offset)
         elif event.kind == "bwd_start":
             self._close()
             self._start(event.index, self.names[: event.index], self.names[event.index])
@@ -233,14 +272,16 @@ class _Windows:
         if index == 0:
             self.grads_at_first_block_bytes = grads_live
         watch = ACT_PREFIX + own if index < len(self.names) else None
-        self.tracker.open_window(labels, offset_bytes=self.accountant.segment_bytes(own) + grads_live, watch_label=watch)
+        self._labels, self._offset = labels, self.accountant.segment_bytes(own) + grads_live
+        self.tracker.open_window(labels, offset_bytes=self._offset, watch_label=watch)
 
     def _close(self) -> None:
         if self._open is None:
             return
         peak = self.tracker.close_window()
         if self._open == len(self.names):
-            self.post_temp_bytes = peak
+            self.post_temp_bytes = max(peak, self.post_head_temp_bytes or peak)
+            self.post_rest_temp_bytes = peak
         else:
             self.block_temp_bytes[self._open] = peak
             own = self.names[self._open]
@@ -285,7 +326,9 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
                           live_bytes=lambda: tracking.tracker.live_bytes)
     windows.storage_id = recorder.storage_id
     tracking.boundaries.listeners += [windows, _ForwardGate(recorder)]
-    with recorder, tracking:
+    head = contextlib.nullcontext() if step.site is None else HeadBoundary(
+        step.model.get_submodule(step.site.projection), tracking.boundaries.emit)
+    with recorder, tracking, head:
         step.run(tracking.boundaries)
     accountant, tracker = tracking.accountant, tracking.tracker
     return _Accounting(

@@ -202,6 +202,82 @@ class MemoryEvent:
 
 
 @dataclass(kw_only=True, frozen=True)
+class HeadOption:
+    """One way to run the head, measured alone on the real hidden states and labels
+    (`remat.measure.head`). Bytes are live storages counted from the head's input on: the
+    hidden states, and everything the head allocates (its gradients included)."""
+
+    strategy: str
+    """``keep``, ``recompute`` or ``chunked:<tokens>`` (`remat.head.strategies`)."""
+    saved_bytes: int
+    """Bytes autograd saves for the head's backward through saved-tensor hooks, the hidden
+    states included (under ``keep``: the head's share of ``Profile.fixed_post_saved_bytes``)."""
+    held_bytes: int
+    """Bytes live from the end of the head's forward to its backward: the hidden states, what
+    the strategy keeps, the loss."""
+    fwd_peak_bytes: int
+    """Peak live bytes during the head's forward."""
+    bwd_peak_bytes: int
+    """Peak live bytes during the head's backward, up to the gradients of the hidden states and
+    of the projection's parameters, which it leaves behind."""
+    fwd_ms: float
+    """Median forward time, less the page faults it took (the planner prices fresh memory for
+    the whole step from its peak: `remat.plan.predict.fresh_memory`)."""
+    bwd_ms: float
+    """Median backward time, less the page faults it took."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class HeadProfile:
+    """The head part: the output projection and the token loss after the last block.
+
+    Byte model (`remat.plan.head`), above the model state, the pre part's and every block's
+    retained bytes: the rest of the post part saves ``rest = Profile.fixed_post_saved_bytes -
+    keep.saved_bytes`` (a final norm) and holds it through the head. Under a strategy ``s``
+    the post part then peaks at ``max(rest + s.fwd_peak_bytes, post_head_bytes +
+    s.bwd_peak_bytes - keep.bwd_peak_bytes, post_rest_bytes)``: the head's forward, its
+    backward, and the rest of the post part's backward (which sees the same gradients under
+    every strategy)."""
+
+    projection: str
+    """Qualified name of the output projection."""
+    kind: str
+    """The model family (`remat.head.site.HeadSite.kind`)."""
+    labels_arg: str
+    """The forward's argument that carries the labels."""
+    tied: bool
+    """The projection's weight is tied to the input embedding."""
+    num_tokens: int
+    """Rows of logits: batch x sequence."""
+    hidden_size: int
+    """Input features of the projection."""
+    vocab_size: int
+    """Output features of the projection (the vocabulary)."""
+    dtype: str
+    """dtype of the hidden states, e.g. ``"float32"``."""
+    upcast: bool
+    """The loss upcasts the logits to fp32 (Hugging Face)."""
+    post_head_bytes: int
+    """Peak of the baseline step's post part from ``loss.backward()`` to the end of the head's
+    backward (the gradient of the hidden states), measured inside the step: the model's own
+    keep head (the tests check it equals ``rest + keep.bwd_peak_bytes``)."""
+    post_rest_bytes: int
+    """Peak of the baseline step's post part from the end of the head's backward to the last
+    block's backward (the final norm's backward, with the head's gradients live)."""
+    options: tuple[HeadOption, ...]
+    """``keep`` first, then ``recompute`` and each measured chunk size."""
+
+    def option(self, strategy: str) -> HeadOption:
+        """The measured option named ``strategy``."""
+        for candidate in self.options:
+            if candidate.strategy == strategy:
+                return candidate
+        measured = ", ".join(o.strategy for o in self.options)
+        raise ValueError(f"head strategy {strategy!r} was not measured; measured: {measured}. Profile with "
+                         "head_chunks=(...) naming its chunk size.")
+
+
+@dataclass(kw_only=True, frozen=True)
 class Profile:
     """Everything `remat.plan` needs, measured on the real model on its device."""
 
@@ -267,6 +343,11 @@ class Profile:
     it runs (RNG state saved and restored, the checkpoint's frame, the buffer guard): a segment
     of k blocks pays it once, not k times (`remat.measure.overhead.measure_checkpoint_call_ms`;
     never above any block's ``recompute_overhead_ms``; 0: not measured)."""
+    head: HeadProfile | None = None
+    """The head part (output projection and loss), measured per head strategy; None when the
+    model has no head remat can plan (``head_note`` says why): its loss stays in the fixed part."""
+    head_note: str = ""
+    """Why there is no head part ('' when there is one)."""
 
     @property
     def num_blocks(self) -> int:

@@ -1,0 +1,81 @@
+"""Finding a model's head, and refusing the heads that are not a projection followed by the loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from remat.head.site import find_head
+from remat.measure.profile import profile
+from remat.models import build
+from remat.models.gpt import GPT, GPTConfig
+from head_models import SIZES, tiny
+
+
+def test_the_three_language_models():
+    gpt, llama, gpt2 = (find_head(tiny(name).model)[0] for name in ("gpt", "hf:llama", "hf:gpt2"))
+    assert (gpt.kind, gpt.projection, gpt.labels_arg, gpt.tied) == ("remat-gpt", "head", "targets", False)
+    assert (gpt.loss.shift, gpt.loss.upcast, gpt.loss.ignore_index) == (False, False, -100)
+    assert (llama.kind, llama.projection, llama.labels_arg, llama.tied) == ("hf-causal-lm", "lm_head", "labels", False)
+    assert (llama.loss.shift, llama.loss.upcast) == (True, True)
+    assert (gpt2.projection, gpt2.tied) == ("lm_head", True)  # GPT-2 ties lm_head to the token embedding
+
+
+def test_a_model_without_a_language_model_head_has_none():
+    site, why = find_head(build("mlp", depth=2, width=8, batch_size=2).model)
+    assert site is None and "is not a language model remat knows the head of" in why
+
+
+def test_a_projection_that_is_not_a_plain_linear_is_refused():
+    model = tiny("gpt").model
+    model.head = nn.Sequential(nn.Linear(32, 300, bias=False))
+    assert "is Sequential, not a plain nn.Linear" in find_head(model)[1]
+
+
+def test_a_hugging_face_model_with_another_loss_is_refused():
+    model = tiny("hf:llama").model
+    model.loss_function = lambda logits, labels, vocab_size, **kw: F.cross_entropy(logits.view(-1, vocab_size), labels.view(-1))
+    assert "not transformers' ForCausalLMLoss" in find_head(model)[1]
+
+
+def test_gemma2_soft_capping_is_refused():
+    import transformers
+
+    config = transformers.Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=32)
+    site, why = find_head(transformers.Gemma2ForCausalLM(config))
+    assert site is None and "config.final_logit_softcapping=30.0" in why
+
+
+class ScaledGPT(GPT):
+    """A GPT whose loss is not the cross-entropy of its projection's output: it scales the logits."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(idx.size(1), device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = 2.0 * self.head(self.ln_f(x))
+        return logits if targets is None else F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def _scaled_gpt():
+    config = GPTConfig(**{k: v for k, v in SIZES.items()}, dropout=0.0)
+    model = ScaledGPT(config)
+    tokens = torch.randint(0, config.vocab_size, (config.batch_size, config.seq_len + 1))
+    return model, (tokens[:, :-1], tokens[:, 1:])
+
+
+def test_profile_says_why_there_is_no_head_part():
+    model, batch = _scaled_gpt()
+    assert find_head(model)[0] is not None  # its structure is the GPT's...
+    result = profile(model, batch, repeats=1)
+    assert result.head is None  # ...but its loss is not the projection's cross-entropy
+    assert "the model's loss" in result.head_note and "is not the token cross-entropy of its projection's output" in result.head_note
+
+    built = tiny("hf:llama")
+    del built.batch["labels"]
+    result = profile(built.model, built.batch, loss_fn=lambda out, batch: out.logits.mean(), repeats=1)
+    assert result.head is None and result.head_note == "the loss is a loss_fn outside the model"
