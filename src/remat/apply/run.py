@@ -159,10 +159,9 @@ def verify_job(plan: Plan, model_name: str = DEMO_MODEL, *, sizes: dict[str, Any
 
 def demo_budgets(profile: Profile, baseline: Plan, fractions: Sequence[float] = DEMO_BUDGET_FRACTIONS) -> list[int]:
     """The optimal rows' budgets: ``fractions`` of the way from the floor to the baseline."""
-    from remat.plan.planners import make_plan
-    from remat.plan.search import OptimalSearch
+    from remat.plan.planners import min_peak_plan
 
-    floor = make_plan(profile, OptimalSearch(profile).min_peak_segments(), "optimal", None).prediction.peak_bytes
+    floor = min_peak_plan(profile).prediction.peak_bytes
     top = baseline.prediction.peak_bytes
     return sorted({int(floor + f * (top - floor)) for f in fractions})  # one row when floor == top
 

@@ -22,13 +22,14 @@ from typing import Callable
 from remat.measure.types import Profile
 from remat.plan.available import check_available, fall_back
 from remat.plan.budget import format_bytes, parse_budget
+from remat.plan.head import check_head, head_choices, priced_profile
 from remat.plan.infeasible import check_state_fits, infeasible_error
 from remat.plan.predict import predict
 from remat.plan.policies import policy
 from remat.plan.search import OptimalSearch, plan_floor
 from remat.plan.types import Plan, Segment
 
-__all__ = ["plan", "pareto", "STRATEGIES", "make_plan"]
+__all__ = ["plan", "pareto", "STRATEGIES", "make_plan", "min_peak_plan"]
 
 FixedPlanner = Callable[[Profile, str, int | None], tuple[Segment, ...]]
 STRATEGIES: dict[str, FixedPlanner] = {}
@@ -43,9 +44,14 @@ def _strategy(name: str) -> Callable[[FixedPlanner], FixedPlanner]:
     return wrap
 
 
-def plan(profile: Profile, budget: int | str | None = None, strategy: str = "optimal") -> Plan:
+def plan(profile: Profile, budget: int | str | None = None, strategy: str = "optimal", head: str | None = None) -> Plan:
     """A plan for ``profile`` under ``budget``: bytes, or text for `parse_budget` (``"6GiB"``,
-    ``"40%"`` of the profile's measured peak, or of the predicted no-recomputation peak)."""
+    ``"40%"`` of the profile's measured peak, or of the predicted no-recomputation peak).
+
+    ``head``: how the output projection and loss run (`remat.plan.head`): ``keep``, ``recompute``
+    or ``chunked:<tokens>`` (a measured chunk size); None: the optimal planner searches every
+    head strategy the profile measured (one more choice around the blocks' search), the other
+    planners keep the head."""
     if isinstance(budget, str):
         budget = parse_budget(budget, _baseline_peak(profile))
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
@@ -57,13 +63,21 @@ def plan(profile: Profile, budget: int | str | None = None, strategy: str = "opt
         raise ValueError(
             f"unknown strategy {strategy!r}; allowed: none, full, every:K, sqrt, selective:<policy>, optimal."
         )
+    if kind == "optimal":
+        _no_argument(strategy)
+    if head is not None:
+        check_head(profile, head)
+    heads = (head,) if head is not None else head_choices(profile) if kind == "optimal" else ("keep",)
     if budget is not None:
-        floor_bytes, floor_name = plan_floor(profile)
+        floor_bytes, floor_name = min(plan_floor(priced_profile(profile, h)) for h in heads)
         check_state_fits(profile, budget, floor_bytes, floor_name)
-    segments = fall_back(profile, STRATEGIES[kind](profile, strategy, budget))
-    result = make_plan(profile, segments, strategy, budget)
+    if kind == "optimal":
+        result = _optimal_plan(profile, heads, budget)
+    else:
+        segments = fall_back(profile, STRATEGIES[kind](priced_profile(profile, heads[0]), strategy, budget))
+        result = make_plan(profile, segments, strategy, budget, head=heads[0])
     if budget is not None and result.prediction.peak_bytes > budget:
-        best = make_plan(profile, OptimalSearch(profile).min_peak_segments(), "optimal", None).prediction
+        best = min_peak_plan(profile).prediction
         if best.peak_bytes > budget:
             raise infeasible_error(budget, best, "any plan")
         raise ValueError(
@@ -81,25 +95,54 @@ def _baseline_peak(profile: Profile) -> int:
     return predict(profile, keep).peak_bytes
 
 
-def make_plan(profile: Profile, segments: tuple[Segment, ...], strategy: str, budget: int | None) -> Plan:
-    """A Plan of ``segments`` with its prediction and the profile's fingerprint; ValueError when a
-    segment's strategy cannot run on one of its blocks (`remat.plan.available`)."""
+def make_plan(profile: Profile, segments: tuple[Segment, ...], strategy: str, budget: int | None,
+              head: str = "keep") -> Plan:
+    """A Plan of ``segments`` and ``head`` with its prediction and the profile's fingerprint;
+    ValueError when a segment's strategy cannot run on one of its blocks (`remat.plan.available`)."""
     check_available(profile, segments)
     return Plan(
         segments=tuple(segments),
         block_names=tuple(b.name for b in profile.blocks),
         strategy_name=strategy,
         budget_bytes=budget,
-        prediction=predict(profile, segments),
+        prediction=predict(profile, segments, head),
         fingerprint=profile.fingerprint,
+        head=head,
     )
+
+
+def _optimal_plan(profile: Profile, heads: tuple[str, ...], budget: int | None) -> Plan:
+    """The fastest plan under ``budget`` over ``heads``: the blocks' optimal search on the
+    profile priced with each head strategy (`remat.plan.head.priced_profile`), then the least
+    predicted step time (of equal times, the lower peak)."""
+    if budget is None:
+        return make_plan(profile, _none(profile, "none", None), "optimal", None, head=heads[0])
+    plans = []
+    for head in heads:
+        segments = OptimalSearch(priced_profile(profile, head)).best_segments(budget)
+        if segments is not None:
+            plans.append(make_plan(profile, segments, "optimal", budget, head=head))
+    if not plans:
+        space = "keep, recompute, nested segments and selective policies"
+        if heads != ("keep",):
+            space += f", the head as {' or '.join(heads)}"
+        raise infeasible_error(budget, min_peak_plan(profile, heads).prediction, space)
+    return min(plans, key=lambda p: (p.prediction.step_ms, p.prediction.peak_bytes))
+
+
+def min_peak_plan(profile: Profile, heads: tuple[str, ...] | None = None) -> Plan:
+    """The plan with the least predicted peak over the whole plan space (every head strategy
+    measured, or ``heads``)."""
+    plans = [make_plan(profile, OptimalSearch(priced_profile(profile, h)).min_peak_segments(), "optimal", None, head=h)
+             for h in heads or head_choices(profile)]
+    return min(plans, key=lambda p: (p.prediction.peak_bytes, p.prediction.step_ms))
 
 
 def pareto(profile: Profile) -> list[Plan]:
     """Optimal plans from no recomputation down to the minimum feasible peak, by falling peak;
-    each is faster than every plan with a lower predicted peak."""
-    search = OptimalSearch(profile)
-    plans = [make_plan(profile, segs, "optimal", None) for segs in search.frontier_segments()]
+    each is faster than every plan with a lower predicted peak (over every head strategy)."""
+    plans = [make_plan(profile, segs, "optimal", None, head=head) for head in head_choices(profile)
+             for segs in OptimalSearch(priced_profile(profile, head)).frontier_segments()]
     plans.sort(key=lambda p: (p.prediction.peak_bytes, p.prediction.step_ms))
     frontier: list[Plan] = []
     for candidate in plans:
@@ -149,15 +192,9 @@ def _selective(profile: Profile, strategy: str, budget: int | None) -> tuple[Seg
 
 @_strategy("optimal")
 def _optimal(profile: Profile, strategy: str, budget: int | None) -> tuple[Segment, ...]:
+    """The blocks of the optimal plan with the head kept (`plan` searches the head too)."""
     _no_argument(strategy)
-    search = OptimalSearch(profile)
-    if budget is None:
-        return _none(profile, "none", None)
-    segments = search.best_segments(budget)
-    if segments is None:
-        best = make_plan(profile, search.min_peak_segments(), "optimal", None).prediction
-        raise infeasible_error(budget, best, "keep, recompute, nested segments and selective policies")
-    return segments
+    return _optimal_plan(profile, ("keep",), budget).segments
 
 
 def _recompute_runs(num_blocks: int, length: int) -> tuple[Segment, ...]:

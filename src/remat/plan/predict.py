@@ -17,9 +17,14 @@ the same sum applies one nesting level down. Each refinement lives in one functi
 backward temporaries in `remat.plan.costs.working_bytes`, gradients in `grad_bytes_live`,
 per-strategy terms (incl. offload in flight) in the cost registry.
 
+The post phase's bytes depend on the plan's head strategy (keep, recompute, chunked: output
+projection and loss); `remat.plan.head.priced_profile` writes them into the profile's post
+part before the sum above.
+
 Step time = baseline forward + backward + optimizer step + the extra time of every block cost
 (one replay per recompute nesting level; selective: the ops it does not save; offload: exposed
-transfer), less the fresh memory the plan no longer faults in (`fresh_memory`).
+transfer) and of the head strategy (`remat.plan.head.head_extra_ms`), less the fresh memory the
+plan no longer faults in (`fresh_memory`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 from remat.measure.types import Profile
 from remat.plan.chain_dp import deep_recursion
 from remat.plan.costs import cost_of, replay_working_bytes
+from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
 from remat.plan.types import Plan, Prediction, Segment
 
 __all__ = ["predict", "layout_peak", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments"]
@@ -43,18 +49,25 @@ class _Peak:
     working_bytes: int
 
 
-def predict(profile: Profile, plan_or_segments: Plan | tuple[Segment, ...] | list[Segment]) -> Prediction:
-    """Predicted peak bytes, step time and breakdown of a plan (or top-level segments)."""
-    segments = tuple(plan_or_segments.segments if isinstance(plan_or_segments, Plan) else plan_or_segments)
+def predict(profile: Profile, plan_or_segments: Plan | tuple[Segment, ...] | list[Segment],
+            head: str = "keep") -> Prediction:
+    """Predicted peak bytes, step time and breakdown of a plan (or of top-level segments with
+    the head strategy ``head``; a plan carries its own)."""
+    if isinstance(plan_or_segments, Plan):
+        segments, head = plan_or_segments.segments, plan_or_segments.head
+    else:
+        segments = tuple(plan_or_segments)
     with deep_recursion(profile.num_blocks):
-        return _predict(profile, segments)
+        return _predict(profile, segments, head)
 
 
-def _predict(profile: Profile, segments: tuple[Segment, ...]) -> Prediction:
+def _predict(profile: Profile, segments: tuple[Segment, ...], head: str) -> Prediction:
     check_segments(profile, segments)
-    _, phases, retained, inner = _peak_phases(profile, segments)
+    priced = priced_profile(profile, head)  # the post part's bytes under the head strategy
+    _, phases, retained, inner = _peak_phases(priced, segments)
     phase = max(phases, key=lambda name: phases[name])
     extra_ms, extra_flops, offloaded = _extras(profile, segments)
+    extra_ms, extra_flops = extra_ms + head_extra_ms(profile, head), extra_flops + head_extra_flops(profile, head)
     faulted, saving = fresh_memory(profile, phases[phase], offloaded)
     return Prediction(
         peak_bytes=phases[phase],
@@ -64,7 +77,7 @@ def _predict(profile: Profile, segments: tuple[Segment, ...]) -> Prediction:
         extra_flops=extra_flops,
         extra_ms=extra_ms,
         model_state_bytes=profile.model_state_bytes,
-        fixed_bytes=_fixed_at(profile, phase),
+        fixed_bytes=_fixed_at(priced, phase),
         retained_bytes=retained,
         peak_block=inner.block if phase == "block" else -1,
         peak_phase=phase,
@@ -116,7 +129,7 @@ def keep_peak_bytes(profile: Profile) -> int:
         _KEEP_PEAKS.clear()
     keep = tuple(Segment(start=i, stop=i + 1, strategy="keep") for i in range(profile.num_blocks))
     with deep_recursion(profile.num_blocks):
-        peak = _peak_phases(profile, keep)[0]
+        peak = _peak_phases(priced_profile(profile), keep)[0]
     _KEEP_PEAKS[id(profile)] = (profile, peak)
     return peak
 

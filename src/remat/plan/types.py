@@ -9,6 +9,8 @@ Strategy strings (`Segment.strategy`):
 - ``"selective:<policy>"`` (single-block segments): save the outputs of the op calls named in
   ``saved_ops`` (keys of `remat.measure.types.OpRecord`), recompute the rest of the block;
 - ``"offload:cpu"`` / ``"offload:disk"``: move the segment's saved tensors off the device.
+
+Besides the blocks, a plan names how the head (output projection and loss) runs: `Plan.head`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from remat._serialize import dump_document, load_document
+from remat.head.names import check_head_name
 from remat.measure.types import Fingerprint
 
 PLAN_FORMAT = "plan"
@@ -124,8 +127,13 @@ class Plan:
     """The model's prediction for this plan on the profile it came from."""
     fingerprint: Fingerprint
     """The profile's fingerprint: apply_ refuses a model that does not match."""
+    head: str = "keep"
+    """How the output projection and the loss run (`remat.head.strategies`): ``keep`` (as the
+    model runs them), ``recompute`` or ``chunked:<tokens>``; under the last two the model's
+    output carries no logits in training. Plans without it (older files) keep the head."""
 
     def __post_init__(self) -> None:
+        check_head_name(self.head)
         pos = 0
         for seg in self.segments:
             if seg.start != pos:
