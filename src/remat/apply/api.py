@@ -1,12 +1,13 @@
 """`apply_` a plan to the user's model in place, `remove_` it, or `auto_` profile+plan+apply.
 
 ``apply_`` checks everything before it changes anything: a second apply, a plan made for
-another model (structure, dtype, device) or another batch (shapes) is an error and leaves the
-model untouched. It changes only the ``forward`` instance attribute of the planned blocks
-(`remat.apply.runtime`) and, on Hugging Face models, adds a forward pre-hook that turns the
-key/value cache off where gradients are enabled (`remat.checkpointing.caches.CacheOff`, with a
-one-time warning); ``state_dict`` keys and values stay as they are, and ``remove_`` restores
-every block's ``forward`` exactly and takes the hook off.
+another model (structure, dtype, device) or another batch (shapes), a head strategy for a model
+without a head part, is an error and leaves the model untouched. It changes only the
+``forward`` instance attribute of the planned blocks (`remat.apply.runtime`) and, when the
+plan's head is not ``keep``, of the model itself (`remat.apply.head`), and on Hugging Face
+models adds a forward pre-hook that turns the key/value cache off where gradients are enabled
+(`remat.checkpointing.caches.CacheOff`, with a one-time warning); ``state_dict`` keys and values
+stay as they are, and ``remove_`` restores every ``forward`` exactly and takes the hook off.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import torch
 from torch import nn
 
 from remat._batch import LossFn, check_batch_device
+from remat.apply.head import HeadRuntime
 from remat.apply.runtime import Runtime
 from remat.apply.strategies import HANDLERS
 from remat.checkpointing.caches import CacheOff
+from remat.head.site import find_head
+from remat.head.strategies import parse_head
 from remat.measure.types import Fingerprint
 from remat.plan.types import Plan
 
@@ -91,6 +95,19 @@ def _offload_engines(plan: Plan, offload_dir: str | None) -> dict[str, Any]:
     return engines
 
 
+def _head_runtime(model: nn.Module, plan: Plan) -> HeadRuntime | None:
+    """The runtime of the plan's head strategy (None for ``keep``); refused without a head part."""
+    if plan.head == "keep":
+        return None
+    site, why = find_head(model)
+    if site is None:
+        raise ValueError(
+            f"the plan runs the head as {plan.head!r}, but {why}. Plan the head as keep "
+            "(remat.plan(..., head='keep'))."
+        )
+    return HeadRuntime(model, site, parse_head(plan.head))
+
+
 def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str | None = None) -> nn.Module:
     """Apply ``plan`` to ``model`` in place and return the same model.
 
@@ -109,11 +126,15 @@ def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str 
     if batch is not None:
         check_batch_device(model, batch)
     check_plan_matches(model, plan, batch)
-    options = {"plan": plan, "offload_engines": _offload_engines(plan, offload_dir), "cache_off": CacheOff(model)}
+    head = _head_runtime(model, plan)
+    options = {"plan": plan, "offload_engines": _offload_engines(plan, offload_dir), "cache_off": CacheOff(model),
+               "head_runtime": head}
     runtime = Runtime(blocks=blocks, block_names=plan.block_names, segments=plan.segments,
                       handlers=HANDLERS, options=options)
     runtime.install()
     options["cache_off"].install()
+    if head is not None:
+        head.install()
     model.__dict__[RUNTIME_ATTR] = runtime
     return model
 
@@ -125,6 +146,8 @@ def remove_(model: nn.Module) -> nn.Module:
         raise ValueError(f"{type(model).__name__} has no remat plan applied; nothing to remove.")
     runtime.uninstall()
     runtime.options["cache_off"].remove()
+    if runtime.options.get("head_runtime") is not None:
+        runtime.options["head_runtime"].uninstall()
     for engine in runtime.options["offload_engines"].values():
         engine.close()
     del model.__dict__[RUNTIME_ATTR]

@@ -1,0 +1,107 @@
+"""A planned head applied in place: gradients against the model without a plan, the model left as
+it was (classes, state_dict, tied weights, forward), refusals before any change."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import remat
+from remat._batch import call_model, compute_loss
+from remat.apply.api import is_applied
+from remat.head.strategies import FP32_REASSOCIATION_RTOL
+from remat.measure.profile import profile
+from remat.models import build
+from remat.plan.planners import plan
+from head_models import tiny
+
+MODELS = ("gpt", "hf:llama", "hf:gpt2")
+
+
+def _profiled(name: str):
+    built = tiny(name)
+    return built, profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1, head_chunks=(7,))
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    return {name: _profiled(name) for name in MODELS}
+
+
+def _step(model, batch):
+    model.zero_grad(set_to_none=True)
+    output = call_model(model, batch)
+    loss = compute_loss(output, batch)
+    loss.backward()
+    return output, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_recompute_head_is_bit_identical(profiled, name):
+    built, prof = profiled[name]
+    _, loss, grads = _step(built.model, built.batch)
+    remat.apply_(built.model, plan(prof, strategy="none", head="recompute"))
+    try:
+        output, planned_loss, planned = _step(built.model, built.batch)
+    finally:
+        remat.remove_(built.model)
+    assert torch.equal(loss, planned_loss)
+    assert all(torch.equal(grads[n], planned[n]) for n in grads)
+    if name != "gpt":
+        assert output.logits is None and output.loss is not None  # the logits were never kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_chunked_head_with_ignored_labels_within_its_tolerance(profiled, name):
+    built, prof = profiled[name]
+    _, loss, grads = _step(built.model, built.batch)
+    remat.apply_(built.model, plan(prof, strategy="full", head="chunked:7"))
+    try:
+        _, planned_loss, planned = _step(built.model, built.batch)
+    finally:
+        remat.remove_(built.model)
+    assert _rel(planned_loss, loss) <= FP32_REASSOCIATION_RTOL
+    assert max(_rel(planned[n], grads[n]) for n in grads) <= FP32_REASSOCIATION_RTOL
+
+
+@pytest.mark.slow
+def test_the_model_is_left_as_it_was(profiled):
+    built, prof = profiled["hf:gpt2"]
+    model = built.model
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.eval()
+    with torch.no_grad():
+        before = model(input_ids=built.batch["input_ids"]).logits
+    remat.apply_(model, plan(prof, strategy="none", head="chunked:7"))
+    assert type(model).__name__ == "GPT2LMHeadModel" and "forward" in model.__dict__
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    assert model.state_dict().keys() == state.keys() and all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():  # without gradients, the model's own forward: logits and loss
+        output = model(**built.batch)
+    assert output.logits is not None and output.loss is not None
+    remat.remove_(model)
+    assert "forward" not in model.__dict__ and "forward" not in model.lm_head.__dict__
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=built.batch["input_ids"]).logits, before)
+    model.train()
+
+
+def test_a_head_strategy_for_a_model_without_a_head_part_changes_nothing():
+    built = build("mlp", depth=2, width=8, batch_size=2, optimizer="none")
+    prof = profile(built.model, built.batch, built.loss_fn, repeats=1)
+    assert prof.head is None
+    with pytest.raises(ValueError, match=r"head strategy 'chunked:4' needs a head part, and this profile has none"):
+        plan(prof, head="chunked:4")
+    forced = dataclasses.replace(plan(prof, strategy="full"), head="chunked:4")
+    with pytest.raises(ValueError, match=r"the plan runs the head as 'chunked:4', but DeepMLP is not a language model"):
+        remat.apply_(built.model, forced)
+    assert not is_applied(built.model)
+    assert all("forward" not in m.__dict__ for m in built.model.modules())
