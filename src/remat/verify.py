@@ -17,7 +17,10 @@ Every step starts from the same seed, so dropout draws the same masks in both. O
 same kernels run in the same order, so loss, outputs and gradients must be bit-identical
 (tolerance 0). CUDA kernels with atomic accumulation (embedding and scatter backward, some
 cuBLAS reductions) are not reproducible run to run even without recomputation, so there the
-tolerance is `CUDA_TOLERANCE`.
+tolerance is `CUDA_TOLERANCE`. A plan whose head strategy is not ``keep`` returns no logits, so
+only the loss is compared of the outputs; a chunked head sums over tokens in another order and
+multiplies chunks of rows, so the loss and every gradient are compared with the strategy's own
+relative tolerance (`remat.apply.head.head_tolerance`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch import nn
 
 from remat._batch import LossFn, call_model, check_batch_device, compute_loss, model_device
 from remat.apply.api import apply_, check_plan_matches, is_applied, remove_
+from remat.apply.head import HeadTolerance, head_tolerance
 from remat.apply.opcount import BlockOpCounter, expected_extra_calls
 from remat.checkpointing.caches import CacheOff
 from remat.measure.faults import FaultCount
@@ -122,7 +126,8 @@ class _Run:
         output = call_model(self.model, self.step.batch)
         loss = compute_loss(output, self.step.batch, self.step.loss_fn)
         loss.backward()
-        outputs = [t.detach().clone() for t in _float_tensors(output)]
+        # a planned head returns no logits: of the outputs, only the loss (compared apart) is left
+        outputs = [t.detach().clone() for t in _float_tensors(output)] if self.plan.head == "keep" else []
         grads = [None if p.grad is None else p.grad.clone() for p in self.model.parameters()]
         loss = loss.detach()
         del output
@@ -189,13 +194,31 @@ def _pct(measured: float, predicted: float) -> float:
     return 100.0 * (measured - predicted) / predicted if predicted else float("inf")
 
 
-def _tolerance(device: torch.device) -> tuple[float, str]:
+def _tolerance(device: torch.device, head: HeadTolerance) -> tuple[float, str]:
     if device.type == "cpu":
-        return 0.0, "CPU: the same kernels run in the same order with the RNG restored, so results are bit-identical."
-    return CUDA_TOLERANCE, (
-        f"{device.type}: kernels with atomic accumulation (embedding/scatter backward, split reductions) "
-        f"differ run to run even without recomputation; allowed max abs difference {CUDA_TOLERANCE:g}."
-    )
+        tolerance, reason = 0.0, "CPU: the same kernels run in the same order with the RNG restored, so results are bit-identical."
+    else:
+        tolerance, reason = CUDA_TOLERANCE, (
+            f"{device.type}: kernels with atomic accumulation (embedding/scatter backward, split reductions) "
+            f"differ run to run even without recomputation; allowed max abs difference {CUDA_TOLERANCE:g}."
+        )
+    return tolerance, f"{reason} Except: {head.reason}." if head.reason else reason
+
+
+def _rel_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """max|a - b| / max|b| (normwise relative difference; inf when only one exists)."""
+    if a is None or b is None:
+        return 0.0 if a is b else float("inf")
+    scale = float(b.detach().double().abs().max()) if b.numel() else 0.0
+    diff = _max_abs_diff([a], [b])
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def _max_rel_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+    """The largest normwise relative difference of corresponding tensors (``a`` against ``b``)."""
+    if len(a) != len(b):
+        return float("inf")
+    return max((_rel_diff(x, y) for x, y in zip(a, b)), default=0.0)
 
 
 def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = None,
@@ -227,7 +250,9 @@ def _compare(plan: Plan, base: _Run, planned: _Run, repeats: int, device: torch.
     times_b, times_p = _timed_pairs(base, planned, repeats, Clock(device))
     loss_diff = _max_abs_diff([loss_b], [loss_p])
     out_diff, grad_diff = _max_abs_diff(out_b, out_p), _max_abs_diff(grads_b, grads_p)
-    tolerance, reason = _tolerance(device)
+    head = head_tolerance(base.model, plan.head, base.step.batch)
+    rel_diff = _max_rel_diff([loss_p, *grads_p], [loss_b, *grads_b])
+    tolerance, reason = _tolerance(device, head)
     step_b, step_p = statistics.median(times_b), statistics.median(times_p)
     pred = plan.prediction
     pred_base = pred.step_ms - pred.extra_ms + pred.fault_saving_ms
@@ -236,7 +261,8 @@ def _compare(plan: Plan, base: _Run, planned: _Run, repeats: int, device: torch.
         strategy_name=plan.strategy_name, budget_bytes=plan.budget_bytes,
         loss_max_abs_diff=loss_diff, output_max_abs_diff=out_diff, grad_max_abs_diff=grad_diff,
         grads_identical=loss_diff == 0.0 and out_diff == 0.0 and grad_diff == 0.0,
-        tolerance=tolerance, tolerance_reason=reason,
+        tolerance=tolerance, tolerance_reason=reason, head=plan.head,
+        relative_tolerance=head.relative_tolerance, grad_max_rel_diff=rel_diff,
         baseline_peak_bytes=tracked_b.peak_bytes, measured_peak_bytes=tracked_p.peak_bytes,
         predicted_peak_bytes=pred.peak_bytes, peak_error_pct=_pct(tracked_p.peak_bytes, pred.peak_bytes),
         device_max_allocated_bytes=tracked_p.device_max_allocated_bytes,

@@ -48,6 +48,14 @@ class Verification:
     """Allowed max abs difference (0.0 on CPU: bit-identical), with `tolerance_reason`."""
     tolerance_reason: str
     """Why the tolerance is what it is."""
+    head: str = "keep"
+    """The plan's head strategy (`remat.plan.types.Plan.head`)."""
+    relative_tolerance: float = 0.0
+    """Normwise relative difference allowed on the loss and on each gradient,
+    ``max|planned - baseline| <= relative_tolerance * max|baseline|`` (0.0: not used; a chunked
+    head's: `remat.apply.head.head_tolerance`)."""
+    grad_max_rel_diff: float = 0.0
+    """Largest normwise relative difference over the loss and every parameter gradient."""
     baseline_peak_bytes: int
     """Measured peak of the baseline step."""
     measured_peak_bytes: int
@@ -95,7 +103,11 @@ class Verification:
 
     @property
     def ok(self) -> bool:
-        return self.grads_identical or self.grad_max_abs_diff <= self.tolerance
+        """Gradients within the tolerance: bit-identical (CPU) or within `tolerance`, or under a
+        chunked head within `relative_tolerance`."""
+        if self.grads_identical or self.grad_max_abs_diff <= self.tolerance:
+            return True
+        return self.relative_tolerance > 0 and self.grad_max_rel_diff <= self.relative_tolerance
 
     def to_json(self) -> str:
         return dump_document(self, VERIFICATION_FORMAT, VERIFICATION_VERSION)

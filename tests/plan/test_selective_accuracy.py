@@ -36,7 +36,9 @@ def _budgets(prof):
 
 def _check(built, chosen):
     result = verify(built.model, built.batch, chosen, built.loss_fn, built.optimizer, repeats=1)
-    assert result.grads_identical
+    # a chunked head (the optimal planner may choose one) reorders the sums of the loss and the
+    # projection's gradient, within its stated tolerance; every other plan is bit-identical
+    assert result.grads_identical if chosen.head == "keep" else result.ok
     assert result.recompute_counts_match
     assert abs(result.measured_peak_bytes - result.predicted_peak_bytes) <= TOLERANCE * result.predicted_peak_bytes
     if chosen.budget_bytes is not None and result.predicted_peak_bytes <= chosen.budget_bytes:

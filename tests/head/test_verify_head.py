@@ -1,0 +1,33 @@
+"""`remat.verify` on head plans: the measured peak is the predicted one to the byte, and the
+gradient check states the chunked head's own tolerance instead of loosening every plan's."""
+
+from __future__ import annotations
+
+import pytest
+
+from remat.measure.profile import profile
+from remat.plan.planners import plan
+from remat.verify import verify
+from head_models import tiny
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "hf:llama", "hf:gpt2"])
+def test_head_plans_verified(name):
+    built = tiny(name)
+    prof = profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1, head_chunks=(8,))
+    for head in ("keep", "recompute", "chunked:8"):
+        chosen = plan(prof, strategy="none", head=head)
+        check = verify(built.model, built.batch, chosen, built.loss_fn, built.optimizer, repeats=1)
+        assert check.head == head and check.recompute_counts_match
+        # the post part (head backward) sets the peak of these steps: exact
+        assert check.measured_peak_bytes == check.predicted_peak_bytes, head
+        if head == "chunked:8":
+            assert not check.grads_identical and check.ok
+            assert check.relative_tolerance == 1e-5 and 0 < check.grad_max_rel_diff <= 1e-5
+            assert "chunked:8 head sums the loss and the projection's gradients over tokens chunk by chunk" in check.tolerance_reason
+        else:
+            assert check.grads_identical and check.relative_tolerance == 0.0 and check.grad_max_rel_diff == 0.0
+    keep = verify(built.model, built.batch, plan(prof, strategy="none"), built.loss_fn, built.optimizer, repeats=1)
+    chunked = plan(prof, strategy="none", head="chunked:8")
+    assert chunked.prediction.peak_bytes < keep.measured_peak_bytes  # the full logits no longer exist
