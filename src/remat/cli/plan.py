@@ -21,6 +21,8 @@ def plan_command(
     profile_path: Optional[Path] = typer.Argument(None, help="A profile JSON written by `remat profile --json`."),
     budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget: 6GiB, 750MB, 512MiB or 40% of the baseline peak."),
     strategy: str = typer.Option("optimal", "--strategy", "-s", help="none, full, every:K, sqrt, selective:<policy>, optimal."),
+    head: Optional[str] = typer.Option(None, "--head", help="Head (output projection + loss): keep, recompute or chunked:<tokens>; "
+                                       "default: optimal searches them, other strategies keep it."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the Plan as JSON here."),
     show_pareto: bool = typer.Option(False, "--pareto", help="Print the frontier of peak against step time instead."),
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Profile this built-in model first (gpt, mlp, convnet...)."),
@@ -44,7 +46,7 @@ def plan_command(
             console.print(pareto_table(pareto(profile), baseline))
             return
         budget_bytes = None if budget is None else parse_budget(budget, baseline_peak_of(profile, baseline))
-        result = plan(profile, budget=budget_bytes, strategy=strategy)
+        result = plan(profile, budget=budget_bytes, strategy=strategy, head=head)
     except (ValueError, TypeError, FileNotFoundError) as error:
         raise fail(str(error)) from None
     console.print(plan_table(result, profile))
@@ -129,6 +131,7 @@ def comparison(result: Plan, baseline: Plan) -> Table:
     table.add_row("extra GFLOPs", "0", f"{p.extra_flops / 1e9:.3f}", "")
     where = f"block {p.peak_block}" if p.peak_phase == "block" else p.peak_phase
     table.add_row("peak at", b.peak_phase if b.peak_phase != "block" else f"block {b.peak_block}", where, "")
+    table.add_row("head", baseline.head, result.head, "" if result.head == "keep" else "no logits returned")
     return table
 
 
@@ -153,7 +156,7 @@ def pareto_table(frontier: list[Plan], baseline: Plan, max_rows: int = 24) -> Ta
     for i in shown:
         item = frontier[i]
         counts = Counter(_top_kind(s) for s in item.segments for _ in range(s.num_blocks))
-        summary = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+        summary = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) + ("" if item.head == "keep" else f"; head {item.head}")
         overhead = 100 * (item.prediction.step_ms / baseline.prediction.step_ms - 1)
         table.add_row(str(i), _mib(item.prediction.peak_bytes), f"{item.prediction.step_ms:.2f}", f"{overhead:+.1f}%", summary)
     return table

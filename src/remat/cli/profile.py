@@ -62,6 +62,7 @@ def profile_command(
     if any(b.unavailable for b in result.blocks):
         console.print(unavailable_rich(result))
     console.print(state_summary(result))
+    console.print(head_summary(result))
     if json_path is not None and is_main_process():  # under torchrun, rank 0 writes
         try:
             result.save(json_path)
@@ -115,6 +116,20 @@ def state_summary(result: Profile) -> str:
     if result.device_max_allocated_bytes is not None:
         lines.append(f"torch.cuda.max_memory_allocated {_mib(result.device_max_allocated_bytes)} MiB")
     return "\n".join(lines)
+
+
+def head_summary(result: Profile) -> str:
+    """The head part in a line: each measured head strategy's peak and time, or why there is none."""
+    from remat.plan.head import head_extra_ms, head_need_bytes
+
+    head = result.head
+    if head is None:
+        return f"head: not planned ({result.head_note})"
+    tied = ", tied to the embedding" if head.tied else ""
+    options = "; ".join(f"{o.strategy} {_mib(head_need_bytes(result, o.strategy))} MiB {head_extra_ms(result, o.strategy):+.1f} ms"
+                        for o in head.options)
+    return (f"head: {head.projection}{tied}, {head.num_tokens} tokens x {head.vocab_size} vocabulary ({head.dtype}); "
+            f"post part peak by head strategy: {options}")
 
 
 def _mib(nbytes: int) -> str:
