@@ -58,3 +58,19 @@ def test_plan_errors_are_messages_without_traceback(tmp_path):
     assert "minimum feasible peak with keep, recompute, nested segments and selective policies is 7.00 MiB" in _error(
         ["plan", path, "--budget", "3MiB"])
     assert "--model NAME" in _error(["plan"])
+
+
+def test_plan_with_the_head_named_and_searched(tmp_path):
+    from test_plan_head import _profile
+
+    path = tmp_path / "head.json"
+    _profile().save(path)
+    result = runner.invoke(app, ["plan", str(path), "--budget", "200B"])
+    assert result.exit_code == 0, result.output
+    assert "chunked:4" in result.output and "no logits returned" in result.output  # the head row
+    named = runner.invoke(app, ["plan", str(path), "--strategy", "full", "--head", "chunked:2"])
+    assert named.exit_code == 0 and "chunked:2" in named.output
+    missing = runner.invoke(app, ["plan", str(path), "--head", "chunked:3"])
+    assert missing.exit_code != 0 and "head strategy 'chunked:3' was not measured" in missing.output
+    frontier = runner.invoke(app, ["plan", str(path), "--pareto"])
+    assert "head chunked:2" in frontier.output
