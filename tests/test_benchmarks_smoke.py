@@ -184,3 +184,22 @@ def test_attention_core_benchmark_on_a_small_gpt(monkeypatch) -> None:
     assert 0 < row["rng_share"] < row["replay_share"] <= 100
     text = attention_core.markdown([row], repeats=1)
     assert "| small | 2 x 32 / 4 x 64 x 2, p=0.1 |" in text and "identical" in text
+
+
+@pytest.mark.slow
+def test_lm_head_benchmark_on_a_tiny_vocabulary(monkeypatch) -> None:
+    from benchmarks import lm_head
+
+    sizes = dict(vocab_size=4000, d_model=8, num_heads=2, num_layers=2, seq_len=64, batch_size=2)
+    monkeypatch.setitem(lm_head.SHAPES, "tiny", sizes)
+    result = lm_head.measure("tiny", repeats=1)
+    rows = {row["name"]: row for row in result["rows"]}
+    assert list(rows) == ["none", "HF checkpointing", "remat lowest peak, head kept", "remat lowest peak",
+                          "remat optimal @ 60% of HF"]
+    hf, lowest = rows["HF checkpointing"], rows["remat lowest peak"]
+    assert hf["peak_vs_hf"] == 1.0 and hf["time_vs_hf"] == 1.0
+    # 128 tokens of 4000 logits (2 MiB in fp32) against 1 MiB of model state: the head is the peak
+    assert lowest["head"].startswith("chunked:") and lowest["peak_vs_hf"] < rows["remat lowest peak, head kept"]["peak_vs_hf"]
+    assert lowest["peak_mib"] == pytest.approx(lowest["predicted_peak_mib"], rel=0.02)
+    assert lowest["grads"].startswith("ok: every gradient") and rows["remat lowest peak, head kept"]["grads"] == "identical"
+    assert "| remat lowest peak |" in lm_head.markdown([result])
