@@ -24,7 +24,11 @@ gradients live when ``loss.backward()`` starts, 0 after ``zero_grad(set_to_none=
   saved_bytes) + fixed_post_saved_bytes + fixed_post_bwd_temp_bytes``;
 - peak during ``optimizer.step()`` = ``P + B + O + grad_bytes + optimizer_step_temp_bytes``;
 - peak during block j's forward = live bytes when it starts + ``saved_bytes_j +
-  fwd_temp_bytes_j``.
+  fwd_temp_bytes_j``;
+- with a head part (`remat.measure.types.HeadProfile`), the head's backward ends where the
+  gradient of the projection's input is ready, which splits the post window:
+  ``fixed_post_saved_bytes + fixed_post_bwd_temp_bytes = max(head.post_head_bytes,
+  head.post_rest_bytes)``, the head's and the rest's (final norm's) peaks above the same base.
 
 So ``bwd_temp_bytes`` holds everything else live at that peak: the incoming gradient, the
 gradients the block's own backward computes (parameter gradients included), saved tensors of
