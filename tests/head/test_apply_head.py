@@ -42,16 +42,21 @@ def _rel(a, b):
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
+def _unplanned_and_planned(built, chosen):
+    """One step without a plan, then one with ``chosen`` applied (removed afterwards)."""
+    unplanned = _step(built.model, built.batch)
+    remat.apply_(built.model, chosen)
+    try:
+        return unplanned, _step(built.model, built.batch)
+    finally:
+        remat.remove_(built.model)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_recompute_head_is_bit_identical(profiled, name):
     built, prof = profiled[name]
-    _, loss, grads = _step(built.model, built.batch)
-    remat.apply_(built.model, plan(prof, strategy="none", head="recompute"))
-    try:
-        output, planned_loss, planned = _step(built.model, built.batch)
-    finally:
-        remat.remove_(built.model)
+    (_, loss, grads), (output, planned_loss, planned) = _unplanned_and_planned(built, plan(prof, strategy="none", head="recompute"))
     assert torch.equal(loss, planned_loss)
     assert all(torch.equal(grads[n], planned[n]) for n in grads)
     if name != "gpt":
@@ -62,12 +67,7 @@ def test_recompute_head_is_bit_identical(profiled, name):
 @pytest.mark.parametrize("name", MODELS)
 def test_chunked_head_with_ignored_labels_within_its_tolerance(profiled, name):
     built, prof = profiled[name]
-    _, loss, grads = _step(built.model, built.batch)
-    remat.apply_(built.model, plan(prof, strategy="full", head="chunked:7"))
-    try:
-        _, planned_loss, planned = _step(built.model, built.batch)
-    finally:
-        remat.remove_(built.model)
+    (_, loss, grads), (_, planned_loss, planned) = _unplanned_and_planned(built, plan(prof, strategy="full", head="chunked:7"))
     assert _rel(planned_loss, loss) <= FP32_REASSOCIATION_RTOL
     assert max(_rel(planned[n], grads[n]) for n in grads) <= FP32_REASSOCIATION_RTOL
 
