@@ -100,15 +100,14 @@ def head_extra_flops(profile: Profile, head: str = KEEP) -> int:
 
 def head_choices(profile: Profile) -> tuple[str, ...]:
     """The head strategies worth searching: every measured one that no other beats or ties in
-    both ``need`` and extra time (keep first among equals); ``("keep",)`` without a head part."""
+    both ``need`` and extra time (of equal ones, the first measured: keep first);
+    ``("keep",)`` without a head part."""
     if profile.head is None:
         return (KEEP,)
-    priced = [(head_need_bytes(profile, o.strategy), head_extra_ms(profile, o.strategy), o.strategy)
-              for o in profile.head.options]
-    kept = []
-    for i, (need, ms, name) in enumerate(priced):
-        beaten = any(n <= need and m <= ms and (n, m) != (need, ms) or (n, m) == (need, ms) and j < i
-                     for j, (n, m, _) in enumerate(priced) if j != i)
-        if not beaten:
-            kept.append(name)
-    return tuple(kept)
+    costs = [(head_need_bytes(profile, o.strategy), head_extra_ms(profile, o.strategy)) for o in profile.head.options]
+
+    def beaten(i: int) -> bool:
+        return any(other[0] <= costs[i][0] and other[1] <= costs[i][1] and (other != costs[i] or j < i)
+                   for j, other in enumerate(costs) if j != i)
+
+    return tuple(o.strategy for i, o in enumerate(profile.head.options) if not beaten(i))

@@ -47,10 +47,12 @@ class StepPoint:
 
 
 def plan_label(plan: Plan) -> str:
-    """``"optimal @ 4.0 GiB"``, or the strategy name alone without a budget."""
+    """``"optimal @ 4.0 GiB"``, or the strategy name alone without a budget; a head strategy
+    other than keep follows (``", head chunked:1024"``)."""
+    head = "" if plan.head == "keep" else f", head {plan.head}"
     if plan.budget_bytes is None:
-        return plan.strategy_name
-    return f"{plan.strategy_name} @ {format_bytes(plan.budget_bytes)}"
+        return plan.strategy_name + head
+    return f"{plan.strategy_name} @ {format_bytes(plan.budget_bytes)}{head}"
 
 
 def plan_point(plan: Plan) -> StepPoint:
