@@ -171,7 +171,9 @@ def auto_(model: nn.Module, batch: Any, loss_fn: LossFn | None = None,
 
     The budget-driven counterpart of Hugging Face's ``gradient_checkpointing_enable()``: ``budget``
     is bytes, text like ``"6GiB"``, or a share of the measured baseline peak like ``"50%"``.
-    The model's weights and the optimizer's state are as they were (profiling restores them)."""
+    The model's weights and the optimizer's state are as they were (profiling restores them).
+    The plan may run a language model's head chunked (`remat.plan.types.Plan.head`): its output
+    then carries no logits in training."""
     from remat.measure.profile import profile as measure
     from remat.plan.budget import parse_budget
     from remat.plan.planners import plan as make_plan
