@@ -20,6 +20,7 @@ HIGHER = ("remat.plan", "remat.apply", "remat.verify", "remat.report", "remat.cl
 BOTTOM = ("remat.checkpointing", "remat._diskio")
 """Below every stage: they import nothing of remat but each other."""
 RULES = {
+    "remat.head": ("remat.measure", *HIGHER),  # the head part's loss, chunking and strategies: below measure
     "remat.measure": HIGHER,
     "remat.memory": HIGHER,
     "remat.models": HIGHER,
@@ -90,6 +91,7 @@ def test_the_rules_catch_what_they_forbid():
     assert not _breaks("remat.checkpointing.selective", "remat.checkpointing.cacheable")
     assert not _breaks("remat.plan.policies", "remat.checkpointing.cacheable")
     assert not _breaks("remat.apply.strategies", "remat.plan.types")
+    assert _breaks("remat.head.site", "remat.measure.types") and not _breaks("remat.measure.head", "remat.head.site")
 
 
 def test_no_import_circle():
