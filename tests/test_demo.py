@@ -48,7 +48,7 @@ def test_demo_command_prints_one_table_of_every_strategy_and_three_budgets(tiny_
     out = CliRunner().invoke(app, ["demo", "--repeats", "1", "--out", str(tmp_path / "demo")])
     assert out.exit_code == 0, out.output
     for text in ("remat demo", "selective:attention-core", "selective:save-matmuls", "optimal @", "identical",
-                 "every gradient is identical", "lowest peak", "The trade-off: a lower peak costs step time"):
+                 "every gradient is identical to the baseline", "lowest peak", "The trade-off: a lower peak costs step time"):
         assert text in out.output
     result = tiny_demo[0]
     labels = [row.label for row in result.rows]
@@ -57,7 +57,9 @@ def test_demo_command_prints_one_table_of_every_strategy_and_three_budgets(tiny_
     budgets = [row.plan.budget_bytes for row in result.rows[len(DEMO_STRATEGIES):]]
     assert budgets == sorted(budgets) and len(set(budgets)) == 3
     assert all(row.plan.prediction.peak_bytes <= row.plan.budget_bytes for row in result.rows[len(DEMO_STRATEGIES):])
-    assert result.all_identical and all(v.grads_identical and v.recompute_counts_match for v in result.verifications)
+    # an optimal row may chunk the head: then within that head's stated tolerance, else bit-identical
+    assert result.all_identical and all(r.verification.recompute_counts_match for r in result.rows)
+    assert all(r.verification.grads_identical for r in result.rows if r.plan.head == "keep")
     assert result.plans[0].strategy_name == "none" and result.profile.num_blocks == 3
     assert result.budget_bytes == budgets[1]
     _assert_compact_table_fits_80_columns(result)
@@ -126,7 +128,8 @@ def test_demo_job_verifies_the_strategies_and_budgets_it_is_given():
     assert [r.label for r in result.rows] == ["none", "full", f"optimal @ {100 * middle / baseline_peak:.0f}%",
                                               f"optimal @ {100 * top / baseline_peak:.0f}%"]
     assert top == result.baseline.prediction.peak_bytes  # fraction 1.0: the baseline peak itself
-    assert all(v.grads_identical for v in result.verifications)
+    # bit-identical, or for a plan that chunks the head within that head's stated tolerance
+    assert all(r.verification.grads_identical if r.plan.head == "keep" else r.verification.ok for r in result.rows)
 
 
 def test_file_stems_and_an_output_path_that_is_a_file(tmp_path):

@@ -75,7 +75,8 @@ class JobResult:
 
     @property
     def all_identical(self) -> bool:
-        """True when every plan's gradients passed (bit-identical on the CPU)."""
+        """True when every plan's gradients passed (bit-identical on the CPU, or within a chunked
+        head's stated tolerance)."""
         return all(v.ok for v in self.verifications)
 
 

@@ -26,6 +26,8 @@ def _mib(num_bytes: int) -> str:
 def _grad_cell(v) -> str:
     if v.grads_identical:
         return "[green]identical[/]"
+    if v.ok and v.relative_tolerance:
+        return f"[yellow]rel {v.grad_max_rel_diff:.1e} <= {v.relative_tolerance:.0e}[/]"
     if v.ok:
         return f"[yellow]max diff {v.grad_max_abs_diff:.1e}[/]"
     return f"[bold red]DIFFER {v.grad_max_abs_diff:.1e}[/]"
@@ -114,7 +116,14 @@ def summary_lines(result) -> list[str]:
                  "error compares the plan with its prediction at the speed of the baseline timed beside it (the "
                  f"baseline itself ran {min(drift):+.0f}% to {max(drift):+.0f}% against the profile's times).")
     bad = [r.label for r in result.rows if not r.verification.ok]
-    lines.append("every gradient is identical to the baseline." if not bad else f"GRADIENTS DIFFER for: {', '.join(bad)}.")
+    close = [r for r in result.rows if r.verification.ok and not r.verification.grads_identical]
+    if bad:
+        lines.append(f"GRADIENTS DIFFER for: {', '.join(bad)}.")
+    elif close:
+        lines.append(f"every gradient is identical to the baseline, or within its plan's stated tolerance "
+                     f"({', '.join(r.label for r in close)}: {close[0].verification.tolerance_reason}).")
+    else:
+        lines.append("every gradient is identical to the baseline.")
     return lines
 
 

@@ -149,6 +149,9 @@ def _nothing_fits(plans: Sequence[Plan], budget: int, base: StepPoint) -> str:
 def _measured(ver: Verification, budget: int | None) -> str:
     if ver.grads_identical:
         grads = "gradients bit-identical"
+    elif ver.ok and ver.relative_tolerance:
+        grads = (f"gradients within the head's relative tolerance (max {ver.grad_max_rel_diff:.1e} <= "
+                 f"{ver.relative_tolerance:.1e})")
     elif ver.ok:
         grads = f"gradients within tolerance (max difference {ver.grad_max_abs_diff:.1e} <= {ver.tolerance:.1e})"
     else:

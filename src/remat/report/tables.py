@@ -104,6 +104,8 @@ def op_mismatch_table(verifications: Sequence[Verification]) -> Table:
 def _grad_verdict(ver: Verification) -> str:
     if ver.grads_identical:
         return "bit-identical"
+    if ver.ok and ver.relative_tolerance:
+        return f"within relative tolerance {ver.relative_tolerance:.1e}: max {ver.grad_max_rel_diff:.1e} ({ver.tolerance_reason})"
     if ver.ok:
         return f"within tolerance {ver.tolerance:.1e} ({ver.tolerance_reason})"
     return f"DIFFER beyond tolerance {ver.tolerance:.1e}"
