@@ -79,3 +79,19 @@ def test_profile_says_why_there_is_no_head_part():
     del built.batch["labels"]
     result = profile(built.model, built.batch, loss_fn=lambda out, batch: out.logits.mean(), repeats=1)
     assert result.head is None and result.head_note == "the loss is a loss_fn outside the model"
+
+
+def test_a_head_strategy_that_raises_is_left_out_with_its_reason(monkeypatch):
+    from remat.head.strategies import HeadChunked, HeadKeep
+
+    def refuse(self, call, hidden):
+        raise RuntimeError("no kernel for this shape\nsecond line")
+
+    built = tiny("gpt", optimizer="none")
+    monkeypatch.setattr(HeadChunked, "loss", refuse)
+    result = profile(built.model, built.batch, repeats=1, head_chunks=(8,))
+    assert [o.strategy for o in result.head.options] == ["keep", "recompute"]
+    assert result.head.unavailable == (("chunked:8", "RuntimeError: no kernel for this shape"),)
+    monkeypatch.setattr(HeadKeep, "loss", refuse)  # the model's own head cannot run alone: no head part
+    result = profile(built.model, built.batch, repeats=1, head_chunks=(8,))
+    assert result.head is None and result.head_note == "measuring the head raised RuntimeError: no kernel for this shape"

@@ -128,8 +128,9 @@ def head_summary(result: Profile) -> str:
     tied = ", tied to the embedding" if head.tied else ""
     options = "; ".join(f"{o.strategy} {_mib(head_need_bytes(result, o.strategy))} MiB {head_extra_ms(result, o.strategy):+.1f} ms"
                         for o in head.options)
+    failed = "".join(f"; {name} cannot run: {reason}" for name, reason in head.unavailable)
     return (f"head: {head.projection}{tied}, {head.num_tokens} tokens x {head.vocab_size} vocabulary ({head.dtype}); "
-            f"post part peak by head strategy: {options}")
+            f"post part peak by head strategy: {options}{failed}")
 
 
 def _mib(nbytes: int) -> str:

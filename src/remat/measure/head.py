@@ -31,6 +31,7 @@ from remat.head.site import HeadSite, bind_call, capture_projection, kind_named
 from remat.head.strategies import HeadCall, HeadChunked, HeadKeep, HeadRecompute, HeadStrategy
 from remat.measure.boundaries import in_backward
 from remat.measure.faults import FaultCount
+from remat.measure.probes import Attempts
 from remat.measure.storage import storage_key, storage_keys, storage_nbytes
 from remat.measure.timing import Clock
 from remat.measure.tracker import LiveTracker
@@ -114,16 +115,20 @@ def measure_head(capture: HeadCapture, *, post_head_bytes: int, post_rest_bytes:
     come from the accounting step's split post window; ``touch_ms_per_byte``: what a page fault
     costs (`remat.measure.faults`), taken out of the times."""
     hidden, call = capture.hidden, capture.call
-    strategies = [HeadKeep(), HeadRecompute(), *(HeadChunked(chunk_tokens=c) for c in chunks)]
-    sizes = [_option_bytes(s, capture) for s in strategies]
+    attempts = Attempts()  # a strategy whose run raises is left out, with the reason; keep's error is raised
+    keep, *others = [HeadKeep(), HeadRecompute(), *(HeadChunked(chunk_tokens=c) for c in chunks)]
+    sizes = {keep.name: _option_bytes(keep, capture)}
+    sizes |= {s.name: attempts.run(s.name, _option_bytes, s, capture) for s in others}
+    strategies = [keep, *(s for s in others if sizes[s.name] is not None)]
     times = _option_times(strategies, capture, repeats, touch_ms_per_byte)
-    options = tuple(HeadOption(strategy=s.name, **b, **t) for s, b, t in zip(strategies, sizes, times))
+    options = tuple(HeadOption(strategy=s.name, **sizes[s.name], **t) for s, t in zip(strategies, times))
     weight = call.projection.weight
     return HeadProfile(
         projection=call.site.projection, kind=call.site.kind, labels_arg=call.site.labels_arg, tied=call.site.tied,
         num_tokens=hidden.numel() // hidden.size(-1), hidden_size=weight.size(1), vocab_size=weight.size(0),
         dtype=str(hidden.dtype).removeprefix("torch."), upcast=call.site.loss.upcast,
         post_head_bytes=post_head_bytes, post_rest_bytes=post_rest_bytes, options=options,
+        unavailable=tuple(attempts.failed().items()),
     )
 
 

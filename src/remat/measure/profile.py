@@ -62,6 +62,7 @@ from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.faults import FaultCount, first_touch_ms_per_byte
 from remat.measure.fingerprint import fingerprint
 from remat.measure.head import HeadBoundary, capture_head, chunk_candidates, measure_head
+from remat.measure.probes import failure_reason
 from remat.measure.ops import OpRecorder
 from remat.measure.overhead import (BlockOverheads, capture_block_inputs, measure_checkpoint_call_ms, measure_overheads,
                                     uncacheable_share)
@@ -193,16 +194,19 @@ def _with_head(step: _Step, prof: Profile, windows: _Windows, note: str, chunks:
     (`remat.memory.head`), not from one traced micro-batch."""
     if step.site is None or model_device(step.model).type == "meta":
         return dataclasses.replace(prof, head_note=note or "the meta device: nothing runs to measure")
-    capture, note = capture_head(step.model, step.batch, step.site)
-    if capture is None:
-        return dataclasses.replace(prof, head_note=note)
-    post = prof.fixed_post_saved_bytes
-    split = windows.post_head_temp_bytes is not None  # else the head's backward ended the window
-    head = measure_head(
-        capture, post_head_bytes=post + (windows.post_head_temp_bytes if split else windows.post_temp_bytes),
-        post_rest_bytes=post + windows.post_rest_temp_bytes if split else 0,
-        chunks=chunk_candidates(capture.hidden.numel() // capture.hidden.size(-1)) if chunks is None else tuple(chunks),
-        repeats=repeats, touch_ms_per_byte=prof.first_touch_ms_per_byte)
+    try:  # a probe never crashes the profile: the head then stays in the fixed part, with the reason
+        capture, note = capture_head(step.model, step.batch, step.site)
+        if capture is None:
+            return dataclasses.replace(prof, head_note=note)
+        post = prof.fixed_post_saved_bytes
+        split = windows.post_head_temp_bytes is not None  # else the head's backward ended the window
+        head = measure_head(
+            capture, post_head_bytes=post + (windows.post_head_temp_bytes if split else windows.post_temp_bytes),
+            post_rest_bytes=post + windows.post_rest_temp_bytes if split else 0,
+            chunks=chunk_candidates(capture.hidden.numel() // capture.hidden.size(-1)) if chunks is None else tuple(chunks),
+            repeats=repeats, touch_ms_per_byte=prof.first_touch_ms_per_byte)
+    except Exception as exc:  # noqa: BLE001 - reported in the profile, as the block probes do
+        return dataclasses.replace(prof, head_note=f"measuring the head raised {failure_reason(exc)}")
     return dataclasses.replace(prof, head=head)
 
 

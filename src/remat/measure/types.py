@@ -266,6 +266,9 @@ class HeadProfile:
     block's backward (the final norm's backward, with the head's gradients live)."""
     options: tuple[HeadOption, ...]
     """``keep`` first, then ``recompute`` and each measured chunk size."""
+    unavailable: tuple[tuple[str, str], ...] = ()
+    """``(strategy, reason)`` of each head strategy whose run raised (`remat.measure.probes`):
+    not measured, never planned."""
 
     def option(self, strategy: str) -> HeadOption:
         """The measured option named ``strategy``."""
