@@ -105,3 +105,19 @@ def test_a_head_strategy_for_a_model_without_a_head_part_changes_nothing():
         remat.apply_(built.model, forced)
     assert not is_applied(built.model)
     assert all("forward" not in m.__dict__ for m in built.model.modules())
+
+
+@pytest.mark.slow
+def test_num_items_in_batch_reaches_the_chunked_loss(profiled):
+    built, prof = profiled["hf:llama"]
+    batch = {**built.batch, "num_items_in_batch": 50}  # the loss is the sum over 50 items, not the mean
+    unplanned = _step(built.model, batch)
+    remat.apply_(built.model, plan(prof, strategy="none", head="chunked:7"))
+    try:
+        planned = _step(built.model, batch)
+    finally:
+        remat.remove_(built.model)
+    mean = _step(built.model, built.batch)[1]
+    assert not torch.allclose(unplanned[1], mean)  # the keyword changes the loss...
+    assert _rel(planned[1], unplanned[1]) <= FP32_REASSOCIATION_RTOL  # ...and the chunked head computes it so
+    assert max(_rel(planned[2][n], unplanned[2][n]) for n in unplanned[2]) <= FP32_REASSOCIATION_RTOL
