@@ -95,3 +95,11 @@ def test_a_head_strategy_that_raises_is_left_out_with_its_reason(monkeypatch):
     monkeypatch.setattr(HeadKeep, "loss", refuse)  # the model's own head cannot run alone: no head part
     result = profile(built.model, built.batch, repeats=1, head_chunks=(8,))
     assert result.head is None and result.head_note == "measuring the head raised RuntimeError: no kernel for this shape"
+
+
+def test_default_chunk_sizes():
+    from remat.measure.head import chunk_candidates
+
+    assert chunk_candidates(2048) == (1024, 256, 64)
+    assert chunk_candidates(512) == (256, 64) and chunk_candidates(128) == (64,) and chunk_candidates(100) == ()
+    assert chunk_candidates(2**20) == (2**19, 2**17, 2**15, 2**13)  # four at most

@@ -30,7 +30,7 @@ def test_profile_gpt_table_and_json(tmp_path: Path):
         assert text in result.output
     profile = Profile.from_json(out)
     assert [b.name for b in profile.blocks] == ["blocks.0", "blocks.1"]
-    # the head part: 2 x 8 tokens of 32 logits, too few for a chunk (at least 16 rows, under half)
+    # the head part: 2 x 8 tokens of 32 logits, too few for a default chunk (64 rows, under half the tokens)
     assert "head: head, 16 tokens x 32 vocabulary (float32); post part peak by head strategy: keep" in result.output
     assert [o.strategy for o in profile.head.options] == ["keep", "recompute"]
 

@@ -39,14 +39,17 @@ from remat.measure.types import HeadOption, HeadProfile
 
 __all__ = ["HeadBoundary", "HeadCapture", "capture_head", "measure_head", "chunk_candidates", "MIN_CHUNK_TOKENS"]
 
-MIN_CHUNK_TOKENS = 16
-"""The smallest chunk offered by default: below it a chunk's matrix products are too thin to
-pay for their calls."""
+MIN_CHUNK_TOKENS = 64
+"""The smallest chunk offered by default. Each chunk's backward reads and writes the whole weight
+gradient (``V x H``) for ``6 c V H`` FLOPs of its three products: ``3 c / p`` FLOPs per byte of
+that traffic, 48 at 64 fp32 rows, about the FLOP-to-bandwidth balance of CPUs and GPUs; below it
+the chunks turn memory-bound while the bytes they save are already small against the weight
+gradient every chunk size holds. `remat.profile` takes smaller sizes when named (``head_chunks``)."""
 
 
 def chunk_candidates(num_tokens: int) -> tuple[int, ...]:
     """Default chunk sizes: the largest power of two under half the tokens, then a quarter of
-    the previous, down to `MIN_CHUNK_TOKENS` (four at most: 1024, 256, 64, 16 for 2048 tokens)."""
+    the previous, down to `MIN_CHUNK_TOKENS` (four at most: 1024, 256, 64 for 2048 tokens)."""
     out: list[int] = []
     size = 1 << max(0, (num_tokens // 2).bit_length() - 1)
     while size >= MIN_CHUNK_TOKENS and len(out) < 4:
