@@ -9,6 +9,7 @@ states, under the live-storage tracker, forward then backward, and times them in
 rounds. The backward treats the projection's gradients as the step does: accumulated into
 ``.grad`` at once for an untied weight (`torch.Tensor.backward`), held until the embedding's
 backward for a tied one (`torch.autograd.grad`: no accumulation), so the bytes are the step's.
+A strategy whose run raises is left out, with the reason (`remat.measure.probes.Attempts`).
 
 `HeadBoundary` marks, during the profile's accounting step, where the head's backward ends
 (the gradient of the projection's input is ready), so the post part's backward window splits
