@@ -169,3 +169,31 @@ def test_last_kept_block_of_a_replay_may_leave_less_than_any_need():
     assert _best(space, 33) - baseline == 32.0
     result = OptimalSearch(prof).optimality(33)
     assert result.exact and result.extra_ms == 32.0
+
+
+def _all_segments(elements):
+    for e in elements:
+        if e.option is None:
+            yield e
+            yield from _all_segments(e.children)
+
+
+@pytest.mark.parametrize("exact_cells", [0, EXACT])
+def test_joins_keep_blocks_apart_at_every_depth(exact_cells):
+    """Blocks 2 and 3 may not share a segment: no layout of the tables holds both in one, at any
+    depth; all joins allowed is the unmasked DP; none allowed leaves one-block segments."""
+    fwd = [1.0, 2.0, 3.0, 1.0, 2.0, 1.0]
+    free = solve_chain(_chain(fwd, capacity=9), exact_cells=exact_cells)
+    masked = solve_chain(ChainProblem(blocks=free.problem.blocks, post_slots=1, capacity_slots=9,
+                                      joins=(True, True, False, True, True)), exact_cells=exact_cells)
+    every = solve_chain(ChainProblem(blocks=free.problem.blocks, post_slots=1, capacity_slots=9,
+                                     joins=(True,) * 5), exact_cells=exact_cells)
+    alone = solve_chain(ChainProblem(blocks=free.problem.blocks, post_slots=1, capacity_slots=9,
+                                     joins=(False,) * 5), exact_cells=exact_cells)
+    assert every.curve() == free.curve()
+    for m in _columns(masked):
+        assert all(not (e.start <= 2 and e.stop >= 4) for e in _all_segments(masked.layout(m)))
+        assert masked.cost(m) >= free.cost(m)
+    for m in _columns(alone):
+        assert all(e.stop - e.start == 1 for e in _all_segments(alone.layout(m)))
+    assert min(_columns(masked)) > min(_columns(free))  # the least memory needs a segment over 2 and 3

@@ -124,6 +124,17 @@ class ChainProblem:
     segment_ms: float = 0.0
     """Paid once per recompute segment, top level or nested (one checkpointed call's own cost:
     `remat.measure.types.Profile.checkpoint_call_ms`), on top of its blocks' ``fwd_ms``."""
+    joins: tuple[bool, ...] | None = None
+    """Per pair of neighbours (N - 1 entries): False where blocks ``i`` and ``i + 1`` may not
+    be in one multi-block recompute segment, top level or nested; None: any may join. Only the
+    top level needs the mask: a nested child lies inside its parent, which the mask allowed."""
+
+    def __post_init__(self) -> None:
+        if self.joins is not None and len(self.joins) != max(len(self.blocks) - 1, 0):
+            raise ValueError(
+                f"joins has {len(self.joins)} entries for {len(self.blocks)} blocks; give one per pair of "
+                f"neighbours ({max(len(self.blocks) - 1, 0)}), or None when any blocks may join."
+            )
 
     def segment_units(self) -> float:
         """`segment_ms` in the shared replay tables' unit (replayed block forwards): at the
@@ -135,6 +146,16 @@ class ChainProblem:
     def segment_limit(self) -> int:
         n = len(self.blocks)
         return n if self.max_segment_blocks is None else max(1, min(n, self.max_segment_blocks))
+
+    def longest_segment(self, a: int) -> int:
+        """Blocks in the longest recompute segment allowed to start at block ``a`` (the limit
+        and the joins)."""
+        length = min(len(self.blocks) - a, self.segment_limit())
+        if self.joins is not None:
+            for i in range(a, a + length - 1):
+                if not self.joins[i]:
+                    return i + 1 - a
+        return length
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -261,12 +282,12 @@ class ChainSolution:
     def _top_code(self, a: int, m: int) -> int:
         """The `_top` choice at block ``a`` with ``m`` free slots: ``-(option + 1)`` or a
         segment length, recomputed from the filled tables with the same arithmetic."""
-        block, n, gp = self.problem.blocks[a], len(self.problem.blocks), self.frame.grad_prefix
+        block, gp = self.problem.blocks[a], self.frame.grad_prefix
         opts, m = block.options, min(m, self.frame.lo + self.frame.width - 1)
         retained, working, extra = block.option_arrays
         opt_cost = extra + self._at(np.repeat(self.top[a + 1 : a + 2], len(opts), 0), m - retained + block.grad_slots)
         opt_cost[m < working - block.grad_slots] = _INF
-        js = np.arange(1, min(n - a, self.problem.segment_limit()) + 1)
+        js = np.arange(1, self.problem.longest_segment(a) + 1)
         rest = self._at(self.top[a + js], m - block.input_slots + (gp[a + js] - gp[a]))
         inner = self._segment_inner(a, js, m)
         seg_cost = (self._fwd_prefix[a + js] - self._fwd_prefix[a]) + self.problem.segment_ms + inner + rest
@@ -483,7 +504,7 @@ def _top(problem: ChainProblem, frame: _Frame, inner, alike: bool):
     for a in range(n - 1, -1, -1):
         block = blocks[a]
         opt_cost = _options_cost(block, top[a + 1], frame)
-        longest = min(n - a, problem.segment_limit())
+        longest = problem.longest_segment(a)
         js = np.arange(1, longest + 1)
         if alike:
             least_fwd = np.minimum.accumulate(prefix[a + 1 : a + longest + 1] - prefix[a : a + longest])
@@ -563,7 +584,7 @@ def _least_top(problem: ChainProblem, need, pick, gp: np.ndarray) -> tuple[int, 
         g = blocks[a].grad_slots
         cands = [max(o.working_slots - g, o.retained_slots - g + top[a + 1]) for o in blocks[a].options]
         cands += [max(int(need[j][a]), blocks[a].input_slots - int(gp[a + j] - gp[a]) + top[a + j])
-                  for j in range(1, n - a + 1)]
+                  for j in range(1, problem.longest_segment(a) + 1)]
         k = int(np.argmin(cands))
         top[a] = cands[k]
         code[a] = -(k + 1) if k < len(blocks[a].options) else k - len(blocks[a].options) + 1
