@@ -15,7 +15,8 @@ import torch
 
 from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, Element, _shift, _shift_row, solve_chain
 from remat.plan.predict import predict
-from remat.plan.search import OptimalSearch, _undominated_rows
+from remat.plan.options import undominated_rows
+from remat.plan.search import OptimalSearch
 from remat.plan.types import Segment
 
 from plan_toys import block, profile, random_profile
@@ -100,7 +101,7 @@ def test_undominated_matches_filtering_in_order():
     retained = np.array([rng.randint(0, 3) for _ in range(60)])
     working = np.array([rng.randint(0, 3) for _ in range(60)])
     ms = np.array([[float(rng.randint(0, 3)) for _ in range(60)] for _ in range(5)])
-    mask = _undominated_rows(retained, working, ms)
+    mask = undominated_rows(retained, working, ms)
     for row in range(5):
         keys = list(zip(retained.tolist(), working.tolist(), ms[row].tolist()))
         kept: list[tuple] = []
@@ -108,7 +109,7 @@ def test_undominated_matches_filtering_in_order():
             if not any(all(q[i] <= k[i] for i in range(3)) for q in kept):
                 kept.append(k)
         assert [k for k, ok in zip(keys, mask[row]) if ok] == kept
-    assert _undominated_rows(np.zeros(0), np.zeros(0), np.zeros((2, 0))).shape == (2, 0)
+    assert undominated_rows(np.zeros(0), np.zeros(0), np.zeros((2, 0))).shape == (2, 0)
 
 
 def _budgets(space):

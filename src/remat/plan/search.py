@@ -1,11 +1,9 @@
-"""The optimal planner's search: per-block options from the cost registry, slots, the chain DP.
+"""The optimal planner's search: per-block options (`remat.plan.options`), slots, the chain DP.
 
 `OptimalSearch` turns a Profile into a `remat.plan.chain_dp.ChainProblem` and turns DP layouts
 back into Segments. Every byte and millisecond comes from the cost registry, so the DP prices
-what `predict` prices: keep and recompute through `remat.plan.costs.cost_of`, selective options
-through `remat.plan.costs.selective_prices` (the formula `cost_of` uses, bit for bit), once for
-all blocks alike in structure (`structure_classes`: a transformer's layers), which share their
-option list (the union of their knapsack frontiers) and differ in times only.
+what `predict` prices: keep and recompute through `remat.plan.costs.cost_of`, the other options
+as `remat.plan.options` prices them.
 
 It returns the optimum of the byte model when the DP's slot is the gcd of the sizes and the
 chain DP is exact (see `remat.plan.chain_dp`: small and toy profiles, Revolve chains). Long
@@ -23,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from remat.measure.types import BlockProfile, Profile
+from remat.measure.types import Profile
 from remat.plan.chain_dp import (
     BlockOption,
     ChainBlock,
@@ -35,8 +33,17 @@ from remat.plan.chain_dp import (
     least_requirement,
     solve_chain,
 )
-from remat.plan.costs import clear_cost_cache, cost_of, has_cost, replay_working_bytes, selective_prices, working_bytes
-from remat.plan.policies import clear_subset_cache, knapsack, knapsack_frontier, knapsack_frontier_union, policy
+from remat.plan.costs import clear_cost_cache, cost_of, replay_working_bytes
+from remat.plan.options import (
+    BlockOptions,
+    OptionClass,
+    block_options,
+    offload_options,
+    price_options,
+    structure_classes,
+    undominated_rows,
+)
+from remat.plan.policies import clear_subset_cache, knapsack, knapsack_frontier
 from remat.plan.predict import backward_base_bytes, grad_bytes_live, keep_peak_bytes, predict
 from remat.plan.types import Segment
 
@@ -57,12 +64,10 @@ UNLIKE_CELLS_FACTOR = 8
 """Unlike blocks (the usual case for measured profiles: times differ) get this many times the
 cells: their DP is a factor N/9 costlier, and an exact plan is worth a second."""
 MAX_SLOTS = 6144
-NAMED_POLICIES = ("attention-core", "save-matmuls")
 NEVER_SLOTS = 1 << 40
 """Input and replay working slots of a block that cannot be recomputed: no recompute segment
 can then start at it (its input would not fit) nor hold it kept or inside a child (its replay
 would not fit), at any depth, while its top-level options stay as they are."""
-"""Selective policies offered per block besides every point of the knapsack frontier."""
 
 
 def clear_planning_caches() -> None:
@@ -96,58 +101,6 @@ def _head_bytes(profile: Profile) -> int:
     return _post_bytes(profile) + grad_bytes_live(profile, profile.num_blocks)
 
 
-def block_options(profile: Profile, index: int) -> list[Segment]:
-    """Top-level single-block choices other than recompute: keep, selective policies (named, and
-    every point of the knapsack frontier of any block alike in structure: `structure_classes`),
-    offload where a cost and a measured bandwidth exist."""
-    members = next(m for m in structure_classes(profile) if index in m)
-    return [dataclasses.replace(s, start=index, stop=index + 1) for s in _class_segments(profile, members)] + _offload_options(profile, index)
-
-
-def structure_classes(profile: Profile) -> list[list[int]]:
-    """Blocks grouped by structure: equal op tables and bytes, times aside (`_structure_key`)."""
-    classes: dict[tuple, list[int]] = {}
-    for i, block in enumerate(profile.blocks):
-        classes.setdefault(_structure_key(block), []).append(i)
-    return list(classes.values())
-
-
-def _structure_key(block: BlockProfile) -> tuple:
-    ops = tuple((o.key, o.name, o.output_bytes, o.saved_bytes, o.flops, o.is_random, o.is_view, o.storage_ids,
-                 o.storage_bytes, o.storage_escapes, o.mutated_later) for o in block.ops)
-    return (block.class_name, block.input_bytes, block.output_bytes, block.saved_bytes, block.bwd_temp_bytes,
-            block.fwd_temp_bytes, block.grad_bytes, block.fwd_flops, block.output_grad_bytes, block.bwd_free_order,
-            block.fwd_live_bytes, block.checkpointed_fwd_live_bytes, block.checkpointed_fwd_freed_at, ops,
-            block.unavailable)
-
-
-def _class_segments(profile: Profile, members: list[int]) -> list[Segment]:
-    """Keep, the named policies and the knapsack union, on the class's first block (no selective
-    option where its probe failed: the class's blocks share their `BlockProfile.unavailable`)."""
-    first = profile.blocks[members[0]]
-    a, b = first.index, first.index + 1
-    out = [Segment(start=a, stop=b, strategy="keep")]
-    if first.ops and first.unavailable_reason("selective") is None:
-        for name in NAMED_POLICIES:
-            out.append(Segment(start=a, stop=b, strategy=f"selective:{name}", saved_ops=policy(name)(first)))
-        for _, keys in knapsack_frontier_union([profile.blocks[i] for i in members]):
-            out.append(Segment(start=a, stop=b, strategy="selective:knapsack", saved_ops=keys))
-    return out
-
-
-def _offload_options(profile: Profile, index: int) -> list[Segment]:
-    if not has_cost("offload"):
-        return []
-    bw = profile.bandwidths
-    targets = []
-    if profile.fingerprint.device != "cpu" and bw.device_to_host_bytes_per_s and bw.host_to_device_bytes_per_s:
-        targets.append("offload:cpu")
-    if bw.disk_write_bytes_per_s and bw.disk_read_bytes_per_s:
-        targets.append("offload:disk")
-    block = profile.blocks[index]
-    return [Segment(start=index, stop=index + 1, strategy=t) for t in targets if block.unavailable_reason(t) is None]
-
-
 @dataclass(kw_only=True, frozen=True)
 class Optimality:
     """How close the optimal planner's plan is to the least extra time any plan fitting the
@@ -171,40 +124,14 @@ class Optimality:
         return max(0.0, self.extra_ms - self.lower_bound_ms)
 
 
-@dataclass(kw_only=True, frozen=True)
-class _Class:
-    """The priced options of one structure class: bytes per option, times and the dominance
-    mask per member block (rows in ``members`` order)."""
-
-    members: list[int]
-    retained_bytes: np.ndarray
-    working_bytes: np.ndarray
-    extra_ms: np.ndarray
-    ok: np.ndarray
-
-
-@dataclass(kw_only=True, frozen=True)
-class _Options:
-    """One block's non-dominated top-level options, keep first: segments (named on the first
-    block of its structure class: `OptimalSearch._option_segment` moves one) and their costs."""
-
-    segments: tuple[Segment, ...]
-    retained_bytes: np.ndarray
-    working_bytes: np.ndarray
-    extra_ms: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.segments)
-
-
 class OptimalSearch:
     """Options, slot size and DP solutions for one profile (no work in the constructor)."""
 
     def __init__(self, profile: Profile, max_slots: int | None = None):
         self.profile = profile
         self.max_slots = max_slots
-        self._options: list[_Options] | None = None
-        self._classes: list[_Class] = []
+        self._options: list[BlockOptions] | None = None
+        self._classes: list[OptionClass] = []
         self._sizes_cache: list[int] | None = None
 
     # -- public -----------------------------------------------------------------------------
@@ -228,7 +155,7 @@ class OptimalSearch:
         prof = self.profile
         if not prof.step_fault_bytes or not prof.first_touch_ms_per_byte or slots < solution.frame.lo:
             return slots
-        if any(_offload_options(prof, i) for i in range(prof.num_blocks)):
+        if any(offload_options(prof, i) for i in range(prof.num_blocks)):
             return slots  # offloaded bytes save no faults, and the columns do not say how many
         m = np.arange(solution.frame.lo, slots + 1)
         costs = solution.top[0, np.minimum(m - solution.frame.lo, solution.frame.width - 1)]
@@ -339,54 +266,11 @@ class OptimalSearch:
         pred = predict(self.profile, keep)
         return max(1, sum(pred.retained_bytes) + _head_bytes(self.profile), _keep_block_peak(self.profile))
 
-    def options(self) -> list[_Options]:
-        """Per block, its non-dominated top-level options, priced: blocks alike in structure are
-        priced together (`remat.plan.costs.selective_prices`), offload options block by block."""
+    def options(self) -> list[BlockOptions]:
+        """Per block, its non-dominated top-level options (`remat.plan.options.price_options`)."""
         if self._options is None:
-            options: list[_Options | None] = [None] * self.profile.num_blocks
-            self._classes = []
-            for members in structure_classes(self.profile):
-                for i, opts in zip(members, self._class_options(members)):
-                    options[i] = self._with_offload(i, opts)
-            self._options = options  # type: ignore[assignment]
-        return self._options  # type: ignore[return-value]
-
-    def _class_options(self, members: list[int]) -> list[_Options]:
-        """Options of the blocks of one structure class; keeps the class's arrays (`_Class`)."""
-        blocks = [self.profile.blocks[i] for i in members]
-        segments = _class_segments(self.profile, members)
-        first = blocks[0]
-        prices = selective_prices(blocks, [s.saved_ops for s in segments[1:]])
-        retained = np.r_[first.saved_bytes, prices.retained_bytes].astype(np.int64)
-        working = np.r_[working_bytes(first), prices.working_bytes].astype(np.int64)
-        ms = np.c_[np.zeros(len(blocks)), prices.extra_ms]
-        ok = _undominated_rows(retained, working, ms)
-        self._classes.append(_Class(members=members, retained_bytes=retained, working_bytes=working, extra_ms=ms, ok=ok))
-        out = []
-        for row in range(len(blocks)):
-            keep = np.flatnonzero(ok[row])
-            out.append(_Options(segments=tuple(segments[k] for k in keep), retained_bytes=retained[keep],
-                                working_bytes=working[keep], extra_ms=ms[row, keep]))
-        return out
-
-    def _with_offload(self, i: int, opts: _Options) -> _Options:
-        offload = _offload_options(self.profile, i)
-        if not offload:
-            return opts
-        costs = [cost_of(self.profile, i, s) for s in offload]
-        retained = np.r_[opts.retained_bytes, [c.retained_bytes for c in costs]].astype(np.int64)
-        working = np.r_[opts.working_bytes, [c.working_bytes for c in costs]].astype(np.int64)
-        ms = np.r_[opts.extra_ms, [c.extra_ms for c in costs]]
-        segments = opts.segments + tuple(offload)
-        # filtering the filtered list again equals filtering all at once (see `_undominated_rows`)
-        keep = np.flatnonzero(_undominated_rows(retained, working, ms[None, :])[0])
-        return _Options(segments=tuple(segments[k] for k in keep), retained_bytes=retained[keep],
-                        working_bytes=working[keep], extra_ms=ms[keep])
-
-    def _option_segment(self, i: int, k: int) -> Segment:
-        """Option ``k`` of block ``i`` as a segment on block ``i``."""
-        segment = self.options()[i].segments[k]
-        return segment if segment.start == i else dataclasses.replace(segment, start=i, stop=i + 1)
+            self._options, self._classes = price_options(self.profile)
+        return self._options
 
     def _solve(self, allowance: int, to_keep_all: bool = False, limited: bool = True) -> tuple[ChainSolution, int]:
         """Tables up to ``allowance``; ``to_keep_all``: up to what keeping every block needs in
@@ -444,7 +328,7 @@ class OptimalSearch:
         self.options()
         chain: list[ChainBlock | None] = [None] * self.profile.num_blocks
         for group in self._classes:
-            plain = [row for row, i in enumerate(group.members) if not _offload_options(self.profile, i)]
+            plain = [row for row, i in enumerate(group.members) if not offload_options(self.profile, i)]
             for row, block in zip(plain, self._class_chain_blocks(group, plain, quantum, relax)):
                 chain[group.members[row]] = block
         blocks = tuple(b if b is not None else self._chain_block(i, quantum, relax) for i, b in enumerate(chain))
@@ -454,13 +338,13 @@ class OptimalSearch:
         return ChainProblem(blocks=blocks, post_slots=post, capacity_slots=capacity,
                             segment_ms=self.profile.checkpoint_call_ms)
 
-    def _class_chain_blocks(self, group: _Class, rows: list[int], quantum: int, relax: bool) -> list[ChainBlock]:
+    def _class_chain_blocks(self, group: OptionClass, rows: list[int], quantum: int, relax: bool) -> list[ChainBlock]:
         """Chain blocks of a structure class's rows (blocks without offload options): the slot
-        dominance filter runs on all of them at once; labels index each block's `_Options`."""
+        dominance filter runs on all of them at once; labels index each block's options."""
         retained = _slots(group.retained_bytes, quantum, relax)
         working = _slots(group.working_bytes, quantum, relax)
         ok = group.ok[rows]
-        keep = _undominated_rows(retained, working, np.where(ok, group.extra_ms[rows], np.inf)) & ok
+        keep = undominated_rows(retained, working, np.where(ok, group.extra_ms[rows], np.inf)) & ok
         position = np.cumsum(ok, axis=1) - 1  # index of a class option in the block's own list
         out = []
         for r, row in enumerate(rows):
@@ -478,7 +362,7 @@ class OptimalSearch:
         if options is None:
             opts = self.options()[i]
             retained, working = _slots(opts.retained_bytes, quantum, relax), _slots(opts.working_bytes, quantum, relax)
-            ok = _undominated_rows(retained, working, opts.extra_ms[None, :])[0]
+            ok = undominated_rows(retained, working, opts.extra_ms[None, :])[0]
             options = tuple(BlockOption(label=k, retained_slots=r, working_slots=w, extra_ms=ms) for k, r, w, ms in zip(
                 np.flatnonzero(ok).tolist(), retained[ok].tolist(), working[ok].tolist(), opts.extra_ms[ok].tolist()))
         never = self.profile.blocks[i].unavailable_reason("recompute") is not None
@@ -497,7 +381,7 @@ class OptimalSearch:
 
     def _segment(self, element: Element) -> Segment:
         if element.option is not None:
-            return self._option_segment(element.start, element.option)
+            return self.options()[element.start].option_segment(element.start, element.option)
         children = tuple(self._segment(c) for c in element.children)
         return Segment(start=element.start, stop=element.stop, strategy="recompute", children=children)
 
@@ -528,20 +412,6 @@ def _byte_key(profile: Profile, i: int) -> tuple:
     keep = cost_of(profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
     replay = cost_of(profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
     return (replay.retained_bytes, keep.retained_bytes, replay_working_bytes(b), b.grad_bytes)
-
-
-def _undominated_rows(retained: np.ndarray, working: np.ndarray, ms: np.ndarray) -> np.ndarray:
-    """Mask (B, K) of the options that no earlier option of their row beats or ties in retained
-    bytes, working bytes and time (B rows of K options sharing bytes, times per row). An entry
-    dropped for an earlier one is itself beaten by a kept one, so this equals filtering in order,
-    and filtering a filtered list again equals filtering all at once."""
-    bytes_no_worse = np.triu((retained[:, None] <= retained[None, :]) & (working[:, None] <= working[None, :]), k=1)
-    out = np.empty(ms.shape, dtype=bool)
-    step = max(1, 4_000_000 // max(ms.shape[1] ** 2, 1))  # rows at a time: about 4M booleans
-    for lo in range(0, ms.shape[0], step):
-        part = ms[lo : lo + step]
-        out[lo : lo + step] = ~(bytes_no_worse[None] & (part[:, :, None] <= part[:, None, :])).any(axis=1)
-    return out
 
 
 def _slots(num_bytes: np.ndarray, quantum: int, relax: bool) -> np.ndarray:
