@@ -1,0 +1,55 @@
+"""The chain DP in bytes (`remat.plan.chain_exact`) against the slot DP on problems whose sizes are
+small integers: the slot DP then counts every unit too, and is exact (`tests/plan/test_optimal.py`
+checks it against enumeration), so both must give the same least time at every memory column,
+and the byte DP's layouts must cost what it says."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, solve_chain
+from remat.plan.chain_exact import solve_exact
+
+EXACT_TABLES = 10**12
+"""``exact_cells`` that makes the slot DP fill its exact per-region tables."""
+
+
+def _problem(rng: random.Random, num_blocks: int, joins: bool) -> ChainProblem:
+    blocks = []
+    for i in range(num_blocks):
+        inp, saved, grad = rng.randint(1, 3), rng.randint(4, 9), rng.randint(0, 2)
+        work = saved + rng.randint(0, 3)
+        options = [BlockOption(label=0, retained_slots=saved, working_slots=work, extra_ms=0.0)]
+        for k in range(rng.randint(0, 2)):  # selective-like: hold less, pay some
+            held = rng.randint(inp, saved - 1)
+            options.append(BlockOption(label=k + 1, retained_slots=held, working_slots=work + rng.randint(0, 2),
+                                       extra_ms=rng.randint(1, 6) / 4))
+        blocks.append(ChainBlock(input_slots=inp, saved_slots=saved, working_slots=work, fwd_ms=rng.randint(1, 9) / 2,
+                                 options=tuple(options), grad_slots=grad))
+    mask = tuple(rng.random() < 0.7 for _ in range(num_blocks - 1)) if joins else None
+    return ChainProblem(blocks=tuple(blocks), post_slots=rng.randint(1, 6), capacity_slots=80,
+                        segment_ms=rng.choice([0.0, 0.25]), joins=mask)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_byte_tables_equal_exact_slot_tables(seed):
+    rng = random.Random(seed)
+    problem = _problem(rng, rng.randint(2, 7), joins=seed % 2 == 1)
+    slots, exact = solve_chain(problem, exact_cells=EXACT_TABLES), solve_exact(problem)
+    columns = [m for m, cost in slots.curve() if math.isfinite(cost)]
+    assert exact.curve()[0][0] == min(columns)  # the same least need
+    for m in columns:
+        assert exact.cost(m) == pytest.approx(slots.cost(m), abs=1e-9)
+        assert slots.layout_ms(exact.layout(m)) == pytest.approx(exact.cost(m), abs=1e-9)
+    assert exact.cost(min(columns) - 1) == math.inf
+    needs, costs = zip(*exact.curve())
+    assert list(needs) == sorted(set(needs)) and list(costs) == sorted(costs, reverse=True)
+
+
+def test_too_many_points_give_up():
+    problem = _problem(random.Random(3), 7, joins=False)
+    assert solve_exact(problem, max_points=50) is None
+    assert solve_exact(problem) is not None
