@@ -1,7 +1,8 @@
 """The chain DP in bytes (`remat.plan.chain_exact`) against the slot DP on problems whose sizes are
 small integers: the slot DP then counts every unit too, and is exact (`tests/plan/test_optimal.py`
 checks it against enumeration), so both must give the same least time at every memory column,
-and the byte DP's layouts must cost what it says."""
+and the byte DP's layouts must cost what it says. Odd seeds add masks: pairs of blocks that may
+not share a segment (joins), blocks that may not be replayed."""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def _problem(rng: random.Random, num_blocks: int, joins: bool) -> ChainProblem:
         blocks.append(ChainBlock(input_slots=inp, saved_slots=saved, working_slots=work, fwd_ms=rng.randint(1, 9) / 2,
                                  options=tuple(options), grad_slots=grad))
     mask = tuple(rng.random() < 0.7 for _ in range(num_blocks - 1)) if joins else None
+    replayable = tuple(rng.random() < 0.8 for _ in range(num_blocks)) if joins else None
     return ChainProblem(blocks=tuple(blocks), post_slots=rng.randint(1, 6), capacity_slots=80,
-                        segment_ms=rng.choice([0.0, 0.25]), joins=mask)
+                        segment_ms=rng.choice([0.0, 0.25]), joins=mask, replayable=replayable)
 
 
 @pytest.mark.parametrize("seed", range(10))

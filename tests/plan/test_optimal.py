@@ -19,22 +19,8 @@ from remat.plan.predict import predict
 from remat.plan.search import block_options
 from remat.plan.types import Segment
 
+from plan_space import region_layouts
 from plan_toys import block, chain, op, profile, random_profile
-
-
-def _region(a, b, parent):
-    """Every layout of part [a, b) of the replay of segment ``parent``: kept blocks and
-    recompute children nested to any depth, none covering the whole ``parent``."""
-    if a == b:
-        yield ()
-        return
-    yield from _region(a + 1, b, parent)  # block a kept during the replay
-    for j in range(a + 1, b + 1):
-        if (a, j) == parent:
-            continue
-        for inner in _region(a, j, (a, j)):
-            for rest in _region(j, b, parent):
-                yield (Segment(start=a, stop=j, strategy="recompute", children=inner),) + rest
 
 
 def _tops(prof, a):
@@ -46,7 +32,7 @@ def _tops(prof, a):
         for rest in _tops(prof, a + 1):
             yield (option,) + rest
     for j in range(a + 1, n + 1):
-        for children in _region(a, j, (a, j)):
+        for children in region_layouts(a, j, (a, j)):
             for rest in _tops(prof, j):
                 yield (Segment(start=a, stop=j, strategy="recompute", children=children),) + rest
 

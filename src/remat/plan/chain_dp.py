@@ -44,7 +44,9 @@ When the result is the optimum, and when it is not:
   `ChainSolution.gap_ms` bounds the distance of its layout from the least;
 - ``max_segment_blocks`` below N searches a smaller space (not optimal);
 - a slot larger than the gcd of the sizes rounds them up (the plan fits, and may be slower
-  than the best): `remat.plan.search.OptimalSearch.optimality` bounds the loss.
+  than the best): `remat.plan.search.OptimalSearch.optimality` bounds the loss, and
+  `remat.plan.slots` states what rounding may cost. The same recurrences counted in bytes, with
+  step functions in place of slot columns, are `remat.plan.chain_exact`.
 Time O(N (K + L) M + L^2 M) for blocks alike in slots (K options per block, L the longest
 segment, M slots), O(N L^2 M) otherwise.
 """
@@ -129,12 +131,19 @@ class ChainProblem:
     be in one multi-block recompute segment, top level or nested; None: any may join. Only the
     top level needs the mask: a nested child lies inside its parent, which the mask allowed."""
 
+    replayable: tuple[bool, ...] | None = None
+    """Per block: False where it may not be in any recompute segment (its replay failed when
+    profiled: `remat.measure.types.BlockProfile.unavailable`); None: every block may."""
+
     def __post_init__(self) -> None:
         if self.joins is not None and len(self.joins) != max(len(self.blocks) - 1, 0):
             raise ValueError(
                 f"joins has {len(self.joins)} entries for {len(self.blocks)} blocks; give one per pair of "
                 f"neighbours ({max(len(self.blocks) - 1, 0)}), or None when any blocks may join."
             )
+        if self.replayable is not None and len(self.replayable) != len(self.blocks):
+            raise ValueError(f"replayable has {len(self.replayable)} entries for {len(self.blocks)} blocks; give one "
+                             "per block, or None when every block may be replayed.")
 
     def segment_units(self) -> float:
         """`segment_ms` in the shared replay tables' unit (replayed block forwards): at the
@@ -148,13 +157,16 @@ class ChainProblem:
         return n if self.max_segment_blocks is None else max(1, min(n, self.max_segment_blocks))
 
     def longest_segment(self, a: int) -> int:
-        """Blocks in the longest recompute segment allowed to start at block ``a`` (the limit
-        and the joins)."""
+        """Blocks in the longest recompute segment allowed to start at block ``a`` (the limit,
+        the joins and the blocks that may be replayed; 0: none)."""
+        replayable = self.replayable or (True,) * len(self.blocks)
+        joins = self.joins or (True,) * max(len(self.blocks) - 1, 0)
+        if not replayable[a]:
+            return 0
         length = min(len(self.blocks) - a, self.segment_limit())
-        if self.joins is not None:
-            for i in range(a, a + length - 1):
-                if not self.joins[i]:
-                    return i + 1 - a
+        for i in range(a, a + length - 1):
+            if not (joins[i] and replayable[i + 1]):
+                return i + 1 - a
         return length
 
 
@@ -505,6 +517,9 @@ def _top(problem: ChainProblem, frame: _Frame, inner, alike: bool):
         block = blocks[a]
         opt_cost = _options_cost(block, top[a + 1], frame)
         longest = problem.longest_segment(a)
+        if longest == 0:
+            np.min(opt_cost, axis=0, out=top[a])
+            continue
         js = np.arange(1, longest + 1)
         if alike:
             least_fwd = np.minimum.accumulate(prefix[a + 1 : a + longest + 1] - prefix[a : a + longest])

@@ -3,15 +3,12 @@
 Strategies (``strategy=``): ``none``, ``full`` (every block recomputed), ``every:K`` (segments
 of K blocks), ``sqrt`` (Chen et al. 2016: segments of about sqrt(N) blocks), ``selective:<p>``
 (policy p on every block; each fixed planner gives a block that cannot run its strategy the
-nearest it can, `remat.plan.available`), and ``optimal``: the least predicted step time whose predicted peak
-fits the budget, over keep / recompute / selective / offload per block plus nested recompute
-segments, solved by the dynamic program of `remat.plan.chain_dp`. It is exact for the byte
-model whenever every size is a multiple of the DP's memory slot (`choose_quantum` takes the gcd
-of the sizes when the table stays small: toy profiles, Revolve chains). Otherwise sizes are
-rounded up to the slot (the plan still fits the budget) and the plan is optimal for the rounded
-sizes; the slot size and the optimality bound (`OptimalSearch.optimality`) are reported by the
-planner benchmark (BENCHMARKS.md, "Planning speed"); chains over 200 blocks search recompute
-segments of at most 16 blocks so that slots stay fine.
+nearest it can, `remat.plan.available`), and ``optimal``: the least predicted step time whose
+predicted peak fits the budget, over keep / recompute / selective / offload per block plus
+nested recompute segments (`remat.plan.search`). On chains of up to 48 blocks the search counts
+bytes exactly and the plan is the optimum of the model at every budget from the least feasible
+peak up; longer chains count memory in slots, and the plan carries the bound (`Plan.optimality`;
+BENCHMARKS.md, "Planning speed").
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from remat.plan.infeasible import check_state_fits, infeasible_error
 from remat.plan.predict import predict
 from remat.plan.policies import policy
 from remat.plan.search import OptimalSearch, plan_floor
-from remat.plan.types import Plan, Segment
+from remat.plan.types import Optimality, Plan, Segment
 
 __all__ = ["plan", "pareto", "STRATEGIES", "make_plan", "min_peak_plan"]
 
@@ -96,7 +93,7 @@ def _baseline_peak(profile: Profile) -> int:
 
 
 def make_plan(profile: Profile, segments: tuple[Segment, ...], strategy: str, budget: int | None,
-              head: str = "keep") -> Plan:
+              head: str = "keep", optimality: Optimality | None = None) -> Plan:
     """A Plan of ``segments`` and ``head`` with its prediction and the profile's fingerprint;
     ValueError when a segment's strategy cannot run on one of its blocks (`remat.plan.available`)."""
     check_available(profile, segments)
@@ -108,6 +105,7 @@ def make_plan(profile: Profile, segments: tuple[Segment, ...], strategy: str, bu
         prediction=predict(profile, segments, head),
         fingerprint=profile.fingerprint,
         head=head,
+        optimality=optimality,
     )
 
 
@@ -119,9 +117,9 @@ def _optimal_plan(profile: Profile, heads: tuple[str, ...], budget: int | None) 
         return make_plan(profile, _none(profile, "none", None), "optimal", None, head=heads[0])
     plans = []
     for head in heads:
-        segments = OptimalSearch(priced_profile(profile, head)).best_segments(budget)
-        if segments is not None:
-            plans.append(make_plan(profile, segments, "optimal", budget, head=head))
+        choice = OptimalSearch(priced_profile(profile, head)).choose(budget)
+        if choice is not None:
+            plans.append(make_plan(profile, choice.segments, "optimal", budget, head=head, optimality=choice.optimality))
     if not plans:
         space = "keep, recompute, nested segments and selective policies"
         if heads != ("keep",):

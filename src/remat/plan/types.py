@@ -112,6 +112,30 @@ class Prediction:
 
 
 @dataclass(kw_only=True, frozen=True)
+class Optimality:
+    """How close an optimal plan is to the fastest plan that fits its budget, under the byte and
+    time model of `remat.plan.predict` (`remat.plan.search.OptimalSearch.choose`)."""
+
+    extra_ms: float
+    """The plan's predicted step time less the baseline step's (`remat.plan.predict.baseline_step_ms`):
+    recomputation and exposed transfers, less the fresh-memory saving."""
+    lower_bound_ms: float
+    """No plan whose predicted peak fits the budget has a smaller ``extra_ms``."""
+    quantum_bytes: int
+    """The search's memory unit: 1 when it counted bytes exactly; a larger slot on long chains."""
+
+    @property
+    def exact(self) -> bool:
+        """The plan is optimal: its extra time equals the lower bound."""
+        return self.extra_ms <= self.lower_bound_ms + 1e-9 * max(1.0, abs(self.lower_bound_ms))
+
+    @property
+    def gap_ms(self) -> float:
+        """At most this much slower than the fastest plan that fits."""
+        return max(0.0, self.extra_ms - self.lower_bound_ms)
+
+
+@dataclass(kw_only=True, frozen=True)
 class Plan:
     """A plan to apply with `remat.apply_`; round-trips through versioned JSON."""
 
@@ -131,6 +155,8 @@ class Plan:
     """How the output projection and the loss run (`remat.head.strategies`): ``keep`` (as the
     model runs them), ``recompute`` or ``chunked:<tokens>``; under the last two the model's
     output carries no logits in training. Plans without it (older files) keep the head."""
+    optimality: Optimality | None = None
+    """Strategy ``optimal`` under a budget: how far the plan may be from the fastest that fits."""
 
     def __post_init__(self) -> None:
         check_head_name(self.head)

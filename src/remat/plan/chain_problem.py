@@ -1,0 +1,192 @@
+"""A profile as the chain DPs' problem: every size in units of a quantum, the fixed part once.
+
+`ChainBuilder` turns a Profile into a `remat.plan.chain_dp.ChainProblem` (sizes in slots of
+``quantum`` bytes; ``quantum = 1`` is the byte-exact problem `remat.plan.chain_exact` solves) and
+DP layouts back into Segments. Every byte and millisecond comes from the cost registry, so the
+DPs price what `predict` prices: keep and recompute through `remat.plan.costs.cost_of`, the other
+per-block options through `remat.plan.options`.
+
+The part outside the blocks enters in one place, `FixedPart`: what stays live through the
+backward, the gradients, the head's backward and the optimizer step (`remat.plan.predict`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from remat.measure.types import Profile
+from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, Element, deep_recursion
+from remat.plan.costs import cost_of, replay_working_bytes
+from remat.plan.options import BlockOptions, OptionClass, offload_options, price_options, undominated_rows
+from remat.plan.predict import backward_base_bytes, grad_bytes_live
+from remat.plan.types import Segment
+
+__all__ = ["FixedPart", "fixed_part", "ChainBuilder", "keep_segments"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class FixedPart:
+    """What the part outside the blocks adds to every layout's peak (`remat.plan.predict`)."""
+
+    base_bytes: int
+    """Live through the whole backward: model state (`backward_base_bytes`) and the pre part's
+    saved bytes."""
+    grad_bytes: int
+    """``G``: gradients live when the first block's backward starts, with that block's own
+    (the DPs' gradient adjustment: `remat.plan.chain_dp`)."""
+    head_bytes: int
+    """The head's backward above the base and the blocks' retained bytes: the post part's saved
+    bytes and backward temporaries, and the gradients live then."""
+    optimizer_bytes: int
+    """The optimizer step: model state and its temporaries; no plan's peak is lower."""
+
+    def peak_bytes(self, need_bytes: int | np.ndarray) -> int | np.ndarray:
+        """Predicted peak of a layout whose gradient-adjusted need is ``need_bytes``."""
+        return np.maximum(self.base_bytes + self.grad_bytes + need_bytes, self.optimizer_bytes)
+
+
+def fixed_part(profile: Profile) -> FixedPart:
+    first_grads = profile.blocks[0].grad_bytes if profile.blocks else 0
+    return FixedPart(
+        base_bytes=backward_base_bytes(profile) + profile.fixed_pre_saved_bytes,
+        grad_bytes=grad_bytes_live(profile, 0) + first_grads,
+        head_bytes=profile.fixed_post_saved_bytes + profile.fixed_post_bwd_temp_bytes
+        + grad_bytes_live(profile, profile.num_blocks),
+        optimizer_bytes=profile.model_state_bytes + profile.optimizer_step_temp_bytes,
+    )
+
+
+def keep_segments(num_blocks: int) -> tuple[Segment, ...]:
+    return tuple(Segment(start=i, stop=i + 1, strategy="keep") for i in range(num_blocks))
+
+
+class ChainBuilder:
+    """Options, sizes and chain problems of one profile (no work in the constructor)."""
+
+    def __init__(self, profile: Profile, joins: tuple[bool, ...] | None = None):
+        if joins is not None and len(joins) != max(profile.num_blocks - 1, 0):
+            raise ValueError(
+                f"joins has {len(joins)} entries for a profile of {profile.num_blocks} blocks; give one per pair "
+                f"of neighbouring blocks ({max(profile.num_blocks - 1, 0)}), or None when any blocks may join."
+            )
+        self.profile = profile
+        self.joins = None if joins is None else tuple(bool(j) for j in joins)
+        self.fixed = fixed_part(profile)
+        self._priced: tuple[list[BlockOptions], list[OptionClass]] | None = None
+        self._sizes: list[int] | None = None
+
+    def options(self) -> list[BlockOptions]:
+        """Per block, its non-dominated top-level options (`remat.plan.options.price_options`)."""
+        if self._priced is None:
+            self._priced = price_options(self.profile)
+        return self._priced[0]
+
+    def sizes(self) -> list[int]:
+        """Every size the problem counts, in bytes (the quantum's candidates divide them)."""
+        if self._sizes is None:
+            sizes = [self.fixed.head_bytes, self.fixed.grad_bytes]
+            for i, block in enumerate(self.profile.blocks):
+                keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
+                sizes += [block.input_bytes, keep.retained_bytes, replay_working_bytes(block), block.grad_bytes]
+                sizes += self.options()[i].retained_bytes.tolist() + self.options()[i].working_bytes.tolist()
+            self._sizes = sizes
+        return self._sizes
+
+    def alike_in_bytes(self) -> bool:
+        """Every block has the same replay-table sizes (`remat.plan.chain_dp.solve_chain`)."""
+        return len({self._byte_key(i) for i in range(self.profile.num_blocks)}) <= 1
+
+    def _byte_key(self, i: int) -> tuple:
+        b = self.profile.blocks[i]
+        keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
+        replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
+        return (replay.retained_bytes, keep.retained_bytes, replay_working_bytes(b), b.grad_bytes)
+
+    def head_need(self, quantum: int, relax: bool = False) -> int:
+        """The head's backward in slots, gradient-adjusted: its bytes plus the blocks' gradients
+        minus ``G`` (rounded up; down with ``relax``)."""
+        block_grads = sum(b.grad_bytes for b in self.profile.blocks)
+        head = self.fixed.head_bytes + block_grads - self.fixed.grad_bytes
+        return head // quantum if relax else -(-head // quantum)
+
+    def problem(self, quantum: int, capacity: int, relax: bool = False) -> ChainProblem:
+        """Slots, gradient-adjusted as in `remat.plan.chain_dp`. Needs round up and gradients
+        down, so a layout the DP accepts fits; ``relax``: the other way round, so every layout
+        that fits in bytes is accepted (the DP's cost is then a lower bound; held slots are
+        integers, so ``(allowance - G) // quantum`` still bounds them)."""
+        self.options()
+        chain: list[ChainBlock | None] = [None] * self.profile.num_blocks
+        for group in self._priced[1]:  # type: ignore[index]
+            plain = [row for row, i in enumerate(group.members) if not offload_options(self.profile, i)]
+            for row, block in zip(plain, self._class_chain_blocks(group, plain, quantum, relax)):
+                chain[group.members[row]] = block
+        blocks = tuple(b if b is not None else self._chain_block(i, quantum, relax) for i, b in enumerate(chain))
+        return ChainProblem(blocks=blocks, post_slots=self.head_need(quantum, relax), capacity_slots=capacity,
+                            segment_ms=self.profile.checkpoint_call_ms, joins=self.joins, replayable=self.replayable())
+
+    def replayable(self) -> tuple[bool, ...] | None:
+        """Per block, whether its replay ran when profiled (None: every block's did)."""
+        ok = tuple(b.unavailable_reason("recompute") is None for b in self.profile.blocks)
+        return None if all(ok) else ok
+
+    def _class_chain_blocks(self, group: OptionClass, rows: list[int], quantum: int, relax: bool) -> list[ChainBlock]:
+        """Chain blocks of a structure class's rows (blocks without offload options): the slot
+        dominance filter runs on all of them at once; labels index each block's options."""
+        retained = _slots(group.retained_bytes, quantum, relax)
+        working = _slots(group.working_bytes, quantum, relax)
+        ok = group.ok[rows]
+        keep = undominated_rows(retained, working, np.where(ok, group.extra_ms[rows], np.inf)) & ok
+        position = np.cumsum(ok, axis=1) - 1  # index of a class option in the block's own list
+        out = []
+        for r, row in enumerate(rows):
+            k = np.flatnonzero(keep[r])
+            options = tuple(map(BlockOption._make, zip(position[r, k].tolist(), retained[k].tolist(),
+                                                       working[k].tolist(), group.extra_ms[row, k].tolist())))
+            out.append(self._chain_block(group.members[row], quantum, relax, options))
+        return out
+
+    def _chain_block(self, i: int, quantum: int, relax: bool = False,
+                     options: tuple[BlockOption, ...] | None = None) -> ChainBlock:
+        need, grad = (_floor, _ceil) if relax else (_ceil, _floor)
+        keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
+        replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
+        if options is None:
+            opts = self.options()[i]
+            retained, working = _slots(opts.retained_bytes, quantum, relax), _slots(opts.working_bytes, quantum, relax)
+            ok = undominated_rows(retained, working, opts.extra_ms[None, :])[0]
+            options = tuple(BlockOption(label=k, retained_slots=r, working_slots=w, extra_ms=ms) for k, r, w, ms in zip(
+                np.flatnonzero(ok).tolist(), retained[ok].tolist(), working[ok].tolist(), opts.extra_ms[ok].tolist()))
+        return ChainBlock(
+            input_slots=need(replay.retained_bytes, quantum),
+            saved_slots=need(keep.retained_bytes, quantum),
+            working_slots=need(replay_working_bytes(self.profile.blocks[i]), quantum),
+            fwd_ms=replay.extra_ms - self.profile.checkpoint_call_ms,  # the segment pays that once
+            options=options,
+            grad_slots=grad(self.profile.blocks[i].grad_bytes, quantum),
+        )
+
+    def segments(self, elements: tuple[Element, ...]) -> tuple[Segment, ...]:
+        """A DP layout as Segments."""
+        with deep_recursion(self.profile.num_blocks):
+            return tuple(self._segment(e) for e in elements)
+
+    def _segment(self, element: Element) -> Segment:
+        if element.option is not None:
+            return self.options()[element.start].option_segment(element.start, element.option)
+        children = tuple(self._segment(c) for c in element.children)
+        return Segment(start=element.start, stop=element.stop, strategy="recompute", children=children)
+
+
+def _slots(num_bytes: np.ndarray, quantum: int, relax: bool) -> np.ndarray:
+    """Sizes in slots: rounded up (down with ``relax``), as `_ceil` / `_floor`."""
+    return num_bytes // quantum if relax else -(-num_bytes // quantum)
+
+
+def _ceil(num_bytes: int, quantum: int) -> int:
+    return -(-int(num_bytes) // quantum)
+
+
+def _floor(num_bytes: int, quantum: int) -> int:
+    return int(num_bytes) // quantum

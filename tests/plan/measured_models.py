@@ -1,0 +1,86 @@
+"""Tiny real models whose blocks differ, profiled on this machine (``repeats=1``): the optimal
+planner is checked against every layout of their measured profiles (`plan_space`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat.models.registry import build
+
+
+class WideBlock(nn.Module):
+    """Linear to a new width, LayerNorm, GELU: blocks of an MLP whose widths vary."""
+
+    def __init__(self, width_in: int, width_out: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width_in, width_out)
+        self.norm = nn.LayerNorm(width_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.norm(self.linear(x)))
+
+
+class VaryingMLP(nn.Module):
+    def __init__(self, widths: tuple[int, ...]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(WideBlock(a, b) for a, b in zip(widths, widths[1:]))
+        self.head = nn.Linear(widths[-1], 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+class Stage(nn.Module):
+    """conv3x3 (with a stride) -> BatchNorm -> ReLU: stages whose activations shrink."""
+
+    def __init__(self, channels_in: int, channels_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels_in, channels_out, 3, stride=stride, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn(self.conv(x)))
+
+
+class StagedConvNet(nn.Module):
+    def __init__(self, channels: tuple[int, ...], strides: tuple[int, ...]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Stage(a, b, s) for a, b, s in zip(channels, channels[1:], strides))
+        self.head = nn.Linear(channels[-1], 10)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = images
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x.mean(dim=(2, 3))), labels)
+
+
+def mlp_profile(num_blocks: int = 6):
+    """Widths 48 -> 160 -> 32 -> 96 -> 128 -> 40 -> 72 (the first ``num_blocks`` blocks), batch 256."""
+    widths = (48, 160, 32, 96, 128, 40, 72)[: num_blocks + 1]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = VaryingMLP(widths)
+        batch = torch.randn(256, widths[0])
+    return remat.profile(model, batch, repeats=1)
+
+
+def convnet_profile(num_blocks: int = 5):
+    """Channels 3 -> 8 -> 16 -> 16 -> 24 -> 32, strides 1, 2, 1, 2, 1, 32x32 images, batch 8."""
+    channels, strides = (3, 8, 16, 16, 24, 32)[: num_blocks + 1], (1, 2, 1, 2, 1)[:num_blocks]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = StagedConvNet(channels, strides)
+        batch = (torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,)))
+    return remat.profile(model, batch, repeats=1)
+
+
+def gpt_profile(**sizes):
+    """The built-in GPT without an optimizer (sizes as `remat.models.registry.build` takes them)."""
+    built = build("gpt", optimizer="none", **sizes)
+    return remat.profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1)
