@@ -29,6 +29,8 @@ def test_plan_writes_json_and_prints_comparison(tmp_path):
     assert json.loads(out.read_text())["format"] == "plan"
     assert "peak MiB" in result.output and "26.00" in result.output
     assert "recompute" in result.output
+    assert "no plan of the search space that fits the budget is predicted faster" in " ".join(result.output.split())
+    assert plan.optimality.exact and plan.optimality.quantum_bytes == 1
 
 
 def test_plan_percent_budget_uses_baseline(tmp_path):
@@ -74,3 +76,16 @@ def test_plan_with_the_head_named_and_searched(tmp_path):
     assert missing.exit_code != 0 and "head strategy 'chunked:3' was not measured" in missing.output
     frontier = runner.invoke(app, ["plan", str(path), "--pareto"])
     assert "head chunked:2" in frontier.output
+
+
+def test_plan_on_slots_says_how_far_it_may_be(tmp_path):
+    """A chain longer than the byte-exact search takes: the plan names the slot and its bound."""
+    from plan_toys import block, profile
+
+    blocks = [block(i, input_bytes=2**20 + 3, saved_bytes=4 * 2**20 + 7 * i, fwd_ms=1.0 + i / 100) for i in range(60)]
+    path = tmp_path / "long.json"
+    profile(blocks, param_bytes=2**20, grad_bytes=2**20).save(path)
+    result = runner.invoke(app, ["plan", str(path), "--budget", "40MiB"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "slower than the fastest plan that fits (memory counted in slots of" in text

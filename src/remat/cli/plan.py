@@ -57,6 +57,8 @@ def plan_command(
     console.print(comparison(result, baseline))
     if result.budget_bytes is not None:
         console.print(fit_line(result, baseline))
+    if result.optimality is not None:
+        console.print(optimality_line(result, baseline))
     if out is not None:
         result.save(out)
         console.print(f"plan written to {out}")
@@ -141,6 +143,16 @@ def fit_line(result: Plan, baseline: Plan) -> str:
     return (f"predicted peak {_mib(p.peak_bytes)} MiB fits the budget of {_mib(result.budget_bytes)} MiB "
             f"({100 * (1 - p.peak_bytes / b.peak_bytes):.0f}% below no recomputation) "
             f"at {100 * (p.step_ms / b.step_ms - 1):+.1f}% predicted step time.")
+
+
+def optimality_line(result: Plan, baseline: Plan) -> str:
+    """How far the optimal plan may be from the fastest that fits its budget, in words."""
+    o = result.optimality
+    if o.exact and o.quantum_bytes == 1:
+        return "no plan of the search space that fits the budget is predicted faster (memory counted in bytes)."
+    step = baseline.prediction.step_ms
+    return (f"at most {o.gap_ms:.2f} ms ({100 * o.gap_ms / step:.2f}% of the baseline step) slower than the fastest "
+            f"plan that fits (memory counted in slots of {o.quantum_bytes} bytes).")
 
 
 def pareto_table(frontier: list[Plan], baseline: Plan, max_rows: int = 24) -> Table:
