@@ -51,7 +51,11 @@ def test_byte_tables_equal_exact_slot_tables(seed):
     assert list(needs) == sorted(set(needs)) and list(costs) == sorted(costs, reverse=True)
 
 
-def test_too_many_points_give_up():
-    problem = _problem(random.Random(3), 7, joins=False)
+@pytest.mark.parametrize("num_blocks", [7, 18])
+def test_too_many_points_give_up(num_blocks):
+    """Past ``max_points`` the DP gives up (18 blocks: after a pilot on the last 4), else it is
+    the slot DP's optimum."""
+    problem = _problem(random.Random(3), num_blocks, joins=False)
     assert solve_exact(problem, max_points=50) is None
-    assert solve_exact(problem) is not None
+    exact, slots = solve_exact(problem), solve_chain(problem, exact_cells=EXACT_TABLES)
+    assert [exact.cost(m) for m, _ in slots.curve()] == pytest.approx([cost for _, cost in slots.curve()], abs=1e-9)

@@ -19,11 +19,13 @@ All regions of one length are handled together (`_Packed`: one array, rows by st
 one merge per length and first child for the replay tables (N^2 / 2, each over all regions) and
 one per block for the top, each linear in the breakpoints, which grow with the chain and the
 options. `solve_exact` gives up (None) when a forecast of the breakpoints still to handle passes
-``max_points``; the search then counts memory in slots (`remat.plan.chain_dp`).
+``max_points`` (on long chains first from a pilot solve of their last quarter); the search then
+counts memory in slots (`remat.plan.chain_dp`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import numpy as np
@@ -152,11 +154,31 @@ def solve_exact(problem: ChainProblem, max_points: int = MAX_POINTS) -> ExactSol
     """Fill the step functions (see the module docstring); None past ``max_points``."""
     budget = _Budget(max_points)
     try:
+        _pilot(problem, budget)
         inner = _inner_tables(problem, budget)
         top = _top_tables(problem, inner, budget)
     except _TooLarge:
         return None
     return ExactSolution(problem, inner, top)
+
+
+PILOT_BLOCKS = 16
+"""Chains this long are first solved on their last quarter (`_pilot`)."""
+
+
+def _pilot(problem: ChainProblem, budget: _Budget) -> None:
+    """Solve the last quarter of a long chain first (its top is the whole chain's top there, its
+    replay tables a 64th of the whole's) and give up at once when the top's breakpoints, grown in
+    proportion to the blocks after each start, would pass the budget: the replay tables, the
+    costlier part on long chains, are then never filled in vain."""
+    n = len(problem.blocks)
+    if n < PILOT_BLOCKS:
+        return
+    tail = n // 4
+    joins = None if problem.joins is None else problem.joins[n - tail :]
+    suffix = dataclasses.replace(problem, blocks=problem.blocks[n - tail :], joins=joins)
+    size = _top_tables(suffix, _inner_tables(suffix, budget), budget)[0].need.size
+    budget.expect(size * sum((len(b.options) + 1) * (n - a) / tail for a, b in enumerate(problem.blocks[: n - tail])))
 
 
 class _Budget:
