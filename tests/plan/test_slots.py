@@ -98,3 +98,11 @@ def test_exact_tables_equal_slot_tables_when_slots_are_bytes():
         steps = [(m, cost) for m, cost in slots.curve() if m >= exact.curve()[0][0]]
         for m, cost in steps:
             assert exact.cost(m) == pytest.approx(cost)
+
+
+def test_keep_need_is_the_no_recomputation_peak():
+    """The search tells whether keeping everything fits without `predict`: the same bytes."""
+    for seed in range(6):
+        prof = random_profile(random.Random(900 + seed), 5)
+        builder = OptimalSearch(prof).builder
+        assert builder.fixed.peak_bytes(builder.keep_need()) == plan(prof, strategy="none").prediction.peak_bytes

@@ -104,6 +104,16 @@ class ChainBuilder:
         replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
         return (replay.retained_bytes, keep.retained_bytes, replay_working_bytes(b), b.grad_bytes)
 
+    def keep_need(self) -> int:
+        """Gradient-adjusted bytes keeping every block needs (`FixedPart.peak_bytes` of it is
+        the no-recomputation peak, without a second pass of `predict`)."""
+        head = self.head_need(1)
+        held, need = 0, head
+        for options, block in zip(self.options(), self.profile.blocks):  # keep is every block's first option
+            need = max(need, held + int(options.working_bytes[0]) - block.grad_bytes)
+            held += int(options.retained_bytes[0]) - block.grad_bytes
+        return max(need, held + head)
+
     def head_need(self, quantum: int, relax: bool = False) -> int:
         """The head's backward in slots, gradient-adjusted: its bytes plus the blocks' gradients
         minus ``G`` (rounded up; down with ``relax``)."""

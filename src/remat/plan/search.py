@@ -143,23 +143,27 @@ class OptimalSearch:
         columns = np.array([(m, cost) for m, cost in solution.curve() if m <= capacity and math.isfinite(cost)])
         ms, costs = columns.reshape(-1, 2).T
         bounds = costs - self._saving(self.builder.fixed.peak_bytes(ms.astype(np.int64) * quantum))
-        # rounding may lose the two ends: keeping every block, and (when no column fits) the least peak
-        ends = [keep_segments(self.profile.num_blocks)] + ([] if ms.size else [self.min_peak_segments()])
-        best = self._fastest(budget_bytes, bounds, lambda k: self.builder.segments(solution.layout(int(ms[k]))), ends)
+        # rounding may lose the two ends: keeping every block (no extra time, nothing saved), and
+        # (when no column fits) the least peak
+        keep_fits = self.builder.fixed.peak_bytes(self.builder.keep_need()) <= budget_bytes
+        first = (keep_segments(self.profile.num_blocks), 0.0) if keep_fits else None
+        ends = [] if ms.size else [self.min_peak_segments()]
+        best = self._fastest(budget_bytes, bounds, lambda k: self.builder.segments(solution.layout(int(ms[k]))), ends,
+                             first)
         if best is None:
             return None
         bound = self.slots.lower_bound(allowance, solution, quantum, self._saving, tight)
         return _choice(*best, lower_bound_ms=bound, quantum=quantum)
 
-    def _fastest(self, budget_bytes: int, bounds: np.ndarray, layout_of,
-                 ends=()) -> tuple[tuple[Segment, ...], float] | None:
-        """The fastest fitting layout by `predict` among ``ends`` and the curve's points, and its
-        step time less the baseline's. The points are taken by rising lower bound (``bounds``:
-        extra ms less the most their peak saves; of equal ones the most memory first) until the
-        next cannot be faster: one point unless offloaded bytes save less than the bound assumed
-        (at most MAX_CANDIDATES)."""
+    def _fastest(self, budget_bytes: int, bounds: np.ndarray, layout_of, ends=(),
+                 first=None) -> tuple[tuple[Segment, ...], float] | None:
+        """The fastest fitting layout by `predict` among ``first`` (a layout known to fit and its
+        step time less the baseline's), ``ends`` and the curve's points, and that time. The
+        points are taken by rising lower bound (``bounds``: extra ms less the most their peak
+        saves; of equal ones the most memory first) until the next cannot be faster: one point
+        unless offloaded bytes save less than the bound assumed (at most MAX_CANDIDATES)."""
         baseline = baseline_step_ms(self.profile)
-        best, best_ms = None, math.inf
+        best, best_ms = first if first is not None else (None, math.inf)
         order = np.lexsort((-np.arange(bounds.size), bounds))[:MAX_CANDIDATES]
         for candidate in [*ends, *order.tolist()]:
             if not isinstance(candidate, tuple):
