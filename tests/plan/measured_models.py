@@ -3,6 +3,8 @@ planner is checked against every layout of their measured profiles (`plan_space`
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,6 +83,9 @@ def convnet_profile(num_blocks: int = 5):
 
 
 def gpt_profile(**sizes):
-    """The built-in GPT without an optimizer (sizes as `remat.models.registry.build` takes them)."""
+    """The built-in GPT without an optimizer (sizes as `remat.models.registry.build` takes them),
+    its head part left out: these tests enumerate the blocks' layouts with the head kept, and the
+    planner searches the head's strategies around that search (`tests/plan/test_plan_head.py`)."""
     built = build("gpt", optimizer="none", **sizes)
-    return remat.profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1)
+    prof = remat.profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1)
+    return dataclasses.replace(prof, head=None)
