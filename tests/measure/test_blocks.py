@@ -13,11 +13,15 @@ class _Mixed(nn.Module):
         self.short = nn.ModuleList([nn.ReLU(), nn.ReLU()])
         self.mixed = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2), nn.Tanh())
         self.long = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])
+        self.pair = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+        self.outer = nn.ModuleList([nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)) for _ in range(2)])
 
 
-def test_longest_same_class_list_wins():
+def test_every_outermost_same_class_list_with_parameters_is_a_stack():
     names = [name for name, _ in find_blocks(_Mixed())]
-    assert names == ["long.0", "long.1", "long.2"]
+    # short holds no parameters (activations); mixed is not one class; outer.0 and outer.1 are
+    # stacks inside outer's members: without a forward to watch, the outer list is kept
+    assert names == ["long.0", "long.1", "long.2", "pair.0", "pair.1", "outer.0", "outer.1"]
     assert ("mixed", 4, "Linear") not in candidate_lists(_Mixed())
 
 

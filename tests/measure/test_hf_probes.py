@@ -30,8 +30,9 @@ def _mixtral():
 
 WRITTEN_LATER = {
     # T5Attention._relative_position_bucket: relative_buckets += ... (the first layer alone
-    # computes the position bias)
-    "t5": {"encoder.block.0": {"aten.add.Tensor#2"}, "encoder.block.1": set()},
+    # computes the position bias; the decoder's, causal, adds nothing in place)
+    "t5": {"encoder.block.0": {"aten.add.Tensor#2"}, "encoder.block.1": set(), "decoder.block.0": set(),
+           "decoder.block.1": set()},
     # MixtralTopKRouter: router_top_value /= router_top_value.sum(...)
     "mixtral": {"model.layers.0": {"aten.topk.default#0"}, "model.layers.1": {"aten.topk.default#0"}},
 }

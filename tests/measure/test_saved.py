@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from remat.measure.profile import profile
-from remat.measure.saved import POST, PRE, SavedAccountant
+from remat.measure.saved import POST, PRE, SavedAccountant, between_name
 
 F32 = 4
 
@@ -23,9 +23,14 @@ def test_linear_relu_linear_saved_bytes_by_hand():
     # Linear(4, 8) saves its input x (the batch) and its weight (a parameter): nothing counts.
     # ReLU saves its result: 5 x 8 fp32. Linear(8, 2) saves that same storage (counted once)
     # and its weight. The loss's pow saves its input: the 5 x 2 output. sum saves no tensor.
-    assert acc.bytes_by_segment() == {PRE: 0, "0": 0, "1": 5 * 8 * F32, "2": 0, POST: 5 * 2 * F32}
+    # Nothing runs between the blocks: those segments save nothing.
+    between = {between_name(1): 0, between_name(2): 0}
+    assert acc.bytes_by_segment() == {PRE: 0, "0": 0, "1": 5 * 8 * F32, "2": 0, **between, POST: 5 * 2 * F32}
     assert acc.input_bytes == {"0": 5 * 4 * F32, "1": 5 * 8 * F32, "2": 5 * 8 * F32}
     assert acc.output_bytes == {"0": 5 * 8 * F32, "1": 5 * 8 * F32, "2": 5 * 2 * F32}
+    # every saver of the ReLU's output, in order: the ReLU first, then the second Linear
+    relu_out = [key for key, saved in acc.saved.items() if saved.segment == "1"]
+    assert [acc.savers[key] for key in relu_out] == [["1", "2"]]
     loss.backward()
 
 
@@ -107,4 +112,4 @@ def test_accountant_works_on_meta_device():
     x = torch.empty(5, 4, device="meta")
     with SavedAccountant(list(model.named_children()), exclude=[*model.parameters(), x]) as acc:
         model(x).pow(2).sum()
-    assert acc.bytes_by_segment() == {PRE: 0, "0": 0, "1": 160, "2": 0, POST: 40}
+    assert acc.bytes_by_segment() == {PRE: 0, "0": 0, "1": 160, "2": 0, between_name(1): 0, between_name(2): 0, POST: 40}

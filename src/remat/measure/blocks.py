@@ -1,10 +1,13 @@
 """Which modules are the blocks: found automatically or named by the user.
 
-Automatic: the members of the longest ``nn.ModuleList`` / ``nn.Sequential`` whose children
-all share one class (a transformer's layers, a ResNet stage's units); ties go to the first
-in module order. Named: one or more patterns, each a glob over qualified module names
-(``"blocks.*"``, ``"model.layers.*"``) or a class name (``"Block"``, ``"LlamaDecoderLayer"``).
-Everything outside the blocks is the fixed part.
+Automatic: the members of every *stack*, an ``nn.ModuleList`` / ``nn.Sequential`` of two or
+more children of one class that hold parameters (a transformer's layers, an encoder's and a
+decoder's, a ResNet stage's units), that is not nested inside another stack's member. Without a
+forward to watch, that is all this module can say; `remat.measure.stacks` runs the forward and
+descends into nested stacks that run as chains (the stages of a hierarchical vision model) and
+numbers the blocks in the order they run. Named: one or more patterns, each a glob over
+qualified module names (``"blocks.*"``, ``"model.layers.*"``) or a class name (``"Block"``,
+``"LlamaDecoderLayer"``). Everything outside the blocks is the fixed part.
 """
 
 from __future__ import annotations
@@ -18,9 +21,15 @@ Blocks = list[tuple[str, nn.Module]]
 
 
 def find_blocks(model: nn.Module, blocks: str | Sequence[str] | None = None) -> Blocks:
-    """The model's blocks as ``(qualified name, module)`` in module order."""
+    """The model's blocks as ``(qualified name, module)`` in module order: the members of every
+    outermost stack (``blocks=None``), or the modules the patterns name."""
     if blocks is None:
         return _auto_blocks(model)
+    return named_blocks(model, blocks)
+
+
+def named_blocks(model: nn.Module, blocks: str | Sequence[str]) -> Blocks:
+    """The modules ``blocks`` (a pattern or a list of patterns) names, in module order."""
     patterns = [blocks] if isinstance(blocks, str) else list(blocks) if isinstance(blocks, (list, tuple)) else None
     if not patterns or not all(isinstance(p, str) and p for p in patterns):
         raise TypeError(
@@ -42,18 +51,46 @@ def candidate_lists(model: nn.Module) -> list[tuple[str, int, str]]:
     return found
 
 
+def stack_lists(model: nn.Module) -> list[str]:
+    """Qualified names of every stack (a ModuleList/Sequential of >= 2 same-class children that
+    hold parameters: a list of activations or dropouts is not a stack), in module order."""
+    names = []
+    for name, count, _ in candidate_lists(model):
+        container = model.get_submodule(name)
+        if count >= 2 and all(any(True for _ in child.parameters()) for child in container.children()):
+            names.append(name)
+    return names
+
+
+def members(model: nn.Module, list_name: str) -> Blocks:
+    """The children of the list ``list_name`` as ``(qualified name, module)``."""
+    prefix = f"{list_name}." if list_name else ""
+    return [(f"{prefix}{child}", module) for child, module in model.get_submodule(list_name).named_children()]
+
+
+def inside(name: str, outer: str) -> bool:
+    """Module ``name`` lies strictly inside module ``outer``."""
+    return outer == "" and name != "" or name.startswith(outer + ".")
+
+
+def outermost(names: list[str]) -> list[str]:
+    """The stacks not nested inside a member of another one."""
+    return [n for n in names if not any(inside(n, other) for other in names if other != n)]
+
+
+def no_stack_error(model: nn.Module) -> ValueError:
+    return ValueError(
+        f"no blocks found in {type(model).__name__}: it has no nn.ModuleList or nn.Sequential "
+        f"of 2 or more same-class modules with parameters; modules: {_module_summary(model)}. Name "
+        "the blocks with blocks='<glob over module names>' (e.g. 'layers.*') or blocks='<ClassName>'."
+    )
+
+
 def _auto_blocks(model: nn.Module) -> Blocks:
-    candidates = [c for c in candidate_lists(model) if c[1] >= 2]
-    if not candidates:
-        raise ValueError(
-            f"no blocks found in {type(model).__name__}: it has no nn.ModuleList or nn.Sequential "
-            f"of 2 or more same-class modules; modules: {_module_summary(model)}. Name the blocks "
-            "with blocks='<glob over module names>' (e.g. 'layers.*') or blocks='<ClassName>'."
-        )
-    name, _, _ = max(candidates, key=lambda c: c[1])
-    container = model.get_submodule(name)
-    prefix = f"{name}." if name else ""
-    return [(f"{prefix}{child_name}", child) for child_name, child in container.named_children()]
+    stacks = outermost(stack_lists(model))
+    if not stacks:
+        raise no_stack_error(model)
+    return [member for name in stacks for member in members(model, name)]
 
 
 def _named_blocks(model: nn.Module, patterns: list[str]) -> Blocks:

@@ -1,12 +1,17 @@
 """Block boundaries of a training step, from module, tensor and optimizer hooks.
 
 Events, in step order: ``fwd_start``/``fwd_end`` of each block (forward hooks),
-``bwd_start`` of a block when the gradient of its output is ready, ``bwd_end`` when the
-gradient of its inputs is ready (tensor hooks), ``opt_start``/``opt_end`` around
-``optimizer.step()``. A driver may add its own events with `StepBoundaries.emit`
-(``profile`` marks where ``loss.backward()`` begins and ends). Forward hooks that fire
-during backward (recomputation) emit nothing. A block whose inputs need no gradient (the
-first block of a model fed with the raw batch) has no ``bwd_end``.
+``bwd_start`` of a block when the gradient of what it hands on (its output, or the output's
+first element: `remat.measure.calls.first_output`) is ready, ``bwd_end`` when the gradient of
+its chained input (its first positional argument) is ready (tensor hooks), ``opt_start``/
+``opt_end`` around ``optimizer.step()``. Only the chained tensors count: a tensor shared by
+several blocks (a position bias that needs a gradient) gets its gradient only once every block
+that took it is done, and code between two blocks runs its backward after the ``bwd_end`` of
+the block after it and before the ``bwd_start`` of the block before it. A driver may add its
+own events with `StepBoundaries.emit` (``profile`` marks where ``loss.backward()`` begins and
+ends). Forward hooks that fire during backward (recomputation) emit nothing. A block whose
+chained input needs no gradient (the first block of a model fed with the raw batch) has no
+``bwd_end``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from torch import nn
 
 from remat.measure.blocks import Blocks
+from remat.measure.calls import chained_input, first_output
 from remat.measure.storage import tensors_in
 
 
@@ -77,8 +83,9 @@ class StepBoundaries:
             if in_backward():
                 return
             self.emit("fwd_start", index, name)
-            inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
-            _on_all_grads(inputs, lambda: self.emit("bwd_end", index, name))
+            chained = chained_input(args)
+            if chained is not None and chained.requires_grad:
+                chained.register_hook(lambda grad: self.emit("bwd_end", index, name))
 
         return hook
 
@@ -87,26 +94,21 @@ class StepBoundaries:
             if in_backward():
                 return
             self.emit("fwd_end", index, name)
-            outputs = [t for t in tensors_in(output) if t.requires_grad]
-            _on_first_grad(outputs, lambda: self.emit("bwd_start", index, name))
+            on_first_grad(handed_on(output), lambda: self.emit("bwd_start", index, name))
 
         return hook
 
 
-def _on_all_grads(tensors: list[torch.Tensor], callback: Callable[[], None]) -> None:
-    """Call ``callback`` once the gradients of all ``tensors`` are computed."""
-    pending = {"count": len(tensors)}
-
-    def hook(grad: torch.Tensor) -> None:
-        pending["count"] -= 1
-        if pending["count"] == 0:
-            callback()
-
-    for t in tensors:
-        t.register_hook(hook)
+def handed_on(output: object) -> list[torch.Tensor]:
+    """The output tensors whose gradient starts a block's backward: what it hands on when that
+    needs a gradient, else every output tensor that does."""
+    first = first_output(output)
+    if first is not None and first.requires_grad:
+        return [first]
+    return [t for t in tensors_in(output) if t.requires_grad]
 
 
-def _on_first_grad(tensors: list[torch.Tensor], callback: Callable[[], None]) -> None:
+def on_first_grad(tensors: list[torch.Tensor], callback: Callable[[], None]) -> None:
     """Call ``callback`` when the first gradient of any of ``tensors`` is computed."""
     fired = {"done": False}
 

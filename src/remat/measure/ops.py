@@ -82,6 +82,12 @@ class OpRecorder(TorchDispatchMode):
         """Storage key -> the calls whose outputs live in it, while it lives (`_note_writes`)."""
         self._first_run = True
 
+    def producer_of(self, key: int) -> str | None:
+        """The segment whose op call last made the storage ``key`` in the first run (None: made
+        before it, or outside the recorded forward)."""
+        found = self._producer.get(key)
+        return None if found is None else found[0]
+
     def next_run(self) -> None:
         """Start another run of the same forward (its times add to the first run's calls)."""
         self._first_run = False

@@ -1,30 +1,39 @@
 """`profile`: measure the real model on its device, block by block.
 
-One call runs ``max(warmup, 1)`` plain steps (so optimizer state exists), one *accounting*
-step under the live-storage tracker, the saved-tensor accountant and the op recorder, then
-``repeats`` timed steps (each after a plain one, timed whole: the parts are scaled to the plain
-steps' median, `remat.measure.timing.without_instrumentation`) and ``repeats - 1`` more forwards
-for per-op times, then each block alone, plain and checkpointed, for the checkpointing overheads
+One call runs the forward once (no backward) to find the stacks and the order the blocks run
+in (`remat.measure.stacks`), ``max(warmup, 1)`` plain steps (so optimizer state exists),
+one *accounting* step under the live-storage tracker, the saved-tensor accountant, the op
+recorder and the dataflow recorder (`remat.measure.dataflow`), then ``repeats`` timed steps
+(each after a plain one, timed whole: the parts are scaled to the plain steps' median,
+`remat.measure.timing.without_instrumentation`) and ``repeats - 1`` more forwards for per-op
+times, then each block alone, plain and checkpointed, for the checkpointing overheads
 (`remat.measure.overhead`; a probe that fails marks its strategy unavailable for the block,
-`BlockProfile.unavailable`). A step is
-``zero_grad(set_to_none=True)``, forward, loss, ``loss.backward()``, ``optimizer.step()``.
-Parameters, buffers, gradients, optimizer state and the RNG state are restored afterwards.
-Hugging Face key/value caches are off throughout, as under a plan (`remat.checkpointing.caches`;
-not on the meta device, `_cache_off`).
+`BlockProfile.unavailable`). A step is ``zero_grad(set_to_none=True)``, forward, loss,
+``loss.backward()``, ``optimizer.step()``. Parameters, buffers, gradients, optimizer state and
+the RNG state are restored afterwards. Hugging Face key/value caches are off throughout, as
+under a plan (`remat.checkpointing.caches`; not on the meta device, `_cache_off`).
 
-The memory quantities satisfy, for the measured (keep-everything) step, exactly (``P, B,
-O``: parameter, buffer, optimizer-state bytes; ``G_j``: gradient bytes live when block j's
-backward starts, i.e. those of the blocks after j and of the fixed part's head; ``G_post``:
-gradients live when ``loss.backward()`` starts, 0 after ``zero_grad(set_to_none=True)``):
+Blocks are numbered in run order; the code between blocks j-1 and j (``between_j``: pooling,
+patch merging, an encoder's final norm and a decoder's embeddings) is a segment of its own,
+recorded on block j. The memory quantities satisfy, for the measured (keep-everything) step,
+exactly (``P, B, O``: parameter, buffer, optimizer-state bytes; ``G_j``: gradient bytes live
+when block j's backward starts; ``G_post``: gradients live when ``loss.backward()`` starts, 0
+after ``zero_grad(set_to_none=True)``; ``S_<j``: the saved bytes of everything before block j,
+``fixed_pre_saved_bytes + sum over i < j of (saved_bytes_i + between_saved_bytes_i) +
+between_saved_bytes_j``):
 
-- peak during block j's backward = ``P + B + O + G_j + fixed_pre_saved_bytes + sum(saved_bytes
-  of blocks before j) + saved_bytes_j + bwd_temp_bytes_j``;
+- peak during block j's backward = ``P + B + O + G_j + S_<j + saved_bytes_j + bwd_temp_bytes_j``;
+  when it starts the same with ``bwd_start_temp_bytes_j`` in place of ``bwd_temp_bytes_j``;
+- peak during the backward of the code before block j (from the gradient of block j's chained
+  input to the start of block j-1's backward) = ``P + B + O + G_j + grad_bytes_j + S_<j +
+  between_bwd_temp_bytes_j`` (its own saved bytes are in ``S_<j``);
 - peak from ``loss.backward()`` to the start of the last block's backward (the head's and the
-  loss's backward) = ``P + B + O + G_post + fixed_pre_saved_bytes + sum(all blocks'
-  saved_bytes) + fixed_post_saved_bytes + fixed_post_bwd_temp_bytes``;
+  loss's backward) = ``P + B + O + G_post + S_<N + fixed_post_saved_bytes +
+  fixed_post_bwd_temp_bytes`` (``S_<N``: every saved byte before the post part);
 - peak during ``optimizer.step()`` = ``P + B + O + grad_bytes + optimizer_step_temp_bytes``;
 - peak during block j's forward = live bytes when it starts + ``saved_bytes_j +
-  fwd_temp_bytes_j``;
+  fwd_temp_bytes_j``, and the live bytes when it starts = ``P + B + O + S_<j +
+  (shared_entry_bytes of blocks <= j) + fwd_other_bytes_j`` (no gradient exists yet);
 - with a head part (`remat.measure.types.HeadProfile`), the head's backward ends where the
   gradient of the projection's input is ready, which splits the post window:
   ``fixed_post_saved_bytes + fixed_post_bwd_temp_bytes = max(head.post_head_bytes,
@@ -34,9 +43,10 @@ So ``bwd_temp_bytes`` holds everything else live at that peak: the incoming grad
 gradients the block's own backward computes (parameter gradients included), saved tensors of
 later blocks not yet freed, minus the block's own saved bytes already freed at that moment.
 It is never negative: when the block's backward starts all of its saved bytes are live.
-``G_j`` is ``grad_bytes - fixed_pre_grad_bytes - sum(BlockProfile.grad_bytes of blocks <= j)``
-(after ``zero_grad(set_to_none=True)``; parameters shared between blocks count for the block
-whose backward accumulates them first).
+``G_j`` is ``grad_bytes - fixed_pre_grad_bytes - sum over blocks i <= j of (grad_bytes_i +
+between_grad_bytes_i)`` (after ``zero_grad(set_to_none=True)``; parameters shared between blocks
+count for the block whose backward accumulates them first). How a plan changes which of these
+storages are live is `remat.plan.costs`'s subject (the dataflow terms of `remat.measure.dataflow`).
 """
 
 from __future__ import annotations
@@ -54,11 +64,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._batch import LossFn, call_model, check_batch_device, compute_loss, model_device
+from remat._batch import LossFn, batch_tensors, call_model, check_batch_device, compute_loss, model_device
 from remat.checkpointing.cacheable import cacheable
 from remat.checkpointing.caches import CacheOff
-from remat.measure.blocks import Blocks, find_blocks
+from remat.measure.blocks import Blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
+from remat.measure.dataflow import BlockFlow, DataflowRecorder, block_flows
+from remat.measure.fixed import fixed_modules
 from remat.measure.faults import FaultCount, first_touch_ms_per_byte
 from remat.measure.fingerprint import fingerprint
 from remat.measure.head import HeadBoundary, capture_head, chunk_candidates, measure_head
@@ -66,8 +78,9 @@ from remat.measure.probes import failure_reason
 from remat.measure.ops import OpRecorder
 from remat.measure.overhead import (BlockOverheads, capture_block_inputs, measure_checkpoint_call_ms, measure_overheads,
                                     uncacheable_share)
-from remat.measure.saved import POST, PRE, SavedAccountant
-from remat.measure.storage import distinct_bytes
+from remat.measure.saved import POST, PRE, SavedAccountant, between_name
+from remat.measure.stacks import Discovery, discover
+from remat.measure.storage import distinct_bytes, storage_keys
 from remat.measure.state import StateSnapshot, buffer_bytes, grad_bytes, optimizer_state_bytes, param_bytes
 from remat.measure.timing import Clock, StepTimer, StepTimes, median_times, without_instrumentation
 from remat.measure.tracker import ACT_PREFIX, LiveTracker, StepTracking
@@ -93,21 +106,22 @@ def profile(
 ) -> Profile:
     """Measure ``model`` on ``batch`` (calling convention of `remat._batch`) block by block.
 
-    ``blocks``: None to detect them, or glob(s) over qualified module names / class names.
-    ``warmup``: plain steps before measuring (at least one runs). ``repeats``: timed steps.
-    ``progress(done, total, stage)`` is called after each step or forward it runs.
-    ``head_chunks``: chunk sizes (tokens) of the chunked head to measure (None: `chunk_candidates`).
+    ``blocks``: None to detect every stack, or glob(s) over qualified module names / class names
+    (several patterns may name several stacks). Blocks are numbered in the order the forward
+    runs them (`remat.measure.stacks`). ``warmup``: plain steps before measuring (at least one
+    runs). ``repeats``: timed steps. ``progress(done, total, stage)`` is called after each step
+    or forward it runs. ``head_chunks``: chunk sizes (tokens) of the chunked head to measure
+    (None: `chunk_candidates`).
     """
     _check_counts(warmup, repeats)
     check_batch_device(model, batch)
-    block_list = find_blocks(model, blocks)
     device = model_device(model)
     site, note = find_head(model) if loss_fn is None else (None, "the loss is a loss_fn outside the model")
     snapshot = StateSnapshot(model, optimizer)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _cache_off(model, device):
             step = _Step(model, batch, loss_fn, optimizer, site)
-            prof, windows = _measure(step, block_list, warmup, repeats, progress)
+            prof, windows = _measure(step, discover(model, blocks, step.forward), warmup, repeats, progress)
             return _with_head(step, prof, windows, note, head_chunks, repeats)
     finally:
         snapshot.restore()
@@ -158,8 +172,9 @@ class _Step:
         compute_loss(call_model(self.model, self.batch), self.batch, self.loss_fn)
 
 
-def _measure(step: _Step, block_list: Blocks, warmup: int, repeats: int,
+def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
              progress: Progress | None) -> tuple[Profile, _Windows]:
+    block_list = found.blocks
     report = _Reporter(progress, max(warmup, 1) + 1 + repeats + (repeats - 1))
     for _ in range(max(warmup, 1)):
         step.run()
@@ -182,7 +197,7 @@ def _measure(step: _Step, block_list: Blocks, warmup: int, repeats: int,
     overheads = _overheads(step, block_list, memory.recorder, repeats, touch)
     call_ms = 0.0 if device.type == "meta" else measure_checkpoint_call_ms(
         device, repeats=repeats, clock=Clock(device), touch_ms_per_byte=touch)
-    prof = _assemble(step, block_list, memory, steps, overheads, touch)
+    prof = _assemble(step, found, memory, steps, overheads, touch)
     least = min((b.recompute_overhead_ms for b in prof.blocks), default=0.0)
     return dataclasses.replace(prof, checkpoint_call_ms=min(call_ms, least)), memory.windows
 
@@ -223,18 +238,28 @@ class _Reporter:
 
 
 class _Windows:
-    """Boundary listener: the backward-temporary windows of the accounting step."""
+    """Boundary listener: the backward-temporary windows of the accounting step, one per block
+    and per piece of code between two blocks (`remat.measure.saved.between_name`), in run order:
+    a block's from the gradient of what it hands on to that of its chained input, the code
+    before block i's from there to block i-1's start."""
 
     def __init__(self, tracker: LiveTracker, block_names: list[str], accountant: SavedAccountant) -> None:
         self.tracker = tracker
         self.names = block_names
         self.accountant = accountant
+        self.order = [PRE] + [seg for i, name in enumerate(block_names) for seg in ([between_name(i)] if i else []) + [name]] + [POST]
         self.block_temp_bytes = [0] * len(block_names)
+        self.between_temp_bytes = [0] * len(block_names)
+        self.block_bwd_start_temp_bytes = [0] * len(block_names)
+        self.between_grad_bytes = [0] * len(block_names)
+        self._grads_at_open = 0
         self.block_free_order: list[tuple[tuple[int, int], ...]] = [()] * len(block_names)
         self.storage_id: Callable[[int, str], int] = lambda key, segment: -1
         """Block-local storage id (`remat.measure.types.OpRecord.storage_ids`) of a storage key."""
         self.block_fwd_temp_bytes = [0] * len(block_names)
         self.block_fwd_start_bytes = [0] * len(block_names)
+        self.block_fwd_start_temporaries = [0] * len(block_names)
+        """Live bytes neither model state nor saved for backward when each block's forward began."""
         self.post_temp_bytes = 0
         self.post_head_temp_bytes: int | None = None
         """Of the post window, the peak up to the end of the head's backward (``head_bwd_end``);
@@ -242,7 +267,7 @@ class _Windows:
         self.optimizer_temp_bytes = 0
         self.grads_at_first_block_bytes = 0  # gradients live when block 0's backward starts
         self.post_rest_temp_bytes = 0
-        self._open: int | None = None  # block index, len(names) for the post part
+        self._open: str | None = None  # the segment whose backward window is open
         self._opt_start_bytes = 0
         self._labels: list[str] = []
         self._offset = 0
@@ -250,52 +275,65 @@ class _Windows:
     def __call__(self, event: Boundary) -> None:
         if event.kind == "fwd_start":
             self.block_fwd_start_bytes[event.index] = self.tracker.live_bytes
+            self.block_fwd_start_temporaries[event.index] = self.tracker.live_by_label.get("temporaries", 0)
             self.tracker.open_window(offset_bytes=self.tracker.live_bytes)
         elif event.kind == "fwd_end":
             own = self.accountant.segment_bytes(self.names[event.index])
             self.block_fwd_temp_bytes[event.index] = self.tracker.close_window() - own
         elif event.kind == "bwd_begin":
-            self._start(len(self.names), self.names, POST)
-        elif event.kind == "head_bwd_end" and self._open == len(self.names):
+            self._start(POST)
+        elif event.kind == "head_bwd_end" and self._open == POST:
             self.post_head_temp_bytes = self.tracker.close_window()
             self.tracker.open_window(self._labels, offset_bytes=self._offset)
         elif event.kind == "bwd_start":
             self._close()
-            self._start(event.index, self.names[: event.index], self.names[event.index])
-        elif event.kind == "bwd_done" or (event.kind == "bwd_end" and event.index == self._open):
-            self._close()  # a block's bwd_end comes right after the bwd_start of the one before it
+            self._start(self.names[event.index])
+        elif event.kind == "bwd_end" and self._open == self.names[event.index]:
+            self._close()
+            if event.index:  # the code before this block runs its backward next
+                self._start(between_name(event.index))
+        elif event.kind == "bwd_done":
+            self._close()
         elif event.kind == "opt_start":
             self._opt_start_bytes = self.tracker.live_bytes
             self.tracker.open_window()
         elif event.kind == "opt_end":
             self.optimizer_temp_bytes = self.tracker.close_window() - self._opt_start_bytes
 
-    def _start(self, index: int, earlier: list[str], own: str) -> None:
+    def _start(self, segment: str) -> None:
         """Exclude the state and what earlier segments still hold (live), and two constants: the
         window's own segment's full saved bytes (those it frees during its backward stay counted)
         and the gradients live when it starts (the ones its backward accumulates are temporaries)."""
-        self._open = index
-        labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in [PRE, *earlier])]
+        self._open = segment
+        earlier = self.order[: self.order.index(segment)]
+        labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in earlier)]
         grads_live = self.tracker.live_by_label.get("gradients", 0)
-        if index == 0:
+        self._grads_at_open = grads_live
+        if self.names and segment == self.names[0]:
             self.grads_at_first_block_bytes = grads_live
-        watch = ACT_PREFIX + own if index < len(self.names) else None
-        self._labels, self._offset = labels, self.accountant.segment_bytes(own) + grads_live
+        watch = ACT_PREFIX + segment if segment in self.names else None
+        self._labels, self._offset = labels, self.accountant.segment_bytes(segment) + grads_live
         self.tracker.open_window(labels, offset_bytes=self._offset, watch_label=watch)
+        if segment in self.names:
+            self.block_bwd_start_temp_bytes[self.names.index(segment)] = self.tracker.window_value()
 
     def _close(self) -> None:
         if self._open is None:
             return
-        peak = self.tracker.close_window()
-        if self._open == len(self.names):
+        peak, segment = self.tracker.close_window(), self._open
+        self._open = None
+        if segment == POST:
             self.post_temp_bytes = max(peak, self.post_head_temp_bytes or peak)
             self.post_rest_temp_bytes = peak
+        elif segment in self.names:
+            index = self.names.index(segment)
+            self.block_temp_bytes[index] = peak
+            self.block_free_order[index] = tuple(
+                (self.storage_id(key, segment), nbytes) for key, nbytes in self.tracker.window_freed())
         else:
-            self.block_temp_bytes[self._open] = peak
-            own = self.names[self._open]
-            self.block_free_order[self._open] = tuple(
-                (self.storage_id(key, own), nbytes) for key, nbytes in self.tracker.window_freed())
-        self._open = None
+            index = int(segment.split(":", 1)[1])
+            self.between_temp_bytes[index] = peak
+            self.between_grad_bytes[index] = self.tracker.live_by_label.get("gradients", 0) - self._grads_at_open
 
 
 @dataclass
@@ -313,17 +351,23 @@ class _Accounting:
     timeline: tuple
     grad_bytes: int
     optimizer_state_bytes: int
+    flows: list[BlockFlow]
 
 
 class _ForwardGate:
-    """Boundary listener: the op recorder records only between ``fwd_begin`` and ``loss_ready``."""
+    """Boundary listener: the op recorder records only between ``fwd_begin`` and ``loss_ready``;
+    at ``loss_ready`` the dataflow recorder learns who saved what."""
 
-    def __init__(self, recorder: OpRecorder) -> None:
+    def __init__(self, recorder: OpRecorder, dataflow: DataflowRecorder, accountant: SavedAccountant) -> None:
         self.recorder = recorder
+        self.dataflow = dataflow
+        self.accountant = accountant
 
     def __call__(self, event: Boundary) -> None:
         if event.kind in ("fwd_begin", "loss_ready"):
             self.recorder.enabled = event.kind == "fwd_begin"
+        if event.kind == "loss_ready":
+            self.dataflow.finish(self.accountant.savers)
 
 
 def _account(step: _Step, block_list: Blocks) -> _Accounting:
@@ -333,18 +377,21 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
     recorder = OpRecorder(lambda: tracking.accountant.segment, sync=Clock(model_device(step.model)).sync,
                           live_bytes=lambda: tracking.tracker.live_bytes)
     windows.storage_id = recorder.storage_id
-    tracking.boundaries.listeners += [windows, _ForwardGate(recorder)]
+    state = [*step.model.parameters(), *step.model.buffers(), *batch_tensors(step.batch)]
+    dataflow = DataflowRecorder(block_list, recorder.producer_of, storage_keys(state))
+    tracking.boundaries.listeners += [windows, _ForwardGate(recorder, dataflow, tracking.accountant)]
     head = contextlib.nullcontext() if step.site is None else HeadBoundary(
         step.model.get_submodule(step.site.projection), tracking.boundaries.emit)
-    with recorder, tracking, head:
+    with recorder, tracking, dataflow, head:
         step.run(tracking.boundaries)
     accountant, tracker = tracking.accountant, tracking.tracker
+    flows = block_flows(dataflow, accountant.saved, accountant.savers, accountant.bytes_by_segment())
     return _Accounting(
         saved_bytes=accountant.bytes_by_segment(), input_bytes=accountant.input_bytes,
         output_bytes=accountant.output_bytes, windows=windows, recorder=recorder, saved=dict(accountant.saved),
         peak_bytes=tracker.peak_bytes, peak_by_category=dict(tracker.peak_by_category),
         timeline=tuple(tracking.timeline), grad_bytes=grad_bytes(step.model),
-        optimizer_state_bytes=optimizer_state_bytes(step.optimizer),
+        optimizer_state_bytes=optimizer_state_bytes(step.optimizer), flows=flows,
     )
 
 
@@ -398,13 +445,15 @@ def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: i
                              touch_ms_per_byte=touch_ms_per_byte, uncacheable_shares=uncacheable)
 
 
-def _assemble(step: _Step, block_list: Blocks, memory: _Accounting, times: StepTimes,
+def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTimes,
               overheads: tuple[BlockOverheads, ...], touch_ms_per_byte: float) -> Profile:
-    model, optimizer = step.model, step.optimizer
+    model, optimizer, block_list = step.model, step.optimizer, found.blocks
     saved, recorder = memory.saved_bytes, memory.recorder
+    between_flops = sum(recorder.segment_flops(between_name(i)) for i in range(1, len(block_list)))
     return Profile(
         fingerprint=fingerprint(model, step.batch), environment=_environment(model_device(model)),
-        blocks=_block_profiles(block_list, memory, times, overheads),
+        blocks=_block_profiles(found, memory, times, overheads),
+        stacks=found.stacks, fixed_modules=fixed_modules(model, [m for _, m in block_list]),
         param_bytes=param_bytes(model), grad_bytes=memory.grad_bytes,
         optimizer_state_bytes=memory.optimizer_state_bytes,
         optimizer_name=type(optimizer).__name__ if optimizer is not None else "none",
@@ -414,7 +463,7 @@ def _assemble(step: _Step, block_list: Blocks, memory: _Accounting, times: StepT
         fixed_post_bwd_temp_bytes=memory.windows.post_temp_bytes,
         fixed_pre_grad_bytes=_pre_grad_bytes(memory, block_list),
         fixed_fwd_ms=times.fixed_fwd_ms, fixed_bwd_ms=times.fixed_bwd_ms,
-        fixed_flops=recorder.segment_flops(PRE) + recorder.segment_flops(POST),
+        fixed_flops=recorder.segment_flops(PRE) + between_flops + recorder.segment_flops(POST),
         step_ms=times.step_ms, peak_bytes=memory.peak_bytes, peak_bytes_by_category=memory.peak_by_category,
         device_max_allocated_bytes=_device_max_allocated(step), timeline=memory.timeline,
         step_fault_bytes=times.fault_bytes,
@@ -428,9 +477,11 @@ def _pre_grad_bytes(memory: _Accounting, block_list: Blocks) -> int:
     return memory.grad_bytes - first - memory.windows.grads_at_first_block_bytes
 
 
-def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes,
+def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
                     overheads: tuple[BlockOverheads, ...]) -> tuple[BlockProfile, ...]:
+    block_list = found.blocks
     saved_by_call = memory.recorder.saved_by_call(memory.saved)
+    stack_of = {i: stack.name for stack in found.stacks for i in range(stack.start, stack.stop)}
     return tuple(
         BlockProfile(
             index=i, name=name, class_name=type(module).__name__,
@@ -446,9 +497,26 @@ def _block_profiles(block_list: Blocks, memory: _Accounting, times: StepTimes,
             fwd_live_bytes=tuple(max(0, c.live_after - memory.windows.block_fwd_start_bytes[i])
                                  for c in memory.recorder.calls.get(name, [])),
             **_overhead_ms(overheads[i]),
+            stack=stack_of[i], follows_previous=found.follows_previous[i],
+            **_flow_fields(memory.flows[i], memory.windows.between_temp_bytes[i]),
+            bwd_start_temp_bytes=memory.windows.block_bwd_start_temp_bytes[i],
+            between_grad_bytes=memory.windows.between_grad_bytes[i],
+            fwd_other_bytes=memory.windows.block_fwd_start_temporaries[i]
+            - sum(flow.shared_entry_bytes for flow in memory.flows[: i + 1]),
         )
         for i, (name, module) in enumerate(block_list)
     )
+
+
+def _flow_fields(flow: BlockFlow, between_temp_bytes: int) -> dict[str, Any]:
+    """The `BlockProfile` dataflow fields (`remat.measure.dataflow`)."""
+    return {
+        "inputs": flow.inputs, "held_input_bytes": flow.held_input_bytes,
+        "unsaved_input_bytes": flow.unsaved_input_bytes, "shared_entry_bytes": flow.shared_entry_bytes,
+        "handoff_bytes": flow.handoff_bytes, "handoff_next_bytes": flow.handoff_next_bytes,
+        "between_saved_bytes": flow.between_saved_bytes, "between_bwd_temp_bytes": between_temp_bytes,
+        "entry_bytes": flow.entry_bytes, "output_held_bytes": flow.output_held_bytes,
+    }
 
 
 def _scaled_times(ops: tuple[OpRecord, ...], fwd_ms: float) -> tuple[OpRecord, ...]:

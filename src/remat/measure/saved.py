@@ -2,10 +2,13 @@
 
 A ``saved_tensors_hooks`` pack hook sees every tensor autograd saves during forward. Each
 storage is counted once, at its first save, and attributed to the segment running at that
-moment: ``"pre"`` (before the first block), a block's qualified name, or ``"post"`` (after
-the last block: final norm, head, loss). Code between two blocks counts for the block before
-it. Storages that existed before the step (parameters, buffers, the batch) are never counted:
-they are model state or input, not activations. Works on the meta device.
+moment: ``"pre"`` (before the first block), a block's qualified name, ``"between:<i>"`` (code
+run after block i-1 and before block i: pooling, patch merging, an encoder's final norm and a
+decoder's embeddings) or ``"post"`` (after the last block: final norm, head, loss); blocks in
+the order they run. Every segment that saves a storage is recorded too (`SavedAccountant.savers`:
+a storage saved by a block and again by the pooling after it outlives a checkpoint of the
+block). Storages that existed before the step (parameters, buffers, the batch) are never
+counted: they are model state or input, not activations. Works on the meta device.
 
 Module hooks on the blocks also record each block's input and output bytes (distinct
 storages of its tensor arguments and results).
@@ -24,6 +27,12 @@ from remat.measure.storage import distinct_bytes, storage_key, storage_keys, sto
 
 PRE = "pre"
 POST = "post"
+BETWEEN = "between:"
+
+
+def between_name(index: int) -> str:
+    """The segment of the code run after block ``index - 1`` and before block ``index``."""
+    return f"{BETWEEN}{index}"
 
 OnSaved = Callable[[torch.Tensor, int, str], None]
 
@@ -49,6 +58,8 @@ class SavedAccountant:
         self.blocks = blocks
         self.segment = PRE
         self.saved: dict[int, SavedStorage] = {}
+        self.savers: dict[int, list[str]] = {}
+        """Storage key -> every segment that saved it, in the order they first did."""
         self._totals: dict[str, int] = {}
         self.input_bytes: dict[str, int] = {}
         self.output_bytes: dict[str, int] = {}
@@ -59,17 +70,18 @@ class SavedAccountant:
 
     def bytes_by_segment(self) -> dict[str, int]:
         """Saved bytes per segment, every segment present (0 when nothing saved)."""
-        return {PRE: 0, **{name: 0 for name, _ in self.blocks}, POST: 0, **self._totals}
+        betweens = {between_name(i): 0 for i in range(1, len(self.blocks))}
+        return {PRE: 0, **{name: 0 for name, _ in self.blocks}, **betweens, POST: 0, **self._totals}
 
     def segment_bytes(self, segment: str) -> int:
         """Saved bytes of one segment so far."""
         return self._totals.get(segment, 0)
 
     def __enter__(self) -> SavedAccountant:
-        last = len(self.blocks) - 1
         for index, (name, module) in enumerate(self.blocks):
+            after = between_name(index + 1) if index + 1 < len(self.blocks) else POST
             self._handles.append(module.register_forward_pre_hook(self._enter_block(name), with_kwargs=True))
-            self._handles.append(module.register_forward_hook(self._leave_block(name, index == last)))
+            self._handles.append(module.register_forward_hook(self._leave_block(name, after)))
         self._hooks.__enter__()
         return self
 
@@ -87,18 +99,22 @@ class SavedAccountant:
 
         return hook
 
-    def _leave_block(self, name: str, is_last: bool) -> Callable:
+    def _leave_block(self, name: str, after: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             if torch._C._current_graph_task_id() == -1:
                 self.output_bytes[name] = distinct_bytes(tensors_in(output))
-                if is_last:
-                    self.segment = POST
+                self.segment = after
 
         return hook
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
-        if key is None or key in self._excluded or key in self.saved:
+        if key is None or key in self._excluded:
+            return t
+        savers = self.savers.setdefault(key, [])
+        if self.segment not in savers:
+            savers.append(self.segment)
+        if key in self.saved:
             return t
         nbytes = storage_nbytes(t)
         self.saved[key] = SavedStorage(nbytes=nbytes, segment=self.segment)

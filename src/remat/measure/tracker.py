@@ -127,6 +127,10 @@ class LiveTracker(TorchDispatchMode):
         self._watch = watch_label
         self._watch_freed = []
 
+    def window_value(self) -> int:
+        """The open window's value now: live bytes less its excluded labels and offset."""
+        return self.live_bytes - self._window_excluded
+
     def close_window(self) -> int:
         """End the window; its peak."""
         self._window = None

@@ -3,9 +3,11 @@
 Conventions (every later stage relies on them):
 - Bytes are bytes of *storages*, each storage counted once; parameters and buffers are
   never activations.
-- Blocks are indexed 0..N-1 in forward order. The fixed part is split into ``pre`` (runs
-  before the first block: embeddings...) and ``post`` (after the last block: final norm,
-  head, loss).
+- Blocks are indexed 0..N-1 in the order the forward runs them, over every stack (an encoder's
+  blocks, then a decoder's). The fixed part is split into ``pre`` (runs before the first block:
+  embeddings...), ``between`` (code run between two blocks: pooling, patch merging, an encoder's
+  final norm and a decoder's embeddings; recorded on the block after it) and ``post`` (after
+  the last block: final norm, head, loss).
 - Times are medians in milliseconds over repeats after warm-up.
 """
 
@@ -58,6 +60,33 @@ class OpRecord:
     """A later call of the step's forward writes in place into a storage its outputs live in
     (T5's ``relative_buckets += ...``): selective checkpointing cannot cache it
     (`remat.checkpointing.cacheable`)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class BlockInput:
+    """One tensor argument of a block's call, and where it came from (`remat.measure.dataflow`)."""
+
+    argument: str
+    """``"args[0]"``, ``"args[1]"``... for positional arguments, the keyword for keyword ones;
+    a tensor inside a tuple argument adds its index (``"position_embeddings[0]"``)."""
+    storage: int
+    """Profile-local id of the tensor's storage: arguments with equal ids (in this block or any
+    other) are one storage."""
+    storage_bytes: int
+    """Bytes of the whole storage."""
+    source: str
+    """``previous`` (made by the block just before, in run order), ``block:<k>`` (made by an
+    earlier block k: a skip), ``shared`` (made outside blocks and passed to several blocks: a
+    mask, rotary cos/sin, an encoder's output), ``between`` (made by code between two blocks)
+    or ``outside`` (made before the first block, or by the caller: the batch)."""
+    activation: bool = True
+    """False for storages that existed before the step (the batch, parameters, buffers): they
+    are never counted, as the live-storage tracker does not count them."""
+    counted: str = ""
+    """Where the memory model counts it (`remat.measure.dataflow`): ``held`` (in this block's
+    ``held_input_bytes``), ``shared`` (in its ``shared_entry_bytes``: the first of several blocks
+    to take it, and none saves it), ``earlier`` (where an earlier part saved it or an earlier
+    block took it), ``state`` (not an activation); "" in profiles recorded without it."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -131,11 +160,100 @@ class BlockProfile:
     ``selective`` (every policy), ``offload:cpu`` or ``offload:disk``; the reason is what its
     probe raised, in one line (`remat.measure.probes`). The planner never picks them."""
 
+    stack: str = ""
+    """Name of the stack it belongs to (`Profile.stacks`; "" in profiles recorded without them)."""
+    follows_previous: bool = True
+    """Called with what the block before it handed on (its output, or the output's first
+    element) as its first positional argument and with that block's other arguments, in the
+    same stack: a checkpointed segment may run the two together (`remat.measure.calls`). True
+    in profiles recorded without it (one chain)."""
+    inputs: tuple[BlockInput, ...] = ()
+    """Its tensor arguments and their sources (empty: not recorded)."""
+    held_input_bytes: int | None = None
+    """Bytes of its input storages that nothing before it saved or took (inputs another block
+    took first, or an earlier part saved, are counted there): what a checkpoint of this block
+    holds of its own, on top of ``entry_bytes`` (None: not recorded; ``input_bytes`` holds)."""
+    unsaved_input_bytes: int = 0
+    """Of ``held_input_bytes``, the storages the block's own autograd does not save: live beside
+    its replay, outside its ``saved_bytes``."""
+    shared_entry_bytes: int = 0
+    """Input storages this block is the first to take, later blocks take too, and it does not
+    save (a mask no op saves): held while a checkpoint of one of them holds them, so counted
+    from this block on (`remat.plan.predict.dead_shared_bytes`: not at all when no checkpoint
+    holds them; an upper bound when the first block to hold them comes later)."""
+    handoff_bytes: int = 0
+    """Of ``saved_bytes``, the storages (not among its inputs) that something after it also
+    holds: its output when the next block or the code after it saves it too, a skip connection's
+    tensor. They outlive a checkpoint of this block, so they are counted from the next block's
+    entry on (`entry_bytes`), whatever this block's strategy."""
+    handoff_next_bytes: int = 0
+    """Of ``handoff_bytes``, the storages held after it by the next block alone (as an input or
+    saved by it): a segment spanning both recomputes them, so nothing holds them."""
+    between_saved_bytes: int = 0
+    """Saved bytes of the code run between the previous block and this one (pooling, patch
+    merging, a final norm and the next stack's embeddings): kept whatever the plan."""
+    between_bwd_temp_bytes: int = 0
+    """Like ``bwd_temp_bytes`` for that code: the peak of its backward above the model state,
+    the gradients live when it began, the saved bytes of everything before it and its own."""
+    between_grad_bytes: int = 0
+    """Gradients that code's backward accumulates (parameters only it uses: a second stack's
+    embeddings): not yet allocated while the blocks after it run their backward."""
+    entry_bytes: int = 0
+    """Held from this block's entry on whatever the plan: ``between_saved_bytes`` + the
+    previous block's ``handoff_bytes`` + ``shared_entry_bytes``."""
+    bwd_start_temp_bytes: int | None = None
+    """What ``bwd_temp_bytes`` counts when the block's backward starts: the gradient of its
+    output and whatever else the step holds then; a replay of the block runs on top of it
+    (None: not measured; ``output_grad_bytes`` stands for it)."""
+    output_held_bytes: int = 0
+    """Of ``saved_bytes``, its outputs the model's code still holds when the next block's forward
+    begins (not that block's inputs, not handed off): live in that forward whatever this block's
+    strategy, so counted there when this block is not kept (its saved bytes hold them when it
+    is; `remat.measure.dataflow`)."""
+    fwd_other_bytes: int | None = None
+    """Live bytes when its forward began that are neither model state nor saved by anything
+    before it, less the ``shared_entry_bytes`` of this block and those before it: its input when
+    nothing saved it, what the model's code still holds (may be negative when a shared tensor
+    was freed by then). With it, the peak of the block's forward is the live model state +
+    the pre part's saved bytes + what the blocks before it retain + ``entry_bytes`` + this +
+    ``saved_bytes`` + ``fwd_temp_bytes`` (exact for the measured step; None: not recorded)."""
+
+
     def unavailable_reason(self, strategy: str) -> str | None:
         """Why ``strategy`` (``recompute``, ``selective:<policy>``, ``offload:disk``...) cannot
         run on this block; None when it can. ``keep`` always can."""
         kind = strategy.split(":", 1)[0]
         return next((reason for name, reason in self.unavailable if name in (strategy, kind)), None)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Stack:
+    """A run of consecutive blocks (in run order) from one module list: an encoder's layers, a
+    decoder's, one tower of a two-tower model, one stage of a hierarchical vision model."""
+
+    name: str
+    """Qualified name of the list (``"encoder.block"``), or of the module holding named blocks
+    (``""``: the model itself)."""
+    start: int
+    """Index of its first block."""
+    stop: int
+    """One past the index of its last block."""
+    class_name: str
+    """Class of its first block."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class FixedModule:
+    """A module outside every block, with nothing of a block inside it (an embedding, a final
+    norm, a head), or a parameter held directly by a module that contains blocks."""
+
+    name: str
+    """Qualified name (of the parameter, for one held directly)."""
+    class_name: str
+    """The module's class (``"Parameter"`` for a parameter held directly)."""
+    param_bytes: int
+    """Bytes of its parameters not counted before (tied weights count once, in the first module
+    in module order that holds them)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -351,14 +469,23 @@ class Profile:
     model has no head remat can plan (``head_note`` says why): its loss stays in the fixed part."""
     head_note: str = ""
     """Why there is no head part ('' when there is one)."""
+    stacks: tuple[Stack, ...] = ()
+    """The stacks the blocks form, in run order (empty in profiles recorded without them)."""
+    fixed_modules: tuple[FixedModule, ...] = ()
+    """The modules of the fixed part (outside every block) and their parameter bytes."""
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
 
     @property
+    def fixed_between_saved_bytes(self) -> int:
+        """Saved bytes of the code run between blocks."""
+        return sum(b.between_saved_bytes for b in self.blocks)
+
+    @property
     def fixed_saved_bytes(self) -> int:
-        return self.fixed_pre_saved_bytes + self.fixed_post_saved_bytes
+        return self.fixed_pre_saved_bytes + self.fixed_between_saved_bytes + self.fixed_post_saved_bytes
 
     @property
     def saved_bytes(self) -> int:

@@ -1,0 +1,286 @@
+"""Dataflow between blocks: where each block's inputs come from, and who holds which storage.
+
+`DataflowRecorder` watches the accounting step's forward: at each block's call, every tensor
+argument (positional and keyword; Hugging Face passes most by keyword) with its storage, its
+bytes and the segment that made it (`remat.measure.ops.OpRecorder.producer_of`); at the end of
+the forward, every segment that saved each storage (`remat.measure.saved.SavedAccountant.savers`).
+Storages are told apart by identity (a weak reference to the storage object), so an address
+reused after a free is a new storage.
+
+From that, `BlockFlow` per block (the terms `remat.plan.costs` prices; segments in run order:
+``pre``, block 0, the code between blocks 0 and 1, block 1, ..., ``post``):
+
+- an input storage that an earlier segment saved, or an earlier block took, is counted there
+  (a mask or rotary table passed to every layer counts once, not once per layer);
+- of the rest, one that later blocks take too and this block does not save (a mask: no op
+  saves it) is *shared*: held from this block on whenever a checkpoint of a block taking it
+  holds it, so counted from here on in every plan (`BlockProfile.shared_entry_bytes`);
+- the others are *held* by a checkpoint of this block (``held_input_bytes``), and beside its
+  replay when it does not save them itself (``unsaved_input_bytes``);
+- a storage this block saves first (not one of its inputs) that something after it holds too
+  (the next block saves its output again; a pooling after it saves it; a later block takes it:
+  a skip connection) is *handed off*: it outlives a checkpoint of this block, so it is counted
+  from the next block's entry on (``handoff_bytes``; ``handoff_next_bytes``: held by the next
+  block alone);
+- an output this block saves first that the model's code still holds when the next block's
+  forward begins (``x = up(F.interpolate(x), skip)`` holds ``x`` through the call), not handed
+  off nor taken by the next block, is live in that forward whatever this block's strategy
+  (``output_held_bytes``). It is seen by a weak reference to the output tensor object: autograd
+  keeps an op's saved output by its data, not by that object, so the object is alive only while
+  the code holds it (an output some op saved as its input keeps the object alive: counted, an
+  upper bound).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from remat.measure.blocks import Blocks
+from remat.measure.boundaries import in_backward
+from remat.measure.saved import BETWEEN, POST, PRE, SavedStorage, between_name
+from remat.measure.storage import storage_key, storage_nbytes
+from remat.measure.types import BlockInput
+
+__all__ = ["DataflowRecorder", "BlockFlow", "block_flows", "segment_position", "named_tensors"]
+
+
+def named_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """The tensor arguments of a call with their names: ``args[i]``, the keyword, and an index
+    per level for tensors inside tuples and lists (``position_embeddings[0]``)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for i, value in enumerate(args):
+        _collect(f"args[{i}]", value, out)
+    for key, value in kwargs.items():
+        _collect(key, value, out)
+    return out
+
+
+def _collect(name: str, value: Any, out: list[tuple[str, torch.Tensor]]) -> None:
+    # a module-level function, not a closure: a recursive closure is a reference cycle that
+    # would keep the block's inputs alive until the garbage collector runs
+    if isinstance(value, torch.Tensor):
+        out.append((name, value))
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            _collect(f"{name}[{i}]", item, out)
+
+
+@dataclass
+class _Arg:
+    argument: str
+    storage: int
+    storage_bytes: int
+    activation: bool
+    producer: str | None
+
+
+@dataclass
+class _Storage:
+    ref: weakref.ref
+    key: int
+    savers: tuple[str, ...] = ()
+
+
+class DataflowRecorder:
+    """Context manager: the tensor arguments of every block call of one forward, by storage.
+
+    ``producer_of(key)`` names the segment whose op made the storage (None: made before the
+    step); ``excluded``: storage keys of the batch, parameters and buffers (not activations);
+    call `finish` with the accountant's savers once the forward has ended."""
+
+    def __init__(self, blocks: Blocks, producer_of: Callable[[int], str | None], excluded: Iterable[int]) -> None:
+        self.blocks = blocks
+        self.producer_of = producer_of
+        self.excluded = set(excluded)
+        self.args: list[list[_Arg]] = [[] for _ in blocks]
+        self.outputs: list[list[tuple[weakref.ref, int, int]]] = [[] for _ in blocks]
+        """Per block: its output tensors (weakly), their storage keys and bytes."""
+        self.held_outputs: list[dict[int, int]] = [{} for _ in blocks]
+        """Per block: storage key -> bytes of its outputs alive when the next block began, not
+        among that block's inputs."""
+        self.storages: list[_Storage] = []
+        self._by_key: dict[int, int] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> DataflowRecorder:
+        for index, (_, module) in enumerate(self.blocks):
+            self._handles.append(module.register_forward_pre_hook(self._hook(index), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._output_hook(index)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, index: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if in_backward() or self.args[index]:
+                return
+            tensors = named_tensors(args, kwargs)
+            if index:
+                self._held_outputs(index - 1, {storage_key(t) for _, t in tensors})
+            for name, tensor in tensors:
+                key = storage_key(tensor)
+                if key is not None:
+                    self.args[index].append(_Arg(argument=name, storage=self._storage_id(tensor, key),
+                                                 storage_bytes=storage_nbytes(tensor), activation=key not in self.excluded,
+                                                 producer=self.producer_of(key)))
+
+        return hook
+
+    def _output_hook(self, index: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if in_backward() or self.outputs[index]:
+                return
+            self.outputs[index] = [(weakref.ref(t), storage_key(t), storage_nbytes(t))
+                                   for _, t in named_tensors((output,), {}) if storage_key(t) is not None]
+
+        return hook
+
+    def _held_outputs(self, index: int, next_inputs: set[int | None]) -> None:
+        for ref, key, nbytes in self.outputs[index]:
+            if ref() is not None and key not in next_inputs:
+                self.held_outputs[index][key] = nbytes
+
+    def _storage_id(self, tensor: torch.Tensor, key: int) -> int:
+        known = self._by_key.get(key)
+        storage = tensor.untyped_storage()
+        if known is not None and self.storages[known].ref() is storage:
+            return known
+        self._by_key[key] = len(self.storages)
+        self.storages.append(_Storage(ref=weakref.ref(storage), key=key))
+        return len(self.storages) - 1
+
+    def finish(self, savers: dict[int, list[str]]) -> None:
+        """Record who saved each storage still alive (a storage freed during the forward was
+        saved by nobody)."""
+        for record in self.storages:
+            if record.ref() is not None:
+                record.savers = tuple(savers.get(record.key, ()))
+
+    def key_ids(self) -> dict[int, int]:
+        """Storage key -> id, for the storages alive when `finish` ran (saved ones among them)."""
+        return {r.key: i for i, r in enumerate(self.storages) if r.savers}
+
+
+def segment_position(segment: str, index_of: dict[str, int]) -> int:
+    """Run-order position of a segment (``index_of``: block name -> index): pre 0, block i 2i+1,
+    the code before block i 2i, post 2N."""
+    if segment == PRE:
+        return 0
+    if segment == POST:
+        return 2 * len(index_of)
+    if segment.startswith(BETWEEN):
+        return 2 * int(segment[len(BETWEEN):])
+    return 2 * index_of[segment] + 1
+
+
+@dataclass
+class BlockFlow:
+    """What the dataflow says about one block (fields of `remat.measure.types.BlockProfile`)."""
+
+    inputs: tuple[BlockInput, ...] = ()
+    held_input_bytes: int = 0
+    unsaved_input_bytes: int = 0
+    shared_entry_bytes: int = 0
+    handoff_bytes: int = 0
+    handoff_next_bytes: int = 0
+    between_saved_bytes: int = 0
+    entry_bytes: int = 0
+    output_held_bytes: int = 0
+
+
+def block_flows(recorder: DataflowRecorder, saved: dict[int, SavedStorage], savers: dict[int, list[str]],
+                saved_by_segment: dict[str, int]) -> list[BlockFlow]:
+    """Per block, its inputs with their sources and the byte terms of the module docstring."""
+    names = [name for name, _ in recorder.blocks]
+    index_of = {name: i for i, name in enumerate(names)}
+    takers: dict[int, list[int]] = {}
+    for i, args in enumerate(recorder.args):
+        for arg in args:
+            if arg.activation and i not in takers.setdefault(arg.storage, []):
+                takers[arg.storage].append(i)
+    flows = [_inputs_flow(recorder, index_of, i, takers) for i in range(len(names))]
+    ids = recorder.key_ids()
+    handed: list[set[int]] = [set() for _ in names]
+    for key, first in saved.items():
+        if first.segment in index_of:
+            k = index_of[first.segment]
+            if _handoff(flows, index_of, k, first.nbytes, savers.get(key, []),
+                        takers.get(ids[key], []) if key in ids else []):
+                handed[k].add(key)
+    for i, held in enumerate(recorder.held_outputs):
+        flows[i].output_held_bytes = sum(nbytes for key, nbytes in held.items()
+                                         if key in saved and saved[key].segment == names[i] and key not in handed[i])
+    for i, flow in enumerate(flows):
+        flow.between_saved_bytes = saved_by_segment.get(between_name(i), 0) if i > 0 else 0
+        flow.entry_bytes = flow.between_saved_bytes + flow.shared_entry_bytes + (flows[i - 1].handoff_bytes if i else 0)
+    return flows
+
+
+def _inputs_flow(recorder: DataflowRecorder, index_of: dict[str, int], i: int, takers: dict[int, list[int]]) -> BlockFlow:
+    names = list(index_of)
+    flow = BlockFlow()
+    records, seen = [], set()
+    for arg in recorder.args[i]:
+        counted = _counted(recorder, index_of, i, takers, arg)
+        records.append(BlockInput(argument=arg.argument, storage=arg.storage, storage_bytes=arg.storage_bytes,
+                                  source=_source(arg, names, i, takers), activation=arg.activation, counted=counted))
+        if arg.storage in seen or counted in ("state", "earlier"):
+            continue
+        seen.add(arg.storage)
+        if counted == "shared":
+            flow.shared_entry_bytes += arg.storage_bytes
+        else:
+            flow.held_input_bytes += arg.storage_bytes
+            flow.unsaved_input_bytes += 0 if names[i] in recorder.storages[arg.storage].savers else arg.storage_bytes
+    flow.inputs = tuple(records)
+    return flow
+
+
+def _counted(recorder: DataflowRecorder, index_of: dict[str, int], i: int, takers: dict[int, list[int]],
+             arg: _Arg) -> str:
+    """``state``, ``earlier`` (an earlier part saved it or an earlier block took it), ``shared``
+    (later blocks take it too and this block does not save it) or ``held``."""
+    if not arg.activation:
+        return "state"
+    savers = recorder.storages[arg.storage].savers
+    if min(takers[arg.storage]) < i or any(segment_position(s, index_of) < 2 * i + 1 for s in savers):
+        return "earlier"
+    here = any(index_of.get(s) == i for s in savers)
+    return "shared" if max(takers[arg.storage]) > i and not here else "held"
+
+
+def _source(arg: _Arg, names: list[str], i: int, takers: dict[int, list[int]]) -> str:
+    if not arg.activation:
+        return "outside"
+    producer = arg.producer
+    if i > 0 and producer == names[i - 1]:
+        return "previous"
+    if producer in names:
+        return f"block:{names.index(producer)}"
+    if len(takers.get(arg.storage, [])) > 1:
+        return "shared"
+    return "between" if producer is not None and producer.startswith(BETWEEN) else "outside"
+
+
+def _handoff(flows: list[BlockFlow], index_of: dict[str, int], k: int, nbytes: int, savers: list[str],
+             takers: list[int]) -> bool:
+    """A storage block ``k`` saved first: handed off (True) when something after it holds it too."""
+    if k in takers:
+        return False  # one of its own inputs: its checkpoint holds it
+    later_savers = [s for s in savers if segment_position(s, index_of) > 2 * k + 1]
+    later_takers = [j for j in takers if j > k]
+    if not later_savers and not later_takers:
+        return False
+    flows[k].handoff_bytes += nbytes
+    if all(index_of.get(s) == k + 1 for s in later_savers) and all(j == k + 1 for j in later_takers):
+        flows[k].handoff_next_bytes += nbytes
+    return True

@@ -1,0 +1,180 @@
+"""Stacks: the chains of blocks a model runs, found by running its forward once.
+
+`remat.measure.blocks` finds, from the module tree alone, every stack (a list of two or more
+same-class modules with parameters) that no other stack contains. The tree cannot say in which
+order the blocks run (CLIP runs its vision tower before its text tower, which it registers
+first) nor whether a stack nested inside another stack's members is a chain of its own (the
+blocks of each stage of a Swin or ConvNeXt model) or something else (a list of experts, each
+called on some tokens). So `discover` runs the forward once (as in training, without a backward:
+a model may refuse inputs without a history) with a hook on every member of every stack, nested
+ones included, and
+
+- descends into nested stacks when each of them runs as a chain (every member once, in order,
+  each one's chained input what the one before handed on: `remat.measure.calls`), else keeps the
+  outer stack; a stack whose members do not each run exactly once is left out (named blocks
+  must: an error says which did not);
+- numbers the blocks in the order they first run;
+- cuts the blocks into `Stack` records, maximal runs of consecutive blocks of one list, and
+  says for each block whether it follows the block before it (`remat.measure.calls.follows`,
+  within one stack), which is what a multi-block checkpointed segment needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from remat.measure.blocks import (Blocks, inside, members, named_blocks, no_stack_error, outermost,
+                                  stack_lists)
+from remat.measure.calls import follows
+from remat.measure.types import Stack
+
+__all__ = ["Discovery", "discover", "parent_name"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class Discovery:
+    """The blocks in run order, their stacks, and which blocks follow the one before them."""
+
+    blocks: Blocks
+    """``(qualified name, module)`` in the order they first run."""
+    stacks: tuple[Stack, ...]
+    """Runs of consecutive blocks (in run order) from one list."""
+    follows_previous: tuple[bool, ...]
+    """Per block: it follows the block before it in the same stack (False for a stack's first)."""
+
+
+@dataclass
+class _Call:
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: Any = None
+
+
+class _Trace:
+    """Forward hooks on modules: each module's calls, in the order they began."""
+
+    def __init__(self, modules: Blocks) -> None:
+        self.modules = modules
+        self.calls: dict[str, list[_Call]] = {name: [] for name, _ in modules}
+        self.order: list[str] = []
+
+    def run(self, forward: Callable[[], Any]) -> _Trace:
+        handles = []
+        for name, module in self.modules:
+            handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+            handles.append(module.register_forward_hook(self._post(name)))
+        try:
+            forward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return self
+
+    def _pre(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.calls[name].append(_Call(args=args, kwargs=dict(kwargs)))
+            self.order.append(name)
+
+        return hook
+
+    def _post(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            self.calls[name][-1].output = output
+
+        return hook
+
+    def once_each(self, names: Sequence[str]) -> bool:
+        return all(len(self.calls[n]) == 1 for n in names)
+
+    def runs_as_chain(self, names: Sequence[str]) -> bool:
+        """Every member ran once, in list order, each following the one before."""
+        if not self.once_each(names):
+            return False
+        firsts = [self.order.index(n) for n in names]
+        if firsts != sorted(firsts):
+            return False
+        return all(_follows(self.calls[a][0], self.calls[b][0]) for a, b in zip(names, names[1:]))
+
+
+def _follows(previous: _Call, call: _Call) -> bool:
+    return follows((previous.args, previous.kwargs, previous.output), (call.args, call.kwargs))
+
+
+def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Callable[[], Any]) -> Discovery:
+    """The blocks of ``model`` (detected, or named by ``blocks``) in run order, with their stacks.
+    ``forward()`` runs the model's forward on its batch (once; no backward)."""
+    if blocks is not None:
+        chosen = named_blocks(model, blocks)
+        trace = _Trace(chosen).run(forward)
+        _check_ran_once(trace, chosen)
+        groups = [(parent_name(name), [(name, module)]) for name, module in chosen]
+    else:
+        lists = stack_lists(model)
+        every = [m for name in lists for m in members(model, name)]
+        trace = _Trace(every).run(forward)
+        groups = [(name, members(model, name)) for name in _chosen_lists(model, lists, trace)]
+        if not groups and lists:
+            counts = {m: len(trace.calls[m]) for m, _ in every if len(trace.calls[m]) != 1}
+            raise ValueError(
+                f"no blocks found in {type(model).__name__}: its stacks {lists} do not run each member exactly "
+                f"once per forward (calls: {counts}). Name the blocks that run once with blocks='<glob>'."
+            )
+        if not groups:
+            raise no_stack_error(model)
+    return _in_run_order(groups, trace)
+
+
+def parent_name(name: str) -> str:
+    """The qualified name of the module that holds ``name`` ("" for the root)."""
+    return name.rpartition(".")[0]
+
+
+def _check_ran_once(trace: _Trace, chosen: Blocks) -> None:
+    wrong = {name: len(trace.calls[name]) for name, _ in chosen if len(trace.calls[name]) != 1}
+    if wrong:
+        raise ValueError(
+            f"blocks must run exactly once per forward; these ran another number of times: {wrong}. "
+            "remat plans each block's activations once per step (a block run twice shares its "
+            "weights between two places): name blocks that the forward calls once."
+        )
+
+
+def _chosen_lists(model: nn.Module, lists: list[str], trace: _Trace) -> list[str]:
+    """Outermost stacks, replaced by the stacks nested in their members when all of those run as
+    chains (recursively); stacks whose members do not run once each are left out."""
+    out: list[str] = []
+
+    def visit(name: str) -> None:
+        nested = outermost([n for n in lists if inside(n, name)])
+        if nested and all(trace.runs_as_chain([m for m, _ in members(model, n)]) for n in nested):
+            for inner in nested:
+                visit(inner)
+        elif trace.once_each([m for m, _ in members(model, name)]):
+            out.append(name)
+
+    for name in outermost(lists):
+        visit(name)
+    return out
+
+
+def _in_run_order(groups: list[tuple[str, Blocks]], trace: _Trace) -> Discovery:
+    """Blocks by first call; stacks as runs of consecutive blocks of one group."""
+    group_of = {name: group for group, items in groups for name, _ in items}
+    order = {name: i for i, name in reversed(list(enumerate(trace.order)))}
+    blocks = sorted((item for _, items in groups for item in items), key=lambda item: order[item[0]])
+    stacks: list[Stack] = []
+    chained: list[bool] = []
+    for index, (name, _) in enumerate(blocks):
+        group = group_of[name]
+        same = bool(stacks) and stacks[-1].name == group and stacks[-1].stop == index
+        if same:
+            stacks[-1] = Stack(name=group, start=stacks[-1].start, stop=index + 1, class_name=stacks[-1].class_name)
+            chained.append(_follows(trace.calls[blocks[index - 1][0]][0], trace.calls[name][0]))
+        else:
+            stacks.append(Stack(name=group, start=index, stop=index + 1, class_name=type(blocks[index][1]).__name__))
+            chained.append(False)
+    return Discovery(blocks=blocks, stacks=tuple(stacks), follows_previous=tuple(chained))

@@ -1,0 +1,127 @@
+"""Stacks: every stack found, blocks numbered in the order they run, nested chains, errors."""
+
+import pytest
+import torch
+from torch import nn
+
+from remat.measure.stacks import discover
+
+
+class Layer(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.tanh(self.linear(x))
+        return y if scale is None else y * scale
+
+
+class TwoTowers(nn.Module):
+    """Registers the text tower first, runs the image tower first (as CLIP does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = nn.ModuleList(Layer() for _ in range(2))
+        self.image = nn.ModuleList(Layer() for _ in range(3))
+        self.act = nn.ModuleList([nn.ReLU(), nn.ReLU()])  # no parameters: not a stack
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x
+        for layer in self.image:
+            y = layer(y)
+        z = self.act[0](x)
+        scale = torch.ones(4)
+        for layer in self.text:
+            z = layer(z, scale=scale)
+        return (y.sum() + z.sum()).reshape(())
+
+
+def _run(model: nn.Module, blocks=None):
+    x = torch.randn(2, 4)
+    return discover(model, blocks, lambda: model(x))
+
+
+def test_blocks_are_numbered_in_run_order_and_cut_into_stacks():
+    found = _run(TwoTowers())
+    assert [name for name, _ in found.blocks] == ["image.0", "image.1", "image.2", "text.0", "text.1"]
+    assert [(s.name, s.start, s.stop, s.class_name) for s in found.stacks] == [
+        ("image", 0, 3, "Layer"), ("text", 3, 5, "Layer")]
+    # image.1 and image.2 follow the block before; text.1 follows text.0 (same scale tensor)
+    assert found.follows_previous == (False, True, True, False, True)
+
+
+def test_named_patterns_name_several_stacks():
+    found = _run(TwoTowers(), ["text.*", "image.*"])
+    assert [s.name for s in found.stacks] == ["image", "text"]
+    assert [name for name, _ in found.blocks][:1] == ["image.0"]
+
+
+class Stage(nn.Module):
+    """A hierarchical model's stage: a chain of blocks, then a downsampling of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Layer() for _ in range(2))
+        self.down = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.down(x)
+
+
+class Experts(nn.Module):
+    """A layer with parallel experts, each called on some rows: not a chain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.experts[0](x[:1]), self.experts[1](x[1:])])
+
+
+@pytest.mark.parametrize("cls, expected", [
+    (Stage, [("stages.0.blocks", 0, 2), ("stages.1.blocks", 2, 4)]),  # nested chains: one stack per stage
+    (Experts, [("stages", 0, 2)]),  # nested lists that are no chain: the outer list
+])
+def test_nested_stacks_are_used_when_they_run_as_chains(cls, expected):
+    model = nn.Module()
+    model.stages = nn.ModuleList(cls() for _ in range(2))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for stage in model.stages:
+            x = stage(x)
+        return x.sum()
+
+    x = torch.randn(2, 4)
+    found = discover(model, None, lambda: forward(x))
+    assert [(s.name, s.start, s.stop) for s in found.stacks] == expected
+
+
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(2))
+        self.unused = nn.ModuleList(Layer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in [*self.layers, self.layers[0]]:  # layers.0 runs twice: shared weights
+            x = layer(x)
+        return x.sum()
+
+
+def test_lists_that_do_not_run_once_each_are_left_out_or_refused():
+    with pytest.raises(ValueError, match=r"no blocks found in Twice: its stacks \['layers', 'unused'\] do not run"):
+        _run(Twice())
+    with pytest.raises(ValueError, match=r"ran another number of times: \{'layers.0': 2, 'unused.0': 0\}"):
+        _run(Twice(), ["layers.0", "unused.0"])
+
+
+def test_discovery_runs_no_backward_and_leaves_the_model_alone():
+    model = TwoTowers()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _run(model)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
