@@ -18,9 +18,9 @@ import numpy as np
 
 from remat.measure.types import Profile
 from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, Element, deep_recursion
-from remat.plan.costs import cost_of, replay_working_bytes
+from remat.plan.costs import cost_of, grad_bytes_live, post_working_bytes, released_grad_bytes, replay_working_bytes
 from remat.plan.options import BlockOptions, OptionClass, offload_options, price_options, undominated_rows
-from remat.plan.predict import backward_base_bytes, grad_bytes_live
+from remat.plan.predict import backward_base_bytes
 from remat.plan.types import Segment
 
 __all__ = ["FixedPart", "fixed_part", "ChainBuilder", "keep_segments"]
@@ -38,7 +38,8 @@ class FixedPart:
     (the DPs' gradient adjustment: `remat.plan.chain_dp`)."""
     head_bytes: int
     """The head's backward above the base and the blocks' retained bytes: the post part's saved
-    bytes and backward temporaries, and the gradients live then."""
+    bytes and backward temporaries, what the last block hands off to it, and the gradients live
+    then (`remat.plan.phases.post_working_bytes`)."""
     optimizer_bytes: int
     """The optimizer step: model state and its temporaries; no plan's peak is lower."""
 
@@ -48,12 +49,11 @@ class FixedPart:
 
 
 def fixed_part(profile: Profile) -> FixedPart:
-    first_grads = profile.blocks[0].grad_bytes if profile.blocks else 0
+    first_grads = released_grad_bytes(profile.blocks[0]) if profile.blocks else 0
     return FixedPart(
         base_bytes=backward_base_bytes(profile) + profile.fixed_pre_saved_bytes,
         grad_bytes=grad_bytes_live(profile, 0) + first_grads,
-        head_bytes=profile.fixed_post_saved_bytes + profile.fixed_post_bwd_temp_bytes
-        + grad_bytes_live(profile, profile.num_blocks),
+        head_bytes=post_working_bytes(profile) + grad_bytes_live(profile, profile.num_blocks),
         optimizer_bytes=profile.model_state_bytes + profile.optimizer_step_temp_bytes,
     )
 
@@ -89,7 +89,9 @@ class ChainBuilder:
             sizes = [self.fixed.head_bytes, self.fixed.grad_bytes]
             for i, block in enumerate(self.profile.blocks):
                 keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
-                sizes += [block.input_bytes, keep.retained_bytes, replay_working_bytes(block), block.grad_bytes]
+                replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
+                sizes += [replay.retained_bytes, keep.retained_bytes, replay_working_bytes(block),
+                          released_grad_bytes(block)]
                 sizes += self.options()[i].retained_bytes.tolist() + self.options()[i].working_bytes.tolist()
             self._sizes = sizes
         return self._sizes
@@ -102,7 +104,7 @@ class ChainBuilder:
         b = self.profile.blocks[i]
         keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
         replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
-        return (replay.retained_bytes, keep.retained_bytes, replay_working_bytes(b), b.grad_bytes)
+        return (replay.retained_bytes, keep.retained_bytes, replay_working_bytes(b), released_grad_bytes(b))
 
     def keep_need(self) -> int:
         """Gradient-adjusted bytes keeping every block needs (`FixedPart.peak_bytes` of it is
@@ -110,14 +112,14 @@ class ChainBuilder:
         head = self.head_need(1)
         held, need = 0, head
         for options, block in zip(self.options(), self.profile.blocks):  # keep is every block's first option
-            need = max(need, held + int(options.working_bytes[0]) - block.grad_bytes)
-            held += int(options.retained_bytes[0]) - block.grad_bytes
+            need = max(need, held + int(options.working_bytes[0]) - released_grad_bytes(block))
+            held += int(options.retained_bytes[0]) - released_grad_bytes(block)
         return max(need, held + head)
 
     def head_need(self, quantum: int, relax: bool = False) -> int:
         """The head's backward in slots, gradient-adjusted: its bytes plus the blocks' gradients
         minus ``G`` (rounded up; down with ``relax``)."""
-        block_grads = sum(b.grad_bytes for b in self.profile.blocks)
+        block_grads = sum(released_grad_bytes(b) for b in self.profile.blocks)
         head = self.fixed.head_bytes + block_grads - self.fixed.grad_bytes
         return head // quantum if relax else -(-head // quantum)
 
@@ -174,7 +176,7 @@ class ChainBuilder:
             working_slots=need(replay_working_bytes(self.profile.blocks[i]), quantum),
             fwd_ms=replay.extra_ms - self.profile.checkpoint_call_ms,  # the segment pays that once
             options=options,
-            grad_slots=grad(self.profile.blocks[i].grad_bytes, quantum),
+            grad_slots=grad(released_grad_bytes(self.profile.blocks[i]), quantum),
         )
 
     def segments(self, elements: tuple[Element, ...]) -> tuple[Segment, ...]:

@@ -4,7 +4,8 @@ Per offloaded block ``i`` (``offload:cpu`` or ``offload:disk``), from the measur
 
 - ``offloaded_bytes``: the block's saved storages at or above the engine's size threshold
   (`remat.apply.offload.MIN_BYTES`): the outputs its ops save and its input, when large;
-- ``retained_bytes`` = ``saved_bytes - offloaded_bytes``: what stays on the device (small tensors);
+- ``retained_bytes`` = ``saved_bytes - offloaded_bytes``: what stays on the device (small tensors),
+  less what the block hands off, plus its entry bytes (`remat.plan.costs`);
 - ``working_bytes``: the block's own backward (saved bytes brought back + temporaries) plus the
   previous block's offloaded bytes, which the engine prefetches while this block's backward runs
   (conservative when the previous block is not offloaded: it is then counted twice);
@@ -28,7 +29,7 @@ without them is a ValueError that says how to measure them.
 from __future__ import annotations
 
 from remat.measure.types import BlockProfile, Profile
-from remat.plan.costs import BlockCost, register_cost, working_bytes
+from remat.plan.costs import BlockCost, forward_phase_bytes, grad_bytes_live, register_cost, working_bytes
 from remat.plan.types import Segment
 
 __all__ = ["offload_strategies", "offloadable_bytes", "exposed_ms", "transfer_ms"]
@@ -97,8 +98,9 @@ def _offload(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
     overlap = _overlap(profile, segment.strategy)
     prefetched = offloadable_bytes(profile.blocks[block_index - 1]) if block_index > 0 else 0
     return BlockCost(
-        retained_bytes=block.saved_bytes - moved,
-        working_bytes=working_bytes(block) + prefetched,
+        retained_bytes=max(0, block.saved_bytes - moved - block.handoff_bytes) + block.entry_bytes,
+        working_bytes=max(working_bytes(block) + prefetched,
+                          forward_phase_bytes(block) - grad_bytes_live(profile, block_index)),
         extra_ms=exposed_ms(out_ms, block.fwd_ms, overlap) + exposed_ms(back_ms, block.bwd_ms, overlap),
         extra_flops=0,
         offloaded_bytes=moved,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.measure.types import BlockProfile, Profile
-from remat.plan.costs import cost_of, has_cost, selective_prices, working_bytes
+from remat.plan.costs import cost_of, has_cost, selective_prices
 from remat.plan.policies import knapsack_frontier_union, policy
 from remat.plan.types import Segment
 
@@ -87,7 +87,9 @@ def structure_classes(profile: Profile) -> list[list[int]]:
 def _structure_key(block: BlockProfile) -> tuple:
     ops = tuple((o.key, o.name, o.output_bytes, o.saved_bytes, o.flops, o.is_random, o.is_view, o.storage_ids,
                  o.storage_bytes, o.storage_escapes, o.mutated_later) for o in block.ops)
-    return (block.class_name, block.input_bytes, block.output_bytes, block.saved_bytes, block.bwd_temp_bytes,
+    flow = (block.held_input_bytes, block.unsaved_input_bytes, block.entry_bytes, block.handoff_bytes,
+            block.between_bwd_temp_bytes, block.between_grad_bytes, block.bwd_start_temp_bytes, block.fwd_other_bytes)
+    return (block.class_name, flow, block.input_bytes, block.output_bytes, block.saved_bytes, block.bwd_temp_bytes,
             block.fwd_temp_bytes, block.grad_bytes, block.fwd_flops, block.output_grad_bytes, block.bwd_free_order,
             block.fwd_live_bytes, block.checkpointed_fwd_live_bytes, block.checkpointed_fwd_freed_at, ops,
             block.unavailable)
@@ -141,8 +143,9 @@ def _class_options(profile: Profile, members: list[int]) -> tuple[OptionClass, l
     segments = _class_segments(profile, members)
     first = blocks[0]
     prices = selective_prices(blocks, [s.saved_ops for s in segments[1:]])
-    retained = np.r_[first.saved_bytes, prices.retained_bytes].astype(np.int64)
-    working = np.r_[working_bytes(first), prices.working_bytes].astype(np.int64)
+    keep = cost_of(profile, first.index, segments[0])
+    retained = np.r_[keep.retained_bytes, prices.retained_bytes].astype(np.int64)
+    working = np.r_[keep.working_bytes, prices.working_bytes].astype(np.int64)
     ms = np.c_[np.zeros(len(blocks)), prices.extra_ms]
     ok = undominated_rows(retained, working, ms)
     group = OptionClass(members=members, retained_bytes=retained, working_bytes=working, extra_ms=ms, ok=ok)

@@ -21,12 +21,13 @@ from remat.plan.available import check_available, fall_back
 from remat.plan.budget import format_bytes, parse_budget
 from remat.plan.head import check_head, head_choices, priced_profile
 from remat.plan.infeasible import check_state_fits, infeasible_error
-from remat.plan.predict import predict
+from remat.plan.joins import chain_runs, joins
+from remat.plan.predict import baseline_step_ms, predict
 from remat.plan.policies import policy
-from remat.plan.search import OptimalSearch, plan_floor
-from remat.plan.types import Optimality, Plan, Segment
+from remat.plan.search import Choice, OptimalSearch, plan_floor
+from remat.plan.types import Optimality, Plan, Prediction, Segment
 
-__all__ = ["plan", "pareto", "STRATEGIES", "make_plan", "min_peak_plan"]
+__all__ = ["plan", "pareto", "STRATEGIES", "make_plan", "min_peak_plan", "optimal_search"]
 
 FixedPlanner = Callable[[Profile, str, int | None], tuple[Segment, ...]]
 STRATEGIES: dict[str, FixedPlanner] = {}
@@ -109,17 +110,31 @@ def make_plan(profile: Profile, segments: tuple[Segment, ...], strategy: str, bu
     )
 
 
+def optimal_search(profile: Profile) -> OptimalSearch:
+    """The optimal search over the plans the model can run: multi-block segments only where
+    neighbouring blocks join (`remat.plan.joins`)."""
+    return OptimalSearch(profile, joins=joins(profile))
+
+
 def _optimal_plan(profile: Profile, heads: tuple[str, ...], budget: int | None) -> Plan:
     """The fastest plan under ``budget`` over ``heads``: the blocks' optimal search on the
-    profile priced with each head strategy (`remat.plan.head.priced_profile`), then the least
-    predicted step time (of equal times, the lower peak)."""
+    profile priced with each head strategy (`remat.plan.head.priced_profile`), and no
+    recomputation where it fits (the search prices a few dataflow terms per block, above what
+    `predict` prices for a whole plan: a mask no block saves counts from its first taker in every
+    plan, though it is live only while a checkpoint holds it), then the least predicted step time
+    (of equal times, the lower peak)."""
+    keep = _none(profile, "none", None)
     if budget is None:
-        return make_plan(profile, _none(profile, "none", None), "optimal", None, head=heads[0])
+        return make_plan(profile, keep, "optimal", None, head=heads[0])
     plans = []
     for head in heads:
-        choice = OptimalSearch(priced_profile(profile, head)).choose(budget)
+        choice = optimal_search(priced_profile(profile, head)).choose(budget)
         if choice is not None:
             plans.append(make_plan(profile, choice.segments, "optimal", budget, head=head, optimality=choice.optimality))
+        kept = predict(profile, keep, head)
+        if kept.peak_bytes <= budget:
+            plans.append(make_plan(profile, keep, "optimal", budget, head=head,
+                                   optimality=_keep_optimality(profile, kept, choice)))
     if not plans:
         space = "keep, recompute, nested segments and selective policies"
         if heads != ("keep",):
@@ -128,10 +143,21 @@ def _optimal_plan(profile: Profile, heads: tuple[str, ...], budget: int | None) 
     return min(plans, key=lambda p: (p.prediction.step_ms, p.prediction.peak_bytes))
 
 
+def _keep_optimality(profile: Profile, kept: Prediction, choice: Choice | None) -> Optimality:
+    """No recomputation's optimality: nothing is faster than the search's bound (or, without a
+    choice, than keeping everything less the most fresh memory a lower peak could save)."""
+    extra = kept.step_ms - baseline_step_ms(profile)
+    if choice is not None:
+        bound, quantum = choice.optimality.lower_bound_ms, choice.optimality.quantum_bytes
+    else:
+        bound, quantum = -profile.step_fault_bytes * profile.first_touch_ms_per_byte, 1
+    return Optimality(extra_ms=extra, lower_bound_ms=min(extra, bound), quantum_bytes=quantum)
+
+
 def min_peak_plan(profile: Profile, heads: tuple[str, ...] | None = None) -> Plan:
     """The plan with the least predicted peak over the whole plan space (every head strategy
     measured, or ``heads``)."""
-    plans = [make_plan(profile, OptimalSearch(priced_profile(profile, h)).min_peak_segments(), "optimal", None, head=h)
+    plans = [make_plan(profile, optimal_search(priced_profile(profile, h)).min_peak_segments(), "optimal", None, head=h)
              for h in heads or head_choices(profile)]
     return min(plans, key=lambda p: (p.prediction.peak_bytes, p.prediction.step_ms))
 
@@ -140,7 +166,7 @@ def pareto(profile: Profile) -> list[Plan]:
     """Optimal plans from no recomputation down to the minimum feasible peak, by falling peak;
     each is faster than every plan with a lower predicted peak (over every head strategy)."""
     plans = [make_plan(profile, segs, "optimal", None, head=head) for head in head_choices(profile)
-             for segs in OptimalSearch(priced_profile(profile, head)).frontier_segments()]
+             for segs in optimal_search(priced_profile(profile, head)).frontier_segments()]
     plans.sort(key=lambda p: (p.prediction.peak_bytes, p.prediction.step_ms))
     frontier: list[Plan] = []
     for candidate in plans:
@@ -158,23 +184,25 @@ def _none(profile: Profile, strategy: str, budget: int | None) -> tuple[Segment,
 @_strategy("full")
 def _full(profile: Profile, strategy: str, budget: int | None) -> tuple[Segment, ...]:
     _no_argument(strategy)
-    return _recompute_runs(profile.num_blocks, 1)
+    return _recompute_runs(profile, lambda run_blocks: 1)
 
 
 @_strategy("every")
 def _every(profile: Profile, strategy: str, budget: int | None) -> tuple[Segment, ...]:
+    """Segments of K blocks, each run of joined blocks (`remat.plan.joins`) cut on its own."""
     text = strategy.partition(":")[2]
     if not text.isdigit() or int(text) < 1:
         raise ValueError(f"strategy {strategy!r} needs a positive segment length, e.g. every:2.")
-    return _recompute_runs(profile.num_blocks, int(text))
+    return _recompute_runs(profile, lambda run_blocks: int(text))
 
 
 @_strategy("sqrt")
 def _sqrt(profile: Profile, strategy: str, budget: int | None) -> tuple[Segment, ...]:
-    """Segments of ceil(sqrt(N)) blocks (Chen et al. 2016, "Training deep nets with sublinear
-    memory cost", section 4.1): about sqrt(N) held inputs plus one replayed segment."""
+    """Segments of ceil(sqrt(L)) blocks in each run of L joined blocks (Chen et al. 2016,
+    "Training deep nets with sublinear memory cost", section 4.1: about sqrt(L) held inputs plus
+    one replayed segment per chain; a segment never crosses a break, `remat.plan.joins`)."""
     _no_argument(strategy)
-    return _recompute_runs(profile.num_blocks, math.ceil(math.sqrt(profile.num_blocks)))
+    return _recompute_runs(profile, lambda run_blocks: math.ceil(math.sqrt(run_blocks)))
 
 
 @_strategy("selective")
@@ -182,7 +210,7 @@ def _selective(profile: Profile, strategy: str, budget: int | None) -> tuple[Seg
     name = strategy.partition(":")[2]
     policy(name)
     if name == "knapsack":
-        return OptimalSearch(profile).uniform_knapsack_segments(budget)
+        return optimal_search(profile).uniform_knapsack_segments(budget)
     return tuple(
         Segment(start=b.index, stop=b.index + 1, strategy=strategy, saved_ops=policy(name)(b)) for b in profile.blocks
     )
@@ -195,10 +223,13 @@ def _optimal(profile: Profile, strategy: str, budget: int | None) -> tuple[Segme
     return _optimal_plan(profile, ("keep",), budget).segments
 
 
-def _recompute_runs(num_blocks: int, length: int) -> tuple[Segment, ...]:
-    return tuple(
-        Segment(start=a, stop=min(a + length, num_blocks), strategy="recompute") for a in range(0, num_blocks, length)
-    )
+def _recompute_runs(profile: Profile, length_of: Callable[[int], int]) -> tuple[Segment, ...]:
+    """Recompute segments of ``length_of(L)`` blocks cut from each run of L joined blocks."""
+    out: list[Segment] = []
+    for start, stop in chain_runs(profile):
+        length = length_of(stop - start)
+        out += [Segment(start=a, stop=min(a + length, stop), strategy="recompute") for a in range(start, stop, length)]
+    return tuple(out)
 
 
 def _no_argument(strategy: str) -> None:

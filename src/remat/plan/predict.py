@@ -29,15 +29,18 @@ plan no longer faults in (`fresh_memory`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from remat.measure.types import Profile
 from remat.plan.chain_dp import deep_recursion
-from remat.plan.costs import cost_of, replay_working_bytes
+from remat.plan.costs import (cost_of, grad_bytes_live, keep_forward_bytes, post_working_bytes, replay_working_bytes,
+                              working_bytes)
 from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
+from remat.plan.joins import check_joins
 from remat.plan.types import Plan, Prediction, Segment
 
-__all__ = ["predict", "layout_peak", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments"]
+__all__ = ["predict", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -90,11 +93,12 @@ def _peak_phases(profile: Profile, segments: tuple[Segment, ...]) -> tuple[int, 
     """(peak, bytes per phase, retained bytes per block, the block phase's peak)."""
     retained = _top_retained(profile, segments)
     base = backward_base_bytes(profile)
-    inner = layout_peak(profile, segments, 0, profile.num_blocks)
+    dead = dead_shared_bytes(profile, segments)
+    inner = layout_peak(profile, segments, 0, profile.num_blocks, dead=dead)
     phases = {
         "block": base + profile.fixed_pre_saved_bytes + inner.bytes,
         "post": base + grad_bytes_live(profile, profile.num_blocks) + profile.fixed_pre_saved_bytes
-        + sum(retained) + _post_working_bytes(profile),
+        + sum(retained) - (dead[-1] if dead else 0) + post_working_bytes(profile),
         "optimizer": _optimizer_phase_bytes(profile),
     }
     return max(phases.values()), phases, retained, inner
@@ -146,24 +150,6 @@ def backward_base_bytes(profile: Profile) -> int:
     return profile.param_bytes + profile.buffer_bytes + profile.optimizer_state_bytes + profile.gathered_bytes
 
 
-def grad_bytes_live(profile: Profile, block_index: int) -> int:
-    """Gradients already accumulated when block ``block_index``'s backward starts.
-
-    The step zeroes gradients to None, so at the head's backward (``block_index ==
-    num_blocks``) none exist yet: the head's own gradients are among its measured backward
-    temporaries, as a block's are among its own. At block j: all but those of blocks ``<= j``
-    and of the pre part (``fixed_pre_grad_bytes``); what the profile does not split out counts
-    as live (conservative)."""
-    if block_index >= profile.num_blocks:
-        return 0
-    own = sum(b.grad_bytes for b in profile.blocks[: block_index + 1])
-    return profile.grad_bytes - profile.fixed_pre_grad_bytes - own
-
-
-def _post_working_bytes(profile: Profile) -> int:
-    return profile.fixed_post_saved_bytes + profile.fixed_post_bwd_temp_bytes
-
-
 def _optimizer_phase_bytes(profile: Profile) -> int:
     return profile.model_state_bytes + profile.optimizer_step_temp_bytes
 
@@ -174,29 +160,58 @@ def _fixed_at(profile: Profile, phase: str) -> int:
     return profile.fixed_pre_saved_bytes if phase == "block" else 0
 
 
-def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, stop: int, replay: bool = False) -> _Peak:
+def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, stop: int, replay: bool = False,
+                dead: Sequence[int] | None = None) -> _Peak:
     """Peak of the backward of blocks ``[start, stop)`` laid out as ``segments`` (gaps: keep),
     above what was live before it (gradients accumulated by then included); ``replay``: the
-    blocks are replayed in backward (inside a recompute segment)."""
+    blocks are replayed in backward (inside a recompute segment); ``dead``: at the top level,
+    `dead_shared_bytes` (counted by the costs, not live in the backward)."""
     best = _Peak(bytes=0, block=-1, working_bytes=0)
     held = 0
+    previous_kept = True
     for seg in _fill_gaps(segments, start, stop):
+        unheld = dead[seg.start] if dead else 0
         if seg.kind == "recompute":
             inner = layout_peak(profile, seg.children, seg.start, seg.stop, replay=True)
-            candidate = _Peak(bytes=held + inner.bytes, block=inner.block, working_bytes=inner.working_bytes)
+            candidate = _Peak(bytes=held + inner.bytes - unheld, block=inner.block, working_bytes=inner.working_bytes)
             held += cost_of(profile, seg.start, seg).retained_bytes
         else:
             cost = cost_of(profile, seg.start, seg)
             working = cost.working_bytes
             if replay and seg.kind == "keep":  # kept inside a replay: its forward runs again
                 working = replay_working_bytes(profile.blocks[seg.start])
-            need = held + working + grad_bytes_live(profile, seg.start)
+            elif seg.kind == "keep":  # its backward, or its forward (no gradient, the shared tensors live)
+                working = working_bytes(profile.blocks[seg.start]) - unheld
+                unheld = 0
+                working = max(working, keep_forward_bytes(profile, seg.start, previous_kept))
+            need = held + working - unheld + grad_bytes_live(profile, seg.start)
             candidate = _Peak(bytes=need, block=seg.start, working_bytes=working)
             held += cost.retained_bytes
         # backward runs in reverse: on a tie the later block reaches the peak first
         if (candidate.bytes, candidate.block) > (best.bytes, best.block):
             best = candidate
+        previous_kept = seg.kind == "keep"
     return best
+
+
+def dead_shared_bytes(profile: Profile, segments: tuple[Segment, ...]) -> list[int]:
+    """Per block j, the bytes of the shared tensors no block saves (a mask) first taken by blocks
+    ``<= j`` that no checkpoint of this plan holds: no block taking them is in a top-level recompute
+    or selective segment (a segment's blocks take its first block's arguments). The costs count
+    them from their first taker on, a bound for the optimal search; nothing holds them past the
+    forward, so the prediction leaves them out of the backward (an exact peak without
+    recomputation). Cumulative."""
+    checkpointed = {i for seg in segments if seg.kind in ("recompute", "selective") for i in range(seg.start, seg.stop)}
+    takers: dict[int, set[int]] = {}
+    for block in profile.blocks:
+        for arg in block.inputs:
+            takers.setdefault(arg.storage, set()).add(block.index)
+    out, total = [], 0
+    for block in profile.blocks:
+        shared = {arg.storage: arg.storage_bytes for arg in block.inputs if arg.counted == "shared"}
+        total += sum(nbytes for storage, nbytes in shared.items() if not takers[storage] & checkpointed)
+        out.append(total)
+    return out
 
 
 def _fill_gaps(segments: tuple[Segment, ...], start: int, stop: int) -> list[Segment]:
@@ -236,7 +251,8 @@ def _extras(profile: Profile, segments: tuple[Segment, ...]) -> tuple[float, int
 
 
 def check_segments(profile: Profile, segments: tuple[Segment, ...]) -> None:
-    """Top-level segments must cover the profile's blocks in order; children must not overlap."""
+    """Top-level segments must cover the profile's blocks in order; children must not overlap;
+    no segment but a kept one may run two blocks that do not join (`remat.plan.joins`)."""
     pos = 0
     for seg in segments:
         if seg.start != pos:
@@ -249,6 +265,7 @@ def check_segments(profile: Profile, segments: tuple[Segment, ...]) -> None:
         pos = seg.stop
     if pos != profile.num_blocks:
         raise ValueError(f"segments cover {pos} blocks but the profile has {profile.num_blocks}; plan for this profile.")
+    check_joins(profile, segments)
 
 
 def _check_children(seg: Segment) -> None:

@@ -1,0 +1,72 @@
+"""Which neighbouring blocks may share a multi-block segment: the joins mask.
+
+A checkpointed segment of several blocks runs them as a chain (`remat.apply.runtime`): block
+``i+1`` from block ``i``'s output, with block ``i``'s other arguments. So blocks ``i`` and
+``i+1`` may be in one segment (``joins[i]``) only when block ``i+1`` follows block ``i``
+(`remat.measure.types.BlockProfile.follows_previous`: same stack, fed what block ``i`` handed on,
+the same other arguments). The cost model adds three conditions, under which what a segment
+holds is what its first block holds (`remat.plan.costs`): no code between them saves tensors,
+block ``i+1`` takes no shared tensor first, and block ``i`` hands off nothing to anything but
+block ``i+1``. A plan whose segment crosses a break is refused (`check_joins`); the planners
+never make one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from remat.measure.types import BlockProfile, Profile
+from remat.plan.types import Segment
+
+__all__ = ["joins", "chain_runs", "check_joins", "break_reason"]
+
+
+def joins(profile: Profile) -> tuple[bool, ...]:
+    """``joins[i]``: blocks ``i`` and ``i+1`` may be in one multi-block segment (N-1 entries)."""
+    blocks = profile.blocks
+    return tuple(break_reason(blocks[i], blocks[i + 1]) is None for i in range(len(blocks) - 1))
+
+
+def break_reason(previous: BlockProfile, block: BlockProfile) -> str | None:
+    """Why ``block`` cannot share a segment with the block before it, or None when it can."""
+    if block.stack != previous.stack:
+        return f"they belong to different stacks ({previous.stack!r}, {block.stack!r})"
+    if not block.follows_previous:
+        return ("the model does not call it with the previous block's output and the same other "
+                "arguments")
+    if block.between_saved_bytes:
+        return f"code between them saves {block.between_saved_bytes} bytes for backward"
+    if block.shared_entry_bytes:
+        return f"it is the first to take a shared tensor of {block.shared_entry_bytes} bytes"
+    if previous.handoff_bytes != previous.handoff_next_bytes:
+        return "the previous block's output is held further on (a skip connection)"
+    return None
+
+
+def chain_runs(profile: Profile) -> list[tuple[int, int]]:
+    """Maximal ranges ``[a, b)`` of blocks whose neighbours all join."""
+    runs, start = [], 0
+    for i, ok in enumerate(joins(profile)):
+        if not ok:
+            runs.append((start, i + 1))
+            start = i + 1
+    if profile.num_blocks:
+        runs.append((start, profile.num_blocks))
+    return runs
+
+
+def check_joins(profile: Profile, segments: Iterable[Segment]) -> None:
+    """Refuse a segment (or nested child) that runs several blocks across a break (keep
+    segments run their blocks as the model calls them and may span anything)."""
+    mask = joins(profile)
+    for seg in segments:
+        if seg.kind != "keep":
+            for i in range(seg.start, seg.stop - 1):
+                if not mask[i]:
+                    reason = break_reason(profile.blocks[i], profile.blocks[i + 1])
+                    raise ValueError(
+                        f"segment [{seg.start}, {seg.stop}) ({seg.strategy}) runs blocks {i} and {i + 1} "
+                        f"({profile.blocks[i].name!r}, {profile.blocks[i + 1].name!r}) as one chain, but "
+                        f"{reason}. Split the segment at block {i + 1}; remat.plan never crosses it."
+                    )
+        check_joins(profile, seg.children)
