@@ -3,9 +3,10 @@
 `BlockOpCounter` is a TorchDispatchMode. An op belongs to the block whose forward is running
 (the user's call of the block, seen by forward hooks, or a run by the remat runtime, in the
 forward or in a replay, seen through `remat.apply.runtime.block_listener`). In backward, block
-``j``'s part begins when the gradient of its output arrives (a tensor hook on the output) and
-ends when the gradient of its input does (the hook on block ``j-1``'s output, or on block 0's
-input): blocks are chained, so backward runs them one after the other in reverse.
+``j``'s part begins when the gradient of what it hands on arrives and ends when the gradient of
+its chained input does (tensor hooks, as `remat.measure.boundaries` places them); the backward of
+code between blocks (pooling, an encoder's final norm) runs in neither and is not counted, so
+models with several stacks and skip connections count as chains do.
 Bookkeeping ops that never compute (detach, size, stride: torch's ``SAC_IGNORED_OPS``) are
 not counted; checkpointing adds detaches of its own.
 
@@ -26,6 +27,8 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from remat.apply.runtime import block_listener
 from remat.checkpointing.selective import is_saved
+from remat.measure.boundaries import handed_on, on_first_grad
+from remat.measure.calls import chained_input
 from remat.plan.types import Plan, Segment
 
 __all__ = ["BlockOpCounter", "expected_extra_calls", "op_name"]
@@ -58,24 +61,25 @@ class BlockOpCounter(TorchDispatchMode):
         else:
             self._stack.pop()
 
-    def _on_grad(self, index: int | None) -> None:
+    def _on_grad(self, index: int) -> None:
         self._in_backward = True
         self._backward_block = index
 
-    def _hook_tensor(self, value: Any, index: int | None) -> None:
-        if isinstance(value, (tuple, list)) and value:
-            value = value[0]
-        if isinstance(value, torch.Tensor) and value.requires_grad and not self._in_backward:
-            value.register_hook(lambda grad: self._on_grad(index))
+    def _on_input_grad(self, index: int) -> None:
+        self._in_backward = True
+        if self._backward_block == index:
+            self._backward_block = None
 
     def _pre(self, index: int, args: tuple[Any, ...]) -> None:
-        if index == 0 and args:
-            self._hook_tensor(args[0], None)
+        chained = chained_input(args)
+        if chained is not None and chained.requires_grad and not self._in_backward:
+            chained.register_hook(lambda grad: self._on_input_grad(index))
         self._on_block(index, True)
 
     def _post(self, index: int, output: Any) -> None:
         self._on_block(index, False)
-        self._hook_tensor(output, index)
+        if not self._in_backward:
+            on_first_grad(handed_on(output), lambda: self._on_grad(index))
 
     def __enter__(self) -> BlockOpCounter:
         for i, block in enumerate(self.blocks):

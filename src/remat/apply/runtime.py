@@ -7,8 +7,10 @@ checkpoint region: block ``start`` with the arguments the user gave, then each f
 with the previous block's output (its first element for tuple outputs, as Hugging Face layers
 return) and the same extra arguments and keyword arguments (attention masks, position ids).
 The outputs of blocks ``start+1..stop-1`` wait in ``pending`` and are returned when the user's
-forward calls those blocks; the call must then carry exactly the predicted arguments (checked
-by identity), otherwise the segment cannot be replayed faithfully and the call is an error.
+forward calls those blocks; the call must then carry exactly the predicted arguments (tensors
+by identity: `remat.measure.calls.same_arguments`, the rule the profile's ``follows_previous``
+and the planners' joins use), otherwise the segment cannot be replayed faithfully and the call
+is an error.
 
 Inside a region blocks run through their original ``forward`` (no module hooks), so a block's
 hooks fire once per step, on the user's call. Listeners (`block_listeners`) hear every block
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from remat.checkpointing.caches import drop_kv_caches
+from remat.measure.calls import first_output, same_arguments
 from remat.plan.types import Segment
 
 Listener = Callable[[int, bool], None]
@@ -46,26 +49,14 @@ def block_listener(listener: Listener) -> Iterator[None]:
 
 def first_of(output: Any) -> Any:
     """The value a block passes on to the next block: the output, or its first element."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output:
-        return output[0]
+    handed = first_output(output)
+    if handed is not None:
+        return handed
     raise TypeError(
         f"a block inside a multi-block segment returned {type(output).__name__}; segments spanning "
         "several blocks need blocks that return a tensor or a tuple whose first element is the "
         "next block's input. Plan single-block segments for this model."
     )
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return False
-    try:
-        return bool(type(a) is type(b) and a == b)
-    except Exception:  # noqa: BLE001 - objects whose == is not a bool are simply not "the same"
-        return False
 
 
 @dataclass(kw_only=True)
@@ -78,11 +69,9 @@ class _Pending:
     output: Any
 
     def matches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        if not args or args[0] is not self.expected_first or len(args) - 1 != len(self.extra):
+        if not args or args[0] is not self.expected_first:
             return False
-        if set(kwargs) != set(self.kwargs):
-            return False
-        return all(map(_same, args[1:], self.extra)) and all(_same(kwargs[k], self.kwargs[k]) for k in kwargs)
+        return same_arguments(args[1:], kwargs, self.extra, self.kwargs)
 
 
 class BlockForward:
