@@ -11,6 +11,7 @@ SMALL = {
     "gpt": dict(num_layers=2, d_model=16, num_heads=2, seq_len=8, batch_size=2, vocab_size=32),
     "mlp": dict(depth=3, width=8, batch_size=2),
     "convnet": dict(num_blocks=2, channels=4, image_size=8, batch_size=2),
+    "unet": dict(depth=2, channels=4, image_size=8, batch_size=2),
     "hf:gpt2": dict(num_layers=2, d_model=16, num_heads=2, seq_len=8, batch_size=2, vocab_size=32),
     "hf:llama": dict(num_layers=2, d_model=16, num_heads=2, seq_len=8, batch_size=2, vocab_size=32),
 }

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 from remat.models.registry import MODEL_NAMES, BuiltModel, build, model_sizes
 
 SIZE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "layers": ("num_layers", "depth", "num_blocks"),
+    "layers": ("num_layers", "depth", "num_blocks"),  # unet: depth (levels of the down path)
     "d_model": ("d_model", "width", "channels"),
     "heads": ("num_heads",),
     "seq": ("seq_len", "image_size"),

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.models import convnet, gpt, hf, mlp
+from remat.models import convnet, gpt, hf, mlp, unet
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -53,6 +53,7 @@ _REGISTRY: dict[str, _Entry] = {
         loss_fn=mlp.reconstruction_loss,
     ),
     "convnet": _Entry(config_cls=convnet.ConvNetConfig, make_model=convnet.ConvNet, make_batch=convnet.make_batch),
+    "unet": _Entry(config_cls=unet.UNetConfig, make_model=unet.UNet, make_batch=unet.make_batch),
 }
 if hf.transformers_available():
     _REGISTRY.update({f"hf:{family}": _hf_entry(family) for family in hf.HF_FAMILIES})
