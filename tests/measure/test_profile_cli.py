@@ -26,13 +26,23 @@ def test_profile_gpt_table_and_json(tmp_path: Path):
     out = tmp_path / "p.json"
     result = runner.invoke(app, ["profile", "--model", "gpt", *TINY, "--json", str(out)])
     assert result.exit_code == 0, result.output
-    for text in ("saved MiB", "fwd ms", "bwd ms", "GFLOPs", "share of step", "blocks.0", "blocks.1", "measured peak"):
+    for text in ("saved MiB", "fwd ms", "bwd ms", "GFLOPs", "share of step", "blocks.0", "blocks.1", "measured peak",
+                 "stacks: blocks (2 x Block, blocks 0-1); chain breaks: 0",
+                 "fixed part: 5 module(s) outside blocks, parameters MiB: tok_emb 0.00, pos_emb 0.00, ln_f 0.00, head 0.00"):
         assert text in result.output
     profile = Profile.from_json(out)
     assert [b.name for b in profile.blocks] == ["blocks.0", "blocks.1"]
     # the head part: 2 x 8 tokens of 32 logits, too few for a default chunk (64 rows, under half the tokens)
     assert "head: head, 16 tokens x 32 vocabulary (float32); post part peak by head strategy: keep" in result.output
     assert [o.strategy for o in profile.head.options] == ["keep", "recompute"]
+
+
+def test_profile_names_each_stack_and_the_code_between():
+    result = runner.invoke(app, ["profile", "--model", "unet", "--layers", "3", "--d-model", "4", "--seq", "8",
+                                 "--batch", "2", "--repeats", "1"])
+    assert result.exit_code == 0, result.output
+    assert "stacks: down (3 x DownBlock, blocks 0-2); up (2 x UpBlock, blocks 3-4); chain breaks: 4" in result.output
+    assert "fixed part: 1 module(s) outside blocks, parameters MiB: head 0.00; saved MiB pre 0.00, between 0.00" in result.output
 
 
 def test_profile_file_target(tmp_path: Path):

@@ -25,7 +25,7 @@ def plan_command(
                                        "default: optimal searches them, other strategies keep it."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the Plan as JSON here."),
     show_pareto: bool = typer.Option(False, "--pareto", help="Print the frontier of peak against step time instead."),
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Profile this built-in model first (gpt, mlp, convnet...)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Profile this built-in model first (gpt, mlp, convnet, unet...)."),
     layers: Optional[int] = typer.Option(None, help="Blocks of the built-in model."),
     d_model: Optional[int] = typer.Option(None, "--d-model", help="Width of the built-in model."),
     heads: Optional[int] = typer.Option(None, help="Attention heads."),

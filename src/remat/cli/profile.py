@@ -19,18 +19,18 @@ MIB = 2**20
 @app.command("profile")
 def profile_command(
     target: Optional[str] = typer.Argument(
-        None, help="A built-in model (gpt, mlp, convnet, hf:gpt2, hf:llama) or path/to/file.py:build "
+        None, help="A built-in model (gpt, mlp, convnet, unet, hf:gpt2, hf:llama) or path/to/file.py:build "
         "where build() returns model, batch[, loss_fn[, optimizer]]. Overrides --model."),
     model: str = typer.Option("gpt", "--model", "-m", help="Built-in model to profile."),
-    layers: Optional[int] = typer.Option(None, help="Blocks (gpt/hf layers, mlp depth, convnet blocks)."),
-    d_model: Optional[int] = typer.Option(None, "--d-model", help="Width (gpt/hf d_model, mlp width, convnet channels)."),
+    layers: Optional[int] = typer.Option(None, help="Blocks (gpt/hf layers, mlp depth, convnet blocks, unet levels)."),
+    d_model: Optional[int] = typer.Option(None, "--d-model", help="Width (gpt/hf d_model, mlp width, convnet/unet channels)."),
     heads: Optional[int] = typer.Option(None, help="Attention heads."),
-    seq: Optional[int] = typer.Option(None, help="Sequence length (convnet: image size)."),
+    seq: Optional[int] = typer.Option(None, help="Sequence length (convnet, unet: image size)."),
     batch: Optional[int] = typer.Option(None, help="Batch size."),
     vocab: Optional[int] = typer.Option(None, help="Vocabulary size."),
     dropout: Optional[float] = typer.Option(None, help="Dropout probability."),
     attention: Optional[str] = typer.Option(None, help="gpt: explicit or sdpa; hf: eager or sdpa."),
-    blocks: Optional[list[str]] = typer.Option(None, "--blocks", help="Glob over module names or a class name; repeatable."),
+    blocks: Optional[list[str]] = typer.Option(None, "--blocks", help="Glob over module names or a class name; repeatable (several stacks)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the Profile as JSON here."),
     warmup: int = typer.Option(1, help="Plain steps before measuring."),
     repeats: int = typer.Option(5, help="Timed steps (the median is kept)."),
@@ -61,6 +61,7 @@ def profile_command(
     console.print(profile_table(result, spec))
     if any(b.unavailable for b in result.blocks):
         console.print(unavailable_rich(result))
+    console.print(stacks_summary(result))
     console.print(state_summary(result))
     console.print(head_summary(result))
     if json_path is not None and is_main_process():  # under torchrun, rank 0 writes
@@ -77,7 +78,7 @@ def profile_table(result: Profile, title: str) -> Table:
     for header in ("#", "block", "class", "saved MiB", "bwd temp MiB", "fwd ms", "bwd ms", "GFLOPs", "share of step"):
         table.add_column(header, justify="left" if header in ("block", "class") else "right")
     step_ms = result.step_ms or 1.0
-    table.add_row("", "pre + post (fixed)", "", _mib(result.fixed_saved_bytes), _mib(result.fixed_post_bwd_temp_bytes),
+    table.add_row("", "pre + between + post (fixed)", "", _mib(result.fixed_saved_bytes), _mib(result.fixed_post_bwd_temp_bytes),
                   f"{result.fixed_fwd_ms:.2f}", f"{result.fixed_bwd_ms:.2f}", f"{result.fixed_flops / 1e9:.3f}",
                   f"{100 * (result.fixed_fwd_ms + result.fixed_bwd_ms) / step_ms:.1f}%")
     for b in result.blocks:
@@ -100,6 +101,23 @@ def unavailable_rich(result: Profile) -> Table:
     for row in rows:
         table.add_row(*row)
     return table
+
+
+def stacks_summary(result: Profile) -> str:
+    """The stacks (name, blocks, class) and the fixed part (its modules with parameters, their
+    bytes, and what it saves before, between and after the blocks), a line each."""
+    stacks = "; ".join(f"{s.name or '<root>'} ({s.stop - s.start} x {s.class_name}, blocks {s.start}-{s.stop - 1})"
+                       for s in result.stacks)
+    breaks = sum(1 for b in result.blocks[1:] if not b.follows_previous)
+    held = [m for m in result.fixed_modules if m.param_bytes]
+    modules = ", ".join(f"{m.name} {_mib(m.param_bytes)}" for m in held[:8]) + (", ..." if len(held) > 8 else "")
+    return "\n".join([
+        f"stacks: {stacks or 'not recorded'}; chain breaks: {breaks} (a block not called with the previous "
+        "block's output and its other arguments)",
+        f"fixed part: {len(result.fixed_modules)} module(s) outside blocks, parameters MiB: {modules or 'none'}; "
+        f"saved MiB pre {_mib(result.fixed_pre_saved_bytes)}, between {_mib(result.fixed_between_saved_bytes)}, "
+        f"post {_mib(result.fixed_post_saved_bytes)}",
+    ])
 
 
 def state_summary(result: Profile) -> str:

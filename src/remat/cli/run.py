@@ -138,21 +138,21 @@ def _progress_to(status):
 
 
 SIZE_HELP = {
-    "layers": "Blocks (gpt/hf layers, mlp depth, convnet blocks).",
-    "d_model": "Width (gpt/hf d_model, mlp width, convnet channels).",
+    "layers": "Blocks (gpt/hf layers, mlp depth, convnet blocks, unet levels).",
+    "d_model": "Width (gpt/hf d_model, mlp width, convnet/unet channels).",
 }
 
 
 @app.command("run")
 def run_command(
-    model: str = typer.Option("gpt", "--model", "-m", help="Built-in model (gpt, mlp, convnet, hf:gpt2, hf:llama) or file.py:build."),
+    model: str = typer.Option("gpt", "--model", "-m", help="Built-in model (gpt, mlp, convnet, unet, hf:gpt2, hf:llama) or file.py:build."),
     budget: Optional[str] = typer.Option("40%", "--budget", "-b", help="Memory budget: 6GiB, 750MB, 512MiB or 40% of the measured baseline peak."),
     strategy: str = typer.Option("optimal", "--strategy", "-s", help="none, full, every:K, sqrt, selective:<policy>, optimal."),
     offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Measure this directory's disk and let the plan offload to it."),
     layers: Optional[int] = typer.Option(None, help=SIZE_HELP["layers"]),
     d_model: Optional[int] = typer.Option(None, "--d-model", help=SIZE_HELP["d_model"]),
     heads: Optional[int] = typer.Option(None, help="Attention heads."),
-    seq: Optional[int] = typer.Option(None, help="Sequence length (convnet: image size)."),
+    seq: Optional[int] = typer.Option(None, help="Sequence length (convnet, unet: image size)."),
     batch: Optional[int] = typer.Option(None, help="Batch size."),
     seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
@@ -221,7 +221,7 @@ def verify_command(
     layers: Optional[int] = typer.Option(None, help=SIZE_HELP["layers"]),
     d_model: Optional[int] = typer.Option(None, "--d-model", help=SIZE_HELP["d_model"]),
     heads: Optional[int] = typer.Option(None, help="Attention heads."),
-    seq: Optional[int] = typer.Option(None, help="Sequence length (convnet: image size)."),
+    seq: Optional[int] = typer.Option(None, help="Sequence length (convnet, unet: image size)."),
     batch: Optional[int] = typer.Option(None, help="Batch size."),
     seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
