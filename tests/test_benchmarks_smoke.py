@@ -203,3 +203,30 @@ def test_lm_head_benchmark_on_a_tiny_vocabulary(monkeypatch) -> None:
     assert lowest["peak_mib"] == pytest.approx(lowest["predicted_peak_mib"], rel=0.02)
     assert lowest["grads"].startswith("ok: every gradient") and rows["remat lowest peak, head kept"]["grads"] == "identical"
     assert "| remat lowest peak |" in lm_head.markdown([result])
+
+
+def test_zoo_benchmark_on_the_unet(tmp_path, monkeypatch) -> None:
+    from benchmarks import zoo
+
+    row = zoo.measure("unet", repeats=1)
+    assert row["stacks"] == [["down", 3], ["up", 2]] and row["blocks"] == 5 and row["chain_breaks"] == 4
+    assert row["hf_checkpointing_peak_bytes"] is None  # not a Hugging Face model
+    assert row["least_measured_bytes"] < row["none_peak_bytes"]
+    assert abs(row["least_error_pct"]) <= 2.0 and abs(row["half_error_pct"]) <= 2.0
+    assert row["grads_identical"] and row["grads_ok"] and row["counts_match"] and row["heads"] == ["keep", "keep"]
+    text = zoo.markdown([row], repeats=1)
+    assert "| unet | down (3), up (2) |" in text and "| n/a | " in text and "identical, as planned" in text
+    monkeypatch.setattr(zoo, "measure", lambda name, repeats: row)
+    monkeypatch.setattr(sys, "argv", ["zoo", "--models", "unet", "--repeats", "1", "--json", str(tmp_path / "z.json"),
+                                      "--markdown", str(tmp_path / "z.md")])
+    zoo.main()
+    assert json.loads((tmp_path / "z.json").read_text()) == [row]
+    assert (tmp_path / "z.md").read_text() == text + "\n"
+
+
+def test_zoo_benchmark_measures_hugging_face_checkpointing() -> None:
+    pytest.importorskip("transformers")
+    from benchmarks import zoo
+
+    model = zoo.build_zoo("bert")
+    assert zoo.step_peak_bytes(model, hf_checkpointing=True) < zoo.step_peak_bytes(model, hf_checkpointing=False)
