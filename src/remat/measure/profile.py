@@ -83,11 +83,10 @@ from remat.measure.stacks import Discovery, discover
 from remat.measure.storage import distinct_bytes, storage_keys
 from remat.measure.state import StateSnapshot, buffer_bytes, grad_bytes, optimizer_state_bytes, param_bytes
 from remat.measure.timing import Clock, StepTimer, StepTimes, median_times, without_instrumentation
-from remat.measure.tracker import ACT_PREFIX, LiveTracker, StepTracking
+from remat.measure.tracker import StepTracking
+from remat.measure.windows import BackwardWindows
 from remat.head.site import HeadSite, find_head
 from remat.measure.types import BlockProfile, Environment, OpRecord, Profile
-
-STATE_LABELS = ("parameters", "buffers", "optimizer_state")
 
 Progress = Callable[[int, int, str], None]
 
@@ -173,7 +172,7 @@ class _Step:
 
 
 def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
-             progress: Progress | None) -> tuple[Profile, _Windows]:
+             progress: Progress | None) -> tuple[Profile, BackwardWindows]:
     block_list = found.blocks
     report = _Reporter(progress, max(warmup, 1) + 1 + repeats + (repeats - 1))
     for _ in range(max(warmup, 1)):
@@ -202,7 +201,7 @@ def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
     return dataclasses.replace(prof, checkpoint_call_ms=min(call_ms, least)), memory.windows
 
 
-def _with_head(step: _Step, prof: Profile, windows: _Windows, note: str, chunks: Sequence[int] | None,
+def _with_head(step: _Step, prof: Profile, windows: BackwardWindows, note: str, chunks: Sequence[int] | None,
                repeats: int) -> Profile:
     """The profile with its head part measured (`remat.measure.head`), or the reason it has none.
     Not on the meta device: `remat.estimate` scales the head from its formulas
@@ -237,105 +236,6 @@ class _Reporter:
             self.progress(self.done, self.total, stage)
 
 
-class _Windows:
-    """Boundary listener: the backward-temporary windows of the accounting step, one per block
-    and per piece of code between two blocks (`remat.measure.saved.between_name`), in run order:
-    a block's from the gradient of what it hands on to that of its chained input, the code
-    before block i's from there to block i-1's start."""
-
-    def __init__(self, tracker: LiveTracker, block_names: list[str], accountant: SavedAccountant) -> None:
-        self.tracker = tracker
-        self.names = block_names
-        self.accountant = accountant
-        self.order = [PRE] + [seg for i, name in enumerate(block_names) for seg in ([between_name(i)] if i else []) + [name]] + [POST]
-        self.block_temp_bytes = [0] * len(block_names)
-        self.between_temp_bytes = [0] * len(block_names)
-        self.block_bwd_start_temp_bytes = [0] * len(block_names)
-        self.between_grad_bytes = [0] * len(block_names)
-        self._grads_at_open = 0
-        self.block_free_order: list[tuple[tuple[int, int], ...]] = [()] * len(block_names)
-        self.storage_id: Callable[[int, str], int] = lambda key, segment: -1
-        """Block-local storage id (`remat.measure.types.OpRecord.storage_ids`) of a storage key."""
-        self.block_fwd_temp_bytes = [0] * len(block_names)
-        self.block_fwd_start_bytes = [0] * len(block_names)
-        self.block_fwd_start_temporaries = [0] * len(block_names)
-        """Live bytes neither model state nor saved for backward when each block's forward began."""
-        self.post_temp_bytes = 0
-        self.post_head_temp_bytes: int | None = None
-        """Of the post window, the peak up to the end of the head's backward (``head_bwd_end``);
-        ``post_temp_bytes`` then covers the rest, and the larger of the two at the close."""
-        self.optimizer_temp_bytes = 0
-        self.grads_at_first_block_bytes = 0  # gradients live when block 0's backward starts
-        self.post_rest_temp_bytes = 0
-        self._open: str | None = None  # the segment whose backward window is open
-        self._opt_start_bytes = 0
-        self._labels: list[str] = []
-        self._offset = 0
-
-    def __call__(self, event: Boundary) -> None:
-        if event.kind == "fwd_start":
-            self.block_fwd_start_bytes[event.index] = self.tracker.live_bytes
-            self.block_fwd_start_temporaries[event.index] = self.tracker.live_by_label.get("temporaries", 0)
-            self.tracker.open_window(offset_bytes=self.tracker.live_bytes)
-        elif event.kind == "fwd_end":
-            own = self.accountant.segment_bytes(self.names[event.index])
-            self.block_fwd_temp_bytes[event.index] = self.tracker.close_window() - own
-        elif event.kind == "bwd_begin":
-            self._start(POST)
-        elif event.kind == "head_bwd_end" and self._open == POST:
-            self.post_head_temp_bytes = self.tracker.close_window()
-            self.tracker.open_window(self._labels, offset_bytes=self._offset)
-        elif event.kind == "bwd_start":
-            self._close()
-            self._start(self.names[event.index])
-        elif event.kind == "bwd_end" and self._open == self.names[event.index]:
-            self._close()
-            if event.index:  # the code before this block runs its backward next
-                self._start(between_name(event.index))
-        elif event.kind == "bwd_done":
-            self._close()
-        elif event.kind == "opt_start":
-            self._opt_start_bytes = self.tracker.live_bytes
-            self.tracker.open_window()
-        elif event.kind == "opt_end":
-            self.optimizer_temp_bytes = self.tracker.close_window() - self._opt_start_bytes
-
-    def _start(self, segment: str) -> None:
-        """Exclude the state and what earlier segments still hold (live), and two constants: the
-        window's own segment's full saved bytes (those it frees during its backward stay counted)
-        and the gradients live when it starts (the ones its backward accumulates are temporaries)."""
-        self._open = segment
-        earlier = self.order[: self.order.index(segment)]
-        labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in earlier)]
-        grads_live = self.tracker.live_by_label.get("gradients", 0)
-        self._grads_at_open = grads_live
-        if self.names and segment == self.names[0]:
-            self.grads_at_first_block_bytes = grads_live
-        watch = ACT_PREFIX + segment if segment in self.names else None
-        self._labels, self._offset = labels, self.accountant.segment_bytes(segment) + grads_live
-        self.tracker.open_window(labels, offset_bytes=self._offset, watch_label=watch)
-        if segment in self.names:
-            self.block_bwd_start_temp_bytes[self.names.index(segment)] = self.tracker.window_value()
-
-    def _close(self) -> None:
-        if self._open is None:
-            return
-        peak, segment = self.tracker.close_window(), self._open
-        self._open = None
-        if segment == POST:
-            self.post_temp_bytes = max(peak, self.post_head_temp_bytes or peak)
-            self.post_rest_temp_bytes = peak
-        elif segment in self.names:
-            index = self.names.index(segment)
-            self.block_temp_bytes[index] = peak
-            self.block_free_order[index] = tuple(
-                (self.storage_id(key, segment), nbytes) for key, nbytes in self.tracker.window_freed())
-        else:
-            index = int(segment.split(":", 1)[1])
-            self.between_temp_bytes[index] = peak
-            self.between_grad_bytes[index] = self.tracker.live_by_label.get("gradients", 0) - self._grads_at_open
-
-
 @dataclass
 class _Accounting:
     """What the accounting step measured."""
@@ -343,7 +243,7 @@ class _Accounting:
     saved_bytes: dict[str, int]
     input_bytes: dict[str, int]
     output_bytes: dict[str, int]
-    windows: _Windows
+    windows: BackwardWindows
     recorder: OpRecorder
     saved: dict
     peak_bytes: int
@@ -373,7 +273,7 @@ class _ForwardGate:
 def _account(step: _Step, block_list: Blocks) -> _Accounting:
     names = [name for name, _ in block_list]
     tracking = StepTracking(step.model, optimizer=step.optimizer, blocks=block_list, batch=step.batch)
-    windows = _Windows(tracking.tracker, names, tracking.accountant)
+    windows = BackwardWindows(tracking.tracker, names, tracking.accountant)
     recorder = OpRecorder(lambda: tracking.accountant.segment, sync=Clock(model_device(step.model)).sync,
                           live_bytes=lambda: tracking.tracker.live_bytes)
     windows.storage_id = recorder.storage_id

@@ -18,8 +18,9 @@ import numpy as np
 
 from remat.measure.types import Profile
 from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, Element, deep_recursion
-from remat.plan.costs import cost_of, grad_bytes_live, post_working_bytes, released_grad_bytes, replay_working_bytes
+from remat.plan.costs import cost_of, replay_working_bytes
 from remat.plan.options import BlockOptions, OptionClass, offload_options, price_options, undominated_rows
+from remat.plan.phases import grad_bytes_live, post_working_bytes, released_grad_bytes
 from remat.plan.predict import backward_base_bytes
 from remat.plan.types import Segment
 

@@ -29,7 +29,8 @@ without them is a ValueError that says how to measure them.
 from __future__ import annotations
 
 from remat.measure.types import BlockProfile, Profile
-from remat.plan.costs import BlockCost, forward_phase_bytes, grad_bytes_live, register_cost, working_bytes
+from remat.plan.costs import BlockCost, register_cost
+from remat.plan.phases import forward_phase_bytes, grad_bytes_live, working_bytes
 from remat.plan.types import Segment
 
 __all__ = ["offload_strategies", "offloadable_bytes", "exposed_ms", "transfer_ms"]

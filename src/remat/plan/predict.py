@@ -14,7 +14,7 @@ gradients a block's own backward computes).
 A recomputed segment holds its input; while backward is inside it, the segment is replayed and
 its blocks hold what its *children* layout says (uncovered blocks keep their saved bytes), so
 the same sum applies one nesting level down. Each refinement lives in one function:
-backward temporaries in `remat.plan.costs.working_bytes`, gradients in `grad_bytes_live`,
+backward temporaries in `remat.plan.phases.working_bytes`, gradients in `grad_bytes_live`,
 per-strategy terms (incl. offload in flight) in the cost registry.
 
 The post phase's bytes depend on the plan's head strategy (keep, recompute, chunked: output
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 from remat.measure.types import Profile
 from remat.plan.chain_dp import deep_recursion
-from remat.plan.costs import (cost_of, grad_bytes_live, keep_forward_bytes, post_working_bytes, replay_working_bytes,
-                              working_bytes)
+from remat.plan.costs import cost_of
+from remat.plan.phases import grad_bytes_live, keep_forward_bytes, post_working_bytes, replay_working_bytes, working_bytes
 from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
 from remat.plan.joins import check_joins
 from remat.plan.types import Plan, Prediction, Segment

@@ -1,0 +1,115 @@
+"""The windows of the accounting step: per block and per piece of code between two blocks, the
+peak of its backward (and of each block's forward) above what the identities of
+`remat.measure.profile` count apart, read from the live-storage tracker at the step's
+boundaries (`remat.measure.boundaries`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from remat.measure.boundaries import Boundary
+from remat.measure.saved import POST, PRE, SavedAccountant, between_name
+from remat.measure.tracker import ACT_PREFIX, LiveTracker
+
+__all__ = ["BackwardWindows", "STATE_LABELS"]
+
+STATE_LABELS = ("parameters", "buffers", "optimizer_state")
+
+
+class BackwardWindows:
+    """Boundary listener: the backward-temporary windows of the accounting step, one per block
+    and per piece of code between two blocks (`remat.measure.saved.between_name`), in run order:
+    a block's from the gradient of what it hands on to that of its chained input, the code
+    before block i's from there to block i-1's start."""
+
+    def __init__(self, tracker: LiveTracker, block_names: list[str], accountant: SavedAccountant) -> None:
+        self.tracker = tracker
+        self.names = block_names
+        self.accountant = accountant
+        self.order = [PRE] + [seg for i, name in enumerate(block_names) for seg in ([between_name(i)] if i else []) + [name]] + [POST]
+        self.block_temp_bytes = [0] * len(block_names)
+        self.between_temp_bytes = [0] * len(block_names)
+        self.block_bwd_start_temp_bytes = [0] * len(block_names)
+        self.between_grad_bytes = [0] * len(block_names)
+        self._grads_at_open = 0
+        self.block_free_order: list[tuple[tuple[int, int], ...]] = [()] * len(block_names)
+        self.storage_id: Callable[[int, str], int] = lambda key, segment: -1
+        """Block-local storage id (`remat.measure.types.OpRecord.storage_ids`) of a storage key."""
+        self.block_fwd_temp_bytes = [0] * len(block_names)
+        self.block_fwd_start_bytes = [0] * len(block_names)
+        self.block_fwd_start_temporaries = [0] * len(block_names)
+        """Live bytes neither model state nor saved for backward when each block's forward began."""
+        self.post_temp_bytes = 0
+        self.post_head_temp_bytes: int | None = None
+        """Of the post window, the peak up to the end of the head's backward (``head_bwd_end``);
+        ``post_temp_bytes`` then covers the rest, and the larger of the two at the close."""
+        self.optimizer_temp_bytes = 0
+        self.grads_at_first_block_bytes = 0  # gradients live when block 0's backward starts
+        self.post_rest_temp_bytes = 0
+        self._open: str | None = None  # the segment whose backward window is open
+        self._opt_start_bytes = 0
+        self._labels: list[str] = []
+        self._offset = 0
+
+    def __call__(self, event: Boundary) -> None:
+        if event.kind == "fwd_start":
+            self.block_fwd_start_bytes[event.index] = self.tracker.live_bytes
+            self.block_fwd_start_temporaries[event.index] = self.tracker.live_by_label.get("temporaries", 0)
+            self.tracker.open_window(offset_bytes=self.tracker.live_bytes)
+        elif event.kind == "fwd_end":
+            own = self.accountant.segment_bytes(self.names[event.index])
+            self.block_fwd_temp_bytes[event.index] = self.tracker.close_window() - own
+        elif event.kind == "bwd_begin":
+            self._start(POST)
+        elif event.kind == "head_bwd_end" and self._open == POST:
+            self.post_head_temp_bytes = self.tracker.close_window()
+            self.tracker.open_window(self._labels, offset_bytes=self._offset)
+        elif event.kind == "bwd_start":
+            self._close()
+            self._start(self.names[event.index])
+        elif event.kind == "bwd_end" and self._open == self.names[event.index]:
+            self._close()
+            if event.index:  # the code before this block runs its backward next
+                self._start(between_name(event.index))
+        elif event.kind == "bwd_done":
+            self._close()
+        elif event.kind == "opt_start":
+            self._opt_start_bytes = self.tracker.live_bytes
+            self.tracker.open_window()
+        elif event.kind == "opt_end":
+            self.optimizer_temp_bytes = self.tracker.close_window() - self._opt_start_bytes
+
+    def _start(self, segment: str) -> None:
+        """Exclude the state and what earlier segments still hold (live), and two constants: the
+        window's own segment's full saved bytes (those it frees during its backward stay counted)
+        and the gradients live when it starts (the ones its backward accumulates are temporaries)."""
+        self._open = segment
+        earlier = self.order[: self.order.index(segment)]
+        labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in earlier)]
+        grads_live = self.tracker.live_by_label.get("gradients", 0)
+        self._grads_at_open = grads_live
+        if self.names and segment == self.names[0]:
+            self.grads_at_first_block_bytes = grads_live
+        watch = ACT_PREFIX + segment if segment in self.names else None
+        self._labels, self._offset = labels, self.accountant.segment_bytes(segment) + grads_live
+        self.tracker.open_window(labels, offset_bytes=self._offset, watch_label=watch)
+        if segment in self.names:
+            self.block_bwd_start_temp_bytes[self.names.index(segment)] = self.tracker.window_value()
+
+    def _close(self) -> None:
+        if self._open is None:
+            return
+        peak, segment = self.tracker.close_window(), self._open
+        self._open = None
+        if segment == POST:
+            self.post_temp_bytes = max(peak, self.post_head_temp_bytes or peak)
+            self.post_rest_temp_bytes = peak
+        elif segment in self.names:
+            index = self.names.index(segment)
+            self.block_temp_bytes[index] = peak
+            self.block_free_order[index] = tuple(
+                (self.storage_id(key, segment), nbytes) for key, nbytes in self.tracker.window_freed())
+        else:
+            index = int(segment.split(":", 1)[1])
+            self.between_temp_bytes[index] = peak
+            self.between_grad_bytes[index] = self.tracker.live_by_label.get("gradients", 0) - self._grads_at_open

@@ -1,0 +1,135 @@
+"""What a block needs in each phase of the step, on top of what the blocks before it hold.
+
+The byte terms `remat.plan.costs` combines per strategy (../DESIGN.md "The memory model"): a
+kept block's backward (`working_bytes`) and forward (`keep_working_bytes`: the larger), a
+replayed block's backward (`replay_working_bytes`), the backward of the code run before a block
+(`between_phase_bytes`), the head's backward (`post_working_bytes`), and the gradients live
+when a block's backward starts (`grad_bytes_live`). Each reads the block's measured windows and
+its dataflow terms (`remat.measure.dataflow`): ``entry_bytes`` are live through every phase of
+the block whatever the plan, the inputs it saves itself were live before its forward began.
+"""
+
+from __future__ import annotations
+
+from remat.measure.types import BlockProfile, Profile
+
+__all__ = [
+    "held_input_bytes", "between_phase_bytes", "working_bytes", "saved_input_bytes", "replay_base_bytes",
+    "replay_working_bytes", "forward_phase_bytes", "keep_working_bytes", "keep_forward_bytes",
+    "released_grad_bytes", "grad_bytes_live", "post_working_bytes",
+]
+
+
+def held_input_bytes(block: BlockProfile) -> int:
+    """What a checkpoint of the block holds of its own inputs (`BlockProfile.held_input_bytes`;
+    all of ``input_bytes`` in profiles recorded without the dataflow)."""
+    return block.input_bytes if block.held_input_bytes is None else block.held_input_bytes
+
+
+def between_phase_bytes(block: BlockProfile) -> int:
+    """What the backward of the code run before the block needs on top of the blocks before it:
+    its saved bytes and what the block before handed off (in ``entry_bytes``), its temporaries,
+    and the block's own gradients, accumulated by then (0 when no such backward was measured)."""
+    if not block.between_bwd_temp_bytes:
+        return 0
+    return block.entry_bytes + block.between_bwd_temp_bytes + block.grad_bytes
+
+
+def working_bytes(block: BlockProfile) -> int:
+    """Bytes a kept block's backward needs: its saved bytes plus its backward temporaries, plus
+    its ``entry_bytes`` (live through its backward, outside its own window's measurement), and at
+    least `between_phase_bytes`.
+
+    A block's input it saves itself is among its saved bytes; one it does not save is not live
+    in its backward when kept."""
+    return max(block.saved_bytes + block.bwd_temp_bytes + block.entry_bytes, between_phase_bytes(block))
+
+
+def saved_input_bytes(block: BlockProfile) -> int:
+    """Its held inputs it saves itself: live before its forward begins, so its forward
+    temporaries (measured from there) leave them out although its saved bytes count them."""
+    return 0 if block.held_input_bytes is None else block.held_input_bytes - block.unsaved_input_bytes
+
+
+def replay_base_bytes(block: BlockProfile) -> int:
+    """What is live beside a replay of the block, before it starts: the gradient of its output
+    and what else the step holds when its backward starts (``bwd_start_temp_bytes``: 8 KiB more
+    than the output's gradient in BERT's backward, 4 bytes under a ``sum`` loss, whose gradient
+    is a broadcast scalar); its output's bytes in profiles recorded without it."""
+    return block.output_grad_bytes if block.bwd_start_temp_bytes is None else block.bwd_start_temp_bytes
+
+
+def replay_working_bytes(block: BlockProfile) -> int:
+    """Bytes a block needs when its forward is replayed in backward: its saved bytes plus the
+    larger of its backward temporaries and its forward temporaries on top of what is live when
+    its backward starts (`replay_base_bytes`: the replay's peak; the forward temporaries are
+    measured from the forward's start, when the inputs it saves already existed:
+    `saved_input_bytes` are added back, 17 KiB of GPT-NeoX's replay); plus its ``entry_bytes``
+    and the inputs its checkpoint holds that its saved bytes leave out (``unsaved_input_bytes``);
+    at least `between_phase_bytes`."""
+    forward = block.fwd_temp_bytes + replay_base_bytes(block) + saved_input_bytes(block)
+    replay = block.saved_bytes + max(block.bwd_temp_bytes, forward)
+    return max(replay + block.entry_bytes + block.unsaved_input_bytes, between_phase_bytes(block))
+
+
+def forward_phase_bytes(block: BlockProfile) -> int:
+    """What the block's own forward, kept, needs on top of the blocks before it: its entry
+    bytes, the other live bytes the model's code holds then (``fwd_other_bytes``: its input
+    when nothing saved it before), its saved bytes and its forward temporaries (0 in profiles
+    recorded without ``fwd_other_bytes``: the forward was not priced)."""
+    if block.fwd_other_bytes is None:
+        return 0
+    return block.entry_bytes + block.fwd_other_bytes + block.saved_bytes + block.fwd_temp_bytes
+
+
+def keep_working_bytes(profile: Profile, block_index: int) -> int:
+    """A kept block's working set, one number wherever the block sits (the optimal search prices
+    blocks alike in structure together): its backward's, or a bound on its forward's where that
+    is higher: the forward runs with no gradient allocated (compared with the fewest gradients
+    any block's backward counts) and with the most outputs any block leaves to the model's code
+    (``output_held_bytes``) on top. The peak of a network with few parameters, a U-Net, is often
+    the forward of its last block; `remat.plan.predict` prices each kept block's forward exactly
+    (`keep_forward_bytes`)."""
+    block = profile.blocks[block_index]
+    held = max((b.output_held_bytes for b in profile.blocks), default=0)
+    fewest = grad_bytes_live(profile, profile.num_blocks - 1)
+    forward = forward_phase_bytes(block) + held - fewest if block.fwd_other_bytes is not None else 0
+    return max(working_bytes(block), forward)
+
+
+def keep_forward_bytes(profile: Profile, block_index: int, previous_kept: bool) -> int:
+    """A kept block's forward at its place, less the gradients its backward counts (none is
+    allocated yet), with the outputs of the block before it that the code still holds when that
+    block is not kept (its saved bytes hold them when it is)."""
+    block = profile.blocks[block_index]
+    held = 0 if previous_kept or not block_index else profile.blocks[block_index - 1].output_held_bytes
+    return forward_phase_bytes(block) + held - grad_bytes_live(profile, block_index)
+
+
+def released_grad_bytes(block: BlockProfile) -> int:
+    """Gradients the backward of the block and of the code before it allocate: not yet live
+    while the blocks after it run their backward (the chain's per-block gradients)."""
+    return block.grad_bytes + block.between_grad_bytes
+
+
+def grad_bytes_live(profile: Profile, block_index: int) -> int:
+    """Gradients already accumulated when block ``block_index``'s backward starts.
+
+    The step zeroes gradients to None, so at the head's backward (``block_index ==
+    num_blocks``) none exist yet: the head's own gradients are among its measured backward
+    temporaries, as a block's are among its own. At block j: all but those of blocks ``<= j``,
+    of the code before them (``between_grad_bytes``) and of the pre part
+    (``fixed_pre_grad_bytes``); what the profile does not split out counts as live
+    (conservative)."""
+    if block_index >= profile.num_blocks:
+        return 0
+    own = sum(released_grad_bytes(b) for b in profile.blocks[: block_index + 1])
+    return profile.grad_bytes - profile.fixed_pre_grad_bytes - own
+
+
+def post_working_bytes(profile: Profile) -> int:
+    """What the head's and the loss's backward needs above the blocks' retained bytes: the post
+    part's saved bytes and temporaries, and what the last block handed off to it (held by the
+    post part whatever the last block's strategy)."""
+    handoff = profile.blocks[-1].handoff_bytes if profile.blocks else 0
+    return profile.fixed_post_saved_bytes + profile.fixed_post_bwd_temp_bytes + handoff
