@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from remat.apply.opcount import BlockOpCounter
 from remat.measure.profile import profile
 from remat.plan.joins import joins
 from remat.plan.planners import make_plan
@@ -104,3 +105,17 @@ def test_a_shared_tensor_no_block_saves_is_counted_while_a_checkpoint_holds_it(p
         plan = make_plan(prof, _segments(3, kinds), kinds, None)
         check = verify(model, batch, plan, optimizer=optimizer, repeats=1)
         assert check.measured_peak_bytes == plan.prediction.peak_bytes, kinds
+
+
+def test_op_counts_leave_the_code_between_blocks_to_no_block():
+    """The pool's backward runs between block 1's backward and block 0's: counted for neither (a
+    chain's counter gave it to block 1), so both blocks count the ops of their own backward."""
+    model, batch, _ = toy("pool")
+    with BlockOpCounter(list(model.blocks)) as counter:
+        model(batch).backward()
+    pool_backward = "aten.max_pool2d_with_indices_backward.default"
+    assert all(pool_backward not in counts for counts in counter.total)
+    # each block: its two Linears' mm in the forward, and for each an input and a weight gradient in
+    # the backward; its two ReLU backwards
+    assert [counts["aten.threshold_backward.default"] for counts in counter.total] == [2, 2]
+    assert [counts["aten.mm.default"] for counts in counter.total] == [2 + 4, 2 + 4]
