@@ -226,13 +226,13 @@ def block_flows(recorder: DataflowRecorder, saved: dict[int, SavedStorage], save
 
 
 def _inputs_flow(recorder: DataflowRecorder, index_of: dict[str, int], i: int, takers: dict[int, list[int]]) -> BlockFlow:
-    names = list(index_of)
+    name = recorder.blocks[i][0]
     flow = BlockFlow()
     records, seen = [], set()
     for arg in recorder.args[i]:
         counted = _counted(recorder, index_of, i, takers, arg)
         records.append(BlockInput(argument=arg.argument, storage=arg.storage, storage_bytes=arg.storage_bytes,
-                                  source=_source(arg, names, i, takers), activation=arg.activation, counted=counted))
+                                  source=_source(arg, index_of, i, takers), activation=arg.activation, counted=counted))
         if arg.storage in seen or counted in ("state", "earlier"):
             continue
         seen.add(arg.storage)
@@ -240,7 +240,7 @@ def _inputs_flow(recorder: DataflowRecorder, index_of: dict[str, int], i: int, t
             flow.shared_entry_bytes += arg.storage_bytes
         else:
             flow.held_input_bytes += arg.storage_bytes
-            flow.unsaved_input_bytes += 0 if names[i] in recorder.storages[arg.storage].savers else arg.storage_bytes
+            flow.unsaved_input_bytes += 0 if name in recorder.storages[arg.storage].savers else arg.storage_bytes
     flow.inputs = tuple(records)
     return flow
 
@@ -258,14 +258,14 @@ def _counted(recorder: DataflowRecorder, index_of: dict[str, int], i: int, taker
     return "shared" if max(takers[arg.storage]) > i and not here else "held"
 
 
-def _source(arg: _Arg, names: list[str], i: int, takers: dict[int, list[int]]) -> str:
+def _source(arg: _Arg, index_of: dict[str, int], i: int, takers: dict[int, list[int]]) -> str:
+    """`remat.measure.types.BlockInput.source`."""
     if not arg.activation:
         return "outside"
     producer = arg.producer
-    if i > 0 and producer == names[i - 1]:
-        return "previous"
-    if producer in names:
-        return f"block:{names.index(producer)}"
+    if producer in index_of:
+        k = index_of[producer]
+        return "previous" if k == i - 1 else f"block:{k}"
     if len(takers.get(arg.storage, [])) > 1:
         return "shared"
     return "between" if producer is not None and producer.startswith(BETWEEN) else "outside"
