@@ -31,6 +31,8 @@ _API = {
     "apply_": "remat.apply.api",
     "remove_": "remat.apply.api",
     "auto_": "remat.apply.api",
+    "tune": "remat.apply.tune",
+    "Tuner": "remat.apply.tune",
     "verify": "remat.verify",
     "Verification": "remat.verify_types",
     "estimate": "remat.estimate.api",

@@ -5,9 +5,9 @@ Modules: `types` (Segment, Plan, Prediction, Optimality), `budget` (parse_budget
 search's per-block choices), `chain_problem` (a profile as the DPs' problem), `chain_dp` (the DP
 on memory slots), `chain_exact` (the DP in bytes), `slots` (slot sizes and what rounding costs),
 `search` (the optimal planner), `available` (strategies a block cannot run), `planners` (plan,
-pareto), `infeasible` (errors).
+pareto), `infeasible` (errors), `tune` (measured tuning's candidates and choice).
 Submodules load lazily: importing this package imports nothing heavy.
 """
 
 __all__ = ["budget", "costs", "predict", "policies", "options", "chain_problem", "chain_dp", "chain_exact", "slots",
-           "search", "available", "planners", "infeasible", "types"]
+           "search", "available", "planners", "infeasible", "tune", "types"]

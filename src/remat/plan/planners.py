@@ -14,7 +14,7 @@ BENCHMARKS.md, "Planning speed").
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Protocol
 
 from remat.measure.types import Profile
 from remat.plan.available import check_available, fall_back
@@ -27,7 +27,7 @@ from remat.plan.policies import policy
 from remat.plan.search import Choice, OptimalSearch, plan_floor
 from remat.plan.types import Optimality, Plan, Prediction, Segment
 
-__all__ = ["plan", "pareto", "STRATEGIES", "make_plan", "min_peak_plan", "optimal_search"]
+__all__ = ["plan", "pareto", "PlanTuner", "STRATEGIES", "make_plan", "min_peak_plan", "optimal_search"]
 
 FixedPlanner = Callable[[Profile, str, int | None], tuple[Segment, ...]]
 STRATEGIES: dict[str, FixedPlanner] = {}
@@ -42,14 +42,27 @@ def _strategy(name: str) -> Callable[[FixedPlanner], FixedPlanner]:
     return wrap
 
 
-def plan(profile: Profile, budget: int | str | None = None, strategy: str = "optimal", head: str | None = None) -> Plan:
+class PlanTuner(Protocol):
+    """What ``plan(..., tune=...)`` takes: something that holds the model and a batch and times
+    candidate plans through the real runtime (`remat.Tuner`, `remat.apply.tune`)."""
+
+    def tuned_plan(self, profile: Profile, budget: int, head: str | None) -> Plan: ...
+
+
+def plan(profile: Profile, budget: int | str | None = None, strategy: str = "optimal", head: str | None = None,
+         *, tune: PlanTuner | None = None) -> Plan:
     """A plan for ``profile`` under ``budget``: bytes, or text for `parse_budget` (``"6GiB"``,
     ``"40%"`` of the profile's measured peak, or of the predicted no-recomputation peak).
 
     ``head``: how the output projection and loss run (`remat.plan.head`): ``keep``, ``recompute``
     or ``chunked:<tokens>`` (a measured chunk size); None: the optimal planner searches every
     head strategy the profile measured (one more choice around the blocks' search), the other
-    planners keep the head."""
+    planners keep the head.
+
+    ``tune``: a `remat.Tuner` (the model, a batch, loss and optimizer, and the time bound): the
+    cost model's best few plans and every recipe that fits are timed side by side on the model
+    and the fastest measured whose measured peak fits wins (`remat.plan.tune`; the plan's
+    ``tuning`` records what was timed). Needs strategy ``optimal`` and a budget."""
     if isinstance(budget, str):
         budget = parse_budget(budget, _baseline_peak(profile))
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
@@ -65,10 +78,14 @@ def plan(profile: Profile, budget: int | str | None = None, strategy: str = "opt
         _no_argument(strategy)
     if head is not None:
         check_head(profile, head)
+    tune = None if tune is False else tune
+    _check_tune(tune, strategy, budget)
     heads = (head,) if head is not None else head_choices(profile) if kind == "optimal" else ("keep",)
     if budget is not None:
         floor_bytes, floor_name = min(plan_floor(priced_profile(profile, h)) for h in heads)
         check_state_fits(profile, budget, floor_bytes, floor_name)
+    if tune is not None:
+        return tune.tuned_plan(profile, budget, head)
     if kind == "optimal":
         result = _optimal_plan(profile, heads, budget)
     else:
@@ -84,6 +101,21 @@ def plan(profile: Profile, budget: int | str | None = None, strategy: str = "opt
             f"({budget} bytes); strategy 'optimal' fits it (down to {best.peak_bytes} bytes)."
         )
     return result
+
+
+def _check_tune(tune: object, strategy: str, budget: int | None) -> None:
+    if tune is None:
+        return
+    if tune is True or not hasattr(tune, "tuned_plan"):
+        raise TypeError(
+            f"tune={tune!r}: tuning runs the model, so it needs the model and a batch: pass "
+            "tune=remat.Tuner(model, batch, loss_fn, optimizer), or call remat.tune(model, batch, profile, budget)."
+        )
+    if strategy != "optimal":
+        raise ValueError(f"tune= times the optimal planner's plans against the recipes; strategy {strategy!r} "
+                         "is one plan already: leave strategy as 'optimal' to tune.")
+    if budget is None:
+        raise ValueError("tune= picks the fastest measured plan under a budget; give budget= (e.g. '40%').")
 
 
 def _baseline_peak(profile: Profile) -> int:

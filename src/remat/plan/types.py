@@ -136,6 +136,52 @@ class Optimality:
 
 
 @dataclass(kw_only=True, frozen=True)
+class TunedCandidate:
+    """One layout measured tuning timed (`remat.plan.tune`): predicted against measured."""
+
+    name: str
+    """Where it came from: ``optimal``, ``optimal #2``, a recipe (``full``, ``sqrt``,
+    ``checkpoint_sequential``, ``selective:<policy>``...); ``a = b`` when two gave the same layout."""
+    segments: tuple[Segment, ...]
+    """Its layout."""
+    head: str = "keep"
+    """How it runs the head."""
+    predicted_step_ms: float
+    predicted_peak_bytes: int
+    measured_step_ms: float | None = None
+    """Median of its timed steps (None: never timed)."""
+    measured_peak_bytes: int | None = None
+    """Peak of one step under the live-storage tracker (None: not measured)."""
+    rounds: int = 0
+    """Timed steps it ran (one per round; the warm-up and the tracked step are not counted)."""
+    dropped: str = ""
+    """Why it could not win (its measured peak over the budget, an error), or empty."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Tuning:
+    """What measured tuning timed and which candidate won (`remat.plan.tune`)."""
+
+    candidates: tuple[TunedCandidate, ...]
+    """Every candidate, in the order they were made (the cost model's plans first)."""
+    winner: str
+    """Name of the candidate with the least measured median among those not dropped."""
+    max_steps: int
+    """The bound on timed steps per candidate."""
+    max_seconds: float
+    """The bound on the timing rounds' wall-clock time (checked after each round)."""
+    rounds: int
+    """Rounds run: each timed every candidate still in once, in an order rotated every round."""
+    seconds: float
+    """Wall-clock time the timing rounds took."""
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.candidates]
+        if self.winner not in names:
+            raise ValueError(f"tuning winner {self.winner!r} is not one of the candidates {names}.")
+
+
+@dataclass(kw_only=True, frozen=True)
 class Plan:
     """A plan to apply with `remat.apply_`; round-trips through versioned JSON."""
 
@@ -157,6 +203,9 @@ class Plan:
     output carries no logits in training. Plans without it (older files) keep the head."""
     optimality: Optimality | None = None
     """Strategy ``optimal`` under a budget: how far the plan may be from the fastest that fits."""
+    tuning: Tuning | None = None
+    """Measured tuning (`remat.plan.tune`): every candidate timed, predicted against measured, and
+    the winner (this plan's layout). Plans without it (not tuned, older files) have None."""
 
     def __post_init__(self) -> None:
         check_head_name(self.head)
