@@ -119,12 +119,15 @@ def baseline_peak(profile: Profile, baseline: Plan) -> int:
 def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", strategy: str = "optimal",
             sizes: dict[str, Any] | None = None, seed: int = 0, offload_dir: str | None = None,
             repeats: int = 5, progress: Progress = _quiet, device: str | None = None,
-            dtype: torch.dtype | None = None) -> JobResult:
+            dtype: torch.dtype | None = None, tune: bool = False, tune_steps: int = 20,
+            tune_seconds: float = 30.0) -> JobResult:
     """Profile ``model_name``, plan ``strategy`` within ``budget`` (a share is of the measured
     baseline peak), apply it to a copy and verify it; the first row is the baseline.
     ``offload_dir``: measure the disk there, so the planner may offload to it. ``device``: where
     the model and batch run, ``dtype``: their floating dtype (`remat.models.load_target`; None:
-    where and as they were built)."""
+    where and as they were built). ``tune``: time the candidates side by side on the model and
+    keep the fastest measured (`remat.apply.tune.Tuner`, at most ``tune_steps`` timed steps per
+    candidate or ``tune_seconds`` of rounds)."""
     from remat.distributed import broadcast_plan, world_size
     from remat.plan.budget import parse_budget
     from remat.plan.planners import plan as make_plan
@@ -134,10 +137,18 @@ def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", s
                            dtype=dtype)
     baseline = make_plan(prof, strategy="none")
     budget_bytes = None if budget is None else parse_budget(budget, baseline_peak(prof, baseline))
-    chosen = make_plan(prof, budget=budget_bytes, strategy=strategy)
+    tuner = None
+    if tune:
+        from remat.apply.tune import Tuner
+
+        progress("timing candidate plans")
+        tuner = Tuner(built.model, built.batch, built.loss_fn, built.optimizer, max_steps=tune_steps,
+                      max_seconds=tune_seconds, offload_dir=offload_dir)
+    chosen = make_plan(prof, budget=budget_bytes, strategy=strategy, tune=tuner)
     if world_size() > 1:  # under torchrun every rank applies rank 0's plans
         baseline, chosen = broadcast_plan(baseline), broadcast_plan(chosen)
     label = strategy if budget is None else f"{strategy} @ {budget}"
+    label += ", tuned" if tune else ""
     rows = (_verified(built, baseline, "none", repeats, progress),
             _verified(built, chosen, label, repeats, progress, offload_dir))
     return JobResult(model_name=model_name, sizes=sizes, profile=prof, rows=rows, baseline=baseline,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -14,6 +15,10 @@ from remat.measure.types import Profile
 from remat.plan.types import Plan, Segment
 
 MIB = 2**20
+TUNE_HELP = ("Time the cost model's best plans and every recipe that fits side by side on the model; the fastest "
+             "measured whose measured peak fits wins (needs --model).")
+TUNE_STEPS_HELP = "With --tune: timed steps per candidate at most (interleaved rounds, medians)."
+TUNE_SECONDS_HELP = "With --tune: no new round of timing once the rounds took this many seconds."
 
 
 @app.command("plan")
@@ -33,22 +38,32 @@ def plan_command(
     batch: Optional[int] = typer.Option(None, help="Batch size."),
     seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
+    tune: bool = typer.Option(False, "--tune", help=TUNE_HELP),
+    tune_steps: int = typer.Option(20, "--tune-steps", help=TUNE_STEPS_HELP),
+    tune_seconds: float = typer.Option(30.0, "--tune-seconds", help=TUNE_SECONDS_HELP),
 ) -> None:
     """Plan the fastest step that fits the budget and print it per block, against the baseline."""
     from remat.plan.budget import parse_budget
     from remat.plan.planners import pareto, plan
 
     try:
-        profile = _load_profile(profile_path, model, dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch), seed,
-                                device)
+        sizes = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
+        if tune and model is None:
+            raise ValueError("--tune times plans on the model, which a profile JSON does not hold: give --model NAME "
+                             "(or use `remat run --tune`).")
+        profile, built = _load_target(profile_path, model, sizes, seed, device)
         baseline = plan(profile, strategy="none")
         if show_pareto:
             console.print(pareto_table(pareto(profile), baseline))
             return
         budget_bytes = None if budget is None else parse_budget(budget, baseline_peak_of(profile, baseline))
-        result = plan(profile, budget=budget_bytes, strategy=strategy, head=head)
+        tuner = _tuner(built, tune_steps, tune_seconds) if tune else None
+        with console.status("timing candidate plans...") if tune else contextlib.nullcontext():
+            result = plan(profile, budget=budget_bytes, strategy=strategy, head=head, tune=tuner)
     except (ValueError, TypeError, FileNotFoundError) as error:
         raise fail(str(error)) from None
+    if result.tuning is not None:
+        print_tuning(result)
     console.print(plan_table(result, profile))
     if any(b.unavailable for b in profile.blocks):
         from remat.cli.profile import unavailable_rich
@@ -64,11 +79,32 @@ def plan_command(
         console.print(f"plan written to {out}")
 
 
-def _load_profile(path: Optional[Path], model: Optional[str], sizes: dict, seed: int, device: Optional[str] = None) -> Profile:
+def _tuner(built, max_steps: int, max_seconds: float):
+    from remat.apply.tune import Tuner
+
+    return Tuner(built.model, built.batch, built.loss_fn, built.optimizer, max_steps=max_steps, max_seconds=max_seconds)
+
+
+def print_tuning(result: Plan) -> None:
+    """The tuning table (predicted against measured per candidate, the winner marked) and its sentence."""
+    from remat.report.tuning import tuning_sentence, tuning_table
+
+    (headers, rows), winner = tuning_table(result.tuning)
+    table = Table(title="measured tuning: candidates timed side by side")
+    for header in headers:
+        table.add_column(header, justify="left" if header in ("candidate", "layout", "result") else "right")
+    for i, row in enumerate(rows):
+        table.add_row(*row, style="bold green" if i == winner else None)
+    console.print(table)
+    console.print(tuning_sentence(result.tuning))
+
+
+def _load_target(path: Optional[Path], model: Optional[str], sizes: dict, seed: int, device: Optional[str] = None):
+    """The profile, and the built model when ``--model`` was given (else None)."""
     if path is not None:
         if model is not None or device is not None:
             raise ValueError("give either a profile JSON or --model (and --device), not both.")
-        return Profile.from_json(Path(path))
+        return Profile.from_json(Path(path)), None
     if model is None:
         raise ValueError("give a profile JSON (remat profile --json p.json) or --model NAME to profile first.")
     from remat.measure.profile import profile
@@ -76,7 +112,7 @@ def _load_profile(path: Optional[Path], model: Optional[str], sizes: dict, seed:
 
     with console.status(f"profiling {model}..."):
         built = load_target(model, seed=seed, device=device, **sizes_from_options(model, **sizes))
-        return profile(built.model, built.batch, built.loss_fn, built.optimizer)
+        return profile(built.model, built.batch, built.loss_fn, built.optimizer), built
 
 
 def baseline_peak_of(profile: Profile, baseline: Plan) -> int:

@@ -13,6 +13,7 @@ from rich.table import Table
 from remat.apply.run import DEFAULT_OUT_DIR
 from remat.distributed import is_main_process
 from remat.cli._app import DEVICE_HELP, app, console, fail
+from remat.cli.plan import TUNE_HELP, TUNE_SECONDS_HELP, TUNE_STEPS_HELP, print_tuning
 
 MIB = 2**20
 RUN_OUT_DIR = DEFAULT_OUT_DIR / "run"
@@ -158,6 +159,9 @@ def run_command(
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     repeats: int = typer.Option(5, help="Timed pairs (baseline, plan) per plan, order swapped each round (medians)."),
     out: Path = typer.Option(RUN_OUT_DIR, "--out", "-o", help="Directory for profile, plan and verification JSON and report.html."),
+    tune: bool = typer.Option(False, "--tune", help=TUNE_HELP),
+    tune_steps: int = typer.Option(20, "--tune-steps", help=TUNE_STEPS_HELP),
+    tune_seconds: float = typer.Option(30.0, "--tune-seconds", help=TUNE_SECONDS_HELP),
 ) -> None:
     """Profile, plan, apply and verify: the chosen plan against no recomputation, measured; then
     write the JSON files and the HTML report under --out and print the report's path."""
@@ -170,13 +174,16 @@ def run_command(
         with console.status("building...") as status:
             result = run_job(model, budget=budget, strategy=strategy, sizes=sizes, seed=seed, repeats=repeats,
                              offload_dir=None if offload_dir is None else str(offload_dir), progress=_progress_to(status),
-                             device=device)
+                             device=device, tune=tune, tune_steps=tune_steps, tune_seconds=tune_seconds)
     except (ValueError, TypeError) as error:
         raise fail(str(error)) from None
+    if result.rows[-1].plan.tuning is not None:
+        print_tuning(result.rows[-1].plan)
     render(result, f"remat run: {model}, {strategy}" + (f" within {budget}" if budget else ""))
     on = ["--device", device] if device else []
+    tuned = ["--tune", "--tune-steps", str(tune_steps), "--tune-seconds", f"{tune_seconds:g}"] if tune else []
     args = ["--model", model, "--strategy", strategy, *(["--budget", budget] if budget else []),
-            *_size_args(options), "--seed", str(seed), *on, "--out", str(out)]
+            *_size_args(options), "--seed", str(seed), *on, *tuned, "--out", str(out)]
     files = save_outputs(result, out, ["remat", "run", *args], chosen_row=len(result.rows) - 1)
     if files is not None:
         console.print(f"apply it again: remat verify {files.plans[-1]} --model {model}"

@@ -46,6 +46,7 @@ from remat.report.tables import (
     verifications_table,
 )
 from remat.report.timeline import plot_timeline, timeline_series
+from remat.report.tuning import tuned_plan, tuning_sentence, tuning_table
 from remat.report.units import format_bytes
 from remat.verify_types import Verification
 
@@ -115,6 +116,7 @@ def render_html(profile: Profile, plans: Sequence[Plan] = (),
     sections = [
         ("plans", "Plans", _table_html(plans_table(profile, plans, verifications, budget), highlight=chosen))
         if plans else None,
+        _tuning_section(plans),
         ("figures", "Plots", _figures_html(figures)),
         ("blocks", "Plan per block", _table_html(blocks_table(profile, plans)) + STRATEGY_NOTE),
         ("unavailable", "Strategies a block cannot run", _table_html(unavailable_table(profile)) + UNAVAILABLE_NOTE)
@@ -185,6 +187,15 @@ def _verification_html(verifications: Sequence[Verification]) -> str:
         inner += "<p>Ops that ran a different number of times than the plan says:</p>"
         inner += _table_html((headers, rows))
     return inner
+
+
+def _tuning_section(plans: Sequence[Plan]) -> tuple[str, str, str] | None:
+    """Predicted against measured for each layout measured tuning timed, the winner marked."""
+    tuned = tuned_plan(plans)
+    if tuned is None:
+        return None
+    table, winner = tuning_table(tuned.tuning)
+    return "tuning", "Tuning", f"<p>{_e(tuning_sentence(tuned.tuning))}</p>" + _table_html(table, highlight=winner)
 
 
 def _section(anchor: str, title: str, inner: str) -> str:
