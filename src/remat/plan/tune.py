@@ -34,7 +34,7 @@ from remat.plan.policies import POLICIES
 from remat.plan.types import Plan, Segment, TunedCandidate, Tuning
 
 __all__ = ["Candidate", "Measurement", "TuneBounds", "RECIPES", "tune_candidates", "choose",
-           "sequential_segments", "DEFAULT_NUM_OPTIMAL"]
+           "sequential_segments", "recipe_plan", "DEFAULT_NUM_OPTIMAL"]
 
 DEFAULT_NUM_OPTIMAL = 3
 """The cost model's plans to time: the optimum and the next-fastest distinct layouts that fit."""
@@ -93,8 +93,8 @@ def sequential_segments(profile: Profile) -> tuple[Segment, ...]:
     return tuple(out)
 
 
-def _recipe_plan(profile: Profile, name: str, budget: int, head: str) -> Plan:
-    """The recipe's plan, with the fall-backs of `remat.plan` for blocks that cannot run it."""
+def recipe_plan(profile: Profile, name: str, budget: int | None = None, head: str = "keep") -> Plan:
+    """Recipe ``name`` of `RECIPES` (``budget`` sizes ``selective:knapsack``) as a plan, with the fall-backs of `remat.plan` for blocks that cannot run it."""
     if name == "checkpoint_sequential":
         segments = fall_back(profile, sequential_segments(profile))
     else:
@@ -131,7 +131,7 @@ def tune_candidates(profile: Profile, budget: int, head: str | None = None,
     named = [("optimal" if i == 0 else f"optimal #{i + 1}", p)
              for i, p in enumerate(_optimal_plans(profile, budget, head, num_optimal))]
     for name in recipes:
-        recipe = _recipe_plan(profile, name, budget, head or "keep")
+        recipe = recipe_plan(profile, name, budget, head or "keep")
         if recipe.prediction.peak_bytes <= budget:
             named.append((name, recipe))
     by_layout: dict[tuple, list] = {}
