@@ -1,6 +1,7 @@
 """Measured tuning: the candidate set on hand-made profiles, the choice on given measurements, and
 the Tuner on a real tiny model with a deterministic timing function (exact, not timing-dependent)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -128,6 +129,8 @@ def test_tuned_plan_round_trips_through_json_and_old_files_load_without_tuning()
     measured = [Measurement(step_ms=(float(i + 1),), peak_bytes=MIB) for i in range(len(found))]
     plan = choose(found, measured, 16 * MIB, BOUNDS)
     assert Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(ValueError, match="tuning winner 'nobody' is not one of the candidates"):
+        dataclasses.replace(plan.tuning, winner="nobody")
     doc = json.loads(plan.to_json())
     del doc["data"]["tuning"]
     old = Plan.from_json(json.dumps(doc))
@@ -175,7 +178,7 @@ def test_tuner_picks_the_measured_fastest_with_interleaved_rotated_rounds(tiny):
     assert [c.name for c in plan.tuning.candidates] == [c.name for c in found]
     assert [c.measured_step_ms for c in plan.tuning.candidates] == [50.0 - i for i in range(len(found))]
     assert all(c.rounds == 3 and not c.dropped for c in plan.tuning.candidates)
-    assert all(0 < c.measured_peak_bytes <= budget for c in plan.tuning.candidates)
+    assert all(0 < c.measured_peak_bytes <= budget and c.device_peak_bytes is None for c in plan.tuning.candidates)
     # round r times the candidates from the r-th on (rotated), each once
     k = len(layouts)
     assert times.calls == [layouts[(r + i) % k] for r in range(3) for i in range(k)]

@@ -103,12 +103,8 @@ class Tuner:
             snapshot.restore()
 
     def _measure(self, step: _Step, plans: list[Plan], clock: Clock) -> tuple[tuple[Measurement, ...], TuneBounds]:
-        peaks: list[int | None] = []
-        errors: list[str] = []
-        for plan in plans:
-            peak, error = self._first_steps(step, plan)
-            peaks.append(peak)
-            errors.append(error)
+        first = [self._first_steps(step, plan) for plan in plans]
+        errors = [error for _, _, error in first]
         times: list[list[float]] = [[] for _ in plans]
         start, rounds = time.perf_counter(), 0
         live = [i for i, e in enumerate(errors) if not e]
@@ -121,11 +117,12 @@ class Tuner:
                 break
         bounds = TuneBounds(max_steps=self.max_steps, max_seconds=self.max_seconds, rounds=rounds,
                             seconds=time.perf_counter() - start)
-        return tuple(Measurement(step_ms=tuple(t), peak_bytes=p, error=e)
-                     for t, p, e in zip(times, peaks, errors)), bounds
+        return tuple(Measurement(step_ms=tuple(t), peak_bytes=peak, device_peak_bytes=device_peak, error=error)
+                     for t, (peak, device_peak, error) in zip(times, first)), bounds
 
-    def _first_steps(self, step: _Step, plan: Plan) -> tuple[int | None, str]:
-        """One warm-up step, then one under the live-storage tracker: (peak, "") or (None, why)."""
+    def _first_steps(self, step: _Step, plan: Plan) -> tuple[int | None, int | None, str]:
+        """One warm-up step, then one under the live-storage tracker: (peak, CUDA allocator peak, "")
+        or (None, None, why it failed)."""
         try:
             with applied(self.model, plan, batch=self.batch, offload_dir=self.offload_dir):
                 torch.manual_seed(SEED)
@@ -134,9 +131,9 @@ class Tuner:
                 blocks = [(n, self.model.get_submodule(n)) for n in plan.block_names]
                 tracked = track_step(step.run, model=self.model, optimizer=self.optimizer, blocks=blocks,
                                      batch=self.batch)
-            return tracked.peak_bytes, ""
+            return tracked.peak_bytes, tracked.device_max_allocated_bytes, ""
         except RuntimeError as error:  # torch.OutOfMemoryError among them: this candidate cannot run
-            return None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            return None, None, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
     def _timed(self, step: _Step, plan: Plan, clock: Clock) -> float:
         with applied(self.model, plan, batch=self.batch, offload_dir=self.offload_dir):

@@ -64,6 +64,8 @@ class Measurement:
     """Its timed steps, one per round."""
     peak_bytes: int | None = None
     """The peak of one tracked step (None: not measured)."""
+    device_peak_bytes: int | None = None
+    """CUDA: the allocator's peak over that step (None elsewhere)."""
     error: str = ""
     """Why it could not run (an exception's text), or empty."""
 
@@ -165,7 +167,7 @@ def _record(candidate: Candidate, measured: Measurement, budget: int) -> TunedCa
         name=candidate.name, segments=candidate.plan.segments, head=candidate.plan.head,
         predicted_step_ms=pred.step_ms, predicted_peak_bytes=pred.peak_bytes,
         measured_step_ms=_median(measured.step_ms), measured_peak_bytes=measured.peak_bytes,
-        rounds=len(measured.step_ms), dropped=_dropped(measured, budget),
+        device_peak_bytes=measured.device_peak_bytes, rounds=len(measured.step_ms), dropped=_dropped(measured, budget),
     )
 
 

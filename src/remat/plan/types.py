@@ -152,6 +152,9 @@ class TunedCandidate:
     """Median of its timed steps (None: never timed)."""
     measured_peak_bytes: int | None = None
     """Peak of one step under the live-storage tracker (None: not measured)."""
+    device_peak_bytes: int | None = None
+    """CUDA: ``torch.cuda.max_memory_allocated`` over that step (the allocator's view, batch and
+    cached blocks included; shown, not checked against the budget); None elsewhere."""
     rounds: int = 0
     """Timed steps it ran (one per round; the warm-up and the tracked step are not counted)."""
     dropped: str = ""
