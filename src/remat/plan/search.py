@@ -24,6 +24,7 @@ most.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ from remat.plan.chain_exact import ExactSolution, solve_exact
 from remat.plan.chain_problem import ChainBuilder, fixed_part, keep_segments
 from remat.plan.costs import clear_cost_cache
 from remat.plan.options import block_options, structure_classes
-from remat.plan.policies import clear_subset_cache, knapsack, knapsack_frontier
+from remat.plan.policies import clear_subset_cache, knapsack_frontier
 from remat.plan.predict import baseline_step_ms, keep_peak_bytes, predict
 from remat.plan.slots import SlotSearch
 from remat.plan.types import Optimality, Segment
@@ -212,20 +213,29 @@ class OptimalSearch:
                    pred.peak_bytes - self.builder.fixed.base_bytes)
 
     def uniform_knapsack_segments(self, budget_bytes: int | None) -> tuple[Segment, ...]:
-        """Knapsack on every block with the largest common byte target whose plan fits."""
+        """Knapsack on every block with the largest common byte target whose plan fits (the
+        least target, 0, when none does). Each block's frontier is built once; the targets (every
+        frontier's byte levels) are tried from the largest down, one `predict` each, until one fits."""
         if budget_bytes is None:
             raise ValueError("selective:knapsack needs a budget to size each block's saved ops; pass budget=... or --budget.")
-        targets = sorted({w for b in self.profile.blocks for w, _, _ in knapsack_frontier(b)})
-        fits = [self._knapsack_segments(t) for t in targets]
-        peaks = [predict(self.profile, segs).peak_bytes for segs in fits]
-        ok = [i for i, peak in enumerate(peaks) if peak <= budget_bytes]
-        return fits[ok[-1]] if ok else fits[0]
+        frontiers = [knapsack_frontier(b) for b in self.profile.blocks]
+        targets = sorted({w for frontier in frontiers for w, _, _ in frontier})
+        for target in reversed(targets):
+            segments = _knapsack_segments(self.profile, frontiers, target)
+            if predict(self.profile, segments).peak_bytes <= budget_bytes:
+                return segments
+        return _knapsack_segments(self.profile, frontiers, targets[0])
 
-    def _knapsack_segments(self, target: int) -> tuple[Segment, ...]:
-        return tuple(
-            Segment(start=b.index, stop=b.index + 1, strategy="selective:knapsack", saved_ops=knapsack(b, target_bytes=target))
-            for b in self.profile.blocks
-        )
+
+def _knapsack_segments(profile: Profile, frontiers: list[list[tuple[int, float, tuple[str, ...]]]],
+                       target: int) -> tuple[Segment, ...]:
+    """Each block's `knapsack` choice at ``target``: the last point of its frontier within it
+    (a frontier's times rise with its bytes)."""
+    out = []
+    for block, frontier in zip(profile.blocks, frontiers):
+        point = frontier[bisect.bisect_right([w for w, _, _ in frontier], target) - 1]
+        out.append(Segment(start=block.index, stop=block.index + 1, strategy="selective:knapsack", saved_ops=point[2]))
+    return tuple(out)
 
 
 def _choice(segments: tuple[Segment, ...], extra_ms: float, lower_bound_ms: float, quantum: int) -> Choice:
