@@ -38,6 +38,7 @@ from remat.plan.costs import clear_cost_cache
 from remat.plan.options import block_options, structure_classes
 from remat.plan.policies import clear_subset_cache, knapsack_frontier
 from remat.plan.predict import baseline_step_ms, keep_peak_bytes, predict
+from remat.plan.shared_variants import dead_variants
 from remat.plan.slots import SlotSearch
 from remat.plan.types import Optimality, Segment
 
@@ -91,6 +92,7 @@ class OptimalSearch:
         self.slots = SlotSearch(self.builder, max_slots)
         self._exact: ExactSolution | None | bool = False  # False: not tried yet
         self._least: tuple[Segment, ...] | None = None
+        self._variants: list[tuple[ChainBuilder, ExactSolution]] | None = None
 
     def options(self):
         """Per block, its non-dominated top-level options (`remat.plan.options.BlockOptions`)."""
@@ -107,9 +109,8 @@ class OptimalSearch:
         slots, the bound is the cheap one unless ``tight`` (`remat.plan.slots.SlotSearch.lower_bound`)."""
         if budget_bytes < self.builder.fixed.base_bytes:
             return None
-        exact = self.exact_solution()
-        if exact is not None:
-            return self._exact_choice(exact, budget_bytes)
+        if self.exact_solution() is not None:
+            return self._exact_choice(budget_bytes)
         return self._slot_choice(budget_bytes, tight)
 
     def optimality(self, budget_bytes: int) -> Optimality:
@@ -129,12 +130,42 @@ class OptimalSearch:
             self._exact = solve_exact(self.builder.problem(1, 0)) if eligible else None
         return self._exact  # type: ignore[return-value]
 
-    def _exact_choice(self, solution: ExactSolution, budget_bytes: int) -> Choice | None:
+    def exact_variants(self) -> list[tuple[ChainBuilder, ExactSolution]]:
+        """The byte-exact tables of the profile and of its variants with shared tensors no
+        checkpoint holds (`remat.plan.shared_variants`), each with its builder; empty where
+        `exact_solution` is None."""
+        if self._variants is None:
+            base = self.exact_solution()
+            self._variants = [] if base is None else [(self.builder, base)]
+            for variant in dead_variants(self.profile)[1:] if base is not None else ():
+                builder = ChainBuilder(variant, self.builder.joins)
+                solution = solve_exact(builder.problem(1, 0))
+                if solution is not None:
+                    self._variants.append((builder, solution))
+        return self._variants
+
+    def exact_curve(self) -> list[tuple[int, float, int]]:
+        """``(need, least extra ms, variant)`` at every breakpoint of the least time over the
+        variants (`exact_variants`), by rising need: the time-memory curve `predict` prices."""
+        points = sorted((need, cost, v) for v, (_, solution) in enumerate(self.exact_variants())
+                        for need, cost in solution.curve())
+        out: list[tuple[int, float, int]] = []
+        for need, cost, v in points:
+            if not out or cost < out[-1][1]:
+                out.append((need, cost, v))
+        return out
+
+    def _exact_segments(self, need: int, variant: int) -> tuple[Segment, ...]:
+        builder, solution = self.exact_variants()[variant]
+        return builder.segments(solution.layout(need))
+
+    def _exact_choice(self, budget_bytes: int) -> Choice | None:
         fixed = self.builder.fixed
-        needs, costs = (np.array(column) for column in zip(*solution.curve()))
+        curve = self.exact_curve()
+        needs, costs, variants = (np.array(column) for column in zip(*curve))
         fits = needs <= budget_bytes - fixed.base_bytes - fixed.grad_bytes
-        needs, bounds = needs[fits], costs[fits] - self._saving(fixed.peak_bytes(needs[fits]))
-        best = self._fastest(budget_bytes, bounds, lambda k: self.builder.segments(solution.layout(int(needs[k]))))
+        needs, variants, bounds = needs[fits], variants[fits], costs[fits] - self._saving(fixed.peak_bytes(needs[fits]))
+        best = self._fastest(budget_bytes, bounds, lambda k: self._exact_segments(int(needs[k]), int(variants[k])))
         return None if best is None else _choice(*best, lower_bound_ms=float(bounds.min()), quantum=1)
 
     def _slot_choice(self, budget_bytes: int, tight: bool) -> Choice | None:
@@ -189,16 +220,17 @@ class OptimalSearch:
     def min_peak_segments(self) -> tuple[Segment, ...]:
         """Segments with the least predicted peak over the whole plan space (exact, in bytes)."""
         if self._least is None:
-            _, layout = least_requirement(self.builder.problem(1, 0))
-            self._least = self.builder.segments(layout)
+            builders = [b for b, _ in self.exact_variants()] or [self.builder]
+            least = [least_requirement(b.problem(1, 0)) for b in builders]
+            k = min(range(len(least)), key=lambda i: (least[i][0], i))
+            self._least = builders[k].segments(least[k][1])
         return self._least
 
     def frontier_segments(self) -> list[tuple[Segment, ...]]:
         """One least-time layout per step of the time-memory curve (every breakpoint when the
         DP is exact in bytes; per slot column otherwise)."""
-        exact = self.exact_solution()
-        if exact is not None:
-            return [self.builder.segments(exact.layout(m)) for m, _ in exact.curve()]
+        if self.exact_solution() is not None:
+            return [self._exact_segments(m, v) for m, _, v in self.exact_curve()]
         solution, _ = self.slots.solve(self._keep_all_allowance(), to_keep_all=True)
         out, last = [], math.inf
         for m, cost in solution.curve():
