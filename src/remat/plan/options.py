@@ -17,6 +17,7 @@ import numpy as np
 
 from remat.measure.types import BlockProfile, Profile
 from remat.plan.costs import cost_of, has_cost, selective_prices
+from remat.plan.phases import keep_working_bytes
 from remat.plan.policies import knapsack_frontier_union, policy
 from remat.plan.types import Segment
 
@@ -77,10 +78,11 @@ def block_options(profile: Profile, index: int) -> list[Segment]:
 
 
 def structure_classes(profile: Profile) -> list[list[int]]:
-    """Blocks grouped by structure: equal op tables and bytes, times aside (`_structure_key`)."""
+    """Blocks grouped by structure: equal op tables and bytes, times aside (`_structure_key`), and
+    equal kept working sets (`remat.plan.phases.keep_working_bytes`: a forward at its place)."""
     classes: dict[tuple, list[int]] = {}
-    for i, block in enumerate(profile.blocks):
-        classes.setdefault(_structure_key(block), []).append(i)
+    for i, block in enumerate(profile.blocks):  # a kept block's forward depends on its place
+        classes.setdefault((_structure_key(block), keep_working_bytes(profile, i)), []).append(i)
     return list(classes.values())
 
 

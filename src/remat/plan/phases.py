@@ -83,17 +83,15 @@ def forward_phase_bytes(block: BlockProfile) -> int:
 
 
 def keep_working_bytes(profile: Profile, block_index: int) -> int:
-    """A kept block's working set, one number wherever the block sits (the optimal search prices
-    blocks alike in structure together): its backward's, or a bound on its forward's where that
-    is higher: the forward runs with no gradient allocated (compared with the fewest gradients
-    any block's backward counts) and with the most outputs any block leaves to the model's code
-    (``output_held_bytes``) on top. The peak of a network with few parameters, a U-Net, is often
-    the forward of its last block; `remat.plan.predict` prices each kept block's forward exactly
-    (`keep_forward_bytes`)."""
+    """A kept block's working set whatever its neighbour's strategy: its backward's, or its
+    forward's at its place where that is higher (`keep_forward_bytes` with the block before it
+    not kept: the most it can be; exact when that block is not kept or leaves nothing to the
+    model's code). The peak of a network with few parameters, a U-Net, is often the forward of its
+    last block; `remat.plan.predict` prices each kept block's forward knowing its neighbour.
+    Blocks alike in structure whose working sets differ here are priced apart
+    (`remat.plan.options.structure_classes`)."""
     block = profile.blocks[block_index]
-    held = max((b.output_held_bytes for b in profile.blocks), default=0)
-    fewest = grad_bytes_live(profile, profile.num_blocks - 1)
-    forward = forward_phase_bytes(block) + held - fewest if block.fwd_other_bytes is not None else 0
+    forward = keep_forward_bytes(profile, block_index, previous_kept=False) if block.fwd_other_bytes is not None else 0
     return max(working_bytes(block), forward)
 
 

@@ -38,7 +38,7 @@ from remat.plan.costs import clear_cost_cache
 from remat.plan.options import block_options, structure_classes
 from remat.plan.policies import clear_subset_cache, knapsack_frontier
 from remat.plan.predict import baseline_step_ms, keep_peak_bytes, predict
-from remat.plan.shared_variants import dead_variants
+from remat.plan.variants import variants
 from remat.plan.slots import SlotSearch
 from remat.plan.types import Optimality, Segment
 
@@ -132,12 +132,12 @@ class OptimalSearch:
 
     def exact_variants(self) -> list[tuple[ChainBuilder, ExactSolution]]:
         """The byte-exact tables of the profile and of its variants with shared tensors no
-        checkpoint holds (`remat.plan.shared_variants`), each with its builder; empty where
+        checkpoint holds and kept neighbours (`remat.plan.variants`), each with its builder; empty where
         `exact_solution` is None."""
         if self._variants is None:
             base = self.exact_solution()
             self._variants = [] if base is None else [(self.builder, base)]
-            for variant in dead_variants(self.profile)[1:] if base is not None else ():
+            for variant in variants(self.profile)[1:] if base is not None else ():
                 builder = ChainBuilder(variant, self.builder.joins)
                 solution = solve_exact(builder.problem(1, 0))
                 if solution is not None:

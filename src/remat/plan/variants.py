@@ -1,0 +1,129 @@
+"""Variants of the optimal search's problem: terms a chain DP cannot see, priced as
+`remat.plan.predict` prices them.
+
+Two of the prediction's terms depend on the strategies of other blocks, which a block's options
+cannot know:
+- **Shared tensors no block saves** (an attention mask, rotary tables) are live past the forward
+  only while a checkpoint of one of their takers holds them. The costs count them from their first
+  taker on whatever the plan (`remat.plan.costs`: the taker's ``entry_bytes``), a bound; the
+  prediction leaves them out of the backward of a plan in which no taker is in a recompute or
+  selective segment (`remat.plan.predict.dead_shared_bytes`).
+- **A kept block's forward** holds the output of the block before it that the model's code keeps
+  (a U-Net's skip) only when that block is not kept (`remat.plan.phases.keep_forward_bytes`); the
+  option prices the larger (`remat.plan.phases.keep_working_bytes`).
+
+The byte-exact search therefore solves one problem per combination of *choices* (`variants`):
+a group of shared tensors left dead (their takers keep or offload only; their bytes out of the
+first taker's held bytes and in the forward of it and of every block after it, live there as
+the prediction counts them), or a forward-bound block's predecessor kept (that block keeps only;
+its output then held by its own saved bytes). Each layout of the plan space is priced exactly
+in the variant of the choices it makes, and over-priced (never under) in the others, so the least
+time over the variants at each need is the exact curve. `MAX_CHOICES` choices, the most bytes
+first, get variants (2^choices problems); the others stay bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from remat.measure.types import Profile
+from remat.plan.phases import keep_forward_bytes, working_bytes
+
+__all__ = ["SharedGroup", "KeptNeighbour", "shared_groups", "kept_neighbours", "variant", "variants", "MAX_CHOICES"]
+
+MAX_CHOICES = 3
+"""Choices the exact search solves both ways: 2^3 problems at most."""
+_DEAD = "a variant of the search in which no checkpoint holds the shared tensors this block takes"
+_KEPT = "a variant of the search in which this block is kept (the next block's forward is priced so)"
+
+
+@dataclass(kw_only=True, frozen=True)
+class SharedGroup:
+    """Shared tensors no block saves, taken by the same blocks."""
+
+    takers: frozenset[int]
+    """Blocks that take them."""
+    first: int
+    """The block that counts them (its ``shared_entry_bytes``)."""
+    num_bytes: int
+    """Their bytes."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class KeptNeighbour:
+    """A block whose kept forward is the larger part of its working set and depends on whether
+    the block before it is kept."""
+
+    block: int
+    """The block whose forward it is (its predecessor is the one kept in the variant)."""
+    num_bytes: int
+    """What the predecessor's output adds to that forward when the predecessor is not kept."""
+
+
+Choice = SharedGroup | KeptNeighbour
+
+
+def shared_groups(profile: Profile) -> list[SharedGroup]:
+    """Groups of the shared tensors the costs count (``counted == "shared"``), largest first."""
+    takers: dict[int, set[int]] = {}
+    for block in profile.blocks:
+        for arg in block.inputs:
+            takers.setdefault(arg.storage, set()).add(block.index)
+    sizes: dict[tuple[frozenset[int], int], int] = {}
+    for block in profile.blocks:
+        shared = {arg.storage: arg.storage_bytes for arg in block.inputs if arg.counted == "shared"}
+        for storage, num_bytes in shared.items():
+            key = (frozenset(takers[storage]), block.index)
+            sizes[key] = sizes.get(key, 0) + num_bytes
+    groups = [SharedGroup(takers=t, first=f, num_bytes=b) for (t, f), b in sizes.items() if b > 0]
+    return sorted(groups, key=lambda g: (-g.num_bytes, g.first, sorted(g.takers)))
+
+
+def kept_neighbours(profile: Profile) -> list[KeptNeighbour]:
+    """Blocks whose kept forward, with the block before it not kept, may exceed their backward
+    (counting every shared group's bytes as a dead variant adds them), largest term first."""
+    shared = sum(g.num_bytes for g in shared_groups(profile))
+    out = []
+    for i in range(1, profile.num_blocks):
+        block, held = profile.blocks[i], profile.blocks[i - 1].output_held_bytes
+        if block.fwd_other_bytes is None or held <= 0:
+            continue
+        if keep_forward_bytes(profile, i, previous_kept=False) + shared > working_bytes(block):
+            out.append(KeptNeighbour(block=i, num_bytes=held))
+    return sorted(out, key=lambda k: (-k.num_bytes, k.block))
+
+
+def variant(profile: Profile, choices: tuple[Choice, ...]) -> Profile:
+    """``profile`` with ``choices`` made (see the module docstring)."""
+    blocks = list(profile.blocks)
+    for choice in choices:
+        if isinstance(choice, KeptNeighbour):
+            j = choice.block - 1
+            blocks[j] = dataclasses.replace(blocks[j], output_held_bytes=0, unavailable=_restricted(
+                blocks[j].unavailable, ("recompute", "selective", "offload"), _KEPT))
+            continue
+        first = blocks[choice.first]
+        blocks[choice.first] = dataclasses.replace(first, entry_bytes=first.entry_bytes - choice.num_bytes,
+                                                   shared_entry_bytes=first.shared_entry_bytes - choice.num_bytes)
+        for j in range(choice.first, len(blocks)):
+            if blocks[j].fwd_other_bytes is not None:
+                blocks[j] = dataclasses.replace(blocks[j], fwd_other_bytes=blocks[j].fwd_other_bytes + choice.num_bytes)
+        for j in sorted(choice.takers):
+            blocks[j] = dataclasses.replace(blocks[j], unavailable=_restricted(
+                blocks[j].unavailable, ("recompute", "selective"), _DEAD))
+    return dataclasses.replace(profile, blocks=tuple(blocks))
+
+
+def variants(profile: Profile) -> list[Profile]:
+    """``profile`` and its variants for every non-empty subset of its `MAX_CHOICES` largest choices."""
+    choices: list[Choice] = [*shared_groups(profile), *kept_neighbours(profile)]
+    choices = sorted(choices, key=lambda c: -c.num_bytes)[:MAX_CHOICES]
+    subsets = itertools.chain.from_iterable(itertools.combinations(choices, r) for r in range(1, len(choices) + 1))
+    return [profile, *(variant(profile, subset) for subset in subsets)]
+
+
+def _restricted(unavailable: tuple[tuple[str, str], ...], kinds: tuple[str, ...], reason: str) -> tuple[tuple[str, str], ...]:
+    names = {name for name, _ in unavailable}
+    return unavailable + tuple((kind, reason) for kind in kinds if kind not in names)
