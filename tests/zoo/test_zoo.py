@@ -15,8 +15,10 @@ from remat._batch import call_model, compute_loss
 from remat.apply.api import applied
 from remat.measure.profile import profile
 from remat.measure.types import Profile
+from remat.plan.head import head_choices, head_extra_ms, priced_profile
 from remat.plan.joins import joins
-from remat.plan.planners import pareto, plan
+from remat.plan.planners import optimal_search, pareto, plan
+from remat.plan.predict import predict
 from remat.plan.types import Plan
 from remat.verify import verify
 from zoo_models import ZOO, ZooModel, build_zoo
@@ -65,6 +67,26 @@ def test_optimal_plans_verify(name):
         assert check.grads_identical if the_plan.head == "keep" else check.ok, (label, check.grad_max_abs_diff)
         assert check.recompute_counts_match, (label, [c for c in check.op_counts if c.planned_count != c.expected_count])
         assert abs(check.peak_error_pct) <= PEAK_TOLERANCE_PCT, (label, the_plan.segments, check.peak_error_pct)
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_search_prices_every_layout_as_predict(name):
+    """The exact search's time-memory curve is `predict`'s: at every breakpoint, for every head
+    strategy, the layout's predicted peak is the need the search claimed and its extra time the
+    search's (masks no checkpoint holds, a kept block's forward after a kept block: `remat.plan.variants`);
+    every plan of `remat.pareto` is one of these layouts."""
+    _, prof, frontier = profiled(name)
+    claimed = {}
+    for head in head_choices(prof):
+        search = optimal_search(priced_profile(prof, head))
+        for need, cost_ms, variant in search.exact_curve():
+            segments = search.exact_segments(need, variant)
+            prediction = predict(prof, segments, head)
+            assert prediction.peak_bytes == int(search.builder.fixed.peak_bytes(need)), (head, segments)
+            assert prediction.extra_ms == pytest.approx(cost_ms + head_extra_ms(prof, head), rel=1e-9, abs=1e-9)
+            claimed[(head, segments)] = prediction
+    for p in frontier:
+        assert claimed[(p.head, p.segments)] == p.prediction
 
 
 def _step_loss(model: torch.nn.Module, zoo: ZooModel) -> torch.Tensor:

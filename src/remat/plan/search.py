@@ -155,7 +155,8 @@ class OptimalSearch:
                 out.append((need, cost, v))
         return out
 
-    def _exact_segments(self, need: int, variant: int) -> tuple[Segment, ...]:
+    def exact_segments(self, need: int, variant: int) -> tuple[Segment, ...]:
+        """The layout at a point ``(need, _, variant)`` of `exact_curve`."""
         builder, solution = self.exact_variants()[variant]
         return builder.segments(solution.layout(need))
 
@@ -165,7 +166,7 @@ class OptimalSearch:
         needs, costs, variants = (np.array(column) for column in zip(*curve))
         fits = needs <= budget_bytes - fixed.base_bytes - fixed.grad_bytes
         needs, variants, bounds = needs[fits], variants[fits], costs[fits] - self._saving(fixed.peak_bytes(needs[fits]))
-        best = self._fastest(budget_bytes, bounds, lambda k: self._exact_segments(int(needs[k]), int(variants[k])))
+        best = self._fastest(budget_bytes, bounds, lambda k: self.exact_segments(int(needs[k]), int(variants[k])))
         return None if best is None else _choice(*best, lower_bound_ms=float(bounds.min()), quantum=1)
 
     def _slot_choice(self, budget_bytes: int, tight: bool) -> Choice | None:
@@ -230,7 +231,7 @@ class OptimalSearch:
         """One least-time layout per step of the time-memory curve (every breakpoint when the
         DP is exact in bytes; per slot column otherwise)."""
         if self.exact_solution() is not None:
-            return [self._exact_segments(m, v) for m, _, v in self.exact_curve()]
+            return [self.exact_segments(m, v) for m, _, v in self.exact_curve()]
         solution, _ = self.slots.solve(self._keep_all_allowance(), to_keep_all=True)
         out, last = [], math.inf
         for m, cost in solution.curve():
