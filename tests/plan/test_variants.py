@@ -1,0 +1,94 @@
+"""The exact search against `predict` where a term depends on other blocks' strategies
+(`remat.plan.variants`): a mask no checkpoint holds, a kept block's forward after a kept block.
+
+Toy chains whose every layout (keep / recompute per block, nested recompute segments) is priced
+by `predict`: at every layout's own peak the plan is as fast as the fastest layout that fits, and
+every point of the search's curve is the peak and time `predict` gives its layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from remat.measure.types import BlockInput
+from remat.plan.joins import joins
+from remat.plan.planners import optimal_search, plan
+from remat.plan.predict import predict
+from remat.plan.types import Segment
+from remat.plan.variants import KeptNeighbour, SharedGroup, kept_neighbours, shared_groups
+
+from plan_space import element_tables, layouts
+from plan_toys import block, profile, replace
+
+MASK = 16
+
+
+def _mask_chain():
+    """Block 0 takes nothing shared; blocks 1 and 2 take one 16-byte mask no block saves
+    (counted at block 1): keeping both, nothing holds it in the backward."""
+    mask = BlockInput(argument="mask", storage=99, storage_bytes=MASK, source="shared", counted="shared")
+    later = replace(mask, counted="earlier")
+    blocks = [block(0, input_bytes=8, saved_bytes=40, fwd_ms=3.0),
+              replace(block(1, input_bytes=8, saved_bytes=24, fwd_ms=1.0), inputs=(mask,), entry_bytes=MASK,
+                      shared_entry_bytes=MASK),
+              replace(block(2, input_bytes=8, saved_bytes=24, fwd_ms=1.0), inputs=(later,))]
+    return profile(blocks)
+
+
+def _skip_chain():
+    """Block 1's forward (large temporaries) is its working set's larger part, and holds block 0's
+    output (8 bytes the model's code keeps) when block 0 is not kept."""
+    blocks = [replace(block(0, input_bytes=8, saved_bytes=40, fwd_ms=3.0), output_held_bytes=8, fwd_other_bytes=0),
+              replace(block(1, input_bytes=8, saved_bytes=24, fwd_ms=1.0), fwd_temp_bytes=60, fwd_other_bytes=0),
+              replace(block(2, input_bytes=8, saved_bytes=24, fwd_ms=1.0), fwd_other_bytes=0)]
+    return profile(blocks)
+
+
+def _every_layout(prof):
+    out = {}
+    for elements in layouts(element_tables(prof, joins(prof), options=False)):
+        segments = tuple(e.segment for e in elements)
+        prediction = predict(prof, segments)
+        out[segments] = (prediction.peak_bytes, prediction.step_ms)
+    return out
+
+
+def test_groups_and_neighbours_found():
+    assert shared_groups(_mask_chain()) == [SharedGroup(takers=frozenset({1, 2}), first=1, num_bytes=MASK)]
+    assert kept_neighbours(_skip_chain()) == [KeptNeighbour(block=1, num_bytes=8)]
+
+
+@pytest.mark.parametrize("make", [_mask_chain, _skip_chain])
+def test_search_curve_is_predict_and_optimal(make):
+    prof = make()
+    space = _every_layout(prof)
+    search = optimal_search(prof)
+    for need, cost_ms, variant in search.exact_curve():
+        segments = search.exact_segments(need, variant)
+        prediction = predict(prof, segments)
+        assert prediction.peak_bytes == int(search.builder.fixed.peak_bytes(need))
+        assert prediction.extra_ms == pytest.approx(cost_ms, abs=1e-12)
+    for peak in sorted({p for p, _ in space.values()}):
+        fastest = min(ms for p, ms in space.values() if p <= peak)
+        got = plan(prof, peak)
+        assert got.prediction.peak_bytes <= peak
+        assert got.prediction.step_ms == pytest.approx(fastest, abs=1e-12), peak
+
+
+def test_mask_left_out_when_no_checkpoint_holds_it():
+    """Recompute block 0, keep blocks 1 and 2: the mask is not held in the backward, and the
+    search offers that layout at its own peak (counting the mask it would not)."""
+    prof = _mask_chain()
+    layout = (_seg(0, "recompute"), _seg(1, "keep"), _seg(2, "keep"))
+    # block 2's backward: block 0's input, block 1's saved bytes, block 2's own (no mask)
+    assert predict(prof, layout).peak_bytes == 8 + 24 + 24
+    # recomputing block 1 too peaks there as well, 1 ms slower: counting the mask (72 bytes), the
+    # search would have taken it
+    slower = (_seg(0, "recompute"), _seg(1, "recompute"), _seg(2, "keep"))
+    assert predict(prof, slower).peak_bytes == 56
+    assert predict(prof, slower).extra_ms == predict(prof, layout).extra_ms + 1.0
+    assert plan(prof, 56).segments == layout
+
+
+def _seg(i, strategy):
+    return Segment(start=i, stop=i + 1, strategy=strategy)
