@@ -151,10 +151,10 @@ def optimal_search(profile: Profile) -> OptimalSearch:
 def _optimal_plan(profile: Profile, heads: tuple[str, ...], budget: int | None) -> Plan:
     """The fastest plan under ``budget`` over ``heads``: the blocks' optimal search on the
     profile priced with each head strategy (`remat.plan.head.priced_profile`), and no
-    recomputation where it fits (the search prices a few dataflow terms per block, above what
-    `predict` prices for a whole plan: a mask no block saves counts from its first taker in every
-    plan, though it is live only while a checkpoint holds it), then the least predicted step time
-    (of equal times, the lower peak)."""
+    recomputation where it fits (counting memory in slots, the search prices a few dataflow terms
+    above what `predict` prices for a whole plan: a mask no block saves counts from its first taker
+    in every plan, though it is live only while a checkpoint holds it; `remat.plan.variants`),
+    then the least predicted step time (of equal times, the lower peak)."""
     keep = _none(profile, "none", None)
     if budget is None:
         return make_plan(profile, keep, "optimal", None, head=heads[0])

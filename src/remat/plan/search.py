@@ -9,11 +9,15 @@ registry, the fixed part in one place) and solves it one of two ways:
   budget. The plan is the optimum of the byte and time model of
   `remat.plan.predict` at any budget at or above the least feasible peak: no layout of the space
   (keep / selective / offload per block, recompute segments nested to any depth) that fits is
-  predicted faster. `Optimality.quantum_bytes` is 1.
+  predicted faster. `Optimality.quantum_bytes` is 1. Terms that depend on other blocks'
+  strategies (a mask no checkpoint holds, a kept forward after a kept block) are priced exactly by
+  solving one problem per combination of them (`remat.plan.variants`, at most 2^3): every point
+  of the curve (`exact_curve`) is the peak and time `predict` gives its layout.
 - in slots (`remat.plan.slots`) otherwise: the plan fits, its distance from the optimum is bounded
   and reported (`Optimality`), and the layouts rounding could lose at the ends are checked with
   `predict` too (keeping every block, the least-peak layout): every budget at or above the least
   feasible peak gets a plan, and a budget that keeping everything fits gets no recomputation.
+  The terms `remat.plan.variants` prices exactly stay bounds here (counted as if held).
 
 Of the points of the time-memory curve up to the budget the search takes the one whose extra time
 less the fresh memory its lower peak no longer faults in (`remat.plan.predict.fresh_memory`) is
