@@ -230,3 +230,18 @@ def test_zoo_benchmark_measures_hugging_face_checkpointing() -> None:
 
     model = zoo.build_zoo("bert")
     assert zoo.step_peak_bytes(model, hf_checkpointing=True) < zoo.step_peak_bytes(model, hf_checkpointing=False)
+
+
+def test_zoo_planning_benchmark_on_the_unet(tmp_path, monkeypatch) -> None:
+    from benchmarks import zoo_planning
+
+    row = zoo_planning.measure("unet", rounds=1)
+    assert row["model"] == "unet" and row["blocks"] == 5 and row["frontier_plans"] >= 2
+    assert all(0.0 <= row[c] < 5.0 for c in zoo_planning.COLUMNS)
+    text = zoo_planning.markdown([row], rounds=1)
+    assert text.startswith("| model | blocks | frontier plans | pareto: CPU s |") and "| unet | 5 |" in text
+    monkeypatch.setattr(zoo_planning, "measure", lambda name, rounds: row)
+    monkeypatch.setattr(sys, "argv", ["zoo_planning", "--models", "unet", "--rounds", "1", "--markdown", str(tmp_path / "p.md")])
+    zoo_planning.main()
+    # the last line carries the load average, which moves between the two calls
+    assert (tmp_path / "p.md").read_text().splitlines()[:-1] == text.splitlines()[:-1]
