@@ -47,6 +47,7 @@ def estimate_command(
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="sgd, sgd-momentum, adam, adamw, adafactor, adam8bit, none (default: a file model's own optimizer, else adamw)."),
     mfu: float = typer.Option(0.4, "--mfu", help="Share of peak FLOP/s the kernels reach (0.4 = 40%)."),
     network_gbps: Optional[float] = typer.Option(None, "--network-gbps", help="Between nodes, per GPU, one direction, in Gb/s (default: the device's, else 400)."),
+    head: Optional[str] = typer.Option(None, "--head", help="LM head and loss: keep (default, as the model runs it), recompute, chunked or chunked:N (N tokens per chunk). --search: tries keep and chunked unless given."),
     explicit_attention: bool = typer.Option(False, "--explicit-attention", help="HF eager attention (scores materialized) instead of SDPA."),
     cpu_kernels: bool = typer.Option(False, "--cpu-kernels", help="Trace the CPU's kernels (no FlashAttention, dropout masks in the activation dtype)."),
     context_mib: int = typer.Option(512, "--context-mib", help="Allowance: CUDA context, kernels, NCCL (MiB)."),
@@ -76,7 +77,7 @@ def estimate_command(
                        zero_stage=_zero(zero, distributed_optimizer))
         if search:
             _search(source, device, devices_file, seq=seq, gpus=gpus, global_batch=global_batch, top=top,
-                    as_json=as_json, **options)
+                    as_json=as_json, head=head, **options)
             return
         from remat.estimate import Parallelism, estimate
 
@@ -86,7 +87,7 @@ def estimate_command(
         with console.status("tracing one training step on the meta device..."):
             result = estimate(source, devices=device, devices_file=str(devices_file) if devices_file else None,
                               micro_batch=micro_batch, seq_len=seq, world_size=world_size,
-                              grad_accumulation_steps=grad_accum, parallelism=layout, **options)
+                              grad_accumulation_steps=grad_accum, parallelism=layout, head=head or "keep", **options)
     except (ValueError, TypeError, FileNotFoundError) as error:
         raise fail(str(error)) from None
     if as_json:
@@ -105,7 +106,7 @@ def _zero(zero: int, distributed_optimizer: bool) -> int:
 
 
 def _search(source, device: list[str], devices_file: Optional[Path], *, seq: int, gpus: Optional[int],
-            global_batch: int, top: int, as_json: bool, **options) -> None:
+            global_batch: int, top: int, as_json: bool, head: Optional[str], **options) -> None:
     from remat.estimate.devices import resolve_devices
     from remat.estimate.fastest import search_source
 
@@ -115,7 +116,8 @@ def _search(source, device: list[str], devices_file: Optional[Path], *, seq: int
         raise ValueError(f"--search prices one device kind at a time, got {len(device)} (--device {' --device '.join(device)}).")
     spec = resolve_devices(device, str(devices_file) if devices_file else None)[0]
     with console.status(f"searching layouts of {gpus} x {spec.name}..."):
-        found = search_source(source, spec, gpus=gpus, global_batch=global_batch, seq_len=seq, top=top, **options)
+        found = search_source(source, spec, gpus=gpus, global_batch=global_batch, seq_len=seq, top=top, head=head,
+                              **options)
     if as_json:
         from remat._serialize import to_dict
 

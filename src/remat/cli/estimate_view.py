@@ -38,6 +38,7 @@ def render(result) -> None:
         f"outside layers: saved {result.fixed_saved_bytes / MIB:.1f} MiB; "
         f"{result.train_flops / 1e12:.1f} TFLOP per micro-batch (forward + backward) on the busiest GPU"
     )
+    console.print(head_line(result))
     a = result.allowance
     console.print(
         f"allowance: context {a.context_bytes / MIB:.0f} MiB + workspaces {a.workspace_bytes / MIB:.0f} MiB "
@@ -52,6 +53,16 @@ def render(result) -> None:
                 console.print(f"[yellow]{row.strategy}[/]: {row.diagnosis}")
                 if row.diagnosis.startswith(f"On {dev.device.name}, model state"):
                     break  # the same words for every strategy
+
+
+def head_line(result) -> str:
+    """The head strategy priced and what each would hold and peak at on one GPU of the last stage."""
+    if not result.head_bytes:
+        return f"LM head: priced as traced ({result.head_note or 'no head part'})"
+    parts = "; ".join(f"{h.strategy} {_gib(h.post_peak_bytes)}" for h in result.head_bytes)
+    keep = result.head_bytes[0]
+    return (f"LM head: {result.head} (logits {_gib(keep.logits_bytes)} GiB per GPU); peak of the part after the "
+            f"layers per micro-batch, GiB: {parts} (--head)")
 
 
 def state_line(dev) -> str:
@@ -99,11 +110,11 @@ def render_search(found, spec, *, gpus: int, global_batch: int, seq_len: int) ->
                       "smaller global batch per step.")
         return
     table = Table(show_edge=False, caption=STEP_MODEL)
-    for name in ("#", "layout", "ZeRO", "mb", "m", "strategy", "peak GiB", "step s", "tokens/s/GPU", "MFU"):
+    for name in ("#", "layout", "ZeRO", "mb", "m", "strategy", "head", "peak GiB", "step s", "tokens/s/GPU", "MFU"):
         table.add_column(name, justify="left" if name in ("layout", "strategy") else "right")
     for i, c in enumerate(found, 1):
         table.add_row(str(i), c.parallelism.describe(), str(c.zero_stage), str(c.micro_batch), str(c.micro_batches),
-                      c.strategy, _gib(c.peak_bytes), f"{c.step_s:.2f}", f"{c.tokens_per_s_per_gpu:,.0f}",
+                      c.strategy, c.head, _gib(c.peak_bytes), f"{c.step_s:.2f}", f"{c.tokens_per_s_per_gpu:,.0f}",
                       f"{c.mfu:.1%}")
     console.print(table)
 

@@ -23,9 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from remat.estimate.devices import resolve_devices
+from remat.estimate.head import check_head
 from remat.estimate.parallel import Parallelism
 from remat.estimate.pricing import Pricing
-from remat.estimate.results import DeviceEstimate
+from remat.estimate.results import DeviceEstimate, HeadEstimate
 from remat.estimate.sharding import StateRecipe, check_layers, gpu_state
 from remat.estimate.sources import ModelSource, as_source
 from remat.estimate.strategies import STRATEGY_NAMES
@@ -86,6 +87,13 @@ class Estimate:
     """Forward + backward FLOPs of one micro-batch on the GPU of the busiest stage (no recomputation)."""
     devices: tuple[DeviceEstimate, ...]
     """One entry per device asked, in order."""
+    head: str = "keep"
+    """The head strategy priced on the last stage (``chunked`` resolved to its chunk size)."""
+    head_bytes: tuple[HeadEstimate, ...] = ()
+    """Per GPU of the last stage, per micro-batch: ``keep``, ``recompute``, ``chunked`` at its default
+    chunk and the strategy asked (empty: the model has no head part to price)."""
+    head_note: str = ""
+    """Why there is no head part to price (when ``head_bytes`` is empty)."""
 
 
 def precision_name(dtype: str, master_weights: bool) -> str:
@@ -116,6 +124,7 @@ def estimate(
     parallelism: Parallelism | None = None,
     fp32_grads: bool = False,
     network_bytes_per_s: float | None = None,
+    head: str = "keep",
 ) -> Estimate:
     """Estimate memory and step time of one training step per GPU, device and strategy, without a GPU.
 
@@ -129,9 +138,13 @@ def estimate(
     16-bit training. ``fp32_grads``: fp32 gradients (Megatron-LM's ``main_grad``).
     ``foreach_optimizer``: count the temporaries of PyTorch's foreach Adam step (default: a
     fused step, which has none). ``network_bytes_per_s``: between nodes, per GPU, one direction.
+    ``head``: how the LM head and loss run on the last stage (`remat.estimate.head`): ``keep`` (what
+    the model does), ``recompute``, ``chunked`` (chunks sized as `remat.estimate.head.default_chunk_tokens`)
+    or ``chunked:<tokens>``.
     """
     source = as_source(source)
     _check_args(micro_batch, seq_len, mfu, grad_accumulation_steps, strategies)
+    check_head(head)
     check_sharding(world_size, zero_stage)
     par = _layout(parallelism, world_size, grad_accumulation_steps)
     if optimizer is not None:
@@ -143,7 +156,8 @@ def estimate(
     check_layout(traced, par, seq_len)
     setup = Pricing(traced=traced, micro_batch=micro_batch, micro_batches=grad_accumulation_steps, recipe=recipe,
                     parallelism=par, mfu=mfu, allowance=allowance or Allowance(), strategies=tuple(strategies),
-                    network_bytes_per_s=network_bytes_per_s, foreach_optimizer=foreach_optimizer)
+                    network_bytes_per_s=network_bytes_per_s, foreach_optimizer=foreach_optimizer, head=head)
+    setup.head_on_gpu(micro_batch)  # refuses a head strategy the model has no head for
     return _answer(setup, specs, seq_len=seq_len, dtype=dtype)
 
 
@@ -162,7 +176,14 @@ def _answer(setup: Pricing, specs: Sequence, *, seq_len: int, dtype: str) -> Est
         fixed_saved_bytes=int(stages[0].pre_bytes + stages[-1].post_saved_bytes),
         train_flops=int(max(3 * (sum(x.fwd_flops for x in s.layers) + s.post_flops) for s in stages)),
         devices=tuple(setup.on_device(spec) for spec in specs),
+        head=_head_name(setup), head_bytes=setup.head_estimates(("keep", "recompute", "chunked", setup.head)),
+        head_note=traced.head_note,
     )
+
+
+def _head_name(setup: Pricing) -> str:
+    on = setup.head_on_gpu(setup.micro_batch)
+    return "keep" if on is None else on.strategy
 
 
 def _layout(parallelism: Parallelism | None, world_size: int, micro_batches: int) -> Parallelism:

@@ -8,7 +8,9 @@ parallelism c, expert parallelism e (MoE models), data parallelism d = N / (t p 
 (1 = Megatron-LM's distributed optimizer, 3 = FSDP), micro-batch b with ``m = G / (d b)``
 micro-batches per step for a global batch of G sequences; and per layout every recomputation
 strategy (`remat.estimate.strategies`: none, selective, full and the optimal per-layer mix with
-offload). It keeps the fastest strategy that fits per layout and returns the fastest layouts.
+offload), with the head and loss kept as the model runs them or chunked (`remat.estimate.head`:
+``chunked`` at its default chunk; one more projection in the backward, the full logits never
+held). It keeps the fastest strategy and head that fit per layout and returns the fastest layouts.
 
 Step time is the model of `remat.estimate.pricing`: ``m`` micro-batches of (forward + backward +
 replayed FLOPs) / (MFU x peak FLOP/s) plus the communication of `remat.estimate.comms` at the
@@ -25,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from remat.estimate.devices import DeviceSpec, resolve_devices
+from remat.estimate.head import check_head, head_candidates
 from remat.estimate.parallel import Parallelism
 from remat.estimate.pricing import Pricing
 from remat.estimate.sharding import StateRecipe
@@ -90,6 +93,8 @@ class Candidate:
     """Global batch tokens / step time / GPUs."""
     mfu: float
     """Model FLOPs of the step (forward + backward, no recomputation) / (step time x GPUs x peak)."""
+    head: str = "keep"
+    """How the head and loss run (`remat.estimate.head`)."""
 
 
 def layouts(space: SearchSpace, traced: Traced, gpus_per_node: int) -> Iterator[tuple[Parallelism, int, int]]:
@@ -132,8 +137,10 @@ def _batches(space: SearchSpace, par: Parallelism, layers: int) -> Iterator[tupl
 
 
 def search(traced: Traced, spec: DeviceSpec, space: SearchSpace, *, recipe: StateRecipe, mfu: float,
-           allowance: Allowance, network_bytes_per_s: float | None = None, top: int = 5) -> list[Candidate]:
-    """The ``top`` fastest layouts of ``space`` that fit ``spec``, fastest first (module docstring)."""
+           allowance: Allowance, network_bytes_per_s: float | None = None, top: int = 5,
+           heads: tuple[str, ...] | None = None) -> list[Candidate]:
+    """The ``top`` fastest layouts of ``space`` that fit ``spec``, fastest first (module docstring);
+    ``heads``: the head strategies tried (default `remat.estimate.head.head_candidates`)."""
     if not traced.scalable:
         raise ValueError(f"search varies the micro-batch; {traced.label} is a file model with a fixed batch. "
                          "Estimate it with fixed options instead, or build it from sizes (--model, --hf, --config).")
@@ -145,17 +152,32 @@ def search(traced: Traced, spec: DeviceSpec, space: SearchSpace, *, recipe: Stat
                               parallelism=par, mfu=mfu, allowance=allowance, strategies=STRATEGY_NAMES,
                               network_bytes_per_s=network_bytes_per_s)
             bound = found[top - 1].step_s if len(found) >= top else math.inf
-            best = _fastest(pricing, spec, budget, bound)
+            best = _fastest_head(pricing, heads or head_candidates(traced.head), spec, budget, bound)
             if best is not None:
-                found = sorted([*found, _candidate(pricing, spec, space, *best)], key=lambda c: c.step_s)
+                found = sorted([*found, _candidate(best[0], spec, space, *best[1:])], key=lambda c: c.step_s)
     return found[:top]
 
 
+def _fastest_head(pricing: Pricing, heads: tuple[str, ...], spec: DeviceSpec, budget: int, bound: float):
+    """(pricing with its head, strategy label, peak, step s) of the fastest head and strategy that
+    fit, None when none does or beats ``bound``; a head that fits with no recomputation ends the
+    search (the heads come fastest first: keep, then chunked)."""
+    best = None
+    for head in heads:
+        priced = replace(pricing, head=head)
+        one = _fastest(priced, spec, budget, bound if best is None else min(bound, best[3]))
+        if one is not None and (best is None or one[2] < best[3]):
+            best = (priced, *one[:3])
+            if one[3] == "none":
+                break
+    return best
+
+
 def _fastest(pricing: Pricing, spec: DeviceSpec, budget: int, bound: float):
-    """(strategy label, peak, step s) of the fastest strategy that fits, None when none does or
-    when it cannot beat ``bound``: every strategy adds time to no recomputation (replays, transfers;
-    more backward hides no more data-parallel traffic than it adds), so ``none``'s step is a
-    lower bound, and when ``none`` fits it is the fastest."""
+    """(strategy label, peak, step s, strategy name) of the fastest strategy that fits, None when
+    none does or when it cannot beat ``bound``: every strategy adds time to no recomputation
+    (replays, transfers; more backward hides no more data-parallel traffic than it adds), so
+    ``none``'s step is a lower bound, and when ``none`` fits it is the fastest."""
     if any(pricing.state(k).total_bytes > budget for k in pricing.stage_indices()):
         return None
     best = None
@@ -165,7 +187,7 @@ def _fastest(pricing: Pricing, spec: DeviceSpec, budget: int, bound: float):
             return None
         peak = max(p.peak_bytes for p in priced.peaks)
         if peak <= budget and (best is None or priced.time.total_s < best[2]):
-            best = (_label(priced.choices), int(peak), priced.time.total_s)
+            best = (_label(priced.choices), int(peak), priced.time.total_s, name)
             if name == "none":
                 return best
     return best
@@ -182,7 +204,13 @@ def _candidate(pricing: Pricing, spec: DeviceSpec, space: SearchSpace, label: st
     return Candidate(parallelism=pricing.parallelism, zero_stage=pricing.recipe.zero_stage,
                      micro_batch=pricing.micro_batch, micro_batches=pricing.micro_batches, strategy=label,
                      peak_bytes=peak, step_s=step_s, tokens_per_s_per_gpu=tokens / step_s / space.gpus,
+                     head=_head_name(pricing),
                      mfu=model_flops(pricing.traced) * space.global_batch / (step_s * space.gpus * spec.peak_bf16_flops_per_s))
+
+
+def _head_name(pricing: Pricing) -> str:
+    on = pricing.head_on_gpu(pricing.micro_batch)
+    return "keep" if on is None else on.strategy
 
 
 def model_flops(traced: Traced) -> float:
@@ -197,20 +225,26 @@ def search_source(source: ModelSource | str, device: str | DeviceSpec, *, gpus: 
                   top: int = 5, dtype: str = "bf16", master_weights: bool = True, optimizer: str | None = None,
                   mfu: float = 0.4, allowance: Allowance | None = None, gpu_kernels: bool = True,
                   fp32_grads: bool = False, zero_stage: int = 0, network_bytes_per_s: float | None = None,
-                  devices_file: str | None = None) -> list[Candidate]:
+                  devices_file: str | None = None, head: str | None = None) -> list[Candidate]:
     """Trace ``source`` and `search` the layouts of ``gpus`` x ``device`` for ``global_batch``
     sequences of ``seq_len`` tokens per step (``zero_stage`` above 0 searches only that stage,
-    else ZeRO-1 and ZeRO-3); the fastest ``top`` that fit, fastest first."""
+    else ZeRO-1 and ZeRO-3; ``head`` given: only that head strategy, else keep and chunked); the
+    fastest ``top`` that fit, fastest first."""
     spec = device if isinstance(device, DeviceSpec) else resolve_devices([device], devices_file)[0]
     space = SearchSpace(gpus=gpus, global_batch=global_batch, seq_len=seq_len,
                         zero=(zero_stage,) if zero_stage else _ZERO)
     if optimizer is not None:
         optimizer_layout(optimizer)
+    if head is not None:
+        check_head(head)
     traced = trace_source(as_source(source), seq_len=seq_len, dtype=dtype, gpu_kernels=gpu_kernels)
     recipe = StateRecipe(optimizer=optimizer or traced.optimizer_name or "adamw",
                          precision=precision_name(dtype, master_weights), zero_stage=space.zero[0], fp32_grads=fp32_grads)
+    if head not in (None, "keep") and traced.head is None:
+        raise ValueError(f"head strategy {head!r} needs an LM head remat can price, and {traced.label} has none "
+                         f"({traced.head_note}); search with head 'keep' or without --head.")
     return search(traced, spec, space, recipe=recipe, mfu=mfu, allowance=allowance or Allowance(),
-                  network_bytes_per_s=network_bytes_per_s, top=top)
+                  network_bytes_per_s=network_bytes_per_s, top=top, heads=(head,) if head else None)
 
 
 __all__ = ["Candidate", "SearchSpace", "layouts", "model_flops", "search", "search_source"]

@@ -28,9 +28,10 @@ from functools import cached_property
 from remat.estimate.comms import Network, bubble_s, data_parallel_s
 from remat.estimate.devices import DeviceSpec
 from remat.estimate.explain import explain_activation_overflow, explain_state_overflow
+from remat.estimate.head import HeadOnGpu
 from remat.estimate.layers import LayerOnGpu, on_gpu, per_gpu
 from remat.estimate.parallel import Parallelism
-from remat.estimate.results import DeviceEstimate, StepTime, StrategyEstimate
+from remat.estimate.results import DeviceEstimate, HeadEstimate, StepTime, StrategyEstimate
 from remat.estimate.sharding import StateRecipe, gpu_state, largest_unit, part_grad_bytes, stage_layers
 from remat.estimate.shares import Segment, Split, untokenized
 from remat.estimate.stage import Rates, Stage, StagePeak, StageTime, stage_peak, stage_time
@@ -72,6 +73,9 @@ class Pricing:
     """Between nodes, per GPU, one direction (None: the device's, else `DEFAULT_NETWORK_BYTES_PER_S`)."""
     foreach_optimizer: bool = False
     """Count the temporaries of PyTorch's foreach Adam step (default: a fused step, none)."""
+    head: str = "keep"
+    """How the head runs on the last stage (`remat.estimate.head`): ``keep``, ``recompute``,
+    ``chunked`` or ``chunked:<tokens>``."""
 
     # -- the stages ------------------------------------------------------------------------
     def split(self, micro_batch: int) -> Split:
@@ -110,17 +114,66 @@ class Pricing:
         kinds = [self.traced.layer_kinds[i] for i in stage_layers(self.traced.num_layers, par.pipeline, index)]
         by_kind = {k: self.layer(micro_batch, k) for k in set(kinds)}
         first, last = index == 0, index == par.pipeline - 1
-        post = _divided(split.per_token.post, split.constant.post, par)
+        post = self._post(micro_batch) if last else (0.0, 0.0, 0.0, 0.0)
         layers = tuple(by_kind[k] for k in kinds)
         return Stage(
             index=index, first=first, last=last, state=self.state(index), layers=layers,
             pre_bytes=_divided(split.per_token.pre, split.constant.pre, par)[0] if first else 0.0,
             post_saved_bytes=post[0] if last else 0.0, post_working_bytes=post[1] if last else 0.0,
-            post_flops=post[2] if last else 0.0,
+            post_flops=post[2] if last else 0.0, post_replay_flops=post[3],
             in_flight=par.in_flight(self.micro_batches) if first else 1.0,
             buffer_bytes=2 * layers[-1].hidden_bytes / par.sequence_divisor if par.pipeline > 1 and layers else 0.0,
             optimizer_temp_bytes=self._step_temp_bytes(self.state(index)), **self._grads(index),
         )
+
+    def _post(self, micro_batch: int) -> tuple[float, float, float, float]:
+        """(saved bytes, working bytes, FLOPs, replayed FLOPs) of the part after the layers on one
+        GPU: the traced part divided by the layout, with the head priced by its byte model under
+        ``self.head`` (`remat.estimate.head`: rest + held, and rest + the head's peak)."""
+        split, par = self.split(micro_batch), self.parallelism
+        saved, working, flops = _divided(split.per_token.post, split.constant.post, par)
+        on = self.head_on_gpu(micro_batch)
+        if on is None:
+            return saved, working, flops, 0.0
+        rest = self.rest_on_gpu(micro_batch)
+        return rest + on.held_bytes, on.peak_bytes - on.held_bytes, flops, float(on.replay_flops)
+
+    def rest_on_gpu(self, micro_batch: int) -> float:
+        """The rest of the part after the layers (a final norm) on one GPU: whole, per token."""
+        par = self.parallelism
+        return self._rest_bytes(micro_batch) / (par.sequence_divisor * par.context)
+
+    def head_estimates(self, heads: tuple[str, ...]) -> tuple[HeadEstimate, ...]:
+        """Each of ``heads`` on one GPU of the last stage at the micro-batch (none without a head part)."""
+        b = self.micro_batch
+        if self.head_on_gpu(b, "keep") is None:
+            return ()
+        out: dict[str, HeadEstimate] = {}
+        for name in heads:
+            on = self.head_on_gpu(b, name)
+            out.setdefault(on.strategy, HeadEstimate(
+                strategy=on.strategy, logits_bytes=on.logits_bytes, held_bytes=int(on.held_bytes),
+                fwd_peak_bytes=int(on.fwd_peak_bytes), bwd_peak_bytes=int(on.bwd_peak_bytes),
+                post_peak_bytes=int(self.rest_on_gpu(b) + on.peak_bytes), replay_flops=on.replay_flops))
+        return tuple(out.values())
+
+    def _rest_bytes(self, micro_batch: int) -> float:
+        """What the part after the layers saves besides the model's own head (a final norm), whole model."""
+        post = self.split(micro_batch).per_token.post.saved.total + self.split(micro_batch).constant.post.saved.total
+        return post - self.traced.head.model_saved_bytes(micro_batch)
+
+    def head_on_gpu(self, micro_batch: int, head: str | None = None) -> HeadOnGpu | None:
+        """The head under ``head`` (default ``self.head``) on one GPU of the last stage; None when
+        the model has none to price, or when its traced part after the layers saves less than the
+        model's own head would (a head the byte model does not describe: priced as traced)."""
+        name = self.head if head is None else head
+        if self.traced.head is None or self._rest_bytes(micro_batch) < 0:
+            if name != "keep":
+                raise ValueError(f"head strategy {name!r} needs an LM head remat can price, and {self.traced.label} "
+                                 f"has none ({self.traced.head_note or 'its head saves other tensors than the model of a projection and token cross-entropy'}); "
+                                 "estimate it with head 'keep'.")
+            return None
+        return self.traced.head.on_gpu(name, micro_batch, self.parallelism)
 
     def _grads(self, index: int) -> dict:
         """Per-layer and pre-part gradient bytes when gradients appear as the backward makes them:
@@ -209,7 +262,8 @@ class Pricing:
             strategy=name, plan_strategy=choice.label, fits=peak.peak_bytes <= budget,
             peak_bytes=int(peak.peak_bytes), allowance_bytes=self.allowance.bytes_for(int(peak.peak_bytes)),
             activation_bytes=int(peak.peak_bytes - state), peak_phase=peak.phase,
-            recompute_flops=int(sum(c.extra_flops for c in choice.costs)), step_s=priced.time.total_s,
+            recompute_flops=int(sum(c.extra_flops for c in choice.costs) + (stage.post_replay_flops if stage.last else 0)),
+            step_s=priced.time.total_s,
             max_micro_batch=self.max_micro_batch(spec, name, budget) if self.traced.scalable else None,
             peak_stage=stage.index, layer_retained_bytes=int(_mean(c.retained_bytes for c in choice.costs)),
             held_bytes=int(peak.held_bytes), working_bytes=int(peak.working_bytes), time=priced.time,

@@ -71,6 +71,26 @@ class StrategyEstimate:
 
 
 @dataclass(kw_only=True, frozen=True)
+class HeadEstimate:
+    """One head strategy on one GPU of the last pipeline stage, per micro-batch (`remat.estimate.head`)."""
+
+    strategy: str
+    """``keep``, ``recompute`` or ``chunked:<tokens>``."""
+    logits_bytes: int
+    """The rank's logits in the dtype the loss runs in."""
+    held_bytes: int
+    """Held from the head's forward to its backward, the hidden states included."""
+    fwd_peak_bytes: int
+    """Peak of the head's forward, from the hidden states on."""
+    bwd_peak_bytes: int
+    """Peak of the head's backward, the weight's gradient included."""
+    post_peak_bytes: int
+    """Peak of the whole part after the layers (final norm and head) on top of what the layers hold."""
+    replay_flops: int
+    """FLOPs run again in the backward (one more projection for ``recompute`` and ``chunked``)."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class DeviceEstimate:
     """All strategies on one device."""
 

@@ -67,6 +67,8 @@ class Stage:
     """Gradient bytes of each layer on this GPU (empty: every gradient live the whole step)."""
     pre_grad_bytes: float = 0.0
     """Gradient bytes of the parts before the layers (made last, after every layer's backward)."""
+    post_replay_flops: float = 0.0
+    """FLOPs the head strategy runs again in the backward (last stage; `remat.estimate.head`)."""
 
     def grads_live(self, layer: int | None) -> float:
         """Gradient bytes live when the backward of ``layer`` starts (None: the head's)."""
@@ -159,7 +161,7 @@ def stage_time(stage: Stage, costs: Sequence[LayerCost], rates: Rates, *, par: P
     """One micro-batch through ``stage`` with layer ``i`` under ``costs[i]`` (module docstring)."""
     flops = sum(layer.fwd_flops for layer in stage.layers) + (stage.post_flops if stage.last else 0.0)
     forward = flops / rates.flops_per_s
-    extra = sum(extra_s(c, rates) for c in costs)
+    extra = sum(extra_s(c, rates) for c in costs) + (stage.post_replay_flops / rates.flops_per_s if stage.last else 0.0)
     core = 3 * sum(layer.core_flops for layer in stage.layers) / rates.flops_per_s
     comm = micro_batch_comm_s(stage.layers, costs, par, net, facts, core)
     return StageTime(compute_s=3 * forward + extra, comm_s=comm, backward_s=2 * forward + extra)

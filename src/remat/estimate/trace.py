@@ -34,6 +34,7 @@ from remat.estimate.comms import ModelFacts
 from remat.estimate.dataflow import Classified, classify
 from remat.estimate.kernels import GpuKernels, no_packed_sequence_check
 from remat.estimate.shares import Flow, Split, split_by_tokens, untokenized
+from remat.estimate.head import TracedHead, find_traced_head
 from remat.estimate.sharding import ModelParams, RoleShapes
 from remat.estimate.sources import ModelSource, build_hf_on_meta, hf_batch, hf_config, num_layers
 from remat.measure.blocks import find_blocks
@@ -89,6 +90,11 @@ class Traced:
     """True when the trace already covers every layer (a file model): nothing is copied."""
     optimizer_name: str | None = None
     """The table name of the optimizer the model came with (a file model's), else None."""
+    head: TracedHead | None = None
+    """The LM head and loss after the layers, priced by its byte model (`remat.estimate.head`);
+    None: the part after the layers is priced as traced."""
+    head_note: str = ""
+    """Why the model has no head part to price (when ``head`` is None)."""
     _traces: dict[int, tuple[Profile, Classified]] = field(default_factory=dict, repr=False, compare=False)
 
     def _trace(self, micro_batch: int) -> tuple[Profile, Classified]:
@@ -238,14 +244,15 @@ def _tracer(model: nn.Module, batch_at: Callable[[int], Any], loss_fn: Any, fuse
 
 
 def _describe(label: str, model: nn.Module, tracer: Callable[[int], tuple[Profile, Classified]],
-              kinds: tuple[int, ...], **extra: Any) -> Traced:
+              kinds: tuple[int, ...], seq_len: int | None, **extra: Any) -> Traced:
     blocks = find_blocks(model)
+    head, note = find_traced_head(model, seq_len)
     last = blocks[-1][1]
     return Traced(
         label=label, tracer=tracer, num_layers=len(kinds), layer_kinds=kinds,
         layer_names=tuple(name for name, _ in blocks), param_shapes=_unique_shapes(model),
         fixed_buffer_bytes=_buffer_bytes(model) - len(blocks) * _buffer_bytes(last),
-        block_buffer_bytes=_buffer_bytes(last), **extra,
+        block_buffer_bytes=_buffer_bytes(last), head=head, head_note=note, **extra,
     )
 
 
@@ -293,7 +300,7 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
     batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len)  # noqa: E731
     tracer = _tracer(model, batch_at, None, fused, getattr(config, "base_model_tp_plan", None))
     facts, shape = _hf_facts(config)
-    return _describe(source.label, model, tracer, kinds, facts=facts, shape=shape)
+    return _describe(source.label, model, tracer, kinds, seq_len, facts=facts, shape=shape)
 
 
 def _trace_builtin(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: int, fused: bool) -> Traced:
@@ -325,7 +332,7 @@ def _trace_builtin(source: ModelSource, *, seq_len: int, dtype: torch.dtype, lay
 
     heads = int(sizes.get("num_heads", known.get("num_heads", 0)) or 0)
     return _describe(source.builtin, make(1).model, trace, (traced - 1,) * full,
-                     shape=ModelShape(heads=heads, kv_heads=heads))
+                     seq_len if "seq_len" in known else None, shape=ModelShape(heads=heads, kv_heads=heads))
 
 
 def _cast_batch(batch: Any, dtype: torch.dtype) -> Any:
@@ -349,7 +356,7 @@ def _trace_file(source: ModelSource, dtype: torch.dtype, fused: bool) -> Traced:
     tracer = _tracer(built.model, lambda _: batch, built.loss_fn, fused, None)
     count = len(find_blocks(built.model))
     optimizer = optimizer_name_of(built.optimizer) if built.optimizer is not None else None
-    return _describe(source.file, built.model, tracer, tuple(range(count)), whole=True, optimizer_name=optimizer)
+    return _describe(source.file, built.model, tracer, tuple(range(count)), None, whole=True, optimizer_name=optimizer)
 
 
 __all__ = ["DTYPES", "ModelShape", "TRACED_MICRO_BATCHES", "Traced", "check_alike", "dtype_of", "hf_layer_kinds",

@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["HeadShape", "HeadBytes", "head_bytes", "keep_bytes", "recompute_bytes", "chunked_bytes",
+__all__ = ["HeadShape", "HeadBytes", "head_bytes", "keep_bytes", "keep_saved_bytes", "recompute_bytes", "chunked_bytes",
            "projection_flops", "logits_bytes", "FORMULAS"]
 
 LABEL_BYTES = 8
@@ -138,6 +138,12 @@ def keep_bytes(shape: HeadShape) -> HeadBytes:
         moments.append(s.hidden_bytes + 2 * s.weight_bytes)
     return HeadBytes(held_bytes=s.hidden_bytes + s.shifted_bytes + logits * r + 2 * r, fwd_peak_bytes=forward,
                      bwd_peak_bytes=s.hidden_bytes + 2 * r + max(moments))
+
+
+def keep_saved_bytes(shape: HeadShape) -> int:
+    """What autograd saves under keep: what it holds less the loss itself (``T H p + shifted + L r + r``:
+    the hidden states, the shifted labels, the log-probabilities and nll_loss's total weight)."""
+    return keep_bytes(shape).held_bytes - shape.loss_bytes
 
 
 def recompute_bytes(shape: HeadShape) -> HeadBytes:
