@@ -62,3 +62,20 @@ def test_table_output_and_errors(tmp_path) -> None:
     assert both.exit_code == 2 and "--distributed-optimizer is ZeRO-1" in both.output
     no_gpus = runner.invoke(app, GPT + ["--search"])
     assert no_gpus.exit_code == 2 and "--search needs the number of GPUs" in no_gpus.output
+
+
+def test_head_option() -> None:
+    result = runner.invoke(app, GPT + ["--head", "chunked:4", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["head"] == "chunked:4"
+    heads = {h["strategy"]: h for h in data["head_bytes"]}
+    # 16 tokens of 64-way logits in bf16 (the built-in GPT's loss runs in the model's dtype); the
+    # default chunk: 16 tokens / ceil(64 / 32) = 8 rows
+    assert list(heads) == ["keep", "recompute", "chunked:8", "chunked:4"] and heads["keep"]["logits_bytes"] == 16 * 64 * 2
+    assert heads["chunked:4"]["post_peak_bytes"] < heads["keep"]["post_peak_bytes"]
+    table = runner.invoke(app, GPT + ["--head", "chunked"], env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    assert "LM head: chunked:8 (logits 0.00 GiB per GPU)" in table.output
+    bad = runner.invoke(app, GPT + ["--head", "chunks:8"])
+    assert bad.exit_code == 2 and "unknown head strategy 'chunks:8'" in bad.output

@@ -62,3 +62,26 @@ def test_search_from_a_source_and_a_file_model(tmp_path) -> None:
                     "    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.ones(2, 4), lambda o, b: o.sum()\n")
     with pytest.raises(ValueError, match="search varies the micro-batch; .* is a file model with a fixed batch"):
         search(f"{path}:build", DEVICE, gpus=2, global_batch=4, seq_len=SEQ)
+
+
+def test_search_chunks_the_head_when_only_that_fits() -> None:
+    """One GPU, a GPT whose 2048-way logits outweigh its layers: a device between the two heads'
+    lowest peaks fits only with the chunked head (chunks of 128 tokens / ceil(2048 / 32) = 2 rows),
+    which runs one more projection in the backward."""
+    big = trace_source(ModelSource(builtin="gpt", sizes=dict(num_layers=2, d_model=32, num_heads=2, vocab_size=2048)),
+                       seq_len=128)
+    space = SearchSpace(gpus=1, global_batch=1, seq_len=128, micro_batch=(1,), zero=(1,))
+
+    def lowest(head: str) -> float:
+        pricing = Pricing(traced=big, micro_batch=1, micro_batches=1, recipe=RECIPE, parallelism=Parallelism(),
+                          mfu=0.5, allowance=NO_ALLOWANCE, strategies=("full",), head=head)
+        return max(p.peak_bytes for p in pricing.price(DEVICE, "full", 1, DEVICE.memory_bytes).peaks)
+
+    keep, chunked = lowest("keep"), lowest("chunked")
+    assert chunked < keep
+    between = DeviceSpec(name="Between", memory_bytes=int((keep + chunked) / 2), peak_bf16_flops_per_s=1e12)
+    found = search_traced(big, between, space, recipe=RECIPE, mfu=0.5, allowance=NO_ALLOWANCE)
+    assert [c.head for c in found] == ["chunked:2"]
+    assert search_traced(big, between, space, recipe=RECIPE, mfu=0.5, allowance=NO_ALLOWANCE, heads=("keep",)) == []
+    roomy = search_traced(big, DEVICE, space, recipe=RECIPE, mfu=0.5, allowance=NO_ALLOWANCE)
+    assert [c.head for c in roomy] == ["keep"]  # keep is the faster where it fits
