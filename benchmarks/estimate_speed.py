@@ -63,7 +63,7 @@ def summary(result: object) -> list[str]:
     """One line per device and strategy, or per layout found by --search."""
     if isinstance(result, list):
         return [f"{_layout(c['parallelism'])} ZeRO-{c['zero_stage']} mb={c['micro_batch']} m={c['micro_batches']} "
-                f"{c['strategy']}: {c['step_s']:.2f} s, {c['peak_bytes'] / 2**30:.1f} GiB, MFU {c['mfu']:.1%}"
+                f"{c['strategy']}, head {c.get('head', 'keep')}: {c['step_s']:.2f} s, {c['peak_bytes'] / 2**30:.1f} GiB, MFU {c['mfu']:.1%}"
                 for c in result]
     lines = []
     for dev in result["devices"]:
