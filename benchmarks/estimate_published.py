@@ -15,7 +15,11 @@
   on 8 and 128 H100s, local batch 2, sequence 8192, selective activation checkpointing, eager):
   the published peak reserved memory against remat's peak with no recomputation, with
   torchtitan's selective policy (save the outputs of every other matmul and of attention,
-  priced by the planner's selective cost model, `remat.plan.costs`) and with full recomputation.
+  priced by the planner's selective cost model, `remat.plan.costs`) and with full recomputation;
+- the LM head at Llama-3's vocabulary (128256, sequence 8192, bf16 with fp32 logits as Hugging
+  Face computes the loss): per head strategy (`remat.estimate.head`), the logits, the peak of the
+  part after the layers and the step's peak per GPU on 8 H100s under ZeRO-3, alone and under
+  tensor parallelism 8 with sequence parallelism.
 """
 
 from __future__ import annotations
@@ -113,11 +117,13 @@ def zero_table() -> list[dict]:
     return rows
 
 
-def titan_rows() -> list[dict]:
+LLAMA3_8B = ModelSource(hf_family="llama", sizes=dict(hidden=4096, layers=32, heads=32, kv_heads=8,
+                                                    intermediate=14336, vocab=128256, seq=8192))
+
+
+def titan_rows(traced=None) -> list[dict]:
     """torchtitan Tables 1 and 3 (peak reserved GiB) against remat's allocated peak (GiB)."""
-    source = ModelSource(hf_family="llama", sizes=dict(hidden=4096, layers=32, heads=32, kv_heads=8,
-                                                       intermediate=14336, vocab=128256, seq=8192))
-    traced = trace_source(source, seq_len=8192)
+    traced = traced or trace_source(LLAMA3_8B, seq_len=8192)
     profile = traced.profile(2)
     titan = cost_of(profile, 1, Segment(start=1, stop=2, strategy="selective:titan", saved_ops=TITAN_SAVED))
     rows = []
@@ -131,6 +137,28 @@ def titan_rows() -> list[dict]:
         rows.append(dict(gpus=gpus, published_gib=published, remat_none_gib=peaks["none"],
                          remat_titan_gib=stage_peak(stage, titan_costs).peak_bytes / GIB, remat_full_gib=peaks["full"],
                          state_gib=pricing.state(0).total_bytes / GIB))
+    return rows
+
+
+def llama3_heads(traced=None) -> list[dict]:
+    """Llama-3-8B sizes, micro-batch 1 x 8192 tokens, 8 x H100-80GB: per layout and head strategy,
+    the rank's logits, the peak after the layers, and the step's peak with no and full recomputation (GiB)."""
+    from remat.estimate.devices import resolve_devices
+
+    traced = traced or trace_source(LLAMA3_8B, seq_len=8192)
+    spec = resolve_devices(["H100-80GB"])[0]
+    rows = []
+    for label, par, zero in (("dp8 ZeRO-3", Parallelism(data=8), 3), ("tp8+sp", Parallelism(tensor=8, sequence_parallel=True), 1)):
+        for head in ("keep", "recompute", "chunked", "chunked:1024"):
+            pricing = Pricing(traced=traced, micro_batch=1, micro_batches=1, parallelism=par, mfu=0.4,
+                              allowance=NO_ALLOWANCE, strategies=("none", "full"), head=head,
+                              recipe=StateRecipe(optimizer="adamw", precision="mixed", zero_stage=zero))
+            on = pricing.head_estimates((head,))[0]
+            peaks = {name: max(p.peak_bytes for p in pricing.price(spec, name, 1, spec.memory_bytes).peaks) / GIB
+                     for name in ("none", "full")}
+            rows.append(dict(layout=label, head=on.strategy, logits_gib=on.logits_bytes / GIB,
+                             post_peak_gib=on.post_peak_bytes / GIB, replay_tflop=on.replay_flops / 1e12,
+                             none_peak_gib=peaks["none"], full_peak_gib=peaks["full"]))
     return rows
 
 
@@ -153,17 +181,25 @@ def markdown(results: dict) -> str:
             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     out += [f"| {r['gpus']} | {r['published_gib']:.1f} | {r['remat_none_gib']:.1f} | {r['remat_titan_gib']:.1f} | "
             f"{r['remat_full_gib']:.1f} | {r['state_gib']:.2f} |" for r in results["titan"]]
+    out += ["", "Llama-3-8B LM head, micro-batch 1 x 8192 tokens, per GPU of 8 x H100-80GB (GiB)", "",
+            "| layout | head | logits | peak after the layers | replayed TFLOP | step peak, none | step peak, full |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    out += [f"| {r['layout']} | {r['head']} | {r['logits_gib']:.2f} | {r['post_peak_gib']:.2f} | {r['replay_tflop']:.1f} | "
+            f"{r['none_peak_gib']:.2f} | {r['full_peak_gib']:.2f} |" for r in results.get("heads", [])]
     return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.estimate_published", description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    parser.add_argument("--skip-titan", action="store_true", help="leave out the Llama 3.1 8B trace (the slowest part)")
+    parser.add_argument("--skip-titan", action="store_true", help="leave out the Llama 3.1 8B traces (the slowest part)")
     args = parser.parse_args(argv)
     traced = trace_source(ModelSource(builtin="gpt", sizes=GPT3), seq_len=S)
     results = dict(gpt3_layers=gpt3_layers(traced), gpt3_stages=gpt3_stages(traced), zero=zero_table(),
-                   titan=[] if args.skip_titan else titan_rows())
+                   titan=[], heads=[])
+    if not args.skip_titan:
+        llama = trace_source(LLAMA3_8B, seq_len=8192)
+        results.update(titan=titan_rows(llama), heads=llama3_heads(llama))
     sys.stdout.write(markdown(results))
     if args.json:
         with open(args.json, "w") as f:
