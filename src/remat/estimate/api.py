@@ -176,14 +176,10 @@ def _answer(setup: Pricing, specs: Sequence, *, seq_len: int, dtype: str) -> Est
         fixed_saved_bytes=int(stages[0].pre_bytes + stages[-1].post_saved_bytes),
         train_flops=int(max(3 * (sum(x.fwd_flops for x in s.layers) + s.post_flops) for s in stages)),
         devices=tuple(setup.on_device(spec) for spec in specs),
-        head=_head_name(setup), head_bytes=setup.head_estimates(("keep", "recompute", "chunked", setup.head)),
+        head=setup.head_name, head_bytes=setup.head_estimates(("keep", "recompute", "chunked", setup.head)),
         head_note=traced.head_note,
     )
 
-
-def _head_name(setup: Pricing) -> str:
-    on = setup.head_on_gpu(setup.micro_batch)
-    return "keep" if on is None else on.strategy
 
 
 def _layout(parallelism: Parallelism | None, world_size: int, micro_batches: int) -> Parallelism:

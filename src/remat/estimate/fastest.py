@@ -204,13 +204,8 @@ def _candidate(pricing: Pricing, spec: DeviceSpec, space: SearchSpace, label: st
     return Candidate(parallelism=pricing.parallelism, zero_stage=pricing.recipe.zero_stage,
                      micro_batch=pricing.micro_batch, micro_batches=pricing.micro_batches, strategy=label,
                      peak_bytes=peak, step_s=step_s, tokens_per_s_per_gpu=tokens / step_s / space.gpus,
-                     head=_head_name(pricing),
+                     head=pricing.head_name,
                      mfu=model_flops(pricing.traced) * space.global_batch / (step_s * space.gpus * spec.peak_bf16_flops_per_s))
-
-
-def _head_name(pricing: Pricing) -> str:
-    on = pricing.head_on_gpu(pricing.micro_batch)
-    return "keep" if on is None else on.strategy
 
 
 def model_flops(traced: Traced) -> float:

@@ -159,8 +159,14 @@ class Pricing:
 
     def _rest_bytes(self, micro_batch: int) -> float:
         """What the part after the layers saves besides the model's own head (a final norm), whole model."""
-        post = self.split(micro_batch).per_token.post.saved.total + self.split(micro_batch).constant.post.saved.total
-        return post - self.traced.head.model_saved_bytes(micro_batch)
+        split = self.split(micro_batch)
+        return split.per_token.post.saved.total + split.constant.post.saved.total - self.traced.head.model_saved_bytes(micro_batch)
+
+    @property
+    def head_name(self) -> str:
+        """The head strategy priced, ``chunked`` resolved to its chunk size at the micro-batch."""
+        on = self.head_on_gpu(self.micro_batch)
+        return "keep" if on is None else on.strategy
 
     def head_on_gpu(self, micro_batch: int, head: str | None = None) -> HeadOnGpu | None:
         """The head under ``head`` (default ``self.head``) on one GPU of the last stage; None when
