@@ -35,7 +35,8 @@ def toy():
 
 
 def _pricing(traced, head: str = "keep", **layout) -> Pricing:
-    return Pricing(traced=traced, micro_batch=2, micro_batches=2, recipe=StateRecipe(optimizer="adamw", precision="fp32", zero_stage=0),
+    recipe = StateRecipe(optimizer="adamw", precision="fp32", zero_stage=0)
+    return Pricing(traced=traced, micro_batch=2, micro_batches=2, recipe=recipe,
                    parallelism=Parallelism(**layout), mfu=0.4, allowance=NO_ALLOWANCE, strategies=("none",), head=head)
 
 

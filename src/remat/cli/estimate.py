@@ -47,7 +47,8 @@ def estimate_command(
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="sgd, sgd-momentum, adam, adamw, adafactor, adam8bit, none (default: a file model's own optimizer, else adamw)."),
     mfu: float = typer.Option(0.4, "--mfu", help="Share of peak FLOP/s the kernels reach (0.4 = 40%)."),
     network_gbps: Optional[float] = typer.Option(None, "--network-gbps", help="Between nodes, per GPU, one direction, in Gb/s (default: the device's, else 400)."),
-    head: Optional[str] = typer.Option(None, "--head", help="LM head and loss: keep (default, as the model runs it), recompute, chunked or chunked:N (N tokens per chunk). --search: tries keep and chunked unless given."),
+    head: Optional[str] = typer.Option(None, "--head", help="LM head and loss: keep (default: as the model runs it), "
+                                       "recompute, chunked or chunked:N (N tokens a chunk); --search tries keep and chunked."),
     explicit_attention: bool = typer.Option(False, "--explicit-attention", help="HF eager attention (scores materialized) instead of SDPA."),
     cpu_kernels: bool = typer.Option(False, "--cpu-kernels", help="Trace the CPU's kernels (no FlashAttention, dropout masks in the activation dtype)."),
     context_mib: int = typer.Option(512, "--context-mib", help="Allowance: CUDA context, kernels, NCCL (MiB)."),

@@ -181,7 +181,6 @@ def _answer(setup: Pricing, specs: Sequence, *, seq_len: int, dtype: str) -> Est
     )
 
 
-
 def _layout(parallelism: Parallelism | None, world_size: int, micro_batches: int) -> Parallelism:
     par = parallelism or Parallelism()
     if par.data not in (1, world_size) and world_size != 1:

@@ -160,7 +160,8 @@ class Pricing:
     def _rest_bytes(self, micro_batch: int) -> float:
         """What the part after the layers saves besides the model's own head (a final norm), whole model."""
         split = self.split(micro_batch)
-        return split.per_token.post.saved.total + split.constant.post.saved.total - self.traced.head.model_saved_bytes(micro_batch)
+        traced = split.per_token.post.saved.total + split.constant.post.saved.total
+        return traced - self.traced.head.model_saved_bytes(micro_batch)
 
     @property
     def head_name(self) -> str:
@@ -175,9 +176,9 @@ class Pricing:
         name = self.head if head is None else head
         if self.traced.head is None or self._rest_bytes(micro_batch) < 0:
             if name != "keep":
+                why = self.traced.head_note or "its head saves other tensors than a projection and token cross-entropy"
                 raise ValueError(f"head strategy {name!r} needs an LM head remat can price, and {self.traced.label} "
-                                 f"has none ({self.traced.head_note or 'its head saves other tensors than the model of a projection and token cross-entropy'}); "
-                                 "estimate it with head 'keep'.")
+                                 f"has none ({why}); estimate it with head 'keep'.")
             return None
         return self.traced.head.on_gpu(name, micro_batch, self.parallelism)
 
