@@ -138,6 +138,7 @@ def test_chunked_head_lowers_the_peak_of_llama3_8b_at_its_vocabulary():
     # gradients, 3 fp32 chunks of 256 rows
     assert chunk.bwd_peak_bytes == T * H * 2 + T * 8 + 4 + 8 + T * H * 2 + V * H * 2 + 3 * 256 * V * 4
     assert (rows["keep"].peak_phase, rows["keep"].fits) == ("head", False)
+    assert "The peak is the LM head's: its logits are 3.91 GiB per GPU, and --head chunked (chunked:256)" in rows["keep"].diagnosis
     assert rows["chunked"].fits
     # both peak at the head's backward, on top of every layer's saved bytes: they differ by the head alone
     assert rows["keep"].peak_bytes - rows["chunked"].peak_bytes == keep.bwd_peak_bytes - chunk.bwd_peak_bytes > 10 * 2**30

@@ -38,6 +38,7 @@ from remat.estimate.stage import Rates, Stage, StagePeak, StageTime, stage_peak,
 from remat.estimate.strategies import Choice, choose
 from remat.estimate.trace import Traced
 from remat.memory.allowance import Allowance
+from remat.memory.diagnose import format_gib
 from remat.memory.model_state import ModelState
 from remat.memory.optimizer_state import optimizer_layout
 
@@ -296,7 +297,17 @@ class Pricing:
                 world_size=self.parallelism.data, zero_stage=self.recipe.zero_stage,
                 param_count=_param_count(self.state(index, zero_stage=0), self.recipe), unit_state=unit,
             )
-        return explain_activation_overflow(row, rank, budget_bytes=budget, device=spec, micro_batch=self.micro_batch)
+        text = explain_activation_overflow(row, rank, budget_bytes=budget, device=spec, micro_batch=self.micro_batch)
+        return text + self._head_hint(row)
+
+    def _head_hint(self, row: StrategyEstimate) -> str:
+        """What the chunked head would save when the model's own head makes the peak ("" otherwise)."""
+        keep = self.head_on_gpu(self.micro_batch, "keep")
+        if row.peak_phase != "head" or self.head != "keep" or keep is None:
+            return ""
+        chunked = self.head_on_gpu(self.micro_batch, "chunked")
+        return (f" The peak is the LM head's: its logits are {format_gib(keep.logits_bytes)} per GPU, and --head "
+                f"chunked ({chunked.strategy}) peaks {format_gib(keep.peak_bytes - chunked.peak_bytes)} lower there.")
 
 
 @dataclass(kw_only=True, frozen=True)
