@@ -164,10 +164,10 @@ def _fastest_head(pricing: Pricing, heads: tuple[str, ...], spec: DeviceSpec, bu
     search (the heads come fastest first: keep, then chunked)."""
     best = None
     for head in heads:
-        priced = replace(pricing, head=head)
-        one = _fastest(priced, spec, budget, bound if best is None else min(bound, best[3]))
+        pricing = pricing.with_head(head)  # shares the traced shares and model state of the one before
+        one = _fastest(pricing, spec, budget, bound if best is None else min(bound, best[3]))
         if one is not None and (best is None or one[2] < best[3]):
-            best = (priced, *one[:3])
+            best = (pricing, *one[:3])
             if one[3] == "none":
                 break
     return best

@@ -164,6 +164,12 @@ class Pricing:
         traced = split.per_token.post.saved.total + split.constant.post.saved.total
         return traced - self.traced.head.model_saved_bytes(micro_batch)
 
+    def with_head(self, head: str) -> Pricing:
+        """The same pricing with the head under ``head``, sharing what the head does not change."""
+        other = replace(self, head=head)
+        other._cache.update({k: v for k, v in self._cache.items() if k[0] != "stages"})
+        return other
+
     @property
     def head_name(self) -> str:
         """The head strategy priced, ``chunked`` resolved to its chunk size at the micro-batch."""
