@@ -41,6 +41,7 @@ from typing import Any
 
 from remat.estimate.parallel import Parallelism
 from remat.head.names import check_head_name
+from remat.head.site import find_head
 from remat.memory.head import HeadShape, head_bytes, keep_saved_bytes, logits_bytes, projection_flops
 
 __all__ = ["HeadOnGpu", "TracedHead", "default_chunk_tokens", "find_traced_head", "head_candidates", "check_head"]
@@ -147,8 +148,6 @@ def head_candidates(head: TracedHead | None) -> tuple[str, ...]:
 
 def find_traced_head(model: Any, seq_len: int | None) -> tuple[TracedHead | None, str]:
     """The head of a meta-device ``model`` traced at ``seq_len`` tokens per sequence, or why it has none."""
-    from remat.head.site import find_head
-
     site, note = find_head(model)
     if site is None:
         return None, note
