@@ -64,6 +64,7 @@ def test_table_output_and_errors(tmp_path) -> None:
     assert no_gpus.exit_code == 2 and "--search needs the number of GPUs" in no_gpus.output
 
 
+@pytest.mark.slow
 def test_head_option() -> None:
     result = runner.invoke(app, GPT + ["--head", "chunked:4", "--json"])
     assert result.exit_code == 0, result.output
