@@ -17,6 +17,7 @@ from remat.estimate import ModelSource, Parallelism, estimate
 from remat.estimate.head import default_chunk_tokens
 from remat.estimate.pricing import Pricing
 from remat.estimate.sharding import StateRecipe
+from remat.estimate.stage import Rates, head_extra_s
 from remat.estimate.trace import trace_source
 from remat.memory.allowance import NO_ALLOWANCE
 from remat.memory.head import HeadShape
@@ -65,6 +66,8 @@ def test_the_toy_head_per_strategy_by_hand():
     peaks = {h.strategy: h.post_peak_bytes for h in result.head_bytes}
     assert peaks == {"keep": REST + 119304, "recompute": REST + 119304, "chunked:4": REST + 61004, "chunked:8": REST + 75404}
     assert [h.replay_flops for h in result.head_bytes] == [0, FLOPS, FLOPS, FLOPS]
+    # each chunk's backward reads and writes the weight's whole gradient: 8 and 4 chunks of 32 rows
+    assert [h.moved_bytes for h in result.head_bytes] == [0, 0, 2 * 8 * WEIGHT, 2 * 4 * WEIGHT]
     assert result.devices[0].strategies[0].recompute_flops == FLOPS  # no layer replays under none
 
 
@@ -94,6 +97,11 @@ def test_the_head_is_on_the_last_pipeline_stage_only(toy):
     assert last.post_saved_bytes == REST + HIDDEN + 2 * SCALAR
     assert last.post_saved_bytes + last.post_working_bytes == REST + 75404
     assert last.post_replay_flops == FLOPS
+    # its time: the replayed projection, or the weight gradient's traffic when that is slower
+    moved = 2 * 4 * WEIGHT
+    assert last.post_moved_bytes == moved
+    assert head_extra_s(last, Rates(flops_per_s=1e12, memory_bytes_per_s=1e9)) == moved / 1e9
+    assert head_extra_s(last, Rates(flops_per_s=1e12, memory_bytes_per_s=1e15)) == FLOPS / 1e12
     keep = _pricing(toy, pipeline=2).stages(2)[-1]
     assert (keep.post_saved_bytes, keep.post_saved_bytes + keep.post_working_bytes) == (
         REST + HIDDEN + LOGITS + 2 * SCALAR, REST + 119304)

@@ -30,7 +30,11 @@ gradients that the head's backward made, which the head's backward peak holds wi
 
 Strategies (`remat.head.strategies`): ``keep`` (what the model does), ``recompute``, and
 ``chunked:<tokens>``; ``chunked`` alone takes `default_chunk_tokens`. ``recompute`` and
-``chunked`` run the projection once more (`remat.plan.head.head_extra_flops`).
+``chunked`` run the projection once more (`remat.plan.head.head_extra_flops`). Chunked, each
+chunk's backward also adds its share into the weight's gradient (``addmm_``, `remat.head.chunked`),
+reading and writing all of it: ``2 ceil(T / chunk) H V p`` bytes, which the step prices at
+memory bandwidth when they take longer than the replayed FLOPs (a chunk of ``c`` rows does
+``2 c`` FLOPs per gradient element it moves: memory-bound below the device's FLOP-to-byte ratio).
 """
 
 from __future__ import annotations
@@ -88,9 +92,11 @@ class TracedHead:
         shard = shape.hidden_bytes / par.tensor if par.sequence_parallel else 0.0
         gathered = shape.hidden_bytes - shard if par.sequence_parallel else 0.0  # gathered again in backward
         replay = 0 if name == KEEP else projection_flops(shape.num_tokens, shape.hidden_size, shape.vocab_size)
+        kind, _, chunk = name.partition(":")
+        moved = 2 * math.ceil(shape.num_tokens / int(chunk)) * shape.weight_bytes if kind == "chunked" else 0
         return HeadOnGpu(strategy=name, logits_bytes=logits_bytes(shape), held_bytes=formula.held_bytes - gathered,
                          fwd_peak_bytes=formula.fwd_peak_bytes + shard, bwd_peak_bytes=formula.bwd_peak_bytes + shard,
-                         replay_flops=replay)
+                         replay_flops=replay, moved_bytes=moved)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -109,6 +115,8 @@ class HeadOnGpu:
     """Peak of the head's backward (the weight's gradient included)."""
     replay_flops: int
     """FLOPs run again in the backward: one more projection for ``recompute`` and ``chunked``."""
+    moved_bytes: int = 0
+    """Bytes the chunks' updates of the weight's gradient read and write (``chunked``; module docstring)."""
 
     @property
     def peak_bytes(self) -> float:

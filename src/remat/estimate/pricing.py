@@ -115,29 +115,29 @@ class Pricing:
         kinds = [self.traced.layer_kinds[i] for i in stage_layers(self.traced.num_layers, par.pipeline, index)]
         by_kind = {k: self.layer(micro_batch, k) for k in set(kinds)}
         first, last = index == 0, index == par.pipeline - 1
-        post = self._post(micro_batch) if last else (0.0, 0.0, 0.0, 0.0)
+        post = self._post(micro_batch) if last else (0.0, 0.0, 0.0, 0.0, 0.0)
         layers = tuple(by_kind[k] for k in kinds)
         return Stage(
             index=index, first=first, last=last, state=self.state(index), layers=layers,
             pre_bytes=_divided(split.per_token.pre, split.constant.pre, par)[0] if first else 0.0,
             post_saved_bytes=post[0] if last else 0.0, post_working_bytes=post[1] if last else 0.0,
-            post_flops=post[2] if last else 0.0, post_replay_flops=post[3],
+            post_flops=post[2] if last else 0.0, post_replay_flops=post[3], post_moved_bytes=post[4],
             in_flight=par.in_flight(self.micro_batches) if first else 1.0,
             buffer_bytes=2 * layers[-1].hidden_bytes / par.sequence_divisor if par.pipeline > 1 and layers else 0.0,
             optimizer_temp_bytes=self._step_temp_bytes(self.state(index)), **self._grads(index),
         )
 
-    def _post(self, micro_batch: int) -> tuple[float, float, float, float]:
-        """(saved bytes, working bytes, FLOPs, replayed FLOPs) of the part after the layers on one
+    def _post(self, micro_batch: int) -> tuple[float, float, float, float, float]:
+        """(saved bytes, working bytes, FLOPs, replayed FLOPs, moved bytes) of the part after the layers on one
         GPU: the traced part divided by the layout, with the head priced by its byte model under
         ``self.head`` (`remat.estimate.head`: rest + held, and rest + the head's peak)."""
         split, par = self.split(micro_batch), self.parallelism
         saved, working, flops = _divided(split.per_token.post, split.constant.post, par)
         on = self.head_on_gpu(micro_batch)
         if on is None:
-            return saved, working, flops, 0.0
+            return saved, working, flops, 0.0, 0.0
         rest = self.rest_on_gpu(micro_batch)
-        return rest + on.held_bytes, on.peak_bytes - on.held_bytes, flops, float(on.replay_flops)
+        return rest + on.held_bytes, on.peak_bytes - on.held_bytes, flops, float(on.replay_flops), float(on.moved_bytes)
 
     def rest_on_gpu(self, micro_batch: int) -> float:
         """The rest of the part after the layers (a final norm) on one GPU: whole, per token."""
@@ -155,7 +155,8 @@ class Pricing:
             out.setdefault(on.strategy, HeadEstimate(
                 strategy=on.strategy, logits_bytes=on.logits_bytes, held_bytes=int(on.held_bytes),
                 fwd_peak_bytes=int(on.fwd_peak_bytes), bwd_peak_bytes=int(on.bwd_peak_bytes),
-                post_peak_bytes=int(self.rest_on_gpu(b) + on.peak_bytes), replay_flops=on.replay_flops))
+                post_peak_bytes=int(self.rest_on_gpu(b) + on.peak_bytes), replay_flops=on.replay_flops,
+                moved_bytes=on.moved_bytes))
         return tuple(out.values())
 
     def _rest_bytes(self, micro_batch: int) -> float:

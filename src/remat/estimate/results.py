@@ -88,6 +88,8 @@ class HeadEstimate:
     """Peak of the whole part after the layers (final norm and head) on top of what the layers hold."""
     replay_flops: int
     """FLOPs run again in the backward (one more projection for ``recompute`` and ``chunked``)."""
+    moved_bytes: int = 0
+    """Bytes the chunks' updates of the weight's gradient read and write (priced at memory bandwidth)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -69,6 +69,8 @@ class Stage:
     """Gradient bytes of the parts before the layers (made last, after every layer's backward)."""
     post_replay_flops: float = 0.0
     """FLOPs the head strategy runs again in the backward (last stage; `remat.estimate.head`)."""
+    post_moved_bytes: float = 0.0
+    """Bytes the chunked head's updates of the weight's gradient read and write (last stage)."""
 
     def grads_live(self, layer: int | None) -> float:
         """Gradient bytes live when the backward of ``layer`` starts (None: the head's)."""
@@ -140,6 +142,13 @@ def extra_s(cost: LayerCost, rates: Rates) -> float:
     return replay + offload
 
 
+def head_extra_s(stage: Stage, rates: Rates) -> float:
+    """What the head strategy adds: its replayed projection, or its traffic of the weight's
+    gradient at memory bandwidth when that takes longer (`remat.estimate.head`)."""
+    replay = stage.post_replay_flops / rates.flops_per_s
+    return max(replay, stage.post_moved_bytes / rates.memory_bytes_per_s) if rates.memory_bytes_per_s else replay
+
+
 @dataclass(kw_only=True, frozen=True)
 class StageTime:
     """One micro-batch through one stage."""
@@ -161,10 +170,10 @@ def stage_time(stage: Stage, costs: Sequence[LayerCost], rates: Rates, *, par: P
     """One micro-batch through ``stage`` with layer ``i`` under ``costs[i]`` (module docstring)."""
     flops = sum(layer.fwd_flops for layer in stage.layers) + (stage.post_flops if stage.last else 0.0)
     forward = flops / rates.flops_per_s
-    extra = sum(extra_s(c, rates) for c in costs) + (stage.post_replay_flops / rates.flops_per_s if stage.last else 0.0)
+    extra = sum(extra_s(c, rates) for c in costs) + (head_extra_s(stage, rates) if stage.last else 0.0)
     core = 3 * sum(layer.core_flops for layer in stage.layers) / rates.flops_per_s
     comm = micro_batch_comm_s(stage.layers, costs, par, net, facts, core)
     return StageTime(compute_s=3 * forward + extra, comm_s=comm, backward_s=2 * forward + extra)
 
 
-__all__ = ["Rates", "Stage", "StagePeak", "StageTime", "extra_s", "stage_peak", "stage_time"]
+__all__ = ["Rates", "Stage", "StagePeak", "StageTime", "extra_s", "head_extra_s", "stage_peak", "stage_time"]
