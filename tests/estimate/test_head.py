@@ -173,3 +173,18 @@ def test_the_estimate_is_the_head_measured_on_the_cpu():
         assert (h.held_bytes, h.fwd_peak_bytes, h.bwd_peak_bytes) == (
             option.held_bytes, option.fwd_peak_bytes, option.bwd_peak_bytes), h.strategy
         assert h.post_peak_bytes == head_need_bytes(measured, h.strategy), h.strategy
+
+
+def test_a_head_the_byte_model_does_not_describe_is_priced_as_traced(toy):
+    """When the traced part after the layers saves less than the model of the head says (here: a
+    head described with a vocabulary ten times the model's), keep prices the traced part and the
+    other strategies are refused."""
+    import dataclasses
+
+    wrong = dataclasses.replace(toy, head=dataclasses.replace(toy.head, vocab_size=3000))
+    assert _pricing(wrong, pipeline=2).head_estimates(("keep",)) == ()
+    priced = _pricing(wrong, pipeline=2).stages(2)[-1]
+    assert priced.post_saved_bytes == REST + HIDDEN + LOGITS + SCALAR  # what autograd saves: not the loss
+    assert priced.post_saved_bytes + priced.post_working_bytes == REST + 119304  # the byte model's keep peak
+    with pytest.raises(ValueError, match=r"head strategy 'chunked:8' needs an LM head"):
+        _pricing(wrong, "chunked:8", pipeline=2).stages(2)
