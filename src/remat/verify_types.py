@@ -43,7 +43,10 @@ class Verification:
     grad_max_abs_diff: float
     """Max absolute difference over every parameter gradient."""
     grads_identical: bool
-    """True when loss, outputs and every gradient are bit-identical."""
+    """True when loss, outputs and every gradient are bit-identical (and finite)."""
+    nonfinite: tuple[str, ...] = ()
+    """One line per loss, output or parameter gradient holding NaN or Inf, in either run (which
+    run, which tensor, how many values): any of them makes the runs differ (`ok` is False)."""
     tolerance: float
     """Allowed max abs difference (0.0 on CPU: bit-identical), with `tolerance_reason`."""
     tolerance_reason: str
@@ -104,7 +107,9 @@ class Verification:
     @property
     def ok(self) -> bool:
         """Gradients within the tolerance: bit-identical (CPU) or within `tolerance`, or under a
-        chunked head within `relative_tolerance`."""
+        chunked head within `relative_tolerance`. Never with a NaN or Inf in either run."""
+        if self.nonfinite:
+            return False
         if self.grads_identical or self.grad_max_abs_diff <= self.tolerance:
             return True
         return self.relative_tolerance > 0 and self.grad_max_rel_diff <= self.relative_tolerance

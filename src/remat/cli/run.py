@@ -25,6 +25,8 @@ def _mib(num_bytes: int) -> str:
 
 
 def _grad_cell(v) -> str:
+    if v.nonfinite:
+        return f"[bold red]NaN/Inf ({len(v.nonfinite)} tensors)[/]"
     if v.grads_identical:
         return "[green]identical[/]"
     if v.ok and v.relative_tolerance:
