@@ -255,7 +255,7 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
 
     ``offload_dir``: where ``offload:disk`` blocks of the plan write (see `remat.apply_`)."""
     if not isinstance(plan, Plan):
-        raise TypeError(f"verify needs a remat Plan, got {type(plan).__name__}; load one with Plan.from_json(path).")
+        raise TypeError(f"verify needs a remat Plan, got {type(plan).__name__}; load one with remat.Plan.load(path).")
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed steps; the median is kept).")
     check_batch_device(model, batch)

@@ -116,7 +116,7 @@ def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str 
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_ needs an nn.Module, got {type(model).__name__}.")
     if not isinstance(plan, Plan):
-        raise TypeError(f"apply_ needs a remat Plan, got {type(plan).__name__}; load one with Plan.from_json(path).")
+        raise TypeError(f"apply_ needs a remat Plan, got {type(plan).__name__}; load one with remat.Plan.load(path).")
     if is_applied(model):
         raise ValueError(
             f"{type(model).__name__} already has a remat plan applied "

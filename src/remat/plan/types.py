@@ -4,8 +4,8 @@ Strategy strings (`Segment.strategy`):
 - ``"keep"``: store what autograd saves;
 - ``"recompute"``: store only the segment's input, replay its forward in backward
   (non-reentrant checkpoint); ``children`` say how the replay itself is checkpointed
-  (nested segments, each inside ``[start, stop)``; blocks not covered by a child are kept
-  during the replay);
+  (nested segments inside ``[start, stop)``, in order and without overlap; blocks between
+  them are kept during the replay);
 - ``"selective:<policy>"`` (single-block segments): save the outputs of the op calls named in
   ``saved_ops`` (keys of `remat.measure.types.OpRecord`), recompute the rest of the block;
 - ``"offload:cpu"`` / ``"offload:disk"``: move the segment's saved tensors off the device.
@@ -18,12 +18,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from remat._serialize import dump_document, load_document
+from remat._serialize import Rules, dump_document, parse_document, read_document
 from remat.head.names import check_head_name
 from remat.measure.types import Fingerprint
 
 PLAN_FORMAT = "plan"
 PLAN_VERSION = 1
+PLAN_RULES = Rules(
+    signed=frozenset({"extra_ms", "lower_bound_ms", "fault_saving_ms"}),
+    floors=(("peak_block", -1), ("budget_bytes", 1), ("quantum_bytes", 1)),
+)
+"""Beyond the type hints: a plan's time differences may be negative (less fresh memory faulted
+in than the baseline); ``peak_block`` is -1 outside blocks; a budget is positive."""
 
 STRATEGY_KINDS = ("keep", "recompute", "selective", "offload")
 
@@ -61,12 +67,19 @@ class Segment:
             raise ValueError(f"unknown offload target {self.strategy!r}; use offload:cpu or offload:disk.")
         if self.children and kind != "recompute":
             raise ValueError(f"only recompute segments may nest; got children under {self.strategy!r}.")
+        pos = self.start
         for child in self.children:
             if not (self.start <= child.start and child.stop <= self.stop):
                 raise ValueError(
                     f"child segment [{child.start}, {child.stop}) lies outside its parent "
                     f"[{self.start}, {self.stop})."
                 )
+            if child.start < pos:
+                raise ValueError(
+                    f"child segments of [{self.start}, {self.stop}) must be in order without overlap; "
+                    f"[{child.start}, {child.stop}) starts before {pos}, where the child before it ends."
+                )
+            pos = child.stop
 
     @property
     def kind(self) -> str:
@@ -133,6 +146,20 @@ class Optimality:
     def gap_ms(self) -> float:
         """At most this much slower than the fastest plan that fits."""
         return max(0.0, self.extra_ms - self.lower_bound_ms)
+
+
+def _check_block_names(names: tuple[str, ...]) -> None:
+    """Block names are module paths: non-empty (``""`` is the model itself), unique."""
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not name or name != name.strip():
+            raise ValueError(
+                f"block_names[{i}] is {name!r}; a block name is the qualified name of a submodule "
+                "(\"layers.0\"), never empty (the model itself) nor padded with spaces."
+            )
+        if name in seen:
+            raise ValueError(f"block_names[{i}] {name!r} appears twice; each block is named once.")
+        seen.add(name)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -212,6 +239,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         check_head_name(self.head)
+        _check_block_names(self.block_names)
         pos = 0
         for seg in self.segments:
             if seg.start != pos:
@@ -229,8 +257,15 @@ class Plan:
         return dump_document(self, PLAN_FORMAT, PLAN_VERSION)
 
     @classmethod
-    def from_json(cls, text_or_path: str | Path) -> Plan:
-        return load_document(cls, text_or_path, PLAN_FORMAT, PLAN_VERSION)
+    def from_json(cls, text: str) -> Plan:
+        """The plan in JSON ``text`` (as `to_json` writes it), checked against the schema
+        (`remat._serialize`); a path is refused: read files with `load`."""
+        return parse_document(cls, text, PLAN_FORMAT, PLAN_VERSION, PLAN_RULES)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """The plan in the JSON file at ``path`` (as `save` writes it), checked like `from_json`."""
+        return read_document(cls, path, PLAN_FORMAT, PLAN_VERSION, PLAN_RULES)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
