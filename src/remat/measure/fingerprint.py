@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,9 +33,15 @@ def model_dtype(model: nn.Module) -> str:
     return "float32"
 
 
-def fingerprint(model: nn.Module, batch: Any) -> Fingerprint:
-    """The fingerprint of ``model`` run on ``batch``."""
+def block_names_hash(names: Sequence[str]) -> str:
+    """SHA-256 (16 hex digits) of the blocks' qualified names, in order."""
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+
+
+def fingerprint(model: nn.Module, batch: Any, block_names: Sequence[str] | None = None) -> Fingerprint:
+    """The fingerprint of ``model`` run on ``batch`` (with ``block_names``: of those blocks too)."""
     return Fingerprint(
         model_hash=model_hash(model), batch_shapes=batch_shapes(batch),
         device=model_device(model).type, dtype=model_dtype(model), torch_version=torch.__version__,
+        block_names_hash="" if block_names is None else block_names_hash(block_names),
     )

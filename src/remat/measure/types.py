@@ -35,6 +35,11 @@ def _check_profile(profile: Profile) -> None:
             if len(getattr(block, curve)) not in (0, len(block.ops)):
                 raise ValueError(f"blocks[{i}].{curve} has {len(getattr(block, curve))} values for "
                                  f"{len(block.ops)} ops; one per op (or none).")
+    from remat.measure.fingerprint import block_names_hash
+
+    recorded = profile.fingerprint.block_names_hash
+    if recorded and recorded != block_names_hash(names):
+        raise ValueError(f"the blocks' names {names} do not match the fingerprint's block_names_hash {recorded!r}.")
     pos = 0
     for stack in profile.stacks:
         if stack.start != pos or stack.stop <= stack.start:
@@ -302,6 +307,9 @@ class Fingerprint:
     """dtype of the model's floating-point parameters, e.g. ``"float32"``."""
     torch_version: str
     """`torch.__version__` at profiling time."""
+    block_names_hash: str = ""
+    """`remat.measure.fingerprint.block_names_hash` of the profiled blocks' names, in order: a plan
+    naming other blocks is refused ("": not recorded, older files and hand-made plans)."""
 
 
 @dataclass(kw_only=True, frozen=True)

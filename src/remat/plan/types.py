@@ -240,6 +240,7 @@ class Plan:
     def __post_init__(self) -> None:
         check_head_name(self.head)
         _check_block_names(self.block_names)
+        self._check_fingerprinted_names()
         pos = 0
         for seg in self.segments:
             if seg.start != pos:
@@ -251,6 +252,17 @@ class Plan:
         if pos != len(self.block_names):
             raise ValueError(
                 f"plan segments cover {pos} blocks but the plan names {len(self.block_names)}."
+            )
+
+    def _check_fingerprinted_names(self) -> None:
+        from remat.measure.fingerprint import block_names_hash
+
+        recorded = self.fingerprint.block_names_hash
+        if recorded and recorded != block_names_hash(self.block_names):
+            raise ValueError(
+                f"the plan's block_names {list(self.block_names)} are not the blocks it was profiled and "
+                f"planned with (fingerprint block_names_hash {recorded!r}); plan again from the profile "
+                "(remat.plan) instead of editing block names."
             )
 
     def to_json(self) -> str:
