@@ -52,7 +52,7 @@ def _resolve_blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
     blocks = []
     for name in plan.block_names:
         try:
-            block = model.get_submodule(name) if name else model
+            block = model.get_submodule(name)
         except AttributeError:
             raise ValueError(
                 f"the plan names block {name!r}, which {type(model).__name__} does not have; the plan "
@@ -146,6 +146,7 @@ def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str 
             f"{type(model).__name__} already has a remat plan applied "
             f"({applied_plan(model).strategy_name!r}); call remat.remove_(model) first."
         )
+    plan.check()
     blocks = _resolve_blocks(model, plan)
     if batch is not None:
         check_batch_device(model, batch)

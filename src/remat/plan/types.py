@@ -238,6 +238,17 @@ class Plan:
     the winner (this plan's layout). Plans without it (not tuned, older files) have None."""
 
     def __post_init__(self) -> None:
+        self.check(segments=False)
+
+    def check(self, *, segments: bool = True) -> None:
+        """Raise ValueError unless the plan's invariants hold (construction checks them; `apply_`
+        checks again, for an object changed by force). ``segments``: re-check every segment too."""
+        if segments:
+            stack = list(self.segments)
+            while stack:
+                seg = stack.pop()
+                seg.__post_init__()
+                stack.extend(seg.children)
         check_head_name(self.head)
         _check_block_names(self.block_names)
         self._check_fingerprinted_names()
