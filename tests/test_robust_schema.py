@@ -164,6 +164,12 @@ def _segment(start, stop, strategy="recompute", children=()):
     ([_segment(0, 4, strategy="fused")], r"unknown strategy 'fused'"),
     ([_segment(0, 4, strategy="keep", children=[_segment(0, 1)])], r"only recompute segments may nest"),
     ([_segment(2, 2), _segment(0, 4)], r"segment \[2, 2\) is empty or negative"),
+    ([_segment(0, 1, strategy="selective:"), _segment(1, 4)], r"selective strategy 'selective:' names no policy"),
+    ([{**_segment(0, 1, strategy="selective:save-matmuls"), "saved_ops": ["addmm"]}, _segment(1, 4)],
+     r"saved op key 'addmm' of segment \[0, 1\) is not an op key like 'aten\.mm\.default#0'"),
+    ([{**_segment(0, 4), "saved_ops": ["aten.mm.default#0"]}], r"is 'recompute' but names saved_ops"),
+    ([_segment(0, 4, strategy="offload:gpu")], r"unknown offload target 'offload:gpu'"),
+    ([_segment(-1, 4)], r"data\.segments\[0\]\.start is -1; values of 'start' must be >= 0"),
 ])
 def test_plan_segments_must_partition_the_blocks(segments, match):
     doc = _plan()

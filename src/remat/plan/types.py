@@ -15,6 +15,7 @@ Besides the blocks, a plan names how the head (output projection and loss) runs:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,9 @@ PLAN_RULES = Rules(
 in than the baseline); ``peak_block`` is -1 outside blocks; a budget is positive."""
 
 STRATEGY_KINDS = ("keep", "recompute", "selective", "offload")
+
+_OP_KEY = re.compile(r"[^\s#]+#[0-9]+")
+"""An op key: ``"<aten op name>#<occurrence>"`` (`remat.measure.types.OpRecord.key`)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -63,6 +67,11 @@ class Segment:
                 f"selective segment [{self.start}, {self.stop}) spans several blocks; "
                 "selective strategies apply to one block at a time."
             )
+        if kind == "selective":
+            self._check_selective()
+        elif self.saved_ops:
+            raise ValueError(f"segment [{self.start}, {self.stop}) is {self.strategy!r} but names saved_ops; "
+                             "only selective segments save op outputs.")
         if kind == "offload" and self.strategy not in ("offload:cpu", "offload:disk"):
             raise ValueError(f"unknown offload target {self.strategy!r}; use offload:cpu or offload:disk.")
         if self.children and kind != "recompute":
@@ -80,6 +89,14 @@ class Segment:
                     f"[{child.start}, {child.stop}) starts before {pos}, where the child before it ends."
                 )
             pos = child.stop
+
+    def _check_selective(self) -> None:
+        if not self.strategy.startswith("selective:") or len(self.strategy) == len("selective:"):
+            raise ValueError(f"selective strategy {self.strategy!r} names no policy; write selective:<policy>.")
+        bad = next((k for k in self.saved_ops if not _OP_KEY.fullmatch(k)), None)
+        if bad is not None:
+            raise ValueError(f"saved op key {bad!r} of segment [{self.start}, {self.stop}) is not an op key "
+                             "like 'aten.mm.default#0' (the op's name, '#', its occurrence in the block).")
 
     @property
     def kind(self) -> str:
