@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from remat._batch import batch_shapes, model_device
-from remat.measure.types import Fingerprint
+from remat.measure.types import Fingerprint, block_names_hash
 
 
 def model_hash(model: nn.Module) -> str:
@@ -31,11 +31,6 @@ def model_dtype(model: nn.Module) -> str:
         if p.is_floating_point():
             return str(p.dtype).removeprefix("torch.")
     return "float32"
-
-
-def block_names_hash(names: Sequence[str]) -> str:
-    """SHA-256 (16 hex digits) of the blocks' qualified names, in order."""
-    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
 
 
 def fingerprint(model: nn.Module, batch: Any, block_names: Sequence[str] | None = None) -> Fingerprint:

@@ -13,6 +13,8 @@ Conventions (every later stage relies on them):
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +22,11 @@ from remat._serialize import Rules, dump_document, parse_document, read_document
 
 PROFILE_FORMAT = "profile"
 PROFILE_VERSION = 1
+def block_names_hash(names: Sequence[str]) -> str:
+    """SHA-256 (16 hex digits) of the blocks' qualified names, in order (`Fingerprint.block_names_hash`)."""
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+
+
 def _check_profile(profile: Profile) -> None:
     """What a measured profile always holds across fields (checked when one is read)."""
     names = [b.name for b in profile.blocks]
@@ -35,8 +42,6 @@ def _check_profile(profile: Profile) -> None:
             if len(getattr(block, curve)) not in (0, len(block.ops)):
                 raise ValueError(f"blocks[{i}].{curve} has {len(getattr(block, curve))} values for "
                                  f"{len(block.ops)} ops; one per op (or none).")
-    from remat.measure.fingerprint import block_names_hash
-
     recorded = profile.fingerprint.block_names_hash
     if recorded and recorded != block_names_hash(names):
         raise ValueError(f"the blocks' names {names} do not match the fingerprint's block_names_hash {recorded!r}.")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from remat._serialize import Rules, dump_document, parse_document, read_document
 from remat.head.names import check_head_name
-from remat.measure.types import Fingerprint
+from remat.measure.types import Fingerprint, block_names_hash
 
 PLAN_FORMAT = "plan"
 PLAN_VERSION = 1
@@ -283,8 +283,6 @@ class Plan:
             )
 
     def _check_fingerprinted_names(self) -> None:
-        from remat.measure.fingerprint import block_names_hash
-
         recorded = self.fingerprint.block_names_hash
         if recorded and recorded != block_names_hash(self.block_names):
             raise ValueError(
