@@ -74,7 +74,7 @@ class _Reader:
 
     def fail(self, path: str, message: str) -> DocumentError:
         return DocumentError(
-            f"{self.kind} JSON: {path} {message}. The file was edited or damaged: "
+            f"{self.kind} JSON: {path} {message.rstrip('.')}. The file was edited or damaged: "
             f"regenerate it with `remat {self.kind}`."
         )
 

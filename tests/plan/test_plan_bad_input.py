@@ -62,3 +62,38 @@ def test_a_device_or_a_directory_is_not_read(tmp_path):
         result = runner.invoke(app, ["plan", target, "--budget", "50%"])
         assert result.exit_code == 2 and re.search(match, " ".join(result.output.split())), result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def _plan_text() -> str:
+    from remat.plan.planners import plan
+
+    return plan(chain(4, input_bytes=2**20, saved_bytes=4 * 2**20, param_bytes=2**20, grad_bytes=2**20),
+                strategy="full").to_json()
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda d: d["data"].__setitem__("block_names", ["b0", "b0", "b2", "b3"]), r"block_names\[1\] 'b0' appears twice"),
+    (lambda d: d["data"].__setitem__("segments", [{"start": 0, "stop": 4, "strategy": "recompute", "children": [
+        {"start": 0, "stop": 2, "strategy": "recompute"}, {"start": 1, "stop": 3, "strategy": "recompute"}]}]),
+     r"must be in order without overlap"),
+    (lambda d: d["data"]["prediction"].__setitem__("step_ms", float("nan")), r"plan JSON holds NaN"),
+])
+def test_remat_verify_refuses_a_bad_plan_file_before_building_anything(tmp_path, edit, match):
+    doc = json.loads(_plan_text())
+    edit(doc)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    before = path.read_bytes()
+    result = runner.invoke(app, ["verify", str(path), "--model", "mlp"])
+    assert result.exit_code == 2 and re.search(match, " ".join(result.output.split())), result.output
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_remat_report_refuses_a_device_and_an_edited_profile(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(CASES["negative time"][0])
+    for target, match in (("/dev/zero", r"is not a regular file \(a character device\)"),
+                          (str(path), r"fwd_ms is -1000\.0; times of 'fwd_ms' must be >= 0")):
+        result = runner.invoke(app, ["report", target, "-o", str(tmp_path / "report.html")])
+        assert result.exit_code != 0 and re.search(match, " ".join(result.output.split())), result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"]
