@@ -72,6 +72,7 @@ def test_documents_round_trip_exactly(tmp_path):
     ("name", 7, r"data\.blocks\[1\]\.name is an integer 7; expected a string"),
     ("follows_previous", 1, r"data\.blocks\[1\]\.follows_previous is an integer 1; expected a boolean"),
     ("fwd_live_bytes", 3, r"data\.blocks\[1\]\.fwd_live_bytes is an integer; expected an array"),
+    ("saved_bytes", 2**64, r"data\.blocks\[1\]\.saved_bytes is 18446744073709551616; integers must lie within"),
 ])
 def test_block_fields_of_the_wrong_type_or_range_are_refused(field, value, match):
     doc = _profile()
@@ -82,7 +83,7 @@ def test_block_fields_of_the_wrong_type_or_range_are_refused(field, value, match
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 def test_non_finite_numbers_are_refused(constant):
     text = _documents()[0].replace('"saved_bytes": ', f'"saved_bytes": {constant}, "x": ', 1)
-    _refused(Profile, text, f"profile JSON holds {constant}; every number must be finite")
+    _refused(Profile, text, f"^profile JSON holds {constant}; every number must be finite")
     text = _documents()[0].replace('"step_ms": ', f'"step_ms": {constant}, "y": ', 1)
     _refused(Profile, text, f"holds {constant}")
 
@@ -111,7 +112,7 @@ def test_missing_unknown_and_duplicate_fields_are_refused():
     doc["data"]["blocks"][0]["fwd_seconds"] = 1.0
     _refused(Profile, doc, r"data\.blocks\[0\] \(BlockProfile\) has unknown field\(s\) \['fwd_seconds'\]")
     text = _documents()[0].replace('"param_bytes": ', '"param_bytes": 1, "param_bytes": ', 1)
-    _refused(Profile, text, "has the key 'param_bytes' twice in one object")
+    _refused(Profile, text, "^profile JSON has the key 'param_bytes' twice in one object")
     doc = _profile()
     doc["extra"] = 1
     _refused(Profile, doc, r"must hold exactly the keys format, version, data; got \['data', 'extra', 'format', 'version'\]")
@@ -272,6 +273,11 @@ def test_a_fifo_is_refused_without_blocking(tmp_path):
     reader.join(timeout=10)
     assert not reader.is_alive(), "reading a FIFO blocked"
     assert "is not a regular file (a FIFO)" in str(outcome[0])
+
+
+def test_an_endless_integer_is_refused():
+    _refused(Profile, _documents()[0].replace('"param_bytes": ', '"param_bytes": ' + "9" * 5000 + ", \"w\": ", 1),
+             r"profile JSON text is not valid JSON \(Exceeds the limit \(4300 digits\)")
 
 
 def test_nesting_is_bounded():

@@ -32,6 +32,9 @@ T = TypeVar("T")
 MAX_DOCUMENT_BYTES = 256 * 2**20
 """Largest JSON document read (a profile of a 100-layer model with every op recorded is a few MiB)."""
 
+MAX_INT = 2**63 - 1
+"""Largest integer read: sizes and counts go through int64 arrays in the planner."""
+
 MAX_DEPTH = 256
 """Deepest nesting of JSON arrays and objects read (nested recompute segments add two levels each)."""
 
@@ -113,6 +116,8 @@ class _Reader:
         if tp is int:
             if type(value) is not int:
                 raise self.fail(path, f"is {_json_type(value)} {value!r}; expected an integer")
+            if abs(value) > MAX_INT:
+                raise self.fail(path, f"is {value!r}; integers must lie within +-{MAX_INT} (int64)")
         elif tp is float:
             if type(value) not in (int, float):
                 raise self.fail(path, f"is {_json_type(value)} {value!r}; expected a number")
@@ -208,9 +213,11 @@ def _parse(text: str, kind: str, rules: Rules) -> Any:
 
     try:
         doc = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=constant)
+    except DocumentError:
+        raise
     except RecursionError:
         raise DocumentError(f"{kind} JSON nests deeper than {MAX_DEPTH} levels; not a remat document.") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, ValueError) as exc:  # ValueError: an integer of over 4300 digits
         start = text.lstrip()[:60]
         raise DocumentError(
             f"{kind} JSON text is not valid JSON ({exc}); it starts {start!r}. Pass the text of a "
