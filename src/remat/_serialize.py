@@ -23,7 +23,6 @@ import os
 import stat
 import types
 import typing
-from pathlib import Path
 from collections.abc import Callable
 from typing import Any, TypeVar
 
