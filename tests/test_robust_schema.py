@@ -16,7 +16,7 @@ import torch
 
 import remat
 from remat import _serialize
-from remat.measure.types import Profile
+from remat.measure.types import Profile, block_names_hash
 from remat.models import build
 from remat.plan.planners import plan as make_plan
 from remat.plan.types import Plan
@@ -137,6 +137,11 @@ def test_profile_blocks_must_be_numbered_uniquely_named_and_stacked_in_order():
     doc = _profile()
     doc["data"]["blocks"][2]["name"] = doc["data"]["blocks"][1]["name"]
     _refused(Profile, doc, r"blocks\[2\] is named '.*', empty or the name of an earlier block")
+    doc = _profile()
+    names = [b["name"] for b in doc["data"]["blocks"]]
+    assert doc["data"]["fingerprint"]["block_names_hash"] == block_names_hash(names)  # recorded by profile()
+    doc["data"]["blocks"][3]["name"] = "head"
+    _refused(Profile, doc, r"the blocks' names \[.*'head'\] do not match the fingerprint's block_names_hash")
     doc = _profile()
     assert doc["data"]["stacks"], "the MLP profile records its stack"
     doc["data"]["stacks"][0]["stop"] -= 1
