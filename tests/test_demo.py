@@ -111,7 +111,7 @@ def test_run_then_verify_the_saved_plan(tmp_path, monkeypatch):
     assert sorted(p.name for p in out_dir.iterdir()) == [
         "plan-none.json", plan_path.name, "profile.json", "report.html", "verification-none.json",
         "verification-optimal-85pct.json"]
-    plan = remat.Plan.from_json(plan_path)
+    plan = remat.Plan.load(plan_path)
     assert plan.strategy_name == "optimal" and plan.prediction.peak_bytes <= plan.budget_bytes
     page = (out_dir / "report.html").read_text()
     assert "remat run --model gpt --strategy optimal --budget 85% --layers 3" in page

@@ -125,7 +125,7 @@ def test_verification_json_round_trip(tmp_path):
     v = _verify("convnet", "sqrt")
     assert Verification.from_json(v.to_json()) == v
     v.save(tmp_path / "v.json")
-    assert Verification.from_json(tmp_path / "v.json") == v
+    assert Verification.load(tmp_path / "v.json") == v
 
 
 def test_bad_arguments():

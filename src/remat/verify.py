@@ -66,6 +66,8 @@ def _float_tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _max_abs_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+    """Largest |x - y| over corresponding tensors; inf when counts, presence or shapes differ,
+    or when either holds a NaN or an Inf (``max(0.0, nan)`` is 0.0: a NaN must never pass as equal)."""
     if len(a) != len(b):
         return float("inf")
     worst = 0.0
@@ -77,8 +79,31 @@ def _max_abs_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) ->
         if x.shape != y.shape:
             return float("inf")
         if x.numel():
-            worst = max(worst, float((x.detach().double() - y.detach().double()).abs().max()))
+            x, y = x.detach().double(), y.detach().double()
+            if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
+                return float("inf")
+            worst = max(worst, float((x - y).abs().max()))
     return worst
+
+
+def _nonfinite(run: str, what: str, tensors: list[torch.Tensor | None], names: list[str]) -> list[str]:
+    """One line per tensor of ``tensors`` holding NaN or Inf: which run, which tensor, how many."""
+    found = []
+    for name, t in zip(names, tensors):
+        if t is None or not t.is_floating_point() or not t.numel():
+            continue
+        t = t.detach()
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        if nan or inf:
+            found.append(f"{run} run: {what} {name} holds {nan} NaN and {inf} Inf of {t.numel()} values")
+    return found
+
+
+def _nonfinite_report(run: str, loss: torch.Tensor, outputs: list[torch.Tensor],
+                      grads: list[torch.Tensor | None], param_names: list[str]) -> list[str]:
+    return (_nonfinite(run, "loss", [loss], [""])
+            + _nonfinite(run, "output", outputs, [f"#{i}" for i in range(len(outputs))])
+            + _nonfinite(run, "gradient of", grads, param_names))
 
 
 def _copy_optimizer(optimizer: torch.optim.Optimizer | None, source: nn.Module, target: nn.Module) -> torch.optim.Optimizer | None:
@@ -211,6 +236,8 @@ def _rel_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
         return 0.0 if a is b else float("inf")
     scale = float(b.detach().double().abs().max()) if b.numel() else 0.0
     diff = _max_abs_diff([a], [b])
+    if diff == float("inf"):
+        return diff
     return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 
@@ -228,7 +255,7 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
 
     ``offload_dir``: where ``offload:disk`` blocks of the plan write (see `remat.apply_`)."""
     if not isinstance(plan, Plan):
-        raise TypeError(f"verify needs a remat Plan, got {type(plan).__name__}; load one with Plan.from_json(path).")
+        raise TypeError(f"verify needs a remat Plan, got {type(plan).__name__}; load one with remat.Plan.load(path).")
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed steps; the median is kept).")
     check_batch_device(model, batch)
@@ -250,6 +277,9 @@ def _compare(plan: Plan, base: _Run, planned: _Run, repeats: int, device: torch.
     times_b, times_p = _timed_pairs(base, planned, repeats, Clock(device))
     loss_diff = _max_abs_diff([loss_b], [loss_p])
     out_diff, grad_diff = _max_abs_diff(out_b, out_p), _max_abs_diff(grads_b, grads_p)
+    names = [n for n, _ in base.model.named_parameters()]
+    nonfinite = (_nonfinite_report("baseline", loss_b, out_b, grads_b, names)
+                 + _nonfinite_report("planned", loss_p, out_p, grads_p, names))
     head = head_tolerance(base.model, plan.head, base.step.batch)
     rel_diff = _max_rel_diff([loss_p, *grads_p], [loss_b, *grads_b])
     tolerance, reason = _tolerance(device, head)
@@ -260,7 +290,8 @@ def _compare(plan: Plan, base: _Run, planned: _Run, repeats: int, device: torch.
     return Verification(
         strategy_name=plan.strategy_name, budget_bytes=plan.budget_bytes,
         loss_max_abs_diff=loss_diff, output_max_abs_diff=out_diff, grad_max_abs_diff=grad_diff,
-        grads_identical=loss_diff == 0.0 and out_diff == 0.0 and grad_diff == 0.0,
+        grads_identical=loss_diff == 0.0 and out_diff == 0.0 and grad_diff == 0.0 and not nonfinite,
+        nonfinite=tuple(nonfinite),
         tolerance=tolerance, tolerance_reason=reason, head=plan.head,
         relative_tolerance=head.relative_tolerance, grad_max_rel_diff=rel_diff,
         baseline_peak_bytes=tracked_b.peak_bytes, measured_peak_bytes=tracked_p.peak_bytes,

@@ -5,11 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from remat._serialize import dump_document, load_document
+from remat._serialize import Rules, dump_document, parse_document, read_document
 from remat.measure.types import MemoryEvent
 
 VERIFICATION_FORMAT = "verification"
 VERIFICATION_VERSION = 1
+VERIFICATION_RULES = Rules(
+    signed=frozenset({"peak_error_pct", "step_error_pct", "overhead_pct", "predicted_overhead_pct",
+                      "paired_step_error_pct", "baseline_drift_pct"}),
+    finite=False,
+)
+"""Beyond the type hints: errors in percent are signed, and differences may be infinite (counts,
+shapes or presence differ, or a run holds NaN or Inf)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -43,7 +50,10 @@ class Verification:
     grad_max_abs_diff: float
     """Max absolute difference over every parameter gradient."""
     grads_identical: bool
-    """True when loss, outputs and every gradient are bit-identical."""
+    """True when loss, outputs and every gradient are bit-identical (and finite)."""
+    nonfinite: tuple[str, ...] = ()
+    """One line per loss, output or parameter gradient holding NaN or Inf, in either run (which
+    run, which tensor, how many values): any of them makes the runs differ (`ok` is False)."""
     tolerance: float
     """Allowed max abs difference (0.0 on CPU: bit-identical), with `tolerance_reason`."""
     tolerance_reason: str
@@ -104,7 +114,9 @@ class Verification:
     @property
     def ok(self) -> bool:
         """Gradients within the tolerance: bit-identical (CPU) or within `tolerance`, or under a
-        chunked head within `relative_tolerance`."""
+        chunked head within `relative_tolerance`. Never with a NaN or Inf in either run."""
+        if self.nonfinite:
+            return False
         if self.grads_identical or self.grad_max_abs_diff <= self.tolerance:
             return True
         return self.relative_tolerance > 0 and self.grad_max_rel_diff <= self.relative_tolerance
@@ -113,8 +125,15 @@ class Verification:
         return dump_document(self, VERIFICATION_FORMAT, VERIFICATION_VERSION)
 
     @classmethod
-    def from_json(cls, text_or_path: str | Path) -> Verification:
-        return load_document(cls, text_or_path, VERIFICATION_FORMAT, VERIFICATION_VERSION)
+    def from_json(cls, text: str) -> Verification:
+        """The verification in JSON ``text`` (as `to_json` writes it), checked against the schema
+        (`remat._serialize`); a path is refused: read files with `load`."""
+        return parse_document(cls, text, VERIFICATION_FORMAT, VERIFICATION_VERSION, VERIFICATION_RULES)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Verification:
+        """The verification in the JSON file at ``path`` (as `save` writes it), checked like `from_json`."""
+        return read_document(cls, path, VERIFICATION_FORMAT, VERIFICATION_VERSION, VERIFICATION_RULES)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())

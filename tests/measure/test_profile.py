@@ -175,7 +175,7 @@ def test_json_round_trip(gpt_profile, tmp_path: Path):
     assert Profile.from_json(result.to_json()) == result
     path = tmp_path / "profile.json"
     result.save(path)
-    assert Profile.from_json(path) == result
+    assert Profile.load(path) == result
 
 
 def test_fingerprint_and_environment(gpt_profile):

@@ -30,7 +30,7 @@ def test_profile_gpt_table_and_json(tmp_path: Path):
                  "stacks: blocks (2 x Block, blocks 0-1); chain breaks: 0",
                  "fixed part: 5 module(s) outside blocks, parameters MiB: tok_emb 0.00, pos_emb 0.00, ln_f 0.00, head 0.00"):
         assert text in result.output
-    profile = Profile.from_json(out)
+    profile = Profile.load(out)
     assert [b.name for b in profile.blocks] == ["blocks.0", "blocks.1"]
     # the head part: 2 x 8 tokens of 32 logits, too few for a default chunk (64 rows, under half the tokens)
     assert "head: head, 16 tokens x 32 vocabulary (float32); post part peak by head strategy: keep" in result.output

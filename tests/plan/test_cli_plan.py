@@ -23,7 +23,7 @@ def test_plan_writes_json_and_prints_comparison(tmp_path):
     out = tmp_path / "plan.json"
     result = runner.invoke(app, ["plan", str(_profile_file(tmp_path)), "--budget", "12MiB", "-o", str(out)])
     assert result.exit_code == 0, result.output
-    plan = Plan.from_json(out)
+    plan = Plan.load(out)
     assert plan.budget_bytes == 12 * 2**20 and plan.strategy_name == "optimal"
     assert plan.prediction.peak_bytes <= 12 * 2**20
     assert json.loads(out.read_text())["format"] == "plan"

@@ -14,7 +14,7 @@ def test_plan_tune_prints_the_candidates_and_writes_the_record(tmp_path):
     out = tmp_path / "plan.json"
     result = runner.invoke(app, ["plan", *TINY, "--budget", "75%", "--tune", "--tune-steps", "2", "-o", str(out)])
     assert result.exit_code == 0, result.output
-    plan = Plan.from_json(out)
+    plan = Plan.load(out)
     tuning = plan.tuning
     assert tuning is not None and tuning.rounds == 2 and tuning.max_steps == 2 and tuning.max_seconds == 30.0
     assert tuning.candidates[0].name.startswith("optimal")
@@ -34,7 +34,7 @@ def test_run_tune_writes_the_tuned_plan_and_the_reports_tuning_section(tmp_path)
     result = runner.invoke(app, ["run", *TINY, "--budget", "75%", "--repeats", "1", "--tune", "--tune-steps", "1",
                                  "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    plan = Plan.from_json(tmp_path / "plan-optimal-75pct-tuned.json")
+    plan = Plan.load(tmp_path / "plan-optimal-75pct-tuned.json")
     assert plan.tuning is not None and plan.tuning.rounds == 1
     page = (tmp_path / "report.html").read_text()
     assert '<section id="tuning"><h2>Tuning</h2>' in page and "--tune --tune-steps 1 --tune-seconds 30" in page

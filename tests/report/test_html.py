@@ -33,7 +33,7 @@ def test_page_holds_the_numbers_of_its_inputs(page):
     assert "bit-identical" in text and "as planned" in text
     assert "<th>fits 80.0 MiB</th>" in page
     assert "remat run --model gpt --budget 80MiB" in text
-    assert 'plan = remat.Plan.from_json("plan.json")  # optimal @ 80.0 MiB' in html.unescape(text)
+    assert 'plan = remat.Plan.load("plan.json")  # optimal @ 80.0 MiB' in html.unescape(text)
     assert "remat.apply_(model, plan, batch=batch)" in text
 
 

@@ -1,8 +1,10 @@
 """`apply_` a plan to the user's model in place, `remove_` it, or `auto_` profile+plan+apply.
 
 ``apply_`` checks everything before it changes anything: a second apply, a plan made for
-another model (structure, dtype, device) or another batch (shapes), a head strategy for a model
-without a head part, is an error and leaves the model untouched. It changes only the
+another model (structure, dtype, device) or another batch (shapes), block names that are not
+distinct, non-nested submodules of the model (or not the blocks the plan was profiled with), a
+head strategy for a model without a head part, is an error and leaves the model untouched; a
+step of the change itself that fails undoes the steps before it. It changes only the
 ``forward`` instance attribute of the planned blocks (`remat.apply.runtime`) and, when the
 plan's head is not ``keep``, of the model itself (`remat.apply.head`), and on Hugging Face
 models adds a forward pre-hook that turns the key/value cache off where gradients are enabled
@@ -46,16 +48,38 @@ def applied_plan(model: nn.Module) -> Plan | None:
 
 
 def _resolve_blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
+    """The plan's blocks in ``model``: distinct submodules (never the model itself), none inside another."""
     blocks = []
     for name in plan.block_names:
         try:
-            blocks.append(model.get_submodule(name))
+            block = model.get_submodule(name)
         except AttributeError:
             raise ValueError(
                 f"the plan names block {name!r}, which {type(model).__name__} does not have; the plan "
                 "was made for another model. Profile and plan this model (remat.profile, remat.plan)."
             ) from None
+        if block is model:
+            raise ValueError(f"the plan names block {name!r}, which is the model itself; blocks are its "
+                             "submodules (layers). Profile and plan this model (remat.profile, remat.plan).")
+        blocks.append(block)
+    _check_disjoint(plan.block_names, blocks)
     return blocks
+
+
+def _check_disjoint(names: tuple[str, ...], blocks: list[nn.Module]) -> None:
+    owner = {id(block): name for name, block in zip(names, blocks)}
+    if len(owner) != len(blocks):
+        seen: dict[int, str] = {}
+        for name, block in zip(names, blocks):
+            if id(block) in seen:
+                raise ValueError(f"the plan's blocks {seen[id(block)]!r} and {name!r} are the same module; "
+                                 "each block must be a different module. Plan again (remat.plan).")
+            seen[id(block)] = name
+    for name, block in zip(names, blocks):
+        for inner_name, inner in block.named_modules():
+            if inner_name and id(inner) in owner:
+                raise ValueError(f"the plan's block {owner[id(inner)]!r} lies inside its block {name!r}; "
+                                 "blocks must not nest. Plan again (remat.plan).")
 
 
 def _model_fingerprint(model: nn.Module, batch: Any) -> Fingerprint:
@@ -116,41 +140,59 @@ def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str 
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_ needs an nn.Module, got {type(model).__name__}.")
     if not isinstance(plan, Plan):
-        raise TypeError(f"apply_ needs a remat Plan, got {type(plan).__name__}; load one with Plan.from_json(path).")
+        raise TypeError(f"apply_ needs a remat Plan, got {type(plan).__name__}; load one with remat.Plan.load(path).")
     if is_applied(model):
         raise ValueError(
             f"{type(model).__name__} already has a remat plan applied "
             f"({applied_plan(model).strategy_name!r}); call remat.remove_(model) first."
         )
+    plan.check()
     blocks = _resolve_blocks(model, plan)
     if batch is not None:
         check_batch_device(model, batch)
     check_plan_matches(model, plan, batch)
     head = _head_runtime(model, plan)
-    options = {"plan": plan, "offload_engines": _offload_engines(plan, offload_dir), "cache_off": CacheOff(model),
-               "head_runtime": head}
+    # every check passed: from here on, change the model, and undo everything if a step fails
+    options = {"plan": plan, "offload_engines": {}, "cache_off": CacheOff(model), "head_runtime": head}
     runtime = Runtime(blocks=blocks, block_names=plan.block_names, segments=plan.segments,
                       handlers=HANDLERS, options=options)
-    runtime.install()
-    options["cache_off"].install()
-    if head is not None:
-        head.install()
     model.__dict__[RUNTIME_ATTR] = runtime
+    try:
+        options["offload_engines"] = _offload_engines(plan, offload_dir)
+        runtime.install()
+        options["cache_off"].install()
+        if head is not None:
+            head.install()
+    except BaseException:
+        with contextlib.suppress(Exception):  # the error that stopped the apply is the one to raise
+            remove_(model)
+        raise
     return model
 
 
 def remove_(model: nn.Module) -> nn.Module:
-    """Undo `apply_`: every block's ``forward`` is restored exactly; returns the same model."""
+    """Undo `apply_`: every block's ``forward`` is restored exactly; returns the same model.
+
+    Each step runs even when one before it raised (a block's ``forward`` deleted by hand, an
+    offload engine that cannot close): the model always ends with no plan applied, and the first
+    error is raised after."""
     runtime = model.__dict__.get(RUNTIME_ATTR)
     if runtime is None:
         raise ValueError(f"{type(model).__name__} has no remat plan applied; nothing to remove.")
-    runtime.uninstall()
-    runtime.options["cache_off"].remove()
-    if runtime.options.get("head_runtime") is not None:
-        runtime.options["head_runtime"].uninstall()
-    for engine in runtime.options["offload_engines"].values():
-        engine.close()
+    head = runtime.options.get("head_runtime")
+    steps = [runtime.uninstall, runtime.options["cache_off"].remove]
+    if head is not None:
+        steps.append(head.uninstall)
+    steps += [engine.close for engine in runtime.options["offload_engines"].values()]
+    errors = []
+    for step in steps:
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - every step must run; the first error is raised below
+            errors.append(exc)
     del model.__dict__[RUNTIME_ATTR]
+    if errors:
+        raise errors[0]
     return model
 
 

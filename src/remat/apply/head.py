@@ -48,6 +48,8 @@ class HeadRuntime:
         self.model.forward = self
 
     def uninstall(self) -> None:
+        if self.model.__dict__.get("forward") is not self:  # not installed (a failed apply_)
+            return
         del self.model.__dict__["forward"]
         if self._previous is not None:
             self.model.forward = self._previous

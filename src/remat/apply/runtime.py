@@ -119,11 +119,15 @@ class Runtime:
             block.forward = BlockForward(self, i)
 
     def uninstall(self) -> None:
+        """Restore every planned block's own ``forward`` (those this runtime installed; a block
+        not installed yet, as after a failed `apply_`, is left as it is)."""
         for i in self.planned_indices():
             block = self.blocks[i]
-            del block.__dict__["forward"]
-            if i in self.saved_forwards:
-                block.forward = self.saved_forwards[i]
+            mine = block.__dict__.get("forward")
+            if isinstance(mine, BlockForward) and mine.runtime is self:
+                del block.__dict__["forward"]
+                if i in self.saved_forwards:
+                    block.forward = self.saved_forwards.pop(i)
         self.pending.clear()
 
     # -- running ----------------------------------------------------------------------------

@@ -104,7 +104,7 @@ def _load_target(path: Optional[Path], model: Optional[str], sizes: dict, seed: 
     if path is not None:
         if model is not None or device is not None:
             raise ValueError("give either a profile JSON or --model (and --device), not both.")
-        return Profile.from_json(Path(path)), None
+        return Profile.load(path), None
     if model is None:
         raise ValueError("give a profile JSON (remat profile --json p.json) or --model NAME to profile first.")
     from remat.measure.profile import profile

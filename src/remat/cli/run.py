@@ -25,6 +25,8 @@ def _mib(num_bytes: int) -> str:
 
 
 def _grad_cell(v) -> str:
+    if v.nonfinite:
+        return f"[bold red]NaN/Inf ({len(v.nonfinite)} tensors)[/]"
     if v.grads_identical:
         return "[green]identical[/]"
     if v.ok and v.relative_tolerance:
@@ -242,7 +244,7 @@ def verify_command(
     from remat.plan.types import Plan
 
     try:
-        plan = Plan.from_json(Path(plan_path))
+        plan = Plan.load(plan_path)
         sizes = sizes_from_options(model, layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
         with console.status("building...") as status:
             result = verify_job(plan, model, sizes=sizes, seed=seed, repeats=repeats,

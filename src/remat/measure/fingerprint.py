@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from remat._batch import batch_shapes, model_device
-from remat.measure.types import Fingerprint
+from remat.measure.types import Fingerprint, block_names_hash
 
 
 def model_hash(model: nn.Module) -> str:
@@ -32,9 +33,10 @@ def model_dtype(model: nn.Module) -> str:
     return "float32"
 
 
-def fingerprint(model: nn.Module, batch: Any) -> Fingerprint:
-    """The fingerprint of ``model`` run on ``batch``."""
+def fingerprint(model: nn.Module, batch: Any, block_names: Sequence[str] | None = None) -> Fingerprint:
+    """The fingerprint of ``model`` run on ``batch`` (with ``block_names``: of those blocks too)."""
     return Fingerprint(
         model_hash=model_hash(model), batch_shapes=batch_shapes(batch),
         device=model_device(model).type, dtype=model_dtype(model), torch_version=torch.__version__,
+        block_names_hash="" if block_names is None else block_names_hash(block_names),
     )

@@ -351,7 +351,7 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
     saved, recorder = memory.saved_bytes, memory.recorder
     between_flops = sum(recorder.segment_flops(between_name(i)) for i in range(1, len(block_list)))
     return Profile(
-        fingerprint=fingerprint(model, step.batch), environment=_environment(model_device(model)),
+        fingerprint=fingerprint(model, step.batch, [name for name, _ in block_list]), environment=_environment(model_device(model)),
         blocks=_block_profiles(found, memory, times, overheads),
         stacks=found.stacks, fixed_modules=fixed_modules(model, [m for _, m in block_list]),
         param_bytes=param_bytes(model), grad_bytes=memory.grad_bytes,

@@ -13,13 +13,55 @@ Conventions (every later stage relies on them):
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from remat._serialize import dump_document, load_document
+from remat._serialize import Rules, dump_document, parse_document, read_document
 
 PROFILE_FORMAT = "profile"
 PROFILE_VERSION = 1
+def block_names_hash(names: Sequence[str]) -> str:
+    """SHA-256 (16 hex digits) of the blocks' qualified names, in order (`Fingerprint.block_names_hash`)."""
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()[:16]
+
+
+def _check_profile(profile: Profile) -> None:
+    """What a measured profile always holds across fields (checked when one is read)."""
+    names = [b.name for b in profile.blocks]
+    for i, block in enumerate(profile.blocks):
+        if block.index != i:
+            raise ValueError(f"blocks[{i}] has index {block.index}; blocks are numbered 0.. in order.")
+        if not block.name or names.index(block.name) != i:
+            raise ValueError(f"blocks[{i}] is named {block.name!r}, empty or the name of an earlier block.")
+        keys = [op.key for op in block.ops]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"blocks[{i}] ({block.name}) names an op key twice; op keys are unique in a block.")
+        for curve in ("fwd_live_bytes", "checkpointed_fwd_live_bytes"):
+            if len(getattr(block, curve)) not in (0, len(block.ops)):
+                raise ValueError(f"blocks[{i}].{curve} has {len(getattr(block, curve))} values for "
+                                 f"{len(block.ops)} ops; one per op (or none).")
+    recorded = profile.fingerprint.block_names_hash
+    if recorded and recorded != block_names_hash(names):
+        raise ValueError(f"the blocks' names {names} do not match the fingerprint's block_names_hash {recorded!r}.")
+    pos = 0
+    for stack in profile.stacks:
+        if stack.start != pos or stack.stop <= stack.start:
+            raise ValueError(f"stack {stack.name!r} spans [{stack.start}, {stack.stop}); stacks cover the "
+                             f"blocks in order without gap or overlap, so it must start at {pos} and be non-empty.")
+        pos = stack.stop
+    if profile.stacks and pos != len(profile.blocks):
+        raise ValueError(f"the stacks cover {pos} blocks, the profile has {len(profile.blocks)}.")
+
+
+PROFILE_RULES = Rules(
+    signed=frozenset({"fwd_temp_bytes", "fwd_other_bytes", "bwd_free_order"}),
+    floors=(("num_threads", 1),),
+    check=lambda profile: _check_profile(profile),
+)
+"""Beyond the type hints: the measured differences that may be negative (their docstrings say
+when), and ``bwd_free_order``'s storage id -1; every other size, time and count is >= 0."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -270,6 +312,9 @@ class Fingerprint:
     """dtype of the model's floating-point parameters, e.g. ``"float32"``."""
     torch_version: str
     """`torch.__version__` at profiling time."""
+    block_names_hash: str = ""
+    """`remat.measure.fingerprint.block_names_hash` of the profiled blocks' names, in order: a plan
+    naming other blocks is refused ("": not recorded, older files and hand-made plans)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -500,8 +545,15 @@ class Profile:
         return dump_document(self, PROFILE_FORMAT, PROFILE_VERSION)
 
     @classmethod
-    def from_json(cls, text_or_path: str | Path) -> Profile:
-        return load_document(cls, text_or_path, PROFILE_FORMAT, PROFILE_VERSION)
+    def from_json(cls, text: str) -> Profile:
+        """The profile in JSON ``text`` (as `to_json` writes it), checked against the schema
+        (`remat._serialize`); a path is refused: read files with `load`."""
+        return parse_document(cls, text, PROFILE_FORMAT, PROFILE_VERSION, PROFILE_RULES)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """The profile in the JSON file at ``path`` (as `save` writes it), checked like `from_json`."""
+        return read_document(cls, path, PROFILE_FORMAT, PROFILE_VERSION, PROFILE_RULES)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())

@@ -4,8 +4,8 @@ Strategy strings (`Segment.strategy`):
 - ``"keep"``: store what autograd saves;
 - ``"recompute"``: store only the segment's input, replay its forward in backward
   (non-reentrant checkpoint); ``children`` say how the replay itself is checkpointed
-  (nested segments, each inside ``[start, stop)``; blocks not covered by a child are kept
-  during the replay);
+  (nested segments inside ``[start, stop)``, in order and without overlap; blocks between
+  them are kept during the replay);
 - ``"selective:<policy>"`` (single-block segments): save the outputs of the op calls named in
   ``saved_ops`` (keys of `remat.measure.types.OpRecord`), recompute the rest of the block;
 - ``"offload:cpu"`` / ``"offload:disk"``: move the segment's saved tensors off the device.
@@ -15,17 +15,27 @@ Besides the blocks, a plan names how the head (output projection and loss) runs:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from remat._serialize import dump_document, load_document
+from remat._serialize import Rules, dump_document, parse_document, read_document
 from remat.head.names import check_head_name
-from remat.measure.types import Fingerprint
+from remat.measure.types import Fingerprint, block_names_hash
 
 PLAN_FORMAT = "plan"
 PLAN_VERSION = 1
+PLAN_RULES = Rules(
+    signed=frozenset({"extra_ms", "lower_bound_ms", "fault_saving_ms"}),
+    floors=(("peak_block", -1), ("budget_bytes", 1), ("quantum_bytes", 1)),
+)
+"""Beyond the type hints: a plan's time differences may be negative (less fresh memory faulted
+in than the baseline); ``peak_block`` is -1 outside blocks; a budget is positive."""
 
 STRATEGY_KINDS = ("keep", "recompute", "selective", "offload")
+
+_OP_KEY = re.compile(r"[^\s#]+#[0-9]+")
+"""An op key: ``"<aten op name>#<occurrence>"`` (`remat.measure.types.OpRecord.key`)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -57,16 +67,36 @@ class Segment:
                 f"selective segment [{self.start}, {self.stop}) spans several blocks; "
                 "selective strategies apply to one block at a time."
             )
+        if kind == "selective":
+            self._check_selective()
+        elif self.saved_ops:
+            raise ValueError(f"segment [{self.start}, {self.stop}) is {self.strategy!r} but names saved_ops; "
+                             "only selective segments save op outputs.")
         if kind == "offload" and self.strategy not in ("offload:cpu", "offload:disk"):
             raise ValueError(f"unknown offload target {self.strategy!r}; use offload:cpu or offload:disk.")
         if self.children and kind != "recompute":
             raise ValueError(f"only recompute segments may nest; got children under {self.strategy!r}.")
+        pos = self.start
         for child in self.children:
             if not (self.start <= child.start and child.stop <= self.stop):
                 raise ValueError(
                     f"child segment [{child.start}, {child.stop}) lies outside its parent "
                     f"[{self.start}, {self.stop})."
                 )
+            if child.start < pos:
+                raise ValueError(
+                    f"child segments of [{self.start}, {self.stop}) must be in order without overlap; "
+                    f"[{child.start}, {child.stop}) starts before {pos}, where the child before it ends."
+                )
+            pos = child.stop
+
+    def _check_selective(self) -> None:
+        if not self.strategy.startswith("selective:") or len(self.strategy) == len("selective:"):
+            raise ValueError(f"selective strategy {self.strategy!r} names no policy; write selective:<policy>.")
+        bad = next((k for k in self.saved_ops if not _OP_KEY.fullmatch(k)), None)
+        if bad is not None:
+            raise ValueError(f"saved op key {bad!r} of segment [{self.start}, {self.stop}) is not an op key "
+                             "like 'aten.mm.default#0' (the op's name, '#', its occurrence in the block).")
 
     @property
     def kind(self) -> str:
@@ -133,6 +163,20 @@ class Optimality:
     def gap_ms(self) -> float:
         """At most this much slower than the fastest plan that fits."""
         return max(0.0, self.extra_ms - self.lower_bound_ms)
+
+
+def _check_block_names(names: tuple[str, ...]) -> None:
+    """Block names are module paths: non-empty (``""`` is the model itself), unique."""
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not name or name != name.strip():
+            raise ValueError(
+                f"block_names[{i}] is {name!r}; a block name is the qualified name of a submodule "
+                "(\"layers.0\"), never empty (the model itself) nor padded with spaces."
+            )
+        if name in seen:
+            raise ValueError(f"block_names[{i}] {name!r} appears twice; each block is named once.")
+        seen.add(name)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -211,7 +255,20 @@ class Plan:
     the winner (this plan's layout). Plans without it (not tuned, older files) have None."""
 
     def __post_init__(self) -> None:
+        self.check(segments=False)
+
+    def check(self, *, segments: bool = True) -> None:
+        """Raise ValueError unless the plan's invariants hold (construction checks them; `apply_`
+        checks again, for an object changed by force). ``segments``: re-check every segment too."""
+        if segments:
+            stack = list(self.segments)
+            while stack:
+                seg = stack.pop()
+                seg.__post_init__()
+                stack.extend(seg.children)
         check_head_name(self.head)
+        _check_block_names(self.block_names)
+        self._check_fingerprinted_names()
         pos = 0
         for seg in self.segments:
             if seg.start != pos:
@@ -225,12 +282,28 @@ class Plan:
                 f"plan segments cover {pos} blocks but the plan names {len(self.block_names)}."
             )
 
+    def _check_fingerprinted_names(self) -> None:
+        recorded = self.fingerprint.block_names_hash
+        if recorded and recorded != block_names_hash(self.block_names):
+            raise ValueError(
+                f"the plan's block_names {list(self.block_names)} are not the blocks it was profiled and "
+                f"planned with (fingerprint block_names_hash {recorded!r}); plan again from the profile "
+                "(remat.plan) instead of editing block names."
+            )
+
     def to_json(self) -> str:
         return dump_document(self, PLAN_FORMAT, PLAN_VERSION)
 
     @classmethod
-    def from_json(cls, text_or_path: str | Path) -> Plan:
-        return load_document(cls, text_or_path, PLAN_FORMAT, PLAN_VERSION)
+    def from_json(cls, text: str) -> Plan:
+        """The plan in JSON ``text`` (as `to_json` writes it), checked against the schema
+        (`remat._serialize`); a path is refused: read files with `load`."""
+        return parse_document(cls, text, PLAN_FORMAT, PLAN_VERSION, PLAN_RULES)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        """The plan in the JSON file at ``path`` (as `save` writes it), checked like `from_json`."""
+        return read_document(cls, path, PLAN_FORMAT, PLAN_VERSION, PLAN_RULES)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())

@@ -234,7 +234,7 @@ def _apply_html(chosen: Plan | None) -> str:
     """How to use the chosen plan in a training script."""
     if chosen is None:
         return ""
-    code = (f"import remat\n\nplan = remat.Plan.from_json(\"plan.json\")  # {plan_label(chosen)}\n"
+    code = (f"import remat\n\nplan = remat.Plan.load(\"plan.json\")  # {plan_label(chosen)}\n"
             "remat.apply_(model, plan, batch=batch)  # in place; state_dict keys unchanged\n"
             "# ... train as usual ...\nremat.remove_(model)  # back to the original forward")
     return f"<p>Use the chosen plan in your training script:</p><pre><code>{_e(code)}</code></pre>"

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from remat._serialize import read_text_file
 from remat.measure.types import PROFILE_FORMAT, Profile
 from remat.plan.types import PLAN_FORMAT, Plan
 from remat.report.blocks import check_plan_matches
@@ -27,28 +28,33 @@ class ReportInputs:
     """Verifications of those plans, in the order given."""
 
 
-def document_kind(path: str | Path) -> str:
-    """The ``"format"`` field of a remat JSON file: ``profile``, ``plan`` or ``verification``."""
-    path = Path(path)
+def _read(path: str | Path) -> tuple[str, str]:
+    """(``"format"`` field, text) of a remat JSON file (a regular file of bounded size)."""
+    text = read_text_file(path, "report input")
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {str(path)!r} as JSON ({exc}); pass a file written by remat.") from exc
+        doc = json.loads(text)
+    except (RecursionError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {str(path)!r} as JSON ({exc}); pass a file written by remat.") from None
     kind = doc.get("format") if isinstance(doc, dict) else None
     if kind not in DOCUMENT_KINDS:
         raise ValueError(
             f"{str(path)!r} has format={kind!r}; allowed: {sorted(DOCUMENT_KINDS)}. "
             "Pass the JSON files written by `remat profile`, `remat plan` and `remat run`."
         )
-    return kind
+    return kind, text
+
+
+def document_kind(path: str | Path) -> str:
+    """The ``"format"`` field of a remat JSON file: ``profile``, ``plan`` or ``verification``."""
+    return _read(path)[0]
 
 
 def load_inputs(paths: Iterable[str | Path]) -> ReportInputs:
     """Load exactly one profile and any number of plans and verifications, checking they match."""
     found: dict[str, list] = {kind: [] for kind in DOCUMENT_KINDS}
     for path in paths:
-        kind = document_kind(path)
-        found[kind].append(DOCUMENT_KINDS[kind].from_json(Path(path)))
+        kind, text = _read(path)
+        found[kind].append(DOCUMENT_KINDS[kind].from_json(text))
     profiles = found[PROFILE_FORMAT]
     if len(profiles) != 1:
         raise ValueError(

@@ -147,7 +147,9 @@ def _nothing_fits(plans: Sequence[Plan], budget: int, base: StepPoint) -> str:
 
 
 def _measured(ver: Verification, budget: int | None) -> str:
-    if ver.grads_identical:
+    if ver.nonfinite:
+        grads = f"gradients DIFFER: NaN or Inf in {len(ver.nonfinite)} tensor(s), first: {ver.nonfinite[0]}"
+    elif ver.grads_identical:
         grads = "gradients bit-identical"
     elif ver.ok and ver.relative_tolerance:
         grads = (f"gradients within the head's relative tolerance (max {ver.grad_max_rel_diff:.1e} <= "

@@ -102,6 +102,8 @@ def op_mismatch_table(verifications: Sequence[Verification]) -> Table:
 
 
 def _grad_verdict(ver: Verification) -> str:
+    if ver.nonfinite:
+        return f"DIFFER: NaN or Inf in {len(ver.nonfinite)} tensor(s), first: {ver.nonfinite[0]}"
     if ver.grads_identical:
         return "bit-identical"
     if ver.ok and ver.relative_tolerance:
