@@ -69,9 +69,9 @@ class FaultCount:
             self.bytes = max(0, (fault_bytes() or 0) - self._start)
 
 
-def first_touch_ms_per_byte(device: torch.device, repeats: int = 5) -> float:
+def first_touch_ms_per_byte(device: torch.device, repeats: int = 5, discard: int = 1) -> float:
     """Milliseconds per byte that faulting in fresh host memory adds to writing it (median of
-    ``repeats`` after one discarded probe; 0 on devices other than the CPU, and where faults are
+    ``repeats`` after ``discard`` discarded probes; 0 on devices other than the CPU, and where faults are
     not counted). A probe can take several times as long as the next (1.7-2.3 against 0.25-0.38
     ms per MiB, in 5 of 12 profiles of the built-in GPT that probed once after their timed
     steps), which is why `remat.measure.profile` probes beside each timed step and keeps the
@@ -80,9 +80,9 @@ def first_touch_ms_per_byte(device: torch.device, repeats: int = 5) -> float:
         return 0.0
     costs = []
     with _gc_paused():
-        for _ in range(repeats + 1):
+        for _ in range(repeats + discard):
             costs.append(_probe())
-    return statistics.median(costs[1:])
+    return statistics.median(costs[discard:])
 
 
 @contextlib.contextmanager

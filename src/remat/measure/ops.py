@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from remat.measure.boundaries import in_backward
 from remat.measure.flops import op_flops
 from remat.measure.saved import POST, SavedStorage
+from remat.measure.sharing import args_signature
 from remat.measure.storage import flat_tensors, storage_key, storage_nbytes
 from remat.measure.types import OpRecord
 
@@ -52,6 +53,8 @@ class _Call:
     """``live_bytes()`` once the call's outputs exist (0 without a ``live_bytes``)."""
     mutated_later: bool = False
     """A later call of the forward wrote into a storage of its outputs."""
+    args: tuple[Any, ...] = ()
+    """`remat.measure.sharing.args_signature` of its arguments (shapes, dtypes, other values)."""
 
 
 class OpRecorder(TorchDispatchMode):
@@ -81,6 +84,9 @@ class OpRecorder(TorchDispatchMode):
         self._holders: dict[int, list[_Call]] = {}
         """Storage key -> the calls whose outputs live in it, while it lives (`_note_writes`)."""
         self._first_run = True
+        self.timed_segments: set[str] | None = None
+        """The segments whose calls runs after the first time (None: all of them; blocks that take
+        another block's timing are left out, `remat.measure.sharing`)."""
 
     def producer_of(self, key: int) -> str | None:
         """The segment whose op call last made the storage ``key`` in the first run (None: made
@@ -95,7 +101,7 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if in_backward() or not self.enabled:
+        if in_backward() or not self.enabled or not self._timed(self.segment_of()):
             return func(*args, **kwargs)
         if self._sync is not None:
             self._sync()
@@ -106,6 +112,9 @@ class OpRecorder(TorchDispatchMode):
         elapsed = time.perf_counter() - start
         self._record(func, args, kwargs, out, elapsed)
         return out
+
+    def _timed(self, segment: str) -> bool:
+        return self._first_run or self.timed_segments is None or segment in self.timed_segments
 
     def _record(self, func: Any, args: tuple, kwargs: dict, out: Any, elapsed_s: float) -> None:
         segment, name = self.segment_of(), str(func)
@@ -128,7 +137,7 @@ class OpRecorder(TorchDispatchMode):
             name=name, key=key, new_storages=new, flops=op_flops(func, args, kwargs, out),
             is_random=torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()),
             is_view=bool(getattr(func, "is_view", False)), storage_ids=ids, storage_bytes=nbytes,
-            times_s=[elapsed_s],
+            times_s=[elapsed_s], args=args_signature(args, kwargs),
             # the tracker is the outer mode: it adds this call's outputs after the call returns
             live_after=self.live_bytes() + sum(new.values()) if self.live_bytes is not None else 0,
         ))
@@ -197,6 +206,10 @@ class OpRecorder(TorchDispatchMode):
             if producer is not None and producer[0] == record.segment:
                 totals[producer] += record.nbytes
         return totals
+
+    def call_args(self, segment: str) -> tuple[tuple[Any, ...], ...]:
+        """Per recorded call of ``segment``, `remat.measure.sharing.args_signature` of its arguments."""
+        return tuple(call.args for call in self.calls.get(segment, []))
 
     def records(self, segment: str, saved_by_call: Mapping[tuple[str, int], int]) -> tuple[OpRecord, ...]:
         """The op table of ``segment`` (``saved_by_call`` from `saved_by_call`)."""

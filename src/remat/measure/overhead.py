@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,6 +65,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from remat.checkpointing.caches import drop_kv_caches
 from remat.checkpointing.region import BufferGuard, checkpointed
 from remat.checkpointing.selective import selective_context
+from remat.measure.budget import ProbeBudget
 from remat.measure.blocks import Blocks
 from remat.measure.faults import FaultCount
 from remat.measure.ops import new_storages
@@ -78,11 +78,6 @@ __all__ = ["BlockOverheads", "BlockInputs", "capture_block_inputs", "measure_ove
 
 Runner = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]
 
-MIN_MEASURE_S = 0.25
-"""Fast blocks repeat past ``repeats`` until their measurement has taken this long: a median of
-12 repeats of the built-in MLP's 0.5 ms blocks moved by 20 % between profiles."""
-MAX_REPEATS = 400
-"""Repeats at most, however fast the block."""
 _BUFFERS_CHANGED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], list[torch.Tensor]]] = (
     weakref.WeakKeyDictionary())
 """Per block, the buffers its forward changes (`BufferGuard`'s store): learnt once per block, as
@@ -154,27 +149,32 @@ def _detach(value: Any) -> Any:
 
 def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys: Sequence[frozenset[str]], *,
                       repeats: int, clock: Clock, touch_ms_per_byte: float = 0.0,
-                      uncacheable_shares: Sequence[float] | None = None) -> tuple[BlockOverheads, ...]:
+                      uncacheable_shares: Sequence[float] | None = None,
+                      budget: ProbeBudget | None = None) -> tuple[BlockOverheads, ...]:
     """Overheads of every block (``inputs`` from `capture_block_inputs`; ``op_keys[i]``: the
     `remat.measure.types.OpRecord` keys of block i's calls that can be cached
     (`remat.checkpointing.cacheable.cacheable`); ``uncacheable_shares[i]``: the share
     of its forward's op time in calls that cannot be cached, replayed even when every other call
-    is: `uncacheable_share`): one untimed warm-up repeat, then at least ``repeats`` timed ones,
-    more while the measurement has taken less than `MIN_MEASURE_S`. Alike blocks (same class, op
-    calls, parameter and input shapes: the layers of a transformer) share one measurement, its
-    repeats taken in turn on each of them, at least ``repeats + number of alike blocks - 1`` of
-    them: every block runs at least once."""
+    is: `uncacheable_share`): one untimed warm-up repeat, then ``repeats`` timed ones, or with a
+    ``budget`` as many as fit in its time (`remat.measure.budget.ProbeBudget.repeats`, the
+    warm-up's time being what one repeat costs), shared equally between the groups below. Alike
+    blocks (same class, op calls, parameter and input shapes: the layers of a transformer) share
+    one measurement, its repeats taken in turn on each of them, at least ``repeats + number of
+    alike blocks - 1`` of them without a budget, and with one at least one per block: every
+    block runs at least once. (`remat.measure.profile` passes one block per group of
+    `remat.measure.sharing`.)"""
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed repeats; the median is kept).")
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, (_, module) in enumerate(block_list):
         groups.setdefault(_alike_key(module, inputs[i], op_keys[i]), []).append(i)
     found: dict[int, BlockOverheads] = {}
+    each = budget.split(len(groups)) if budget is not None else None
     for members in groups.values():
         runs = [(block_list[i][1], inputs[i]) for i in members]
         uncacheable = uncacheable_shares[members[0]] if uncacheable_shares is not None else 0.0
-        shared = _group_overheads(runs, op_keys[members[0]], repeats + len(runs) - 1, clock, touch_ms_per_byte,
-                                  uncacheable)
+        count = _Count(repeats + len(runs) - 1) if each is None else _Count(len(runs), each)
+        shared = _group_overheads(runs, op_keys[members[0]], count, clock, touch_ms_per_byte, uncacheable)
         found.update((i, shared) for i in members)
     return tuple(found[i] for i in range(len(block_list)))
 
@@ -187,9 +187,22 @@ def _alike_key(module: nn.Module, inputs: BlockInputs, op_keys: frozenset[str]) 
     )
 
 
-def _group_overheads(runs: list[tuple[nn.Module, BlockInputs]], op_keys: frozenset[str], repeats: int,
+@dataclass(frozen=True)
+class _Count:
+    """Timed repeats of a probe: ``least``, or with a budget as many as fit in it (never fewer
+    than ``least``), the warm-up's time ``run_ms`` being what one repeat costs."""
+
+    least: int
+    budget: ProbeBudget | None = None
+
+    def of(self, run_ms: float) -> int:
+        return self.least if self.budget is None else max(self.least, self.budget.repeats(run_ms))
+
+
+def _group_overheads(runs: list[tuple[nn.Module, BlockInputs]], op_keys: frozenset[str], count: _Count,
                      clock: Clock, touch_ms_per_byte: float = 0.0, uncacheable: float = 0.0) -> BlockOverheads:
-    """Repeat r runs on ``runs[(r - 1) % len(runs)]``; repeat 0 (on the first) warms up. Each
+    """Repeat r runs on ``runs[(r - 1) % len(runs)]``; repeat 0 (on the first) warms up and says
+    how many timed repeats follow (``count``). Each
     run's time is less the fresh host memory it faulted in (``touch_ms_per_byte`` per byte):
     a block run alone faults in what a step would not, and the step's faults are modelled
     from its peak (`remat.plan.predict.fresh_memory`). The cached run still replays the calls
@@ -199,8 +212,8 @@ def _group_overheads(runs: list[tuple[nn.Module, BlockInputs]], op_keys: frozens
     attempts = Attempts()
     series: dict[str, list[float]] = {"selective": [], "recompute": [], "cache": []}
     curve, freed_at = attempts.run("recompute", checkpointed_forward_curve, *runs[0]) or ((), ())
-    rep, start = 0, time.perf_counter()
-    while rep <= repeats or (time.perf_counter() - start < MIN_MEASURE_S and rep <= MAX_REPEATS):
+    rep, repeats = 0, 0
+    while rep <= repeats:
         module, inputs = runs[max(rep - 1, 0) % len(runs)]
         timed = functools.partial(_timed_run, module, inputs, clock=clock, touch_ms_per_byte=touch_ms_per_byte)
         plain = attempts.run(_ALONE, timed, _plain)
@@ -210,6 +223,8 @@ def _group_overheads(runs: list[tuple[nn.Module, BlockInputs]], op_keys: frozens
             ("recompute", _full), ("selective", _selective(frozenset())), ("selective", _selective(op_keys))))
         if rep > 0:
             _add(series, plain, full, selective, cached, uncacheable)
+        else:
+            repeats = count.of(sum(run[1] for run in (plain, full, selective, cached) if run is not None))
         rep += 1
     return _overheads_of(series, curve, freed_at, _unavailable(attempts))
 
@@ -308,28 +323,28 @@ class _Twice(nn.Module):
 
 
 def measure_checkpoint_call_ms(device: torch.device, *, repeats: int, clock: Clock,
-                               touch_ms_per_byte: float = 0.0) -> float:
+                               touch_ms_per_byte: float = 0.0, budget: ProbeBudget | None = None) -> float:
     """What one checkpointed call costs beyond its replay whatever it runs: a one-element
     multiply run plainly and checkpointed as `remat.apply` runs it (at least ``10 * repeats``
-    pairs and 25, more while under `MIN_MEASURE_S`, after one warm-up pair; median of the
-    differences, never negative). A segment of k blocks pays it once where k one-block segments
-    pay it k times: 0.1-0.3 ms here when the probe ran through an installed runtime, a third to
-    a half of a built-in MLP block's checkpoint overhead, which made √N plans cost 13-23 points
-    of overhead less than full recomputation; 0.05-0.08 ms through the checkpoint region alone,
-    as it runs now (12 profiles of the test GPT, a loaded machine)."""
+    pairs and 25, after one warm-up pair, or with a ``budget`` as many more as fit in its time;
+    median of the differences, never negative). A segment of k blocks pays it once where k
+    one-block segments pay it k times: 0.1-0.3 ms here when the probe ran through an installed
+    runtime, a third to a half of a built-in MLP block's checkpoint overhead, which made √N plans
+    cost 13-23 points of overhead less than full recomputation; 0.05-0.08 ms through the
+    checkpoint region alone, as it runs now (12 profiles of the test GPT, a loaded machine)."""
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed repeats; the median is kept).")
     module = _Twice()
     inputs = BlockInputs(args=(torch.ones(1, device=device, requires_grad=True),), kwargs={})
     found: list[float] = []
-    warm, start = False, time.perf_counter()
-    while len(found) < max(25, 10 * repeats) or (time.perf_counter() - start < MIN_MEASURE_S
-                                                  and len(found) < MAX_REPEATS):
+    pairs = None
+    while pairs is None or len(found) < pairs:
         fwd_ms, plain_ms = _timed_run(module, inputs, _plain, clock, touch_ms_per_byte)
         full_ms = _timed_run(module, inputs, _full, clock, touch_ms_per_byte)[1]
-        if warm:  # the first pair warms up
+        if pairs is None:  # the first pair warms up and says what a pair costs
+            pairs = _Count(max(25, 10 * repeats), budget).of(plain_ms + full_ms)
+        else:
             found.append(full_ms - plain_ms - fwd_ms)
-        warm = True
     return max(statistics.median(found), 0.0)
 
 

@@ -69,6 +69,7 @@ from remat.checkpointing.cacheable import cacheable
 from remat.checkpointing.caches import CacheOff
 from remat.measure.blocks import Blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
+from remat.measure.budget import ProbeBudget
 from remat.measure.dataflow import BlockFlow, DataflowRecorder, block_flows
 from remat.measure.fixed import fixed_modules
 from remat.measure.faults import FaultCount, first_touch_ms_per_byte
@@ -79,6 +80,7 @@ from remat.measure.ops import OpRecorder
 from remat.measure.overhead import (BlockOverheads, capture_block_inputs, measure_checkpoint_call_ms, measure_overheads,
                                     uncacheable_share)
 from remat.measure.saved import POST, PRE, SavedAccountant, between_name
+from remat.measure.sharing import BlockGroups, CallSignatures, group_blocks, stop_after, structure_key, trace_key
 from remat.measure.stacks import Discovery, discover
 from remat.measure.storage import distinct_bytes, storage_keys
 from remat.measure.state import StateSnapshot, buffer_bytes, grad_bytes, optimizer_state_bytes, param_bytes
@@ -102,6 +104,7 @@ def profile(
     repeats: int = 5,
     progress: Progress | None = None,
     head_chunks: Sequence[int] | None = None,
+    share_timing: bool = True,
 ) -> Profile:
     """Measure ``model`` on ``batch`` (calling convention of `remat._batch`) block by block.
 
@@ -110,7 +113,8 @@ def profile(
     runs them (`remat.measure.stacks`). ``warmup``: plain steps before measuring (at least one
     runs). ``repeats``: timed steps. ``progress(done, total, stage)`` is called after each step
     or forward it runs. ``head_chunks``: chunk sizes (tokens) of the chunked head to measure
-    (None: `chunk_candidates`).
+    (None: `chunk_candidates`). ``share_timing``: blocks that are the same computation take the
+    timing probes of the first of them (`remat.measure.sharing`); False measures every block.
     """
     _check_counts(warmup, repeats)
     check_batch_device(model, batch)
@@ -120,7 +124,8 @@ def profile(
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _cache_off(model, device):
             step = _Step(model, batch, loss_fn, optimizer, site)
-            prof, windows = _measure(step, discover(model, blocks, step.forward), warmup, repeats, progress)
+            prof, windows = _measure(step, discover(model, blocks, step.forward), warmup, repeats, progress,
+                                     share_timing)
             return _with_head(step, prof, windows, note, head_chunks, repeats)
     finally:
         snapshot.restore()
@@ -171,8 +176,15 @@ class _Step:
         compute_loss(call_model(self.model, self.batch), self.batch, self.loss_fn)
 
 
+OVERHEAD_STEPS = 2.0
+"""Training steps' time the checkpointing-overhead probes take together (each group of blocks
+that share them an equal part; at least ``repeats`` timed repeats each: `remat.measure.budget`)."""
+CALL_STEPS = 0.25
+"""Steps' time the probe of one checkpointed call's own cost takes (`measure_checkpoint_call_ms`)."""
+
+
 def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
-             progress: Progress | None) -> tuple[Profile, BackwardWindows]:
+             progress: Progress | None, share_timing: bool = True) -> tuple[Profile, BackwardWindows]:
     block_list = found.blocks
     report = _Reporter(progress, max(warmup, 1) + 1 + repeats + (repeats - 1))
     for _ in range(max(warmup, 1)):
@@ -185,18 +197,22 @@ def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
     for _ in range(repeats):
         plain.append(_time_plain_step(step))
         times.append(_time_step(step, block_list))
-        # the cost of a fault probed beside each timed step: a burst of load slows a few probes
-        probes.append(first_touch_ms_per_byte(device, repeats=1))
+        if times[-1].fault_bytes:  # the cost of a fault probed beside each timed step that faults (a
+            # burst of load slows a few probes); the first probe of the profile warms up
+            probes.append(first_touch_ms_per_byte(device, repeats=1, discard=0 if probes else 1))
         report("timed step")
+    groups = _groups(found, memory, share_timing)
     for _ in range(repeats - 1):
-        _time_ops(step, block_list, memory.recorder)
+        _time_ops(step, block_list, memory.recorder, groups)
         report("op timing forward")
     steps = without_instrumentation(median_times(times), statistics.median(plain))
-    touch = statistics.median(probes) if steps.fault_bytes else 0.0
-    overheads = _overheads(step, block_list, memory.recorder, repeats, touch)
+    touch = statistics.median(probes) if steps.fault_bytes and probes else 0.0
+    budget = ProbeBudget(step_ms=statistics.median(plain), steps=OVERHEAD_STEPS, min_repeats=repeats)
+    overheads = _overheads(step, block_list, memory.recorder, repeats, touch, groups, budget)
     call_ms = 0.0 if device.type == "meta" else measure_checkpoint_call_ms(
-        device, repeats=repeats, clock=Clock(device), touch_ms_per_byte=touch)
-    prof = _assemble(step, found, memory, steps, overheads, touch)
+        device, repeats=repeats, clock=Clock(device), touch_ms_per_byte=touch,
+        budget=dataclasses.replace(budget, steps=CALL_STEPS, min_repeats=1))
+    prof = _assemble(step, found, memory, steps, overheads, touch, groups)
     least = min((b.recompute_overhead_ms for b in prof.blocks), default=0.0)
     return dataclasses.replace(prof, checkpoint_call_ms=min(call_ms, least)), memory.windows
 
@@ -252,6 +268,8 @@ class _Accounting:
     grad_bytes: int
     optimizer_state_bytes: int
     flows: list[BlockFlow]
+    call_signatures: list[tuple[Any, ...] | None]
+    """Per block, `remat.measure.sharing.args_signature` of its first call's arguments."""
 
 
 class _ForwardGate:
@@ -282,7 +300,7 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
     tracking.boundaries.listeners += [windows, _ForwardGate(recorder, dataflow, tracking.accountant)]
     head = contextlib.nullcontext() if step.site is None else HeadBoundary(
         step.model.get_submodule(step.site.projection), tracking.boundaries.emit)
-    with recorder, tracking, dataflow, head:
+    with recorder, tracking, dataflow, head, CallSignatures(block_list) as calls:
         step.run(tracking.boundaries)
     accountant, tracker = tracking.accountant, tracking.tracker
     flows = block_flows(dataflow, accountant.saved, accountant.savers, accountant.bytes_by_segment())
@@ -292,6 +310,7 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
         peak_bytes=tracker.peak_bytes, peak_by_category=dict(tracker.peak_by_category),
         timeline=tuple(tracking.timeline), grad_bytes=grad_bytes(step.model),
         optimizer_state_bytes=optimizer_state_bytes(step.optimizer), flows=flows,
+        call_signatures=calls.signatures,
     )
 
 
@@ -318,41 +337,76 @@ def _time_plain_step(step: _Step) -> float:
     return clock.elapsed_ms(start, end)
 
 
-def _time_ops(step: _Step, block_list: Blocks, recorder: OpRecorder) -> None:
-    """One more forward under the same recorder, for a median time per op call."""
+def _groups(found: Discovery, memory: _Accounting, share: bool) -> BlockGroups:
+    """Which block's timing probes each block takes (`remat.measure.sharing`)."""
+    recorder, saved_by_call = memory.recorder, memory.recorder.saved_by_call(memory.saved)
+    structures, traces = [], []
+    for i, (name, module) in enumerate(found.blocks):
+        structures.append(structure_key(module, memory.call_signatures[i]))
+        traces.append(trace_key(
+            i, ops=recorder.records(name, saved_by_call), call_args=recorder.call_args(name),
+            saved_bytes=memory.saved_bytes[name], input_bytes=memory.input_bytes.get(name, 0),
+            output_bytes=memory.output_bytes.get(name, 0),
+            sources=[(arg.argument, arg.source) for arg in memory.flows[i].inputs],
+            follows_previous=found.follows_previous[i]))
+    return group_blocks(structures, traces, share=share)
+
+
+def _until_last(step: _Step, block_list: Blocks, chosen: Sequence[int]) -> Callable[[], None]:
+    """``step.forward`` stopped once the last of the ``chosen`` blocks has returned: what comes
+    after it is not needed (the blocks that take its timing, the head, the loss)."""
+    last = block_list[max(chosen)][1] if chosen else None
+
+    def forward() -> None:
+        with stop_after(last):
+            step.forward()
+
+    return forward
+
+
+def _time_ops(step: _Step, block_list: Blocks, recorder: OpRecorder, groups: BlockGroups) -> None:
+    """One more forward under the same recorder, for a median time per op call of the blocks
+    whose timing others take (the forward stops after the last of them)."""
     accountant = SavedAccountant(block_list)
     recorder.next_run()
     recorder.segment_of = lambda: accountant.segment
+    recorder.timed_segments = {block_list[i][0] for i in groups.representatives}
     recorder.enabled = True
     with recorder, accountant:
-        step.forward()
+        _until_last(step, block_list, groups.representatives)()
 
 
-def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: int,
-               touch_ms_per_byte: float) -> tuple[BlockOverheads, ...]:
-    """Per-block checkpointing overheads (`remat.measure.overhead`); zeros on the meta device,
-    where nothing runs and there is no time to measure."""
+def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: int, touch_ms_per_byte: float,
+               groups: BlockGroups, budget: ProbeBudget) -> tuple[BlockOverheads, ...]:
+    """Per-block checkpointing overheads (`remat.measure.overhead`), measured on each group's
+    representative (the forward that captures their inputs stops after the last of them), each
+    in an equal part of ``budget``; zeros on the meta device, where nothing runs and there is no
+    time to measure."""
     device = model_device(step.model)
     if device.type == "meta":
         return tuple(BlockOverheads(selective_ms=0.0, recompute_ms=0.0, selective_cache_ms=0.0) for _ in block_list)
-    inputs = capture_block_inputs(block_list, step.forward)
-    calls = [recorder.calls.get(name, []) for name, _ in block_list]
-    keys = [frozenset(c.key for c in block if cacheable(c.name, c.mutated_later)) for block in calls]
-    uncacheable = [uncacheable_share([(cacheable(c.name, c.mutated_later), c.is_view,
-                                       statistics.median(c.times_s) if c.times_s else 0.0) for c in block])
-                   for block in calls]
-    return measure_overheads(block_list, inputs, keys, repeats=repeats, clock=Clock(device),
-                             touch_ms_per_byte=touch_ms_per_byte, uncacheable_shares=uncacheable)
+    chosen = groups.representatives
+    inputs = capture_block_inputs([block_list[i] for i in chosen], _until_last(step, block_list, chosen))
+    measured: dict[int, BlockOverheads] = {}
+    for i, given in zip(chosen, inputs):
+        calls = recorder.calls.get(block_list[i][0], [])
+        keys = frozenset(c.key for c in calls if cacheable(c.name, c.mutated_later))
+        uncacheable = uncacheable_share([(cacheable(c.name, c.mutated_later), c.is_view,
+                                          statistics.median(c.times_s) if c.times_s else 0.0) for c in calls])
+        measured[i] = measure_overheads([block_list[i]], [given], [keys], repeats=repeats, clock=Clock(device),
+                                        touch_ms_per_byte=touch_ms_per_byte, uncacheable_shares=[uncacheable],
+                                        budget=budget.split(len(chosen)))[0]
+    return tuple(measured[source] for source in groups.timing_from)
 
 
 def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTimes,
-              overheads: tuple[BlockOverheads, ...], touch_ms_per_byte: float) -> Profile:
+              overheads: tuple[BlockOverheads, ...], touch_ms_per_byte: float, groups: BlockGroups) -> Profile:
     model, optimizer, block_list = step.model, step.optimizer, found.blocks
     saved, recorder = memory.saved_bytes, memory.recorder
     between_flops = sum(recorder.segment_flops(between_name(i)) for i in range(1, len(block_list)))
     return Profile(
         fingerprint=fingerprint(model, step.batch, [name for name, _ in block_list]), environment=_environment(model_device(model)),
-        blocks=_block_profiles(found, memory, times, overheads),
+        blocks=_block_profiles(found, memory, times, overheads, groups), timing_split=groups.split,
         stacks=found.stacks, fixed_modules=fixed_modules(model, [m for _, m in block_list]),
         param_bytes=param_bytes(model), grad_bytes=memory.grad_bytes,
         optimizer_state_bytes=memory.optimizer_state_bytes,
@@ -378,9 +432,12 @@ def _pre_grad_bytes(memory: _Accounting, block_list: Blocks) -> int:
 
 
 def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
-                    overheads: tuple[BlockOverheads, ...]) -> tuple[BlockProfile, ...]:
+                    overheads: tuple[BlockOverheads, ...], groups: BlockGroups) -> tuple[BlockProfile, ...]:
     block_list = found.blocks
     saved_by_call = memory.recorder.saved_by_call(memory.saved)
+    records = {name: memory.recorder.records(name, saved_by_call) for name, _ in block_list}
+    ops = [_shared_times(records[name], records[block_list[groups.timing_from[i]][0]])
+           for i, (name, _) in enumerate(block_list)]
     stack_of = {i: stack.name for stack in found.stacks for i in range(stack.start, stack.stop)}
     return tuple(
         BlockProfile(
@@ -389,7 +446,7 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
             saved_bytes=memory.saved_bytes[name], bwd_temp_bytes=memory.windows.block_temp_bytes[i],
             fwd_ms=times.block_fwd_ms[i], bwd_ms=times.block_bwd_ms[i],
             fwd_flops=memory.recorder.segment_flops(name),
-            ops=_scaled_times(memory.recorder.records(name, saved_by_call), times.block_fwd_ms[i]),
+            ops=_scaled_times(ops[i], times.block_fwd_ms[i]), timing_from=groups.timing_from[i],
             grad_bytes=distinct_bytes(p.grad for p in module.parameters() if p.grad is not None),
             fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i],
             output_grad_bytes=memory.output_bytes.get(name, 0),
@@ -417,6 +474,15 @@ def _flow_fields(flow: BlockFlow, between_temp_bytes: int) -> dict[str, Any]:
         "between_saved_bytes": flow.between_saved_bytes, "between_bwd_temp_bytes": between_temp_bytes,
         "entry_bytes": flow.entry_bytes, "output_held_bytes": flow.output_held_bytes,
     }
+
+
+def _shared_times(ops: tuple[OpRecord, ...], source: tuple[OpRecord, ...]) -> tuple[OpRecord, ...]:
+    """``ops`` with the op times of ``source``, the same calls timed on the block whose timing
+    this one takes (`remat.measure.sharing`'s check made their keys equal)."""
+    if ops is source:
+        return ops
+    assert [op.key for op in ops] == [op.key for op in source], "shared timing between unlike blocks"
+    return tuple(dataclasses.replace(op, time_ms=mine.time_ms) for op, mine in zip(ops, source))
 
 
 def _scaled_times(ops: tuple[OpRecord, ...], fwd_ms: float) -> tuple[OpRecord, ...]:

@@ -259,6 +259,11 @@ class BlockProfile:
     was freed by then). With it, the peak of the block's forward is the live model state +
     the pre part's saved bytes + what the blocks before it retain + ``entry_bytes`` + this +
     ``saved_bytes`` + ``fwd_temp_bytes`` (exact for the measured step; None: not recorded)."""
+    timing_from: int | None = None
+    """Index of the block whose timing probes (checkpointing overheads, op times' shares) this
+    block's figures come from: itself when they ran on it, an earlier block that is the same
+    computation otherwise (`remat.measure.sharing`; None: recorded without sharing). Its bytes
+    and its forward and backward times in the step are always its own."""
 
 
     def unavailable_reason(self, strategy: str) -> str | None:
@@ -518,6 +523,10 @@ class Profile:
     """The stacks the blocks form, in run order (empty in profiles recorded without them)."""
     fixed_modules: tuple[FixedModule, ...] = ()
     """The modules of the fixed part (outside every block) and their parameter bytes."""
+    timing_split: tuple[int, ...] = ()
+    """Blocks alike in structure to an earlier block whose traced forward differed: measured
+    apart (`remat.measure.sharing`; `BlockProfile.timing_from` says which block each one's
+    timing comes from)."""
 
     @property
     def num_blocks(self) -> int:

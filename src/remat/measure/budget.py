@@ -1,0 +1,59 @@
+"""How long a timing probe runs: a share of the model's training step, not fixed seconds.
+
+A probe that repeats until a fixed time has passed (0.25 s each, before) costs a model with
+fast steps hundreds of steps and a model with slow ones nothing; a profile is priced in steps of
+the model it measures. A `ProbeBudget` gives a probe ``steps`` training steps' time
+(``steps * step_ms``): after one untimed warm-up run, whose time says what a run costs, it takes
+as many timed runs as fit, never fewer than ``min_repeats`` (a median needs a few) nor more
+than ``max_repeats``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["ProbeBudget", "MAX_REPEATS"]
+
+MAX_REPEATS = 400
+"""Timed runs of one probe at most, however fast it is."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ProbeBudget:
+    """Time one probe may take, in training steps of the model measured."""
+
+    step_ms: float
+    """The model's plain training step, milliseconds (the profile's median)."""
+    steps: float
+    """Steps' time the probe may take."""
+    min_repeats: int = 1
+    """Timed runs at least."""
+    max_repeats: int = MAX_REPEATS
+    """Timed runs at most."""
+
+    def __post_init__(self) -> None:
+        if not self.step_ms >= 0 or not self.steps >= 0:
+            raise ValueError(f"step_ms={self.step_ms!r} and steps={self.steps!r} must be >= 0 "
+                             "(a probe's time as a number of the model's steps).")
+        if not 1 <= self.min_repeats <= self.max_repeats:
+            raise ValueError(f"min_repeats={self.min_repeats!r}, max_repeats={self.max_repeats!r}: need "
+                             "1 <= min_repeats <= max_repeats.")
+
+    @property
+    def budget_ms(self) -> float:
+        """Milliseconds the probe may take."""
+        return self.steps * self.step_ms
+
+    def repeats(self, run_ms: float) -> int:
+        """Timed runs of a probe whose one run takes ``run_ms`` (the warm-up's time): as many as
+        fit in `budget_ms`, within ``[min_repeats, max_repeats]``."""
+        if run_ms <= 0:
+            return self.max_repeats
+        fit = math.floor(self.budget_ms / run_ms)
+        return max(self.min_repeats, min(self.max_repeats, fit))
+
+    def split(self, parts: int) -> ProbeBudget:
+        """The budget of one of ``parts`` probes sharing this one's time equally."""
+        return ProbeBudget(step_ms=self.step_ms, steps=self.steps / max(parts, 1), min_repeats=self.min_repeats,
+                           max_repeats=self.max_repeats)
