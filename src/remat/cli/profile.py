@@ -62,6 +62,7 @@ def profile_command(
     if any(b.unavailable for b in result.blocks):
         console.print(unavailable_rich(result))
     console.print(stacks_summary(result))
+    console.print(sharing_summary(result))
     console.print(state_summary(result))
     console.print(head_summary(result))
     if json_path is not None and is_main_process():  # under torchrun, rank 0 writes
@@ -118,6 +119,31 @@ def stacks_summary(result: Profile) -> str:
         f"saved MiB pre {_mib(result.fixed_pre_saved_bytes)}, between {_mib(result.fixed_between_saved_bytes)}, "
         f"post {_mib(result.fixed_post_saved_bytes)}",
     ])
+
+
+def sharing_summary(result: Profile) -> str:
+    """Which blocks' timing probes ran and which blocks took whose (`remat.measure.sharing`), a line."""
+    sources = [b.timing_from for b in result.blocks]
+    if not sources or any(source is None for source in sources):
+        return "timing probes: every block measured (recorded without sharing)"
+    measured = [i for i, source in enumerate(sources) if source == i]
+    taken = [f"blocks {_ranges([i for i, s in enumerate(sources) if s == r and i != r])} take block {r}'s"
+             for r in measured if any(s == r for i, s in enumerate(sources) if i != r)]
+    split = _ranges(list(result.timing_split)) or "none"
+    return (f"timing probes: run on {len(measured)} of {len(sources)} blocks ({_ranges(measured)})"
+            f"{'; ' + '; '.join(taken) if taken else ''}; measured apart because their traced forward "
+            f"differed from an alike block's: {split}")
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def state_summary(result: Profile) -> str:

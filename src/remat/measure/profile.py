@@ -347,8 +347,7 @@ def _groups(found: Discovery, memory: _Accounting, share: bool) -> BlockGroups:
             i, ops=recorder.records(name, saved_by_call), call_args=recorder.call_args(name),
             saved_bytes=memory.saved_bytes[name], input_bytes=memory.input_bytes.get(name, 0),
             output_bytes=memory.output_bytes.get(name, 0),
-            sources=[(arg.argument, arg.source) for arg in memory.flows[i].inputs],
-            follows_previous=found.follows_previous[i]))
+            sources=[(arg.argument, arg.source) for arg in memory.flows[i].inputs]))
     return group_blocks(structures, traces, share=share)
 
 

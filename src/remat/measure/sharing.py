@@ -18,9 +18,12 @@ Two blocks fall into one group when both of these match:
 - *trace* (`trace_key`, from the accounting step, which still traces every block): the op calls
   of its forward (op, the shapes and dtypes of their tensor arguments and the values of the
   others, such as a dropout's ``p``; output, saved and storage bytes, FLOPs, the random, view and
-  written-later flags), its saved, input and output bytes, the sources of its inputs relative to
-  it (the previous block, a skip from k blocks back, shared, between, outside) and whether it
-  follows the block before it. This is the soundness check of the sharing: a block alike in
+  written-later flags), its saved, input and output bytes and the role of each of its inputs in
+  the dataflow: its own (handed on by the block before it, the code between or before the
+  blocks: the chain), a skip from k blocks back, or shared with other blocks (a mask). What
+  happens to its outputs after it (which later code reads them, whether the next block follows
+  it in a segment) is the model's around it, not its computation, and does not enter. This is
+  the soundness check of the sharing: a block alike in
   structure whose trace differs (a branch its forward takes on the data, an op run with other
   arguments) is measured apart, and `BlockGroups.split` names it.
 
@@ -113,22 +116,24 @@ def _plain_attributes(module: nn.Module) -> tuple[tuple[str, Any], ...]:
 
 
 def trace_key(index: int, *, ops: Sequence[Any], call_args: Sequence[Any], saved_bytes: int, input_bytes: int,
-              output_bytes: int, sources: Sequence[tuple[str, str]], follows_previous: bool) -> tuple[Any, ...]:
+              output_bytes: int, sources: Sequence[tuple[str, str]]) -> tuple[Any, ...]:
     """What the accounting step traced of block ``index`` that must match its representative's:
     ``ops`` (`remat.measure.types.OpRecord` of its forward, times left out), ``call_args`` (per op
     call, the `args_signature` of its arguments), its bytes, ``sources`` (``(argument, source)``
-    of each tensor input, `remat.measure.types.BlockInput`) made relative to ``index``."""
+    of each tensor input, `remat.measure.types.BlockInput`) as roles (`input_role`)."""
     op_rows = tuple((op.key, op.output_bytes, op.saved_bytes, op.flops, op.is_random, op.is_view, op.storage_ids,
-                     op.storage_bytes, op.storage_escapes, op.mutated_later) for op in ops)
+                     op.storage_bytes, op.mutated_later) for op in ops)
     return (op_rows, tuple(call_args), saved_bytes, input_bytes, output_bytes,
-            tuple((argument, _relative(source, index)) for argument, source in sources), follows_previous)
+            tuple((argument, input_role(source, index)) for argument, source in sources))
 
 
-def _relative(source: str, index: int) -> str:
-    """``block:<k>`` as ``block:-<index - k>`` (a skip from that many blocks back)."""
+def input_role(source: str, index: int) -> str:
+    """The role in the dataflow of an input of block ``index`` whose source is ``source``
+    (`remat.measure.types.BlockInput.source`): ``chain`` (``previous``, ``between``, ``outside``),
+    ``skip:-<n>`` (``block:<index - n>``) or ``shared``."""
     if source.startswith("block:"):
-        return f"block:-{index - int(source.split(':', 1)[1])}"
-    return source
+        return f"skip:-{index - int(source.split(':', 1)[1])}"
+    return "shared" if source == "shared" else "chain"
 
 
 @dataclass(kw_only=True, frozen=True)
