@@ -172,8 +172,15 @@ def test_probe_repeats_scale_with_the_step(step_ms, steps, run_ms, expected):
     assert ProbeBudget(step_ms=step_ms, steps=steps, min_repeats=3).repeats(run_ms) == expected
 
 
+def test_a_fast_step_gets_the_floor():
+    budget = ProbeBudget(step_ms=1.0, steps=2.0, min_repeats=3, floor_ms=40.0)
+    assert budget.repeats(4.0) == 10  # 40 ms, not 2 ms: 10 runs of 4 ms
+    assert dataclasses.replace(budget, step_ms=100.0).repeats(4.0) == 50  # 200 ms of steps: over the floor
+    assert budget.split(4).repeats(4.0) == 3  # a quarter each: 10 ms, under the least
+
+
 def test_probe_budget_errors():
-    with pytest.raises(ValueError, match=r"step_ms=-1.0 and steps=2.0 must be >= 0"):
+    with pytest.raises(ValueError, match=r"step_ms=-1.0, steps=2.0 and floor_ms=0.0 must be >= 0"):
         ProbeBudget(step_ms=-1.0, steps=2.0)
     with pytest.raises(ValueError, match=r"min_repeats=5, max_repeats=4: need 1 <= min_repeats <= max_repeats"):
         ProbeBudget(step_ms=1.0, steps=1.0, min_repeats=5, max_repeats=4)

@@ -177,8 +177,12 @@ class _Step:
 
 
 OVERHEAD_STEPS = 2.0
-"""Training steps' time the checkpointing-overhead probes take together (each group of blocks
-that share them an equal part; at least ``repeats`` timed repeats each: `remat.measure.budget`)."""
+"""Training steps' time the checkpointing-overhead probes take together, each group of blocks
+that share them an equal part (`remat.measure.budget`)."""
+OVERHEAD_FLOOR_MS = 200.0
+"""...or this many milliseconds together when more: a model whose step takes milliseconds."""
+OVERHEAD_MIN_REPEATS = 3
+"""Timed repeats of each group's overhead probes at least (``repeats`` when fewer)."""
 CALL_STEPS = 0.25
 """Steps' time the probe of one checkpointed call's own cost takes (`measure_checkpoint_call_ms`)."""
 
@@ -207,11 +211,12 @@ def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
         report("op timing forward")
     steps = without_instrumentation(median_times(times), statistics.median(plain))
     touch = statistics.median(probes) if steps.fault_bytes and probes else 0.0
-    budget = ProbeBudget(step_ms=statistics.median(plain), steps=OVERHEAD_STEPS, min_repeats=repeats)
+    budget = ProbeBudget(step_ms=statistics.median(plain), steps=OVERHEAD_STEPS, floor_ms=OVERHEAD_FLOOR_MS,
+                         min_repeats=min(repeats, OVERHEAD_MIN_REPEATS))
     overheads = _overheads(step, block_list, memory.recorder, repeats, touch, groups, budget)
     call_ms = 0.0 if device.type == "meta" else measure_checkpoint_call_ms(
         device, repeats=repeats, clock=Clock(device), touch_ms_per_byte=touch,
-        budget=dataclasses.replace(budget, steps=CALL_STEPS, min_repeats=1))
+        budget=dataclasses.replace(budget, steps=CALL_STEPS, floor_ms=0.0, min_repeats=1))
     prof = _assemble(step, found, memory, steps, overheads, touch, groups)
     least = min((b.recompute_overhead_ms for b in prof.blocks), default=0.0)
     return dataclasses.replace(prof, checkpoint_call_ms=min(call_ms, least)), memory.windows
