@@ -28,7 +28,9 @@ def test_profile_gpt_table_and_json(tmp_path: Path):
     assert result.exit_code == 0, result.output
     for text in ("saved MiB", "fwd ms", "bwd ms", "GFLOPs", "share of step", "blocks.0", "blocks.1", "measured peak",
                  "stacks: blocks (2 x Block, blocks 0-1); chain breaks: 0",
-                 "fixed part: 5 module(s) outside blocks, parameters MiB: tok_emb 0.00, pos_emb 0.00, ln_f 0.00, head 0.00"):
+                 "fixed part: 5 module(s) outside blocks, parameters MiB: tok_emb 0.00, pos_emb 0.00, ln_f 0.00, head 0.00",
+                 "timing probes: run on 1 of 2 blocks (0); block 1 takes block 0's; measured apart because their "
+                 "traced forward differed from an alike block's: none"):
         assert text in result.output
     profile = Profile.load(out)
     assert [b.name for b in profile.blocks] == ["blocks.0", "blocks.1"]
@@ -43,6 +45,7 @@ def test_profile_names_each_stack_and_the_code_between():
     assert result.exit_code == 0, result.output
     assert "stacks: down (3 x DownBlock, blocks 0-2); up (2 x UpBlock, blocks 3-4); chain breaks: 4" in result.output
     assert "fixed part: 1 module(s) outside blocks, parameters MiB: head 0.00; saved MiB pre 0.00, between 0.00" in result.output
+    assert "timing probes: run on 5 of 5 blocks (0-4); measured apart because" in result.output  # every level differs
 
 
 def test_profile_file_target(tmp_path: Path):

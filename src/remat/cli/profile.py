@@ -127,12 +127,19 @@ def sharing_summary(result: Profile) -> str:
     if not sources or any(source is None for source in sources):
         return "timing probes: every block measured (recorded without sharing)"
     measured = [i for i, source in enumerate(sources) if source == i]
-    taken = [f"blocks {_ranges([i for i, s in enumerate(sources) if s == r and i != r])} take block {r}'s"
-             for r in measured if any(s == r for i, s in enumerate(sources) if i != r)]
+    taken = [_taking([i for i, s in enumerate(sources) if s == r and i != r], r) for r in measured]
+    taken = [text for text in taken if text]
     split = _ranges(list(result.timing_split)) or "none"
     return (f"timing probes: run on {len(measured)} of {len(sources)} blocks ({_ranges(measured)})"
             f"{'; ' + '; '.join(taken) if taken else ''}; measured apart because their traced forward "
             f"differed from an alike block's: {split}")
+
+
+def _taking(members: list[int], source: int) -> str:
+    if not members:
+        return ""
+    return f"block {members[0]} takes block {source}'s" if len(members) == 1 else \
+        f"blocks {_ranges(members)} take block {source}'s"
 
 
 def _ranges(indices: list[int]) -> str:
