@@ -8,7 +8,12 @@ recorder and the dataflow recorder (`remat.measure.dataflow`), then ``repeats`` 
 `remat.measure.timing.without_instrumentation`) and ``repeats - 1`` more forwards for per-op
 times, then each block alone, plain and checkpointed, for the checkpointing overheads
 (`remat.measure.overhead`; a probe that fails marks its strategy unavailable for the block,
-`BlockProfile.unavailable`). A step is ``zero_grad(set_to_none=True)``, forward, loss,
+`BlockProfile.unavailable`). Blocks that are the same computation share these timing probes:
+they run on the first of them, and the forwards stop after the last block that runs them
+(`remat.measure.sharing`; every block's bytes still come from the accounting step). The
+overhead probes take a share of the step's time, not fixed seconds (`OVERHEAD_STEPS`,
+`remat.measure.budget`), and a fault's cost is probed beside the timed steps that fault.
+A step is ``zero_grad(set_to_none=True)``, forward, loss,
 ``loss.backward()``, ``optimizer.step()``. Parameters, buffers, gradients, optimizer state and
 the RNG state are restored afterwards. Hugging Face key/value caches are off throughout, as
 under a plan (`remat.checkpointing.caches`; not on the meta device, `_cache_off`).
