@@ -181,7 +181,7 @@ class _Step:
         compute_loss(call_model(self.model, self.batch), self.batch, self.loss_fn)
 
 
-OVERHEAD_STEPS = 2.0
+OVERHEAD_STEPS = 1.0
 """Training steps' time the checkpointing-overhead probes take together, each group of blocks
 that share them an equal part (`remat.measure.budget`)."""
 OVERHEAD_FLOOR_MS = 200.0

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from remat.measure.blocks import Blocks
 
@@ -51,18 +50,22 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 def args_signature(args: Any, kwargs: Any = None) -> tuple[Any, ...]:
-    """Shapes, dtypes and ``requires_grad`` of the tensors among ``args``/``kwargs`` and ``repr``
-    of everything else, in pytree order with the tree's structure."""
-    leaves, spec = tree_flatten((args, kwargs or {}))
-    return (str(spec), *(_leaf_signature(leaf) for leaf in leaves))
+    """``args`` and ``kwargs`` with each tensor as its shape, dtype, ``requires_grad`` and device
+    type, tuples, lists and dicts walked, numbers, strings, dtypes and devices as they are, and
+    anything else as its class name (hashable; called on every op of the accounting step)."""
+    return (_signature(args), _signature(kwargs or {}))
 
 
-def _leaf_signature(leaf: Any) -> Any:
-    if isinstance(leaf, torch.Tensor):
-        return ("tensor", tuple(leaf.shape), str(leaf.dtype), leaf.requires_grad, leaf.device.type)
-    if isinstance(leaf, _PLAIN):
-        return leaf
-    return repr(leaf) if isinstance(leaf, (torch.dtype, torch.device, torch.Size)) else type(leaf).__qualname__
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.requires_grad, value.device.type)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *(_signature(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((k, _signature(v)) for k, v in value.items()))
+    if isinstance(value, (*_PLAIN, torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return value
+    return type(value).__qualname__
 
 
 class CallSignatures:
