@@ -355,8 +355,7 @@ def _groups(found: Discovery, memory: _Accounting, share: bool) -> BlockGroups:
         structures.append(structure_key(module, memory.call_signatures[i]))
         traces.append(trace_key(
             i, ops=recorder.records(name, saved_by_call), call_args=recorder.call_args(name),
-            saved_bytes=memory.saved_bytes[name], input_bytes=memory.input_bytes.get(name, 0),
-            output_bytes=memory.output_bytes.get(name, 0),
+            input_bytes=memory.input_bytes.get(name, 0), output_bytes=memory.output_bytes.get(name, 0),
             sources=[(arg.argument, arg.source) for arg in memory.flows[i].inputs]))
     return group_blocks(structures, traces, share=share)
 

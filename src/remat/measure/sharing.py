@@ -11,18 +11,21 @@ Two blocks fall into one group when both of these match:
 
 - *structure* (`structure_key`, read off the module and the arguments of its first call): the
   class, every submodule's qualified name, class, ``extra_repr`` (a dropout's ``p``, a norm's
-  ``eps``) and plain attributes (numbers, strings, booleans: a block's own ``dropout`` field),
-  its training mode, every parameter's and buffer's name, shape, dtype and ``requires_grad``,
-  and the shape, dtype and ``requires_grad`` of each tensor argument (other arguments by
-  ``repr``), keyed by where they were passed;
+  ``eps``) and training mode, every parameter's and buffer's name, shape, dtype and
+  ``requires_grad``, and the shape, dtype and ``requires_grad`` of each tensor argument (other
+  arguments by value), keyed by where they were passed. Other attributes do not enter: a
+  Hugging Face layer keeps its own index (``layer_idx``), and what an attribute changes in the
+  computation (a dropout probability read from a config) the trace sees;
 - *trace* (`trace_key`, from the accounting step, which still traces every block): the op calls
   of its forward (op, the shapes and dtypes of their tensor arguments and the values of the
   others, such as a dropout's ``p``; output, saved and storage bytes, FLOPs, the random, view and
-  written-later flags), its saved, input and output bytes and the role of each of its inputs in
+  written-later flags), its input and output bytes and the role of each of its inputs in
   the dataflow: its own (handed on by the block before it, the code between or before the
   blocks: the chain), a skip from k blocks back, or shared with other blocks (a mask). What
   happens to its outputs after it (which later code reads them, whether the next block follows
-  it in a segment) is the model's around it, not its computation, and does not enter. This is
+  it in a segment) is the model's around it, not its computation, and does not enter; nor does
+  its saved-bytes total beyond its ops' own (a tensor several blocks save, Llama's rotary
+  tables, counts for the first of them). This is
   the soundness check of the sharing: a block alike in
   structure whose trace differs (a branch its forward takes on the data, an op run with other
   arguments) is measured apart, and `BlockGroups.split` names it.
@@ -100,33 +103,21 @@ def structure_key(module: nn.Module, call: tuple[Any, ...] | None) -> tuple[Any,
     ``call``, `args_signature` of its first call (module docstring)."""
     return (
         type(module).__qualname__, module.training, call,
-        tuple((name, type(m).__qualname__, m.extra_repr(), m.training, _plain_attributes(m))
-              for name, m in module.named_modules()),
+        tuple((name, type(m).__qualname__, m.extra_repr(), m.training) for name, m in module.named_modules()),
         tuple((name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in module.named_parameters()),
         tuple((name, tuple(b.shape), str(b.dtype)) for name, b in module.named_buffers()),
     )
 
 
-def _plain_attributes(module: nn.Module) -> tuple[tuple[str, Any], ...]:
-    """A module's public attributes that are numbers, strings, booleans or tuples of them."""
-    found = []
-    for name, value in sorted(vars(module).items()):
-        if name.startswith("_") or name == "training":
-            continue
-        if isinstance(value, _PLAIN) or isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value):
-            found.append((name, value))
-    return tuple(found)
-
-
-def trace_key(index: int, *, ops: Sequence[Any], call_args: Sequence[Any], saved_bytes: int, input_bytes: int,
-              output_bytes: int, sources: Sequence[tuple[str, str]]) -> tuple[Any, ...]:
+def trace_key(index: int, *, ops: Sequence[Any], call_args: Sequence[Any], input_bytes: int, output_bytes: int,
+              sources: Sequence[tuple[str, str]]) -> tuple[Any, ...]:
     """What the accounting step traced of block ``index`` that must match its representative's:
-    ``ops`` (`remat.measure.types.OpRecord` of its forward, times left out), ``call_args`` (per op
-    call, the `args_signature` of its arguments), its bytes, ``sources`` (``(argument, source)``
-    of each tensor input, `remat.measure.types.BlockInput`) as roles (`input_role`)."""
+    ``ops`` (`remat.measure.types.OpRecord` of its forward, times left out, saved bytes in), ``call_args``
+    (per op call, the `args_signature` of its arguments), its bytes, ``sources`` (``(argument,
+    source)`` of each tensor input, `remat.measure.types.BlockInput`) as roles (`input_role`)."""
     op_rows = tuple((op.key, op.output_bytes, op.saved_bytes, op.flops, op.is_random, op.is_view, op.storage_ids,
                      op.storage_bytes, op.mutated_later) for op in ops)
-    return (op_rows, tuple(call_args), saved_bytes, input_bytes, output_bytes,
+    return (op_rows, tuple(call_args), input_bytes, output_bytes,
             tuple((argument, input_role(source, index)) for argument, source in sources))
 
 
