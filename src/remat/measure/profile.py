@@ -190,6 +190,11 @@ OVERHEAD_MIN_REPEATS = 3
 """Timed repeats of each group's overhead probes at least (``repeats`` when fewer)."""
 CALL_STEPS = 0.25
 """Steps' time the probe of one checkpointed call's own cost takes (`measure_checkpoint_call_ms`)."""
+TOUCH_PROBES = 3
+"""First-touch probes at most (`remat.measure.faults`), beside the first timed steps that fault:
+each fills 64 MiB twice, three steps' time of the built-in GPT at 2 layers under load for five."""
+HEAD_ROUNDS = 3
+"""Timed rounds of the head's strategies at most (`remat.measure.head`; ``repeats`` when fewer)."""
 
 
 def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
@@ -206,8 +211,8 @@ def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
     for _ in range(repeats):
         plain.append(_time_plain_step(step))
         times.append(_time_step(step, block_list))
-        if times[-1].fault_bytes:  # the cost of a fault probed beside each timed step that faults (a
-            # burst of load slows a few probes); the first probe of the profile warms up
+        if times[-1].fault_bytes and len(probes) < TOUCH_PROBES:  # the cost of a fault probed beside the
+            # timed steps that fault (a burst of load slows a few probes); the first probe warms up
             probes.append(first_touch_ms_per_byte(device, repeats=1, discard=0 if probes else 1))
         report("timed step")
     groups = _groups(found, memory, share_timing)
@@ -244,7 +249,7 @@ def _with_head(step: _Step, prof: Profile, windows: BackwardWindows, note: str, 
             capture, post_head_bytes=post + (windows.post_head_temp_bytes if split else windows.post_temp_bytes),
             post_rest_bytes=post + windows.post_rest_temp_bytes if split else 0,
             chunks=chunk_candidates(capture.hidden.numel() // capture.hidden.size(-1)) if chunks is None else tuple(chunks),
-            repeats=repeats, touch_ms_per_byte=prof.first_touch_ms_per_byte)
+            repeats=min(repeats, HEAD_ROUNDS), touch_ms_per_byte=prof.first_touch_ms_per_byte)
     except Exception as exc:  # noqa: BLE001 - reported in the profile, as the block probes do
         return dataclasses.replace(prof, head_note=f"measuring the head raised {failure_reason(exc)}")
     return dataclasses.replace(prof, head=head)
