@@ -46,8 +46,8 @@ from torch import nn
 
 from remat.measure.blocks import Blocks
 
-__all__ = ["BlockGroups", "CallSignatures", "args_signature", "group_blocks", "stop_after", "structure_key",
-           "trace_key"]
+__all__ = ["BlockGroups", "CallSignatures", "args_signature", "group_blocks", "input_role", "stop_after",
+           "structure_key", "trace_key"]
 
 _PLAIN = (bool, int, float, str, type(None))
 
