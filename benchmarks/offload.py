@@ -89,8 +89,8 @@ def sustained(directory: str, *, tensor_mib: int = 32, num_blocks: int = 8, num_
 
 def io_path(directory: str, *, tensor_mib: int = 32, num_blocks: int = 8, num_threads: int = 2) -> dict:
     """(write, read) bytes/s of the offload's own I/O path with no model compute around it: the
-    engine's `DiskStore` (block files, pwrite records with CRC, one flush per block; reads
-    prefetched one block ahead, CRC checked, file deleted), as the engine drives it."""
+    engine's `DiskStore` (block files, pwrite records with SHA-256, one flush per block; reads
+    prefetched one block ahead, SHA-256 checked, file deleted), as the engine drives it."""
     datas = [torch.randint(0, 256, (tensor_mib * MiB,), dtype=torch.uint8) for _ in range(num_blocks)]
     store = DiskStore(directory=directory, num_threads=num_threads)
     try:

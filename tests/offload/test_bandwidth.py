@@ -36,9 +36,13 @@ def test_nothing_measured_without_a_directory_on_cpu():
 def test_missing_directory_is_an_error_for_the_probe_but_made_for_the_profile(tmp_path):
     with pytest.raises(ValueError, match=r"offload directory '.*/nope' does not exist; create it"):
         measure_disk(tmp_path / "nope")
-    bw = measure_bandwidths("cpu", tmp_path / "new" / "dir")
-    assert bw.disk_write_bytes_per_s > 0 and bw.disk_dir == str(tmp_path / "new" / "dir")
-    assert dir_entries(tmp_path) == ["new"] and dir_entries(tmp_path / "new") == []  # the leaf it made is gone
+    bw = measure_bandwidths("cpu", tmp_path / "dir")
+    assert bw.disk_write_bytes_per_s > 0 and bw.disk_dir == str(tmp_path / "dir")
+    assert dir_entries(tmp_path) == []  # the leaf it made is gone
+    with pytest.raises(ValueError, match=r"offload directory '.*/new/dir' cannot be made: its parent '.*/new' is not an "
+                       r"existing directory \(only the last component is created\); create the parent first"):
+        measure_bandwidths("cpu", tmp_path / "new" / "dir")
+    assert dir_entries(tmp_path) == []  # nothing made
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host<->device rates need CUDA")
@@ -81,5 +85,7 @@ def test_a_disk_probe_that_fails_marks_disk_offload_unavailable_on_every_block(t
     fine = bandwidth.with_bandwidths(prof, "cpu", tmp_path)
     assert fine.bandwidths.disk_write_bytes_per_s > 0 and all(b.unavailable == () for b in fine.blocks)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ValueError, match=r"cannot create offload directory .*; choose a writable one"):
+    with pytest.raises(ValueError, match=r"its parent '.*/file' is not an existing directory"):
         bandwidth.with_bandwidths(prof, "cpu", tmp_path / "file" / "sub")
+    with pytest.raises(ValueError, match=r"offload directory '.*/file' exists but is not a directory"):
+        bandwidth.with_bandwidths(prof, "cpu", tmp_path / "file")

@@ -1,21 +1,24 @@
 """Disk store for offloaded activations: one file per block forward, written by a thread pool.
 
-Files live in a private directory (mode 0700) made with `tempfile.mkdtemp` inside the directory
-the user chose (default: the system temporary directory). A block's forward opens one file
-(``O_EXCL``, mode 0600); each saved storage becomes a *record* at an offset reserved in the main
+Files live in a private directory (mode 0700, ``remat-offload-<pid>-...``, see
+`remat._diskio.make_private_dir`) inside the directory the user chose (default: the system
+temporary directory); of that directory only the last component is ever created. A block's
+forward opens one file (``O_EXCL | O_NOFOLLOW``, mode 0600); each saved storage becomes a *record* at an offset reserved in the main
 thread and written with ``pwrite`` by the pool, so records of one block are written in parallel
 and land sequentially. When the block's forward ends, a sealing job waits for its writes, then
 ``fdatasync`` + ``POSIX_FADV_DONTNEED``: the bytes really leave memory (dirty page cache is not
 free memory). The raw I/O is `remat._diskio`'s, which `remat.measure.bandwidth` times, so the
 planner's disk rates describe this path.
 
-Every record carries a CRC-32 (`zlib.crc32`) computed while writing and checked after reading.
+Every record carries a SHA-256 computed while writing and checked after reading (a deliberate
+edit cannot keep it).
 A missing file, a file too short for a record, a checksum mismatch, a full disk or an
 unwritable directory raises `OffloadError` naming the file and the block; the store then
 deletes every file and its private directory (`purge`) and makes a fresh directory on next use.
 A file is deleted as soon as its last record is read; a file whose records are dropped unread
 (graph freed without backward) is deleted by a `weakref.finalize`; `close`, garbage collection
-of the store and interpreter exit (finalizers run at exit) delete the directory.
+of the store, interpreter exit and SIGTERM delete the directory; one left by SIGKILL is swept
+by the next store that writes in the same directory.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import shutil
 import tempfile
 import threading
 import weakref
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from remat._diskio import OffloadError, flush, read_at, write_at
+from remat._diskio import OffloadError, check_offload_root, flush, make_private_dir, read_at, remove_private_dir, write_at
 
 
 def _io_error(exc: OSError, what: str, block: str, verb: str) -> OffloadError:
@@ -195,15 +197,15 @@ class DiskTicket:
         except RuntimeError as exc:  # the pool was shut down by purge or close
             self._read.set_exception(OffloadError(f"offload store closed before reading {self.file.path}: {exc}"))
 
-    def _read_job(self, written_crc: int) -> None:
+    def _read_job(self, written_digest: bytes) -> None:
         path, block = self.file.path, self.file.block
         try:
-            data, crc = read_at(path, self.offset, self.nbytes, block)
-            if crc != written_crc:
+            data, digest = read_at(path, self.offset, self.nbytes, block)
+            if digest != written_digest:
                 raise OffloadError(
                     f"checksum mismatch in offload file {path} of block {block!r} at offset {self.offset}: "
-                    f"crc32 {crc:#010x} read, {written_crc:#010x} written; the file was changed on disk "
-                    "and the saved activations are not trusted: run the step again."
+                    f"sha256 {digest.hex()[:16]}... read, {written_digest.hex()[:16]}... written; the file was "
+                    "changed on disk and the saved activations are not trusted: run the step again."
                 )
             self._read.set_result(data)
             self.file.record_read()
@@ -230,15 +232,9 @@ class DiskTicket:
 
 def _remove_tree(state: dict) -> None:
     """Finalizer of a store: remove its private directory and the user directory it created."""
-    if state.get("private"):
-        shutil.rmtree(state["private"], ignore_errors=True)
-        state["private"] = None
-    if state.get("made_root"):
-        try:
-            os.rmdir(state["made_root"])
-        except OSError:
-            pass
-        state["made_root"] = None
+    private, made_root = state.get("private"), state.get("made_root")
+    state["private"] = state["made_root"] = None
+    remove_private_dir(private, made_root)
 
 
 class DiskStore:
@@ -247,7 +243,7 @@ class DiskStore:
     def __init__(self, *, directory: str | os.PathLike | None = None, num_threads: int = 2) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads={num_threads} must be >= 1; use 1 to 8 I/O threads.")
-        self.root = Path(directory) if directory is not None else None
+        self.root = check_offload_root(directory) if directory is not None else None
         self.num_threads = num_threads
         self._lock = threading.Lock()
         self._live: set[str] = set()
@@ -290,10 +286,9 @@ class DiskStore:
         if self._state["private"] is None:
             root = self.root if self.root is not None else Path(tempfile.gettempdir())
             try:
-                if not root.exists():
-                    root.mkdir(mode=0o700, parents=True)
-                    self._state["made_root"] = str(root)
-                self._state["private"] = tempfile.mkdtemp(prefix="remat-offload-", dir=root)
+                self._state["private"], self._state["made_root"] = make_private_dir(root)
+            except ValueError as exc:
+                raise OffloadError(f"{exc} (block {block!r})") from exc
             except OSError as exc:
                 raise _io_error(exc, f"a private directory in offload directory {root}", block, "create") from exc
         return self._state["private"]
@@ -307,7 +302,7 @@ class DiskStore:
             path = os.path.join(private, f"{self._seq:08d}-{re.sub(r'[^A-Za-z0-9._-]', '_', block)[:80]}.bin")
             self._live.add(path)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
             self.purge()
             raise _io_error(exc, f"offload file {path}", block, "create") from exc

@@ -1,7 +1,7 @@
 """Transfer rates for the offload strategies, measured on this machine (fills `Bandwidths`).
 
 - Disk: sequential write then read of one file in the offload directory, through the very I/O
-  path the disk offload uses (`remat._diskio`: ``write_at`` with its CRC-32, then ``flush``:
+  path the disk offload uses (`remat._diskio`: ``write_at`` with its SHA-256, then ``flush``:
   fdatasync + POSIX_FADV_DONTNEED, so the read comes from the disk, not the page cache;
   ``read_at``). A 4 MiB pilot sets the size so that the timed write takes about ``target_s``; the
   whole probe stays under a second on anything faster than ~40 MB/s.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from remat._diskio import flush, read_at, write_at
+from remat._diskio import flush, make_private_dir, read_at, remove_private_dir, write_at
 from remat.measure.probes import Attempts
 from remat.measure.types import Bandwidths, Profile
 
@@ -144,26 +144,25 @@ def _host_fields(device: torch.device) -> dict:
 
 
 def _disk_fields(directory: Path, attempts: Attempts | None = None) -> dict:
-    """Disk rates of ``directory``; one that does not exist yet is made (0700) and removed after,
-    as the offload itself does (a directory that cannot be made is the caller's error). With
-    ``attempts``, a probe that raises leaves the rates out and marks ``offload:disk`` failed."""
-    made = not directory.exists()
-    if made:
-        try:
-            directory.mkdir(mode=0o700, parents=True)
-        except OSError as exc:
-            raise ValueError(f"cannot create offload directory {str(directory)!r}: {exc.strerror}; choose a writable one.") from exc
+    """Disk rates of ``directory``, measured in a private directory inside it (removed after, on
+    SIGTERM and at exit, as the offload's); a missing ``directory`` whose parent exists is made
+    (0700) and removed after, as the offload itself does (one that cannot be made is the caller's
+    error). With ``attempts``, a probe that raises leaves the rates out and marks ``offload:disk``
+    failed."""
     try:
-        return (attempts or Attempts.raising()).run("offload:disk", _disk_rates, directory) or {}
+        private, made = make_private_dir(directory)
+    except OSError as exc:
+        raise ValueError(f"cannot create offload directory {str(directory)!r}: {exc.strerror}; choose a writable one.") from exc
+    try:
+        return (attempts or Attempts.raising()).run("offload:disk", _disk_rates, Path(private), directory) or {}
     finally:
-        if made:
-            directory.rmdir()
+        remove_private_dir(private, made)
 
 
-def _disk_rates(directory: Path) -> dict:
-    write, read = measure_disk(directory)
+def _disk_rates(private: Path, directory: Path) -> dict:
+    write, read = measure_disk(private)
     return dict(disk_write_bytes_per_s=write, disk_read_bytes_per_s=read, disk_dir=str(directory.resolve()),
-                disk_overlap_fraction=measure_disk_overlap(directory, write))
+                disk_overlap_fraction=measure_disk_overlap(private, write))
 
 
 def measure_bandwidths(device: torch.device | str = "cpu", offload_dir: str | os.PathLike | None = None) -> Bandwidths:
