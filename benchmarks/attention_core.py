@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from remat.apply.run import run_job
+from remat._files import write_atomic
 from remat.plan.costs import cost_of
 
 SHAPES: dict[str, dict[str, float | int]] = {
@@ -137,7 +138,7 @@ def main() -> None:
     text = markdown(rows, args.repeats)
     print(text)
     if args.markdown:
-        args.markdown.write_text(text + "\n")
+        write_atomic(args.markdown, text + "\n")
 
 
 if __name__ == "__main__":

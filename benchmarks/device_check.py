@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any
 
 from benchmarks._device import checks, report
 from benchmarks._device.config import PRESETS, SECTION_NAMES, SIZE_NAMES, CheckConfig
+from remat._files import write_atomic
 from benchmarks._device.sections import run_sections
 
 FORMAT = {"format": "remat-device-check", "version": 1}
@@ -100,9 +100,7 @@ def finite(value: Any, path: str, bad: list[str]) -> Any:
 
 
 def _replace(path: Path, text: str) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+    write_atomic(path, text)
 
 
 def write_results(out: Path, results: dict[str, Any]) -> None:

@@ -38,6 +38,7 @@ from benchmarks.published_formulas import (
     zero_per_rank,
 )
 from remat.estimate import ModelSource, Parallelism
+from remat._files import write_atomic
 from remat.estimate.layers import LayerCost, layer_cost
 from remat.estimate.pricing import Pricing
 from remat.estimate.sharding import ModelParams, RoleShapes, StateRecipe, gpu_state
@@ -206,8 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         results.update(titan=titan_rows(llama), heads=llama3_heads(llama))
     sys.stdout.write(markdown(results))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        write_atomic(args.json, json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 import remat
+from remat._files import write_atomic
 from remat.measure.profile import _Step
 from remat.measure.tracker import track_step
 from remat.models import load_target
@@ -222,9 +223,9 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(results)
     print(text)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        write_atomic(args.json, json.dumps(results, indent=1))
     if args.markdown:
-        args.markdown.write_text(text)
+        write_atomic(args.markdown, text)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from torch import nn
 
 import remat
 from remat.apply.offload import OffloadEngine
+from remat._files import write_atomic
 from remat.apply.offload_disk import DiskStore
 from remat.measure.bandwidth import measure_bandwidths, measure_disk
 from remat.models import build, load_target
@@ -252,8 +253,7 @@ def main() -> None:
     ]
     print("\n".join(lines))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_atomic(args.json, json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch
 from benchmarks._peers import plot, results
 from benchmarks._peers.runner import interleaved_timing
 from benchmarks._peers.strategies import COMPILED, EAGER, Peer, default_peers
+from remat._files import write_atomic
 from benchmarks._peers.suite import Suite, add_peers, add_remat, matched_plans, remat_profile
 from benchmarks._peers.workloads import MODEL_CHOICES, SIZE_NAMES, Workload
 
@@ -144,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     all_rows = results.rows(suite)
     text = report(args, suite, elapsed_s)
-    (args.out / f"{stem}.md").write_text(text)
+    write_atomic(args.out / f"{stem}.md", text)
     payload = {"command": command_line(args), "machine": machine(), "elapsed_s": elapsed_s,
                **results.as_json(all_rows, results.matches(all_rows))}
-    (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    write_atomic(args.out / f"{stem}.json", json.dumps(payload, indent=1))
     plot.frontier_png(args.out / f"{stem}.png", suite.workload.label, all_rows, suite.frontier)
     print(text)
     return 0

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from remat.measure.types import BlockProfile, Environment, Fingerprint, OpRecord, Profile
+from remat._files import write_atomic
 from remat.plan.planners import pareto, plan
 from remat.plan.search import OptimalSearch, clear_planning_caches
 
@@ -163,7 +164,7 @@ def main() -> None:
     print(text)
     if args.markdown is not None:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(_header() + text + "\n\n" + NOTES)
+        write_atomic(args.markdown, _header() + text + "\n\n" + NOTES)
 
 
 NOTES = """Reading the table:

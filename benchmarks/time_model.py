@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from remat.apply.run import demo_job
+from remat._files import write_atomic
 from remat.models.hf import transformers_available
 
 MODELS = ("gpt", "mlp", "convnet", "hf:gpt2", "hf:llama")
@@ -91,7 +92,7 @@ def main() -> None:
             f"at the end), {time.perf_counter() - start:.0f} s in all. Command: `.venv/bin/python -m "
             f"benchmarks.time_model --repeats {args.repeats} --markdown time-model.md`.\n\n"
         )
-        args.markdown.write_text(header + text + "\n")
+        write_atomic(args.markdown, header + text + "\n")
 
 
 if __name__ == "__main__":

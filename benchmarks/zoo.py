@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "zoo"))
 
 from remat.measure.profile import _Step, profile  # noqa: E402
+from remat._files import write_atomic
 from remat.measure.tracker import track_step  # noqa: E402
 from remat.plan.planners import pareto  # noqa: E402
 from remat.verify import verify  # noqa: E402
@@ -130,9 +131,9 @@ def main() -> None:
     text = markdown(rows, args.repeats)
     print(text)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        write_atomic(args.json, json.dumps(rows, indent=2) + "\n")
     if args.markdown:
-        args.markdown.write_text(text + "\n")
+        write_atomic(args.markdown, text + "\n")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from benchmarks._peers.results import MIB, Row
 from benchmarks._peers.strategies import EAGER
+from remat._files import replacing
 
 _MARKERS = {"peer": "o", "remat": "*"}
 
@@ -43,6 +44,7 @@ def frontier_png(path: Path, title: str, all_rows: list[Row], frontier: list[tup
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    with replacing(path) as f:
+        fig.savefig(f, format=path.suffix.lstrip(".").lower() or "png")
     plt.close(fig)
     return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from remat._files import write_atomic
 from remat._serialize import Rules, dump_document, parse_document, read_document
 from remat.measure.types import MemoryEvent
 
@@ -136,4 +137,4 @@ class Verification:
         return read_document(cls, path, VERIFICATION_FORMAT, VERIFICATION_VERSION, VERIFICATION_RULES)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        write_atomic(path, self.to_json())

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from remat._files import write_atomic
 from remat._serialize import Rules, dump_document, parse_document, read_document
 
 PROFILE_FORMAT = "profile"
@@ -565,4 +566,4 @@ class Profile:
         return read_document(cls, path, PROFILE_FORMAT, PROFILE_VERSION, PROFILE_RULES)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        write_atomic(path, self.to_json())

@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from remat._files import write_atomic
 from remat._serialize import Rules, dump_document, parse_document, read_document
 from remat.head.names import check_head_name
 from remat.measure.types import Fingerprint, block_names_hash
@@ -306,7 +307,7 @@ class Plan:
         return read_document(cls, path, PLAN_FORMAT, PLAN_VERSION, PLAN_RULES)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        write_atomic(path, self.to_json())
 
     def block_strategies(self) -> tuple[str, ...]:
         """Top-level strategy of each block, in order."""

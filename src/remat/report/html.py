@@ -29,6 +29,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 import remat
+from remat._files import write_atomic
 from remat.measure.types import Profile
 from remat.plan.types import Plan
 from remat.report.blocks import check_plan_matches, plot_blocks
@@ -143,7 +144,7 @@ def write_report(path: str | Path, profile: Profile, plans: Sequence[Plan] = (),
     page = render_html(profile, plans, verifications, commands=commands, budget_bytes=budget_bytes,
                        figures=figures)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(page, encoding="utf-8")
+    write_atomic(path, page)
     if figures_dir is not None:
         save_figures(figures, figures_dir)
     return path

@@ -17,6 +17,8 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from remat._files import replacing
+
 OKABE_ITO = {
     "black": "#000000",
     "orange": "#E69F00",
@@ -88,7 +90,8 @@ def save_figure(fig: Figure, path: str | Path, *, dpi: int = 150) -> Path:
             "allowed: .png, .svg. Rename the file."
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format=fmt, dpi=dpi, metadata=_metadata(fmt))
+    with replacing(path) as f:
+        fig.savefig(f, format=fmt, dpi=dpi, metadata=_metadata(fmt))
     return path
 
 
