@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from remat.cli._app import app
+from remat.cli._app import app, main
 
 # Each module registers its commands on `app` when imported.
 _COMMAND_MODULES = ("profile", "plan", "run", "demo", "estimate", "quiz", "report")
@@ -14,6 +14,3 @@ for _name in _COMMAND_MODULES:
 
 __all__ = ["app", "main"]
 
-
-def main() -> None:
-    app()

@@ -1,11 +1,83 @@
-"""The typer application every command module registers on."""
+"""The typer application every command module registers on, and how the CLI fails.
+
+Every command runs inside `_guarded`: an expected failure (a bad value, a file that cannot be read
+or written, an offload fault, an error in the user's ``file.py:build``) becomes one line
+``error: <what, what is allowed, the fix>`` on stderr and exit status 2; ``remat --debug ...``
+shows the traceback instead. Anything else is a bug and keeps its traceback.
+
+User text is printed literally: the consoles render no markup and no emoji codes (a model named
+``[bold red]X[/]`` prints as typed); the CLI's own styling goes through `styled`, with any user
+text inside it passed through `rich.markup.escape`.
+"""
 
 from __future__ import annotations
 
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
 import typer
 from rich.console import Console
+from rich.text import Text
 
-app = typer.Typer(
+from remat._diskio import OffloadError
+from remat.models.loading import TargetCodeError
+
+DEBUG_HELP = "Show the full traceback of an error instead of its one-line message."
+
+EXPECTED = (ValueError, TypeError, OSError, OffloadError, TargetCodeError)
+"""Failures the user can fix: reported in one line, never as a traceback (unless --debug)."""
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print a user error (no traceback, the message literally, one line) and return the Exit to raise."""
+    err_console.print(Text.assemble(("error:", "bold red"), " ", " ".join(message.split("\n"))), soft_wrap=True)
+    return typer.Exit(code)
+
+
+def describe(error: BaseException) -> str:
+    """The one-line message of an expected failure."""
+    if isinstance(error, OSError) and not isinstance(error, OffloadError) and error.strerror:
+        where = error.filename if error.filename is not None else ""
+        where += f" -> {error.filename2}" if error.filename2 is not None else ""
+        return (f"{where or 'the operating system'}: {error.strerror} (errno {error.errno}); check that the path "
+                "exists, is of the right kind and that you may read or write it, or choose another.")
+    text = str(error) or type(error).__name__
+    return text if isinstance(error, (ValueError, TypeError, OffloadError, TargetCodeError)) else f"{type(error).__name__}: {text}"
+
+
+_invocation = {"debug": False}
+"""Options of the group, set by its callback before each command runs."""
+
+
+def _guarded(command: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except EXPECTED as error:  # typer.Exit and usage errors are none of these: they pass
+            if _invocation["debug"]:
+                raise
+            raise fail(describe(error)) from None
+
+    return run
+
+
+class _GuardedTyper(typer.Typer):
+    """A Typer whose commands fail in one line (`_guarded`)."""
+
+    def command(self, *args: Any, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        register = super().command(*args, **kwargs)
+
+        def decorator(f: Callable[..., Any]) -> Callable[..., Any]:
+            register(_guarded(f))
+            return f
+
+        return decorator
+
+
+app = _GuardedTyper(
     name="remat",
     help="Find the fastest training step that fits your memory: measure, plan, apply, verify, report.",
     no_args_is_help=True,
@@ -16,20 +88,38 @@ app = typer.Typer(
 DEVICE_HELP = ("Device the model and batch run on: cpu, cuda, cuda:N (default: where they are built, the "
                "CPU for built-in models).")
 
-console = Console()
-err_console = Console(stderr=True)
+TARGET_HELP = ("A built-in model (gpt, mlp, convnet, unet, hf:gpt2, hf:llama) or path/to/file.py:build where "
+               "build() returns model, batch[, loss_fn[, optimizer]]. A file target is imported and its code "
+               "runs with your permissions: name only files you trust.")
+
+console = Console(markup=False, emoji=False)
+err_console = Console(stderr=True, markup=False, emoji=False)
 
 
-def fail(message: str, code: int = 2) -> typer.Exit:
-    """Print a user error (no traceback) and return the Exit to raise."""
-    err_console.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(code)
+def styled(markup: str) -> Text:
+    """The CLI's own styling (``[bold]...[/]``); escape user text inside it with `rich.markup.escape`."""
+    return Text.from_markup(markup, emoji=False)
+
+
+def move_debug_first(argv: list[str]) -> list[str]:
+    """``remat profile x --debug`` as ``remat --debug profile x``: the flag belongs to the group
+    (arguments after ``--`` are left alone)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    if "--debug" not in argv[:end]:
+        return argv
+    return ["--debug", *(a for a in argv[:end] if a != "--debug"), *argv[end:]]
 
 
 @app.callback()
-def _main() -> None:
+def _main(debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP)) -> None:
     """Under torchrun, join the process group; only rank 0 prints and writes files."""
     from remat.distributed import init_from_env, is_main_process
 
+    _invocation["debug"] = debug
     if init_from_env() and not is_main_process():
         console.quiet = err_console.quiet = True
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``remat`` entry point."""
+    app(args=move_debug_first(list(sys.argv[1:] if argv is None else argv)), prog_name="remat")

@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.text import Text
 
 from remat.apply.run import DEFAULT_OUT_DIR
-from remat.cli._app import DEVICE_HELP, app, console, fail
+from remat.cli._app import DEVICE_HELP, app, console
 from remat.cli.run import render, save_outputs
 
 DEMO_OUT_DIR = DEFAULT_OUT_DIR / "demo"
@@ -29,11 +30,8 @@ def demo_command(
 
     sizes = {**model_sizes("gpt"), **DEMO_SIZES}
     shown = ", ".join(f"{k}={sizes[k]}" for k in ("num_layers", "d_model", "num_heads", "seq_len", "batch_size"))
-    try:
-        with console.status("building...") as status:
-            result = demo_job(seed=seed, repeats=repeats, progress=lambda m: status.update(f"{m}..."), device=device)
-    except (ValueError, TypeError) as error:
-        raise fail(str(error)) from None
+    with console.status("building...") as status:
+        result = demo_job(seed=seed, repeats=repeats, progress=lambda m: status.update(Text(f"{m}...")), device=device)
     render(result, f"remat demo: built-in GPT ({shown}) on {result.profile.environment.device_name}")
     console.print("Peaks are exact live-storage accounts of a whole training step (weights, gradients, "
                   "AdamW state, activations); overhead is against the measured step without recomputation.")

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.text import Text
 
-from remat.cli._app import app, console, fail
+from remat.cli._app import app, console
 from remat.cli.estimate_view import devices_table, render, render_search
 
 MIB = 2**20
@@ -66,31 +67,28 @@ def estimate_command(
         console.print(devices_table(devices_file))
         return
     sizes = dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, intermediate=intermediate, vocab=vocab)
-    try:
-        from remat.memory.allowance import Allowance
+    from remat.memory.allowance import Allowance
 
-        source = make_source(model, hf, config, sizes, seq, "eager" if explicit_attention else "sdpa")
-        allowance = Allowance(context_bytes=context_mib * MIB, workspace_bytes=workspace_mib * MIB,
-                              fragmentation_fraction=fragmentation)
-        options = dict(dtype=dtype, master_weights=not no_master_weights, optimizer=optimizer, mfu=mfu,
-                       allowance=allowance, gpu_kernels=not cpu_kernels, fp32_grads=fp32_grads or distributed_optimizer,
-                       network_bytes_per_s=network_gbps * 1e9 / 8 if network_gbps else None,
-                       zero_stage=_zero(zero, distributed_optimizer))
-        if search:
-            _search(source, device, devices_file, seq=seq, gpus=gpus, global_batch=global_batch, top=top,
-                    as_json=as_json, head=head, **options)
-            return
-        from remat.estimate import Parallelism, estimate
+    source = make_source(model, hf, config, sizes, seq, "eager" if explicit_attention else "sdpa")
+    allowance = Allowance(context_bytes=context_mib * MIB, workspace_bytes=workspace_mib * MIB,
+                          fragmentation_fraction=fragmentation)
+    options = dict(dtype=dtype, master_weights=not no_master_weights, optimizer=optimizer, mfu=mfu,
+                   allowance=allowance, gpu_kernels=not cpu_kernels, fp32_grads=fp32_grads or distributed_optimizer,
+                   network_bytes_per_s=network_gbps * 1e9 / 8 if network_gbps else None,
+                   zero_stage=_zero(zero, distributed_optimizer))
+    if search:
+        _search(source, device, devices_file, seq=seq, gpus=gpus, global_batch=global_batch, top=top,
+                as_json=as_json, head=head, **options)
+        return
+    from remat.estimate import Parallelism, estimate
 
-        layout = Parallelism(tensor=tensor_parallel, sequence_parallel=sequence_parallel, pipeline=pipeline_parallel,
-                             virtual_stages=virtual_stages, context=context_parallel, expert=expert_parallel,
-                             expert_tensor=expert_tensor_parallel, expert_load=expert_load, data=world_size)
-        with console.status("tracing one training step on the meta device..."):
-            result = estimate(source, devices=device, devices_file=str(devices_file) if devices_file else None,
-                              micro_batch=micro_batch, seq_len=seq, world_size=world_size,
-                              grad_accumulation_steps=grad_accum, parallelism=layout, head=head or "keep", **options)
-    except (ValueError, TypeError, FileNotFoundError) as error:
-        raise fail(str(error)) from None
+    layout = Parallelism(tensor=tensor_parallel, sequence_parallel=sequence_parallel, pipeline=pipeline_parallel,
+                         virtual_stages=virtual_stages, context=context_parallel, expert=expert_parallel,
+                         expert_tensor=expert_tensor_parallel, expert_load=expert_load, data=world_size)
+    with console.status("tracing one training step on the meta device..."):
+        result = estimate(source, devices=device, devices_file=str(devices_file) if devices_file else None,
+                          micro_batch=micro_batch, seq_len=seq, world_size=world_size,
+                          grad_accumulation_steps=grad_accum, parallelism=layout, head=head or "keep", **options)
     if as_json:
         from remat._serialize import to_dict
 
@@ -116,7 +114,7 @@ def _search(source, device: list[str], devices_file: Optional[Path], *, seq: int
     if len(device) != 1:
         raise ValueError(f"--search prices one device kind at a time, got {len(device)} (--device {' --device '.join(device)}).")
     spec = resolve_devices(device, str(devices_file) if devices_file else None)[0]
-    with console.status(f"searching layouts of {gpus} x {spec.name}..."):
+    with console.status(Text(f"searching layouts of {gpus} x {spec.name}...")):
         found = search_source(source, spec, gpus=gpus, global_batch=global_batch, seq_len=seq, top=top, head=head,
                               **options)
     if as_json:

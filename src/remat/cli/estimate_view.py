@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from rich.markup import escape
 from rich.table import Table
 
-from remat.cli._app import console
+from remat.cli._app import console, styled
 
 GIB = 2**30
 MIB = 2**20
@@ -25,12 +26,12 @@ def _gib(num_bytes: float) -> str:
 def render(result) -> None:
     """Print the estimate: setup, model state, one table per device, diagnoses."""
     par = result.parallelism
-    console.print(
-        f"[bold]{result.model}[/]: {result.param_count / 1e9:.3f} B parameters, {result.num_layers} layers; "
+    console.print(styled(
+        f"[bold]{escape(result.model)}[/]: {result.param_count / 1e9:.3f} B parameters, {result.num_layers} layers; "
         f"micro-batch {result.micro_batch} x seq {result.seq_len}, {result.dtype} ({result.precision} precision"
         f"{', fp32 gradients' if result.fp32_grads else ''}), {result.optimizer}, ZeRO-{result.zero_stage}, "
         f"{result.grad_accumulation_steps} micro-batch(es) per step, MFU {result.mfu:.0%}"
-    )
+    ))
     console.print(f"layout: {par.describe()} = {result.gpus} GPU(s)"
                   + (f", expert load {par.expert_load:g}x the mean" if par.expert > 1 or par.expert_load > 1 else ""))
     console.print(
@@ -50,7 +51,7 @@ def render(result) -> None:
         console.print(device_table(dev, pipeline=par.pipeline > 1))
         for row in dev.strategies:
             if row.diagnosis:
-                console.print(f"[yellow]{row.strategy}[/]: {row.diagnosis}")
+                console.print(styled(f"[yellow]{escape(row.strategy)}[/]: {escape(row.diagnosis)}"))
                 if row.diagnosis.startswith(f"On {dev.device.name}, model state"):
                     break  # the same words for every strategy
 
@@ -65,12 +66,12 @@ def head_line(result) -> str:
             f"layers per micro-batch, GiB: {parts} (--head)")
 
 
-def state_line(dev) -> str:
+def state_line(dev):
     from remat.estimate.explain import state_parts
 
     s = dev.model_state
     parts = " + ".join(f"{name} {_gib(num_bytes)}" for name, num_bytes in state_parts(s))
-    return (f"\n[bold]{dev.device.name}[/] ({_gib(dev.device.memory_bytes)} GiB, {_gib(dev.budget_bytes)} GiB for tensors): "
+    return styled(f"\n[bold]{escape(dev.device.name)}[/] ({_gib(dev.device.memory_bytes)} GiB, {_gib(dev.budget_bytes)} GiB for tensors): "
             f"model state per GPU {_gib(s.total_bytes)} GiB = {parts} GiB")
 
 
@@ -85,7 +86,7 @@ def device_table(dev, *, pipeline: bool = False) -> Table:
     for row in dev.strategies:
         t = row.time
         comm = t.comm_s + t.bubble_s + t.data_parallel_s if t else 0.0
-        cells = [row.strategy, _layout(row), "[green]yes[/]" if row.fits else "[red]no[/]", _gib(row.peak_bytes),
+        cells = [row.strategy, _layout(row), styled("[green]yes[/]" if row.fits else "[red]no[/]"), _gib(row.peak_bytes),
                  _gib(row.allowance_bytes), _gib(row.total_bytes), _gib(row.held_bytes),
                  f"{row.recompute_flops / 1e12:.1f}", f"{row.step_s:.2f}", f"{comm:.2f}", _max_mb(row)]
         table.add_row(*cells, *([f"{row.peak_stage} ({row.peak_phase})"] if pipeline else []))
@@ -103,11 +104,11 @@ def _layout(row) -> str:
 
 def render_search(found, spec, *, gpus: int, global_batch: int, seq_len: int) -> None:
     """The fastest layouts, fastest first."""
-    console.print(f"[bold]{gpus} x {spec.name}[/], global batch {global_batch} x {seq_len} tokens: "
-                  f"{len(found)} fastest layout(s) that fit")
+    console.print(styled(f"[bold]{gpus} x {escape(spec.name)}[/], global batch {global_batch} x {seq_len} tokens: "
+                         f"{len(found)} fastest layout(s) that fit"))
     if not found:
-        console.print("[red]no layout of the search space fits[/]: more GPUs, a device with more memory, or a "
-                      "smaller global batch per step.")
+        console.print(styled("[red]no layout of the search space fits[/]: more GPUs, a device with more memory, or a "
+                             "smaller global batch per step."))
         return
     table = Table(show_edge=False, caption=STEP_MODEL)
     for name in ("#", "layout", "ZeRO", "mb", "m", "strategy", "head", "peak GiB", "step s", "tokens/s/GPU", "MFU"):

@@ -9,8 +9,9 @@ from typing import Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
-from remat.cli._app import DEVICE_HELP, app, console, fail
+from remat.cli._app import DEVICE_HELP, app, console
 from remat.measure.types import Profile
 from remat.plan.types import Plan, Segment
 
@@ -46,22 +47,19 @@ def plan_command(
     from remat.plan.budget import parse_budget
     from remat.plan.planners import pareto, plan
 
-    try:
-        sizes = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
-        if tune and model is None:
-            raise ValueError("--tune times plans on the model, which a profile JSON does not hold: give --model NAME "
-                             "(or use `remat run --tune`).")
-        profile, built = _load_target(profile_path, model, sizes, seed, device)
-        baseline = plan(profile, strategy="none")
-        if show_pareto:
-            console.print(pareto_table(pareto(profile), baseline))
-            return
-        budget_bytes = None if budget is None else parse_budget(budget, baseline_peak_of(profile, baseline))
-        tuner = _tuner(built, tune_steps, tune_seconds) if tune else None
-        with console.status("timing candidate plans...") if tune else contextlib.nullcontext():
-            result = plan(profile, budget=budget_bytes, strategy=strategy, head=head, tune=tuner)
-    except (ValueError, TypeError, FileNotFoundError) as error:
-        raise fail(str(error)) from None
+    sizes = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
+    if tune and model is None:
+        raise ValueError("--tune times plans on the model, which a profile JSON does not hold: give --model NAME "
+                         "(or use `remat run --tune`).")
+    profile, built = _load_target(profile_path, model, sizes, seed, device)
+    baseline = plan(profile, strategy="none")
+    if show_pareto:
+        console.print(pareto_table(pareto(profile), baseline))
+        return
+    budget_bytes = None if budget is None else parse_budget(budget, baseline_peak_of(profile, baseline))
+    tuner = _tuner(built, tune_steps, tune_seconds) if tune else None
+    with console.status("timing candidate plans...") if tune else contextlib.nullcontext():
+        result = plan(profile, budget=budget_bytes, strategy=strategy, head=head, tune=tuner)
     if result.tuning is not None:
         print_tuning(result)
     console.print(plan_table(result, profile))
@@ -110,7 +108,7 @@ def _load_target(path: Optional[Path], model: Optional[str], sizes: dict, seed: 
     from remat.measure.profile import profile
     from remat.models import load_target, sizes_from_options
 
-    with console.status(f"profiling {model}..."):
+    with console.status(Text(f"profiling {model}...")):
         built = load_target(model, seed=seed, device=device, **sizes_from_options(model, **sizes))
         return profile(built.model, built.batch, built.loss_fn, built.optimizer), built
 

@@ -7,7 +7,9 @@ from typing import Optional
 
 import typer
 from rich.progress import Progress
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from remat.cli._app import DEVICE_HELP, app, console, fail
 from remat.distributed import is_main_process
@@ -44,20 +46,17 @@ def profile_command(
     spec = target or model
     options = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch, vocab=vocab,
                    dropout=dropout, attention=attention)
-    try:
-        with console.status(f"building {spec}..."):
-            sizes = sizes_from_options(spec, **options)
-            built = load_target(spec, seed=seed, device=device, **sizes)
-        with Progress(*Progress.get_default_columns(), console=console, transient=True) as bar:
-            task = bar.add_task(f"profiling {spec}", total=None)
+    with console.status(Text(f"building {spec}...")):
+        sizes = sizes_from_options(spec, **options)
+        built = load_target(spec, seed=seed, device=device, **sizes)
+    with Progress(*Progress.get_default_columns(), console=console, transient=True) as bar:
+        task = bar.add_task(f"profiling {escape(spec)}", total=None)
 
-            def advance(done: int, total: int, stage: str) -> None:
-                bar.update(task, completed=done, total=total, description=f"profiling {spec}: {stage}")
+        def advance(done: int, total: int, stage: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"profiling {escape(spec)}: {escape(stage)}")
 
-            result = profile(built.model, built.batch, built.loss_fn, built.optimizer, blocks or None,
-                             warmup=warmup, repeats=repeats, progress=advance)
-    except (ValueError, TypeError) as error:
-        raise fail(str(error)) from None
+        result = profile(built.model, built.batch, built.loss_fn, built.optimizer, blocks or None,
+                         warmup=warmup, repeats=repeats, progress=advance)
     console.print(profile_table(result, spec))
     if any(b.unavailable for b in result.blocks):
         console.print(unavailable_rich(result))

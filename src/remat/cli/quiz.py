@@ -11,14 +11,14 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from remat.cli._app import app, console, fail
+from remat.cli._app import app, console, fail, styled
 from remat.quiz.content import LANGUAGES, Question, Quiz, default_language, load_quiz
 from remat.quiz.engine import GradedAnswer, QuizResult, grade, parse_answer, parse_answers, shuffle_quiz
 
 
 def _say(*objects: object, **kwargs: object) -> None:
     # Prose, not data: no automatic colouring of numbers and brackets.
-    console.print(*objects, highlight=False, **kwargs)
+    console.print(*(styled(o) if isinstance(o, str) else o for o in objects), highlight=False, **kwargs)
 
 
 @app.command("quiz")
@@ -81,10 +81,7 @@ def _print_question(quiz: Quiz, q: Question) -> None:
 
 
 def _grade_given(quiz: Quiz, answers: str, as_json: bool, live: bool, seed: int | None) -> QuizResult:
-    try:
-        result = grade(quiz, parse_answers(answers, quiz))
-    except ValueError as err:
-        raise fail(str(err)) from None
+    result = grade(quiz, parse_answers(answers, quiz))
     if as_json:
         doc = result.to_dict()
         doc["seed"] = seed

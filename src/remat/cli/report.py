@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from remat.cli._app import app, console, fail
+from remat.cli._app import app, console
 
 
 @app.command()
@@ -29,13 +29,10 @@ def report(
     from remat.report.html import write_report
     from remat.report.inputs import load_inputs
 
-    try:
-        inputs = load_inputs(files)
-        budget_bytes = None if budget is None else parse_budget(budget, inputs.profile.peak_bytes)
-        path = write_report(output, inputs.profile, inputs.plans, inputs.verifications,
-                            commands=[_command_line(files, output, budget, figures_dir)], budget_bytes=budget_bytes, figures_dir=figures_dir)
-    except (ValueError, TypeError) as exc:
-        raise fail(str(exc)) from None
+    inputs = load_inputs(files)
+    budget_bytes = None if budget is None else parse_budget(budget, inputs.profile.peak_bytes)
+    path = write_report(output, inputs.profile, inputs.plans, inputs.verifications,
+                        commands=[_command_line(files, output, budget, figures_dir)], budget_bytes=budget_bytes, figures_dir=figures_dir)
     console.print(f"report: {path}", soft_wrap=True)
 
 

@@ -8,11 +8,13 @@ from typing import Optional
 
 import typer
 from rich import box
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from remat.apply.run import DEFAULT_OUT_DIR
 from remat.distributed import is_main_process
-from remat.cli._app import DEVICE_HELP, app, console, fail
+from remat.cli._app import DEVICE_HELP, app, console, fail, styled
 from remat.cli.plan import TUNE_HELP, TUNE_SECONDS_HELP, TUNE_STEPS_HELP, print_tuning
 
 MIB = 2**20
@@ -24,16 +26,16 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / MIB:.2f}"
 
 
-def _grad_cell(v) -> str:
+def _grad_cell(v) -> Text:
     if v.nonfinite:
-        return f"[bold red]NaN/Inf ({len(v.nonfinite)} tensors)[/]"
+        return styled(f"[bold red]NaN/Inf ({len(v.nonfinite)} tensors)[/]")
     if v.grads_identical:
-        return "[green]identical[/]"
+        return styled("[green]identical[/]")
     if v.ok and v.relative_tolerance:
-        return f"[yellow]rel {v.grad_max_rel_diff:.1e} <= {v.relative_tolerance:.0e}[/]"
+        return styled(f"[yellow]rel {v.grad_max_rel_diff:.1e} <= {v.relative_tolerance:.0e}[/]")
     if v.ok:
-        return f"[yellow]max diff {v.grad_max_abs_diff:.1e}[/]"
-    return f"[bold red]DIFFER {v.grad_max_abs_diff:.1e}[/]"
+        return styled(f"[yellow]max diff {v.grad_max_abs_diff:.1e}[/]")
+    return styled(f"[bold red]DIFFER {v.grad_max_abs_diff:.1e}[/]")
 
 
 WIDE_COLUMNS = 130
@@ -63,11 +65,11 @@ def verification_table(result, title: str, *, wide: bool | None = None) -> Table
     return table
 
 
-def _measured_peak(v, digits: int = 2) -> str:
+def _measured_peak(v, digits: int = 2) -> str | Text:
     """The measured peak, red when over the plan's budget."""
     text = f"{v.measured_peak_bytes / MIB:.{digits}f}"
     over = v.budget_bytes is not None and v.measured_peak_bytes > v.budget_bytes
-    return f"[red]{text} > budget {_mib(v.budget_bytes)}[/]" if over else text
+    return styled(f"[red]{text} > budget {_mib(v.budget_bytes)}[/]") if over else text
 
 
 def _peak_vs_none(v, base: int) -> str:
@@ -76,14 +78,14 @@ def _peak_vs_none(v, base: int) -> str:
 
 def _compact_cells(row, base: int) -> tuple[str, ...]:
     v = row.verification
-    return (row.label, f"{v.predicted_peak_bytes / MIB:.1f}/{_measured_peak(v, 1)}", _peak_vs_none(v, base),
+    return (row.label, Text.assemble(f"{v.predicted_peak_bytes / MIB:.1f}/", _measured_peak(v, 1)), _peak_vs_none(v, base),
             f"{_ms(v.predicted_step_ms)}/{_ms(v.measured_step_ms)}",
             f"{v.predicted_overhead_pct:+.0f}%/{v.overhead_pct:+.0f}%", _grad_cell(v))
 
 
 def _wide_cells(row, base: int) -> tuple[str, ...]:
     v = row.verification
-    counts = "[green]yes[/]" if v.recompute_counts_match else "[yellow]no[/]"
+    counts = styled("[green]yes[/]" if v.recompute_counts_match else "[yellow]no[/]")
     return (row.label, _mib(v.predicted_peak_bytes), _measured_peak(v), f"{v.peak_error_pct:+.1f}%",
             _peak_vs_none(v, base), f"{v.predicted_step_ms:.1f}", f"{v.measured_step_ms:.1f}",
             f"{v.predicted_overhead_pct:+.1f}%", f"{v.overhead_pct:+.1f}%", f"{v.paired_step_error_pct:+.1f}%",
@@ -137,7 +139,7 @@ def render(result, title: str) -> None:
 
 
 def _progress_to(status):
-    return lambda message: status.update(f"{message}...")
+    return lambda message: status.update(Text(f"{message}..."))
 
 
 SIZE_HELP = {
@@ -171,14 +173,11 @@ def run_command(
     from remat.models import sizes_from_options
 
     options = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
-    try:
-        sizes = sizes_from_options(model, **options)
-        with console.status("building...") as status:
-            result = run_job(model, budget=budget, strategy=strategy, sizes=sizes, seed=seed, repeats=repeats,
-                             offload_dir=None if offload_dir is None else str(offload_dir), progress=_progress_to(status),
-                             device=device, tune=tune, tune_steps=tune_steps, tune_seconds=tune_seconds)
-    except (ValueError, TypeError) as error:
-        raise fail(str(error)) from None
+    sizes = sizes_from_options(model, **options)
+    with console.status("building...") as status:
+        result = run_job(model, budget=budget, strategy=strategy, sizes=sizes, seed=seed, repeats=repeats,
+                         offload_dir=None if offload_dir is None else str(offload_dir), progress=_progress_to(status),
+                         device=device, tune=tune, tune_steps=tune_steps, tune_seconds=tune_seconds)
     if result.rows[-1].plan.tuning is not None:
         print_tuning(result.rows[-1].plan)
     render(result, f"remat run: {model}, {strategy}" + (f" within {budget}" if budget else ""))
@@ -219,7 +218,7 @@ def save_outputs(result, out: Path, command: list[str], *, chosen_row: int | Non
         raise fail(f"cannot write the results under {str(out)!r}: {error}") from None
     if chosen_row is not None:
         console.print(f"plan: {files.plans[chosen_row]}  verification: {files.verifications[chosen_row]}", soft_wrap=True)
-    console.print(f"JSON files in {out}/; report: [bold]{files.report}[/]", soft_wrap=True)
+    console.print(styled(f"JSON files in {escape(str(out))}/; report: [bold]{escape(str(files.report))}[/]"), soft_wrap=True)
     return files
 
 
@@ -243,15 +242,12 @@ def verify_command(
     from remat.models import sizes_from_options
     from remat.plan.types import Plan
 
-    try:
-        plan = Plan.load(plan_path)
-        sizes = sizes_from_options(model, layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
-        with console.status("building...") as status:
-            result = verify_job(plan, model, sizes=sizes, seed=seed, repeats=repeats,
-                                offload_dir=None if offload_dir is None else str(offload_dir), progress=_progress_to(status),
-                                device=device)
-    except (ValueError, TypeError, FileNotFoundError) as error:
-        raise fail(str(error)) from None
+    plan = Plan.load(plan_path)
+    sizes = sizes_from_options(model, layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
+    with console.status("building...") as status:
+        result = verify_job(plan, model, sizes=sizes, seed=seed, repeats=repeats,
+                            offload_dir=None if offload_dir is None else str(offload_dir), progress=_progress_to(status),
+                            device=device)
     render(result, f"remat verify: {plan_path.name} on {model}")
     if json_path is not None and is_main_process():  # under torchrun, rank 0 writes
         result.rows[0].verification.save(json_path)

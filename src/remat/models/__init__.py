@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from remat.models.loading import SIZE_OPTIONS, load_target, sizes_from_options
+from remat.models.loading import SIZE_OPTIONS, TargetCodeError, load_target, sizes_from_options
 from remat.models.registry import MODEL_NAMES, BuiltModel, build, make_optimizer, model_sizes
 
-__all__ = ["MODEL_NAMES", "SIZE_OPTIONS", "sizes_from_options", "BuiltModel", "build", "load_target", "make_optimizer", "model_sizes"]
+__all__ = ["MODEL_NAMES", "SIZE_OPTIONS", "TargetCodeError", "sizes_from_options", "BuiltModel", "build", "load_target", "make_optimizer", "model_sizes"]

@@ -1,13 +1,17 @@
 """Build the target of a command: a built-in model name or ``path/to/file.py:function``.
 
 ``function()`` returns ``model, batch`` and optionally ``loss_fn`` and ``optimizer``. The
-plan, run, demo and estimate commands share this loader with ``remat profile``.
+plan, run, demo and estimate commands share this loader with ``remat profile``. A file target is
+imported: its code runs with the caller's permissions. Whatever it raises while being imported or
+called (a syntax error, an exception, ``sys.exit``) becomes a `TargetCodeError` naming the file,
+the line and the exception, chained to it (``remat --debug`` shows the original traceback).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,10 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from remat.models.registry import MODEL_NAMES, BuiltModel, build, model_sizes
+
+class TargetCodeError(RuntimeError):
+    """The code of a ``file.py:function`` target failed while being imported or called."""
+
 
 SIZE_OPTIONS: dict[str, tuple[str, ...]] = {
     "layers": ("num_layers", "depth", "num_blocks"),  # unet: depth (levels of the down path)
@@ -143,7 +151,7 @@ def load_file_target(spec: str) -> BuiltModel:
             f"file {path_text!r} in {spec!r} does not exist; pass path/to/file.py:function "
             f"or a built-in model ({', '.join(MODEL_NAMES)})."
         )
-    module = _import_file(path)
+    module = _import_file(path, spec)
     func = getattr(module, func_name, None)
     if not callable(func):
         found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
@@ -151,10 +159,36 @@ def load_file_target(spec: str) -> BuiltModel:
             f"{path_text} has no function {func_name!r}; callables found: {', '.join(found) or 'none'}. "
             "Name a function that returns (model, batch[, loss_fn[, optimizer]])."
         )
-    return _as_built(func(), spec)
+    try:
+        result = func()
+    except (Exception, SystemExit) as exc:
+        raise _code_error(exc, path, f"{spec} raised") from exc
+    return _as_built(result, spec)
 
 
-def _import_file(path: Path) -> Any:
+def _where(exc: BaseException, path: Path) -> str:
+    """`` (path line N)``: the innermost frame of the user's file in ``exc``'s traceback."""
+    if isinstance(exc, SyntaxError) and exc.lineno is not None:
+        return f" ({exc.filename or path} line {exc.lineno})"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+    return f" ({path} line {frames[-1].lineno})" if frames else ""
+
+
+def _code_error(exc: BaseException, path: Path, what: str) -> TargetCodeError:
+    if isinstance(exc, SystemExit):
+        return TargetCodeError(
+            f"{what} SystemExit({exc.code!r}){_where(exc, path)}: sys.exit() or exit() ran instead of returning "
+            "(model, batch[, loss_fn[, optimizer]]); return them, and keep script code under "
+            "`if __name__ == \"__main__\":`."
+        )
+    if isinstance(exc, SyntaxError):
+        head = f"{path} does not parse: {type(exc).__name__}: {exc.msg}"
+    else:
+        head = f"{what} {type(exc).__name__}: {exc}"
+    return TargetCodeError(f"{head}{_where(exc, path)}; fix the file (remat ran its code), or pass --debug for the traceback.")
+
+
+def _import_file(path: Path, spec: str) -> Any:
     name = f"remat_user_{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -162,6 +196,9 @@ def _import_file(path: Path) -> Any:
     sys.path.insert(0, str(path.resolve().parent))  # the file may import its neighbours
     try:
         module_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        sys.modules.pop(name, None)
+        raise _code_error(exc, path, f"importing {path} for {spec} raised") from exc
     finally:
         sys.path.remove(str(path.resolve().parent))
     return module
