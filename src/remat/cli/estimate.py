@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.text import Text
 
-from remat.cli._app import app, console
+from remat.cli._app import TARGET_HELP, app, console
 from remat.cli.estimate_view import devices_table, render, render_search
 
 MIB = 2**20
@@ -17,7 +17,7 @@ MIB = 2**20
 
 @app.command("estimate")
 def estimate_command(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Built-in model (gpt, mlp...) or path/to/file.py:build."),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=TARGET_HELP),
     hf: Optional[str] = typer.Option(None, "--hf", help="Hugging Face family built from sizes: gpt2, llama, mistral."),
     config: Optional[Path] = typer.Option(None, "--config", help="A Hugging Face config.json (no download)."),
     hidden: Optional[int] = typer.Option(None, help="Hidden size (--hf; d_model of a built-in model)."),

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from remat.cli._app import DEVICE_HELP, app, console, fail
+from remat.cli._app import DEVICE_HELP, TARGET_HELP, app, console, fail
 from remat.distributed import is_main_process
 from remat.measure.types import Profile
 
@@ -20,9 +20,7 @@ MIB = 2**20
 
 @app.command("profile")
 def profile_command(
-    target: Optional[str] = typer.Argument(
-        None, help="A built-in model (gpt, mlp, convnet, unet, hf:gpt2, hf:llama) or path/to/file.py:build "
-        "where build() returns model, batch[, loss_fn[, optimizer]]. Overrides --model."),
+    target: Optional[str] = typer.Argument(None, help=TARGET_HELP + " Overrides --model."),
     model: str = typer.Option("gpt", "--model", "-m", help="Built-in model to profile."),
     layers: Optional[int] = typer.Option(None, help="Blocks (gpt/hf layers, mlp depth, convnet blocks, unet levels)."),
     d_model: Optional[int] = typer.Option(None, "--d-model", help="Width (gpt/hf d_model, mlp width, convnet/unet channels)."),
@@ -39,7 +37,9 @@ def profile_command(
     seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
 ) -> None:
-    """Measure the real model block by block: saved bytes, time, FLOPs, memory peak."""
+    """Measure the real model block by block: saved bytes, time, FLOPs, memory peak.
+
+    A path/to/file.py:build target is imported and build() called: that file's code runs."""
     from remat.measure.profile import profile
     from remat.models import load_target, sizes_from_options
 

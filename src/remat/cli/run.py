@@ -14,7 +14,7 @@ from rich.text import Text
 
 from remat.apply.run import DEFAULT_OUT_DIR
 from remat.distributed import is_main_process
-from remat.cli._app import DEVICE_HELP, app, console, fail, styled
+from remat.cli._app import DEVICE_HELP, TARGET_HELP, app, console, fail, styled
 from remat.cli.plan import TUNE_HELP, TUNE_SECONDS_HELP, TUNE_STEPS_HELP, print_tuning
 
 MIB = 2**20
@@ -150,7 +150,7 @@ SIZE_HELP = {
 
 @app.command("run")
 def run_command(
-    model: str = typer.Option("gpt", "--model", "-m", help="Built-in model (gpt, mlp, convnet, unet, hf:gpt2, hf:llama) or file.py:build."),
+    model: str = typer.Option("gpt", "--model", "-m", help=TARGET_HELP),
     budget: Optional[str] = typer.Option("40%", "--budget", "-b", help="Memory budget: 6GiB, 750MB, 512MiB or 40% of the measured baseline peak."),
     strategy: str = typer.Option("optimal", "--strategy", "-s", help="none, full, every:K, sqrt, selective:<policy>, optimal."),
     offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Measure this directory's disk and let the plan offload to it."),

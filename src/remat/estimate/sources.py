@@ -21,6 +21,14 @@ from torch import nn
 
 HF_FAMILIES = ("gpt2", "llama", "mistral")
 
+MAX_LAYERS = 1024
+"""Most layers an estimate takes. The deepest published decoder stacks have 96 to 200 layers; the
+planner's search over layers grows faster than linearly (on this project's CPU reference: about 15 s
+at 1000 layers, 80 s at 2000), so a mistyped count would run for minutes or hours without a word."""
+
+_SIZE_FLAGS = {"hidden": "--hidden", "layers": "--layers", "heads": "--heads", "kv_heads": "--kv-heads",
+               "intermediate": "--intermediate", "vocab": "--vocab"}
+
 # our size names -> each family's config keyword
 HF_SIZE_KEYS: dict[str, dict[str, str]] = {
     "gpt2": {"hidden": "n_embd", "layers": "n_layer", "heads": "n_head", "intermediate": "n_inner",
@@ -61,6 +69,8 @@ class ModelSource:
             raise ValueError(f"unknown Hugging Face family {self.hf_family!r}; allowed: {', '.join(HF_FAMILIES)}.")
         if self.attention not in ("sdpa", "eager"):
             raise ValueError(f"attention={self.attention!r} is not supported; allowed: sdpa, eager.")
+        if self.hf_family:
+            check_sizes(self.sizes, f"--hf {self.hf_family}")
 
     @property
     def label(self) -> str:
@@ -78,6 +88,48 @@ def as_source(source: ModelSource | str) -> ModelSource:
     raise TypeError(f"source must be a ModelSource or a model name, got {type(source).__name__}.")
 
 
+def check_num_layers(layers: int, where: str) -> None:
+    """Refuse more than `MAX_LAYERS` layers, saying why."""
+    if layers > MAX_LAYERS:
+        raise ValueError(
+            f"{where}: {layers} layers is more than the {MAX_LAYERS} an estimate takes (the deepest published "
+            f"models have about 200, and the planner's search grows faster than linearly with layers, so this "
+            f"would run for a very long time); pass at most --layers {MAX_LAYERS}."
+        )
+
+
+def check_sizes(sizes: dict[str, Any], where: str) -> None:
+    """Sizes of a transformer, checked before anything is built: positive integers, heads dividing
+    the hidden size, key/value heads dividing the heads, at most `MAX_LAYERS` layers."""
+    for key, flag in _SIZE_FLAGS.items():
+        value = sizes.get(key)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"{where}: {key} = {value!r} ({flag}) must be a positive integer; pass {flag} N with N >= 1.")
+    hidden, heads, kv_heads = sizes.get("hidden"), sizes.get("heads"), sizes.get("kv_heads")
+    if hidden is not None and heads is not None and hidden % heads:
+        fits = sorted(sorted((h for h in range(1, min(hidden, 4 * heads) + 1) if hidden % h == 0), key=lambda h: abs(h - heads))[:3])
+        raise ValueError(
+            f"{where}: hidden size {hidden} is not a multiple of {heads} attention heads (each head gets "
+            f"hidden/heads features); pass --heads dividing --hidden, e.g. {', '.join(map(str, fits))}."
+        )
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        fits = sorted(sorted((k for k in range(1, heads + 1) if heads % k == 0), key=lambda k: abs(k - kv_heads))[:3])
+        raise ValueError(
+            f"{where}: {heads} attention heads are not a multiple of {kv_heads} key/value heads (grouped-query "
+            f"attention shares each key/value head among heads/kv-heads query heads); pass --kv-heads dividing "
+            f"--heads, e.g. {', '.join(map(str, fits))}."
+        )
+    if sizes.get("layers") is not None:
+        check_num_layers(sizes["layers"], where)
+
+
+def _config_sizes(config: Any) -> dict[str, Any]:
+    """The sizes `check_sizes` checks, read from a transformers config (None where it has none)."""
+    names = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+             "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size", "vocab": "vocab_size"}
+    return {key: getattr(config, name, None) for key, name in names.items()}
+
+
 def hf_config(source: ModelSource) -> Any:
     """The transformers config of an HF source (family + sizes, or a config.json)."""
     import transformers
@@ -86,14 +138,30 @@ def hf_config(source: ModelSource) -> Any:
         path = Path(source.hf_config_path)
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist; pass a Hugging Face config.json.")
-        data = json.loads(path.read_text())
-        if "model_type" not in data:
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"config file {str(path)!r} is not JSON ({exc}); pass a Hugging Face config.json.") from None
+        if not isinstance(data, dict) or "model_type" not in data:
             raise ValueError(f"{str(path)!r} has no 'model_type'; a Hugging Face config.json names it (e.g. \"llama\").")
-        config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+        where = f"config {str(path)!r}"
+        config = _make_config(where, data.pop("model_type"), data)
+        check_sizes(_config_sizes(config), where)
     else:
-        config = transformers.AutoConfig.for_model(source.hf_family, **_family_kwargs(source))
+        config = _make_config(f"--hf {source.hf_family}", source.hf_family, _family_kwargs(source))
     config._attn_implementation = source.attention
     return config
+
+
+def _make_config(where: str, model_type: Any, kwargs: dict[str, Any]) -> Any:
+    """``AutoConfig.for_model``, its refusals (an unknown model type, values it validates) as ValueError."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.for_model(model_type, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - transformers raises several kinds for a bad config
+        raise ValueError(f"{where}: transformers refuses this config: {type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())}; fix the sizes.") from exc
 
 
 def _family_kwargs(source: ModelSource) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from remat.estimate.kernels import GpuKernels, no_packed_sequence_check
 from remat.estimate.shares import Flow, Split, split_by_tokens, untokenized
 from remat.estimate.head import TracedHead, find_traced_head
 from remat.estimate.sharding import ModelParams, RoleShapes
-from remat.estimate.sources import ModelSource, build_hf_on_meta, hf_batch, hf_config, num_layers
+from remat.estimate.sources import ModelSource, build_hf_on_meta, check_num_layers, hf_batch, hf_config, num_layers
 from remat.measure.blocks import find_blocks
 from remat.measure.types import Profile
 from remat.memory.optimizer_state import optimizer_name_of
@@ -313,6 +313,7 @@ def _trace_builtin(source: ModelSource, *, seq_len: int, dtype: torch.dtype, lay
                          "estimate it from a file.py:build instead.")
     sizes = dict(source.sizes)
     full = int(sizes.pop(layer_key, known[layer_key]))
+    check_num_layers(full, f"--model {source.builtin}")
     if "seq_len" in known:
         sizes["seq_len"] = seq_len
     traced = min(layers, full)
