@@ -37,7 +37,10 @@ def replacing(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """A binary file object whose bytes become ``path`` when the block ends without an error.
     The new file gets the mode a plain ``open(path, "w")`` would give it."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:  # name the file asked for, not the temporary one
+        raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
     try:
         with os.fdopen(fd, "wb") as f:
             yield f

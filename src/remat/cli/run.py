@@ -173,6 +173,7 @@ def run_command(
     from remat.models import sizes_from_options
 
     options = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
+    _check_offload_dir(offload_dir)
     sizes = sizes_from_options(model, **options)
     with console.status("building...") as status:
         result = run_job(model, budget=budget, strategy=strategy, sizes=sizes, seed=seed, repeats=repeats,
@@ -191,6 +192,14 @@ def run_command(
                       + "".join(f" {a}" for a in [*_size_args(options), *on]), soft_wrap=True)
     if not result.all_identical:
         raise typer.Exit(1)
+
+
+def _check_offload_dir(offload_dir: Optional[Path]) -> None:
+    """A directory that cannot be used fails before anything is built or measured."""
+    if offload_dir is not None:
+        from remat._diskio import check_offload_root
+
+        check_offload_root(offload_dir)
 
 
 def _size_args(options: dict) -> list[str]:
@@ -242,6 +251,7 @@ def verify_command(
     from remat.models import sizes_from_options
     from remat.plan.types import Plan
 
+    _check_offload_dir(offload_dir)
     plan = Plan.load(plan_path)
     sizes = sizes_from_options(model, layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
     with console.status("building...") as status:

@@ -162,6 +162,7 @@ def load_file_target(spec: str) -> BuiltModel:
     try:
         result = func()
     except (Exception, SystemExit) as exc:
+        sys.modules.pop(module.__name__, None)
         raise _code_error(exc, path, f"{spec} raised") from exc
     return _as_built(result, spec)
 

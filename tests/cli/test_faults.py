@@ -1,0 +1,151 @@
+"""Bad inputs and faults through the CLI: each is one line ``error: ...`` on stderr with exit
+status 2 (``--debug``: the traceback), user text printed as typed, and nothing left behind."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from remat._diskio import OffloadError
+from remat.cli import app
+from remat.cli._app import _GuardedTyper, _invocation, move_debug_first
+from remat.models.loading import TargetCodeError
+
+runner = CliRunner()
+
+SYNTAX = "def build(:\n    pass\n"
+RAISES = "import torch\n\ndef build():\n    return 1 / 0\n"
+EXITS = "import sys\n\ndef build():\n    sys.exit(0)\n"
+AT_IMPORT = "raise RuntimeError('at import')\n"
+
+
+def _one_line_error(result, exit_code: int = 2) -> str:
+    """The single stderr line of a failed command, without its ``error: `` prefix."""
+    assert result.exit_code == exit_code, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    return lines[0].removeprefix("error: ")
+
+
+def _user_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "mine.py"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("text, message", [
+    (SYNTAX, r"{path} does not parse: SyntaxError: invalid syntax \({path} line 1\); fix the file \(remat ran its code\)"),
+    (RAISES, r"{path}:build raised ZeroDivisionError: division by zero \({path} line 4\); fix the file"),
+    (EXITS, r"{path}:build raised SystemExit\(0\) \({path} line 4\): sys.exit\(\) or exit\(\) ran instead of returning "
+            r"\(model, batch\[, loss_fn\[, optimizer\]\]\); return them"),
+    (AT_IMPORT, r"importing {path} for {path}:build raised RuntimeError: at import \({path} line 1\)"),
+], ids=["syntax-error", "exception-in-build", "sys-exit-0-in-build", "exception-at-import"])
+def test_an_error_in_the_build_file_is_one_line_and_writes_nothing(tmp_path, text, message):
+    import re
+
+    path = _user_file(tmp_path, text)
+    modules = set(sys.modules)
+    result = runner.invoke(app, ["profile", f"{path}:build", "--json", str(tmp_path / "p.json")])
+    assert re.fullmatch(message.format(path=re.escape(str(path))) + ".*", _one_line_error(result))
+    assert sorted(os.listdir(tmp_path)) == ["mine.py"]  # no profile written
+    assert not {m for m in set(sys.modules) - modules if m.startswith("remat_user_")}  # the failed module is gone
+
+
+def test_debug_raises_with_the_users_exception_chained(tmp_path):
+    path = _user_file(tmp_path, RAISES)
+    result = runner.invoke(app, ["--debug", "profile", f"{path}:build"])
+    assert result.exit_code == 1 and isinstance(result.exception, TargetCodeError)
+    assert isinstance(result.exception.__cause__, ZeroDivisionError)
+    _invocation["debug"] = False
+
+
+def test_debug_after_the_command_shows_the_traceback(tmp_path):
+    assert move_debug_first(["profile", "x", "--debug"]) == ["--debug", "profile", "x"]
+    assert move_debug_first(["profile", "--", "--debug"]) == ["profile", "--", "--debug"]
+    path = _user_file(tmp_path, RAISES)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    plain = subprocess.run([sys.executable, "-m", "remat.cli", "profile", f"{path}:build"],
+                           capture_output=True, text=True, env=env, timeout=120)
+    debug = subprocess.run([sys.executable, "-m", "remat.cli", "profile", f"{path}:build", "--debug"],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert plain.returncode == 2 and plain.stderr.count("\n") == 1 and "Traceback" not in plain.stderr
+    assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
+    assert f'File "{path}", line 4, in build' in debug.stderr and "ZeroDivisionError: division by zero" in debug.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["profile", "[bold red]X[/]"], "unknown model '[bold red]X[/]'"),
+    (["profile", ":thumbs_up: [link=http://x]y[/link]"], "':thumbs_up: [link=http://x]y[/link]'"),
+    (["quiz", "--answers", "[bold red]X[/]"], "--answers has 1 entries ('[bold red]X[/]')"),
+], ids=["markup-model-name", "emoji-and-link", "markup-answers"])
+def test_user_text_is_printed_as_typed(args, message):
+    assert message in _one_line_error(runner.invoke(app, args))
+
+
+def _guarded_app(error: BaseException) -> typer.Typer:
+    probe = _GuardedTyper()
+
+    @probe.command()
+    def fails() -> None:
+        raise error
+
+    @probe.command()
+    def other() -> None:  # two commands, so `fails` is a subcommand
+        pass
+
+    return probe
+
+
+@pytest.mark.parametrize("error, message", [
+    (OffloadError("could not write offload file /x/1.bin for block 'b': No space left on device (errno 28); the disk "
+                  "is full: free space or choose another --offload-dir."),
+     "could not write offload file /x/1.bin for block 'b': No space left on device (errno 28); the disk is full"),
+    (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/p.json"),
+     "/data/p.json: No space left on device (errno 28); check that the path exists"),
+    (PermissionError(errno.EACCES, os.strerror(errno.EACCES), "/etc/a", None, "/etc/b"),
+     "/etc/a -> /etc/b: Permission denied (errno 13)"),
+    (TypeError("budget=True is a bool; pass bytes as an int."), "budget=True is a bool; pass bytes as an int."),
+    (ValueError("two\nlines"), "two lines"),
+], ids=["offload-error", "oserror-enospc", "permission-two-paths", "type-error", "multi-line-value-error"])
+def test_expected_failures_are_one_line(error, message):
+    got = _one_line_error(runner.invoke(_guarded_app(error), ["fails"]))
+    assert got.startswith(message), got
+
+
+def test_a_bug_keeps_its_traceback():
+    result = runner.invoke(_guarded_app(KeyError("bug")), ["fails"])
+    assert result.exit_code == 1 and isinstance(result.exception, KeyError)
+
+
+@pytest.mark.parametrize("command", ["run", "verify"])
+def test_offload_dir_with_a_missing_parent_fails_before_anything_runs(tmp_path, command):
+    args = ["run", "--model", "mlp"] if command == "run" else ["verify", str(tmp_path / "plan.json")]
+    result = runner.invoke(app, [*args, "--offload-dir", str(tmp_path / "a" / "b"), "--out", str(tmp_path / "out")]
+                           if command == "run" else [*args, "--offload-dir", str(tmp_path / "a" / "b")])
+    assert _one_line_error(result) == (
+        f"offload directory '{tmp_path}/a/b' cannot be made: its parent '{tmp_path}/a' is not an existing directory "
+        "(only the last component is created); create the parent first or name an existing directory.")
+    assert os.listdir(tmp_path) == []
+
+
+def test_unwritable_outputs_are_one_line_and_leave_nothing(tmp_path):
+    (tmp_path / "file").write_text("x")
+    result = runner.invoke(app, ["profile", "--model", "mlp", "--layers", "2", "--d-model", "8", "--batch", "2",
+                                 "--repeats", "1", "--warmup", "0", "--json", str(tmp_path / "file" / "p.json")])
+    assert "cannot write" in _one_line_error(result) and "Not a directory" in result.stderr
+    profile_path = tmp_path / "p.json"
+    runner.invoke(app, ["profile", "--model", "mlp", "--layers", "2", "--d-model", "8", "--batch", "2",
+                        "--repeats", "1", "--warmup", "0", "--json", str(profile_path)])
+    result = runner.invoke(app, ["plan", str(profile_path), "-o", str(tmp_path / "missing" / "plan.json")])
+    assert _one_line_error(result).startswith(f"{tmp_path}/missing/plan.json: No such file or directory (errno 2)")
+    result = runner.invoke(app, ["report", str(profile_path), "-o", str(tmp_path / "file" / "r.html")])
+    assert _one_line_error(result).startswith(f"{tmp_path}/file: File exists (errno 17)")
+    assert sorted(os.listdir(tmp_path)) == ["file", "p.json"]
