@@ -149,3 +149,48 @@ def test_unwritable_outputs_are_one_line_and_leave_nothing(tmp_path):
     result = runner.invoke(app, ["report", str(profile_path), "-o", str(tmp_path / "file" / "r.html")])
     assert _one_line_error(result).startswith(f"{tmp_path}/file: File exists (errno 17)")
     assert sorted(os.listdir(tmp_path)) == ["file", "p.json"]
+
+
+HF = ["estimate", "--hf", "llama", "--hidden", "64", "--layers", "2", "--heads", "4", "--intermediate", "128",
+      "--vocab", "100", "--seq", "32"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--heads", "5"], "--hf llama: hidden size 64 is not a multiple of 5 attention heads (each head gets hidden/heads "
+                       "features); pass --heads dividing --hidden, e.g. 2, 4, 8."),
+    (["--kv-heads", "3"], "--hf llama: 4 attention heads are not a multiple of 3 key/value heads (grouped-query attention "
+                          "shares each key/value head among heads/kv-heads query heads); pass --kv-heads dividing --heads, "
+                          "e.g. 1, 2, 4."),
+    (["--hidden", "-64"], "--hf llama: hidden = -64 (--hidden) must be a positive integer; pass --hidden N with N >= 1."),
+    (["--intermediate", "0"], "--hf llama: intermediate = 0 (--intermediate) must be a positive integer"),
+    (["--vocab", "-1"], "--hf llama: vocab = -1 (--vocab) must be a positive integer"),
+    (["--layers", "10000000"], "--hf llama: 10000000 layers is more than the 1024 an estimate takes"),
+], ids=["heads-not-dividing-hidden", "kv-heads-not-dividing-heads", "negative-hidden", "zero-intermediate",
+        "negative-vocab", "ten-million-layers"])
+def test_estimate_refuses_bad_sizes_up_front(extra, message):
+    assert _one_line_error(runner.invoke(app, HF + extra)).startswith(message)
+
+
+def test_estimate_refuses_a_bad_config_file_and_a_deep_builtin(tmp_path):
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                                  "num_key_value_heads": 3, "num_hidden_layers": 2, "intermediate_size": 128,
+                                  "vocab_size": 100}))
+    got = _one_line_error(runner.invoke(app, ["estimate", "--config", str(config), "--seq", "32"]))
+    assert got.startswith(f"config '{config}': 4 attention heads are not a multiple of 3 key/value heads")
+    config.write_text("{not json")
+    got = _one_line_error(runner.invoke(app, ["estimate", "--config", str(config)]))
+    assert got.startswith(f"config file '{config}' is not JSON (Expecting property name")
+    got = _one_line_error(runner.invoke(app, ["estimate", "--model", "gpt", "--layers", "5000"]))
+    assert got.startswith("--model gpt: 5000 layers is more than the 1024 an estimate takes")
+
+
+def test_model_source_sizes_are_checked_as_the_cli_checks_them():
+    from remat.estimate import ModelSource
+
+    with pytest.raises(ValueError, match=r"--hf llama: layers = True \(--layers\) must be a positive integer"):
+        ModelSource(hf_family="llama", sizes={"layers": True})
+    with pytest.raises(ValueError, match=r"hidden size 100 is not a multiple of 7 attention heads"):
+        ModelSource(hf_family="mistral", sizes={"hidden": 100, "heads": 7})
