@@ -17,7 +17,7 @@ import remat
 
 SRC = Path(remat.__file__).resolve().parent.parent
 HIGHER = ("remat.plan", "remat.apply", "remat.verify", "remat.report", "remat.cli", "remat.estimate")
-BOTTOM = ("remat.checkpointing", "remat._diskio", "remat._files")
+BOTTOM = ("remat.checkpointing", "remat._diskio", "remat._files", "remat._units")
 """Below every stage: they import nothing of remat but each other."""
 RULES = {
     "remat.head": ("remat.measure", *HIGHER),  # the head part's loss, chunking and strategies: below measure

@@ -158,3 +158,28 @@ def test_zero3_world_size_counts_the_gathered_unit() -> None:
     assert min_world_size(state, zero_stage=3, budget_bytes=1200, largest_unit=unit) == 8
     assert min_world_size(state, zero_stage=3, budget_bytes=1200) == 7
     assert min_world_size(state, zero_stage=3, budget_bytes=200, largest_unit=unit) is None
+
+
+def test_small_models_get_figures_in_the_unit_that_shows_them():
+    """A toy: 1.5 KiB of parameters, no optimizer, against a 2 KiB budget: no "0.00 GiB", no
+    "none optimizer state", exact bytes where the figures are compared."""
+    text = explain_model_state_overflow(param_bytes=1536, grad_bytes=1536, optimizer_state_bytes=0, buffer_bytes=100,
+                                        budget_bytes=2048, optimizer_name="none")
+    assert text.splitlines()[0] == (
+        "Model state alone needs 3.10 KiB (3,172 bytes) (parameters 1.50 KiB, gradients 1.50 KiB, no optimizer state, "
+        "buffers 100 B), more than the budget of 2.00 KiB (2,048 bytes) by 1.10 KiB (1,124 bytes), before any activation."
+    )
+    assert "GiB" not in text and "none optimizer" not in text
+    text = explain_model_state_overflow(param_bytes=3 << 20, grad_bytes=3 << 20, optimizer_state_bytes=6 << 20,
+                                        buffer_bytes=0, budget_bytes=10 << 20, optimizer_name="AdamW")
+    assert "needs 12.00 MiB (12,582,912 bytes) (parameters 3.00 MiB, gradients 3.00 MiB, AdamW optimizer state 6.00 MiB" in text
+    assert "- ZeRO-1: fits from 2 data-parallel ranks (9.00 MiB per rank)." in text
+
+
+def test_byte_formats():
+    from remat._units import format_bytes, format_bytes_exact
+
+    assert [format_bytes(n) for n in (0, 512, 1023, 1024, 1536, 5 << 20, 3 << 29, -2048)] == [
+        "0 B", "512 B", "1023 B", "1.00 KiB", "1.50 KiB", "5.00 MiB", "1.50 GiB", "-2.00 KiB"]
+    assert format_bytes_exact(512) == "512 B"
+    assert format_bytes_exact(3 << 29) == "1.50 GiB (1,610,612,736 bytes)"

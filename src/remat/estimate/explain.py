@@ -6,7 +6,8 @@ from dataclasses import replace
 
 from remat.estimate.devices import DeviceSpec
 from remat.estimate.results import StrategyEstimate
-from remat.memory.diagnose import format_gib, min_world_size
+from remat._units import format_bytes
+from remat.memory.diagnose import min_world_size
 from remat.memory.model_state import ModelState, shard_model_state
 from remat.memory.optimizer_state import BNB_QMAP_BYTES, adam8bit_tensor_bytes, optimizer_layout
 
@@ -18,9 +19,9 @@ def explain_state_overflow(
     """Model state per rank alone exceeds the device: say so, and what would fit, at this setup."""
     setup = f"ZeRO-{zero_stage} over {world_size} rank(s)" if zero_stage else f"plain data parallel over {world_size} rank(s)"
     lines = [
-        f"On {device.name}, model state per rank is {format_gib(rank.total_bytes)} with {setup} "
-        f"({_parts(rank)}), above the {format_gib(budget_bytes)} left for tensors "
-        f"(device {format_gib(device.memory_bytes)} minus the allowance), before any activation.",
+        f"On {device.name}, model state per rank is {format_bytes(rank.total_bytes)} with {setup} "
+        f"({_parts(rank)}), above the {format_bytes(budget_bytes)} left for tensors "
+        f"(device {format_bytes(device.memory_bytes)} minus the allowance), before any activation.",
         "Activation recomputation does not remove parameters, gradients or optimizer-state storage, "
         "so no recomputation strategy fits. What would fit:",
     ]
@@ -46,7 +47,7 @@ def state_parts(state: ModelState) -> list[tuple[str, int]]:
 
 
 def _parts(state: ModelState) -> str:
-    return ", ".join(f"{name} {format_gib(num_bytes)}" for name, num_bytes in state_parts(state))
+    return ", ".join(f"{name} {format_bytes(num_bytes)}" for name, num_bytes in state_parts(state))
 
 
 def _at_this_setup(unsharded: ModelState, *, budget_bytes: int, optimizer: str, world_size: int, zero_stage: int,
@@ -62,7 +63,7 @@ def _at_this_setup(unsharded: ModelState, *, budget_bytes: int, optimizer: str, 
     offload = replace(unsharded, master_bytes=0, optimizer_state_bytes=0)
     host = unsharded.master_bytes + unsharded.optimizer_state_bytes
     lines.append(_verdict("optimizer offload to host", per_rank(offload), budget_bytes,
-                          f", {format_gib(_share(host, world_size, zero_stage))} per rank in host memory"))
+                          f", {format_bytes(_share(host, world_size, zero_stage))} per rank in host memory"))
     return lines
 
 
@@ -72,7 +73,7 @@ def _share(num_bytes: int, world_size: int, zero_stage: int) -> int:
 
 def _verdict(name: str, rank_bytes: int, budget_bytes: int, extra: str = "") -> str:
     verdict = "fits" if rank_bytes <= budget_bytes else "still does not fit"
-    return f"- {name} at this setup: {format_gib(rank_bytes)} per rank on the device{extra}; {verdict}."
+    return f"- {name} at this setup: {format_bytes(rank_bytes)} per rank on the device{extra}; {verdict}."
 
 
 def explain_activation_overflow(
@@ -83,9 +84,9 @@ def explain_activation_overflow(
     layout = f" ({row.plan_strategy})" if row.plan_strategy != row.strategy else ""
     text = (
         f"On {device.name} with {row.strategy}{layout}, the step peaks at "
-        f"{format_gib(row.peak_bytes)} during the {row.peak_phase} phase: model state {format_gib(rank.total_bytes)} "
-        f"per rank plus {format_gib(row.activation_bytes)} of activations and temporaries at micro-batch "
-        f"{micro_batch}, {format_gib(over)} above the {format_gib(budget_bytes)} left for tensors."
+        f"{format_bytes(row.peak_bytes)} during the {row.peak_phase} phase: model state {format_bytes(rank.total_bytes)} "
+        f"per rank plus {format_bytes(row.activation_bytes)} of activations and temporaries at micro-batch "
+        f"{micro_batch}, {format_bytes(over)} above the {format_bytes(budget_bytes)} left for tensors."
     )
     if row.max_micro_batch:
         text += f" The largest micro-batch that fits with {row.strategy} is {row.max_micro_batch}."

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from remat._units import format_bytes, format_bytes_exact
 from remat.memory.model_state import ModelState, shard_model_state
 from remat.memory.optimizer_state import BNB_QMAP_BYTES, adam8bit_tensor_bytes
 
@@ -19,7 +20,8 @@ GIB = 1024**3
 
 
 def format_gib(num_bytes: float) -> str:
-    """Bytes as GiB with two decimals, e.g. ``"12.50 GiB"``."""
+    """Bytes as GiB with two decimals, e.g. ``"12.50 GiB"`` (tables on one GiB scale; prose uses
+    `remat._units.format_bytes`, which picks the unit)."""
     return f"{num_bytes / GIB:.2f} GiB"
 
 
@@ -93,12 +95,21 @@ def remedies(state: ModelState, *, budget_bytes: int, param_count: int, optimize
 
 def _remedy_line(r: Remedy) -> str:
     if r.world_size is not None:
-        return f"- {r.name}: fits from {r.world_size} data-parallel ranks ({format_gib(r.state_bytes)} per rank)."
+        return f"- {r.name}: fits from {r.world_size} data-parallel ranks ({format_bytes(r.state_bytes)} per rank)."
     if r.name.startswith("ZeRO"):
-        return f"- {r.name}: does not fit at any world size (unsharded part {format_gib(r.state_bytes)})."
+        return f"- {r.name}: does not fit at any world size (unsharded part {format_bytes(r.state_bytes)})."
     verdict = "fits" if r.fits else "still does not fit"
-    host = f", {format_gib(r.host_bytes)} moved to host memory" if r.host_bytes else ""
-    return f"- {r.name}: {format_gib(r.state_bytes)} on the device{host}; {verdict}."
+    host = f", {format_bytes(r.host_bytes)} moved to host memory" if r.host_bytes else ""
+    return f"- {r.name}: {format_bytes(r.state_bytes)} on the device{host}; {verdict}."
+
+
+def optimizer_part(optimizer_name: str, optimizer_state_bytes: int) -> str:
+    """``"AdamW optimizer state 2.00 GiB"``; without an optimizer, ``"no optimizer state"``."""
+    if optimizer_name.strip().lower() in ("", "none") and optimizer_state_bytes == 0:
+        return "no optimizer state"
+    if optimizer_name.strip().lower() in ("", "none"):
+        return f"optimizer state {format_bytes(optimizer_state_bytes)}"
+    return f"{optimizer_name} optimizer state {format_bytes(optimizer_state_bytes)}"
 
 
 def explain_model_state_overflow(
@@ -123,13 +134,14 @@ def explain_model_state_overflow(
     if state.total_bytes <= budget_bytes:
         return ""
     count = param_count if param_count is not None else param_bytes // 4
-    parts = [f"parameters {format_gib(param_bytes)}", f"gradients {format_gib(grad_bytes)}"]
+    parts = [f"parameters {format_bytes(param_bytes)}", f"gradients {format_bytes(grad_bytes)}"]
     if master_bytes:
-        parts.append(f"fp32 master weights {format_gib(master_bytes)}")
-    parts += [f"{optimizer_name} optimizer state {format_gib(optimizer_state_bytes)}", f"buffers {format_gib(buffer_bytes)}"]
+        parts.append(f"fp32 master weights {format_bytes(master_bytes)}")
+    parts += [optimizer_part(optimizer_name, optimizer_state_bytes), f"buffers {format_bytes(buffer_bytes)}"]
     lines = [
-        f"Model state alone needs {format_gib(state.total_bytes)} ({', '.join(parts)}), more than the "
-        f"budget of {format_gib(budget_bytes)} by {format_gib(state.total_bytes - budget_bytes)}, before any activation.",
+        f"Model state alone needs {format_bytes_exact(state.total_bytes)} ({', '.join(parts)}), more than the "
+        f"budget of {format_bytes_exact(budget_bytes)} by {format_bytes_exact(state.total_bytes - budget_bytes)}, "
+        "before any activation.",
         "Activation recomputation does not remove parameters, gradients or optimizer-state storage, "
         "so no checkpointing plan can fit. What would fit:",
     ]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import re
 
+from remat._units import format_bytes
+
 __all__ = ["parse_budget", "format_bytes", "UNIT_BYTES"]
 
 UNIT_BYTES: dict[str, int] = {
@@ -65,11 +67,3 @@ def _positive(text: str | int, num_bytes: int) -> int:
     return num_bytes
 
 
-def format_bytes(num_bytes: int | float) -> str:
-    """Human text with binary units, e.g. ``"1.50 GiB"``."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
