@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import remat
+from remat._files import write_atomic
 from remat.apply.tune import Tuner
 from remat.models import load_target
 from remat.plan.tune import RECIPES, Candidate, recipe_plan, tune_candidates
@@ -128,7 +129,7 @@ def main() -> None:
     text = markdown(rows, args.steps, args.seconds)
     print(text)
     if args.markdown:
-        args.markdown.write_text(text + "\n")
+        write_atomic(args.markdown, text + "\n")
 
 
 if __name__ == "__main__":

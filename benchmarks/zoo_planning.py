@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "zoo"))
 
+from remat._files import write_atomic  # noqa: E402
 from remat.measure.profile import profile  # noqa: E402
 from remat.measure.types import Profile  # noqa: E402
 from remat.plan.planners import pareto, plan  # noqa: E402
@@ -92,7 +93,7 @@ def main() -> None:
     text = markdown(rows, args.rounds)
     print(text)
     if args.markdown:
-        args.markdown.write_text(text + "\n")
+        write_atomic(args.markdown, text + "\n")
 
 
 if __name__ == "__main__":
