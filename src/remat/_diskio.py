@@ -6,12 +6,14 @@ and the bandwidth probe (`remat.measure.bandwidth`) times it, so the planner's d
 describe the path the offload takes.
 
 Directories: every file lives in a private directory (mode 0700) named
-``remat-offload-<pid>-<random>`` inside the directory the user named (`make_private_dir`). Only
+``remat-offload-<pid>-<host>-<random>`` inside the directory the user named (`make_private_dir`);
+``<host>`` tells this boot of this machine and its pid namespace from others that may share the
+directory (a network file system, containers), whose pids say nothing here. Only
 that leaf may be created, never its parents (`check_offload_root`). A private directory is removed
 by its owner when done, at interpreter exit (`atexit`) and on SIGTERM (a handler that removes every
 live one, then hands the signal to the handler installed before it); one left by a process killed
 with SIGKILL is swept by the next `make_private_dir` in the same directory once its pid is dead
-(`sweep_stale`). Files are opened with ``O_NOFOLLOW``: a symlink put in place of one is refused.
+and its ``<host>`` is ours (`sweep_stale`). Files are opened with ``O_NOFOLLOW``: a symlink put in place of one is refused.
 
 Checksum: SHA-256 of each record, computed while writing and checked after reading. Unlike a
 CRC it cannot be matched by a deliberate edit; it was the fastest of SHA-256, BLAKE2b and BLAKE2s
@@ -36,16 +38,29 @@ import torch
 
 __all__ = [
     "CHUNK_BYTES", "PRIVATE_PREFIX", "OffloadError", "check_offload_root", "flush", "live_private_dirs",
-    "make_private_dir", "read_at", "remove_private_dir", "sweep_stale", "write_at",
+    "host_token", "make_private_dir", "read_at", "remove_private_dir", "sweep_stale", "write_at",
 ]
 
 CHUNK_BYTES = 8 << 20
 """Bytes per write/read system call (and per checksum update)."""
 
 PRIVATE_PREFIX = "remat-offload-"
-"""Name prefix of the private directories; the pid of the owner follows it."""
+"""Name prefix of the private directories; the pid of the owner and `host_token` follow it."""
 
-_STALE = re.compile(re.escape(PRIVATE_PREFIX) + r"(\d+)-[A-Za-z0-9_]+$")
+_STALE = re.compile(re.escape(PRIVATE_PREFIX) + r"(\d+)-([0-9a-f]{8})-[A-Za-z0-9_]+$")
+
+
+def host_token() -> str:
+    """8 hex digits naming this boot of this machine and this pid namespace: a pid means something
+    only where both match (another host on a shared file system, another container)."""
+    parts = [os.uname().nodename]
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            parts.append(f.read().strip())
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        pass
+    return hashlib.blake2b("|".join(parts).encode(), digest_size=4).hexdigest()
 
 
 class OffloadError(RuntimeError):
@@ -151,17 +166,17 @@ def _pid_alive(pid: int) -> bool:
 
 def sweep_stale(root: str | os.PathLike) -> list[str]:
     """Remove private directories in ``root`` left by processes that died without cleaning up
-    (SIGKILL): only real directories (not symlinks) named ``remat-offload-<pid>-...``, owned by
-    this user, whose pid is dead. Returns the paths removed."""
+    (SIGKILL): only real directories (not symlinks) named ``remat-offload-<pid>-<host>-...`` with
+    this host's `host_token`, owned by this user, whose pid is dead. Returns the paths removed."""
     removed = []
     try:
         entries = list(os.scandir(root))
     except OSError:
         return removed
-    uid = os.geteuid()
+    uid, host = os.geteuid(), host_token()
     for entry in entries:
         match = _STALE.match(entry.name)
-        if match is None or int(match.group(1)) == os.getpid():
+        if match is None or match.group(2) != host or int(match.group(1)) == os.getpid():
             continue
         try:
             st = entry.stat(follow_symlinks=False)
@@ -186,7 +201,7 @@ def make_private_dir(root: str | os.PathLike) -> tuple[str, str | None]:
         made = str(root)
     sweep_stale(root)
     try:
-        private = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-", dir=root)
+        private = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-{host_token()}-", dir=root)
     except BaseException:
         if made is not None:
             os.rmdir(made)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from remat._diskio import PRIVATE_PREFIX, live_private_dirs, sweep_stale
+from remat._diskio import PRIVATE_PREFIX, host_token, live_private_dirs, sweep_stale
 from remat.apply.offload import OffloadEngine, OffloadError
 
 from offload_helpers import assert_grads_equal, dir_entries, toy_step
@@ -51,7 +51,8 @@ def _terminated_child(directory, mode):
 def test_sigterm_removes_the_files_and_dies_of_the_signal(tmp_path):
     returncode, private = _terminated_child(tmp_path, "plain")
     assert returncode == -signal.SIGTERM
-    assert os.path.basename(private).startswith(f"{PRIVATE_PREFIX}") and not os.path.exists(private)
+    assert os.path.basename(private).startswith(PRIVATE_PREFIX) and f"-{host_token()}-" in private
+    assert not os.path.exists(private)
     assert dir_entries(tmp_path) == []
 
 
@@ -69,18 +70,20 @@ def _dead_pid() -> int:
 
 
 def test_stale_directories_of_dead_processes_are_swept_and_nothing_else(toy, tmp_path):
-    dead = _dead_pid()
-    stale = tmp_path / f"{PRIVATE_PREFIX}{dead}-abc123"
+    dead, host = _dead_pid(), host_token()
+    stale = tmp_path / f"{PRIVATE_PREFIX}{dead}-{host}-abc123"
     stale.mkdir(mode=0o700)
     (stale / "00000001-blocks.0.bin").write_bytes(b"\0" * 100)
-    alive = tmp_path / f"{PRIVATE_PREFIX}{os.getppid()}-def456"  # a live process's: kept
+    alive = tmp_path / f"{PRIVATE_PREFIX}{os.getppid()}-{host}-def456"  # a live process's: kept
     alive.mkdir()
+    elsewhere = tmp_path / f"{PRIVATE_PREFIX}{dead}-{'0' * 8 if host != '0' * 8 else '1' * 8}-ghi789"
+    elsewhere.mkdir()  # another host or container: its pid says nothing here, kept
     other = tmp_path / "remat-offload-notapid"  # not remat's pattern: kept
     other.mkdir()
     target = tmp_path / "precious"
     target.mkdir()
     (target / "keep.txt").write_text("x")
-    link = tmp_path / f"{PRIVATE_PREFIX}{dead}-link00"  # a symlink with remat's name: not followed, kept
+    link = tmp_path / f"{PRIVATE_PREFIX}{dead}-{host}-link00"  # a symlink with remat's name: not followed, kept
     link.symlink_to(target)
     blocks, x = toy
     want = toy_step(blocks, x, None)
@@ -88,7 +91,7 @@ def test_stale_directories_of_dead_processes_are_swept_and_nothing_else(toy, tmp
     assert_grads_equal(toy_step(blocks, x, engine), want)
     engine.close()
     assert not stale.exists()
-    assert dir_entries(tmp_path) == sorted([alive.name, other.name, "precious", link.name])
+    assert dir_entries(tmp_path) == sorted([alive.name, elsewhere.name, other.name, "precious", link.name])
     assert dir_entries(target) == ["keep.txt"]
     assert sweep_stale(tmp_path) == []  # nothing more to sweep
 
