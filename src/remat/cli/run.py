@@ -14,7 +14,7 @@ from rich.text import Text
 
 from remat.apply.run import DEFAULT_OUT_DIR
 from remat.distributed import is_main_process
-from remat.cli._app import DEVICE_HELP, TARGET_HELP, app, console, fail, styled
+from remat.cli._app import DEVICE_HELP, TARGET_HELP, app, console, describe, fail, styled
 from remat.cli.plan import TUNE_HELP, TUNE_SECONDS_HELP, TUNE_STEPS_HELP, print_tuning
 
 MIB = 2**20
@@ -224,7 +224,7 @@ def save_outputs(result, out: Path, command: list[str], *, chosen_row: int | Non
     try:
         files = write_outputs(result, out, commands=[shlex.join(command), rebuild])
     except (ValueError, OSError) as error:
-        raise fail(f"cannot write the results under {str(out)!r}: {error}") from None
+        raise fail(f"cannot write the results under {str(out)!r}: {describe(error)}") from None
     if chosen_row is not None:
         console.print(f"plan: {files.plans[chosen_row]}  verification: {files.verifications[chosen_row]}", soft_wrap=True)
     console.print(styled(f"JSON files in {escape(str(out))}/; report: [bold]{escape(str(files.report))}[/]"), soft_wrap=True)
