@@ -126,7 +126,7 @@ def read_at(path: str, offset: int, nbytes: int, block: str) -> tuple[torch.Tens
 
 # ----------------------------------------------------------------------------- private directories
 
-_live_lock = threading.Lock()
+_live_lock = threading.RLock()  # re-entrant: the SIGTERM handler may interrupt its holder in the main thread
 _live: set[str] = set()
 _previous_sigterm: list = []  # [handler] once ours is installed
 
