@@ -26,9 +26,11 @@ def test_profile_gpt_table_and_json(tmp_path: Path):
     out = tmp_path / "p.json"
     result = runner.invoke(app, ["profile", "--model", "gpt", *TINY, "--json", str(out)])
     assert result.exit_code == 0, result.output
-    for text in ("saved MiB", "fwd ms", "bwd ms", "GFLOPs", "share of step", "blocks.0", "blocks.1", "measured peak",
+    for text in ("saved KiB", "fwd ms", "bwd ms", "GFLOPs", "share of step", "blocks.0", "blocks.1", "measured peak",
                  "stacks: blocks (2 x Block, blocks 0-1); chain breaks: 0",
-                 "fixed part: 5 module(s) outside blocks, parameters MiB: tok_emb 0.00, pos_emb 0.00, ln_f 0.00, head 0.00",
+                 # parameters by hand: tok_emb 32 x 16 fp32, pos_emb 8 x 16, ln_f 2 x 16, head 16 x 32 (no bias)
+                 "fixed part: 5 module(s) outside blocks, parameters: tok_emb 2.00 KiB, pos_emb 512 B, ln_f 128 B, "
+                 "head 2.00 KiB;",
                  "timing probes: run on 1 of 2 blocks (0); block 1 takes block 0's; measured apart because their "
                  "traced forward differed from an alike block's: none"):
         assert text in result.output
@@ -44,7 +46,8 @@ def test_profile_names_each_stack_and_the_code_between():
                                  "--batch", "2", "--repeats", "1"])
     assert result.exit_code == 0, result.output
     assert "stacks: down (3 x DownBlock, blocks 0-2); up (2 x UpBlock, blocks 3-4); chain breaks: 4" in result.output
-    assert "fixed part: 1 module(s) outside blocks, parameters MiB: head 0.00; saved MiB pre 0.00, between 0.00" in result.output
+    # the head: a 1x1 convolution from 4 channels to 3, 12 weights + 3 biases in fp32
+    assert "fixed part: 1 module(s) outside blocks, parameters: head 60 B; saved pre 0 B, between" in result.output
     assert "timing probes: run on 5 of 5 blocks (0-4); measured apart because" in result.output  # every level differs
 
 

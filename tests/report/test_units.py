@@ -34,3 +34,13 @@ def test_format_flops_uses_decimal_prefixes():
     assert format_flops(852_000) == "852.0 kFLOP"
     assert format_flops(1.5e12) == "1.5 TFLOP"
     assert format_flops(12) == "12 FLOP"
+
+
+def test_a_table_column_reads_in_the_unit_of_its_largest_value():
+    from remat._units import in_unit, table_unit
+
+    assert table_unit([]) == ("B", 1) and table_unit([None, 1023]) == ("B", 1)
+    assert table_unit([5, 1024]) == ("KiB", 1024) and table_unit([-(2**20)]) == ("MiB", 2**20)
+    assert table_unit([2**30 - 1, 3]) == ("MiB", 2**20) and table_unit([2**40]) == ("GiB", 2**30)
+    assert in_unit(1536, 1024) == "1.50" and in_unit(1536, 1024, 0) == "2" and in_unit(60, 1) == "60"
+    assert in_unit(3 * 2**20 // 2, 2**20, 1) == "1.5"

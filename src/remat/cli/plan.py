@@ -11,11 +11,11 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from remat._units import format_bytes, in_unit, table_unit
 from remat.cli._app import DEVICE_HELP, app, console
 from remat.measure.types import Profile
 from remat.plan.types import Plan, Segment
 
-MIB = 2**20
 TUNE_HELP = ("Time the cost model's best plans and every recipe that fits side by side on the model; the fastest "
              "measured whose measured peak fits wins (needs --model).")
 TUNE_STEPS_HELP = "With --tune: timed steps per candidate at most (interleaved rounds, medians)."
@@ -118,9 +118,6 @@ def baseline_peak_of(profile: Profile, baseline: Plan) -> int:
     return profile.peak_bytes if profile.peak_bytes > 0 else baseline.prediction.peak_bytes
 
 
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / MIB:.2f}"
-
 
 def describe(segment: Segment) -> str:
     """``recompute [0, 4) > [0, 2)``-style text of a segment and its nesting."""
@@ -138,16 +135,17 @@ def plan_table(result: Plan, profile: Profile) -> Table:
     """One row per top-level segment: blocks, strategy, bytes held, recompute time."""
     from remat.plan.predict import predict
 
-    budget = "no budget" if result.budget_bytes is None else f"budget {_mib(result.budget_bytes)} MiB"
+    budget = "no budget" if result.budget_bytes is None else f"budget {format_bytes(result.budget_bytes)}"
     table = Table(title=f"remat plan: {result.strategy_name}, {budget}")
-    for header in ("blocks", "names", "strategy", "held MiB", "extra ms"):
+    unit, size = table_unit([sum(result.prediction.retained_bytes[s.start : s.stop]) for s in result.segments])
+    for header in ("blocks", "names", "strategy", f"held {unit}", "extra ms"):
         table.add_column(header, justify="left" if header in ("names", "strategy") else "right")
     for seg in result.segments:
         alone = predict(profile, _keep_except(profile, seg))
         names = result.block_names[seg.start] + ("" if seg.num_blocks == 1 else f" .. {result.block_names[seg.stop - 1]}")
         held = sum(result.prediction.retained_bytes[seg.start : seg.stop])
         table.add_row(f"{seg.start}" if seg.num_blocks == 1 else f"{seg.start}-{seg.stop - 1}", names, describe(seg),
-                      _mib(held), f"{alone.extra_ms:.2f}")
+                      in_unit(held, size), f"{alone.extra_ms:.2f}")
     return table
 
 
@@ -162,7 +160,8 @@ def comparison(result: Plan, baseline: Plan) -> Table:
     table = Table(title="prediction against the baseline (no recomputation)")
     for header in ("", "baseline", "plan", "change"):
         table.add_column(header, justify="right")
-    table.add_row("peak MiB", _mib(b.peak_bytes), _mib(p.peak_bytes), f"{100 * (p.peak_bytes / b.peak_bytes - 1):+.1f}%")
+    unit, size = table_unit([b.peak_bytes, p.peak_bytes])
+    table.add_row(f"peak {unit}", in_unit(b.peak_bytes, size), in_unit(p.peak_bytes, size), f"{100 * (p.peak_bytes / b.peak_bytes - 1):+.1f}%")
     table.add_row("step ms", f"{b.step_ms:.2f}", f"{p.step_ms:.2f}", f"{100 * (p.step_ms / b.step_ms - 1):+.1f}%")
     table.add_row("extra GFLOPs", "0", f"{p.extra_flops / 1e9:.3f}", "")
     where = f"block {p.peak_block}" if p.peak_phase == "block" else p.peak_phase
@@ -174,7 +173,7 @@ def comparison(result: Plan, baseline: Plan) -> Table:
 def fit_line(result: Plan, baseline: Plan) -> str:
     """The plan against its budget and the baseline, in words (`plan` refuses a plan that does not fit)."""
     p, b = result.prediction, baseline.prediction
-    return (f"predicted peak {_mib(p.peak_bytes)} MiB fits the budget of {_mib(result.budget_bytes)} MiB "
+    return (f"predicted peak {format_bytes(p.peak_bytes)} fits the budget of {format_bytes(result.budget_bytes)} "
             f"({100 * (1 - p.peak_bytes / b.peak_bytes):.0f}% below no recomputation) "
             f"at {100 * (p.step_ms / b.step_ms - 1):+.1f}% predicted step time.")
 
@@ -197,14 +196,15 @@ def pareto_table(frontier: list[Plan], baseline: Plan, max_rows: int = 24) -> Ta
     if len(shown) < len(frontier):
         title += f" ({len(shown)} of {len(frontier)} frontier plans)"
     table = Table(title=title)
-    for header in ("#", "peak MiB", "step ms", "overhead", "strategies"):
+    unit, size = table_unit([frontier[i].prediction.peak_bytes for i in shown])
+    for header in ("#", f"peak {unit}", "step ms", "overhead", "strategies"):
         table.add_column(header, justify="left" if header == "strategies" else "right")
     for i in shown:
         item = frontier[i]
         counts = Counter(_top_kind(s) for s in item.segments for _ in range(s.num_blocks))
         summary = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) + ("" if item.head == "keep" else f"; head {item.head}")
         overhead = 100 * (item.prediction.step_ms / baseline.prediction.step_ms - 1)
-        table.add_row(str(i), _mib(item.prediction.peak_bytes), f"{item.prediction.step_ms:.2f}", f"{overhead:+.1f}%", summary)
+        table.add_row(str(i), in_unit(item.prediction.peak_bytes, size), f"{item.prediction.step_ms:.2f}", f"{overhead:+.1f}%", summary)
     return table
 
 

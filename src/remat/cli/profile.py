@@ -11,11 +11,11 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from remat._units import format_bytes, format_bytes_exact, in_unit, table_unit
 from remat.cli._app import DEVICE_HELP, TARGET_HELP, app, console, fail
 from remat.distributed import is_main_process
 from remat.measure.types import Profile
 
-MIB = 2**20
 
 
 @app.command("profile")
@@ -73,19 +73,23 @@ def profile_command(
 
 
 def profile_table(result: Profile, title: str) -> Table:
-    """The per-block table: saved MiB, fwd/bwd ms, GFLOPs, share of the step."""
+    """The per-block table: saved bytes, fwd/bwd ms, GFLOPs, share of the step (bytes in the unit
+    that shows the largest of them, `remat._units.table_unit`)."""
+    unit, size = table_unit([result.fixed_saved_bytes, result.fixed_post_bwd_temp_bytes, result.optimizer_step_temp_bytes,
+                             *(b.saved_bytes for b in result.blocks), *(b.bwd_temp_bytes for b in result.blocks)])
     table = Table(title=f"remat profile: {title} on {result.environment.device_name}")
-    for header in ("#", "block", "class", "saved MiB", "bwd temp MiB", "fwd ms", "bwd ms", "GFLOPs", "share of step"):
+    for header in ("#", "block", "class", f"saved {unit}", f"bwd temp {unit}", "fwd ms", "bwd ms", "GFLOPs", "share of step"):
         table.add_column(header, justify="left" if header in ("block", "class") else "right")
     step_ms = result.step_ms or 1.0
-    table.add_row("", "pre + between + post (fixed)", "", _mib(result.fixed_saved_bytes), _mib(result.fixed_post_bwd_temp_bytes),
+    table.add_row("", "pre + between + post (fixed)", "", in_unit(result.fixed_saved_bytes, size),
+                  in_unit(result.fixed_post_bwd_temp_bytes, size),
                   f"{result.fixed_fwd_ms:.2f}", f"{result.fixed_bwd_ms:.2f}", f"{result.fixed_flops / 1e9:.3f}",
                   f"{100 * (result.fixed_fwd_ms + result.fixed_bwd_ms) / step_ms:.1f}%")
     for b in result.blocks:
-        table.add_row(str(b.index), b.name, b.class_name, _mib(b.saved_bytes), _mib(b.bwd_temp_bytes),
+        table.add_row(str(b.index), b.name, b.class_name, in_unit(b.saved_bytes, size), in_unit(b.bwd_temp_bytes, size),
                       f"{b.fwd_ms:.2f}", f"{b.bwd_ms:.2f}", f"{b.fwd_flops / 1e9:.3f}",
                       f"{100 * (b.fwd_ms + b.bwd_ms) / step_ms:.1f}%")
-    table.add_row("", "optimizer step", result.optimizer_name, "", _mib(result.optimizer_step_temp_bytes),
+    table.add_row("", "optimizer step", result.optimizer_name, "", in_unit(result.optimizer_step_temp_bytes, size),
                   "", f"{result.optimizer_step_ms:.2f}", "", f"{100 * result.optimizer_step_ms / step_ms:.1f}%")
     return table
 
@@ -110,13 +114,13 @@ def stacks_summary(result: Profile) -> str:
                        for s in result.stacks)
     breaks = sum(1 for b in result.blocks[1:] if not b.follows_previous)
     held = [m for m in result.fixed_modules if m.param_bytes]
-    modules = ", ".join(f"{m.name} {_mib(m.param_bytes)}" for m in held[:8]) + (", ..." if len(held) > 8 else "")
+    modules = ", ".join(f"{m.name} {format_bytes(m.param_bytes)}" for m in held[:8]) + (", ..." if len(held) > 8 else "")
     return "\n".join([
         f"stacks: {stacks or 'not recorded'}; chain breaks: {breaks} (a block not called with the previous "
         "block's output and its other arguments)",
-        f"fixed part: {len(result.fixed_modules)} module(s) outside blocks, parameters MiB: {modules or 'none'}; "
-        f"saved MiB pre {_mib(result.fixed_pre_saved_bytes)}, between {_mib(result.fixed_between_saved_bytes)}, "
-        f"post {_mib(result.fixed_post_saved_bytes)}",
+        f"fixed part: {len(result.fixed_modules)} module(s) outside blocks, parameters: {modules or 'none'}; "
+        f"saved pre {format_bytes(result.fixed_pre_saved_bytes)}, between {format_bytes(result.fixed_between_saved_bytes)}, "
+        f"post {format_bytes(result.fixed_post_saved_bytes)}",
     ])
 
 
@@ -154,17 +158,17 @@ def _ranges(indices: list[int]) -> str:
 
 def state_summary(result: Profile) -> str:
     """Model state, activations and the measured peak, one line each."""
-    peak = ", ".join(f"{k} {_mib(v)}" for k, v in result.peak_bytes_by_category.items() if v)
+    peak = ", ".join(f"{k} {format_bytes(v)}" for k, v in result.peak_bytes_by_category.items() if v)
     lines = [
-        f"parameters {_mib(result.param_bytes)} MiB, gradients {_mib(result.grad_bytes)} MiB, "
-        f"optimizer state {_mib(result.optimizer_state_bytes)} MiB ({result.optimizer_name}), "
-        f"buffers {_mib(result.buffer_bytes)} MiB",
-        f"saved activations {_mib(result.saved_bytes)} MiB in {result.num_blocks} blocks + fixed part; "
+        f"parameters {format_bytes(result.param_bytes)}, gradients {format_bytes(result.grad_bytes)}, "
+        f"optimizer state {format_bytes(result.optimizer_state_bytes)} ({result.optimizer_name}), "
+        f"buffers {format_bytes(result.buffer_bytes)}",
+        f"saved activations {format_bytes(result.saved_bytes)} in {result.num_blocks} blocks + fixed part; "
         f"step {result.step_ms:.1f} ms",
-        f"measured peak {_mib(result.peak_bytes)} MiB ({peak})",
+        f"measured peak {format_bytes_exact(result.peak_bytes)} ({peak})",
     ]
     if result.device_max_allocated_bytes is not None:
-        lines.append(f"torch.cuda.max_memory_allocated {_mib(result.device_max_allocated_bytes)} MiB")
+        lines.append(f"torch.cuda.max_memory_allocated {format_bytes_exact(result.device_max_allocated_bytes)}")
     return "\n".join(lines)
 
 
@@ -176,12 +180,9 @@ def head_summary(result: Profile) -> str:
     if head is None:
         return f"head: not planned ({result.head_note})"
     tied = ", tied to the embedding" if head.tied else ""
-    options = "; ".join(f"{o.strategy} {_mib(head_need_bytes(result, o.strategy))} MiB {head_extra_ms(result, o.strategy):+.1f} ms"
+    options = "; ".join(f"{o.strategy} {format_bytes(head_need_bytes(result, o.strategy))} {head_extra_ms(result, o.strategy):+.1f} ms"
                         for o in head.options)
     failed = "".join(f"; {name} cannot run: {reason}" for name, reason in head.unavailable)
     return (f"head: {head.projection}{tied}, {head.num_tokens} tokens x {head.vocab_size} vocabulary ({head.dtype}); "
             f"post part peak by head strategy: {options}{failed}")
 
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / MIB:.2f}"

@@ -12,18 +12,15 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from remat._units import format_bytes, in_unit, table_unit
 from remat.apply.run import DEFAULT_OUT_DIR
 from remat.distributed import is_main_process
 from remat.cli._app import DEVICE_HELP, TARGET_HELP, app, console, describe, fail, styled
 from remat.cli.plan import TUNE_HELP, TUNE_SECONDS_HELP, TUNE_STEPS_HELP, print_tuning
 
-MIB = 2**20
 RUN_OUT_DIR = DEFAULT_OUT_DIR / "run"
 CAPTION = "The trade-off: a lower peak costs step time (forwards replayed in backward); gradients stay identical."
 
-
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / MIB:.2f}"
 
 
 def _grad_cell(v) -> Text:
@@ -40,9 +37,9 @@ def _grad_cell(v) -> Text:
 
 WIDE_COLUMNS = 130
 """Terminal width from which the table shows each prediction error and the replay check as columns."""
-COMPACT_HEADERS = ("plan", "peak MiB\npred/meas", "peak\nvs none", "step ms\npred/meas", "time vs none\npred/meas",
+COMPACT_HEADERS = ("plan", "peak {unit}\npred/meas", "peak\nvs none", "step ms\npred/meas", "time vs none\npred/meas",
                    "gradients")
-WIDE_HEADERS = ("plan", "peak MiB\npredicted", "peak MiB\nmeasured", "error", "peak\nvs none", "step ms\npredicted",
+WIDE_HEADERS = ("plan", "peak {unit}\npredicted", "peak {unit}\nmeasured", "error", "peak\nvs none", "step ms\npredicted",
                 "step ms\nmeasured", "overhead\npredicted", "overhead\nmeasured", "step\nerror", "replays\nas planned",
                 "gradients")
 
@@ -56,37 +53,41 @@ def verification_table(result, title: str, *, wide: bool | None = None) -> Table
     gradient check. ``wide`` (default: a terminal of `WIDE_COLUMNS`) adds the errors and replay check."""
     wide = console.width >= WIDE_COLUMNS if wide is None else wide
     table = Table(title=title, caption=CAPTION, box=box.HEAVY_HEAD if wide else None, pad_edge=wide)
+    unit, size = table_unit([b for r in result.rows
+                             for b in (r.verification.predicted_peak_bytes, r.verification.measured_peak_bytes)])
     for header in WIDE_HEADERS if wide else COMPACT_HEADERS:
-        table.add_column(header, justify="left" if header in ("plan", "gradients") else "right",
+        table.add_column(header.format(unit=unit), justify="left" if header in ("plan", "gradients") else "right",
                          no_wrap=not wide or header == "plan")
     base = _baseline_measured_peak(result)
+    # compact: one decimal, none from 100 units up, so that "pred/meas" stays narrow
+    digits = 2 if wide else (1 if max((r.verification.measured_peak_bytes for r in result.rows), default=0) < 100 * size else 0)
     for row in result.rows:
-        table.add_row(*(_wide_cells if wide else _compact_cells)(row, base))
+        table.add_row(*(_wide_cells if wide else _compact_cells)(row, base, size, digits))
     return table
 
 
-def _measured_peak(v, digits: int = 2) -> str | Text:
-    """The measured peak, red when over the plan's budget."""
-    text = f"{v.measured_peak_bytes / MIB:.{digits}f}"
+def _measured_peak(v, size: int, digits: int = 2) -> str | Text:
+    """The measured peak in the table's unit of ``size`` bytes, red when over the plan's budget."""
+    text = in_unit(v.measured_peak_bytes, size, digits)
     over = v.budget_bytes is not None and v.measured_peak_bytes > v.budget_bytes
-    return styled(f"[red]{text} > budget {_mib(v.budget_bytes)}[/]") if over else text
+    return styled(f"[red]{text} > budget {in_unit(v.budget_bytes, size, digits)}[/]") if over else text
 
 
 def _peak_vs_none(v, base: int) -> str:
     return f"{100 * (v.measured_peak_bytes / base - 1):+.0f}%" if base else "n/a"
 
 
-def _compact_cells(row, base: int) -> tuple[str, ...]:
+def _compact_cells(row, base: int, size: int, digits: int) -> tuple[str, ...]:
     v = row.verification
-    return (row.label, Text.assemble(f"{v.predicted_peak_bytes / MIB:.1f}/", _measured_peak(v, 1)), _peak_vs_none(v, base),
+    return (row.label, Text.assemble(f"{in_unit(v.predicted_peak_bytes, size, digits)}/", _measured_peak(v, size, digits)), _peak_vs_none(v, base),
             f"{_ms(v.predicted_step_ms)}/{_ms(v.measured_step_ms)}",
             f"{v.predicted_overhead_pct:+.0f}%/{v.overhead_pct:+.0f}%", _grad_cell(v))
 
 
-def _wide_cells(row, base: int) -> tuple[str, ...]:
+def _wide_cells(row, base: int, size: int, digits: int) -> tuple[str, ...]:
     v = row.verification
     counts = styled("[green]yes[/]" if v.recompute_counts_match else "[yellow]no[/]")
-    return (row.label, _mib(v.predicted_peak_bytes), _measured_peak(v), f"{v.peak_error_pct:+.1f}%",
+    return (row.label, in_unit(v.predicted_peak_bytes, size, digits), _measured_peak(v, size, digits), f"{v.peak_error_pct:+.1f}%",
             _peak_vs_none(v, base), f"{v.predicted_step_ms:.1f}", f"{v.measured_step_ms:.1f}",
             f"{v.predicted_overhead_pct:+.1f}%", f"{v.overhead_pct:+.1f}%", f"{v.paired_step_error_pct:+.1f}%",
             counts, _grad_cell(v))
@@ -102,12 +103,12 @@ def summary_lines(result) -> list[str]:
     """What the table says, in words: the baseline, and the largest saving with its cost."""
     rows = [r for r in result.rows if r.plan.strategy_name != "none"]
     base = result.profile.peak_bytes
-    lines = [f"baseline (no recomputation): peak {_mib(base)} MiB, step {result.profile.step_ms:.1f} ms "
-             f"(model state {_mib(result.profile.model_state_bytes)} MiB of it)."]
+    lines = [f"baseline (no recomputation): peak {format_bytes(base)}, step {result.profile.step_ms:.1f} ms "
+             f"(model state {format_bytes(result.profile.model_state_bytes)} of it)."]
     if rows:
         best = min(rows, key=lambda r: r.verification.measured_peak_bytes)
         v = best.verification
-        lines.append(f"lowest peak: {best.label}, {_mib(v.measured_peak_bytes)} MiB "
+        lines.append(f"lowest peak: {best.label}, {format_bytes(v.measured_peak_bytes)} "
                      f"({100 * (1 - v.measured_peak_bytes / base):.0f}% less) for {v.overhead_pct:+.0f}% step time.")
     over = [r.label for r in result.rows
             if r.verification.budget_bytes is not None and r.verification.measured_peak_bytes > r.verification.budget_bytes]
