@@ -1,0 +1,142 @@
+"""Compiled mode (`remat.profile(..., compiled=...)`, `remat.measure.compiled`): the blocks'
+figures as torch.compile runs them, and a plan made from them that compiles whole.
+
+The toy block is ``fc2(tanh(fc1(x)) * sigmoid(fc1(x)))`` on a (8, 16) float32 input, so every
+activation is 8 * 16 * 4 = 512 bytes. Eager autograd saves four of them: ``x`` (fc1's weight
+gradient), tanh's and sigmoid's outputs (their own backward and the product's) and the product
+(fc2's weight gradient): 2048 bytes. Inductor's partitioner saves three: ``x``, fc1's output
+(tanh and sigmoid are recomputed from it inside the fused backward) and the product: 1536.
+``aot_eager`` partitions by the default rule, which saves what eager autograd saves: 2048.
+
+Inductor compiles C++ on the CPU, tens of seconds per graph here: those tests are marked slow;
+the others use ``aot_eager`` (Dynamo and AOT Autograd, the same partition points, no codegen).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.checkpointing.cacheable import MATMUL_OPS, op_packet
+from remat.measure.types import Profile
+
+WIDTH, BATCH = 16, 8
+ACTIVATION_BYTES = BATCH * WIDTH * 4
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, WIDTH)
+        self.fc2 = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc1(x)
+        return self.fc2(torch.tanh(y) * torch.sigmoid(y))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def _model() -> tuple[_Net, torch.Tensor]:
+    torch.manual_seed(0)
+    return _Net(), torch.randn(BATCH, WIDTH)
+
+
+def _profiles(backend: str) -> tuple[Profile, Profile]:
+    model, x = _model()
+    eager = remat.profile(model, x, repeats=1)
+    torch._dynamo.reset()
+    return eager, remat.profile(model, x, repeats=1, compiled=backend)
+
+
+@pytest.fixture(scope="module")
+def aot_eager_profiles() -> tuple[Profile, Profile]:
+    return _profiles("aot_eager")
+
+
+def test_a_compiled_profile_prices_blocks_as_the_compiled_runs_measured_them(aot_eager_profiles):
+    eager, compiled = aot_eager_profiles
+    assert eager.compiled_backend == "" and eager.compiled_blocks == ()
+    assert compiled.compiled_backend == "aot_eager"
+    assert compiled.checkpoint_call_ms == 0.0
+    figs = compiled.compiled_blocks
+    assert len(figs) == 2
+    for before, block, fig in zip(eager.blocks, compiled.blocks, figs, strict=True):
+        assert (fig.eager_saved_bytes, fig.saved_bytes) == (4 * ACTIVATION_BYTES, 4 * ACTIVATION_BYTES)
+        assert block.saved_bytes == before.saved_bytes
+        assert (block.fwd_ms, block.bwd_ms) == (fig.fwd_ms, fig.bwd_ms)
+        assert block.recompute_overhead_ms == max(0.0, fig.replay_ms - fig.fwd_ms)
+        assert block.selective_overhead_ms == block.selective_cache_overhead_ms == 0.0
+        assert 0.0 <= fig.cheap_replay_ms <= fig.replay_ms
+        heavy = [op for op in block.ops if op_packet(op.name) in MATMUL_OPS]
+        cheap = [op for op in block.ops if op_packet(op.name) not in MATMUL_OPS and not op.is_view]
+        assert [op_packet(op.name) for op in heavy] == ["aten.addmm", "aten.addmm"]
+        assert sum(op.time_ms for op in heavy) == pytest.approx(fig.replay_ms - fig.cheap_replay_ms, abs=1e-9)
+        assert sum(op.time_ms for op in cheap) == pytest.approx(fig.cheap_replay_ms, abs=1e-9)
+        # everything the eager profile measured about memory stays
+        assert (block.bwd_temp_bytes, block.input_bytes, block.ops[0].key) == (
+            before.bwd_temp_bytes, before.input_bytes, before.ops[0].key)
+    assert Profile.from_json(compiled.to_json()) == compiled
+
+
+def test_a_plan_from_a_compiled_profile_compiles_whole_with_the_unplanned_gradients(aot_eager_profiles):
+    _, compiled = aot_eager_profiles
+    plan = remat.plan(compiled, strategy="full")
+    assert [s.strategy for s in plan.segments] == ["recompute", "recompute"]
+    want, got = _compiled_grads(None, "aot_eager"), _compiled_grads(plan, "aot_eager")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+
+
+def _compiled_grads(plan: remat.Plan | None, backend: str) -> dict[str, torch.Tensor]:
+    model, x = _model()
+    model = copy.deepcopy(model)
+    if plan is not None:
+        remat.apply_(model, plan)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)  # a graph break raises
+    compiled(x).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_inductor_saves_less_than_eager_and_the_profile_keeps_the_difference():
+    eager, compiled = _profiles("inductor")
+    for before, block, fig in zip(eager.blocks, compiled.blocks, compiled.compiled_blocks, strict=True):
+        assert (fig.eager_saved_bytes, fig.saved_bytes) == (4 * ACTIVATION_BYTES, 3 * ACTIVATION_BYTES)
+        assert block.saved_bytes == before.saved_bytes - ACTIVATION_BYTES
+    plan = remat.plan(compiled, strategy="selective:save-matmuls")
+    want, got = _compiled_grads(None, "inductor"), _compiled_grads(plan, "inductor")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+
+
+@pytest.mark.parametrize(("compiled", "error", "match"), [
+    ("no-such-backend", ValueError, r"compiled='no-such-backend' is not a torch.compile backend; known: .*inductor"),
+    (3, TypeError, r"compiled=3 must be a bool or a torch.compile backend name"),
+])
+def test_a_bad_compiled_argument_is_refused_before_anything_runs(compiled, error, match):
+    model, x = _model()
+    with pytest.raises(error, match=match):
+        remat.profile(model, x, compiled=compiled)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_meta_device_cannot_be_profiled_compiled():
+    with torch.device("meta"):
+        model = _Net()
+    with pytest.raises(ValueError, match=r"compiled=True needs a model that runs: it is on the meta device"):
+        remat.profile(model, torch.empty(BATCH, WIDTH, device="meta"), compiled=True)
