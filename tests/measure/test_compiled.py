@@ -142,3 +142,40 @@ def test_the_meta_device_cannot_be_profiled_compiled():
         model = _Net()
     with pytest.raises(ValueError, match=r"compiled=True needs a model that runs: it is on the meta device"):
         remat.profile(model, torch.empty(BATCH, WIDTH, device="meta"), compiled=True)
+
+
+_VIEWS = {"aten.view", "aten._unsafe_view", "aten.t", "aten.transpose", "aten.expand", "aten.split", "aten.alias"}
+
+
+def test_a_selective_policy_names_the_same_calls_compiled_as_eager_dropout_included():
+    """Traced for the compiler, dropout is one ``native_dropout`` call; eager on the CPU it is
+    empty_like, bernoulli_, div_ and mul. The policy counts it as the eager calls, so every key
+    a plan can name (cacheable, not a view) means the same call in both."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from remat.checkpointing.cacheable import cacheable
+    from remat.checkpointing.selective import SavedOpsPolicy
+    from remat.models import build
+
+    built = build("gpt", seed=0, optimizer="none", num_layers=1, d_model=16, num_heads=2, seq_len=8,
+                  batch_size=2, vocab_size=32)
+    block, x = built.model.blocks[0], torch.randn(2, 8, 16, requires_grad=True)
+    policies: list[SavedOpsPolicy] = []
+
+    def context() -> tuple:
+        policies.append(SavedOpsPolicy(frozenset()))
+        return create_selective_checkpoint_contexts(policies[-1])
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(block, x, use_reentrant=False, context_fn=context)
+
+    step(x).sum().backward()
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend="aot_eager")(x).sum().backward()
+
+    def plannable(keys: list[str]) -> list[str]:
+        return [k for k in keys if cacheable(op_packet(k.rsplit("#", 1)[0])) and op_packet(k.rsplit("#", 1)[0]) not in _VIEWS]
+
+    eager, compiled = plannable(policies[0].seen), plannable(policies[-1].seen)
+    assert "aten.mul.Tensor#3" in eager and eager.count("aten.native_dropout.default#0") == 0
+    assert compiled == eager
