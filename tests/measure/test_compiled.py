@@ -179,3 +179,19 @@ def test_a_selective_policy_names_the_same_calls_compiled_as_eager_dropout_inclu
     eager, compiled = plannable(policies[0].seen), plannable(policies[-1].seen)
     assert "aten.mul.Tensor#3" in eager and eager.count("aten.native_dropout.default#0") == 0
     assert compiled == eager
+
+
+class _Breaking(_Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()  # nothing in eager; under fullgraph=True an error
+        return super().forward(x)
+
+
+def test_a_block_that_breaks_the_graph_is_named_in_the_error():
+    model, x = _model()
+    model.blocks[1] = _Breaking()
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"block 'blocks.1' does not run under torch.compile\(fullgraph=True, "
+                                         r"backend='aot_eager'\): .*Profile with compiled=False"):
+        remat.profile(model, x, blocks="blocks.*", repeats=1, compiled="aot_eager")
+    assert all(p.grad is None for p in model.parameters())

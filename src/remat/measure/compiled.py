@@ -48,6 +48,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from remat.checkpointing.cacheable import MATMUL_OPS, op_packet
 from remat.checkpointing.region import BufferGuard, checkpointed
 from remat.measure.blocks import Blocks
+from remat.measure.probes import failure_reason
 from remat.measure.overhead import MIN_MEASURE_S, MAX_REPEATS, BlockInputs, _alike_key
 from remat.measure.storage import storage_key, storage_keys
 from remat.measure.timing import Clock
@@ -88,8 +89,15 @@ def measure_compiled(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys:
     limit = max(torch._dynamo.config.recompile_limit, 3 * len(groups) + 8)
     with torch._dynamo.config.patch(recompile_limit=limit):
         for members in groups.values():
-            first = members[0]
-            shared = _measure_block(block_list[first][1], inputs[first], backend, repeats, clock)
+            name, module = block_list[members[0]]
+            try:
+                shared = _measure_block(module, inputs[members[0]], backend, repeats, clock)
+            except Exception as exc:  # a block that cannot compile whole: the model cannot either
+                reason = failure_reason(exc)
+                raise ValueError(
+                    f"block {name!r} does not run under torch.compile(fullgraph=True, backend={backend!r}): "
+                    f"{reason}. Profile with compiled=False, or make the block compile without graph breaks."
+                ) from exc
             found.update((i, shared) for i in members)
     return tuple(found[i] for i in range(len(block_list)))
 
