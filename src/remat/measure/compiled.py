@@ -21,8 +21,9 @@ gradient, in three ways per repeat (interleaved, paired differences):
 
 `with_compiled` turns an eager profile into a compiled one: the block's ``fwd_ms`` and
 ``bwd_ms`` become the compiled ones; its op times are rescaled so the cheap ops add up to
-``cheap_replay_ms`` and the matmul-class ops to the rest of ``replay_ms`` (a selective plan's
-replay is then priced as the compiler runs it); ``recompute_overhead_ms`` is what the compiled
+``cheap_replay_ms`` and the matmul-class ops to the rest of ``replay_ms``, at least their share
+of the compiled forward (`matmul_replay_ms`; a selective plan's replay is then priced as the
+compiler runs it); ``recompute_overhead_ms`` is what the compiled
 replay costs beyond ``fwd_ms`` (never negative); the selective and checkpoint-call overheads are
 0 (their Python runs at trace time); ``saved_bytes`` drops by what the compiled graph saves less
 than eager autograd on the block alone. The memory terms of the step around the blocks (the
@@ -49,14 +50,18 @@ from remat.checkpointing.cacheable import MATMUL_OPS, op_packet
 from remat.checkpointing.region import BufferGuard, checkpointed
 from remat.measure.blocks import Blocks
 from remat.measure.probes import failure_reason
-from remat.measure.overhead import MIN_MEASURE_S, MAX_REPEATS, BlockInputs, _alike_key
+from remat.measure.overhead import MAX_REPEATS, BlockInputs, _alike_key
 from remat.measure.storage import storage_key, storage_keys
 from remat.measure.timing import Clock
 from remat.measure.types import BlockProfile, CompiledBlock, OpRecord, Profile
 
-__all__ = ["backend_name", "measure_compiled", "with_compiled", "saved_storage_bytes"]
+__all__ = ["backend_name", "matmul_replay_ms", "measure_compiled", "with_compiled", "saved_storage_bytes"]
 
 _VARIANTS = ("plain", "recompute", "selective")
+MIN_MEASURE_S = 1.0
+"""Rounds go on until the three variants have run this long: a replay is a paired difference of
+two compiled steps, and one measurement stands for every alike block (`remat.measure.overhead`
+uses 0.25 s per strategy)."""
 
 
 def backend_name(compiled: bool | str) -> str:
@@ -236,25 +241,37 @@ def with_compiled(profile: Profile, figures: Sequence[CompiledBlock], backend: s
 
 
 def _compiled_block(block: BlockProfile, fig: CompiledBlock) -> BlockProfile:
-    floor = max(block.handoff_bytes, 0)
-    saved = max(floor, block.saved_bytes - max(0, fig.eager_saved_bytes - fig.saved_bytes))
+    saved = max(block.handoff_bytes, block.saved_bytes - max(0, fig.eager_saved_bytes - fig.saved_bytes))
     return dataclasses.replace(
         block, fwd_ms=fig.fwd_ms, bwd_ms=fig.bwd_ms, saved_bytes=min(saved, block.saved_bytes),
-        ops=_rescaled(block.ops, heavy_ms=fig.replay_ms - fig.cheap_replay_ms, cheap_ms=fig.cheap_replay_ms),
+        ops=_rescaled(block.ops, heavy_ms=matmul_replay_ms(block.ops, fig), cheap_ms=fig.cheap_replay_ms),
         recompute_overhead_ms=max(0.0, fig.replay_ms - fig.fwd_ms),
         selective_overhead_ms=0.0, selective_cache_overhead_ms=0.0,
     )
 
 
+def _heavy(op: OpRecord) -> bool:
+    return op_packet(op.name) in MATMUL_OPS
+
+
+def matmul_replay_ms(ops: Sequence[OpRecord], fig: CompiledBlock) -> float:
+    """What replaying the block's matmul-class ops costs compiled: ``replay_ms - cheap_replay_ms``,
+    and never less than their share of the compiled forward (their share of the eager forward's
+    op time): fusion takes the cheap ops' replay away, not a GEMM's. On a loaded machine the
+    paired difference can come out near 0, which would price a selective plan that replays
+    matmuls as free."""
+    heavy = sum(op.time_ms for op in ops if _heavy(op) and not op.is_view)
+    total = sum(op.time_ms for op in ops if not op.is_view)
+    share = heavy / total if total > 0 else 0.0
+    return max(fig.replay_ms - fig.cheap_replay_ms, share * fig.fwd_ms)
+
+
 def _rescaled(ops: tuple[OpRecord, ...], *, heavy_ms: float, cheap_ms: float) -> tuple[OpRecord, ...]:
     """Op times scaled so the matmul-class calls add up to ``heavy_ms`` and the others (views
     excluded: they are never replayed) to ``cheap_ms``; a group without eager time is left as is."""
-    def heavy(op: OpRecord) -> bool:
-        return op_packet(op.name) in MATMUL_OPS
-
-    totals = {True: sum(op.time_ms for op in ops if heavy(op) and not op.is_view),
-              False: sum(op.time_ms for op in ops if not heavy(op) and not op.is_view)}
+    totals = {True: sum(op.time_ms for op in ops if _heavy(op) and not op.is_view),
+              False: sum(op.time_ms for op in ops if not _heavy(op) and not op.is_view)}
     targets = {True: heavy_ms, False: cheap_ms}
-    return tuple(op if op.is_view or totals[heavy(op)] <= 0 else
-                 dataclasses.replace(op, time_ms=op.time_ms * targets[heavy(op)] / totals[heavy(op)])
+    return tuple(op if op.is_view or totals[_heavy(op)] <= 0 else
+                 dataclasses.replace(op, time_ms=op.time_ms * targets[_heavy(op)] / totals[_heavy(op)])
                  for op in ops)
