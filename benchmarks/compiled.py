@@ -163,7 +163,7 @@ def match_table(ms: list[results.Match]) -> str:
     return "\n".join(lines)
 
 
-def _remat_only(ms: list[results.Match], rows: list[results.Row], source_kind: str) -> list[results.Match]:
+def _remat_only(rows: list[results.Row], source_kind: str) -> list[results.Match]:
     """The matches recomputed over the remat runs planned from one kind of profile."""
     keep = [r for r in rows if r.source == "peer" or f"({source_kind} profile)" in r.name]
     return [m for m in results.matches(keep) if m.mode == COMPILED]
@@ -181,7 +181,7 @@ def report(args: argparse.Namespace, suite: Suite, kinds: dict[str, str], elapse
     payload: dict[str, Any] = {"command": command_line(args), "machine": machine(), "elapsed_s": elapsed_s,
                                "rows": [r.__dict__ for r in all_rows], "matches": {}}
     for kind in kinds:
-        ms = _remat_only([], all_rows, kind)
+        ms = _remat_only(all_rows, kind)
         parts += [f"remat planned from the {kind} profile, against each compile budget at a peak no larger "
                   "than the budget's (allocator peaks, one run):", match_table(ms)]
         payload["matches"][kind] = [{**m.__dict__, "ratio": m.ratio} for m in ms]
