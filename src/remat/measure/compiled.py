@@ -50,7 +50,7 @@ from remat.checkpointing.cacheable import MATMUL_OPS, op_packet
 from remat.checkpointing.region import BufferGuard, checkpointed
 from remat.measure.blocks import Blocks
 from remat.measure.probes import failure_reason
-from remat.measure.overhead import MAX_REPEATS, BlockInputs, _alike_key
+from remat.measure.overhead import BlockInputs, _alike_key
 from remat.measure.storage import storage_key, storage_keys
 from remat.measure.timing import Clock
 from remat.measure.types import BlockProfile, CompiledBlock, OpRecord, Profile
@@ -61,7 +61,9 @@ _VARIANTS = ("plain", "recompute", "selective")
 MIN_MEASURE_S = 1.0
 """Rounds go on until the three variants have run this long: a replay is a paired difference of
 two compiled steps, and one measurement stands for every alike block (`remat.measure.overhead`
-uses 0.25 s per strategy)."""
+measures its eager probes in a share of a few steps)."""
+MAX_ROUNDS = 400
+"""Rounds at most, however fast the block."""
 
 
 def backend_name(compiled: bool | str) -> str:
@@ -204,7 +206,7 @@ def _timed(runs: dict[str, Callable[..., Any]], inputs: BlockInputs, repeats: in
     three variants in turn (starting one later each round)."""
     series: dict[str, list[float]] = {"plain_fwd": [], "plain_bwd": [], "recompute": [], "selective": []}
     spent_s, rounds = 0.0, 0
-    while rounds < repeats or (spent_s < MIN_MEASURE_S and rounds < MAX_REPEATS):
+    while rounds < repeats or (spent_s < MIN_MEASURE_S and rounds < MAX_ROUNDS):
         for k in range(len(_VARIANTS)):
             name = _VARIANTS[(rounds + k) % len(_VARIANTS)]
             fwd_ms, bwd_ms = _one_run(runs[name], inputs, clock)
