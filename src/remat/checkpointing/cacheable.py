@@ -19,11 +19,32 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["ALLOCATION_OPS", "cacheable", "is_in_place", "op_packet"]
+__all__ = ["ALLOCATION_OPS", "MATMUL_OPS", "cacheable", "is_in_place", "op_packet"]
 
 ALLOCATION_OPS = frozenset({"aten.empty_like", "aten.empty", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"})
 """Ops that only allocate: their outputs are filled in place afterwards, so a cached output would
 be mutated. They cost nothing to replay, so they are always replayed."""
+
+MATMUL_OPS = frozenset(
+    {
+        "aten.mm",
+        "aten.addmm",
+        "aten.bmm",
+        "aten.baddbmm",
+        "aten.linear",
+        "aten.convolution",
+        "aten._convolution",
+        "aten._scaled_dot_product_flash_attention",
+        "aten._scaled_dot_product_efficient_attention",
+        "aten._scaled_dot_product_cudnn_attention",
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+        "aten._flash_attention_forward",
+        "aten._efficient_attention_forward",
+    }
+)
+"""Compute-intensive ops: the outputs `save-matmuls` keeps, and what a compiled profile times
+apart from the cheap ops (`remat.measure.compiled`): torchtitan's list, plus the CPU fused
+attention kernel, which differs from the CUDA ones."""
 
 
 def op_packet(name: str) -> str:

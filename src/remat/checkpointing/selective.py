@@ -5,6 +5,13 @@ Op calls are named like the profile's op table (`remat.measure.types.OpRecord.ke
 the block, from 0. The policy is handed to
 `torch.utils.checkpoint.create_selective_checkpoint_contexts`; a fresh counter is made for every
 checkpointed forward, so the n-th ``aten.mm.default`` of every step maps to the same key.
+
+Under ``torch.compile`` the policy runs while AOT Autograd traces, where dropout is one
+``aten.native_dropout`` call; the eager CPU forward the profile recorded runs it as
+``empty_like``, ``bernoulli_``, ``div_`` and ``mul`` (CUDA runs ``native_dropout`` eagerly too).
+So on the CPU the compiled call counts as those four and answers for the ``mul``, the eager
+output: the keys a plan names mean the same calls compiled or not (saving it keeps the mask as
+well, which the eager cache would replay).
 """
 
 from __future__ import annotations
@@ -12,11 +19,16 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from remat.checkpointing.cacheable import cacheable
 
 __all__ = ["SavedOpsPolicy", "is_saved", "selective_context"]
+
+_NATIVE_DROPOUT = "aten.native_dropout.default"
+_EAGER_CPU_DROPOUT = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar", "aten.mul.Tensor")
+"""What eager CPU autograd runs for one dropout (ATen's ``_dropout_impl``), the output last."""
 
 
 class SavedOpsPolicy:
@@ -28,16 +40,25 @@ class SavedOpsPolicy:
         self.seen: list[str] = []
         """Keys of every call the policy was asked about, in order (for diagnostics and tests)."""
 
-    def key(self, op: Any) -> str:
+    def key(self, op: Any, *args: Any) -> str:
         name = str(op)
+        if name == _NATIVE_DROPOUT and args and _traced_on_cpu(args[0]):
+            return [self._next(eager) for eager in _EAGER_CPU_DROPOUT][-1]
+        return self._next(name)
+
+    def _next(self, name: str) -> str:
         index = self.counts[name]
         self.counts[name] += 1
         return f"{name}#{index}"
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        key = self.key(op)
+        key = self.key(op, *args)
         self.seen.append(key)
         return CheckpointPolicy.MUST_SAVE if is_saved(key, self.saved_ops) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _traced_on_cpu(first: Any) -> bool:
+    return torch.compiler.is_compiling() and isinstance(first, torch.Tensor) and first.device.type == "cpu"
 
 
 def is_saved(key: str, saved_ops: frozenset[str] | set[str]) -> bool:

@@ -36,6 +36,8 @@ def profile_command(
     repeats: int = typer.Option(5, help="Timed steps (the median is kept)."),
     seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
+    compiled: bool = typer.Option(False, "--compiled", help="Also measure each block under torch.compile "
+                                  "(inductor): the profile of a model that will train compiled."),
 ) -> None:
     """Measure the real model block by block: saved bytes, time, FLOPs, memory peak.
 
@@ -56,7 +58,7 @@ def profile_command(
             bar.update(task, completed=done, total=total, description=f"profiling {escape(spec)}: {escape(stage)}")
 
         result = profile(built.model, built.batch, built.loss_fn, built.optimizer, blocks or None,
-                         warmup=warmup, repeats=repeats, progress=advance)
+                         warmup=warmup, repeats=repeats, progress=advance, compiled=compiled)
     console.print(profile_table(result, spec))
     if any(b.unavailable for b in result.blocks):
         console.print(unavailable_rich(result))

@@ -75,6 +75,7 @@ from remat.checkpointing.caches import CacheOff
 from remat.measure.blocks import Blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.budget import ProbeBudget
+from remat.measure.compiled import backend_name, measure_compiled, with_compiled
 from remat.measure.dataflow import BlockFlow, DataflowRecorder, block_flows
 from remat.measure.fixed import fixed_modules
 from remat.measure.faults import FaultCount, first_touch_ms_per_byte
@@ -93,7 +94,7 @@ from remat.measure.timing import Clock, StepTimer, StepTimes, median_times, with
 from remat.measure.tracker import StepTracking
 from remat.measure.windows import BackwardWindows
 from remat.head.site import HeadSite, find_head
-from remat.measure.types import BlockProfile, Environment, OpRecord, Profile
+from remat.measure.types import BlockProfile, CompiledBlock, Environment, OpRecord, Profile
 
 Progress = Callable[[int, int, str], None]
 
@@ -110,6 +111,7 @@ def profile(
     progress: Progress | None = None,
     head_chunks: Sequence[int] | None = None,
     share_timing: bool = True,
+    compiled: bool | str = False,
 ) -> Profile:
     """Measure ``model`` on ``batch`` (calling convention of `remat._batch`) block by block.
 
@@ -120,17 +122,24 @@ def profile(
     or forward it runs. ``head_chunks``: chunk sizes (tokens) of the chunked head to measure
     (None: `chunk_candidates`). ``share_timing``: blocks that are the same computation take the
     timing probes of the first of them (`remat.measure.sharing`); False measures every block.
+    ``compiled``: the model will train under ``torch.compile`` (True: inductor, or a backend's
+    name): each block is also measured compiled and its figures become the compiled ones
+    (`remat.measure.compiled`; ``Profile.compiled_backend``).
     """
     _check_counts(warmup, repeats)
     check_batch_device(model, batch)
     device = model_device(model)
+    backend = backend_name(compiled)
+    if backend and device.type == "meta":
+        raise ValueError(f"compiled={compiled!r} needs a model that runs: it is on the meta device. "
+                         "Profile it on a real device, or pass compiled=False.")
     site, note = find_head(model) if loss_fn is None else (None, "the loss is a loss_fn outside the model")
     snapshot = StateSnapshot(model, optimizer)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _cache_off(model, device):
             step = _Step(model, batch, loss_fn, optimizer, site)
             prof, windows = _measure(step, discover(model, blocks, step.forward), warmup, repeats, progress,
-                                     share_timing)
+                                     share_timing, backend)
             return _with_head(step, prof, windows, note, head_chunks, repeats)
     finally:
         snapshot.restore()
@@ -198,7 +207,8 @@ HEAD_ROUNDS = 3
 
 
 def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
-             progress: Progress | None, share_timing: bool = True) -> tuple[Profile, BackwardWindows]:
+             progress: Progress | None, share_timing: bool = True,
+             backend: str = "") -> tuple[Profile, BackwardWindows]:
     block_list = found.blocks
     report = _Reporter(progress, max(warmup, 1) + 1 + repeats + (repeats - 1))
     for _ in range(max(warmup, 1)):
@@ -229,7 +239,19 @@ def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
         budget=dataclasses.replace(budget, steps=CALL_STEPS, floor_ms=0.0, min_repeats=1))
     prof = _assemble(step, found, memory, steps, overheads, touch, groups)
     least = min((b.recompute_overhead_ms for b in prof.blocks), default=0.0)
-    return dataclasses.replace(prof, checkpoint_call_ms=min(call_ms, least)), memory.windows
+    prof = dataclasses.replace(prof, checkpoint_call_ms=min(call_ms, least))
+    if backend:
+        prof = with_compiled(prof, _compiled_figures(step, block_list, memory.recorder, repeats, backend), backend)
+    return prof, memory.windows
+
+
+def _compiled_figures(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: int,
+                      backend: str) -> tuple[CompiledBlock, ...]:
+    """Each block run alone under ``torch.compile`` (`remat.measure.compiled`)."""
+    inputs = capture_block_inputs(block_list, step.forward)
+    keys = [frozenset(c.key for c in recorder.calls.get(name, [])) for name, _ in block_list]
+    return measure_compiled(block_list, inputs, keys, backend=backend, repeats=repeats,
+                            clock=Clock(model_device(step.model)))
 
 
 def _with_head(step: _Step, prof: Profile, windows: BackwardWindows, note: str, chunks: Sequence[int] | None,

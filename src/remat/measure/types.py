@@ -133,6 +133,29 @@ class BlockInput:
 
 
 @dataclass(kw_only=True, frozen=True)
+class CompiledBlock:
+    """One block run alone under ``torch.compile`` (``fullgraph=True``), forward then backward
+    (`remat.measure.compiled`): what its figures become in a compiled profile."""
+
+    fwd_ms: float
+    """Median compiled forward, everything kept."""
+    bwd_ms: float
+    """Median compiled backward, everything kept."""
+    replay_ms: float
+    """What checkpointing the whole block adds to its compiled step: the fused replay inside the
+    compiled backward (median of paired differences, never negative)."""
+    cheap_replay_ms: float
+    """What checkpointing adds when the outputs of the matmul-class ops
+    (`remat.checkpointing.cacheable.MATMUL_OPS`) are saved and the other ops replayed (never
+    above ``replay_ms``)."""
+    saved_bytes: int
+    """Bytes of the storages the compiled graph saves for backward (its backward node's saved
+    tensors), parameters and buffers excluded."""
+    eager_saved_bytes: int
+    """The same count for the block run alone eagerly (autograd's saved tensors)."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class BlockProfile:
     """Measurements of one block (one member of the model's repeated-layer list)."""
 
@@ -520,6 +543,11 @@ class Profile:
     model has no head remat can plan (``head_note`` says why): its loss stays in the fixed part."""
     head_note: str = ""
     """Why there is no head part ('' when there is one)."""
+    compiled_backend: str = ""
+    """The ``torch.compile`` backend the blocks' figures were measured under ('' for eager):
+    `remat.profile(..., compiled=True)` (`remat.measure.compiled`)."""
+    compiled_blocks: tuple[CompiledBlock, ...] = ()
+    """Per block, what the compiled run measured (empty for eager profiles)."""
     stacks: tuple[Stack, ...] = ()
     """The stacks the blocks form, in run order (empty in profiles recorded without them)."""
     fixed_modules: tuple[FixedModule, ...] = ()

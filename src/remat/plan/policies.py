@@ -23,7 +23,7 @@ from typing import Callable
 
 import numpy as np
 
-from remat.checkpointing.cacheable import ALLOCATION_OPS, cacheable, op_packet
+from remat.checkpointing.cacheable import ALLOCATION_OPS, MATMUL_OPS, cacheable, op_packet
 from remat.measure.types import BlockProfile, OpRecord
 
 __all__ = [
@@ -47,26 +47,6 @@ __all__ = [
 
 PolicyFn = Callable[..., tuple[str, ...]]
 POLICIES: dict[str, PolicyFn] = {}
-
-MATMUL_OPS = frozenset(
-    {
-        "aten.mm",
-        "aten.addmm",
-        "aten.bmm",
-        "aten.baddbmm",
-        "aten.linear",
-        "aten.convolution",
-        "aten._convolution",
-        "aten._scaled_dot_product_flash_attention",
-        "aten._scaled_dot_product_efficient_attention",
-        "aten._scaled_dot_product_cudnn_attention",
-        "aten._scaled_dot_product_flash_attention_for_cpu",
-        "aten._flash_attention_forward",
-        "aten._efficient_attention_forward",
-    }
-)
-"""Compute-intensive ops whose outputs `save-matmuls` keeps (torchtitan's list, plus the CPU
-fused attention kernel, which differs from the CUDA ones)."""
 
 _MAX_GROUP_STORAGES = 10
 """Storages sharing saved ops beyond which `knapsack_frontier` offers a group only whole."""

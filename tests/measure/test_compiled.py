@@ -1,0 +1,215 @@
+"""Compiled mode (`remat.profile(..., compiled=...)`, `remat.measure.compiled`): the blocks'
+figures as torch.compile runs them, and a plan made from them that compiles whole.
+
+The toy block is ``fc2(tanh(fc1(x)) * sigmoid(fc1(x)))`` on a (8, 16) float32 input, so every
+activation is 8 * 16 * 4 = 512 bytes. Eager autograd saves four of them: ``x`` (fc1's weight
+gradient), tanh's and sigmoid's outputs (their own backward and the product's) and the product
+(fc2's weight gradient): 2048 bytes. Inductor's partitioner saves three: ``x``, fc1's output
+(tanh and sigmoid are recomputed from it inside the fused backward) and the product: 1536.
+``aot_eager`` partitions by the default rule, which saves what eager autograd saves: 2048.
+
+Inductor compiles C++ on the CPU, tens of seconds per graph here: those tests are marked slow;
+the others use ``aot_eager`` (Dynamo and AOT Autograd, the same partition points, no codegen).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.checkpointing.cacheable import MATMUL_OPS, op_packet
+from remat.measure.compiled import matmul_replay_ms
+from remat.measure.types import CompiledBlock, Profile
+
+WIDTH, BATCH = 16, 8
+ACTIVATION_BYTES = BATCH * WIDTH * 4
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(WIDTH, WIDTH)
+        self.fc2 = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc1(x)
+        return self.fc2(torch.tanh(y) * torch.sigmoid(y))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH)  # both blocks' inputs need gradients: alike blocks
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def _model() -> tuple[_Net, torch.Tensor]:
+    torch.manual_seed(0)
+    return _Net(), torch.randn(BATCH, WIDTH)
+
+
+def _profiles(backend: str) -> tuple[Profile, Profile]:
+    model, x = _model()
+    eager = remat.profile(model, x, repeats=1)
+    torch._dynamo.reset()
+    return eager, remat.profile(model, x, repeats=1, compiled=backend)
+
+
+@pytest.fixture(scope="module")
+def aot_eager_profiles() -> tuple[Profile, Profile]:
+    return _profiles("aot_eager")
+
+
+def test_a_compiled_profile_prices_blocks_as_the_compiled_runs_measured_them(aot_eager_profiles):
+    eager, compiled = aot_eager_profiles
+    assert eager.compiled_backend == "" and eager.compiled_blocks == ()
+    assert compiled.compiled_backend == "aot_eager"
+    assert compiled.checkpoint_call_ms == 0.0
+    figs = compiled.compiled_blocks
+    assert len(figs) == 2 and figs[0] is figs[1]  # alike blocks: compiled and measured once
+    for before, block, fig in zip(eager.blocks, compiled.blocks, figs, strict=True):
+        assert (fig.eager_saved_bytes, fig.saved_bytes) == (4 * ACTIVATION_BYTES, 4 * ACTIVATION_BYTES)
+        assert block.saved_bytes == before.saved_bytes
+        assert (block.fwd_ms, block.bwd_ms) == (fig.fwd_ms, fig.bwd_ms)
+        assert block.recompute_overhead_ms == max(0.0, fig.replay_ms - fig.fwd_ms)
+        assert block.selective_overhead_ms == block.selective_cache_overhead_ms == 0.0
+        assert 0.0 <= fig.cheap_replay_ms <= fig.replay_ms
+        heavy = [op for op in block.ops if op_packet(op.name) in MATMUL_OPS]
+        cheap = [op for op in block.ops if op_packet(op.name) not in MATMUL_OPS and not op.is_view]
+        assert [op_packet(op.name) for op in heavy] == ["aten.addmm", "aten.addmm"]
+        # the matmuls' replay: what the runs measured, at least their share of the forward
+        assert sum(op.time_ms for op in heavy) >= fig.replay_ms - fig.cheap_replay_ms - 1e-9
+        assert 0.0 < sum(op.time_ms for op in heavy) <= max(fig.replay_ms - fig.cheap_replay_ms, fig.fwd_ms) + 1e-9
+        assert sum(op.time_ms for op in cheap) == pytest.approx(fig.cheap_replay_ms, abs=1e-9)
+        # everything the eager profile measured about memory stays
+        assert (block.bwd_temp_bytes, block.input_bytes, block.ops[0].key) == (
+            before.bwd_temp_bytes, before.input_bytes, before.ops[0].key)
+    assert Profile.from_json(compiled.to_json()) == compiled
+
+
+def test_a_replayed_matmul_costs_at_least_its_share_of_the_compiled_forward(aot_eager_profiles):
+    eager, _ = aot_eager_profiles
+    ops = eager.blocks[0].ops
+    heavy = sum(op.time_ms for op in ops if op_packet(op.name) in MATMUL_OPS)
+    share = heavy / sum(op.time_ms for op in ops if not op.is_view)
+    assert 0.0 < share < 1.0
+
+    def fig(replay_ms: float, cheap_ms: float) -> CompiledBlock:
+        return CompiledBlock(fwd_ms=2.0, bwd_ms=3.0, replay_ms=replay_ms, cheap_replay_ms=cheap_ms,
+                             saved_bytes=0, eager_saved_bytes=0)
+
+    assert matmul_replay_ms(ops, fig(0.0, 0.0)) == pytest.approx(2.0 * share)  # a noisy 0 is not free
+    assert matmul_replay_ms(ops, fig(5.0, 1.0)) == 4.0  # measured above the share: as measured
+
+
+def test_a_plan_from_a_compiled_profile_compiles_whole_with_the_unplanned_gradients(aot_eager_profiles):
+    _, compiled = aot_eager_profiles
+    plan = remat.plan(compiled, strategy="full")
+    assert [s.strategy for s in plan.segments] == ["recompute", "recompute"]
+    want, got = _compiled_grads(None, "aot_eager"), _compiled_grads(plan, "aot_eager")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+
+
+def _compiled_grads(plan: remat.Plan | None, backend: str) -> dict[str, torch.Tensor]:
+    model, x = _model()
+    model = copy.deepcopy(model)
+    if plan is not None:
+        remat.apply_(model, plan)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)  # a graph break raises
+    compiled(x).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_inductor_saves_less_than_eager_and_the_profile_keeps_the_difference():
+    eager, compiled = _profiles("inductor")
+    for before, block, fig in zip(eager.blocks, compiled.blocks, compiled.compiled_blocks, strict=True):
+        assert (fig.eager_saved_bytes, fig.saved_bytes) == (4 * ACTIVATION_BYTES, 3 * ACTIVATION_BYTES)
+        assert block.saved_bytes == before.saved_bytes - ACTIVATION_BYTES
+    plan = remat.plan(compiled, strategy="selective:save-matmuls")
+    want, got = _compiled_grads(None, "inductor"), _compiled_grads(plan, "inductor")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+
+
+@pytest.mark.parametrize(("compiled", "error", "match"), [
+    ("no-such-backend", ValueError, r"compiled='no-such-backend' is not a torch.compile backend; known: .*inductor"),
+    (3, TypeError, r"compiled=3 must be a bool or a torch.compile backend name"),
+])
+def test_a_bad_compiled_argument_is_refused_before_anything_runs(compiled, error, match):
+    model, x = _model()
+    with pytest.raises(error, match=match):
+        remat.profile(model, x, compiled=compiled)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_meta_device_cannot_be_profiled_compiled():
+    with torch.device("meta"):
+        model = _Net()
+    with pytest.raises(ValueError, match=r"compiled=True needs a model that runs: it is on the meta device"):
+        remat.profile(model, torch.empty(BATCH, WIDTH, device="meta"), compiled=True)
+
+
+_VIEWS = {"aten.view", "aten._unsafe_view", "aten.t", "aten.transpose", "aten.expand", "aten.split", "aten.alias"}
+
+
+def test_a_selective_policy_names_the_same_calls_compiled_as_eager_dropout_included():
+    """Traced for the compiler, dropout is one ``native_dropout`` call; eager on the CPU it is
+    empty_like, bernoulli_, div_ and mul. The policy counts it as the eager calls, so every key
+    a plan can name (cacheable, not a view) means the same call in both."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from remat.checkpointing.cacheable import cacheable
+    from remat.checkpointing.selective import SavedOpsPolicy
+    from remat.models import build
+
+    built = build("gpt", seed=0, optimizer="none", num_layers=1, d_model=16, num_heads=2, seq_len=8,
+                  batch_size=2, vocab_size=32)
+    block, x = built.model.blocks[0], torch.randn(2, 8, 16, requires_grad=True)
+    policies: list[SavedOpsPolicy] = []
+
+    def context() -> tuple:
+        policies.append(SavedOpsPolicy(frozenset()))
+        return create_selective_checkpoint_contexts(policies[-1])
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(block, x, use_reentrant=False, context_fn=context)
+
+    step(x).sum().backward()
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend="aot_eager")(x).sum().backward()
+
+    def plannable(keys: list[str]) -> list[str]:
+        return [k for k in keys if cacheable(op_packet(k.rsplit("#", 1)[0])) and op_packet(k.rsplit("#", 1)[0]) not in _VIEWS]
+
+    eager, compiled = plannable(policies[0].seen), plannable(policies[-1].seen)
+    assert "aten.mul.Tensor#3" in eager and eager.count("aten.native_dropout.default#0") == 0
+    assert compiled == eager
+
+
+class _Breaking(_Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()  # nothing in eager; under fullgraph=True an error
+        return super().forward(x)
+
+
+def test_a_block_that_breaks_the_graph_is_named_in_the_error():
+    model, x = _model()
+    model.blocks[1] = _Breaking()
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"block 'blocks.1' does not run under torch.compile\(fullgraph=True, "
+                                         r"backend='aot_eager'\): .*Profile with compiled=False"):
+        remat.profile(model, x, blocks="blocks.*", repeats=1, compiled="aot_eager")
+    assert all(p.grad is None for p in model.parameters())
