@@ -209,6 +209,43 @@ class TitanSelective(Peer):
         return "per block: save mm/addmm/SDPA outputs except every 2nd matmul, recompute the rest"
 
 
+class _CoreCheckpoint:
+    """An attention module's ``_explicit`` (the core: q @ k^T, scale, mask, softmax, dropout, @ v)
+    under non-reentrant `torch.utils.checkpoint`; an instance attribute, so the class keeps its own."""
+
+    def __init__(self, core: Callable[..., torch.Tensor]) -> None:
+        self.core = core
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        return checkpoint(self.core, *args, use_reentrant=False)
+
+
+@dataclass(kw_only=True, frozen=True)
+class AttentionCoreCheckpoint(Peer):
+    """Megatron-LM's selective recomputation: only the attention core is checkpointed.
+
+    Megatron (``--recompute-granularity selective``) runs its ``core_attention`` under its
+    checkpoint and keeps everything else. Here: the built-in GPT's explicit attention core
+    (`remat.models.gpt.CausalSelfAttention._explicit`) under non-reentrant `checkpoint`.
+    """
+
+    def prepare(self, model: nn.Module, batch: Any) -> nn.Module:
+        from remat.models.gpt import CausalSelfAttention
+
+        cores = [m for m in model.modules() if isinstance(m, CausalSelfAttention) and m.attention == "explicit"]
+        if not cores:
+            raise PeerUnavailable(
+                f"{type(model).__name__} has no explicit attention core to checkpoint (the recipe is written "
+                "for the built-in GPT with attention='explicit')"
+            )
+        for module in cores:
+            module._explicit = _CoreCheckpoint(type(module)._explicit.__get__(module))
+        return model
+
+    def describe(self) -> str:
+        return "checkpoint(use_reentrant=False) around each attention core (q k^T ... softmax, dropout, @ v)"
+
+
 def budget_backend(budget: float) -> Callable[..., Any]:
     """An inductor backend that partitions with ``activation_memory_budget=budget``.
 
