@@ -25,7 +25,7 @@ from benchmarks._peers.strategies import (TITAN_MM_OPS, TITAN_SAVE_OPS, Attentio
                                           PerBlockCheckpoint, Peer, SqrtSequential, TitanSelective,
                                           sqrt_segments)
 from benchmarks._peers.suite import Suite, _try_add, plan_summary, remat_profile
-from benchmarks._peers.workloads import Workload, block_list
+from benchmarks._peers.workloads import Workload, block_list, recipe_blocks
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,14 @@ Layout = Callable[[Any, nn.Module], tuple[Any, ...]]
 
 
 def _recipe_indices(profile: Any, model: nn.Module) -> list[int]:
-    """Profile indices of the blocks the per-block recipes wrap (the longest module list), in run order."""
-    parent, attr, blocks = block_list(model)
+    """Profile indices of the blocks the per-block recipes wrap (`workloads.recipe_blocks`), in run order."""
+    names = {name for name, _ in recipe_blocks(model)}
+    return [b.index for b in profile.blocks if b.name in names]
+
+
+def _list_indices(profile: Any, model: nn.Module) -> list[int]:
+    """Profile indices of the longest module list's blocks (`checkpoint_sequential`'s chain), in run order."""
+    _, _, blocks = block_list(model)
     prefix = next(name for name, module in model.named_modules() if module is blocks)
     names = {f"{prefix}.{i}" if prefix else str(i) for i in range(len(blocks))}
     return [b.index for b in profile.blocks if b.name in names]
@@ -69,7 +75,7 @@ def sequential_layout(profile: Any, model: nn.Module) -> tuple[Any, ...]:
     the last chunk (N - (k-1) * (N // k) blocks) kept (torch's ``checkpoint_sequential``)."""
     from remat.plan.types import Segment
 
-    indices = _recipe_indices(profile, model)
+    indices = _list_indices(profile, model)
     num_segments = sqrt_segments(len(indices))
     size = len(indices) // num_segments
     chosen = {}
@@ -103,15 +109,36 @@ def titan_layout(profile: Any, model: nn.Module) -> tuple[Any, ...]:
         for i in _recipe_indices(profile, model)})
 
 
+_OPERAND_PREP = frozenset({"aten.expand", "aten.clone", "aten._unsafe_view", "aten.contiguous"})
+"""Ops that turn q, k and v (views of the projection's output) into a matmul's operands."""
+
+
+def megatron_saved_ops(block: Any) -> tuple[str, ...]:
+    """The op calls Megatron-LM's attention-core checkpoint keeps in one block: remat's
+    ``attention-core`` policy with each core reaching back to its inputs q, k and v. Megatron
+    checkpoints the core function, whose inputs are the views of the projection's output, so the
+    operand copies the score matmul makes of q and k (expand, clone) are replayed, not kept."""
+    from remat.plan.policies import _attention_core_indices, _base, attention_core
+
+    core = _attention_core_indices(block.ops)
+    for first in sorted(core):
+        if first - 1 in core:
+            continue
+        i = first - 1
+        while i >= 0 and (block.ops[i].is_view or _base(block.ops[i]) in _OPERAND_PREP):
+            core.add(i)
+            i -= 1
+    keys = {block.ops[i].key for i in core}
+    return tuple(k for k in attention_core(block) if k not in keys)
+
+
 def attention_core_layout(profile: Any, model: nn.Module) -> tuple[Any, ...]:
-    """Every block of the list under remat's ``selective:attention-core`` policy (Megatron-LM's
-    selective recomputation)."""
-    from remat.plan.policies import policy
+    """Every block of the list selective, replaying its attention core from q, k and v
+    (`megatron_saved_ops`)."""
     from remat.plan.types import Segment
 
-    core = policy("attention-core")
     return _segments(profile, {
-        i: Segment(start=i, stop=i + 1, strategy="selective:attention-core", saved_ops=core(profile.blocks[i]))
+        i: Segment(start=i, stop=i + 1, strategy="selective:attention-core", saved_ops=megatron_saved_ops(profile.blocks[i]))
         for i in _recipe_indices(profile, model)})
 
 

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from benchmarks._peers.workloads import block_list
+from benchmarks._peers.workloads import block_list, recipe_blocks
 
 EAGER = "eager"
 COMPILED = "compile"
@@ -75,9 +75,11 @@ class _Checkpointed(nn.Module):
 
 
 def _wrap_blocks(model: nn.Module, context_fn: Callable[[], Any] | None = None) -> None:
-    _, _, blocks = block_list(model)
-    for i, block in enumerate(blocks):
-        blocks[i] = _Checkpointed(block, context_fn)
+    """Every block of every innermost stack (`workloads.recipe_blocks`) under its own checkpoint."""
+    for name, block in recipe_blocks(model):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        parent._modules[attr] = _Checkpointed(block, context_fn)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -85,7 +87,8 @@ class PerBlockCheckpoint(Peer):
     """Full checkpointing of every block, as Hugging Face applies it.
 
     HF models: ``model.gradient_checkpointing_enable()`` with its defaults. Built-in models:
-    each block wrapped in non-reentrant `torch.utils.checkpoint` (what HF's layer does).
+    each block of every innermost stack (`workloads.recipe_blocks`: a U-Net's down and up blocks)
+    wrapped in non-reentrant `torch.utils.checkpoint` (what HF's layer does).
     """
 
     def prepare(self, model: nn.Module, batch: Any) -> nn.Module:
