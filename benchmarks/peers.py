@@ -1,13 +1,16 @@
 """remat against the alternatives, side by side in one run.
 
-    python -m benchmarks.peers --model gpt [--size small|large] [--device cpu|cuda]
-                               [--repeats N] [--out DIR] [--no-compile]
+    python -m benchmarks.peers --model gpt [--size tiny|small|large] [--device cpu|cuda]
+                               [--repeats N] [--out DIR] [--no-compile] [--parity]
 
 For one model: every peer (no recomputation, per-block checkpointing as Hugging Face applies
 it, checkpoint_sequential with sqrt(N) segments, torchtitan's selective policy, torch.compile
 with activation memory budgets, Rockmate) and remat's optimal plan at each peer's measured
 peak, plus points of remat's Pareto frontier. The timed repeats of all strategies are
 interleaved; medians are reported. Writes ``<out>/<model>-<size>.md``, ``.json`` and ``.png``.
+
+``--parity``: instead, each recipe against remat running the same layout as a plan
+(`benchmarks._peers.parity`); writes ``<out>/<model>-<size>-parity.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch.set_num_threads (default 0: torch's default); 1 helps on an oversubscribed CPU")
+    parser.add_argument("--parity", action="store_true",
+                        help="each recipe against remat's plan of the same layout, side by side")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 1:
@@ -118,7 +123,8 @@ def command_line(args: argparse.Namespace) -> str:
     flags = f"--model {args.model} --size {args.size} --device {args.device} --repeats {args.repeats}"
     flags += f" --warmup {args.warmup} --frontier-points {args.frontier_points}"
     flags += f" --threads {args.threads}" if args.threads else ""
-    return f"python -m benchmarks.peers {flags}" + (" --no-compile" if args.no_compile else "")
+    flags += " --no-compile" if args.no_compile else ""
+    return f"python -m benchmarks.peers {flags}" + (" --parity" if args.parity else "")
 
 
 def report(args: argparse.Namespace, suite: Suite, elapsed_s: float) -> str:
@@ -135,9 +141,40 @@ def report(args: argparse.Namespace, suite: Suite, elapsed_s: float) -> str:
     ]) + "\n"
 
 
+def parity_main(args: argparse.Namespace) -> int:
+    """``--parity``: every recipe against remat's plan of its layout; writes Markdown and JSON."""
+    from benchmarks._peers import parity
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    workload = Workload(model=args.model, size=args.size, device=args.device)
+    suite, pairs = parity.run_parity(workload, parity.default_recipes(), repeats=args.repeats, warmup=args.warmup)
+    elapsed_s = time.perf_counter() - started
+    sizes = ", ".join(f"{k}={v}" for k, v in workload.sizes.items())
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    skipped = "".join(f"\n- {u.name}: did not run ({u.reason})" for u in suite.unavailable)
+    text = "\n\n".join([
+        f"### {workload.label}: {suite.num_blocks} blocks ({sizes}), same layout",
+        f"`{command_line(args)}` on {stamp}; {machine()}; run took {elapsed_s:.0f} s.",
+        parity.parity_table(pairs),
+    ]) + ("\n\nRecipes that did not run here:" + skipped if skipped else "") + "\n"
+    stem = f"{args.model.replace(':', '-')}-{args.size}-parity"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.md").write_text(text)
+    payload = {"command": command_line(args), "machine": machine(), "elapsed_s": elapsed_s,
+               "pairs": parity.parity_json(pairs),
+               "unavailable": [{"name": u.name, "reason": u.reason} for u in suite.unavailable]}
+    (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
+    if args.parity:
+        return parity_main(args)
     started = time.perf_counter()
     suite = run(args)
     elapsed_s = time.perf_counter() - started

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from remat._batch import compute_loss, call_model
 from remat.models import MODEL_NAMES, build, model_sizes
@@ -117,3 +118,26 @@ def test_unknown_name_and_size():
 
 def test_model_sizes_lists_defaults():
     assert model_sizes("mlp") == {"depth": 8, "width": 256, "batch_size": 32}
+
+
+def test_convnet_stages_halve_the_activations():
+    """downsample_every=2: units 2 and 4 halve the image and double the channels, so each stage's
+    activations are half the stage before's (shortcut: strided 1x1 conv + BN); the default keeps
+    the state_dict keys of a ConvNet without stages."""
+    built = build("convnet", num_blocks=5, channels=4, image_size=8, batch_size=2, downsample_every=2)
+    shapes, x = [], F.relu(built.model.stem_bn(built.model.stem(built.batch[0])))
+    for block in built.model.blocks:
+        x = block(x)
+        shapes.append(tuple(x.shape))
+    assert shapes == [(2, 4, 8, 8), (2, 4, 8, 8), (2, 8, 4, 4), (2, 8, 4, 4), (2, 16, 2, 2)]
+    assert [b.shortcut is not None for b in built.model.blocks] == [False, False, True, False, True]
+    assert built.model.classifier.in_features == 16
+    plain = build("convnet", num_blocks=2, channels=4, image_size=8, batch_size=2)
+    assert not any("shortcut" in k for k in plain.model.state_dict())
+
+
+def test_convnet_refuses_an_image_it_cannot_halve():
+    with pytest.raises(ValueError, match=r"image_size=10 must be divisible by 2 \*\* 2 .*downsample_every=2"):
+        build("convnet", num_blocks=5, channels=4, image_size=10, downsample_every=2)
+    with pytest.raises(ValueError, match="downsample_every=-1 must be >= 0"):
+        build("convnet", downsample_every=-1)
