@@ -62,8 +62,8 @@ def test_block_list_is_the_longest_module_list() -> None:
 
 
 def test_workload_rejects_unknown_names() -> None:
-    with pytest.raises(ValueError, match="unknown model 'resnet'; allowed: gpt"):
-        Workload(model="resnet", size="small")
+    with pytest.raises(ValueError, match="unknown model 'vgg'; allowed: gpt"):
+        Workload(model="vgg", size="small")
     with pytest.raises(ValueError, match="unknown size 'huge'; allowed: tiny, small, large"):
         Workload(model="gpt", size="huge")
 
@@ -81,6 +81,38 @@ def test_eager_peers_give_bit_identical_gradients(peer: strategies.Peer) -> None
     assert check.identical and check.max_abs_diff == 0.0
     for got, want in zip(run.grads, reference.grads, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_attention_core_recipe_checkpoints_only_the_core() -> None:
+    """Megatron's recipe: the same gradients as no recomputation, and only the core's ops run
+    twice (two score bmms, softmax and the dropout's draw per block: 4 blocks)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from benchmarks._peers.runner import step
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: dict[str, int] = defaultdict(int)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            self.calls[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    reference = _runner(strategies.NoRecompute(name="none"))
+    run = _runner(strategies.AttentionCoreCheckpoint(name="megatron"))
+    assert compare_grads(run, reference).identical
+    counts = []
+    for r in (reference, run):
+        with Count() as count:
+            step(r)
+        counts.append(count.calls)
+    extra = {k: counts[1][k] - counts[0].get(k, 0) for k in counts[1] if counts[1][k] != counts[0].get(k, 0)}
+    assert extra["aten._softmax.default"] == 4 and extra["aten.bernoulli_.float"] == 4
+    assert extra["aten.bmm.default"] == 4  # q k^T replayed; probs @ v is not (torch's early stop)
+    assert "aten.addmm.default" not in extra
+    with pytest.raises(strategies.PeerUnavailable, match="has no explicit attention core"):
+        strategies.AttentionCoreCheckpoint(name="megatron").prepare(nn.Linear(2, 2), None)
 
 
 def test_sqrt_sequential_keeps_hf_gpt2_gradients() -> None:
@@ -245,3 +277,64 @@ def test_zoo_planning_benchmark_on_the_unet(tmp_path, monkeypatch) -> None:
     zoo_planning.main()
     # the last line carries the load average, which moves between the two calls
     assert (tmp_path / "p.md").read_text().splitlines()[:-1] == text.splitlines()[:-1]
+
+
+def _tiny_profile(workload: Workload):
+    from benchmarks._peers.suite import remat_profile
+
+    return remat_profile(workload), workload.build().model
+
+
+def test_parity_layouts_are_the_recipes_choices() -> None:
+    """Each recipe written as remat segments on the tiny GPT (4 blocks): per block, checkpoint_sequential's
+    2 segments of 2 with the last one kept, torchtitan's every other matmul, Megatron's core from q, k, v."""
+    from benchmarks._peers import parity
+
+    profile, model = _tiny_profile(TINY)
+    kinds = lambda segs: [(s.start, s.stop, s.strategy) for s in segs]  # noqa: E731
+    assert kinds(parity.per_block_layout(profile, model)) == [(i, i + 1, "recompute") for i in range(4)]
+    assert kinds(parity.sequential_layout(profile, model)) == [(0, 2, "recompute"), (2, 3, "keep"), (3, 4, "keep")]
+    titan = parity.titan_layout(profile, model)
+    # addmm: qkv, attention out, fc, mlp out: the 1st and 3rd are saved; bmm is not on torchtitan's list
+    assert {s.saved_ops for s in titan} == {("aten.addmm.default#0", "aten.addmm.default#2")}
+    core = parity.megatron_saved_ops(profile.blocks[0])
+    assert "aten.addmm.default#0" in core and "aten.native_layer_norm.default#0" in core
+    assert not {"aten.clone.default#0", "aten.clone.default#1", "aten.bmm.default#0", "aten._softmax.default#0"} & set(core)
+    unet = Workload(model="unet", size="tiny")
+    profile, model = _tiny_profile(unet)
+    assert [s.strategy for s in parity.per_block_layout(profile, model)] == ["recompute"] * 5
+
+
+def test_parity_run_holds_no_more_than_each_recipe(tmp_path) -> None:
+    """`--parity` on the tiny GPT: every recipe and remat's plan of its layout, identical gradients,
+    remat's measured peak no larger than the recipe's; Markdown and JSON written."""
+    from benchmarks import peers
+
+    argv = ["--model", "gpt", "--size", "tiny", "--repeats", "2", "--warmup", "1", "--parity", "--out", str(tmp_path)]
+    assert peers.main(argv) == 0
+    payload = json.loads((tmp_path / "gpt-tiny-parity.json").read_text())
+    assert [p["recipe"] for p in payload["pairs"]] == [
+        "per-block checkpoint", "checkpoint_sequential sqrt(N)", "torchtitan selective", "Megatron attention core"]
+    for pair in payload["pairs"]:
+        assert pair["identical"] and len(pair["ratios"]) == 2
+        assert pair["remat_peak_bytes"] <= pair["recipe_peak_bytes"], pair["recipe"]
+    assert "| recipe | remat plan of its layout |" in (tmp_path / "gpt-tiny-parity.md").read_text()
+
+
+@pytest.mark.parametrize("model", ["resnet", "unet", "hf:swin", "hf:llama"])
+def test_heterogeneous_workloads_run_against_per_block_checkpointing(model: str) -> None:
+    """The tiny heterogeneous workloads: the peers that run on them and remat's plans give the
+    gradients of no recomputation; remat's plan at per-block checkpointing's peak fits it."""
+    if model.startswith("hf:"):
+        pytest.importorskip("transformers")
+    from benchmarks.peers import run_suite
+
+    workload = Workload(model=model, size="tiny")
+    assert workload.heterogeneous
+    peers = [strategies.NoRecompute(name="none"), strategies.PerBlockCheckpoint(name="per-block checkpoint")]
+    suite = run_suite(workload, peers, repeats=1, warmup=1, frontier_points=0)
+    all_rows = results.rows(suite)
+    assert [r.name for r in all_rows if r.source == "peer"] == ["none", "per-block checkpoint"]
+    assert all(r.identical for r in all_rows), [(r.name, r.grads_vs_eager) for r in all_rows]
+    (match,) = results.matches(all_rows)
+    assert match.remat is not None and match.remat_peak_bytes <= match.peer_peak_bytes

@@ -114,13 +114,16 @@ _OPERAND_PREP = frozenset({"aten.expand", "aten.clone", "aten._unsafe_view", "at
 
 
 def megatron_saved_ops(block: Any) -> tuple[str, ...]:
-    """The op calls Megatron-LM's attention-core checkpoint keeps in one block: remat's
-    ``attention-core`` policy with each core reaching back to its inputs q, k and v. Megatron
-    checkpoints the core function, whose inputs are the views of the projection's output, so the
+    """The op calls whose outputs Megatron-LM's attention-core checkpoint keeps in one block:
+    outside the core, what autograd saves (`remat.plan.policies.op_cacheable` calls with saved
+    bytes) and the projection q, k and v are views of (the checkpoint's inputs); the core reaches from the last score matmul before each softmax to the first one
+    after (remat's ``attention-core`` policy) and back to its inputs q, k and v. Megatron
+    checkpoints the core function, whose inputs are views of the projection's output, so the
     operand copies the score matmul makes of q and k (expand, clone) are replayed, not kept."""
-    from remat.plan.policies import _attention_core_indices, _base, attention_core
+    from remat.plan.policies import _attention_core_indices, _base, op_cacheable
 
     core = _attention_core_indices(block.ops)
+    inputs = set()
     for first in sorted(core):
         if first - 1 in core:
             continue
@@ -128,8 +131,9 @@ def megatron_saved_ops(block: Any) -> tuple[str, ...]:
         while i >= 0 and (block.ops[i].is_view or _base(block.ops[i]) in _OPERAND_PREP):
             core.add(i)
             i -= 1
-    keys = {block.ops[i].key for i in core}
-    return tuple(k for k in attention_core(block) if k not in keys)
+        inputs.add(i)  # the projection whose output q, k and v view: the checkpoint keeps its inputs
+    return tuple(op.key for i, op in enumerate(block.ops)
+                 if i not in core and (op.saved_bytes > 0 or i in inputs) and not op.is_view and op_cacheable(op))
 
 
 def attention_core_layout(profile: Any, model: nn.Module) -> tuple[Any, ...]:

@@ -312,6 +312,7 @@ def default_peers(*, with_compile: bool, compile_budgets: tuple[float, ...] = (0
         PerBlockCheckpoint(name="per-block checkpoint"),
         SqrtSequential(name="checkpoint_sequential sqrt(N)"),
         TitanSelective(name="torchtitan selective"),
+        AttentionCoreCheckpoint(name="Megatron attention core"),
         Rockmate(name="rockmate 2.0.0"),
     ]
     if with_compile:
