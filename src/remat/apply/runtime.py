@@ -106,6 +106,8 @@ class Runtime:
         self.mutating: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         """Buffers a region's forward changes, per (start, stop, training modes): the store of
         `remat.checkpointing.region.BufferGuard`."""
+        self.guards: dict[tuple[int, int], Any] = {}
+        """The `remat.checkpointing.region.BufferGuard` of each region ``(start, stop)``, made on its first call."""
 
     # -- installing -------------------------------------------------------------------------
     def planned_indices(self) -> list[int]:

@@ -28,7 +28,10 @@ Handler = Callable[[Runtime, Segment, Any, tuple[Any, ...], dict[str, Any]], lis
 
 def _checkpointed(runtime: Runtime, seg: Segment, body: Callable[[Any], list[Any]],
                   first: Any, extra: tuple[Any, ...], context_fn: Callable[[], Any] | None = None) -> list[Any]:
-    guard = BufferGuard(runtime.blocks[seg.start : seg.stop], runtime.mutating, (seg.start, seg.stop))
+    guard = runtime.guards.get((seg.start, seg.stop))
+    if guard is None:  # one guard per region, made on its first call
+        guard = BufferGuard(runtime.blocks[seg.start : seg.stop], runtime.mutating, (seg.start, seg.stop))
+        runtime.guards[(seg.start, seg.stop)] = guard
     return checkpointed(body, first, extra, guard=guard, context_fn=context_fn)
 
 

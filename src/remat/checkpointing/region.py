@@ -56,9 +56,12 @@ class BufferGuard:
         self.known = known
         self.name = name
         """Tells regions apart in ``known`` (the runtime's ``(start, stop)``)."""
+        self.modules = [m for block in blocks for m in block.modules()]
+        """Every module of the blocks, listed once: the key reads their training flags on every
+        forward and replay, and walking the module tree each time cost more than the flags."""
 
     def _key(self) -> tuple[Any, ...]:
-        return (*self.name, tuple(m.training for block in self.blocks for m in block.modules()))
+        return (*self.name, tuple(m.training for m in self.modules))
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
