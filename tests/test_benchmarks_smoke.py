@@ -175,8 +175,11 @@ def test_matches_pick_the_fastest_identical_remat_run_within_each_peak() -> None
     assert full.ratio == pytest.approx(120 / 150) and full.goal_met
     assert (sqrt.peer, sqrt.remat, sqrt.best_peer) == ("sqrt", "remat b", "sqrt")
     assert sqrt.ratio == pytest.approx(110 / 130) and sqrt.goal_met
-    slow = results.matches([_row("full", "peer", 4, 100), _row("remat a", "remat", 4, 99)])[0]
-    assert slow.ratio == pytest.approx(0.99) and not slow.goal_met
+    even = results.matches([_row("full", "peer", 4, 100), _row("remat a", "remat", 4, 100)])[0]
+    assert even.ratio == pytest.approx(1.0) and even.goal_met  # uniform chains: at most the peer's time
+    slow = results.matches([_row("full", "peer", 4, 100), _row("remat a", "remat", 4, 86)],
+                           goal_ratio=results.HETEROGENEOUS_GOAL)[0]
+    assert slow.ratio == pytest.approx(0.86) and not slow.goal_met
 
 
 def test_tiny_end_to_end_run_writes_table_json_and_plot(tmp_path) -> None:
