@@ -31,6 +31,11 @@ _EAGER_CPU_DROPOUT = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.
 """What eager CPU autograd runs for one dropout (ATen's ``_dropout_impl``), the output last."""
 
 
+_NAMES: dict[Any, str] = {}
+"""Op overload -> its name: the policy is asked about every op of every checkpointed forward and
+replay, and ``str(op)`` formats the name anew each time (half of the policy's own time)."""
+
+
 class SavedOpsPolicy:
     """``policy(ctx, op, *args, **kwargs)``: MUST_SAVE for the named calls, PREFER_RECOMPUTE otherwise."""
 
@@ -41,14 +46,16 @@ class SavedOpsPolicy:
         """Keys of every call the policy was asked about, in order (for diagnostics and tests)."""
 
     def key(self, op: Any, *args: Any) -> str:
-        name = str(op)
+        name = _NAMES.get(op)
+        if name is None:
+            name = _NAMES[op] = str(op)
         if name == _NATIVE_DROPOUT and args and _traced_on_cpu(args[0]):
             return [self._next(eager) for eager in _EAGER_CPU_DROPOUT][-1]
         return self._next(name)
 
     def _next(self, name: str) -> str:
         index = self.counts[name]
-        self.counts[name] += 1
+        self.counts[name] = index + 1
         return f"{name}#{index}"
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
