@@ -83,7 +83,8 @@ def add_peers(suite: Suite, peers: list[Peer], warmup_steps: int) -> None:
 
 
 def _plan_key(plan: Any) -> str:
-    return json.dumps(to_dict(plan.segments), sort_keys=True)
+    """Plans that differ only in how the head runs are different runs."""
+    return json.dumps([to_dict(plan.segments), plan.head], sort_keys=True)
 
 
 def plan_summary(plan: Any) -> str:
