@@ -138,7 +138,7 @@ def test_a_failing_or_skipped_section_says_why_and_loses_nothing_else():
 def test_the_time_limit_is_not_swallowed_by_a_harness_that_records_failures():
     def tolerant(data, progress):
         for i in range(1000):
-            try:  # as benchmarks._peers.suite._try_add records a strategy that raises and goes on
+            try:  # as benchmarks._peers.suite.try_add records a strategy that raises and goes on
                 time.sleep(0.01)
             except Exception:
                 data.setdefault("swallowed", []).append(i)

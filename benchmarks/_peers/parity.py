@@ -11,7 +11,6 @@ holds no more than the recipe (``peak_ratio <= 1``) and takes no longer than 1.0
 
 from __future__ import annotations
 
-import logging
 import statistics
 from collections import defaultdict
 from collections.abc import Callable
@@ -24,10 +23,8 @@ from benchmarks._peers.runner import Runner, compare_grads, timed_step
 from benchmarks._peers.strategies import (TITAN_MM_OPS, TITAN_SAVE_OPS, AttentionCoreCheckpoint,
                                           PerBlockCheckpoint, Peer, SqrtSequential, TitanSelective,
                                           sqrt_segments)
-from benchmarks._peers.suite import Suite, _try_add, plan_summary, remat_profile
+from benchmarks._peers.suite import Suite, plan_summary, remat_profile, try_add
 from benchmarks._peers.workloads import Workload, block_list, recipe_blocks
-
-log = logging.getLogger(__name__)
 
 TIME_GOAL = 1.02
 """remat's step time at parity: at most this multiple of the recipe's."""
@@ -214,12 +211,12 @@ def build_pairs(suite: Suite, recipes: list[Recipe], warmup: int) -> list[Pair]:
     model = suite.workload.build().model
     pairs = []
     for recipe in recipes:
-        peer = _try_add(suite, recipe.peer.name, recipe.peer.mode, "peer", recipe.peer.prepare,
+        peer = try_add(suite, recipe.peer.name, recipe.peer.mode, "peer", recipe.peer.prepare,
                         recipe.peer.describe(), warmup)
         if peer is None:
             continue
         plan = make_plan(profile, recipe.layout(profile, model), f"layout of {recipe.peer.name}", None)
-        ours = _try_add(suite, f"remat, layout of {recipe.peer.name}", recipe.peer.mode, "remat",
+        ours = try_add(suite, f"remat, layout of {recipe.peer.name}", recipe.peer.mode, "remat",
                         _remat_prepare(plan), plan_summary(plan), warmup)
         if ours is None:
             continue

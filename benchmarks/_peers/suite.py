@@ -62,7 +62,7 @@ def _failure(exc: Exception) -> str:
     return f"failed: {type(exc).__name__}: {first_line}"
 
 
-def _try_add(suite: Suite, name: str, mode: str, source: str, prepare: Any, detail: str,
+def try_add(suite: Suite, name: str, mode: str, source: str, prepare: Any, detail: str,
              warmup_steps: int) -> Runner | None:
     """Prepare, warm up and measure one strategy; a strategy that raises is recorded with its error."""
     try:
@@ -79,7 +79,7 @@ def _try_add(suite: Suite, name: str, mode: str, source: str, prepare: Any, deta
 def add_peers(suite: Suite, peers: list[Peer], warmup_steps: int) -> None:
     """Prepare, warm up and measure the peak of each peer; record the ones that cannot run."""
     for peer in peers:
-        _try_add(suite, peer.name, peer.mode, "peer", peer.prepare, peer.describe(), warmup_steps)
+        try_add(suite, peer.name, peer.mode, "peer", peer.prepare, peer.describe(), warmup_steps)
 
 
 def _plan_key(plan: Any) -> str:
@@ -137,6 +137,6 @@ def add_remat(suite: Suite, profile: Any, plans: list[tuple[str, Any]], mode: st
             continue
         seen.add(key)
         prepare = _remat_prepare(plan, mode)
-        runner = _try_add(suite, f"remat {label}", mode, "remat", prepare, plan_summary(plan), warmup_steps)
+        runner = try_add(suite, f"remat {label}", mode, "remat", prepare, plan_summary(plan), warmup_steps)
         if runner is not None:
             runner.plan = plan
