@@ -76,3 +76,38 @@ def test_batchnorm_buffers_advance_once_per_step():
     assert history[-1]["state"]["blocks.0.bn1.num_batches_tracked"].item() == 3
     baseline = train(built.model, built.batch, built.loss_fn, steps=3)
     assert torch.equal(history[-1]["state"]["blocks.0.bn1.running_mean"], baseline[-1]["state"]["blocks.0.bn1.running_mean"])
+
+
+def test_staged_convnet_buffers_advance_once_per_step_with_one_guard_per_region():
+    """ResNet-like stages (strided units with a projection shortcut, its BatchNorm inside the
+    region): every buffer equals the baseline's after 3 steps; each region keeps one buffer guard,
+    made on its first call; a step in eval mode (gradients on) moves no statistic, the next
+    training step moves them once."""
+    from remat import apply_
+    from remat.apply.api import RUNTIME_ATTR
+
+    torch.manual_seed(0)
+    built = build("convnet", num_blocks=3, channels=4, image_size=8, batch_size=4, downsample_every=2)
+    names = [n for n, _ in find_blocks(built.model)]
+    plan = make_plan(built.model, built.batch, names, [seg(i, i + 1) for i in range(len(names))])
+    history = train(built.model, built.batch, built.loss_fn, plan, steps=3)
+    baseline = train(built.model, built.batch, built.loss_fn, steps=3)
+    assert_identical(baseline, history)
+    for key, value in baseline[-1]["state"].items():
+        assert torch.equal(history[-1]["state"][key], value), key
+    assert history[-1]["state"]["blocks.2.shortcut.1.num_batches_tracked"].item() == 3
+
+    model = apply_(built.model, plan)
+    runtime = model.__dict__[RUNTIME_ATTR]
+    compute_loss(call_model(model, built.batch), built.batch, built.loss_fn).backward()
+    guards = dict(runtime.guards)
+    assert sorted(guards) == [(0, 1), (1, 2), (2, 3)]
+    shortcut_bn = model.blocks[2].shortcut[1]
+    model.eval()
+    before = shortcut_bn.running_mean.clone()
+    compute_loss(call_model(model, built.batch), built.batch, built.loss_fn).backward()
+    assert torch.equal(shortcut_bn.running_mean, before) and shortcut_bn.num_batches_tracked.item() == 1
+    model.train()
+    compute_loss(call_model(model, built.batch), built.batch, built.loss_fn).backward()
+    assert shortcut_bn.num_batches_tracked.item() == 2
+    assert all(runtime.guards[k] is g for k, g in guards.items())
