@@ -166,11 +166,11 @@ def parity_main(args: argparse.Namespace) -> int:
     ]) + ("\n\nRecipes that did not run here:" + skipped if skipped else "") + "\n"
     stem = f"{args.model.replace(':', '-')}-{args.size}-parity"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.md").write_text(text)
+    write_atomic(args.out / f"{stem}.md", text)
     payload = {"command": command_line(args), "machine": machine(), "elapsed_s": elapsed_s,
                "pairs": parity.parity_json(pairs),
                "unavailable": [{"name": u.name, "reason": u.reason} for u in suite.unavailable]}
-    (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    write_atomic(args.out / f"{stem}.json", json.dumps(payload, indent=1))
     print(text)
     return 0
 
