@@ -344,3 +344,17 @@ def test_heterogeneous_workloads_run_against_per_block_checkpointing(model: str)
     assert set(planned) == {"remat @ none", "remat @ per-block checkpoint"}
     for name, plan in planned.items():
         assert plan.prediction.peak_bytes <= peaks[name.removeprefix("remat @ ")]
+
+
+def test_plans_that_differ_only_in_the_head_are_measured_apart() -> None:
+    """`add_remat` keeps one runner per distinct plan: the same segments with another head are
+    another plan (a chunked loss changes the peak and the gradients' rounding)."""
+    import dataclasses
+
+    import remat
+    from benchmarks._peers.suite import _plan_key
+
+    profile, _ = _tiny_profile(TINY)
+    plan = remat.plan(profile, strategy="full")
+    assert _plan_key(plan) == _plan_key(dataclasses.replace(plan, budget_bytes=1))
+    assert _plan_key(plan) != _plan_key(dataclasses.replace(plan, head="recompute"))
