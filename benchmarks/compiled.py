@@ -36,7 +36,7 @@ import torch
 from benchmarks._peers import results
 from benchmarks._peers.runner import interleaved_timing
 from benchmarks._peers.strategies import COMPILED, CompileBudget, NoRecompute, budget_backend
-from benchmarks._peers.suite import Suite, add_peers, matched_plans, plan_summary, _plan_key, _try_add
+from benchmarks._peers.suite import Suite, add_peers, matched_plans, plan_summary, _plan_key, try_add
 from benchmarks._peers.workloads import MODEL_CHOICES, SIZE_NAMES, Workload
 from benchmarks.peers import machine
 
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> tuple[Suite, dict[str, Any]]:
                 continue
             seen.add(key)
             label = f"remat ({kind} profile) @ {peer}"
-            runner = _try_add(suite, label, COMPILED, "remat", _remat_prepare(plan), plan_summary(plan), args.warmup)
+            runner = try_add(suite, label, COMPILED, "remat", _remat_prepare(plan), plan_summary(plan), args.warmup)
             if runner is not None:
                 runner.plan = plan
     interleaved_timing(suite.runners, args.repeats)
