@@ -124,16 +124,29 @@ def test_the_profile_prices_the_stopped_replay():
 
 @pytest.mark.parametrize("segments,whole,stopped", [
     ([seg(i, i + 1) for i in range(4)], 0, 4),
-    ([seg(0, 2), seg(2, 4)], 2, 2),
+    ([seg(0, 1), seg(1, 4)], 2, 2),
     ([seg(0, 4, "recompute", seg(0, 2))], 4, 2),  # outer: 0, 1, 2 whole, 3 stopped; child: 0 whole, 1 stopped
     ([seg(0, 4, "recompute", seg(2, 4))], 5, 1),  # outer: all four whole; child: 2 whole, 3 stopped
 ])
-def test_predicted_peak_is_measured_to_the_byte(segments, whole, stopped):
+def test_replays_are_priced_whole_or_stopped(segments, whole, stopped):
     model, batch, names = _toy()
     prof = profile(model, batch, blocks=names, repeats=1)
     prediction = predict(prof, segments)
     block = prof.blocks[0]  # the blocks are alike
     assert prediction.extra_flops == whole * block.fwd_flops + stopped * stopped_replay_flops(block)
+
+
+@pytest.mark.parametrize("segments,peak_bytes", [
+    # the peak is block 0's replay: stopped, it works under its backward (296 bytes, see above);
+    # replayed whole (``early_stop=False``), 96 bytes above, 2536
+    ([seg(i, i + 1) for i in range(4)], 2440),
+    ([seg(0, 1), seg(1, 4)], 2440),
+])
+def test_predicted_peak_is_measured_to_the_byte(segments, peak_bytes):
+    model, batch, names = _toy()
+    prof = profile(model, batch, blocks=names, repeats=1)
+    prediction = predict(prof, segments)
+    assert prediction.peak_bytes == peak_bytes
     plan = Plan(segments=tuple(segments), block_names=tuple(names), strategy_name="test", budget_bytes=None,
                 prediction=prediction, fingerprint=prof.fingerprint)
     check = verify(model, batch, plan, repeats=1)
