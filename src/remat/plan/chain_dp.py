@@ -168,10 +168,12 @@ class ChainProblem:
         return self.segment_ms / slowest if slowest > 0 else 0.0
 
     def stop_units(self) -> float:
-        """The blocks' `ChainBlock.stop_saving_ms` in the shared replay tables' unit: the
-        largest share of its own forward any block saves, so that a region priced at its least
-        forward never exceeds its cost (exact when the forwards and savings are equal)."""
-        return max((b.stop_saving_ms / b.fwd_ms for b in self.blocks if b.fwd_ms > 0), default=0.0)
+        """The blocks' `ChainBlock.stop_saving_ms` in the shared replay tables' unit: the largest
+        saving over the least forward, so that a region priced at its least forward never exceeds
+        its cost (exact when the forwards and savings are equal)."""
+        least = min((b.fwd_ms for b in self.blocks), default=0.0)
+        most = max((b.stop_saving_ms for b in self.blocks), default=0.0)
+        return most / least if least > 0 else 0.0
 
     def segment_limit(self) -> int:
         n = len(self.blocks)
@@ -219,7 +221,7 @@ class _Frame:
 
 def _frame(problem: ChainProblem) -> _Frame:
     blocks = problem.blocks
-    needs = [b.working_slots - b.grad_slots for b in blocks]
+    needs = [w - b.grad_slots for b in blocks for w in (b.working_slots, b.last_working_slots)]
     for b in blocks:
         if b.options:
             working = b.option_arrays[1]
