@@ -583,7 +583,8 @@ def least_requirement(problem: ChainProblem) -> tuple[int, tuple[Element, ...]]:
     gradients, as in the module docstring),
     ``need[l][a] = min(max(work'_a, saved'_a + need[l-1][a+1]),
                        min_{j<l} max(need[j][a], input'_[a,a+j) + need[l-j][a+j]))``,
-    with the top level closing on the head's backward."""
+    ``need[1][a]`` the block's need as a region's last (`ChainBlock.last_working_slots`), with the
+    top level closing on the head's backward."""
     blocks, n = problem.blocks, len(problem.blocks)
     gp = _frame(problem).grad_prefix
     need = [np.full(n + 1, _NONE, dtype=np.int64)]
