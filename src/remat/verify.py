@@ -205,7 +205,7 @@ def _timed_pairs(base: _Run, planned: _Run, repeats: int, clock: Clock) -> tuple
 
 
 def _op_counts(plan: Plan, base: BlockOpCounter, planned: BlockOpCounter) -> tuple[OpCount, ...]:
-    extra = expected_extra_calls(plan, base.forward_keys)
+    extra = expected_extra_calls(plan, base.forward_keys, base.stop_keys)
     rows = []
     for i, name in enumerate(plan.block_names):
         expected = base.total[i] + extra[i]

@@ -79,7 +79,7 @@ def test_exact_recompute_counts(label, segments, expected):
     apply_(model, plan)
     counter = _counts(model, batch, names)
     assert _addmm_relu(counter) == expected
-    extra = expected_extra_calls(plan, baseline.forward_keys)
+    extra = expected_extra_calls(plan, baseline.forward_keys, baseline.stop_keys)
     assert [baseline.total[i] + extra[i] for i in range(6)] == counter.total
 
 

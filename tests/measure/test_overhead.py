@@ -16,6 +16,7 @@ from remat.measure.profile import profile
 from remat.measure.timing import Clock
 from remat.models import load_target
 from remat.plan.costs import cached_ops, cost_of
+from remat.plan.phases import stopped_replay_ms
 from remat.plan.planners import plan
 from remat.plan.policies import cacheable, op_cacheable
 from remat.plan.types import Segment
@@ -68,7 +69,9 @@ def test_costs_charge_the_overheads_exactly(gpt):
     prof = _with_overheads(prof, selective_ms=7.25, recompute_ms=1.5, cache_ms=3.0)
     block = prof.blocks[1]
     full = cost_of(prof, 1, Segment(start=1, stop=2, strategy="recompute"))
-    assert full.extra_ms == block.fwd_ms + 1.5
+    assert full.extra_ms == stopped_replay_ms(block) + 1.5  # its replay stops at its last saved tensor
+    first = cost_of(prof, 0, Segment(start=0, stop=2, strategy="recompute"))
+    assert first.extra_ms == prof.blocks[0].fwd_ms + 1.5  # replayed whole: a block follows it
     matmuls = plan(prof, None, "selective:save-matmuls").segments[1]
     saved = cached_ops(block, matmuls.saved_ops)
     replayed_ms = sum(op.time_ms for op in block.ops if op.key not in saved and not op.is_view)

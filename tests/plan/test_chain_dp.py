@@ -26,10 +26,13 @@ EXACT = 10**12
 """``exact_cells`` that always selects the exact O(N^3 M) tables."""
 
 
-def _chain(fwd_ms: list[float], *, input_slots=1, saved_slots=3, working_slots=2, capacity=12, grad_slots=0):
+def _chain(fwd_ms: list[float], *, input_slots=1, saved_slots=3, working_slots=2, capacity=12, grad_slots=0,
+           stop_working_slots=None, stop_saving_ms: list[float] | None = None):
     keep = BlockOption(label=0, retained_slots=saved_slots, working_slots=working_slots, extra_ms=0.0)
+    savings = stop_saving_ms or [0.0] * len(fwd_ms)
     blocks = tuple(ChainBlock(input_slots=input_slots, saved_slots=saved_slots, working_slots=working_slots,
-                              fwd_ms=t, options=(keep,), grad_slots=grad_slots) for t in fwd_ms)
+                              fwd_ms=t, options=(keep,), grad_slots=grad_slots, stop_working_slots=stop_working_slots,
+                              stop_saving_ms=saving) for t, saving in zip(fwd_ms, savings))
     return ChainProblem(blocks=blocks, post_slots=1, capacity_slots=capacity)
 
 
@@ -38,11 +41,16 @@ def _columns(solution):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_shared_tables_bound_the_exact_tables(seed):
+@pytest.mark.parametrize("stops", [False, True])
+def test_shared_tables_bound_the_exact_tables(seed, stops):
     """Blocks alike in slots, forward times differing: the shared tables' cost is a lower bound
-    of the exact least, and the shared layout priced with the real times (cost + gap) an upper."""
+    of the exact least, and the shared layout priced with the real times (cost + gap) an upper;
+    ``stops``: each region's last block replays a share of its forward (it stops early) and works
+    with a slot less."""
     rng = random.Random(seed)
-    problem = _chain([float(rng.randint(1, 9)) for _ in range(rng.randint(3, 7))], capacity=rng.randint(6, 20))
+    fwd = [float(rng.randint(1, 9)) for _ in range(rng.randint(3, 7))]
+    savings = [t * rng.randint(0, 4) / 8 for t in fwd] if stops else None
+    problem = _chain(fwd, capacity=rng.randint(6, 20), stop_working_slots=1 if stops else None, stop_saving_ms=savings)
     shared, exact = solve_chain(problem, exact_cells=0), solve_chain(problem, exact_cells=EXACT)
     assert not shared.exact and exact.exact
     for m in _columns(exact):
@@ -54,8 +62,10 @@ def test_shared_tables_bound_the_exact_tables(seed):
 
 
 @pytest.mark.parametrize("grad_slots", [0, 1])
-def test_shared_tables_are_exact_for_equal_times(grad_slots):
-    problem = _chain([2.5] * 7, capacity=9, grad_slots=grad_slots)
+@pytest.mark.parametrize("stops", [False, True])
+def test_shared_tables_are_exact_for_equal_times(grad_slots, stops):
+    problem = _chain([2.5] * 7, capacity=9, grad_slots=grad_slots, stop_working_slots=1 if stops else None,
+                     stop_saving_ms=[1.5] * 7 if stops else None)
     shared, exact = solve_chain(problem, exact_cells=0), solve_chain(problem, exact_cells=EXACT)
     assert shared.exact
     costs = torch.tensor([shared.cost(m) for m in _columns(exact)])

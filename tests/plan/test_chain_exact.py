@@ -28,8 +28,12 @@ def _problem(rng: random.Random, num_blocks: int, joins: bool) -> ChainProblem:
             held = rng.randint(inp, saved - 1)
             options.append(BlockOption(label=k + 1, retained_slots=held, working_slots=work + rng.randint(0, 2),
                                        extra_ms=rng.randint(1, 6) / 4))
-        blocks.append(ChainBlock(input_slots=inp, saved_slots=saved, working_slots=work, fwd_ms=rng.randint(1, 9) / 2,
-                                 options=tuple(options), grad_slots=grad))
+        fwd = rng.randint(1, 9) / 2
+        # the last block of a replay region stops early: it may work with less and replay less
+        stop_work, stop_saving = work - rng.randint(0, 3), rng.randint(0, int(2 * fwd)) / 4
+        blocks.append(ChainBlock(input_slots=inp, saved_slots=saved, working_slots=work, fwd_ms=fwd,
+                                 options=tuple(options), grad_slots=grad, stop_working_slots=stop_work,
+                                 stop_saving_ms=stop_saving))
     mask = tuple(rng.random() < 0.7 for _ in range(num_blocks - 1)) if joins else None
     replayable = tuple(rng.random() < 0.8 for _ in range(num_blocks)) if joins else None
     return ChainProblem(blocks=tuple(blocks), post_slots=rng.randint(1, 6), capacity_slots=80,

@@ -12,7 +12,9 @@ not counted; checkpointing adds detaches of its own.
 
 `expected_extra_calls` turns a plan into the forward op calls it adds: a block under ``r``
 nested recompute segments replays its forward ``r`` times; a selective block replays every call
-except the saved ones.
+except the saved ones. The last block of a segment that stops early (`Segment.stops_early`)
+replays the calls its forward had made when it last saved a tensor for backward
+(`BlockOpCounter.stop_keys`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class BlockOpCounter(TorchDispatchMode):
         """Per block: calls per op name, forward + replays + backward."""
         self.forward_keys: list[list[str]] = [[] for _ in blocks]
         """Per block: ``"<op>#<occurrence>"`` of its forward (before backward began), in call order."""
+        self.stop_keys: list[int] = [0 for _ in blocks]
+        """Per block: how many of ``forward_keys`` it had made when autograd last saved a tensor
+        in its forward (where an early-stopping replay of it stops)."""
         self._stack: list[int] = []
         self._backward_block: int | None = None
         self._in_backward = False
@@ -87,14 +92,22 @@ class BlockOpCounter(TorchDispatchMode):
             self._handles.append(block.register_forward_hook(lambda m, a, o, i=i: self._post(i, o)))
         self._listener = block_listener(self._on_block)
         self._listener.__enter__()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        self._hooks.__exit__(*exc)
         self._listener.__exit__(*exc)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._stack and not self._in_backward:
+            self.stop_keys[self._stack[-1]] = len(self.forward_keys[self._stack[-1]])
+        return t
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -111,14 +124,18 @@ class BlockOpCounter(TorchDispatchMode):
         return out
 
 
-def expected_extra_calls(plan: Plan, forward_keys: list[list[str]]) -> list[Counter[str]]:
-    """Per block: the forward op calls ``plan`` adds to a step (replays), by op name."""
+def expected_extra_calls(plan: Plan, forward_keys: list[list[str]],
+                         stop_keys: list[int] | None = None) -> list[Counter[str]]:
+    """Per block: the forward op calls ``plan`` adds to a step (replays), by op name;
+    ``stop_keys``: `BlockOpCounter.stop_keys` of the same forward (None: every replay whole)."""
     extra = [Counter() for _ in forward_keys]
 
     def visit(seg: Segment) -> None:
         for i in range(seg.start, seg.stop):
             if seg.kind == "recompute":
-                extra[i].update(op_name(k) for k in forward_keys[i])
+                stopped = stop_keys is not None and seg.stops_early and i == seg.stop - 1
+                keys = forward_keys[i][: stop_keys[i]] if stopped else forward_keys[i]
+                extra[i].update(op_name(k) for k in keys)
             elif seg.kind == "selective":
                 saved = frozenset(seg.saved_ops)
                 extra[i].update(op_name(k) for k in forward_keys[i] if not is_saved(k, saved))
@@ -128,3 +145,7 @@ def expected_extra_calls(plan: Plan, forward_keys: list[list[str]]) -> list[Coun
     for seg in plan.segments:
         visit(seg)
     return extra
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t

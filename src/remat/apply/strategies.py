@@ -5,7 +5,8 @@ A handler is ``handler(runtime, segment, first, extra, kwargs) -> outputs``: it 
 keyword arguments every block receives) and returns one output per block.
 
 Recomputation runs each segment as one `remat.checkpointing.region.checkpointed` call
-(non-reentrant, RNG and autocast state preserved, whole-segment replays). Nested children are
+(non-reentrant, RNG and autocast state preserved; a replay ending with a kept block stops at
+its last saved tensor, `Segment.stops_early`). Nested children are
 checkpointed in the forward and in the parent's replay alike; by torch's nesting rules (a saved
 tensor belongs to the innermost checkpoint, a child's inputs to its parent) the forward then
 retains only the parent's input, and the parent's replay retains only the children's inputs and
@@ -32,7 +33,7 @@ def _checkpointed(runtime: Runtime, seg: Segment, body: Callable[[Any], list[Any
     if guard is None:  # one guard per region, made on its first call
         guard = BufferGuard(runtime.blocks[seg.start : seg.stop], runtime.mutating, (seg.start, seg.stop))
         runtime.guards[(seg.start, seg.stop)] = guard
-    return checkpointed(body, first, extra, guard=guard, context_fn=context_fn)
+    return checkpointed(body, first, extra, guard=guard, context_fn=context_fn, early_stop=seg.stops_early)
 
 
 def run_keep(runtime: Runtime, seg: Segment, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:

@@ -3,8 +3,11 @@
 `checkpointed` runs ``body`` inside `torch.utils.checkpoint.checkpoint` with
 ``use_reentrant=False`` and ``preserve_rng_state=True`` (CPU and device generators restored
 before the replay, so dropout masks repeat) and the autocast state of the forward.
-``early_stop=False``: the replay runs the whole body, so a region's forward is recomputed
-exactly once per backward, the number the planner prices and `remat.verify` counts.
+``early_stop``: torch stops the replay once it has recomputed the last tensor the region saved
+(`remat.plan.types.Segment.stops_early` says when the runtime asks for it; the planner prices
+and `remat.verify` counts the replay's op calls up to there,
+`remat.measure.types.BlockProfile.replay_stop_calls`); otherwise the replay runs the whole body,
+once per backward.
 
 `BufferGuard` keeps buffers (BatchNorm running statistics...) advancing once per step although
 the replay runs the forward again.
@@ -22,10 +25,8 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["BufferGuard", "Body", "EARLY_STOP", "checkpointed"]
+__all__ = ["BufferGuard", "Body", "checkpointed"]
 
-EARLY_STOP = False
-"""Replay whole regions (see the module docstring): counts and prices stay exact."""
 Body = Callable[[Any, tuple[Any, ...]], list[Any]]
 """``body(first, extra) -> outputs``: runs the region's blocks from input ``first``."""
 
@@ -95,10 +96,11 @@ class BufferGuard:
 
 
 def checkpointed(body: Body, first: Any, extra: tuple[Any, ...], *, guard: BufferGuard,
-                 context_fn: Callable[[], tuple[Any, Any]] | None = None) -> list[Any]:
+                 context_fn: Callable[[], tuple[Any, Any]] | None = None, early_stop: bool = False) -> list[Any]:
     """``body(first, extra)``'s outputs, computed under one non-reentrant checkpoint that keeps
     only ``first`` and ``extra``; ``context_fn``: torch's (forward, recompute) context pair
-    (selective checkpointing), a function or `functools.partial` (what ``torch.compile`` accepts).
+    (selective checkpointing), a function or `functools.partial` (what ``torch.compile`` accepts);
+    ``early_stop``: torch's, the replay stops at the region's last saved tensor.
 
     Whether a run is the forward or the replay is torch's to say (the context pair), not a
     counter's inside the region: a region that mutates outside state breaks the graph under
@@ -113,7 +115,7 @@ def checkpointed(body: Body, first: Any, extra: tuple[Any, ...], *, guard: Buffe
         contexts = functools.partial(_guarded, guard, context_fn)
     options: dict[str, Any] = {"context_fn": contexts} if contexts is not None else {}
     out = checkpoint(region, first, *extra, use_reentrant=False, preserve_rng_state=True,
-                     early_stop=EARLY_STOP, **options)
+                     early_stop=early_stop, **options)
     return list(out)
 
 

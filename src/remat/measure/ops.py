@@ -87,6 +87,17 @@ class OpRecorder(TorchDispatchMode):
         self.timed_segments: set[str] | None = None
         """The segments whose calls runs after the first time (None: all of them; blocks that take
         another block's timing are left out, `remat.measure.sharing`)."""
+        self.stop_calls: dict[str, int] = {}
+        """Segment -> calls it had dispatched when autograd last saved a tensor in it (first
+        run; `note_pack`)."""
+
+    def note_pack(self, segment: str) -> None:
+        """Autograd saved a tensor while ``segment`` ran: torch's early-stopping replay
+        (``early_stop=True``) stops at its last save, so the calls dispatched by then are what it
+        replays. An input saved before its op runs (autograd saves inputs before dispatching)
+        leaves that op out, as the replay does."""
+        if self._first_run and self.enabled and not in_backward():
+            self.stop_calls[segment] = len(self.calls[segment])
 
     def producer_of(self, key: int) -> str | None:
         """The segment whose op call last made the storage ``key`` in the first run (None: made

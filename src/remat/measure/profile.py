@@ -332,6 +332,7 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
     recorder = OpRecorder(lambda: tracking.accountant.segment, sync=Clock(model_device(step.model)).sync,
                           live_bytes=lambda: tracking.tracker.live_bytes)
     windows.storage_id = recorder.storage_id
+    tracking.accountant.on_pack = recorder.note_pack
     state = [*step.model.parameters(), *step.model.buffers(), *batch_tensors(step.batch)]
     dataflow = DataflowRecorder(block_list, recorder.producer_of, storage_keys(state))
     tracking.boundaries.listeners += [windows, _ForwardGate(recorder, dataflow, tracking.accountant)]
@@ -488,6 +489,7 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
             bwd_free_order=memory.windows.block_free_order[i],
             fwd_live_bytes=tuple(max(0, c.live_after - memory.windows.block_fwd_start_bytes[i])
                                  for c in memory.recorder.calls.get(name, [])),
+            replay_stop_calls=memory.recorder.stop_calls.get(name, 0),
             **_overhead_ms(overheads[i]),
             stack=stack_of[i], follows_previous=found.follows_previous[i],
             **_flow_fields(memory.flows[i], memory.windows.between_temp_bytes[i]),

@@ -51,10 +51,13 @@ class SavedAccountant:
     """Context manager: counts saved storages per segment during one forward.
 
     ``exclude``: tensors whose storages are never counted (parameters, buffers, batch).
-    ``on_saved(tensor, nbytes, segment)`` is called at each first save of a storage.
+    ``on_saved(tensor, nbytes, segment)`` is called at each first save of a storage;
+    ``on_pack(segment)`` at every save, parameters and storages saved before included (what
+    torch's early-stopping replay counts, `remat.measure.ops.OpRecorder.note_pack`).
     """
 
-    def __init__(self, blocks: Blocks, exclude: Iterable[torch.Tensor] = (), on_saved: OnSaved | None = None) -> None:
+    def __init__(self, blocks: Blocks, exclude: Iterable[torch.Tensor] = (), on_saved: OnSaved | None = None,
+                 on_pack: Callable[[str], None] | None = None) -> None:
         self.blocks = blocks
         self.segment = PRE
         self.saved: dict[int, SavedStorage] = {}
@@ -65,6 +68,7 @@ class SavedAccountant:
         self.output_bytes: dict[str, int] = {}
         self._excluded = storage_keys(exclude)
         self._on_saved = on_saved
+        self.on_pack = on_pack
         self._handles: list = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
@@ -108,6 +112,8 @@ class SavedAccountant:
         return hook
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.on_pack is not None:
+            self.on_pack(self.segment)
         key = storage_key(t)
         if key is None or key in self._excluded:
             return t

@@ -199,6 +199,12 @@ class BlockProfile:
     it began) once that call's outputs existed. A selective replay holds the cached outputs of
     later calls on top of this curve (`remat.plan.costs.selective_working_bytes`); empty: not
     measured."""
+    replay_stop_calls: int | None = None
+    """Op calls of ``ops`` dispatched when the forward's last tensor saved for backward was
+    saved (parameters and repeated storages count): where torch's early-stopping replay
+    (``early_stop=True``) of a checkpoint ending with this block stops; the calls after it
+    are not replayed (`remat.plan.phases.stopped_replay`; None: not recorded, the whole
+    forward is replayed)."""
     checkpointed_fwd_live_bytes: tuple[int, ...] = ()
     """The same curve for a checkpointed forward of the block run alone (autograd keeps only its
     input): what a selective forward holds beyond its cache (`remat.measure.overhead

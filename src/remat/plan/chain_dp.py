@@ -28,7 +28,11 @@ Tables:
   starting at block ``a`` (row ``r`` = ``a``; a single row when all blocks are alike) that
   fits in ``m``. First element: keep block ``a`` (needs ``m >= work_a - grad_a``, leaves
   ``m - saved_a + grad_a``) or a recompute child ``[a, a+j)``, ``j < l`` (cost
-  ``fwd[a:a+j] + inner[j][a, m]``, leaves ``m - input_a + grad[a:a+j]`` to the rest).
+  ``fwd[a:a+j] + inner[j][a, m]``, leaves ``m - input_a + grad[a:a+j]`` to the rest). A region
+  ends with a kept block, whose replay stops at its last saved tensor
+  (`remat.plan.types.Segment.stops_early`): ``inner[1][a]`` needs the block's
+  ``stop_working_slots`` and costs ``-stop_saving_ms`` (the region's forwards are counted whole
+  where it is replayed).
 - ``top[a, m]``: least extra time of the backward of blocks ``a..N-1`` plus the head's backward
   (``top[N, m] = 0`` iff ``m >= post``), first element a per-block option or a recompute
   segment ``[a, a+j)``, ``j <= N - a``.
@@ -97,6 +101,16 @@ class ChainBlock:
     """Top-level options (keep first)."""
     grad_slots: int = 0
     """Its parameters' gradients (released from what it holds: see the module docstring)."""
+    stop_working_slots: int | None = None
+    """Needed by its backward when it is the last block of a replay region, whose replay stops
+    at its last saved tensor (`remat.plan.types.Segment.stops_early`; None: ``working_slots``)."""
+    stop_saving_ms: float = 0.0
+    """What that early stop takes off its replay (the forward after its last saved tensor)."""
+
+    @property
+    def last_working_slots(self) -> int:
+        """``working_slots`` as the last block of a replay region (`stop_working_slots`)."""
+        return self.working_slots if self.stop_working_slots is None else self.stop_working_slots
 
     @functools.cached_property
     def option_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -106,11 +120,12 @@ class ChainBlock:
 
     def signature(self) -> tuple:
         opts = tuple((o.retained_slots, o.working_slots, o.extra_ms) for o in self.options)
-        return (self.input_slots, self.saved_slots, self.working_slots, self.grad_slots, self.fwd_ms, opts)
+        return (self.input_slots, self.saved_slots, self.working_slots, self.grad_slots, self.fwd_ms, opts,
+                self.last_working_slots, self.stop_saving_ms)
 
     def byte_signature(self) -> tuple:
         """What a replay region's tables depend on besides the forward times."""
-        return (self.input_slots, self.saved_slots, self.working_slots, self.grad_slots)
+        return (self.input_slots, self.saved_slots, self.working_slots, self.grad_slots, self.last_working_slots)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -151,6 +166,14 @@ class ChainProblem:
         `segment_ms` (the tables stay a lower bound; exact when the forwards are equal)."""
         slowest = max((b.fwd_ms for b in self.blocks), default=0.0)
         return self.segment_ms / slowest if slowest > 0 else 0.0
+
+    def stop_units(self) -> float:
+        """The blocks' `ChainBlock.stop_saving_ms` in the shared replay tables' unit: the largest
+        saving over the least forward, so that a region priced at its least forward never exceeds
+        its cost (exact when the forwards and savings are equal)."""
+        least = min((b.fwd_ms for b in self.blocks), default=0.0)
+        most = max((b.stop_saving_ms for b in self.blocks), default=0.0)
+        return most / least if least > 0 else 0.0
 
     def segment_limit(self) -> int:
         n = len(self.blocks)
@@ -198,7 +221,7 @@ class _Frame:
 
 def _frame(problem: ChainProblem) -> _Frame:
     blocks = problem.blocks
-    needs = [b.working_slots - b.grad_slots for b in blocks]
+    needs = [w - b.grad_slots for b in blocks for w in (b.working_slots, b.last_working_slots)]
     for b in blocks:
         if b.options:
             working = b.option_arrays[1]
@@ -219,12 +242,13 @@ class ChainSolution:
         self.inner, self.inner_choice, self.alike = inner, inner_choice, alike
         """``inner_choice`` is None for shared tables: choices are found again along the layout."""
         fwd = [b.fwd_ms for b in problem.blocks]
-        self.exact = not alike or len(set(fwd)) <= 1
+        self.exact = not alike or len({(b.fwd_ms, b.stop_saving_ms) for b in problem.blocks}) <= 1
         """True: `cost` is the least extra ms of the slot problem as posed (its segment limit
         included). False (shared replay tables
         over blocks whose forward times differ): `cost` is a lower bound and `gap_ms` bounds how
         far the layout may be from the least."""
         self._fwd_prefix = np.concatenate([[0.0], np.cumsum(fwd)])
+        self._stop_saving = [b.stop_saving_ms for b in problem.blocks]
 
     def cost(self, m: int) -> float:
         """Least extra ms with ``m`` free slots (inf: infeasible); a lower bound when not `exact`."""
@@ -240,6 +264,8 @@ class ChainSolution:
             options = self.problem.blocks[element.start].options
             return next(o.extra_ms for o in options if o.label == element.option) if top else 0.0
         forward = float(self._fwd_prefix[element.stop] - self._fwd_prefix[element.start]) + self.problem.segment_ms
+        if not any(c.start <= element.stop - 1 < c.stop for c in element.children):  # it stops early
+            forward -= self._stop_saving[element.stop - 1]
         return forward + sum(self._element_ms(c, top=False) for c in element.children)
 
     def gap_ms(self, m: int) -> float:
@@ -321,8 +347,8 @@ class ChainSolution:
         m = min(m, self.frame.lo + self.frame.width - 1)
         keep = self._at(table[length - 1 : length], [m - block.saved_slots + block.grad_slots])
         if length == 1:  # nothing after it: fits wherever the block's own need does
-            keep[:] = 0.0
-        if m < block.working_slots - block.grad_slots:
+            keep[:] = -self.problem.stop_units()
+        if m < (block.last_working_slots if length == 1 else block.working_slots) - block.grad_slots:
             keep[:] = _INF
         js = np.arange(1, length)
         rest = self._at(table[length - js], m - block.input_slots + js * block.grad_slots)
@@ -420,12 +446,19 @@ def solve_chain(problem: ChainProblem, exact_cells: int = EXACT_CELLS) -> ChainS
     return ChainSolution(problem, frame, top, inner, inner_choice, alike)
 
 
-def _keep_first(blocks, rest: np.ndarray, frame: _Frame, rest_empty: bool) -> np.ndarray:
+def _keep_first(blocks, rest: np.ndarray, frame: _Frame, rest_empty: bool,
+                saving: np.ndarray | float = 0.0) -> np.ndarray:
     """Cost of keeping the first block of each row, then the rest region in what is left
-    (``rest_empty``: nothing is left to run, which fits in any memory, even below ``lo``)."""
+    (``rest_empty``: nothing is left to run, which fits in any memory, even below ``lo``: the
+    block is the region's last, its replay stops early and costs ``-saving``)."""
     saved = np.array([b.saved_slots - b.grad_slots for b in blocks])
-    need = np.array([b.working_slots - b.grad_slots for b in blocks])
-    out = np.zeros(rest.shape) if rest_empty else _shift(rest, saved)
+    if rest_empty:
+        need = np.array([b.last_working_slots - b.grad_slots for b in blocks])
+        out = np.empty(rest.shape)
+        out[:] = -np.reshape(saving, (-1, 1))
+    else:
+        need = np.array([b.working_slots - b.grad_slots for b in blocks])
+        out = _shift(rest, saved)
     out[_below(frame.width, frame.lo, need)] = _INF
     return out
 
@@ -439,7 +472,7 @@ def _inner_alike(problem: ChainProblem, frame: _Frame):
     stacked = np.empty((n, width))
     js = np.arange(1, n)
     for length in range(1, n + 1):
-        stacked[0] = _keep_first([block], table[length - 1 : length], frame, length == 1)[0]
+        stacked[0] = _keep_first([block], table[length - 1 : length], frame, length == 1, problem.stop_units())[0]
         children = stacked[1:length]
         if block.grad_slots == 0:
             _shift_into(children, table[length - 1 : 0 : -1], block.input_slots)
@@ -492,7 +525,8 @@ def _inner_general(problem: ChainProblem, frame: _Frame):
     choice = [np.zeros((n + 1, width), dtype=np.int32)]
     for length in range(1, problem.segment_limit() + 1):
         rows = n - length + 1
-        best = _keep_first(blocks[:rows], inner[length - 1][1 : rows + 1], frame, length == 1)
+        saving = np.array([b.stop_saving_ms for b in blocks[:rows]])
+        best = _keep_first(blocks[:rows], inner[length - 1][1 : rows + 1], frame, length == 1, saving)
         pick = np.zeros((rows, width), dtype=np.int32)
         for j in range(1, length):
             fwd = (prefix[j : j + rows] - prefix[:rows])[:, None]
@@ -549,13 +583,15 @@ def least_requirement(problem: ChainProblem) -> tuple[int, tuple[Element, ...]]:
     gradients, as in the module docstring),
     ``need[l][a] = min(max(work'_a, saved'_a + need[l-1][a+1]),
                        min_{j<l} max(need[j][a], input'_[a,a+j) + need[l-j][a+j]))``,
-    with the top level closing on the head's backward."""
+    ``need[1][a]`` the block's need as a region's last (`ChainBlock.last_working_slots`), with the
+    top level closing on the head's backward."""
     blocks, n = problem.blocks, len(problem.blocks)
     gp = _frame(problem).grad_prefix
     need = [np.full(n + 1, _NONE, dtype=np.int64)]
     pick = [np.zeros(n + 1, dtype=np.int64)]
     inputs = np.array([b.input_slots for b in blocks], dtype=np.int64)
     works = np.array([b.working_slots - b.grad_slots for b in blocks], dtype=np.int64)
+    lasts = np.array([b.last_working_slots - b.grad_slots for b in blocks], dtype=np.int64)
     saves = np.array([b.saved_slots - b.grad_slots for b in blocks], dtype=np.int64)
     alike = len({b.byte_signature() for b in blocks}) <= 1
     for length in range(1, n + 1):
@@ -565,7 +601,7 @@ def least_requirement(problem: ChainProblem) -> tuple[int, tuple[Element, ...]]:
             pick.append(np.full(n - length + 1, choice, dtype=np.int64))
             continue
         rows = n - length + 1
-        best = np.maximum(works[:rows], saves[:rows] + need[length - 1][1 : rows + 1])
+        best = np.maximum((lasts if length == 1 else works)[:rows], saves[:rows] + need[length - 1][1 : rows + 1])
         choice = np.zeros(rows, dtype=np.int64)
         for j in range(1, length):
             held = inputs[:rows] - (gp[j : j + rows] - gp[:rows])
@@ -582,7 +618,8 @@ def _least_alike(block: ChainBlock, need, length: int) -> tuple[int, int]:
     """One length of the alike-block table, every first child at once."""
     g = block.grad_slots
     firsts = np.array([need[j][0] for j in range(length)], dtype=np.int64)
-    keep = max(block.working_slots - g, block.saved_slots - g + int(firsts[length - 1]))
+    work = block.last_working_slots if length == 1 else block.working_slots
+    keep = max(work - g, block.saved_slots - g + int(firsts[length - 1]))
     if length == 1:
         return keep, 0
     js = np.arange(1, length)

@@ -208,6 +208,10 @@ class _Arrays(NamedTuple):
     """Prefix sums of the gradients (N + 1)."""
     fwd: np.ndarray
     """Prefix sums of the forwards (N + 1)."""
+    last_work: np.ndarray
+    """Working sets as the last block of a replay region (its replay stops early)."""
+    stop_saving: np.ndarray
+    """What that early stop takes off the replay (ms)."""
 
 
 def _arrays(problem: ChainProblem) -> _Arrays:
@@ -219,6 +223,8 @@ def _arrays(problem: ChainProblem) -> _Arrays:
         inputs=np.array([b.input_slots for b in blocks], dtype=np.int64),
         grads=np.concatenate([[0], np.cumsum(grad)]).astype(np.int64),
         fwd=np.concatenate([[0.0], np.cumsum([b.fwd_ms for b in blocks])]),
+        last_work=np.array([b.last_working_slots for b in blocks], dtype=np.int64) - grad,
+        stop_saving=np.array([b.stop_saving_ms for b in blocks], dtype=float),
     )
 
 
@@ -246,9 +252,9 @@ def _inner_tables(problem: ChainProblem, budget: _Budget) -> list[_Packed]:
 def _keep_first(shorter: _Packed, arr: _Arrays, rows: int, length: int):
     """Points of keeping block ``a`` first in region ``[a, a+length)``: the rest of the region
     (row ``a + 1`` of ``shorter``) after its saved bytes, from its working set on."""
-    if length == 1:
+    if length == 1:  # the region's last block: its replay stops early
         a, none = np.arange(rows), np.full(rows, -1)
-        return a, arr.work[:rows], np.zeros(rows), np.zeros(rows, dtype=np.int64), none, none
+        return a, arr.last_work[:rows], -arr.stop_saving[:rows], np.zeros(rows, dtype=np.int64), none, none
     group, need, index = shorter.part(1, rows)
     need = np.maximum(need + arr.saved[group], arr.work[group])
     zeros, none = np.zeros(group.size, dtype=np.int64), np.full(group.size, -1)

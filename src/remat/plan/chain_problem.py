@@ -20,7 +20,8 @@ from remat.measure.types import Profile
 from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, Element, deep_recursion
 from remat.plan.costs import cost_of, replay_working_bytes
 from remat.plan.options import BlockOptions, OptionClass, offload_options, price_options, undominated_rows
-from remat.plan.phases import grad_bytes_live, post_working_bytes, released_grad_bytes
+from remat.plan.phases import (grad_bytes_live, post_working_bytes, released_grad_bytes, stopped_replay_ms,
+                               stopped_replay_working_bytes)
 from remat.plan.predict import backward_base_bytes
 from remat.plan.types import Segment
 
@@ -92,7 +93,7 @@ class ChainBuilder:
                 keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
                 replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
                 sizes += [replay.retained_bytes, keep.retained_bytes, replay_working_bytes(block),
-                          released_grad_bytes(block)]
+                          stopped_replay_working_bytes(block), released_grad_bytes(block)]
                 sizes += self.options()[i].retained_bytes.tolist() + self.options()[i].working_bytes.tolist()
             self._sizes = sizes
         return self._sizes
@@ -105,7 +106,8 @@ class ChainBuilder:
         b = self.profile.blocks[i]
         keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
         replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
-        return (replay.retained_bytes, keep.retained_bytes, replay_working_bytes(b), released_grad_bytes(b))
+        return (replay.retained_bytes, keep.retained_bytes, replay_working_bytes(b), stopped_replay_working_bytes(b),
+                released_grad_bytes(b))
 
     def keep_need(self) -> int:
         """Gradient-adjusted bytes keeping every block needs (`FixedPart.peak_bytes` of it is
@@ -165,6 +167,7 @@ class ChainBuilder:
         need, grad = (_floor, _ceil) if relax else (_ceil, _floor)
         keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
         replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
+        block = self.profile.blocks[i]
         if options is None:
             opts = self.options()[i]
             retained, working = _slots(opts.retained_bytes, quantum, relax), _slots(opts.working_bytes, quantum, relax)
@@ -174,10 +177,13 @@ class ChainBuilder:
         return ChainBlock(
             input_slots=need(replay.retained_bytes, quantum),
             saved_slots=need(keep.retained_bytes, quantum),
-            working_slots=need(replay_working_bytes(self.profile.blocks[i]), quantum),
-            fwd_ms=replay.extra_ms - self.profile.checkpoint_call_ms,  # the segment pays that once
+            working_slots=need(replay_working_bytes(block), quantum),
+            # a whole replay (a single-block segment's cost stops early); the segment pays the call once
+            fwd_ms=block.fwd_ms + block.recompute_overhead_ms - self.profile.checkpoint_call_ms,
             options=options,
-            grad_slots=grad(released_grad_bytes(self.profile.blocks[i]), quantum),
+            grad_slots=grad(released_grad_bytes(block), quantum),
+            stop_working_slots=need(stopped_replay_working_bytes(block), quantum),
+            stop_saving_ms=block.fwd_ms - stopped_replay_ms(block),
         )
 
     def segments(self, elements: tuple[Element, ...]) -> tuple[Segment, ...]:

@@ -29,7 +29,8 @@ import numpy as np
 
 from remat.measure.types import BlockProfile, Profile
 from remat.plan.phases import (between_phase_bytes, held_input_bytes, keep_working_bytes, replay_base_bytes,
-                               replay_working_bytes, saved_input_bytes, working_bytes)
+                               replay_working_bytes, saved_input_bytes, stopped_replay_flops, stopped_replay_ms,
+                               stopped_replay_working_bytes, working_bytes)
 from remat.plan.policies import op_cacheable, op_storages
 from remat.plan.types import Segment
 
@@ -150,14 +151,18 @@ def _recompute(profile: Profile, block_index: int, segment: Segment) -> BlockCos
     in `remat.measure.overhead`), of which the segment's first block alone pays the part one
     checkpointed call costs (`Profile.checkpoint_call_ms`); only the segment's first block holds
     something (its held input and its entry bytes: a segment never starts after a block that
-    hands off to something beyond the block after it, `remat.plan.joins`)."""
+    hands off to something beyond the block after it, `remat.plan.joins`). The last block of a
+    segment that stops early (`Segment.stops_early`) replays its forward up to its last saved
+    tensor (`remat.plan.phases.stopped_replay_ms`)."""
     block = profile.blocks[block_index]
     first = block_index == segment.start
+    stopped = segment.stops_early and block_index == segment.stop - 1
     return BlockCost(
         retained_bytes=held_input_bytes(block) + block.entry_bytes if first else 0,
-        working_bytes=replay_working_bytes(block),
-        extra_ms=block.fwd_ms + block.recompute_overhead_ms - (0.0 if first else profile.checkpoint_call_ms),
-        extra_flops=block.fwd_flops,
+        working_bytes=stopped_replay_working_bytes(block) if stopped else replay_working_bytes(block),
+        extra_ms=(stopped_replay_ms(block) if stopped else block.fwd_ms) + block.recompute_overhead_ms
+        - (0.0 if first else profile.checkpoint_call_ms),
+        extra_flops=stopped_replay_flops(block) if stopped else block.fwd_flops,
     )
 
 

@@ -15,7 +15,8 @@ from remat.measure.types import BlockProfile, Profile
 
 __all__ = [
     "held_input_bytes", "between_phase_bytes", "working_bytes", "saved_input_bytes", "replay_base_bytes",
-    "replay_working_bytes", "forward_phase_bytes", "keep_working_bytes", "keep_forward_bytes",
+    "replay_working_bytes", "replay_stop", "stopped_replay_working_bytes", "stopped_replay_ms",
+    "stopped_replay_flops", "forward_phase_bytes", "keep_working_bytes", "keep_forward_bytes",
     "released_grad_bytes", "grad_bytes_live", "post_working_bytes",
 ]
 
@@ -70,6 +71,43 @@ def replay_working_bytes(block: BlockProfile) -> int:
     forward = block.fwd_temp_bytes + replay_base_bytes(block) + saved_input_bytes(block)
     replay = block.saved_bytes + max(block.bwd_temp_bytes, forward)
     return max(replay + block.entry_bytes + block.unsaved_input_bytes, between_phase_bytes(block))
+
+
+def replay_stop(block: BlockProfile) -> int:
+    """Op calls an early-stopping replay of the block runs when it ends its checkpoint
+    (`BlockProfile.replay_stop_calls`; all of them where not recorded)."""
+    return len(block.ops) if block.replay_stop_calls is None else min(block.replay_stop_calls, len(block.ops))
+
+
+def stopped_replay_working_bytes(block: BlockProfile) -> int:
+    """`replay_working_bytes` of a replay that stops at `replay_stop`: its forward term is cut
+    where the forward's live curve (`BlockProfile.fwd_live_bytes`) is cut, so it falls by how far
+    the curve's peak after the stop rises above its peak before it (the outputs and temporaries
+    made after the last save are never made). At most `replay_working_bytes`."""
+    curve = block.fwd_live_bytes
+    stop = replay_stop(block)
+    if stop >= len(block.ops) or len(curve) != len(block.ops):
+        return replay_working_bytes(block)
+    drop = max(0, max(curve) - max(curve[:stop], default=0))
+    forward = block.fwd_temp_bytes - drop + replay_base_bytes(block) + saved_input_bytes(block)
+    replay = block.saved_bytes + max(block.bwd_temp_bytes, forward)
+    return min(max(replay + block.entry_bytes + block.unsaved_input_bytes, between_phase_bytes(block)),
+               replay_working_bytes(block))
+
+
+def stopped_replay_ms(block: BlockProfile) -> float:
+    """The block's forward time up to `replay_stop`: its share of the op calls' times."""
+    stop = replay_stop(block)
+    total = sum(op.time_ms for op in block.ops)
+    if stop >= len(block.ops) or total <= 0:
+        return block.fwd_ms
+    return block.fwd_ms * sum(op.time_ms for op in block.ops[:stop]) / total
+
+
+def stopped_replay_flops(block: BlockProfile) -> int:
+    """FLOPs of the op calls up to `replay_stop`."""
+    stop = replay_stop(block)
+    return block.fwd_flops if stop >= len(block.ops) else sum(op.flops for op in block.ops[:stop])
 
 
 def forward_phase_bytes(block: BlockProfile) -> int:

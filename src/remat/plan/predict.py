@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from remat.measure.types import Profile
 from remat.plan.chain_dp import deep_recursion
 from remat.plan.costs import cost_of
-from remat.plan.phases import grad_bytes_live, keep_forward_bytes, post_working_bytes, replay_working_bytes, working_bytes
+from remat.plan.phases import (grad_bytes_live, keep_forward_bytes, post_working_bytes, replay_working_bytes,
+                               stopped_replay_working_bytes, working_bytes)
 from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
 from remat.plan.joins import check_joins
 from remat.plan.types import Plan, Prediction, Segment
@@ -161,25 +162,28 @@ def _fixed_at(profile: Profile, phase: str) -> int:
 
 
 def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, stop: int, replay: bool = False,
-                dead: Sequence[int] | None = None) -> _Peak:
+                dead: Sequence[int] | None = None, stopped: bool = False) -> _Peak:
     """Peak of the backward of blocks ``[start, stop)`` laid out as ``segments`` (gaps: keep),
     above what was live before it (gradients accumulated by then included); ``replay``: the
-    blocks are replayed in backward (inside a recompute segment); ``dead``: at the top level,
-    `dead_shared_bytes` (counted by the costs, not live in the backward)."""
+    blocks are replayed in backward (inside a recompute segment); ``stopped``: that replay stops
+    early (`Segment.stops_early`: its last block, kept, replays up to its last saved tensor);
+    ``dead``: at the top level, `dead_shared_bytes` (counted by the costs, not live in the
+    backward)."""
     best = _Peak(bytes=0, block=-1, working_bytes=0)
     held = 0
     previous_kept = True
     for seg in _fill_gaps(segments, start, stop):
         unheld = dead[seg.start] if dead else 0
         if seg.kind == "recompute":
-            inner = layout_peak(profile, seg.children, seg.start, seg.stop, replay=True)
+            inner = layout_peak(profile, seg.children, seg.start, seg.stop, replay=True, stopped=seg.stops_early)
             candidate = _Peak(bytes=held + inner.bytes - unheld, block=inner.block, working_bytes=inner.working_bytes)
             held += cost_of(profile, seg.start, seg).retained_bytes
         else:
             cost = cost_of(profile, seg.start, seg)
             working = cost.working_bytes
             if replay and seg.kind == "keep":  # kept inside a replay: its forward runs again
-                working = replay_working_bytes(profile.blocks[seg.start])
+                last = stopped and seg.start == stop - 1
+                working = (stopped_replay_working_bytes if last else replay_working_bytes)(profile.blocks[seg.start])
             elif seg.kind == "keep":  # its backward, or its forward (no gradient, the shared tensors live)
                 working = working_bytes(profile.blocks[seg.start]) - unheld
                 unheld = 0

@@ -108,6 +108,18 @@ class Segment:
     def num_blocks(self) -> int:
         return self.stop - self.start
 
+    @property
+    def stops_early(self) -> bool:
+        """A recompute segment whose replay ends with a kept block (no child covers its last
+        block, or a ``keep`` one does): it runs with torch's ``early_stop=True``, so the replay
+        of its last block stops at that block's last saved tensor
+        (`remat.measure.types.BlockProfile.replay_stop_calls`). A replay ending in a nested
+        checkpoint or a selective block runs whole."""
+        if self.kind != "recompute":
+            return False
+        last = self.stop - 1
+        return all(c.kind == "keep" for c in self.children if c.start <= last < c.stop)
+
 
 @dataclass(kw_only=True, frozen=True)
 class Prediction:
