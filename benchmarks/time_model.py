@@ -42,9 +42,20 @@ def run(models: list[str], repeats: int, device: str | None = None) -> list[dict
             rows.append(dict(model=name, plan=row.label, peak_error=v.peak_error_pct,
                              predicted_overhead=v.predicted_overhead_pct, measured_overhead=v.overhead_pct,
                              step_error=v.paired_step_error_pct, drift=v.baseline_drift_pct,
-                             identical=v.grads_identical, baseline_ms=v.baseline_step_ms))
+                             identical=v.grads_identical, ok=v.ok, tolerance=v.relative_tolerance,
+                             max_rel=v.grad_max_rel_diff, baseline_ms=v.baseline_step_ms))
         print(f"{name}: {len(result.rows)} plans in {time.perf_counter() - start:.0f} s", flush=True)
     return rows
+
+
+def _gradients(row: dict) -> str:
+    """``identical``; within the plan's stated tolerance (a chunked head sums the loss in another
+    order); else ``DIFFER``."""
+    if row["identical"]:
+        return "identical"
+    if row.get("ok") and row.get("tolerance"):
+        return f"within {row['tolerance']:.0e} (max {row['max_rel']:.1e})"
+    return "DIFFER"
 
 
 def markdown(rows: list[dict], repeats: int) -> str:
@@ -57,7 +68,7 @@ def markdown(rows: list[dict], repeats: int) -> str:
         lines.append(
             f"| {r['model']} | {r['plan']} | {r['peak_error']:+.1f}% | {r['predicted_overhead']:+.1f}% | "
             f"{r['measured_overhead']:+.1f}% | {r['step_error']:+.1f}% | {r['drift']:+.1f}% | "
-            f"{'identical' if r['identical'] else 'DIFFER'} |"
+            f"{_gradients(r)} |"
         )
     planned = [r for r in rows if r["plan"] != "none"]  # none is compared with itself: only noise
     within = sum(abs(r["step_error"]) <= 10 for r in planned)

@@ -358,3 +358,16 @@ def test_plans_that_differ_only_in_the_head_are_measured_apart() -> None:
     plan = remat.plan(profile, strategy="full")
     assert _plan_key(plan) == _plan_key(dataclasses.replace(plan, budget_bytes=1))
     assert _plan_key(plan) != _plan_key(dataclasses.replace(plan, head="recompute"))
+
+
+def test_time_model_table_tells_a_stated_tolerance_from_a_difference():
+    from benchmarks import time_model
+
+    base = dict(model="gpt", peak_error=0.0, predicted_overhead=10.0, measured_overhead=12.0, step_error=1.8,
+                drift=0.0, baseline_ms=10.0)
+    rows = [dict(base, plan="none", identical=True, ok=True, tolerance=0.0, max_rel=0.0),
+            dict(base, plan="optimal @ 46%", identical=False, ok=True, tolerance=1e-5, max_rel=4.9e-7),
+            dict(base, plan="full", identical=False, ok=False, tolerance=0.0, max_rel=0.0)]
+    table = time_model.markdown(rows, repeats=3)
+    assert "| optimal @ 46% |" in table and "| within 1e-05 (max 4.9e-07) |" in table
+    assert table.count("| DIFFER |") == 1 and table.count("| identical |") == 1
