@@ -26,6 +26,8 @@ import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from remat._files import write_atomic
+
 T = TypeVar("T")
 
 MAX_DOCUMENT_BYTES = 256 * 2**20
@@ -302,3 +304,29 @@ def _file_kind(mode: int) -> str:
 def read_document(cls: type[T], path: str | os.PathLike, kind: str, version: int, rules: Rules = Rules()) -> T:
     """:func:`parse_document` of the file at ``path`` (a regular file; its text is never a path)."""
     return parse_document(cls, read_text_file(path, f"{cls.__name__}.load"), kind, version, rules)
+
+
+class JsonDocument:
+    """``to_json`` / ``from_json`` / ``load`` / ``save`` of a top-level dataclass document: a
+    subclass sets ``DOCUMENT = (format, version, rules)``."""
+
+    DOCUMENT: tuple[str, int, Rules]
+
+    def to_json(self) -> str:
+        """The document as JSON text (``{"format", "version", "data"}``)."""
+        return dump_document(self, *self.DOCUMENT[:2])
+
+    @classmethod
+    def from_json(cls: type[T], text: str) -> T:
+        """The document in JSON ``text`` (as `to_json` writes it), checked against the schema; a
+        path is refused: read files with `load`."""
+        return parse_document(cls, text, *cls.DOCUMENT)
+
+    @classmethod
+    def load(cls: type[T], path: str | os.PathLike) -> T:
+        """The document in the JSON file at ``path`` (as `save` writes it), checked like `from_json`."""
+        return read_document(cls, path, *cls.DOCUMENT)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write `to_json` to ``path`` atomically (a temporary file, then a rename)."""
+        write_atomic(path, self.to_json())

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from remat._files import write_atomic
-from remat._serialize import Rules, dump_document, parse_document, read_document
+from remat._serialize import JsonDocument, Rules
 from remat.measure.types import MemoryEvent
 
 VERIFICATION_FORMAT = "verification"
@@ -37,8 +35,10 @@ class OpCount:
 
 
 @dataclass(kw_only=True, frozen=True)
-class Verification:
+class Verification(JsonDocument):
     """Baseline against planned step from the same weights and RNG seed."""
+
+    DOCUMENT = (VERIFICATION_FORMAT, VERIFICATION_VERSION, VERIFICATION_RULES)
 
     strategy_name: str
     """The plan's planner name."""
@@ -122,19 +122,3 @@ class Verification:
             return True
         return self.relative_tolerance > 0 and self.grad_max_rel_diff <= self.relative_tolerance
 
-    def to_json(self) -> str:
-        return dump_document(self, VERIFICATION_FORMAT, VERIFICATION_VERSION)
-
-    @classmethod
-    def from_json(cls, text: str) -> Verification:
-        """The verification in JSON ``text`` (as `to_json` writes it), checked against the schema
-        (`remat._serialize`); a path is refused: read files with `load`."""
-        return parse_document(cls, text, VERIFICATION_FORMAT, VERIFICATION_VERSION, VERIFICATION_RULES)
-
-    @classmethod
-    def load(cls, path: str | Path) -> Verification:
-        """The verification in the JSON file at ``path`` (as `save` writes it), checked like `from_json`."""
-        return read_document(cls, path, VERIFICATION_FORMAT, VERIFICATION_VERSION, VERIFICATION_RULES)
-
-    def save(self, path: str | Path) -> None:
-        write_atomic(path, self.to_json())

@@ -16,10 +16,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from remat._files import write_atomic
-from remat._serialize import Rules, dump_document, parse_document, read_document
+from remat._serialize import JsonDocument, Rules
 
 PROFILE_FORMAT = "profile"
 PROFILE_VERSION = 1
@@ -479,8 +477,10 @@ class HeadProfile:
 
 
 @dataclass(kw_only=True, frozen=True)
-class Profile:
+class Profile(JsonDocument):
     """Everything `remat.plan` needs, measured on the real model on its device."""
+
+    DOCUMENT = (PROFILE_FORMAT, PROFILE_VERSION, PROFILE_RULES)
 
     fingerprint: Fingerprint
     environment: Environment
@@ -585,19 +585,3 @@ class Profile:
     def model_state_bytes(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.buffer_bytes
 
-    def to_json(self) -> str:
-        return dump_document(self, PROFILE_FORMAT, PROFILE_VERSION)
-
-    @classmethod
-    def from_json(cls, text: str) -> Profile:
-        """The profile in JSON ``text`` (as `to_json` writes it), checked against the schema
-        (`remat._serialize`); a path is refused: read files with `load`."""
-        return parse_document(cls, text, PROFILE_FORMAT, PROFILE_VERSION, PROFILE_RULES)
-
-    @classmethod
-    def load(cls, path: str | Path) -> Profile:
-        """The profile in the JSON file at ``path`` (as `save` writes it), checked like `from_json`."""
-        return read_document(cls, path, PROFILE_FORMAT, PROFILE_VERSION, PROFILE_RULES)
-
-    def save(self, path: str | Path) -> None:
-        write_atomic(path, self.to_json())

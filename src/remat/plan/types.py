@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-from remat._files import write_atomic
-from remat._serialize import Rules, dump_document, parse_document, read_document
+from remat._serialize import JsonDocument, Rules
 from remat.head.names import check_head_name
 from remat.measure.types import Fingerprint, block_names_hash
 
@@ -242,8 +240,10 @@ class Tuning:
 
 
 @dataclass(kw_only=True, frozen=True)
-class Plan:
+class Plan(JsonDocument):
     """A plan to apply with `remat.apply_`; round-trips through versioned JSON."""
+
+    DOCUMENT = (PLAN_FORMAT, PLAN_VERSION, PLAN_RULES)
 
     segments: tuple[Segment, ...]
     """Top-level segments covering blocks 0..N-1 in order, without gaps."""
@@ -304,22 +304,6 @@ class Plan:
                 "(remat.plan) instead of editing block names."
             )
 
-    def to_json(self) -> str:
-        return dump_document(self, PLAN_FORMAT, PLAN_VERSION)
-
-    @classmethod
-    def from_json(cls, text: str) -> Plan:
-        """The plan in JSON ``text`` (as `to_json` writes it), checked against the schema
-        (`remat._serialize`); a path is refused: read files with `load`."""
-        return parse_document(cls, text, PLAN_FORMAT, PLAN_VERSION, PLAN_RULES)
-
-    @classmethod
-    def load(cls, path: str | Path) -> Plan:
-        """The plan in the JSON file at ``path`` (as `save` writes it), checked like `from_json`."""
-        return read_document(cls, path, PLAN_FORMAT, PLAN_VERSION, PLAN_RULES)
-
-    def save(self, path: str | Path) -> None:
-        write_atomic(path, self.to_json())
 
     def block_strategies(self) -> tuple[str, ...]:
         """Top-level strategy of each block, in order."""
