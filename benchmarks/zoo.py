@@ -50,7 +50,10 @@ def step_peak_bytes(zoo: ZooModel, hf_checkpointing: bool) -> int:
     optimizer state), with or without Hugging Face's gradient checkpointing."""
     model = copy.deepcopy(zoo.model)
     if hf_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5's name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = _Step(model, zoo.batch, zoo.loss_fn, optimizer)
     torch.manual_seed(0)

@@ -92,8 +92,10 @@ class PerBlockCheckpoint(Peer):
     """
 
     def prepare(self, model: nn.Module, batch: Any) -> nn.Module:
-        if hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable()
+        # transformers 5 names it activation_checkpointing_enable (the old name warns, goes in v6)
+        enable = getattr(model, "activation_checkpointing_enable", None) or getattr(model, "gradient_checkpointing_enable", None)
+        if enable is not None:
+            enable()
         else:
             _wrap_blocks(model)
         return model
