@@ -171,6 +171,14 @@ def test_estimate_refuses_bad_sizes_up_front(extra, message):
     assert _one_line_error(runner.invoke(app, HF + extra)).startswith(message)
 
 
+def test_estimate_checks_a_family_default_against_the_sizes_given():
+    # Mistral's config defaults to 8 key/value heads: 4 heads given without --kv-heads cannot share them
+    args = ["estimate", "--hf", "mistral", *HF[3:]]
+    assert _one_line_error(runner.invoke(app, args)).startswith(
+        "--hf mistral (sizes not given are the family's defaults): 4 attention heads are not a multiple of 8 "
+        "key/value heads")
+
+
 def test_estimate_refuses_a_bad_config_file_and_a_deep_builtin(tmp_path):
     import json
 

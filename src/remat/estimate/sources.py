@@ -150,6 +150,8 @@ def hf_config(source: ModelSource) -> Any:
         check_sizes(_config_sizes(config), where)
     else:
         config = _make_config(f"--hf {source.hf_family}", source.hf_family, _family_kwargs(source))
+        # a size left out takes the family's default (Mistral: 8 key/value heads), which must fit the rest
+        check_sizes(_config_sizes(config), f"--hf {source.hf_family} (sizes not given are the family's defaults)")
     config._attn_implementation = source.attention
     return config
 
