@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.measure.boundaries import in_backward
 from remat.measure.flops import op_flops
-from remat.measure.saved import POST, SavedStorage
+from remat.measure.saved import BETWEEN, POST, SavedStorage
 from remat.measure.sharing import args_signature
 from remat.measure.storage import flat_tensors, storage_key, storage_nbytes
 from remat.measure.types import OpRecord
@@ -191,9 +191,10 @@ class OpRecorder(TorchDispatchMode):
 
     def _mark_escapes(self, segment: str, args: tuple, kwargs: dict) -> None:
         """Storages of another segment read by a later block outlive their block: they are that
-        block's input, which the planner counts there. (``post`` may read without saving: a
-        pooling head; `saved_by_call` catches the storages it saves.)"""
-        if segment == POST:
+        block's input, which the planner counts there. (``post`` and the code between two blocks
+        may read without saving: a pooling head, a patch merging that copies a block's output into
+        the next block's input; `saved_by_call` catches the storages they save.)"""
+        if segment == POST or segment.startswith(BETWEEN):
             return
         for t in flat_tensors(args, kwargs):
             owner = self._storage_ids.get(storage_key(t))
