@@ -17,9 +17,10 @@ from remat.measure.profile import profile
 from remat.measure.types import Profile
 from remat.plan.head import head_choices, head_extra_ms, priced_profile
 from remat.plan.joins import joins
-from remat.plan.planners import optimal_search, pareto, plan
+from remat.plan.options import block_options
+from remat.plan.planners import make_plan, optimal_search, pareto, plan
 from remat.plan.predict import predict
-from remat.plan.types import Plan
+from remat.plan.types import Plan, Segment
 from remat.verify import verify
 from zoo_models import ZOO, ZooModel, build_zoo
 
@@ -87,6 +88,24 @@ def test_search_prices_every_layout_as_predict(name):
             claimed[(head, segments)] = prediction
     for p in frontier:
         assert claimed[(p.head, p.segments)] == p.prediction
+
+
+def test_swin_selective_block_caching_its_output_after_a_recomputed_one():
+    """Swin's block 1 returns what the patch merging before the next stage only reads: a
+    selective block 1 caching its last op's output holds it through the backward (the peak at
+    block 3's backward), priced in its retained bytes: every knapsack point that caches it, with
+    block 0 recomputed and the next stage kept, is predicted to the byte."""
+    zoo, prof, _ = profiled("swin")
+    last = prof.blocks[1].ops[-1].key
+    points = [s for s in block_options(prof, 1) if s.strategy == "selective:knapsack" and last in s.saved_ops]
+    assert len(points) > 3
+    keep = tuple(Segment(start=i, stop=i + 1, strategy="keep") for i in (2, 3))
+    for point in points[:: max(1, len(points) // 3)][:3]:
+        segments = (Segment(start=0, stop=1, strategy="recompute"), point, *keep)
+        check = verify(zoo.model, zoo.batch, make_plan(prof, segments, "manual", None), zoo.loss_fn, zoo.optimizer,
+                       repeats=1)
+        assert check.grads_identical, point.saved_ops
+        assert check.measured_peak_bytes == check.predicted_peak_bytes, point.saved_ops
 
 
 def _step_loss(model: torch.nn.Module, zoo: ZooModel) -> torch.Tensor:
