@@ -92,6 +92,27 @@ def test_post_reading_is_not_holding_but_saving_is():
     assert [(r.storage_ids, r.storage_escapes) for r in a] == [((0,), (False,)), ((1,), (True,))]
 
 
+def test_code_between_blocks_reading_is_not_holding_but_saving_is():
+    # The code before block b (a patch merging) reads block a's two outputs and saves only the
+    # second; block b reads neither: the first is freed after that code unless cached.
+    from remat.measure.saved import SavedStorage, between_name
+
+    torch.manual_seed(0)
+    segment = ["a"]
+    recorder = OpRecorder(lambda: segment[0])
+    x = torch.randn(4, 4)
+    with recorder:
+        y, z = x * 2, x * 3       # a: storages 0 and 1
+        segment[0] = between_name(1)
+        merged = torch.cat([y, z], dim=1) * torch.cat([z, z], dim=1)
+        segment[0] = "b"
+        merged + 1
+    saved = {z.untyped_storage()._cdata: SavedStorage(nbytes=64, segment=between_name(1))}
+    assert recorder.saved_by_call(saved) == {}
+    a = recorder.records("a", {})
+    assert [(r.storage_ids, r.storage_escapes) for r in a] == [((0,), (False,)), ((1,), (True,))]
+
+
 def test_a_call_whose_output_is_written_later_is_marked():
     # The dropout toy's mask: empty_like's output is filled by bernoulli_ and div_ (both write
     # into storage 5); nothing writes into the others.
