@@ -10,6 +10,7 @@ from torch import nn
 
 from remat._batch import call_model, compute_loss
 from remat.apply.api import apply_
+from remat.apply.opcount import BlockOpCounter
 from remat.measure.fingerprint import fingerprint
 from remat.plan.types import Plan, Prediction, Segment
 
@@ -57,3 +58,23 @@ def assert_identical(expected: list[dict[str, Any]], actual: list[dict[str, Any]
         assert want["state"].keys() == got["state"].keys()
         for name, value in want["state"].items():
             assert torch.equal(got["state"][name], value), f"step {step}: state {name} differs"
+
+
+class LinearReluBlock(nn.Module):
+    """Linear then ReLU: forward ops t, addmm, relu."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+def block_op_counts(model: nn.Module, batch: torch.Tensor, names: list[str]) -> BlockOpCounter:
+    """Each named block's aten calls in a forward and backward of ``model(batch)`` (a scalar)."""
+    blocks = [model.get_submodule(n) for n in names]
+    model.zero_grad(set_to_none=True)
+    with BlockOpCounter(blocks) as counter:
+        model(batch).backward()
+    return counter

@@ -10,22 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from apply_helpers import assert_identical, make_plan, seg, train
+from apply_helpers import LinearReluBlock, assert_identical, block_op_counts, make_plan, seg, train
 from remat.apply.api import apply_, is_applied, remove_
 from remat.apply.opcount import BlockOpCounter, expected_extra_calls
 
 WIDTH = 8
-
-
-class ToyBlock(nn.Module):
-    """Linear then ReLU: forward ops t, addmm, relu."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.fc(x))
 
 
 class Toy(nn.Module):
@@ -33,7 +22,7 @@ class Toy(nn.Module):
 
     def __init__(self, num_blocks: int = 6) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(ToyBlock() for _ in range(num_blocks))
+        self.layers = nn.ModuleList(LinearReluBlock(WIDTH) for _ in range(num_blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -46,14 +35,6 @@ def _toy(num_blocks: int = 6):
     model = Toy(num_blocks)
     batch = torch.randn(4, WIDTH)
     return model, batch, [f"layers.{i}" for i in range(num_blocks)]
-
-
-def _counts(model: nn.Module, batch: torch.Tensor, names: list[str]) -> BlockOpCounter:
-    blocks = [model.get_submodule(n) for n in names]
-    model.zero_grad(set_to_none=True)
-    with BlockOpCounter(blocks) as counter:
-        model(batch).backward()
-    return counter
 
 
 def _addmm_relu(counter: BlockOpCounter) -> list[tuple[int, int]]:
@@ -72,12 +53,12 @@ def _addmm_relu(counter: BlockOpCounter) -> list[tuple[int, int]]:
 ])
 def test_exact_recompute_counts(label, segments, expected):
     model, batch, names = _toy()
-    baseline = _counts(model, batch, names)
+    baseline = block_op_counts(model, batch, names)
     assert _addmm_relu(baseline) == [(1, 1)] * 6
     assert baseline.forward_keys[0] == ["aten.t.default#0", "aten.addmm.default#0", "aten.relu.default#0"]
     plan = make_plan(model, batch, names, segments, label)
     apply_(model, plan)
-    counter = _counts(model, batch, names)
+    counter = block_op_counts(model, batch, names)
     assert _addmm_relu(counter) == expected
     extra = expected_extra_calls(plan, baseline.forward_keys, baseline.stop_keys)
     assert [baseline.total[i] + extra[i] for i in range(6)] == counter.total
@@ -85,7 +66,7 @@ def test_exact_recompute_counts(label, segments, expected):
 
 def test_every_op_of_a_block_counts_forward_and_backward():
     model, batch, names = _toy(2)
-    counter = _counts(model, batch, names)
+    counter = block_op_counts(model, batch, names)
     # forward: t, addmm, relu; backward: threshold_backward, 2 mm (grad input, grad weight) with
     # their transposes (4 t), sum + view (grad bias)
     assert counter.total[1] == Counter({"aten.t.default": 5, "aten.addmm.default": 1, "aten.relu.default": 1,
@@ -216,7 +197,7 @@ def test_eval_and_no_grad_run_the_blocks_plainly():
     apply_(model, make_plan(model, batch, names, [seg(0, 6, "recompute", seg(2, 4))]))
     with torch.no_grad():
         assert torch.equal(model(batch), expected)
-    counter = _counts(model, batch, names)
+    counter = block_op_counts(model, batch, names)
     assert _addmm_relu(counter)[0] == (2, 2)
 
 

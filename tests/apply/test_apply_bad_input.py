@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from apply_helpers import make_plan, seg
+from apply_helpers import LinearReluBlock, make_plan, seg
 from remat.apply.api import apply_, is_applied, remove_
 from remat.apply.runtime import BlockForward
 from remat.checkpointing.caches import CacheOff
@@ -21,19 +21,10 @@ from remat.plan.types import Plan
 WIDTH = 8
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.fc(x))
-
-
 class Toy(nn.Module):
     def __init__(self, num_blocks: int = 4) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Block() for _ in range(num_blocks))
+        self.layers = nn.ModuleList(LinearReluBlock(WIDTH) for _ in range(num_blocks))
         self.head = nn.Linear(WIDTH, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from apply_helpers import assert_identical, make_plan, seg, train
+from apply_helpers import assert_identical, block_op_counts, make_plan, seg, train
 from remat.apply.api import apply_
 from remat.apply.opcount import BlockOpCounter, expected_extra_calls
 from remat.measure.profile import profile
@@ -54,14 +54,6 @@ def _toy():
     return model, torch.randn(ROWS, WIDTH), [f"layers.{i}" for i in range(4)]
 
 
-def _counts(model: nn.Module, batch: torch.Tensor, names: list[str]) -> BlockOpCounter:
-    blocks = [model.get_submodule(n) for n in names]
-    model.zero_grad(set_to_none=True)
-    with BlockOpCounter(blocks) as counter:
-        model(batch).backward()
-    return counter
-
-
 def _addmm_add(counter: BlockOpCounter) -> list[tuple[int, int]]:
     return [(c["aten.addmm.default"], c["aten.add.Tensor"]) for c in counter.total]
 
@@ -79,7 +71,7 @@ def _addmm_add(counter: BlockOpCounter) -> list[tuple[int, int]]:
 ])
 def test_replays_stop_at_the_last_saved_tensor(label, segments, expected):
     model, batch, names = _toy()
-    baseline = _counts(model, batch, names)
+    baseline = block_op_counts(model, batch, names)
     assert baseline.forward_keys[0] == ["aten.t.default#0", "aten.addmm.default#0", "aten.relu.default#0",
                                         "aten.add.Tensor#0", "aten.neg.default#0"]
     assert baseline.stop_keys == [3] * 4
@@ -87,7 +79,7 @@ def test_replays_stop_at_the_last_saved_tensor(label, segments, expected):
     reference = train(model, batch)
     assert_identical(reference, train(model, batch, plan=plan))
     apply_(model, plan)
-    counter = _counts(model, batch, names)
+    counter = block_op_counts(model, batch, names)
     assert _addmm_add(counter) == expected
     assert [c["aten.relu.default"] for c in counter.total] == [a for a, _ in expected]
     assert [c["aten.neg.default"] for c in counter.total] == [n + 1 for _, n in expected]  # backward: one neg
