@@ -181,7 +181,8 @@ def test_a_head_the_byte_model_does_not_describe_is_priced_as_traced(toy):
     other strategies are refused."""
     import dataclasses
 
-    wrong = dataclasses.replace(toy, head=dataclasses.replace(toy.head, vocab_size=3000))
+    wrong = dataclasses.replace(toy, head=dataclasses.replace(
+        toy.head, traced=dataclasses.replace(toy.head.traced, vocab_size=3000)))
     assert _pricing(wrong, pipeline=2).head_estimates(("keep",)) == ()
     priced = _pricing(wrong, pipeline=2).stages(2)[-1]
     assert priced.post_saved_bytes == REST + HIDDEN + LOGITS + SCALAR  # what autograd saves: not the loss

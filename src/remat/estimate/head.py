@@ -39,6 +39,7 @@ memory bandwidth when they take longer than the replayed FLOPs (a chunk of ``c``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -59,26 +60,13 @@ class TracedHead:
 
     projection: str
     """Qualified name of the output projection."""
-    hidden_size: int
-    """Input features of the projection."""
-    vocab_size: int
-    """Output features of the projection."""
-    dtype_bytes: int
-    """Bytes per element of the hidden states and the weight."""
-    upcast: bool
-    """The loss upcasts the logits to fp32 (Hugging Face)."""
-    shift: bool
-    """The loss shifts the labels itself (Hugging Face)."""
-    tied: bool
-    """The weight is tied to the input embedding."""
-    seq_len: int
-    """Tokens per sequence of the trace."""
+    traced: HeadShape
+    """The head's sizes and loss conventions for one sequence of the trace (batch_size 1)."""
 
     def shape(self, micro_batch: int, par: Parallelism = Parallelism()) -> HeadShape:
         """The head of one rank of ``par`` at ``micro_batch`` (module docstring)."""
-        return HeadShape(batch_size=micro_batch, seq_len=self.seq_len // par.context, hidden_size=self.hidden_size,
-                         vocab_size=math.ceil(self.vocab_size / par.tensor), dtype_bytes=self.dtype_bytes,
-                         upcast=self.upcast, shift=self.shift, tied=self.tied)
+        return dataclasses.replace(self.traced, batch_size=micro_batch, seq_len=self.traced.seq_len // par.context,
+                                   vocab_size=math.ceil(self.traced.vocab_size / par.tensor))
 
     def model_saved_bytes(self, micro_batch: int) -> int:
         """What the model's own head saves on one GPU without model parallelism."""
@@ -163,6 +151,6 @@ def find_traced_head(model: Any, seq_len: int | None) -> tuple[TracedHead | None
         return None, "the model's batch is its own (a file model): its head stays as traced"
     weight = model.get_submodule(site.projection).weight
     vocab, hidden = weight.shape
-    return TracedHead(projection=site.projection, hidden_size=int(hidden), vocab_size=int(vocab),
-                      dtype_bytes=weight.element_size(), upcast=site.loss.upcast, shift=site.loss.shift,
-                      tied=site.tied, seq_len=seq_len), ""
+    traced = HeadShape(batch_size=1, seq_len=seq_len, hidden_size=int(hidden), vocab_size=int(vocab),
+                       dtype_bytes=weight.element_size(), upcast=site.loss.upcast, shift=site.loss.shift, tied=site.tied)
+    return TracedHead(projection=site.projection, traced=traced), ""
