@@ -290,7 +290,8 @@ def _tiny_profile(workload: Workload):
 
 def test_parity_layouts_are_the_recipes_choices() -> None:
     """Each recipe written as remat segments on the tiny GPT (4 blocks): per block, checkpoint_sequential's
-    2 segments of 2 with the last one kept, torchtitan's every other matmul, Megatron's core from q, k, v."""
+    2 segments of 2 with the last one kept, torchtitan's every other matmul, Megatron's core from q, k, v
+    (the cores profiled as blocks of their own)."""
     from benchmarks._peers import parity
 
     profile, model = _tiny_profile(TINY)
@@ -300,9 +301,13 @@ def test_parity_layouts_are_the_recipes_choices() -> None:
     titan = parity.titan_layout(profile, model)
     # addmm: qkv, attention out, fc, mlp out: the 1st and 3rd are saved; bmm is not on torchtitan's list
     assert {s.saved_ops for s in titan} == {("aten.addmm.default#0", "aten.addmm.default#2")}
-    core = parity.megatron_saved_ops(profile.blocks[0])
-    assert "aten.addmm.default#0" in core and "aten.native_layer_norm.default#0" in core
-    assert not {"aten.clone.default#0", "aten.clone.default#1", "aten.bmm.default#0", "aten._softmax.default#0"} & set(core)
+    from benchmarks._peers.suite import remat_profile
+
+    cores = remat_profile(TINY, blocks=parity.CORE_BLOCKS)
+    assert [b.name for b in cores.blocks] == [f"blocks.{i}.attn.core" for i in range(4)]
+    assert kinds(parity.core_layout(cores, model)) == [(i, i + 1, "recompute") for i in range(4)]
+    # a core's forward: q k^T (operand copies, bmm), scale, mask, softmax, dropout, @ v
+    assert [op.name.split(".")[1] for op in cores.blocks[0].ops if not op.is_view].count("bmm") == 2
     unet = Workload(model="unet", size="tiny")
     profile, model = _tiny_profile(unet)
     assert [s.strategy for s in parity.per_block_layout(profile, model)] == ["recompute"] * 5

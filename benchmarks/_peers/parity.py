@@ -106,41 +106,17 @@ def titan_layout(profile: Any, model: nn.Module) -> tuple[Any, ...]:
         for i in _recipe_indices(profile, model)})
 
 
-_OPERAND_PREP = frozenset({"aten.expand", "aten.clone", "aten._unsafe_view", "aten.contiguous"})
-"""Ops that turn q, k and v (views of the projection's output) into a matmul's operands."""
+CORE_BLOCKS = "blocks.*.attn.core"
+"""The built-in GPT's attention cores (`remat.models.gpt.AttentionCore`) named as remat's blocks:
+the region Megatron-LM checkpoints, from q, k and v to the product with v."""
 
 
-def megatron_saved_ops(block: Any) -> tuple[str, ...]:
-    """The op calls whose outputs Megatron-LM's attention-core checkpoint keeps in one block:
-    outside the core, what autograd saves (`remat.plan.policies.op_cacheable` calls with saved
-    bytes) and the projection q, k and v are views of (the checkpoint's inputs); the core reaches from the last score matmul before each softmax to the first one
-    after (remat's ``attention-core`` policy) and back to its inputs q, k and v. Megatron
-    checkpoints the core function, whose inputs are views of the projection's output, so the
-    operand copies the score matmul makes of q and k (expand, clone) are replayed, not kept."""
-    from remat.plan.policies import _attention_core_indices, _base, op_cacheable
-
-    core = _attention_core_indices(block.ops)
-    inputs = set()
-    for first in sorted(core):
-        if first - 1 in core:
-            continue
-        i = first - 1
-        while i >= 0 and (block.ops[i].is_view or _base(block.ops[i]) in _OPERAND_PREP):
-            core.add(i)
-            i -= 1
-        inputs.add(i)  # the projection whose output q, k and v view: the checkpoint keeps its inputs
-    return tuple(op.key for i, op in enumerate(block.ops)
-                 if i not in core and (op.saved_bytes > 0 or i in inputs) and not op.is_view and op_cacheable(op))
-
-
-def attention_core_layout(profile: Any, model: nn.Module) -> tuple[Any, ...]:
-    """Every block of the list selective, replaying its attention core from q, k and v
-    (`megatron_saved_ops`)."""
+def core_layout(profile: Any, model: nn.Module) -> tuple[Any, ...]:
+    """Megatron's attention-core checkpoint on a profile whose blocks are the cores
+    (`CORE_BLOCKS`): every core recomputed on its own, everything else kept."""
     from remat.plan.types import Segment
 
-    return _segments(profile, {
-        i: Segment(start=i, stop=i + 1, strategy="selective:attention-core", saved_ops=megatron_saved_ops(profile.blocks[i]))
-        for i in _recipe_indices(profile, model)})
+    return tuple(Segment(start=i, stop=i + 1, strategy="recompute") for i in range(profile.num_blocks))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -149,6 +125,9 @@ class Recipe:
 
     peer: Peer
     layout: Layout
+    blocks: str | None = None
+    """What remat profiles as its blocks for this layout (`remat.profile`'s ``blocks``): None, the
+    detected stacks; a glob names smaller regions (Megatron's attention cores)."""
 
 
 def default_recipes() -> list[Recipe]:
@@ -158,7 +137,7 @@ def default_recipes() -> list[Recipe]:
         Recipe(peer=PerBlockCheckpoint(name="per-block checkpoint"), layout=per_block_layout),
         Recipe(peer=SqrtSequential(name="checkpoint_sequential sqrt(N)"), layout=sequential_layout),
         Recipe(peer=TitanSelective(name="torchtitan selective"), layout=titan_layout),
-        Recipe(peer=AttentionCoreCheckpoint(name="Megatron attention core"), layout=attention_core_layout),
+        Recipe(peer=AttentionCoreCheckpoint(name="Megatron attention core"), layout=core_layout, blocks=CORE_BLOCKS),
     ]
 
 
@@ -206,8 +185,8 @@ def build_pairs(suite: Suite, recipes: list[Recipe], warmup: int) -> list[Pair]:
     """Prepare every recipe that runs here and remat's plan of its layout; measure their peaks."""
     from remat.plan.planners import make_plan
 
-    profile = remat_profile(suite.workload)
-    suite.num_blocks = profile.num_blocks
+    profiles = {None: remat_profile(suite.workload)}
+    suite.num_blocks = profiles[None].num_blocks
     model = suite.workload.build().model
     pairs = []
     for recipe in recipes:
@@ -215,6 +194,9 @@ def build_pairs(suite: Suite, recipes: list[Recipe], warmup: int) -> list[Pair]:
                         recipe.peer.describe(), warmup)
         if peer is None:
             continue
+        if recipe.blocks not in profiles:
+            profiles[recipe.blocks] = remat_profile(suite.workload, blocks=recipe.blocks)
+        profile = profiles[recipe.blocks]
         plan = make_plan(profile, recipe.layout(profile, model), f"layout of {recipe.peer.name}", None)
         ours = try_add(suite, f"remat, layout of {recipe.peer.name}", recipe.peer.mode, "remat",
                         _remat_prepare(plan), plan_summary(plan), warmup)

@@ -215,8 +215,8 @@ class TitanSelective(Peer):
 
 
 class _CoreCheckpoint:
-    """An attention module's ``_explicit`` (the core: q @ k^T, scale, mask, softmax, dropout, @ v)
-    under non-reentrant `torch.utils.checkpoint`; an instance attribute, so the class keeps its own."""
+    """An attention core's forward (q @ k^T, scale, mask, softmax, dropout, @ v) under
+    non-reentrant `torch.utils.checkpoint`; an instance attribute, so the class keeps its own."""
 
     def __init__(self, core: Callable[..., torch.Tensor]) -> None:
         self.core = core
@@ -231,7 +231,7 @@ class AttentionCoreCheckpoint(Peer):
 
     Megatron (``--recompute-granularity selective``) runs its ``core_attention`` under its
     checkpoint and keeps everything else. Here: the built-in GPT's explicit attention core
-    (`remat.models.gpt.CausalSelfAttention._explicit`) under non-reentrant `checkpoint`.
+    (`remat.models.gpt.AttentionCore`, from q, k and v) under non-reentrant `checkpoint`.
     """
 
     def prepare(self, model: nn.Module, batch: Any) -> nn.Module:
@@ -244,7 +244,7 @@ class AttentionCoreCheckpoint(Peer):
                 "for the built-in GPT with attention='explicit')"
             )
         for module in cores:
-            module._explicit = _CoreCheckpoint(type(module)._explicit.__get__(module))
+            module.core.forward = _CoreCheckpoint(type(module.core).forward.__get__(module.core))
         return model
 
     def describe(self) -> str:

@@ -97,12 +97,13 @@ def plan_summary(plan: Any) -> str:
             + f"; predicted {pred.peak_bytes / 2**20:.1f} MiB, {pred.step_ms:.0f} ms")
 
 
-def remat_profile(workload: Workload) -> Any:
-    """remat's profile of a fresh copy of the model (no optimizer, like the benchmark step)."""
+def remat_profile(workload: Workload, blocks: str | None = None) -> Any:
+    """remat's profile of a fresh copy of the model (no optimizer, like the benchmark step);
+    ``blocks``: `remat.profile`'s (None: the detected stacks)."""
     import remat
 
     built = workload.build()
-    return remat.profile(built.model, built.batch, loss_fn=built.loss_fn, optimizer=None)
+    return remat.profile(built.model, built.batch, loss_fn=built.loss_fn, optimizer=None, blocks=blocks)
 
 
 def matched_plans(profile: Any, budgets: dict[str, int]) -> dict[str, Any]:

@@ -194,8 +194,11 @@ class Runtime:
         ``context(i)`` when given)."""
         outputs = []
         for i in range(start, stop):
-            with context(i) if context is not None else contextlib.nullcontext():
+            if context is None:
                 out = self.run_raw(i, (first, *extra), kwargs)
+            else:
+                with context(i):
+                    out = self.run_raw(i, (first, *extra), kwargs)
             outputs.append(out)
             if i + 1 < stop:
                 first = first_of(out)
@@ -203,6 +206,8 @@ class Runtime:
 
     def run_layout(self, seg: Segment, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """Run ``seg``'s blocks with its children checkpointed and the other blocks kept."""
+        if not seg.children:
+            return self.run_plain(seg.start, seg.stop, first, extra, kwargs)
         outputs: list[Any] = []
         pos = seg.start
         for child in sorted(seg.children, key=lambda c: c.start):

@@ -44,8 +44,9 @@ def is_kv_cache(value: Any) -> bool:
 
 def drop_kv_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``args`` and ``kwargs`` with every Hugging Face key/value cache replaced by None (warned)."""
-    if not any(is_kv_cache(v) for v in (*args, *kwargs.values())):
-        return args, kwargs
+    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    if cache is None or not any(isinstance(v, cache) for v in (*args, *kwargs.values())):
+        return args, kwargs  # asked of every planned block call: one lookup, then isinstance
     if not torch.compiler.is_compiling():
         _warn()
     args = tuple(None if is_kv_cache(v) else v for v in args)

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
@@ -46,8 +48,8 @@ class BufferGuard:
     the checkpoint as its (forward, recompute) contexts. Which buffers a forward changes is found
     once per region and training mode by comparing values (the kernels that update running
     statistics do not bump version counters) and kept in ``known``, shared by every guard of the
-    same blocks. A replay copies those buffers first and restores them after, so they advance
-    once per step, as without recomputation. Nothing is counted inside the region, so a compiled
+    same blocks. A replay leaves them as they were (`replay`), so they advance once per step, as
+    without recomputation. Nothing is counted inside the region, so a compiled
     region has no side effect of remat's (under ``torch.compile`` the guard is left out: the
     compiled backward replays no buffer update)."""
 
@@ -60,9 +62,17 @@ class BufferGuard:
         self.modules = [m for block in blocks for m in block.modules()]
         """Every module of the blocks, listed once: the key reads their training flags on every
         forward and replay, and walking the module tree each time cost more than the flags."""
+        self._plans: dict[tuple[Any, ...], tuple[list[_Swap], list[torch.Tensor], list[torch.Tensor]]] = {}
+        """Per training mode: what a replay swaps and copies (`_plan`), and the ``known`` list it
+        was made for."""
 
     def _key(self) -> tuple[Any, ...]:
         return (*self.name, tuple(m.training for m in self.modules))
+
+    def idle(self) -> bool:
+        """Whether the region's forward is known to change no buffer in the current training
+        mode: then neither its forward nor its replay needs the guard."""
+        return self.known.get(self._key()) == []
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
@@ -80,19 +90,56 @@ class BufferGuard:
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
-        """The region's replay: the buffers its forward changes are put back after it."""
-        known = self.known.get(self._key())
+        """The region's replay: the buffers its forward changes are put back after it.
+
+        A training BatchNorm's running statistics are not read by its forward (it normalizes by
+        the batch's statistics), so the replay updates stand-ins instead: the module's buffers
+        are swapped for scratch tensors of the same shape and swapped back, with no copy. Any
+        other buffer the forward changes is copied before the replay and restored after it."""
+        key = self._key()
+        known = self.known.get(key)
         if not known:
             yield
             return
-        with _outside_modes():
-            saved = [b.detach().clone() for b in known]
+        swaps, copied = self._plan(key, known)
+        saved = []
+        if copied:
+            with _outside_modes():
+                saved = [b.detach().clone() for b in copied]
+        for module, name, _, scratch in swaps:
+            module._buffers[name] = scratch
         try:
             yield
         finally:
-            with _outside_modes():
-                for buf, value in zip(known, saved):
-                    buf.copy_(value)
+            for module, name, buf, _ in swaps:
+                module._buffers[name] = buf
+            if copied:
+                with _outside_modes():
+                    for buf, value in zip(copied, saved):
+                        buf.copy_(value)
+
+    def _plan(self, key: tuple[Any, ...], known: list[torch.Tensor]) -> tuple[list[_Swap], list[torch.Tensor]]:
+        """For the training mode ``key``: the swaps (each changed buffer of a training BatchNorm
+        that tracks running statistics, with its scratch made once) and the buffers to copy."""
+        cached = self._plans.get(key)
+        if cached is not None and cached[2] is known:
+            return cached[0], cached[1]
+        changed = {id(b) for b in known}
+        swaps = []
+        for module in self.modules:
+            if isinstance(module, _BatchNorm) and module.training and module.track_running_stats:
+                for name, buf in module._buffers.items():
+                    if buf is not None and id(buf) in changed:
+                        with _outside_modes():
+                            swaps.append((module, name, buf, buf.detach().clone()))
+        swapped = {id(buf) for _, _, buf, _ in swaps}
+        copied = [b for b in known if id(b) not in swapped]
+        self._plans[key] = (swaps, copied, known)
+        return swaps, copied
+
+
+_Swap = tuple[nn.Module, str, torch.Tensor, torch.Tensor]
+"""(module, buffer name, the buffer, its scratch stand-in)."""
 
 
 def checkpointed(body: Body, first: Any, extra: tuple[Any, ...], *, guard: BufferGuard,
@@ -109,8 +156,8 @@ def checkpointed(body: Body, first: Any, extra: tuple[Any, ...], *, guard: Buffe
     def region(first: Any, *extra_args: Any) -> tuple[Any, ...]:
         return tuple(body(first, extra_args))
 
-    if torch.compiler.is_compiling():
-        contexts = context_fn  # decided while tracing: the compiled graph keeps no guard
+    if torch.compiler.is_compiling() or guard.idle():
+        contexts = context_fn  # compiled: decided while tracing, the compiled graph keeps no guard
     else:
         contexts = functools.partial(_guarded, guard, context_fn)
     options: dict[str, Any] = {"context_fn": contexts} if contexts is not None else {}
@@ -125,7 +172,29 @@ def _guarded(guard: BufferGuard, context_fn: Callable[[], tuple[Any, Any]] | Non
     return _both(guard.forward(), inner[0]), _both(guard.replay(), inner[1])
 
 
-@contextlib.contextmanager
-def _both(outer: Any, inner: Any) -> Iterator[None]:
-    with outer, inner:
-        yield
+class _both:  # noqa: N801 (used as a context manager, like contextlib's)
+    """``with outer, inner`` as one context manager, without a generator frame."""
+
+    __slots__ = ("outer", "inner")
+
+    def __init__(self, outer: Any, inner: Any) -> None:
+        self.outer, self.inner = outer, inner
+
+    def __enter__(self) -> None:
+        self.outer.__enter__()
+        try:
+            self.inner.__enter__()
+        except BaseException:
+            if not self.outer.__exit__(*sys.exc_info()):
+                raise
+
+    def __exit__(self, *exc: Any) -> bool:
+        try:
+            suppressed = bool(self.inner.__exit__(*exc))
+        except BaseException:
+            if not self.outer.__exit__(*sys.exc_info()):
+                raise
+            return True
+        if suppressed:
+            exc = (None, None, None)
+        return bool(self.outer.__exit__(*exc)) or suppressed

@@ -16,7 +16,7 @@ well, which the eager cache would replay).
 
 from __future__ import annotations
 
-from collections import Counter
+import functools
 from typing import Any
 
 import torch
@@ -37,31 +37,54 @@ replay, and ``str(op)`` formats the name anew each time (half of the policy's ow
 
 
 class SavedOpsPolicy:
-    """``policy(ctx, op, *args, **kwargs)``: MUST_SAVE for the named calls, PREFER_RECOMPUTE otherwise."""
+    """``policy(ctx, op, *args, **kwargs)``: MUST_SAVE for the named calls, PREFER_RECOMPUTE otherwise.
+
+    It is asked about every op of every checkpointed forward and replay, so a call is decided
+    by its overload's running count and a set of saved counts per overload (`_saved_counts`),
+    without formatting its key."""
 
     def __init__(self, saved_ops: frozenset[str]) -> None:
         self.saved_ops = saved_ops
-        self.counts: Counter[str] = Counter()
-        self.seen: list[str] = []
-        """Keys of every call the policy was asked about, in order (for diagnostics and tests)."""
+        self.saved = _saved_counts(saved_ops)
+        self.counts: dict[str, int] = {}
+        self.calls: list[tuple[str, int]] = []
+        """(overload, occurrence) of every call the policy was asked about, in order."""
 
-    def key(self, op: Any, *args: Any) -> str:
+    @property
+    def seen(self) -> list[str]:
+        """Keys of every call the policy was asked about, in order (for diagnostics and tests)."""
+        return [f"{name}#{index}" for name, index in self.calls]
+
+    def _next(self, name: str) -> int:
+        index = self.counts.get(name, 0)
+        self.counts[name] = index + 1
+        self.calls.append((name, index))
+        return index
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         name = _NAMES.get(op)
         if name is None:
             name = _NAMES[op] = str(op)
         if name == _NATIVE_DROPOUT and args and _traced_on_cpu(args[0]):
-            return [self._next(eager) for eager in _EAGER_CPU_DROPOUT][-1]
-        return self._next(name)
+            for eager in _EAGER_CPU_DROPOUT:
+                index = self._next(eager)
+            name = _EAGER_CPU_DROPOUT[-1]
+        else:
+            index = self._next(name)
+        saved = self.saved.get(name)
+        return CheckpointPolicy.MUST_SAVE if saved is not None and index in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
-    def _next(self, name: str) -> str:
-        index = self.counts[name]
-        self.counts[name] = index + 1
-        return f"{name}#{index}"
 
-    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        key = self.key(op, *args)
-        self.seen.append(key)
-        return CheckpointPolicy.MUST_SAVE if is_saved(key, self.saved_ops) else CheckpointPolicy.PREFER_RECOMPUTE
+@functools.lru_cache(maxsize=1024)
+def _saved_counts(saved_ops: frozenset[str]) -> dict[str, frozenset[int]]:
+    """``{"aten.mm.default#2", ...}`` -> ``{"aten.mm.default": {2, ...}}``, keeping only the
+    calls `is_saved` keeps (cacheable overloads)."""
+    counts: dict[str, set[int]] = {}
+    for key in saved_ops:
+        name, _, index = key.rpartition("#")
+        if name and index.isdigit() and is_saved(key, saved_ops):
+            counts.setdefault(name, set()).add(int(index))
+    return {name: frozenset(indices) for name, indices in counts.items()}
 
 
 def _traced_on_cpu(first: Any) -> bool:

@@ -61,6 +61,25 @@ class GPTConfig:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1).")
 
 
+class AttentionCore(nn.Module):
+    """Explicit attention's core, its own module: q @ k^T, scale, causal mask, softmax, dropout,
+    @ v. As a module it can be a block of its own (``blocks="blocks.*.attn.core"``): the region
+    Megatron-LM's selective recomputation checkpoints, from q, k and v to the product with v."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(config.dropout)
+        mask = torch.tril(torch.ones(config.seq_len, config.seq_len, dtype=torch.bool))
+        self.register_buffer("causal_mask", mask, persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        seq = q.size(-2)
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
+        scores = scores.masked_fill(~self.causal_mask[:seq, :seq], float("-inf"))
+        probs = self.drop(F.softmax(scores, dim=-1))
+        return probs @ v
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with dropout on probabilities and on the output."""
 
@@ -71,10 +90,13 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
-        self.attn_drop = nn.Dropout(config.dropout)
+        self.core = AttentionCore(config)
         self.resid_drop = nn.Dropout(config.dropout)
-        mask = torch.tril(torch.ones(config.seq_len, config.seq_len, dtype=torch.bool))
-        self.register_buffer("causal_mask", mask, persistent=False)
+
+    @property
+    def causal_mask(self) -> torch.Tensor:
+        """The core's boolean lower-triangular mask (seq_len x seq_len)."""
+        return self.core.causal_mask
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
@@ -84,15 +106,10 @@ class CausalSelfAttention(nn.Module):
             p = self.dropout if self.training else 0.0
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
-            y = self._explicit(q, k, v, seq)
+            y = self.core(q, k, v)
         y = y.transpose(1, 2).contiguous().view(batch, seq, width)
         return self.resid_drop(self.proj(y))
 
-    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: int) -> torch.Tensor:
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
-        scores = scores.masked_fill(~self.causal_mask[:seq, :seq], float("-inf"))
-        probs = self.attn_drop(F.softmax(scores, dim=-1))
-        return probs @ v
 
 
 class MLP(nn.Module):
