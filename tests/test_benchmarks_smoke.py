@@ -182,6 +182,18 @@ def test_matches_pick_the_fastest_identical_remat_run_within_each_peak() -> None
     assert slow.ratio == pytest.approx(0.86) and not slow.goal_met
 
 
+def test_matches_bound_the_ratio_by_the_step_without_recomputation() -> None:
+    """none / peer is the least ratio any plan at the peer's peak can reach: 0.9 here, above the
+    heterogeneous goal of 0.85, so the table says the goal is out of reach."""
+    rows = [_row("none", "peer", 10, 90), _row("full", "peer", 4, 100), _row("remat a", "remat", 4, 95)]
+    (full,) = results.matches(rows, goal_ratio=results.HETEROGENEOUS_GOAL)
+    assert full.none_ms == 90 and full.bound == pytest.approx(0.9) and not full.goal_met
+    line = results.match_table([full]).splitlines()[-1]
+    assert line.endswith("| 0.95 | 0.95 | 0.90 | missed (out of reach: none / peer > goal) |")
+    (reachable,) = results.matches([_row("none", "peer", 10, 70), *rows[1:]], goal_ratio=results.HETEROGENEOUS_GOAL)
+    assert results.match_table([reachable]).splitlines()[-1].endswith("| 0.70 | missed |")
+
+
 def test_tiny_end_to_end_run_writes_table_json_and_plot(tmp_path) -> None:
     from benchmarks import peers
 

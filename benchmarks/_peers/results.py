@@ -66,6 +66,15 @@ class Match:
     remat_ms: float | None
     goal_ratio: float = UNIFORM_GOAL
     """The goal: remat's time at most this multiple of the peer's."""
+    none_ms: float | None = None
+    """The step without recomputation (this mode's reference), measured in the same rounds: no
+    plan at or under the peer's peak recomputes less, so none runs meaningfully faster."""
+
+    @property
+    def bound(self) -> float | None:
+        """``none_ms / peer_ms``: the least ratio any plan could reach (where it is above the
+        goal, the goal cannot be met on this workload)."""
+        return None if self.none_ms is None else self.none_ms / self.peer_ms
 
     @property
     def ratio(self) -> float | None:
@@ -124,6 +133,7 @@ def matches(all_rows: list[Row], goal_ratio: float = UNIFORM_GOAL) -> list[Match
     """For each recomputing peer: the fastest remat run of its mode within its peak, against
     ``goal_ratio`` (`UNIFORM_GOAL` or `HETEROGENEOUS_GOAL`)."""
     measured = _measured(all_rows)
+    references = {r.mode: r.step_ms for r in measured if r.source == "peer" and r.name == REFERENCE_NAMES[r.mode]}
     out = []
     for peer in measured:
         if peer.source != "peer" or peer.name == REFERENCE_NAMES[peer.mode]:
@@ -142,6 +152,7 @@ def matches(all_rows: list[Row], goal_ratio: float = UNIFORM_GOAL) -> list[Match
             remat=fastest.name if fastest else None,
             remat_peak_bytes=fastest.match_peak_bytes if fastest else None,
             remat_ms=fastest.step_ms if fastest else None, goal_ratio=goal_ratio,
+            none_ms=references.get(peer.mode),
         ))
     return out
 
@@ -177,16 +188,18 @@ def match_table(ms: list[Match]) -> str:
     goal = ms[0].goal_ratio if ms else UNIFORM_GOAL
     lines = [
         "| peer | mode | peer peak MiB | peer ms | best peer within that peak | remat run | remat peak MiB "
-        f"| remat ms | remat / peer | remat / best peer | goal (remat / peer <= {goal:.2f}) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| remat ms | remat / peer | remat / best peer | none / peer (bound) | goal (remat / peer <= {goal:.2f}) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m in ms:
         goal = "met" if m.goal_met else ("no remat run fits" if m.remat is None else "missed")
+        if not m.goal_met and m.bound is not None and m.bound > m.goal_ratio:
+            goal += " (out of reach: none / peer > goal)"
         lines.append("| " + " | ".join([
             m.peer, m.mode, f"{m.peer_peak_bytes / MIB:.2f}", f"{m.peer_ms:.1f}",
             f"{m.best_peer} ({m.best_peer_ms:.1f} ms)", m.remat or "-",
             _fmt(m.remat_peak_bytes and m.remat_peak_bytes / MIB, ".2f"), _fmt(m.remat_ms, ".1f"),
-            _fmt(m.ratio, ".2f"), _fmt(m.ratio_vs_best, ".2f"), goal,
+            _fmt(m.ratio, ".2f"), _fmt(m.ratio_vs_best, ".2f"), _fmt(m.bound, ".2f"), goal,
         ]) + " |")
     return "\n".join(lines)
 
@@ -195,6 +208,7 @@ def as_json(all_rows: list[Row], ms: list[Match]) -> dict:
     """JSON-able results."""
     return {
         "rows": [asdict(r) for r in all_rows],
-        "matches": [{**asdict(m), "ratio": m.ratio, "ratio_vs_best": m.ratio_vs_best, "goal_met": m.goal_met}
+        "matches": [{**asdict(m), "ratio": m.ratio, "ratio_vs_best": m.ratio_vs_best, "bound": m.bound,
+                     "goal_met": m.goal_met}
                     for m in ms],
     }

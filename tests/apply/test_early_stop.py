@@ -145,3 +145,50 @@ def test_predicted_peak_is_measured_to_the_byte(segments, peak_bytes):
     assert check.grads_identical
     assert check.recompute_counts_match
     assert check.measured_peak_bytes == check.predicted_peak_bytes == prediction.peak_bytes
+
+
+SAVE_ADDMM = ("aten.addmm.default#0",)
+PAST_STOP = ("aten.add.Tensor#0",)
+"""add comes after relu, the last saved tensor: a selective replay stops before it."""
+
+
+def test_selective_replays_stop_at_the_last_saved_tensor_too():
+    """Selective blocks caching addmm: the replay fetches addmm, runs t and relu, and stops
+    before add and neg, as torch's ``early_stop`` does; gradients bit-identical; the counts are
+    what `expected_extra_calls` says."""
+    model, batch, names = _toy()
+    baseline = block_op_counts(model, batch, names)
+    plan = make_plan(model, batch, names, [seg(i, i + 1, "selective:x", saved_ops=SAVE_ADDMM) for i in range(4)])
+    assert all(s.stops_early for s in plan.segments)
+    reference = train(model, batch)
+    assert_identical(reference, train(model, batch, plan=plan))
+    apply_(model, plan)
+    counter = block_op_counts(model, batch, names)
+    # forward 1 + backward 0 addmm (its backward runs mm); relu 1 + 1 replayed; add 1, not replayed
+    assert _addmm_add(counter) == [(1, 1)] * 4
+    assert [c["aten.relu.default"] for c in counter.total] == [2] * 4
+    extra = expected_extra_calls(plan, baseline.forward_keys, baseline.stop_keys)
+    assert [baseline.total[i] + extra[i] for i in range(4)] == counter.total
+
+
+def test_selective_plans_name_no_call_past_the_stop_and_are_measured_to_the_byte():
+    """A call past the replay's stop would be cached and never fetched: `make_plan` drops it
+    from ``saved_ops`` and the costs ignore it (the same price either way); the replay is priced
+    to its stop (FLOPs: nothing, addmm is fetched); the peak is measured to the byte."""
+    from remat.plan.costs import cost_of
+    from remat.plan.planners import make_plan as plan_of
+    from remat.plan.types import Segment
+
+    model, batch, names = _toy()
+    prof = profile(model, batch, blocks=names, repeats=1)
+    named = [Segment(start=i, stop=i + 1, strategy="selective:x", saved_ops=SAVE_ADDMM + PAST_STOP) for i in range(4)]
+    plan = plan_of(prof, tuple(named), "test", None)
+    assert [s.saved_ops for s in plan.segments] == [SAVE_ADDMM] * 4
+    for i in range(4):
+        assert cost_of(prof, i, named[i]) == cost_of(prof, i, plan.segments[i])
+        # relu is replayed (no FLOPs counted for it), addmm fetched, add and neg not reached
+        assert cost_of(prof, i, plan.segments[i]).extra_flops == sum(
+            op.flops for op in prof.blocks[i].ops[:3] if op.key not in SAVE_ADDMM)
+    check = verify(model, batch, plan, repeats=1)
+    assert check.grads_identical and check.recompute_counts_match
+    assert check.measured_peak_bytes == check.predicted_peak_bytes == plan.prediction.peak_bytes

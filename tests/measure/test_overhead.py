@@ -16,7 +16,7 @@ from remat.measure.profile import profile
 from remat.measure.timing import Clock
 from remat.models import load_target
 from remat.plan.costs import cached_ops, cost_of
-from remat.plan.phases import stopped_replay_ms
+from remat.plan.phases import replay_stop, stopped_replay_ms
 from remat.plan.planners import plan
 from remat.plan.policies import cacheable, op_cacheable
 from remat.plan.types import Segment
@@ -74,12 +74,16 @@ def test_costs_charge_the_overheads_exactly(gpt):
     assert first.extra_ms == prof.blocks[0].fwd_ms + 1.5  # replayed whole: a block follows it
     matmuls = plan(prof, None, "selective:save-matmuls").segments[1]
     saved = cached_ops(block, matmuls.saved_ops)
-    replayed_ms = sum(op.time_ms for op in block.ops if op.key not in saved and not op.is_view)
-    # save-matmuls keeps the matmul calls, a share of the calls that can be cached at all.
+    stop = replay_stop(block)
+    assert 0 < stop < len(block.ops)  # the replay stops at the block's last saved tensor
+    replayed_ms = sum(op.time_ms for op in block.ops[:stop] if op.key not in saved and not op.is_view)
+    # save-matmuls keeps the matmul calls, a share of the calls that can be cached at all; the
+    # dispatch mode runs on the forward's calls and the replay's, which stops early
     cacheable_calls = sum(op_cacheable(op) for op in block.ops)
     assert len(saved) > 0 and cacheable_calls > len(saved)
     share = 3.0 * len(saved) / cacheable_calls
-    assert cost_of(prof, 1, matmuls).extra_ms == pytest.approx(replayed_ms + 7.25 + share, rel=1e-12)
+    dispatch = 7.25 * (len(block.ops) + stop) / (2 * len(block.ops))
+    assert cost_of(prof, 1, matmuls).extra_ms == pytest.approx(replayed_ms + dispatch + share, rel=1e-12)
 
 
 def test_predicted_step_grows_by_the_overheads(gpt):
@@ -90,8 +94,8 @@ def test_predicted_step_grows_by_the_overheads(gpt):
     chosen = plan(prof, None, "selective:save-matmuls")
     grown = chosen.prediction.step_ms - plan(bare, None, "selective:save-matmuls").prediction.step_ms
     expected = sum(
-        b.selective_overhead_ms + b.selective_cache_overhead_ms * len(cached_ops(b, seg.saved_ops))
-        / sum(op_cacheable(op) for op in b.ops)
+        b.selective_overhead_ms * (len(b.ops) + replay_stop(b)) / (2 * len(b.ops))
+        + b.selective_cache_overhead_ms * len(cached_ops(b, seg.saved_ops)) / sum(op_cacheable(op) for op in b.ops)
         for b, seg in zip(prof.blocks, chosen.segments)
     )
     assert grown == pytest.approx(expected, rel=1e-9)

@@ -90,21 +90,27 @@ def test_search_prices_every_layout_as_predict(name):
         assert claimed[(p.head, p.segments)] == p.prediction
 
 
-def test_swin_selective_block_caching_its_output_after_a_recomputed_one():
-    """Swin's block 1 returns what the patch merging before the next stage only reads: a
-    selective block 1 caching its last op's output holds it through the backward (the peak at
-    block 3's backward), priced in its retained bytes: every knapsack point that caches it, with
-    block 0 recomputed and the next stage kept, is predicted to the byte."""
+def test_swin_selective_block_after_a_recomputed_one_stops_its_replay_at_its_last_save():
+    """Swin's block 1 returns what the patch merging before the next stage only reads; its last
+    op call comes after its last saved tensor, where a selective replay stops
+    (`Segment.stops_early`). So no knapsack point caches it, a plan naming it by hand drops it
+    (it would be cached and never fetched), and with block 0 recomputed and the next stage
+    kept, the knapsack points are predicted to the byte, their replays counted call for call."""
     zoo, prof, _ = profiled("swin")
-    last = prof.blocks[1].ops[-1].key
-    points = [s for s in block_options(prof, 1) if s.strategy == "selective:knapsack" and last in s.saved_ops]
-    assert len(points) > 3
+    block = prof.blocks[1]
+    last = block.ops[-1].key
+    assert block.replay_stop_calls < len(block.ops)
+    points = [s for s in block_options(prof, 1) if s.strategy == "selective:knapsack" and s.saved_ops]
+    assert len(points) > 3 and not any(last in s.saved_ops for s in points)
     keep = tuple(Segment(start=i, stop=i + 1, strategy="keep") for i in (2, 3))
+    by_hand = Segment(start=1, stop=2, strategy="selective:knapsack", saved_ops=(*points[0].saved_ops, last))
+    plan = make_plan(prof, (Segment(start=0, stop=1, strategy="recompute"), by_hand, *keep), "manual", None)
+    assert plan.segments[1].saved_ops == points[0].saved_ops
     for point in points[:: max(1, len(points) // 3)][:3]:
         segments = (Segment(start=0, stop=1, strategy="recompute"), point, *keep)
         check = verify(zoo.model, zoo.batch, make_plan(prof, segments, "manual", None), zoo.loss_fn, zoo.optimizer,
                        repeats=1)
-        assert check.grads_identical, point.saved_ops
+        assert check.grads_identical and check.recompute_counts_match, point.saved_ops
         assert check.measured_peak_bytes == check.predicted_peak_bytes, point.saved_ops
 
 

@@ -12,8 +12,8 @@ not counted; checkpointing adds detaches of its own.
 
 `expected_extra_calls` turns a plan into the forward op calls it adds: a block under ``r``
 nested recompute segments replays its forward ``r`` times; a selective block replays every call
-except the saved ones. The last block of a segment that stops early (`Segment.stops_early`)
-replays the calls its forward had made when it last saved a tensor for backward
+except the saved ones. The last block of a segment that stops early (`Segment.stops_early`:
+selective blocks among them) replays the calls its forward had made when it last saved a tensor for backward
 (`BlockOpCounter.stop_keys`).
 """
 
@@ -132,13 +132,13 @@ def expected_extra_calls(plan: Plan, forward_keys: list[list[str]],
 
     def visit(seg: Segment) -> None:
         for i in range(seg.start, seg.stop):
+            stopped = stop_keys is not None and seg.stops_early and i == seg.stop - 1
+            keys = forward_keys[i][: stop_keys[i]] if stopped else forward_keys[i]
             if seg.kind == "recompute":
-                stopped = stop_keys is not None and seg.stops_early and i == seg.stop - 1
-                keys = forward_keys[i][: stop_keys[i]] if stopped else forward_keys[i]
                 extra[i].update(op_name(k) for k in keys)
             elif seg.kind == "selective":
                 saved = frozenset(seg.saved_ops)
-                extra[i].update(op_name(k) for k in forward_keys[i] if not is_saved(k, saved))
+                extra[i].update(op_name(k) for k in keys if not is_saved(k, saved))
         for child in seg.children:
             visit(child)
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from remat.measure.types import BlockProfile, Profile
 from remat.plan.phases import (between_phase_bytes, held_input_bytes, keep_working_bytes, replay_base_bytes,
-                               replay_working_bytes, saved_input_bytes, stopped_replay_flops, stopped_replay_ms,
+                               replay_stop, replay_working_bytes, saved_input_bytes, stopped_replay_flops, stopped_replay_ms,
                                stopped_replay_working_bytes, working_bytes)
 from remat.plan.policies import op_cacheable, op_storages
 from remat.plan.types import Segment
@@ -44,6 +44,7 @@ __all__ = [
     "replay_working_bytes",
     "selective_saved_bytes",
     "cached_ops",
+    "reached_saved_ops",
     "SelectivePrices",
     "selective_prices",
     "selective_working_bytes",
@@ -107,16 +108,28 @@ def cost_of(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
 
 
 def cached_ops(block: BlockProfile, saved_ops: tuple[str, ...]) -> frozenset[str]:
-    """The named op calls whose outputs selective checkpointing really keeps: the named ones
-    that can be cached (`remat.plan.policies.op_cacheable`: the rule the runtime applies)."""
-    by_key = {op.key: op for op in block.ops}
-    unknown = [key for key in saved_ops if key not in by_key]
+    """The named op calls whose outputs selective checkpointing really keeps and fetches: the
+    named ones that can be cached (`remat.plan.policies.op_cacheable`: the rule the runtime
+    applies) and that the block's early-stopping replay reaches (`remat.plan.phases.replay_stop`:
+    a call past it would be cached and never fetched; `remat.plan.planners.make_plan` leaves such
+    calls out of a plan's ``saved_ops``)."""
+    index = {op.key: i for i, op in enumerate(block.ops)}
+    unknown = [key for key in saved_ops if key not in index]
     if unknown:
         raise ValueError(
             f"block {block.name!r} has no op call(s) {unknown}; known keys look like "
             f"{[op.key for op in block.ops[:3]]}. Regenerate the plan from this model's profile."
         )
-    return frozenset(key for key in saved_ops if op_cacheable(by_key[key]))
+    stop = replay_stop(block)
+    return frozenset(key for key in saved_ops if index[key] < stop and op_cacheable(block.ops[index[key]]))
+
+
+def reached_saved_ops(block: BlockProfile, saved_ops: tuple[str, ...]) -> tuple[str, ...]:
+    """``saved_ops`` less the calls the block's early-stopping replay does not reach (`cached_ops`):
+    what a plan names. Unknown keys are kept, for `cached_ops` to report."""
+    index = {op.key: i for i, op in enumerate(block.ops)}
+    stop = replay_stop(block)
+    return tuple(key for key in saved_ops if index.get(key, -1) < stop)
 
 
 def selective_saved_bytes(block: BlockProfile, saved_ops: tuple[str, ...]) -> int:
@@ -214,7 +227,8 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     forward's live bytes then (`BlockProfile.fwd_live_bytes`) plus the cached outputs of the
     calls still ahead, before the first call all of them: the replay's peak is its plain peak
     (``saved_bytes + fwd_temp_bytes``) plus how far that curve rises above it, with the output's
-    gradient on top. On the built-in GPT, attention-core's replay of QK^T, softmax and dropout
+    gradient on top; the replay stops at the block's last saved tensor (`Segment.stops_early`),
+    so both are read from the curve up to there. On the built-in GPT, attention-core's replay of QK^T, softmax and dropout
     runs while the cached MLP outputs (16 MiB) are held: 9.5 % of the step's peak. The block's
     forward is bounded too, from the checkpointed forward's own curve
     (`BlockProfile.checkpointed_fwd_live_bytes`) plus the cached outputs made so far; its need
@@ -225,6 +239,7 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     curve = np.array(block.fwd_live_bytes, dtype=np.int64)
     if curve.size == 0 or curve.size != len(block.ops):
         return replay_working_bytes(block) + totals
+    stop = replay_stop(block)
     created: dict[object, int] = {}
     for i, op in enumerate(block.ops):
         for sid in op_storages(i, op):
@@ -238,9 +253,13 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
             if sid not in saved:
                 unsaved[k, created.get(sid, 0)] += nbytes
     ahead = totals[:, None] - np.cumsum(made, axis=1)  # after call t: cached outputs of calls > t
-    held = np.maximum((curve[None, :] + ahead).max(axis=1), totals)  # totals: before the first call
-    rise = np.maximum(held - int(curve.max()), 0)
-    replay = block.fwd_temp_bytes + replay_base_bytes(block) + saved_input_bytes(block) + rise
+    # the replay stops at `replay_stop` (its cached calls all come before it): its curve is cut
+    # there, and falls by how far the whole curve rises above the cut one
+    reached = curve[:stop]
+    top = int(reached.max()) if reached.size else 0
+    held = np.maximum((reached[None, :] + ahead[:, :stop]).max(axis=1, initial=0), totals)  # totals: before the first call
+    rise = np.maximum(held - top, 0)
+    replay = block.fwd_temp_bytes - (int(curve.max()) - top) + replay_base_bytes(block) + saved_input_bytes(block) + rise
     own = block.entry_bytes + block.unsaved_input_bytes
     backward = block.saved_bytes + own + np.maximum(block.bwd_temp_bytes, replay)
     # the forward itself: autograd holds nothing (checkpointed), the cache holds what it caches
@@ -317,6 +336,8 @@ def selective_prices(blocks: Sequence[BlockProfile], saved_ops: Sequence[tuple[s
         cached_bytes[k] = sum(storages[-1].values())
         num_cached[k] = len(cached)
     replayed[:, views] = 0.0
+    stop = replay_stop(first)
+    replayed[:, stop:] = 0.0  # the replay stops early (`Segment.stops_early`)
     times = np.array([[op.time_ms for op in b.ops] for b in blocks], dtype=float).reshape(len(blocks), -1)
     flops = np.array([op.flops for op in first.ops], dtype=np.int64)
     select = np.array([b.selective_overhead_ms for b in blocks])[:, None]
@@ -328,7 +349,9 @@ def selective_prices(blocks: Sequence[BlockProfile], saved_ops: Sequence[tuple[s
     step = max(1, 4_000_000 // max(replayed.size, 1))
     for lo in range(0, len(blocks), step):
         ms[lo : lo + step] = (times[lo : lo + step, None, :] * replayed[None, :, :]).sum(axis=2)
-    ms += select + cache * num_cached[None, :] / cacheable_calls
+    # the dispatch mode runs on every call of the forward and of the replay, which stops early
+    calls = len(first.ops)
+    ms += select * ((calls + stop) / (2 * calls) if calls else 1.0) + cache * num_cached[None, :] / cacheable_calls
     return SelectivePrices(
         retained_bytes=held_input_bytes(first) + first.entry_bytes + cached_bytes,
         working_bytes=selective_working_bytes(first, storages),

@@ -13,12 +13,14 @@ BENCHMARKS.md, "Planning speed").
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Protocol
 
 from remat.measure.types import Profile
 from remat.plan.available import check_available, fall_back
 from remat.plan.budget import format_bytes, parse_budget
+from remat.plan.costs import reached_saved_ops
 from remat.plan.head import check_head, head_choices, priced_profile
 from remat.plan.infeasible import check_state_fits, infeasible_error
 from remat.plan.joins import chain_runs, joins
@@ -130,8 +132,9 @@ def make_plan(profile: Profile, segments: tuple[Segment, ...], strategy: str, bu
     """A Plan of ``segments`` and ``head`` with its prediction and the profile's fingerprint;
     ValueError when a segment's strategy cannot run on one of its blocks (`remat.plan.available`)."""
     check_available(profile, segments)
+    segments = tuple(_reached(profile, seg) for seg in segments)
     return Plan(
-        segments=tuple(segments),
+        segments=segments,
         block_names=tuple(b.name for b in profile.blocks),
         strategy_name=strategy,
         budget_bytes=budget,
@@ -140,6 +143,19 @@ def make_plan(profile: Profile, segments: tuple[Segment, ...], strategy: str, bu
         head=head,
         optimality=optimality,
     )
+
+
+def _reached(profile: Profile, seg: Segment) -> Segment:
+    """``seg`` with every selective block's ``saved_ops`` cut to the calls its early-stopping
+    replay reaches (`remat.plan.costs.reached_saved_ops`): a call past the last saved tensor
+    would be cached in the forward and never fetched."""
+    children = tuple(_reached(profile, c) for c in seg.children)
+    saved = seg.saved_ops
+    if seg.kind == "selective" and saved:
+        saved = reached_saved_ops(profile.blocks[seg.start], saved)
+    if children == seg.children and saved == seg.saved_ops:
+        return seg
+    return dataclasses.replace(seg, children=children, saved_ops=saved)
 
 
 def optimal_search(profile: Profile) -> OptimalSearch:

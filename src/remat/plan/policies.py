@@ -25,6 +25,7 @@ import numpy as np
 
 from remat.checkpointing.cacheable import ALLOCATION_OPS, MATMUL_OPS, cacheable, op_packet
 from remat.measure.types import BlockProfile, OpRecord
+from remat.plan.phases import replay_stop
 
 __all__ = [
     "ALLOCATION_OPS",
@@ -195,9 +196,12 @@ def _group_subsets(block: BlockProfile) -> _Subsets:
     """Per group of calls sharing storages (connected components), each subset of its storages
     (all of them only, past `_MAX_GROUP_STORAGES`) as ``(bytes, indices of the calls inside)``,
     subsets with no call inside left out. It depends on the block's op structure, not its times:
-    blocks alike but for times share the work."""
+    blocks alike but for times share the work. Calls past the block's replay stop are no items:
+    the early-stopping replay never fetches them (`remat.plan.costs.cached_ops`)."""
+    stop = replay_stop(block)
     return _subsets_of(tuple(
-        (not op.is_view and op_cacheable(op), tuple(op_storages(i, op).items())) for i, op in enumerate(block.ops)
+        (not op.is_view and op_cacheable(op) and i < stop, tuple(op_storages(i, op).items()))
+        for i, op in enumerate(block.ops)
     ))
 
 

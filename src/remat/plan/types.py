@@ -109,10 +109,13 @@ class Segment:
     @property
     def stops_early(self) -> bool:
         """A recompute segment whose replay ends with a kept block (no child covers its last
-        block, or a ``keep`` one does): it runs with torch's ``early_stop=True``, so the replay
-        of its last block stops at that block's last saved tensor
-        (`remat.measure.types.BlockProfile.replay_stop_calls`). A replay ending in a nested
-        checkpoint or a selective block runs whole."""
+        block, or a ``keep`` one does), or a selective block: it runs with torch's
+        ``early_stop=True``, so the replay of its last block stops at that block's last saved
+        tensor (`remat.measure.types.BlockProfile.replay_stop_calls`; a selective block's cached
+        calls past it are never fetched, so plans name none: `remat.plan.costs.cached_ops`). A
+        replay ending in a nested checkpoint or a selective block runs whole."""
+        if self.kind == "selective":
+            return True
         if self.kind != "recompute":
             return False
         last = self.stop - 1
