@@ -88,12 +88,14 @@ def _plan_key(plan: Any) -> str:
 
 
 def plan_summary(plan: Any) -> str:
-    """``keep x3, recompute x2 ...``: how many blocks get each strategy."""
+    """``keep x3, recompute x2 ...``: how many blocks get each strategy (and the head's, when
+    it is not kept whole)."""
     counts: dict[str, int] = {}
     for strategy in plan.block_strategies():
         counts[strategy] = counts.get(strategy, 0) + 1
     pred = plan.prediction
-    return (", ".join(f"{s} x{n}" for s, n in counts.items())
+    head = "" if plan.head == "keep" else f", head {plan.head}"
+    return (", ".join(f"{s} x{n}" for s, n in counts.items()) + head
             + f"; predicted {pred.peak_bytes / 2**20:.1f} MiB, {pred.step_ms:.0f} ms")
 
 
