@@ -147,6 +147,18 @@ def _cached_storages(block: BlockProfile, cached: frozenset[str]) -> dict[object
     return storages
 
 
+def _escaping_storages(block: BlockProfile, cached: frozenset[str]) -> dict[object, int]:
+    """Storages of the cached calls that outlive the block (its output: `op_storages` leaves
+    them to the next block's input). Until the replay reaches their call, the cache is what holds
+    them: whoever else took them (the next block's saved input, a skip, the head) has run its
+    backward by then."""
+    storages: dict[object, int] = {}
+    for op in block.ops:
+        if op.key in cached and op.storage_ids and op.storage_escapes:
+            storages.update({s: b for s, b, out in zip(op.storage_ids, op.storage_bytes, op.storage_escapes) if out})
+    return storages
+
+
 @register_cost("keep")
 def _keep(profile: Profile, block_index: int, segment: Segment) -> BlockCost:
     """Its saved bytes, less what it hands off to the block after it, plus its entry bytes.
@@ -216,7 +228,8 @@ def _selective_cost(block: BlockProfile, saved_ops: tuple[str, ...]) -> BlockCos
     return cost
 
 
-def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, int]]) -> np.ndarray:
+def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, int]],
+                            escaping: Sequence[dict[object, int]] | None = None) -> np.ndarray:
     """Working sets of a selective block for each of ``cached`` (storage id -> bytes of the
     storages its cached op calls keep alive: `selective_saved_bytes`'s storages).
 
@@ -234,15 +247,20 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     (`BlockProfile.checkpointed_fwd_live_bytes`) plus the cached outputs made so far; its need
     counts against what earlier blocks hold, as the backward's does, with the later blocks'
     gradients: a bound. Without the curve (older profiles): the replay's working set plus every
-    cached byte, an upper bound."""
+    cached byte, an upper bound. ``escaping``: per choice, the cached storages that outlive the
+    block (`_escaping_storages`): held by the cache alone when the replay starts, until the
+    replay reaches their call (Swin's and a ResNet's block output, 16 KiB and 73 KiB under the
+    prediction before)."""
+    escaping = escaping if escaping is not None else [{} for _ in cached]
     totals = np.array([sum(c.values()) for c in cached], dtype=np.int64)
+    replay_totals = totals + np.array([sum(e.values()) for e in escaping], dtype=np.int64)
     curve = np.array(block.fwd_live_bytes, dtype=np.int64)
     if curve.size == 0 or curve.size != len(block.ops):
-        return replay_working_bytes(block) + totals
+        return replay_working_bytes(block) + replay_totals
     stop = replay_stop(block)
     created: dict[object, int] = {}
     for i, op in enumerate(block.ops):
-        for sid in op_storages(i, op):
+        for sid in (op.storage_ids or op_storages(i, op)):
             created.setdefault(sid, i)
     saved = {sid for sid, _ in block.bwd_free_order if sid >= 0}
     made = np.zeros((len(cached), curve.size), dtype=np.int64)  # cached bytes first made at each call
@@ -252,12 +270,16 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
             made[k, created.get(sid, 0)] += nbytes
             if sid not in saved:
                 unsaved[k, created.get(sid, 0)] += nbytes
-    ahead = totals[:, None] - np.cumsum(made, axis=1)  # after call t: cached outputs of calls > t
+    made_outliving = np.zeros_like(made)  # the block's own outputs, cached
+    for k, storages in enumerate(escaping):
+        for sid, nbytes in storages.items():
+            made_outliving[k, created.get(sid, 0)] += nbytes
+    ahead = replay_totals[:, None] - np.cumsum(made + made_outliving, axis=1)  # after call t: cached outputs of calls > t
     # the replay stops at `replay_stop` (its cached calls all come before it): its curve is cut
     # there, and falls by how far the whole curve rises above the cut one
     reached = curve[:stop]
     top = int(reached.max()) if reached.size else 0
-    held = np.maximum((reached[None, :] + ahead[:, :stop]).max(axis=1, initial=0), totals)  # totals: before the first call
+    held = np.maximum((reached[None, :] + ahead[:, :stop]).max(axis=1, initial=0), replay_totals)  # before the first call
     rise = np.maximum(held - top, 0)
     replay = block.fwd_temp_bytes - (int(curve.max()) - top) + replay_base_bytes(block) + saved_input_bytes(block) + rise
     own = block.entry_bytes + block.unsaved_input_bytes
@@ -329,10 +351,12 @@ def selective_prices(blocks: Sequence[BlockProfile], saved_ops: Sequence[tuple[s
     num_cached = np.zeros(len(saved_ops))
     views = np.array([op.is_view for op in first.ops], dtype=bool)
     storages: list[dict[object, int]] = []
+    escaping: list[dict[object, int]] = []
     for k, keys in enumerate(saved_ops):
         cached = cached_ops(first, keys)
         replayed[k] = [op.key not in cached for op in first.ops]
         storages.append(_cached_storages(first, cached))
+        escaping.append(_escaping_storages(first, cached))
         cached_bytes[k] = sum(storages[-1].values())
         num_cached[k] = len(cached)
     replayed[:, views] = 0.0
@@ -354,7 +378,7 @@ def selective_prices(blocks: Sequence[BlockProfile], saved_ops: Sequence[tuple[s
     ms += select * ((calls + stop) / (2 * calls) if calls else 1.0) + cache * num_cached[None, :] / cacheable_calls
     return SelectivePrices(
         retained_bytes=held_input_bytes(first) + first.entry_bytes + cached_bytes,
-        working_bytes=selective_working_bytes(first, storages),
+        working_bytes=selective_working_bytes(first, storages, escaping),
         extra_flops=(replayed.astype(np.int64) * flops[None, :]).sum(axis=1),
         extra_ms=ms,
     )
