@@ -111,7 +111,6 @@ class CausalSelfAttention(nn.Module):
         return self.resid_drop(self.proj(y))
 
 
-
 class MLP(nn.Module):
     """The 4x feed-forward: Linear, GELU, Linear, dropout."""
 

@@ -241,16 +241,17 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     calls still ahead, before the first call all of them: the replay's peak is its plain peak
     (``saved_bytes + fwd_temp_bytes``) plus how far that curve rises above it, with the output's
     gradient on top; the replay stops at the block's last saved tensor (`Segment.stops_early`),
-    so both are read from the curve up to there. On the built-in GPT, attention-core's replay of QK^T, softmax and dropout
-    runs while the cached MLP outputs (16 MiB) are held: 9.5 % of the step's peak. The block's
+    so both are read from the curve up to there. On the built-in GPT, attention-core's replay of
+    QK^T, softmax and dropout runs while the cached MLP outputs (16 MiB) are held: 9.5 % of the
+    step's peak. The block's
     forward is bounded too, from the checkpointed forward's own curve
     (`BlockProfile.checkpointed_fwd_live_bytes`) plus the cached outputs made so far; its need
     counts against what earlier blocks hold, as the backward's does, with the later blocks'
     gradients: a bound. Without the curve (older profiles): the replay's working set plus every
     cached byte, an upper bound. ``escaping``: per choice, the cached storages that outlive the
     block (`_escaping_storages`): held by the cache alone when the replay starts, until the
-    replay reaches their call (Swin's and a ResNet's block output, 16 KiB and 73 KiB under the
-    prediction before)."""
+    replay reaches their call (a ResNet's strided unit caching its output measured 73 KiB above
+    the prediction before)."""
     escaping = escaping if escaping is not None else [{} for _ in cached]
     totals = np.array([sum(c.values()) for c in cached], dtype=np.int64)
     replay_totals = totals + np.array([sum(e.values()) for e in escaping], dtype=np.int64)

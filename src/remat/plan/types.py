@@ -113,7 +113,8 @@ class Segment:
         ``early_stop=True``, so the replay of its last block stops at that block's last saved
         tensor (`remat.measure.types.BlockProfile.replay_stop_calls`; a selective block's cached
         calls past it are never fetched, so plans name none: `remat.plan.costs.cached_ops`). A
-        replay ending in a nested checkpoint or a selective block runs whole."""
+        recompute segment whose replay ends in a nested checkpoint or a selective block runs
+        that replay whole."""
         if self.kind == "selective":
             return True
         if self.kind != "recompute":
