@@ -140,6 +140,8 @@ class Runtime:
 
     def run_raw(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run block ``index``'s own forward (no hooks), telling the listeners."""
+        if not _LISTENERS:  # every planned block call and replay comes here: no copy when none listen
+            return self.original_forward(index)(*args, **kwargs)
         for listener in tuple(_LISTENERS):
             listener(index, True)
         try:
