@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> tuple[Suite, dict[str, Any]]:
             if runner is not None:
                 runner.plan = plan
     interleaved_timing(suite.runners, args.repeats)
+    suite.predicted_baselines = {kind: remat.predict(p, [remat.Segment(start=0, stop=p.num_blocks, strategy="keep")]).step_ms
+                                 for kind, p in profiles.items()}
     return suite, {kind: p.compiled_backend or "eager" for kind, p in profiles.items()}
 
 
@@ -163,6 +165,24 @@ def match_table(ms: list[results.Match]) -> str:
     return "\n".join(lines)
 
 
+def time_model_table(runners: list[Any], baseline_ms: float, predicted_baseline_ms: float) -> tuple[str, list[dict]]:
+    """Markdown and JSON: each remat run's predicted step against its measured one, both as a
+    ratio to the step without a plan (plain compile measured in the same rounds; the profile's
+    prediction with every block kept), so a machine that got slower since profiling cancels out."""
+    lines = ["| remat run | predicted ms | measured ms | predicted / no plan | measured / plain compile "
+             "| step error (side by side) |", "|---|---|---|---|---|---|"]
+    rows = []
+    for r in runners:
+        predicted = r.plan.prediction.step_ms / predicted_baseline_ms
+        measured = r.step_ms / baseline_ms
+        error = 100.0 * (measured / predicted - 1.0)
+        rows.append({"run": r.name, "predicted_ms": r.plan.prediction.step_ms, "measured_ms": r.step_ms,
+                     "predicted_ratio": predicted, "measured_ratio": measured, "error_pct": error})
+        lines.append(f"| {r.name} | {r.plan.prediction.step_ms:.1f} | {r.step_ms:.1f} | {predicted:.3f} "
+                     f"| {measured:.3f} | {error:+.1f}% |")
+    return "\n".join(lines), rows
+
+
 def _remat_only(rows: list[results.Row], source_kind: str) -> list[results.Match]:
     """The matches recomputed over the remat runs planned from one kind of profile."""
     keep = [r for r in rows if r.source == "peer" or f"({source_kind} profile)" in r.name]
@@ -185,6 +205,17 @@ def report(args: argparse.Namespace, suite: Suite, kinds: dict[str, str], elapse
         parts += [f"remat planned from the {kind} profile, against each compile budget at a peak no larger "
                   "than the budget's (allocator peaks, one run):", match_table(ms)]
         payload["matches"][kind] = [{**m.__dict__, "ratio": m.ratio} for m in ms]
+    plain = next((r for r in suite.runners if r.name == "compile" and r.step_ms), None)
+    payload["time_model"] = {}
+    for kind in kinds:
+        runners = [r for r in suite.runners if r.plan is not None and f"({kind} profile)" in r.name and r.step_ms]
+        if plain is None or not runners:
+            continue
+        table, rows = time_model_table(runners, plain.step_ms, suite.predicted_baselines[kind])
+        parts += [f"Predicted step time of the plans from the {kind} profile (predicted "
+                  f"{suite.predicted_baselines[kind]:.1f} ms without a plan; plain compile measured "
+                  f"{plain.step_ms:.1f} ms):", table]
+        payload["time_model"][kind] = rows
     return "\n\n".join(parts) + "\n", payload
 
 

@@ -37,3 +37,17 @@ def test_the_goal_is_met_at_one_and_missed_above() -> None:
     assert table[2].endswith("| 1.00 | met |")
     assert table[3].endswith("| 1.01 | missed |")
     assert table[4].endswith("| - | no remat run fits |")
+
+
+def test_the_time_model_table_compares_ratios_to_the_step_without_a_plan() -> None:
+    """A plan predicted at 66 ms against 60 without a plan (1.10) that measures 77 ms beside a
+    plain compile of 70 (1.10) has no step error; one measuring 84 (1.20) is 9.1 % above."""
+    from types import SimpleNamespace
+
+    def run(name: str, predicted: float, measured: float) -> SimpleNamespace:
+        return SimpleNamespace(name=name, step_ms=measured,
+                               plan=SimpleNamespace(prediction=SimpleNamespace(step_ms=predicted)))
+
+    table, rows = compiled.time_model_table([run("a", 66.0, 77.0), run("b", 66.0, 84.0)], 70.0, 60.0)
+    assert [round(r["error_pct"], 1) for r in rows] == [0.0, 9.1]
+    assert table.splitlines()[2] == "| a | 66.0 | 77.0 | 1.100 | 1.100 | +0.0% |"

@@ -36,6 +36,8 @@ class Suite:
     frontier: list[tuple[int, float]] = field(default_factory=list)
     """remat's predicted Pareto frontier: (peak bytes, step ms) per plan."""
     num_blocks: int = 0
+    predicted_baselines: dict[str, float] = field(default_factory=dict)
+    """Per profile kind (``compiled``, ``eager``): its predicted step with every block kept."""
 
 
 def _runner(name: str, mode: str, source: str, workload: Workload, prepare: Any, detail: str = "") -> Runner:
