@@ -388,3 +388,19 @@ def test_time_model_table_tells_a_stated_tolerance_from_a_difference():
     table = time_model.markdown(rows, repeats=3)
     assert "| optimal @ 46% |" in table and "| within 1e-05 (max 4.9e-07) |" in table
     assert table.count("| DIFFER |") == 1 and table.count("| identical |") == 1
+
+
+def test_runtime_overhead_benchmark_times_the_three_ways_from_the_same_weights(capsys) -> None:
+    """A tiny chain (3 blocks, 2 rounds): one Markdown row with the three medians; the per-block
+    differences are derived from them (what remat adds: remat - checkpoint, per block)."""
+    from benchmarks import runtime_overhead
+
+    row = runtime_overhead.measure(3, 4, rounds=2, warmup=1)
+    ms = row["step_ms"]
+    assert set(ms) == {"plain", "checkpoint", "remat"} and all(v > 0 for v in ms.values())
+    assert row["remat_us_per_block"] == pytest.approx(1e3 * (ms["remat"] - ms["checkpoint"]) / 3)
+    assert runtime_overhead.markdown(row).splitlines()[2].startswith("| 3 | 4 | 2 | ")
+    assert runtime_overhead.main(["--blocks", "2", "--rounds", "1"]) == 0
+    assert "| blocks | width | rounds |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        runtime_overhead.main(["--blocks", "0"])
