@@ -75,8 +75,8 @@ class BlockOpCounter(TorchDispatchMode):
         if self._backward_block == index:
             self._backward_block = None
 
-    def _pre(self, index: int, args: tuple[Any, ...]) -> None:
-        chained = chained_input(args)
+    def _pre(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        chained = chained_input(args, kwargs)
         if chained is not None and chained.requires_grad and not self._in_backward:
             chained.register_hook(lambda grad: self._on_input_grad(index))
         self._on_block(index, True)
@@ -88,7 +88,8 @@ class BlockOpCounter(TorchDispatchMode):
 
     def __enter__(self) -> BlockOpCounter:
         for i, block in enumerate(self.blocks):
-            self._handles.append(block.register_forward_pre_hook(lambda m, a, i=i: self._pre(i, a)))
+            self._handles.append(block.register_forward_pre_hook(lambda m, a, k, i=i: self._pre(i, a, k),
+                                                                 with_kwargs=True))
             self._handles.append(block.register_forward_hook(lambda m, a, o, i=i: self._post(i, o)))
         self._listener = block_listener(self._on_block)
         self._listener.__enter__()

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from remat.checkpointing.caches import drop_kv_caches
+from remat.checkpointing.region import first_argument
 from remat.measure.calls import first_output, same_arguments
 from remat.plan.types import Segment
 
@@ -45,6 +46,14 @@ def block_listener(listener: Listener) -> Iterator[None]:
         yield
     finally:
         _LISTENERS.remove(listener)
+
+
+def _named_first(name: str, kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[str, Any], str]:
+    try:
+        first, extra, rest, key = first_argument((), kwargs)
+    except TypeError as exc:
+        raise TypeError(f"block {name!r}: {exc}") from None
+    return first, extra, rest, key or ""
 
 
 def first_of(output: Any) -> Any:
@@ -106,6 +115,9 @@ class Runtime:
         self.mutating: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         """Buffers a region's forward changes, per (start, stop, training modes): the store of
         `remat.checkpointing.region.BufferGuard`."""
+        self.first_keys: dict[int, str] = {}
+        """Blocks the model calls with keyword arguments only: the name of the one passed through
+        the checkpoint (`remat.checkpointing.region.first_argument`)."""
         self.guards: dict[tuple[int, int], Any] = {}
         """The `remat.checkpointing.region.BufferGuard` of each region ``(start, stop)``, made on its first call."""
 
@@ -139,7 +151,11 @@ class Runtime:
         return saved if saved is not None else type(block).forward.__get__(block)
 
     def run_raw(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run block ``index``'s own forward (no hooks), telling the listeners."""
+        """Run block ``index``'s own forward (no hooks), telling the listeners; a block the model
+        calls with keyword arguments only gets its first one back by name (`first_keys`)."""
+        key = self.first_keys.get(index)
+        if key is not None and args:
+            args, kwargs = args[1:], {key: args[0], **kwargs}
         if not _LISTENERS:  # every planned block call and replay comes here: no copy when none listen
             return self.original_forward(index)(*args, **kwargs)
         for listener in tuple(_LISTENERS):
@@ -159,11 +175,16 @@ class Runtime:
             return self.run_raw(index, args, kwargs)
         for i in range(seg.start, seg.stop):
             self.pending.pop(i, None)
-        if not args:
-            raise TypeError(
-                f"block {self.block_names[index]!r} was called without positional arguments; remat "
-                "passes the first positional argument from block to block. Call blocks as block(x, ...)."
-            )
+        if not args:  # called with keywords only: its first tensor goes through the checkpoint
+            if seg.stop - seg.start > 1:
+                raise ValueError(
+                    f"block {self.block_names[index]!r} heads a segment of {seg.stop - seg.start} blocks but "
+                    "was called with keyword arguments only; remat chains a segment's blocks through "
+                    "their first positional argument. Plan single-block segments for these blocks."
+                )
+            first, _, rest, key = _named_first(self.block_names[index], kwargs)
+            self.first_keys[index] = key
+            args, kwargs = (first,), rest
         run_args, run_kwargs = drop_kv_caches(args, kwargs)
         outputs = self.run_segment(seg, run_args[0], run_args[1:], run_kwargs)
         for offset in range(1, len(outputs)):

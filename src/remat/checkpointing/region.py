@@ -27,10 +27,34 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["BufferGuard", "Body", "checkpointed"]
+__all__ = ["BufferGuard", "Body", "checkpointed", "first_argument", "call_with_first"]
 
 Body = Callable[[Any, tuple[Any, ...]], list[Any]]
 """``body(first, extra) -> outputs``: runs the region's blocks from input ``first``."""
+
+
+def first_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[str, Any], str | None]:
+    """``(first, extra, kwargs, key)``: the argument a region passes through its checkpoint and
+    the rest. The first positional argument (``key`` None), or, for a block called with keyword
+    arguments only (Hugging Face's attention and MLP modules: ``self_attn(hidden_states=...)``),
+    the first keyword argument that holds a tensor (``key``: its name). TypeError when there is
+    neither."""
+    if args:
+        return args[0], args[1:], kwargs, None
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            return value, (), {k: v for k, v in kwargs.items() if k != key}, key
+    raise TypeError(
+        f"a block was called with no positional argument and no tensor among its keyword arguments "
+        f"({sorted(kwargs)}); remat passes the block's input through the checkpoint. Name blocks that "
+        "are called with their input tensor."
+    )
+
+
+def call_with_first(forward: Callable[..., Any], first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any],
+                    key: str | None) -> Any:
+    """``forward`` called as the model called the block (`first_argument`'s inverse)."""
+    return forward(first, *extra, **kwargs) if key is None else forward(*extra, **{key: first}, **kwargs)
 
 
 @contextlib.contextmanager

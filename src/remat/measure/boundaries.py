@@ -83,7 +83,7 @@ class StepBoundaries:
             if in_backward():
                 return
             self.emit("fwd_start", index, name)
-            chained = chained_input(args)
+            chained = chained_input(args, kwargs)
             if chained is not None and chained.requires_grad:
                 chained.register_hook(lambda grad: self.emit("bwd_end", index, name))
 

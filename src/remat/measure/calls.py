@@ -29,9 +29,13 @@ def first_output(output: Any) -> torch.Tensor | None:
     return None
 
 
-def chained_input(args: tuple[Any, ...]) -> torch.Tensor | None:
-    """The block's chained input: its first positional argument when that is a tensor."""
-    return args[0] if args and isinstance(args[0], torch.Tensor) else None
+def chained_input(args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None) -> torch.Tensor | None:
+    """The block's chained input: its first positional argument when that is a tensor; for a
+    block called with keyword arguments only, its first tensor keyword argument (what the runtime
+    passes through the checkpoint, `remat.checkpointing.region.first_argument`)."""
+    if args:
+        return args[0] if isinstance(args[0], torch.Tensor) else None
+    return next((v for v in (kwargs or {}).values() if isinstance(v, torch.Tensor)), None)
 
 
 def same_value(a: Any, b: Any) -> bool:

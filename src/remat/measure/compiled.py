@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from remat.checkpointing.cacheable import MATMUL_OPS, op_packet
-from remat.checkpointing.region import BufferGuard, checkpointed
+from remat.checkpointing.region import BufferGuard, call_with_first, checkpointed, first_argument
 from remat.measure.blocks import Blocks
 from remat.measure.probes import failure_reason
 from remat.measure.overhead import BlockInputs, _alike_key
@@ -138,21 +138,21 @@ def _variants(module: nn.Module) -> dict[str, Callable[..., Any]]:
     def plain(*args: Any, **kwargs: Any) -> Any:
         return forward(*args, **kwargs)
 
-    def body(first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        return [forward(first, *extra, **kwargs)]
+    def recompute(*args: Any, **kwargs: Any) -> Any:
+        first, extra, rest, key = first_argument(args, kwargs)
+        return checkpointed(functools.partial(_call, forward, rest, key), first, extra, guard=guard)[0]
 
-    def recompute(first: Any, *extra: Any, **kwargs: Any) -> Any:
-        return checkpointed(functools.partial(_call, body, kwargs), first, extra, guard=guard)[0]
-
-    def selective(first: Any, *extra: Any, **kwargs: Any) -> Any:
-        return checkpointed(functools.partial(_call, body, kwargs), first, extra, guard=guard,
+    def selective(*args: Any, **kwargs: Any) -> Any:
+        first, extra, rest, key = first_argument(args, kwargs)
+        return checkpointed(functools.partial(_call, forward, rest, key), first, extra, guard=guard,
                             context_fn=_save_matmuls_context)[0]
 
     return {"plain": plain, "recompute": recompute, "selective": selective}
 
 
-def _call(body: Callable[..., list[Any]], kwargs: dict[str, Any], first: Any, extra: tuple[Any, ...]) -> list[Any]:
-    return body(first, extra, kwargs)
+def _call(forward: Callable[..., Any], kwargs: dict[str, Any], key: str | None, first: Any,
+          extra: tuple[Any, ...]) -> list[Any]:
+    return [call_with_first(forward, first, extra, kwargs, key)]
 
 
 def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
