@@ -48,12 +48,13 @@ def block_listener(listener: Listener) -> Iterator[None]:
         _LISTENERS.remove(listener)
 
 
-def _named_first(name: str, kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[str, Any], str]:
+def _named_first(name: str, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any], str]:
+    """A keyword-called block's input, its other keyword arguments and the input's name."""
     try:
-        first, extra, rest, key = first_argument((), kwargs)
+        first, _, rest, key = first_argument((), kwargs)
     except TypeError as exc:
         raise TypeError(f"block {name!r}: {exc}") from None
-    return first, extra, rest, key or ""
+    return first, rest, key or ""
 
 
 def first_of(output: Any) -> Any:
@@ -182,7 +183,7 @@ class Runtime:
                     "was called with keyword arguments only; remat chains a segment's blocks through "
                     "their first positional argument. Plan single-block segments for these blocks."
                 )
-            first, _, rest, key = _named_first(self.block_names[index], kwargs)
+            first, rest, key = _named_first(self.block_names[index], kwargs)
             self.first_keys[index] = key
             args, kwargs = (first,), rest
         run_args, run_kwargs = drop_kv_caches(args, kwargs)
