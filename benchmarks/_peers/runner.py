@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from remat._batch import LossFn, call_model, compute_loss
+from remat.verify import max_rel_diff
 
 STEP_SEED = 1234
 
@@ -50,6 +51,10 @@ class Runner:
     """CUDA only: resident model bytes + (max_memory_allocated - allocated before the step)."""
     loss: torch.Tensor | None = None
     grads: list[torch.Tensor | None] = field(default_factory=list)
+    relative_tolerance: float = 0.0
+    """remat runners whose plan chunks the LM head: the normwise relative difference its loss and
+    gradients may show against the model without a plan (`remat.apply.head.head_tolerance`:
+    the chunks reorder the sums over tokens); 0.0: bit-identical is required."""
 
     @property
     def step_ms(self) -> float | None:
@@ -145,10 +150,24 @@ class GradCheck:
     """Loss and every gradient bit-identical."""
     max_abs_diff: float
     """Largest absolute difference over the loss and every gradient."""
+    max_rel_diff: float = 0.0
+    """Largest normwise relative difference (`remat.verify.max_rel_diff`)."""
+    relative_tolerance: float = 0.0
+    """What the run's head strategy allows (`Runner.relative_tolerance`); 0.0: nothing."""
+
+    @property
+    def accepted(self) -> bool:
+        """Bit-identical, or a chunked head's reordering within its stated tolerance."""
+        return self.identical or (self.relative_tolerance > 0 and self.max_rel_diff <= self.relative_tolerance)
 
     @property
     def label(self) -> str:
-        return "identical" if self.identical else f"differs (max |d| {self.max_abs_diff:.2e})"
+        if self.identical:
+            return "identical"
+        if self.accepted:
+            return (f"within the chunked head's tolerance (rel {self.max_rel_diff:.1e} <= "
+                    f"{self.relative_tolerance:.0e})")
+        return f"differs (max |d| {self.max_abs_diff:.2e})"
 
 
 def compare_grads(run: Runner, reference: Runner) -> GradCheck:
@@ -164,4 +183,6 @@ def compare_grads(run: Runner, reference: Runner) -> GradCheck:
             return GradCheck(identical=False, max_abs_diff=float("inf"))
         identical = identical and torch.equal(got, want)
         worst = max(worst, (got.float() - want.float()).abs().max().item())
-    return GradCheck(identical=identical, max_abs_diff=worst)
+    rel = max_rel_diff([p[0] for p in pairs], [p[1] for p in pairs])
+    return GradCheck(identical=identical, max_abs_diff=worst, max_rel_diff=rel,
+                     relative_tolerance=run.relative_tolerance)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from remat._serialize import to_dict
+from remat.apply.head import head_tolerance
 
 from benchmarks._peers.runner import Runner, measure_peak, warm_up
 from benchmarks._peers.strategies import EAGER, Peer, PeerUnavailable, compile_module
@@ -145,3 +146,5 @@ def add_remat(suite: Suite, profile: Any, plans: list[tuple[str, Any]], mode: st
         runner = try_add(suite, f"remat {label}", mode, "remat", prepare, plan_summary(plan), warmup_steps)
         if runner is not None:
             runner.plan = plan
+            if mode == EAGER:
+                runner.relative_tolerance = head_tolerance(runner.module, plan.head, runner.batch).relative_tolerance

@@ -241,8 +241,9 @@ def _rel_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 
-def _max_rel_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
-    """The largest normwise relative difference of corresponding tensors (``a`` against ``b``)."""
+def max_rel_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+    """The largest normwise relative difference (max|x - y| / max|y|) of corresponding tensors
+    (``a`` against ``b``): what a chunked head's tolerance bounds (`remat.apply.head.head_tolerance`)."""
     if len(a) != len(b):
         return float("inf")
     return max((_rel_diff(x, y) for x, y in zip(a, b)), default=0.0)
@@ -281,7 +282,7 @@ def _compare(plan: Plan, base: _Run, planned: _Run, repeats: int, device: torch.
     nonfinite = (_nonfinite_report("baseline", loss_b, out_b, grads_b, names)
                  + _nonfinite_report("planned", loss_p, out_p, grads_p, names))
     head = head_tolerance(base.model, plan.head, base.step.batch)
-    rel_diff = _max_rel_diff([loss_p, *grads_p], [loss_b, *grads_b])
+    rel_diff = max_rel_diff([loss_p, *grads_p], [loss_b, *grads_b])
     tolerance, reason = _tolerance(device, head)
     step_b, step_p = statistics.median(times_b), statistics.median(times_p)
     pred = plan.prediction
