@@ -160,3 +160,45 @@ def test_step_times_are_paired_and_compared_at_this_runs_speed(monkeypatch):
     assert v.paired_step_error_pct == pytest.approx(100 * (175.0 / (110.0 * (1 + v.predicted_overhead_pct / 100)) - 1))
     assert v.baseline_drift_pct == pytest.approx(100 * (110.0 / v.predicted_baseline_step_ms - 1))
     assert v.step_error_pct == pytest.approx(100 * (175.0 / pred.step_ms - 1))
+
+
+class _HostMaskedChain(torch.nn.Module):
+    """Masks input features with NumPy's global generator before its blocks (as wav2vec2 and
+    HuBERT draw SpecAugment masks) and scales between blocks by a draw of Python's `random`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        x = x * torch.from_numpy(np.random.rand(*x.shape) < 0.5).to(x.dtype)
+        for block in self.blocks:
+            x = block(x) * (1.0 + random.random())
+        return x
+
+
+def test_host_random_draws_are_the_same_in_both_runs_and_the_callers_state_is_kept():
+    """Without seeding NumPy and `random`, the baseline and the planned run mask different
+    features and the gradients differ with no recomputation at all."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = _HostMaskedChain()
+    batch = torch.randn(4, 8)
+    loss_fn = lambda out, _: out.square().sum()  # noqa: E731
+    prof = remat.profile(model, batch, loss_fn, repeats=1)
+    np.random.seed(7)
+    random.seed(7)
+    numpy_before, python_before = np.random.get_state(), random.getstate()
+    for strategy in ("none", "full"):
+        check = remat.verify(model, batch, make_plan(prof, strategy=strategy), loss_fn, repeats=1)
+        assert check.ok and check.grads_identical and check.grad_max_abs_diff == 0.0, strategy
+    after = np.random.get_state()
+    assert after[0] == numpy_before[0] and np.array_equal(after[1], numpy_before[1]) and after[2:] == numpy_before[2:]
+    assert random.getstate() == python_before

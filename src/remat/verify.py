@@ -13,7 +13,11 @@ touched), through the same sequence, so the two copies hold equal weights at eve
    this run's speed (``paired_step_error_pct``: the prediction scaled by the baseline measured
    side by side, which removes the machine's drift since profiling, ``baseline_drift_pct``).
 
-Every step starts from the same seed, so dropout draws the same masks in both. On the CPU the
+Every step starts from the same seed, so dropout draws the same masks in both: torch's
+generators, and Python's `random` and NumPy's global generator too (Hugging Face's wav2vec2 and
+HuBERT draw their SpecAugment masks with ``np.random``; unseeded, the two runs would mask
+different frames and differ without any recomputation). The caller's `random` and NumPy states
+are restored afterwards, as torch's are. On the CPU the
 same kernels run in the same order, so loss, outputs and gradients must be bit-identical
 (tolerance 0). CUDA kernels with atomic accumulation (embedding and scatter backward, some
 cuBLAS reductions) are not reproducible run to run even without recomputation, so there the
@@ -25,12 +29,15 @@ relative tolerance (`remat.apply.head.head_tolerance`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import random
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -50,6 +57,26 @@ __all__ = ["verify", "CUDA_TOLERANCE"]
 
 SEED = 1234
 """Seed of every compared step."""
+
+def _seed() -> None:
+    """Every compared, counted, tracked and timed step starts here: the same draws in both runs
+    from torch's generators, Python's `random` and NumPy's global generator."""
+    torch.manual_seed(SEED)
+    random.seed(SEED)
+    np.random.seed(SEED)
+
+
+@contextlib.contextmanager
+def _host_rng_restored() -> Iterator[None]:
+    """Python's `random` and NumPy's global generator as they were before (torch's are forked
+    by `torch.random.fork_rng`)."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
 
 CUDA_TOLERANCE = 1e-5
 """Max abs difference allowed on CUDA (non-deterministic atomics in some backward kernels)."""
@@ -146,7 +173,7 @@ class _Run:
         """Host memory faulted in fresh by each timed step (CPU)."""
 
     def compared_step(self) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]:
-        torch.manual_seed(SEED)
+        _seed()
         (self.optimizer or self.model).zero_grad(set_to_none=True)
         output = call_model(self.model, self.step.batch)
         loss = compute_loss(output, self.step.batch, self.step.loss_fn)
@@ -161,18 +188,18 @@ class _Run:
         return loss, outputs, grads
 
     def counted_step(self) -> BlockOpCounter:
-        torch.manual_seed(SEED)
+        _seed()
         with BlockOpCounter(self.blocks) as counter:
             self.step.run()
         return counter
 
     def tracked_step(self) -> Any:
-        torch.manual_seed(SEED)
+        _seed()
         return track_step(self.step.run, model=self.model, optimizer=self.optimizer,
                           blocks=list(zip(self.plan.block_names, self.blocks)), batch=self.step.batch)
 
     def timed_step(self, clock: Clock) -> float:
-        torch.manual_seed(SEED)
+        _seed()
         clock.sync()
         with FaultCount(enabled=not clock.cuda) as faults:
             start = clock.mark()
@@ -262,7 +289,7 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
     check_batch_device(model, batch)
     check_plan_matches(model, plan, batch)
     device = model_device(model)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _host_rng_restored():
         base = _Run(model, optimizer, batch, loss_fn, plan, planned=False)
         planned = _Run(model, optimizer, batch, loss_fn, plan, planned=True, offload_dir=offload_dir)
         try:

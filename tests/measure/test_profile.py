@@ -306,3 +306,29 @@ def test_flops_agree_with_flop_counter_mode(attention):
         assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in names
         missed = 2 * (2 * 2 * 2 * 16 * 16 * 16)  # Q K^T and P V, 2 FLOPs per MAC: batch 2, heads 2, T 16, head dim 16
     assert result.blocks[0].fwd_flops == counter.get_total_flops() + missed
+
+
+def test_timed_steps_stop_once_three_agree():
+    from remat.measure.profile import settled
+
+    assert not settled([10.0, 10.0], [12.0, 12.0])  # fewer than three pairs
+    assert settled([10.0, 10.2, 10.25], [12.0, 12.3, 12.1])  # under 3 % apart: enough
+    assert not settled([10.0, 10.2, 10.31], [12.0, 12.0, 12.0])  # the plain steps 3.1 % apart
+    assert not settled([10.0, 10.0, 10.0], [12.0, 12.0, 12.4])  # the instrumented ones 3.3 % apart
+    assert not settled([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])  # nothing measured (the meta device)
+
+
+def test_a_settled_timing_reports_fewer_stages(monkeypatch):
+    """With every spread counted as settled, the profile times three steps of five and runs two
+    op-timing forwards, and its progress ends at its (lowered) total."""
+    import remat.measure.profile as profile_module
+
+    monkeypatch.setattr(profile_module, "SETTLED_SPREAD", float("inf"))
+    built = _mlp()
+    calls = []
+    profile(built.model, built.batch, built.loss_fn, built.optimizer, warmup=1, repeats=5,
+            progress=lambda done, total, stage: calls.append((done, total, stage)))
+    stages = ["warm-up step", "accounting step"] + ["timed step"] * 3 + ["op timing forward"] * 2
+    assert [stage for _, _, stage in calls] == stages
+    assert [done for done, _, _ in calls] == list(range(1, 8))
+    assert calls[-1][:2] == (7, 7) and calls[0][1] == 11  # 1 + 1 + 5 + 4 planned at first

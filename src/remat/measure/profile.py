@@ -118,8 +118,9 @@ def profile(
     ``blocks``: None to detect every stack, or glob(s) over qualified module names / class names
     (several patterns may name several stacks). Blocks are numbered in the order the forward
     runs them (`remat.measure.stacks`). ``warmup``: plain steps before measuring (at least one
-    runs). ``repeats``: timed steps. ``progress(done, total, stage)`` is called after each step
-    or forward it runs. ``head_chunks``: chunk sizes (tokens) of the chunked head to measure
+    runs). ``repeats``: timed steps at most: after `SETTLED_STEPS` of them the timing stops when
+    they agree within `SETTLED_SPREAD` (`settled`). ``progress(done, total, stage)`` is called
+    after each step or forward it runs (``total`` falls when the timing stops early). ``head_chunks``: chunk sizes (tokens) of the chunked head to measure
     (None: `chunk_candidates`). ``share_timing``: blocks that are the same computation take the
     timing probes of the first of them (`remat.measure.sharing`); False measures every block.
     ``compiled``: the model will train under ``torch.compile`` (True: inductor, or a backend's
@@ -204,6 +205,21 @@ TOUCH_PROBES = 3
 each fills 64 MiB twice, three steps' time of the built-in GPT at 2 layers under load for five."""
 HEAD_ROUNDS = 3
 """Timed rounds of the head's strategies at most (`remat.measure.head`; ``repeats`` when fewer)."""
+SETTLED_STEPS = 3
+"""Timed steps (plain and instrumented pairs) after which the timing may stop (`settled`)."""
+SETTLED_SPREAD = 0.03
+"""Largest ``max / min - 1`` of the plain and of the instrumented steps' times at which they count
+as settled: a median of 3 within 3 % moves by less than the run-to-run spread of a step on a
+shared machine, and the 2 steps more cost a tenth of a profile's time (a 16-layer GPT's profile
+is about 20 steps)."""
+
+
+def settled(plain_ms: Sequence[float], instrumented_ms: Sequence[float]) -> bool:
+    """Whether the timed steps so far are enough: at least `SETTLED_STEPS` pairs, and within
+    each kind the slowest at most `SETTLED_SPREAD` above the fastest."""
+    if min(len(plain_ms), len(instrumented_ms)) < SETTLED_STEPS:
+        return False
+    return all(min(ts) > 0 and max(ts) / min(ts) - 1 <= SETTLED_SPREAD for ts in (plain_ms, instrumented_ms))
 
 
 def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
@@ -225,8 +241,11 @@ def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
             # timed steps that fault (a burst of load slows a few probes); the first probe warms up
             probes.append(first_touch_ms_per_byte(device, repeats=1, discard=0 if probes else 1))
         report("timed step")
+        if len(times) < repeats and settled(plain, [t.step_ms for t in times]):
+            report.total -= 2 * (repeats - len(times))  # the timed steps and op forwards left out
+            break
     groups = _groups(found, memory, share_timing)
-    for _ in range(repeats - 1):
+    for _ in range(len(times) - 1):
         _time_ops(step, block_list, memory.recorder, groups)
         report("op timing forward")
     steps = without_instrumentation(median_times(times), statistics.median(plain))
