@@ -125,3 +125,102 @@ def test_discovery_runs_no_backward_and_leaves_the_model_alone():
     _run(model)
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class ListOfLists(nn.Module):
+    """Layers kept in a list of plain lists (as Funnel's encoder keeps one list per pooling
+    block), then a stack of its own; ``sizes``: layers per inner list."""
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleList(Layer() for _ in range(n)) for n in sizes)
+        self.head = nn.ModuleList(Layer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for group in self.blocks:
+            for layer in group:
+                x = layer(x)
+        for layer in self.head:
+            x = layer(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("sizes", [(1, 1), (2, 2), (1, 3)])
+def test_a_list_of_plain_lists_gives_the_layers_of_all_of_them(sizes):
+    found = _run(ListOfLists(sizes))
+    layers = [f"blocks.{i}.{j}" for i, n in enumerate(sizes) for j in range(n)]
+    assert [name for name, _ in found.blocks] == layers + ["head.0", "head.1"]
+    assert [(s.name, s.start, s.stop) for s in found.stacks] == [("blocks", 0, len(layers)), ("head", len(layers), len(layers) + 2)]
+
+
+class PartlyRun(nn.Module):
+    """One stack runs once each; the other runs its first member twice and its second never."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(2))
+        self.loop = nn.ModuleList(Layer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.loop[0](self.loop[0](x)).sum()
+
+
+def test_a_stack_left_out_beside_others_is_named_in_a_warning():
+    with pytest.warns(UserWarning, match=r"left out the stacks loop \(calls per member: \{'loop.0': 2, 'loop.1': 0\}\)"):
+        found = _run(PartlyRun())
+    assert [name for name, _ in found.blocks] == ["layers.0", "layers.1"]
+
+
+class Shared(nn.Module):
+    """One layer called at every depth (ALBERT's layer group): no list of two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups = nn.ModuleList([Layer()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = self.groups[0](x)
+        return x.sum()
+
+
+def test_a_layer_shared_across_depths_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match=r"its only layers repeat\. Calls per forward: \{'groups\.0': 3\}\. A module called "
+                                         r"more than once shares its weights"):
+        _run(Shared())
+    with pytest.raises(ValueError, match=r"ran another number of times: \{'groups\.0': 3\}\..*neither it nor any module "
+                                         r"inside it can be a block"):
+        _run(Shared(), "groups.0")
+
+
+class Gated(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.gate, self.value = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(x)) * self.value(x)
+
+
+class Hybrid(nn.Module):
+    """Layers of two classes in one list (Jamba's Mamba and attention layers), and a
+    Sequential of a Linear and a LayerNorm: a pipeline, not a stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(), Gated(), Layer(), Gated()])
+        self.out = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x).sum()
+
+
+def test_a_list_of_layers_of_several_classes_is_a_stack():
+    found = _run(Hybrid())
+    assert [name for name, _ in found.blocks] == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    assert [(s.name, s.start, s.stop) for s in found.stacks] == [("layers", 0, 4)]
+    assert found.follows_previous == (False, True, True, True)

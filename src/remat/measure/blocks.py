@@ -2,7 +2,8 @@
 
 Automatic: the members of every *stack*, an ``nn.ModuleList`` / ``nn.Sequential`` of two or
 more children of one class that hold parameters (a transformer's layers, an encoder's and a
-decoder's, a ResNet stage's units), that is not nested inside another stack's member. Without a
+decoder's, a ResNet stage's units), or an ``nn.ModuleList`` of layers of several classes (a
+hybrid model's Mamba and attention layers), that is not nested inside another stack's member. Without a
 forward to watch, that is all this module can say; `remat.measure.stacks` runs the forward and
 descends into nested stacks that run as chains (the stages of a hierarchical vision model) and
 numbers the blocks in the order they run. Named: one or more patterns, each a glob over
@@ -53,11 +54,17 @@ def candidate_lists(model: nn.Module) -> list[tuple[str, int, str]]:
 
 def stack_lists(model: nn.Module) -> list[str]:
     """Qualified names of every stack (a ModuleList/Sequential of >= 2 same-class children that
-    hold parameters: a list of activations or dropouts is not a stack), in module order."""
+    hold parameters: a list of activations or dropouts is not a stack; or a plain ``ModuleList``
+    of layers of several classes that all hold parameters: a hybrid model's, Jamba's Mamba and
+    attention layers), in module order. (A ``Sequential`` of several classes is a layer's own
+    pipeline, a convolution then its norm, not a stack.)"""
+    same = {name for name, count, _ in candidate_lists(model) if count >= 2}
     names = []
-    for name, count, _ in candidate_lists(model):
-        container = model.get_submodule(name)
-        if count >= 2 and all(any(True for _ in child.parameters()) for child in container.children()):
+    for name, module in model.named_modules():
+        children = list(module.children()) if isinstance(module, (nn.ModuleList, nn.Sequential)) else []
+        mixed = type(module) is nn.ModuleList and len({type(c) for c in children}) > 1
+        if len(children) >= 2 and (name in same or mixed) and all(
+                any(True for _ in child.parameters()) for child in children):
             names.append(name)
     return names
 
@@ -66,6 +73,22 @@ def members(model: nn.Module, list_name: str) -> Blocks:
     """The children of the list ``list_name`` as ``(qualified name, module)``."""
     prefix = f"{list_name}." if list_name else ""
     return [(f"{prefix}{child}", module) for child, module in model.get_submodule(list_name).named_children()]
+
+
+def flattened(model: nn.Module, list_name: str) -> Blocks:
+    """The members of the members of ``list_name`` when those are plain lists (an
+    ``nn.ModuleList`` of ``nn.ModuleList``: Funnel's encoder, one list of layers per block of
+    its pooling), as ``(qualified name, module)`` in order, if they are two or more of one class
+    holding parameters; else none. A plain list has no forward of its own, so its members are
+    the layers that run."""
+    outer = members(model, list_name)
+    if not outer or not all(type(m) is nn.ModuleList for _, m in outer):
+        return []
+    inner = [item for name, _ in outer for item in members(model, name)]
+    if len(inner) < 2 or len({type(m) for _, m in inner}) != 1 or not all(
+            any(True for _ in m.parameters()) for _, m in inner):
+        return []
+    return inner
 
 
 def inside(name: str, outer: str) -> bool:
@@ -79,10 +102,12 @@ def outermost(names: list[str]) -> list[str]:
 
 
 def no_stack_error(model: nn.Module) -> ValueError:
+    lists = [name for name, _, _ in candidate_lists(model) if name]
+    example = f"{lists[0]}.*" if lists else "layers.*"
     return ValueError(
         f"no blocks found in {type(model).__name__}: it has no nn.ModuleList or nn.Sequential "
-        f"of 2 or more same-class modules with parameters; modules: {_module_summary(model)}. Name "
-        "the blocks with blocks='<glob over module names>' (e.g. 'layers.*') or blocks='<ClassName>'."
+        f"of 2 or more modules with parameters; {_module_summary(model)}. Name "
+        f"the blocks with blocks='<glob over module names>' (e.g. '{example}') or blocks='<ClassName>'."
     )
 
 
@@ -90,7 +115,7 @@ def _auto_blocks(model: nn.Module) -> Blocks:
     stacks = outermost(stack_lists(model))
     if not stacks:
         raise no_stack_error(model)
-    return [member for name in stacks for member in members(model, name)]
+    return [member for name in stacks for member in flattened(model, name) or members(model, name)]
 
 
 def _named_blocks(model: nn.Module, patterns: list[str]) -> Blocks:

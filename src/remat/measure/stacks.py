@@ -11,8 +11,12 @@ ones included, and
 
 - descends into nested stacks when each of them runs as a chain (every member once, in order,
   each one's chained input what the one before handed on: `remat.measure.calls`), else keeps the
-  outer stack; a stack whose members do not each run exactly once is left out (named blocks
-  must: an error says which did not);
+  outer stack; a list of plain lists (Funnel's encoder: a ``ModuleList`` of ``ModuleList``s of
+  layers, which never run as modules) gives the layers of all of them (`flattened`); a stack
+  whose members do not each run exactly once is left out, with a warning that names it when
+  other stacks are found, and an error when none is (named blocks must: an error says which did
+  not; a module called several times per forward, a layer shared across depths, cannot be a
+  block, and the error says so);
 - numbers the blocks in the order they first run;
 - cuts the blocks into `Stack` records, maximal runs of consecutive blocks of one list, and
   says for each block whether it follows the block before it (`remat.measure.calls.follows`,
@@ -21,14 +25,15 @@ ones included, and
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from remat.measure.blocks import (Blocks, inside, members, named_blocks, no_stack_error, outermost,
-                                  stack_lists)
+from remat.measure.blocks import (Blocks, candidate_lists, flattened, inside, members, named_blocks,
+                                  no_stack_error, outermost, stack_lists)
 from remat.measure.calls import follows
 from remat.measure.types import Stack
 
@@ -114,18 +119,59 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
         groups = [(parent_name(name), [(name, module)]) for name, module in chosen]
     else:
         lists = stack_lists(model)
-        every = [m for name in lists for m in members(model, name)]
-        trace = _Trace(every).run(forward)
-        groups = [(name, members(model, name)) for name in _chosen_lists(model, lists, trace)]
+        every = [m for name in lists for m in members(model, name) + flattened(model, name)]
+        trace = _Trace(list(dict(every).items())).run(forward)
+        groups, left_out = _chosen_lists(model, lists, trace)
         if not groups and lists:
             counts = {m: len(trace.calls[m]) for m, _ in every if len(trace.calls[m]) != 1}
+            hint = _repeated_hint(counts)
             raise ValueError(
                 f"no blocks found in {type(model).__name__}: its stacks {lists} do not run each member exactly "
-                f"once per forward (calls: {counts}). Name the blocks that run once with blocks='<glob>'."
+                f"once per forward" + (f".{hint}" if hint else f" (calls: {counts}).") + " Name the blocks that run "
+                "once with blocks='<glob>'" + (" (modules outside those that repeat), if the model has any." if hint else ".")
             )
         if not groups:
-            raise no_stack_error(model)
+            raise _repeated_error(model, forward) or no_stack_error(model)
+        if left_out:
+            warnings.warn(_left_out_message(model, left_out, trace), UserWarning, stacklevel=3)
     return _in_run_order(groups, trace)
+
+
+def _repeated_hint(counts: dict[str, int]) -> str:
+    """A sentence for modules that ran more than once per forward (a layer whose weights are
+    shared across depths, ALBERT's), or "" when none did: naming them as blocks cannot help."""
+    repeated = {name: n for name, n in counts.items() if n > 1}
+    if not repeated:
+        return ""
+    return (f" Calls per forward: {repeated}. A module called more than once shares its weights across "
+            "the calls (ALBERT's layer groups); remat plans each block's activations once per step, so "
+            "neither such a module nor any module inside it can be a block.")
+
+
+def _repeated_error(model: nn.Module, forward: Callable[[], Any]) -> ValueError | None:
+    """Without a stack: the error for a model whose listed modules run several times per forward
+    (ALBERT's one layer group, called once per depth), or None."""
+    single = [(f"{name}.{child}" if name else child, m) for name, _, _ in candidate_lists(model)
+              for child, m in model.get_submodule(name).named_children() if any(True for _ in m.parameters())]
+    if not single:
+        return None
+    trace = _Trace(single).run(forward)
+    counts = {name: len(trace.calls[name]) for name, _ in single if len(trace.calls[name]) > 1}
+    if not counts:
+        return None
+    return ValueError(f"no blocks found in {type(model).__name__}: its only layers repeat." + _repeated_hint(counts)
+                      + " There is nothing remat can recompute in this model; it trains as it is without a plan.")
+
+
+def _left_out_message(model: nn.Module, left_out: list[str], trace: _Trace) -> str:
+    details = []
+    for name in left_out:
+        calls = {m: len(trace.calls[m]) for m, _ in members(model, name) + flattened(model, name) if m in trace.calls}
+        details.append(f"{name} (calls per member: {calls})")
+    return (f"remat found blocks in {type(model).__name__} but left out the stacks {'; '.join(details)}: their "
+            "members do not each run exactly once per forward, so they stay in the fixed part and are never "
+            "recomputed. To plan them, name the modules that run once with blocks='<glob>' (e.g. "
+            f"blocks=['{left_out[0]}.*', ...] with the stacks found) or blocks='<ClassName>'.")
 
 
 def parent_name(name: str) -> str:
@@ -140,25 +186,35 @@ def _check_ran_once(trace: _Trace, chosen: Blocks) -> None:
             f"blocks must run exactly once per forward; these ran another number of times: {wrong}. "
             "remat plans each block's activations once per step (a block run twice shares its "
             "weights between two places): name blocks that the forward calls once."
+            + ("" if not any(n > 1 for n in wrong.values()) else
+               " A module called more than once shares its weights across the calls (ALBERT's layer groups): "
+               "neither it nor any module inside it can be a block.")
         )
 
 
-def _chosen_lists(model: nn.Module, lists: list[str], trace: _Trace) -> list[str]:
+def _chosen_lists(model: nn.Module, lists: list[str], trace: _Trace) -> tuple[list[tuple[str, Blocks]], list[str]]:
     """Outermost stacks, replaced by the stacks nested in their members when all of those run as
-    chains (recursively); stacks whose members do not run once each are left out."""
-    out: list[str] = []
+    chains (recursively), with their blocks; a list of plain lists gives the layers of all of
+    them (`flattened`); stacks whose members do not run once each are left out (the second list)."""
+    out: list[tuple[str, Blocks]] = []
+    left_out: list[str] = []
 
     def visit(name: str) -> None:
         nested = outermost([n for n in lists if inside(n, name)])
-        if nested and all(trace.runs_as_chain([m for m, _ in members(model, n)]) for n in nested):
+        own, flat = members(model, name), flattened(model, name)
+        if flat and trace.once_each([m for m, _ in flat]):  # plain lists: every layer in them, in one stack
+            out.append((name, flat))
+        elif nested and all(trace.runs_as_chain([m for m, _ in members(model, n)]) for n in nested):
             for inner in nested:
                 visit(inner)
-        elif trace.once_each([m for m, _ in members(model, name)]):
-            out.append(name)
+        elif trace.once_each([m for m, _ in own]):
+            out.append((name, own))
+        else:
+            left_out.append(name)
 
     for name in outermost(lists):
         visit(name)
-    return out
+    return out, left_out
 
 
 def _in_run_order(groups: list[tuple[str, Blocks]], trace: _Trace) -> Discovery:
