@@ -81,6 +81,47 @@ def test_profile_says_why_there_is_no_head_part():
     assert result.head is None and result.head_note == "the loss is a loss_fn outside the model"
 
 
+class EqualScaledGPT(GPT):
+    """Divides its logits by 1.0 (Granite's default ``logits_scaling``): the loss is the
+    projection's cross-entropy to the bit, but the logits returned are a new tensor, which a
+    planned head (it never makes the logits) could not stand in for."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(idx.size(1), device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x)) / 1.0
+        return logits if targets is None else F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def test_logits_that_are_not_the_projections_own_output_leave_no_head_part():
+    import remat
+
+    model = EqualScaledGPT(GPTConfig(**{k: v for k, v in SIZES.items()}, dropout=0.0))
+    tokens = torch.randint(0, model.config.vocab_size, (SIZES["batch_size"], SIZES["seq_len"] + 1))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    result = profile(model, batch, repeats=1)
+    assert result.head is None
+    assert result.head_note == ("a call without 'targets' does not return the output projection's own output as its "
+                                "logits (the model transforms them after the projection, even if by a factor that "
+                                "leaves them equal)")
+    with pytest.raises(ValueError, match="head strategy 'chunked:64' needs a head part, and this profile has none"):
+        remat.plan(result, strategy="full", head="chunked:64")
+    assert all(p.head == "keep" for p in remat.pareto(result))
+
+
+def test_granite_divides_its_logits_and_gets_no_head_part():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GraniteConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    assert config.logits_scaling == 1.0
+    model = transformers.GraniteForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 16))
+    result = profile(model, {"input_ids": ids, "labels": ids.clone()}, repeats=1)
+    assert result.head is None and "does not return the output projection's own output" in result.head_note
+
+
 def test_a_head_strategy_that_raises_is_left_out_with_its_reason(monkeypatch):
     from remat.head.strategies import HeadChunked, HeadKeep
 

@@ -108,9 +108,28 @@ def capture_head(model: nn.Module, batch: Any, site: HeadSite) -> tuple[HeadCapt
         if not torch.equal(ours, model_loss):
             return None, (f"the model's loss ({float(model_loss):.9g}) is not the token cross-entropy of its "
                           f"projection's output ({float(ours):.9g})")
+    why = _logits_returned(model, batch, site, kind, projection)
+    if why:
+        return None, why
     call = HeadCall(kind=kind, site=site, model=model, projection=projection, inputs=inputs,
                     extra=kind.loss_extra(bound))
     return HeadCapture(hidden=captured.hidden.detach(), call=call), ""
+
+
+def _logits_returned(model: nn.Module, batch: Any, site: HeadSite, kind: Any, projection: nn.Module) -> str:
+    """'' when a call without labels returns the projection's own output as its logits, as a
+    planned head needs (`remat.apply.head`: it computes the loss from the projection's input and
+    never makes those logits); else why not. A model that rescales its logits by a factor that
+    leaves them equal (Granite's ``logits_scaling`` of 1.0 divides anyway) returns a new tensor:
+    its loss is the projection's, but a planned head could not stand in for its logits."""
+    bound = bind_call(model, *call_arguments(batch))
+    bound.arguments[site.labels_arg] = None
+    with torch.no_grad(), capture_projection(projection, run=True) as captured:
+        output = model(*bound.args, **bound.kwargs)
+    if captured.calls == 1 and kind.logits_of(output) is captured.output:
+        return ""
+    return (f"a call without {site.labels_arg!r} does not return the output projection's own output as its logits "
+            "(the model transforms them after the projection, even if by a factor that leaves them equal)")
 
 
 def measure_head(capture: HeadCapture, *, post_head_bytes: int, post_rest_bytes: int,
