@@ -17,7 +17,8 @@ Every step starts from the same seed, so dropout draws the same masks in both: t
 generators, and Python's `random` and NumPy's global generator too (Hugging Face's wav2vec2 and
 HuBERT draw their SpecAugment masks with ``np.random``; unseeded, the two runs would mask
 different frames and differ without any recomputation). The caller's `random` and NumPy states
-are restored afterwards, as torch's are. On the CPU the
+are restored afterwards, as torch's are. LayerDrop is off in both copies, as in the profile
+(`remat.measure.layerdrop`): the step compared and measured runs every layer. On the CPU the
 same kernels run in the same order, so loss, outputs and gradients must be bit-identical
 (tolerance 0). CUDA kernels with atomic accumulation (embedding and scatter backward, some
 cuBLAS reductions) are not reproducible run to run even without recomputation, so there the
@@ -47,6 +48,7 @@ from remat.apply.head import HeadTolerance, head_tolerance
 from remat.apply.opcount import BlockOpCounter, expected_extra_calls
 from remat.checkpointing.caches import CacheOff
 from remat.measure.faults import FaultCount
+from remat.measure.layerdrop import LayerDropOff
 from remat.measure.profile import _Step
 from remat.measure.timing import Clock
 from remat.measure.tracker import track_step
@@ -161,6 +163,7 @@ class _Run:
         self.model = copy.deepcopy(model)
         if is_applied(self.model):
             remove_(self.model)
+        LayerDropOff(self.model).install()  # every layer runs, as in the profile (the copy's own rates)
         self.optimizer = _copy_optimizer(optimizer, model, self.model)
         if planned:
             apply_(self.model, plan, batch=batch, offload_dir=offload_dir)

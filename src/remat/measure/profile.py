@@ -16,7 +16,10 @@ overhead probes take a share of the step's time, not fixed seconds (`OVERHEAD_ST
 A step is ``zero_grad(set_to_none=True)``, forward, loss,
 ``loss.backward()``, ``optimizer.step()``. Parameters, buffers, gradients, optimizer state and
 the RNG state are restored afterwards. Hugging Face key/value caches are off throughout, as
-under a plan (`remat.checkpointing.caches`; not on the meta device, `_cache_off`).
+under a plan (`remat.checkpointing.caches`; not on the meta device, `_cache_off`), and LayerDrop
+rates are 0 (`remat.measure.layerdrop`): every layer runs in every step measured; such a model's
+blocks are not joined into multi-block segments (training skips layers: a block may not be fed
+by the one before it).
 
 Blocks are numbered in run order; the code between blocks j-1 and j (``between_j``: pooling,
 patch merging, an encoder's final norm and a decoder's embeddings) is a segment of its own,
@@ -72,6 +75,7 @@ from torch import nn
 from remat._batch import LossFn, batch_tensors, call_model, check_batch_device, compute_loss, model_device
 from remat.checkpointing.cacheable import cacheable
 from remat.checkpointing.caches import CacheOff
+from remat.measure.layerdrop import LayerDropOff
 from remat.measure.blocks import Blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.budget import ProbeBudget
@@ -137,10 +141,13 @@ def profile(
     site, note = find_head(model) if loss_fn is None else (None, "the loss is a loss_fn outside the model")
     snapshot = StateSnapshot(model, optimizer)
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _cache_off(model, device):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _cache_off(model, device), \
+                LayerDropOff(model) as layerdrop:
             step = _Step(model, batch, loss_fn, optimizer, site)
-            prof, windows = _measure(step, discover(model, blocks, step.forward), warmup, repeats, progress,
-                                     share_timing, backend)
+            found = discover(model, blocks, step.forward)
+            if layerdrop.changed:  # a layer that training may skip does not reliably follow the one before
+                found = dataclasses.replace(found, follows_previous=(False,) * len(found.blocks))
+            prof, windows = _measure(step, found, warmup, repeats, progress, share_timing, backend)
             return _with_head(step, prof, windows, note, head_chunks, repeats)
     finally:
         snapshot.restore()

@@ -1,0 +1,62 @@
+"""LayerDrop off while remat measures: every layer runs in the steps it profiles and verifies.
+
+In training, a model with LayerDrop skips each layer at random (Hugging Face's wav2vec2, HuBERT
+and WavLM draw ``torch.rand([]) < config.layerdrop`` per layer, BART-like encoders and decoders
+``self.layerdrop``, from ``config.encoder_layerdrop`` and ``config.decoder_layerdrop``). A profile
+must see every block run once (`remat.measure.stacks`), and a measured peak must be the step's
+with every layer: a step that skips layers runs less and holds no more. So `remat.profile` and
+`remat.verify` set those rates to 0 while they run and put them back after (`LayerDropOff`);
+under an applied plan, training skips layers as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["LayerDropOff", "CONFIG_FIELDS"]
+
+CONFIG_FIELDS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+"""Config attributes of a LayerDrop rate (Hugging Face)."""
+
+
+class LayerDropOff:
+    """``with LayerDropOff(model): ...`` (or `install`, `remove`): every LayerDrop rate of ``model`` (its modules' configs'
+    `CONFIG_FIELDS` and modules' own ``layerdrop`` attributes) is 0.0 inside, as it was after.
+    ``changed`` names what was set, ``'<owner>.<field>'``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._saved: list[tuple[Any, str, float]] = []
+
+    @property
+    def changed(self) -> list[str]:
+        return [f"{type(owner).__name__}.{field}" for owner, field, _ in self._saved]
+
+    def install(self) -> LayerDropOff:
+        seen: set[int] = set()
+        for module in self.model.modules():
+            config = getattr(module, "config", None)
+            for owner, fields in ((config, CONFIG_FIELDS), (module, ("layerdrop",))):
+                if owner is None or id(owner) in seen and owner is config:
+                    continue
+                if owner is config:
+                    seen.add(id(config))
+                for field in fields:
+                    rate = getattr(owner, field, None) if owner is config else vars(owner).get(field)
+                    if isinstance(rate, float) and rate > 0.0:
+                        self._saved.append((owner, field, rate))
+                        setattr(owner, field, 0.0)
+        return self
+
+    def remove(self) -> None:
+        for owner, field, rate in reversed(self._saved):
+            setattr(owner, field, rate)
+        self._saved.clear()
+
+    def __enter__(self) -> LayerDropOff:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
