@@ -113,3 +113,36 @@ def test_accountant_works_on_meta_device():
     with SavedAccountant(list(model.named_children()), exclude=[*model.parameters(), x]) as acc:
         model(x).pow(2).sum()
     assert acc.bytes_by_segment() == {PRE: 0, "0": 0, "1": 160, "2": 0, between_name(1): 0, between_name(2): 0, POST: 40}
+
+
+class CachedTableLayer(nn.Module):
+    """Scales its input by a table it builds on its first call and keeps (as BEiT caches its
+    relative position index): the multiplication saves the table for backward, but the table
+    is not an activation of any step after the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.table: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.arange(36, dtype=torch.float32).reshape(6, 6) / 36
+        return self.linear(x) * self.table
+
+
+def test_a_table_cached_before_the_step_is_not_an_activation():
+    import remat
+
+    torch.manual_seed(0)
+    model = nn.Sequential(CachedTableLayer(), CachedTableLayer())
+    x = torch.randn(6, 6)
+    loss_fn = lambda out, batch: out.square().sum()  # noqa: E731
+    result = profile(model, x, loss_fn=loss_fn, blocks="*", repeats=1)
+    # each block saves its linear's input (block 0's is the batch: not counted) and the linear's
+    # output (for the table's gradient... none: the table needs none, so mul saves only the
+    # table, which existed before the step); block 1 saves its input, block 0's output
+    assert [b.saved_bytes for b in result.blocks] == [0, 6 * 6 * F32]
+    for strategy in ("none", "full"):
+        check = remat.verify(model, x, remat.plan(result, strategy=strategy), loss_fn, repeats=1)
+        assert check.ok and check.measured_peak_bytes == check.predicted_peak_bytes, strategy

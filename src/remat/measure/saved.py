@@ -7,8 +7,8 @@ run after block i-1 and before block i: pooling, patch merging, an encoder's fin
 decoder's embeddings) or ``"post"`` (after the last block: final norm, head, loss); blocks in
 the order they run. Every segment that saves a storage is recorded too (`SavedAccountant.savers`:
 a storage saved by a block and again by the pooling after it outlives a checkpoint of the
-block). Storages that existed before the step (parameters, buffers, the batch) are never
-counted: they are model state or input, not activations. Works on the meta device.
+block). Storages that existed before the step (parameters, buffers, the batch, a table the model
+cached in an earlier step) are never counted: they are model state or input, not activations. Works on the meta device.
 
 Module hooks on the blocks also record each block's input and output bytes (distinct
 storages of its tensor arguments and results).
@@ -50,14 +50,18 @@ class SavedStorage:
 class SavedAccountant:
     """Context manager: counts saved storages per segment during one forward.
 
-    ``exclude``: tensors whose storages are never counted (parameters, buffers, batch).
+    ``exclude``: tensors whose storages are never counted (parameters, buffers, batch);
+    ``made_in_step(t)``: False for a tensor whose storage existed before the step (a table a
+    model builds once and caches, BEiT's relative position index: 33800 bytes of a 2-layer
+    model were counted as block 0's activations), never counted either.
     ``on_saved(tensor, nbytes, segment)`` is called at each first save of a storage;
     ``on_pack(segment)`` at every save, parameters and storages saved before included (what
     torch's early-stopping replay counts, `remat.measure.ops.OpRecorder.note_pack`).
     """
 
     def __init__(self, blocks: Blocks, exclude: Iterable[torch.Tensor] = (), on_saved: OnSaved | None = None,
-                 on_pack: Callable[[str], None] | None = None) -> None:
+                 on_pack: Callable[[str], None] | None = None,
+                 made_in_step: Callable[[torch.Tensor], bool] | None = None) -> None:
         self.blocks = blocks
         self.segment = PRE
         self.saved: dict[int, SavedStorage] = {}
@@ -69,6 +73,7 @@ class SavedAccountant:
         self._excluded = storage_keys(exclude)
         self._on_saved = on_saved
         self.on_pack = on_pack
+        self._made_in_step = made_in_step
         self._handles: list = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
@@ -115,7 +120,7 @@ class SavedAccountant:
         if self.on_pack is not None:
             self.on_pack(self.segment)
         key = storage_key(t)
-        if key is None or key in self._excluded:
+        if key is None or key in self._excluded or (self._made_in_step is not None and not self._made_in_step(t)):
             return t
         savers = self.savers.setdefault(key, [])
         if self.segment not in savers:

@@ -110,6 +110,12 @@ class LiveTracker(TorchDispatchMode):
         """The `storage_key` of every storage tracked and live now (a set-like view)."""
         return self._entries.keys()
 
+    def tracks(self, t: torch.Tensor) -> bool:
+        """Whether the tensor's storage (a wrapper's: its inner tensors') is counted: made by an
+        op since the tracker started, or registered. A storage from before (a table the model
+        cached in an earlier step) is not; nor is one on another device."""
+        return any(storage_key(p) in self._entries for p in plain_tensors(t))
+
     def label_of(self, t: torch.Tensor) -> str | None:
         """The label the tensor's storage is counted under, or None when not counted."""
         entry = self._entries.get(storage_key(t))
@@ -230,7 +236,8 @@ class StepTracking:
         self.tracker = LiveTracker(model_device(model))
         self.timeline: list[MemoryEvent] = []
         excluded = [*model.parameters(), *model.buffers(), *batch_tensors(batch)]
-        self.accountant = SavedAccountant(list(blocks), exclude=excluded, on_saved=self._on_saved)
+        self.accountant = SavedAccountant(list(blocks), exclude=excluded, on_saved=self._on_saved,
+                                          made_in_step=self.tracker.tracks)
         self.boundaries = StepBoundaries(list(blocks), optimizer, [self._on_boundary, *listeners])
         self._handles: list = []
 
