@@ -332,3 +332,26 @@ def test_a_settled_timing_reports_fewer_stages(monkeypatch):
     assert [stage for _, _, stage in calls] == stages
     assert [done for done, _, _ in calls] == list(range(1, 8))
     assert calls[-1][:2] == (7, 7) and calls[0][1] == 11  # 1 + 1 + 5 + 4 planned at first
+
+
+def test_a_loss_whose_forward_needs_more_than_its_backward_is_priced():
+    """The loss allocates a workspace in its forward and frees it before its backward (a CTC
+    loss's ``ones_like`` of the input lengths): the post part's forward is the step's peak, and
+    the prediction counts it, whatever the blocks' strategies."""
+    import remat
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)))
+    x = torch.randn(8, 16)
+    workspace = 100_000  # floats: 400 KB, far above any activation of this model
+
+    def loss_fn(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+        scratch = torch.ones(workspace)
+        return out.square().sum() + (scratch.sum() - workspace)
+
+    result = profile(model, x, loss_fn=loss_fn, blocks="*", repeats=1)
+    assert result.fixed_post_bwd_temp_bytes >= workspace * F32
+    for strategy in ("none", "full", "sqrt"):
+        check = remat.verify(model, x, remat.plan(result, strategy=strategy), loss_fn, repeats=1)
+        assert check.ok and check.measured_peak_bytes == check.predicted_peak_bytes, strategy
+        assert check.predicted_peak_bytes > result.param_bytes + workspace * F32

@@ -476,7 +476,7 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
         optimizer_step_temp_bytes=memory.windows.optimizer_temp_bytes,
         optimizer_step_ms=times.optimizer_step_ms, buffer_bytes=buffer_bytes(model),
         fixed_pre_saved_bytes=saved[PRE], fixed_post_saved_bytes=saved[POST],
-        fixed_post_bwd_temp_bytes=memory.windows.post_temp_bytes,
+        fixed_post_bwd_temp_bytes=max(memory.windows.post_temp_bytes, memory.windows.post_fwd_bytes - saved[POST]),
         fixed_pre_grad_bytes=_pre_grad_bytes(memory, block_list),
         fixed_fwd_ms=times.fixed_fwd_ms, fixed_bwd_ms=times.fixed_bwd_ms,
         fixed_flops=recorder.segment_flops(PRE) + between_flops + recorder.segment_flops(POST),

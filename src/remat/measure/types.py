@@ -506,7 +506,9 @@ class Profile(JsonDocument):
     fixed_post_bwd_temp_bytes: int
     """Like `BlockProfile.bwd_temp_bytes` for the head and loss: peak live bytes from
     ``loss.backward()`` to the last block's backward, minus the model state, every saved byte
-    of the forward (pre, blocks, post) (exact identity in `remat.measure.profile`)."""
+    of the forward (pre, blocks, post) (exact identity in `remat.measure.profile`); or the peak
+    of the post part's forward (from the last block's end to ``loss.backward()``) less the same
+    bytes, where that is higher (a CTC loss's forward workspace, freed before its backward)."""
     fixed_fwd_ms: float
     """Forward time of everything outside blocks (incl. loss)."""
     fixed_bwd_ms: float

@@ -46,6 +46,12 @@ class BackwardWindows:
         self.optimizer_temp_bytes = 0
         self.grads_at_first_block_bytes = 0  # gradients live when block 0's backward starts
         self.post_rest_temp_bytes = 0
+        self.post_fwd_bytes = 0
+        """Peak of the post part's forward (from the last block's end to ``loss.backward()``) less
+        the model state and every earlier segment's saved bytes: its own saved bytes so far and
+        every other live byte (the last block's output, a loss's forward workspace: a CTC loss's
+        ``ones_like`` of the input lengths)."""
+        self._post_forward_open = False
         self._open: str | None = None  # the segment whose backward window is open
         self._opt_start_bytes = 0
         self._labels: list[str] = []
@@ -59,7 +65,14 @@ class BackwardWindows:
         elif event.kind == "fwd_end":
             own = self.accountant.segment_bytes(self.names[event.index])
             self.block_fwd_temp_bytes[event.index] = self.tracker.close_window() - own
+            if event.index == len(self.names) - 1:  # the post part's forward: final norm, head, loss
+                labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in self.order[: self.order.index(POST)])]
+                self.tracker.open_window(labels)
+                self._post_forward_open = True
         elif event.kind == "bwd_begin":
+            if self._post_forward_open:
+                self.post_fwd_bytes = self.tracker.close_window()
+                self._post_forward_open = False
             self._start(POST)
         elif event.kind == "head_bwd_end" and self._open == POST:
             self.post_head_temp_bytes = self.tracker.close_window()
