@@ -7,7 +7,9 @@ Each model is profiled once (``repeats=1``) and shared by the tests of this modu
 from __future__ import annotations
 
 import copy
+import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,8 +117,11 @@ def test_swin_selective_block_after_a_recomputed_one_stops_its_replay_at_its_las
 
 
 def _step_loss(model: torch.nn.Module, zoo: ZooModel) -> torch.Tensor:
-    """One forward and backward from seed 0 (gradients cleared after)."""
+    """One forward and backward from seed 0, NumPy's and Python's generators too (wav2vec2 draws
+    its SpecAugment masks with NumPy; gradients cleared after)."""
     torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
     loss = compute_loss(call_model(model, zoo.batch), zoo.batch, zoo.loss_fn)
     loss.backward()
     model.zero_grad(set_to_none=True)

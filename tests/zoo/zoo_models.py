@@ -148,6 +148,55 @@ def _swin() -> tuple[nn.Module, Callable]:
         "pixel_values": _images(g), "labels": torch.randint(0, 3, (BATCH,), generator=g)}
 
 
+def _funnel() -> tuple[nn.Module, Callable]:
+    """Layers in a list of plain lists (one per pooling block of the encoder)."""
+    import transformers
+
+    config = transformers.FunnelConfig(d_model=HIDDEN, n_head=HEADS, d_head=HIDDEN // HEADS, d_inner=FFN,
+                                       block_sizes=[1, 1], num_decoder_layers=2, vocab_size=VOCAB)
+    config._attn_implementation = "eager"
+    return transformers.FunnelForMaskedLM(config), lambda g: (lambda ids: {"input_ids": ids, "labels": ids.clone()})(_ids(g))
+
+
+def _jamba() -> tuple[nn.Module, Callable]:
+    """A hybrid: a Mamba layer, then an attention layer with a mixture of experts, in one list."""
+    import transformers
+
+    config = transformers.JambaConfig(
+        hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=1, intermediate_size=FFN,
+        vocab_size=VOCAB, num_experts=2, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+        use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "eager"
+    return transformers.JambaForCausalLM(config), _lm_batch
+
+
+def _wav2vec2() -> tuple[nn.Module, Callable]:
+    """CTC on raw audio: a convolutional feature extractor, LayerDrop, SpecAugment masks drawn
+    with NumPy, and a loss whose forward needs more than its backward."""
+    import transformers
+
+    config = transformers.Wav2Vec2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=FFN,
+        conv_dim=(16, 16, 16), conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2, mask_time_prob=0.2, mask_time_length=2, layerdrop=0.1, pad_token_id=0)
+    config._attn_implementation = "eager"
+    return transformers.Wav2Vec2ForCTC(config), lambda g: {
+        "input_values": torch.randn((BATCH, 1600), generator=g), "labels": torch.randint(1, VOCAB, (BATCH, 6), generator=g)}
+
+
+def _beit() -> tuple[nn.Module, Callable]:
+    """Relative position bias: an index table built once and cached, which attention saves."""
+    import transformers
+
+    config = transformers.BeitConfig(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
+                                     intermediate_size=FFN, image_size=32, patch_size=4, num_labels=3,
+                                     use_relative_position_bias=True)
+    config._attn_implementation = "eager"
+    return transformers.BeitForImageClassification(config), lambda g: {
+        "pixel_values": _images(g), "labels": torch.randint(0, 3, (BATCH,), generator=g)}
+
+
 ZOO: dict[str, tuple[Callable[[], tuple[nn.Module, Callable]], tuple[tuple[str, int], ...], bool]] = {
     "bert": (_bert, (("bert.encoder.layer", 2),), True),
     "t5": (_t5, (("encoder.block", 2), ("decoder.block", 2)), True),
@@ -161,6 +210,11 @@ ZOO: dict[str, tuple[Callable[[], tuple[nn.Module, Callable]], tuple[tuple[str, 
     "whisper": (_whisper, (("model.encoder.layers", 2), ("model.decoder.layers", 2)), True),
     "clip": (_clip, (("vision_model.encoder.layers", 2), ("text_model.encoder.layers", 2)), True),
     "swin": (_swin, (("swin.encoder.layers.0.blocks", 2), ("swin.encoder.layers.1.blocks", 2)), True),
+    "funnel": (_funnel, (("funnel.encoder.blocks", 2), ("funnel.decoder.layers", 2)), False),
+    "jamba": (_jamba, (("model.layers", 2),), True),
+    "wav2vec2": (_wav2vec2, (("wav2vec2.feature_extractor.conv_layers", 3), ("wav2vec2.encoder.layers", 2)), True),
+    "beit": (_beit, (("beit.layers", 2),), True),
+    "granite": (_decoder("GraniteConfig", num_key_value_heads=1), (("model.layers", 2),), True),
     "unet": (None, (("down", 3), ("up", 2)), False),
 }
 """Name -> (builder, expected stacks in run order, HF checkpointing supported)."""
