@@ -34,6 +34,14 @@ def test_a_projection_that_is_not_a_plain_linear_is_refused():
     assert "is Sequential, not a plain nn.Linear" in find_head(model)[1]
 
 
+def test_a_model_that_names_no_projection_is_told_so():
+    model = tiny("gpt").model
+    model.head = None
+    site, why = find_head(model)
+    assert site is None and why == ("GPT names no output projection (get_output_embeddings() returns None): not a "
+                                    "language model head remat plans (Hugging Face *ForCausalLM, the built-in GPT)")
+
+
 def test_a_hugging_face_model_with_another_loss_is_refused():
     model = tiny("hf:llama").model
     model.loss_function = lambda logits, labels, vocab_size, **kw: F.cross_entropy(logits.view(-1, vocab_size), labels.view(-1))
