@@ -38,8 +38,8 @@ def test_a_model_that_names_no_projection_is_told_so():
     model = tiny("gpt").model
     model.head = None
     site, why = find_head(model)
-    assert site is None and why == ("GPT names no output projection (get_output_embeddings() returns None): not a "
-                                    "language model head remat plans (Hugging Face *ForCausalLM, the built-in GPT)")
+    assert site is None and why == ("GPT names no output projection: not a language model head remat plans "
+                                    "(Hugging Face *ForCausalLM, the built-in GPT)")
 
 
 def test_a_hugging_face_model_with_another_loss_is_refused():

@@ -178,8 +178,9 @@ def find_head(model: nn.Module) -> tuple[HeadSite | None, str]:
         return None, f"{type(model).__name__} is not a language model remat knows the head of (Hugging Face *ForCausalLM, the built-in GPT)"
     projection = kind.projection(model)
     if projection is None:
-        return None, (f"{type(model).__name__} names no output projection (get_output_embeddings() returns None): "
-                      "not a language model head remat plans (Hugging Face *ForCausalLM, the built-in GPT)")
+        how = " (get_output_embeddings() returns None)" if isinstance(kind, HFCausalLMHead) else ""
+        return None, (f"{type(model).__name__} names no output projection{how}: not a language model head remat "
+                      "plans (Hugging Face *ForCausalLM, the built-in GPT)")
     if type(projection) is not nn.Linear:
         return None, f"the output projection of {type(model).__name__} is {type(projection).__name__}, not a plain nn.Linear"
     reason = kind.refusal(model)
