@@ -89,3 +89,16 @@ def test_plan_on_slots_says_how_far_it_may_be(tmp_path):
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert "slower than the fastest plan that fits (memory counted in slots of" in text
+
+
+def test_a_fixed_layout_that_lowers_no_peak_is_called_out(tmp_path):
+    """On two blocks, sqrt makes one segment of both: its replay holds both blocks' saved bytes
+    beside the segment's input, above no recomputation's peak."""
+    path = tmp_path / "profile.json"
+    chain(2, input_bytes=2**20, saved_bytes=4 * 2**20, param_bytes=2**20, grad_bytes=2**20).save(path)
+    result = runner.invoke(app, ["plan", str(path), "--strategy", "sqrt"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "this sqrt plan is predicted to peak at" in text and "no lower than no recomputation" in text
+    result = runner.invoke(app, ["plan", str(path), "--strategy", "full"])
+    assert "no lower than no recomputation" not in " ".join(result.output.split())

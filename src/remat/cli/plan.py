@@ -68,6 +68,9 @@ def plan_command(
 
         console.print(unavailable_rich(profile))
     console.print(comparison(result, baseline))
+    worse = no_gain_line(result, baseline)
+    if worse:
+        console.print(Text(worse, style="yellow"))
     if result.budget_bytes is not None:
         console.print(fit_line(result, baseline))
     if result.optimality is not None:
@@ -168,6 +171,18 @@ def comparison(result: Plan, baseline: Plan) -> Table:
     table.add_row("peak at", b.peak_phase if b.peak_phase != "block" else f"block {b.peak_block}", where, "")
     table.add_row("head", baseline.head, result.head, "" if result.head == "keep" else "no logits returned")
     return table
+
+
+def no_gain_line(result: Plan, baseline: Plan) -> str:
+    """'' unless a plan that recomputes is predicted to hold no less than no recomputation: a
+    fixed layout (``sqrt`` on two blocks makes one segment of both, whose replay holds them
+    together) can; the optimal search under a budget never returns one."""
+    p, b = result.prediction, baseline.prediction
+    if p.extra_ms <= 0 and p.extra_flops == 0 or p.peak_bytes < b.peak_bytes:
+        return ""
+    return (f"this {result.strategy_name} plan is predicted to peak at {format_bytes(p.peak_bytes)}, no lower "
+            f"than no recomputation ({format_bytes(b.peak_bytes)}), and to run slower: plan with a budget "
+            "(--budget, the optimal strategy) for a plan that lowers the peak.")
 
 
 def fit_line(result: Plan, baseline: Plan) -> str:
