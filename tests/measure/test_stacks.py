@@ -224,3 +224,82 @@ def test_a_list_of_layers_of_several_classes_is_a_stack():
     assert [name for name, _ in found.blocks] == ["layers.0", "layers.1", "layers.2", "layers.3"]
     assert [(s.name, s.start, s.stop) for s in found.stacks] == [("layers", 0, 4)]
     assert found.follows_previous == (False, True, True, True)
+
+
+class Frozen(nn.Module):
+    """A frozen tower run under no_grad (CLIPSeg's CLIP), then a trained stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tower = nn.ModuleList(Layer() for _ in range(2))
+        self.layers = nn.ModuleList(Layer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for layer in self.tower:
+                x = layer(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_blocks_run_without_gradients_are_left_out_with_a_warning():
+    with pytest.warns(UserWarning, match=r"runs with gradients disabled .*: tower\.0, tower\.1\."):
+        found = _run(Frozen())
+    assert [name for name, _ in found.blocks] == ["layers.0", "layers.1"]
+    with pytest.raises(ValueError, match=r"every block named by blocks='tower\.\*' runs with gradients disabled"):
+        with pytest.warns(UserWarning):
+            _run(Frozen(), "tower.*")
+
+
+class Stage(nn.Module):
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Stages(nn.Module):
+    """Stages of 1, 2 and 1 layers (UperNet's ConvNeXt at depths [1, 2, 1]): only the middle
+    one holds a stack, so the stages are the blocks."""
+
+    def __init__(self, depths: tuple[int, ...] = (1, 2, 1)) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(Stage(d) for d in depths)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            x = stage(x)
+        return x.sum()
+
+
+def test_nested_stacks_that_leave_a_member_out_keep_the_outer_stack():
+    assert [name for name, _ in _run(Stages((1, 2, 1))).blocks] == ["stages.0", "stages.1", "stages.2"]
+    found = _run(Stages((2, 2)))  # every stage holds a stack: its layers are the blocks
+    assert [name for name, _ in found.blocks] == ["stages.0.layers.0", "stages.0.layers.1",
+                                                  "stages.1.layers.0", "stages.1.layers.1"]
+
+
+class ReadOnly(nn.Module):
+    """A list whose members are never called: the model reads their weights (SAM's point
+    embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(2))
+        self.tables = nn.ModuleList(nn.Embedding(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return (x + self.tables[0].weight[0] + self.tables[1].weight[1]).sum()
+
+
+def test_a_list_whose_members_never_run_is_named_as_such():
+    with pytest.warns(UserWarning, match=r"tables \(its members are never called: the model reads their weights, "
+                                         r"nothing to plan\)"):
+        _run(ReadOnly())

@@ -55,14 +55,15 @@ def candidate_lists(model: nn.Module) -> list[tuple[str, int, str]]:
 def stack_lists(model: nn.Module) -> list[str]:
     """Qualified names of every stack (a ModuleList/Sequential of >= 2 same-class children that
     hold parameters: a list of activations or dropouts is not a stack; or a plain ``ModuleList``
-    of layers of several classes that all hold parameters: a hybrid model's, Jamba's Mamba and
-    attention layers), in module order. (A ``Sequential`` of several classes is a layer's own
+    of layers of several classes, each with parameters and modules of its own: a hybrid model's,
+    Jamba's Mamba and attention layers, not a convolution beside its norm), in module order. (A ``Sequential`` of several classes is a layer's own
     pipeline, a convolution then its norm, not a stack.)"""
     same = {name for name, count, _ in candidate_lists(model) if count >= 2}
     names = []
     for name, module in model.named_modules():
         children = list(module.children()) if isinstance(module, (nn.ModuleList, nn.Sequential)) else []
-        mixed = type(module) is nn.ModuleList and len({type(c) for c in children}) > 1
+        mixed = (type(module) is nn.ModuleList and len({type(c) for c in children}) > 1
+                 and all(any(True for _ in c.children()) for c in children))  # layers, not a conv and its norm
         if len(children) >= 2 and (name in same or mixed) and all(
                 any(True for _ in child.parameters()) for child in children):
             names.append(name)

@@ -8,7 +8,8 @@ decoder's embeddings) or ``"post"`` (after the last block: final norm, head, los
 the order they run. Every segment that saves a storage is recorded too (`SavedAccountant.savers`:
 a storage saved by a block and again by the pooling after it outlives a checkpoint of the
 block). Storages that existed before the step (parameters, buffers, the batch, a table the model
-cached in an earlier step) are never counted: they are model state or input, not activations. Works on the meta device.
+cached in an earlier step) are never counted: they are model state or input, not activations; nor
+is one freed before the backward begins (a graph the forward dropped). Works on the meta device.
 
 Module hooks on the blocks also record each block's input and output bytes (distinct
 storages of its tensor arguments and results).
@@ -16,6 +17,7 @@ storages of its tensor arguments and results).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -74,6 +76,8 @@ class SavedAccountant:
         self._on_saved = on_saved
         self.on_pack = on_pack
         self._made_in_step = made_in_step
+        self._finalizers: dict[int, weakref.finalize] = {}
+        self._forward_open = True
         self._handles: list = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
@@ -99,6 +103,9 @@ class SavedAccountant:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for finalizer in self._finalizers.values():
+            finalizer.detach()
+        self._finalizers.clear()
 
     def _enter_block(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -117,22 +124,48 @@ class SavedAccountant:
         return hook
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        # A detached alias (`_alias`), not ``t``: autograd keeps what the hook returns, and an op that saves
+        # its own output (exp, tanh, softmax) would otherwise hold it through its grad_fn, a cycle
+        # only the garbage collector frees, so a graph the forward drops would stay alive.
         if self.on_pack is not None:
             self.on_pack(self.segment)
         key = storage_key(t)
         if key is None or key in self._excluded or (self._made_in_step is not None and not self._made_in_step(t)):
-            return t
+            return _alias(t)
         savers = self.savers.setdefault(key, [])
         if self.segment not in savers:
             savers.append(self.segment)
         if key in self.saved:
-            return t
+            return _alias(t)
         nbytes = storage_nbytes(t)
         self.saved[key] = SavedStorage(nbytes=nbytes, segment=self.segment)
         self._totals[self.segment] = self._totals.get(self.segment, 0) + nbytes
+        self._finalizers[key] = weakref.finalize(t.untyped_storage(), self._freed, key)
         if self._on_saved is not None:
             self._on_saved(t, nbytes, self.segment)
-        return t
+        return _alias(t)
+
+    def _freed(self, key: int) -> None:
+        """A counted storage was freed. During the backward that is its use ending, and from then
+        on nothing is taken back; during the forward, the graph that saved it was dropped (a side
+        branch whose result the model discards: Informer's sampled scores): it was never an
+        activation of the backward, so its count and key go (the key may name a new storage)."""
+        self._finalizers.pop(key, None)
+        if torch._C._current_graph_task_id() != -1:
+            self._forward_open = False
+        if not self._forward_open:
+            return
+        saved = self.saved.pop(key, None)
+        self.savers.pop(key, None)
+        if saved is not None:
+            self._totals[saved.segment] -= saved.nbytes
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()``, unseen by the dispatch modes that watch the step (the op recorder, the live
+    tracker): a view of the same storage with no graph, not an op of the model."""
+    with torch._C._DisableTorchDispatch():
+        return t.detach()
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

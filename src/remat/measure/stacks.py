@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from remat.measure.blocks import (Blocks, candidate_lists, flattened, inside, members, named_blocks,
@@ -57,6 +58,9 @@ class _Call:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     output: Any = None
+    grad: bool = True
+    """Gradients were enabled when the call began (False: under ``torch.no_grad()``, a frozen
+    backbone's)."""
 
 
 class _Trace:
@@ -81,7 +85,7 @@ class _Trace:
 
     def _pre(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            self.calls[name].append(_Call(args=args, kwargs=dict(kwargs)))
+            self.calls[name].append(_Call(args=args, kwargs=dict(kwargs), grad=torch.is_grad_enabled()))
             self.order.append(name)
 
         return hook
@@ -117,6 +121,10 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
         trace = _Trace(chosen).run(forward)
         _check_ran_once(trace, chosen)
         groups = [(parent_name(name), [(name, module)]) for name, module in chosen]
+        groups = _without_no_grad(model, groups, trace)
+        if not groups:
+            raise ValueError(f"every block named by blocks={blocks!r} runs with gradients disabled (torch.no_grad(): "
+                             "a frozen part of the model): there is nothing to recompute; name blocks that train.")
     else:
         lists = stack_lists(model)
         every = [m for name in lists for m in members(model, name) + flattened(model, name)]
@@ -132,9 +140,28 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
             )
         if not groups:
             raise _repeated_error(model, forward) or no_stack_error(model)
+        groups = _without_no_grad(model, groups, trace)
+        if not groups:
+            raise ValueError(f"no blocks found in {type(model).__name__}: every stack runs with gradients disabled "
+                             "(torch.no_grad(): a frozen part of the model), so there is nothing to recompute.")
         if left_out:
             warnings.warn(_left_out_message(model, left_out, trace), UserWarning, stacklevel=3)
     return _in_run_order(groups, trace)
+
+
+def _without_no_grad(model: nn.Module, groups: list[tuple[str, Blocks]], trace: _Trace) -> list[tuple[str, Blocks]]:
+    """``groups`` less the blocks the forward ran with gradients disabled (CLIPSeg runs its CLIP
+    towers under ``torch.no_grad()``): they save nothing and have no backward, so there is
+    nothing to recompute, and counted as blocks they made the prediction of the blocks after
+    them 7-9 % low. They stay in the fixed part, named in a warning."""
+    dropped = [name for _, items in groups for name, _ in items if not all(c.grad for c in trace.calls[name])]
+    if not dropped:
+        return groups
+    warnings.warn(f"remat leaves out of the blocks of {type(model).__name__} those its forward runs with gradients "
+                  f"disabled (torch.no_grad(): a frozen part), which have nothing to recompute: {', '.join(dropped)}.",
+                  UserWarning, stacklevel=4)
+    kept = [(group, [item for item in items if item[0] not in dropped]) for group, items in groups]
+    return [(group, items) for group, items in kept if items]
 
 
 def _repeated_hint(counts: dict[str, int]) -> str:
@@ -167,6 +194,9 @@ def _left_out_message(model: nn.Module, left_out: list[str], trace: _Trace) -> s
     details = []
     for name in left_out:
         calls = {m: len(trace.calls[m]) for m, _ in members(model, name) + flattened(model, name) if m in trace.calls}
+        if not any(calls.values()):  # read for their weights only (SAM's point embeddings): not layers that run
+            details.append(f"{name} (its members are never called: the model reads their weights, nothing to plan)")
+            continue
         details.append(f"{name} (calls per member: {calls})")
     return (f"remat found blocks in {type(model).__name__} but left out the stacks {'; '.join(details)}: their "
             "members do not each run exactly once per forward, so they stay in the fixed part and are never "
@@ -204,7 +234,8 @@ def _chosen_lists(model: nn.Module, lists: list[str], trace: _Trace) -> tuple[li
         own, flat = members(model, name), flattened(model, name)
         if flat and trace.once_each([m for m, _ in flat]):  # plain lists: every layer in them, in one stack
             out.append((name, flat))
-        elif nested and all(trace.runs_as_chain([m for m, _ in members(model, n)]) for n in nested):
+        elif nested and all(trace.runs_as_chain([m for m, _ in members(model, n)]) for n in nested) and (
+                covered(own, nested) or not trace.once_each([m for m, _ in own])):
             for inner in nested:
                 visit(inner)
         elif trace.once_each([m for m, _ in own]):
@@ -215,6 +246,13 @@ def _chosen_lists(model: nn.Module, lists: list[str], trace: _Trace) -> tuple[li
     for name in outermost(lists):
         visit(name)
     return out, left_out
+
+
+def covered(own: Blocks, nested: list[str]) -> bool:
+    """Every member of a stack holds one of the ``nested`` stacks: descending into them leaves no
+    member's layers out (a ConvNeXt stage of one layer holds no stack; with the outer stages as
+    the blocks, its layer is planned too)."""
+    return all(any(inside(n, name) for n in nested) for name, _ in own)
 
 
 def _in_run_order(groups: list[tuple[str, Blocks]], trace: _Trace) -> Discovery:
