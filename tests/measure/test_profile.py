@@ -355,3 +355,36 @@ def test_a_loss_whose_forward_needs_more_than_its_backward_is_priced():
         check = remat.verify(model, x, remat.plan(result, strategy=strategy), loss_fn, repeats=1)
         assert check.ok and check.measured_peak_bytes == check.predicted_peak_bytes, strategy
         assert check.predicted_peak_bytes > result.param_bytes + workspace * F32
+
+
+class _DeadEnd(nn.Module):
+    """Block 2 runs, but its output is dropped (LLaVA's last vision layer under
+    vision_feature_layer=-2): its parameters never get a gradient in a step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = [x]
+        for block in self.blocks:
+            hidden.append(block(hidden[-1]))
+        return hidden[-2]
+
+
+def test_gradient_bytes_are_the_steps_not_the_probes():
+    """Probed alone, block 2 gets gradients the step never gives it; its gradient bytes are
+    read after the accounting step, so they are 0, and the gradients live at block 1's backward
+    are not under-counted: every plan's peak is predicted at or above its measured one."""
+    import remat
+
+    torch.manual_seed(0)
+    model = _DeadEnd()
+    x = torch.randn(8, 16)
+    loss_fn = lambda out, batch: out.square().sum()  # noqa: E731
+    result = profile(model, x, loss_fn=loss_fn, repeats=1, share_timing=False)
+    linear = (16 * 16 + 16) * F32
+    assert [b.grad_bytes for b in result.blocks] == [linear, linear, 0]
+    for strategy in ("none", "full"):
+        check = remat.verify(model, x, remat.plan(result, strategy=strategy), loss_fn, repeats=1)
+        assert check.ok and check.predicted_peak_bytes >= check.measured_peak_bytes, strategy

@@ -329,6 +329,10 @@ class _Accounting:
     peak_by_category: dict[str, int]
     timeline: tuple
     grad_bytes: int
+    block_grad_bytes: list[int]
+    """Per block, its parameters' gradient bytes after the accounting step (read then: the timing
+    probes that run a block alone give its parameters gradients even where the step gives none,
+    as to a layer whose output never reaches the loss)."""
     optimizer_state_bytes: int
     flows: list[BlockFlow]
     call_signatures: list[tuple[Any, ...] | None]
@@ -373,6 +377,8 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
         output_bytes=accountant.output_bytes, windows=windows, recorder=recorder, saved=dict(accountant.saved),
         peak_bytes=tracker.peak_bytes, peak_by_category=dict(tracker.peak_by_category),
         timeline=tuple(tracking.timeline), grad_bytes=grad_bytes(step.model),
+        block_grad_bytes=[distinct_bytes(p.grad for p in module.parameters() if p.grad is not None)
+                          for _, module in block_list],
         optimizer_state_bytes=optimizer_state_bytes(step.optimizer), flows=flows,
         call_signatures=calls.signatures,
     )
@@ -489,8 +495,7 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
 
 def _pre_grad_bytes(memory: _Accounting, block_list: Blocks) -> int:
     """Gradients allocated after block 0's backward that are not block 0's own (embeddings)."""
-    first = distinct_bytes(p.grad for p in block_list[0][1].parameters() if p.grad is not None)
-    return memory.grad_bytes - first - memory.windows.grads_at_first_block_bytes
+    return memory.grad_bytes - memory.block_grad_bytes[0] - memory.windows.grads_at_first_block_bytes
 
 
 def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
@@ -509,7 +514,7 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
             fwd_ms=times.block_fwd_ms[i], bwd_ms=times.block_bwd_ms[i],
             fwd_flops=memory.recorder.segment_flops(name),
             ops=_scaled_times(ops[i], times.block_fwd_ms[i]), timing_from=groups.timing_from[i],
-            grad_bytes=distinct_bytes(p.grad for p in module.parameters() if p.grad is not None),
+            grad_bytes=memory.block_grad_bytes[i],
             fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i],
             output_grad_bytes=memory.output_bytes.get(name, 0),
             bwd_free_order=memory.windows.block_free_order[i],
