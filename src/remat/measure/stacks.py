@@ -191,17 +191,20 @@ def _repeated_error(model: nn.Module, forward: Callable[[], Any]) -> ValueError 
 
 
 def _left_out_message(model: nn.Module, left_out: list[str], trace: _Trace) -> str:
-    details = []
+    details, runs = [], []
     for name in left_out:
         calls = {m: len(trace.calls[m]) for m, _ in members(model, name) + flattened(model, name) if m in trace.calls}
         if not any(calls.values()):  # read for their weights only (SAM's point embeddings): not layers that run
             details.append(f"{name} (its members are never called: the model reads their weights, nothing to plan)")
             continue
         details.append(f"{name} (calls per member: {calls})")
+        runs.append(name)
+    advice = "" if not runs else (
+        " To plan them, name the modules that run once with blocks='<glob>' (e.g. "
+        f"blocks=['{runs[0]}.*', ...] with the stacks found) or blocks='<ClassName>'.")
     return (f"remat found blocks in {type(model).__name__} but left out the stacks {'; '.join(details)}: their "
             "members do not each run exactly once per forward, so they stay in the fixed part and are never "
-            "recomputed. To plan them, name the modules that run once with blocks='<glob>' (e.g. "
-            f"blocks=['{left_out[0]}.*', ...] with the stacks found) or blocks='<ClassName>'.")
+            f"recomputed.{advice}")
 
 
 def parent_name(name: str) -> str:
