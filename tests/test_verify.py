@@ -202,3 +202,31 @@ def test_host_random_draws_are_the_same_in_both_runs_and_the_callers_state_is_ke
     after = np.random.get_state()
     assert after[0] == numpy_before[0] and np.array_equal(after[1], numpy_before[1]) and after[2:] == numpy_before[2:]
     assert random.getstate() == python_before
+
+
+class _Reseeding(torch.nn.Module):
+    """Reseeds torch's generator from the OS in its forward (as Reformer's layers call
+    ``torch.seed()``), then drops out: two runs from the same seed differ without any plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.seed()
+        x = torch.nn.functional.dropout(x, 0.5, training=self.training)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+def test_a_model_that_differs_from_itself_is_said_to():
+    torch.manual_seed(0)
+    model = _Reseeding()
+    batch = torch.randn(4, 8)
+    loss_fn = lambda out, _: out.square().sum()  # noqa: E731
+    prof = remat.profile(model, batch, loss_fn, repeats=1)
+    check = remat.verify(model, batch, make_plan(prof, strategy="none"), loss_fn, repeats=1)
+    assert not check.ok and not check.grads_identical
+    assert "the model without a plan is not deterministic: two of its runs from the same weights and seed differ" \
+        in check.tolerance_reason
