@@ -388,3 +388,40 @@ def test_gradient_bytes_are_the_steps_not_the_probes():
     for strategy in ("none", "full"):
         check = remat.verify(model, x, remat.plan(result, strategy=strategy), loss_fn, repeats=1)
         assert check.ok and check.predicted_peak_bytes >= check.measured_peak_bytes, strategy
+
+
+class _SharedWeights(nn.Module):
+    """Blocks 1 and 3 hold the same Linear (Zamba's hybrid layers share one transformer's
+    weights); block 3 is the widest, so its backward is the step's peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList([
+            nn.Sequential(nn.Linear(16, 16), nn.Tanh()), nn.Sequential(shared, nn.Tanh()),
+            nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
+            nn.Sequential(shared, nn.Tanh(), nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 16))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_parameter_two_blocks_share_counts_for_the_first_of_them():
+    """Its gradient becomes .grad when block 1's backward, the last of the two, is done; until
+    then block 3's contribution waits as a temporary. Counted for both blocks, the gradients
+    live at block 3's backward came out 1088 bytes (the shared Linear's) under the step's."""
+    import remat
+
+    torch.manual_seed(0)
+    model = _SharedWeights()
+    x = torch.randn(64, 16)
+    loss_fn = lambda out, batch: out.square().sum()  # noqa: E731
+    result = profile(model, x, loss_fn=loss_fn, repeats=1)
+    linear = (16 * 16 + 16) * F32
+    wide = (16 * 256 + 256 + 256 * 16 + 16) * F32
+    assert [b.grad_bytes for b in result.blocks] == [linear, linear, linear, wide]  # the shared one: block 1's
+    for strategy in ("none", "full", "sqrt"):
+        check = remat.verify(model, x, remat.plan(result, strategy=strategy), loss_fn, repeats=1)
+        assert check.ok and check.measured_peak_bytes == check.predicted_peak_bytes, strategy

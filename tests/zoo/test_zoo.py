@@ -77,7 +77,8 @@ def test_search_prices_every_layout_as_predict(name):
     """The exact search's time-memory curve is `predict`'s: at every breakpoint, for every head
     strategy, the layout's predicted peak is the need the search claimed and its extra time the
     search's (masks no checkpoint holds, a kept block's forward after a kept block: `remat.plan.variants`);
-    every plan of `remat.pareto` is one of these layouts."""
+    every plan of `remat.pareto` is one of these layouts, or one tied with one of them in peak
+    and extra time."""
     _, prof, frontier = profiled(name)
     claimed = {}
     for head in head_choices(prof):
@@ -89,7 +90,12 @@ def test_search_prices_every_layout_as_predict(name):
             assert prediction.extra_ms == pytest.approx(cost_ms + head_extra_ms(prof, head), rel=1e-9, abs=1e-9)
             claimed[(head, segments)] = prediction
     for p in frontier:
-        assert claimed[(p.head, p.segments)] == p.prediction
+        assert predict(prof, p.segments, p.head) == p.prediction
+        if (p.head, p.segments) in claimed:
+            assert claimed[(p.head, p.segments)] == p.prediction
+        else:  # a layout tied with a breakpoint's in need and time (alike blocks share their timings)
+            assert any(c.peak_bytes == p.prediction.peak_bytes and c.extra_ms == pytest.approx(p.prediction.extra_ms)
+                       for c in claimed.values()), (p.head, p.segments)
 
 
 def test_swin_selective_block_after_a_recomputed_one_stops_its_replay_at_its_last_save():
