@@ -435,3 +435,22 @@ def test_a_chunked_head_plan_is_held_to_its_tolerance_not_to_bit_identity() -> N
     peer = _runner(strategies.NoRecompute(name="other"))
     peer.grads[0] = peer.grads[0] * (1 + 1e-7)
     assert not compare_grads(peer, reference).accepted
+
+
+def test_a_hugging_face_chunked_head_plan_gets_its_tolerance():
+    """The tolerance is asked of the model as built: once applied, a Hugging Face model's forward
+    no longer shows its labels argument, which read as a tolerance of 0 (Llama's chunked plans
+    were held to bit-identity)."""
+    pytest.importorskip("transformers")
+    import dataclasses
+
+    import remat
+    from benchmarks._peers.suite import Suite, add_remat
+
+    workload = Workload(model="hf:llama", size="tiny")
+    profile, _ = _tiny_profile(workload)
+    plan = dataclasses.replace(remat.plan(profile, strategy="full"), head="chunked:8")
+    suite = Suite(workload=workload)
+    add_remat(suite, profile, [("chunked", plan)], strategies.EAGER, warmup_steps=1)
+    (run,) = suite.runners
+    assert run.relative_tolerance == 1e-5
