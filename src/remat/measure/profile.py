@@ -92,7 +92,7 @@ from remat.measure.overhead import (BlockOverheads, capture_block_inputs, measur
 from remat.measure.saved import POST, PRE, SavedAccountant, between_name
 from remat.measure.sharing import BlockGroups, CallSignatures, group_blocks, stop_after, structure_key, trace_key
 from remat.measure.stacks import Discovery, discover
-from remat.measure.storage import distinct_bytes, storage_key, storage_keys, storage_nbytes
+from remat.measure.storage import storage_key, storage_keys, storage_nbytes
 from remat.measure.state import StateSnapshot, buffer_bytes, grad_bytes, optimizer_state_bytes, param_bytes
 from remat.measure.timing import Clock, StepTimer, StepTimes, median_times, without_instrumentation
 from remat.measure.tracker import StepTracking
