@@ -52,6 +52,11 @@ def candidate_lists(model: nn.Module) -> list[tuple[str, int, str]]:
     return found
 
 
+def has_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` (or a module inside it) holds a parameter."""
+    return next(module.parameters(), None) is not None
+
+
 def stack_lists(model: nn.Module) -> list[str]:
     """Qualified names of every stack (a ModuleList/Sequential of >= 2 same-class children that
     hold parameters: a list of activations or dropouts is not a stack; or a plain ``ModuleList``
@@ -65,7 +70,7 @@ def stack_lists(model: nn.Module) -> list[str]:
         mixed = (type(module) is nn.ModuleList and len({type(c) for c in children}) > 1
                  and all(any(True for _ in c.children()) for c in children))  # layers, not a conv and its norm
         if len(children) >= 2 and (name in same or mixed) and all(
-                any(True for _ in child.parameters()) for child in children):
+                has_parameters(child) for child in children):
             names.append(name)
     return names
 
@@ -87,7 +92,7 @@ def flattened(model: nn.Module, list_name: str) -> Blocks:
         return []
     inner = [item for name, _ in outer for item in members(model, name)]
     if len(inner) < 2 or len({type(m) for _, m in inner}) != 1 or not all(
-            any(True for _ in m.parameters()) for _, m in inner):
+            has_parameters(m) for _, m in inner):
         return []
     return inner
 

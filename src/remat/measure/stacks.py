@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.measure.blocks import (Blocks, candidate_lists, flattened, inside, members, named_blocks,
+from remat.measure.blocks import (Blocks, candidate_lists, flattened, has_parameters, inside, members, named_blocks,
                                   no_stack_error, outermost, stack_lists)
 from remat.measure.calls import follows
 from remat.measure.types import Stack
@@ -179,7 +179,7 @@ def _repeated_error(model: nn.Module, forward: Callable[[], Any]) -> ValueError 
     """Without a stack: the error for a model whose listed modules run several times per forward
     (ALBERT's one layer group, called once per depth), or None."""
     single = [(f"{name}.{child}" if name else child, m) for name, _, _ in candidate_lists(model)
-              for child, m in model.get_submodule(name).named_children() if any(True for _ in m.parameters())]
+              for child, m in model.get_submodule(name).named_children() if has_parameters(m)]
     if not single:
         return None
     trace = _Trace(single).run(forward)
