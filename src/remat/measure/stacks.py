@@ -231,23 +231,20 @@ def _chosen_lists(model: nn.Module, lists: list[str], trace: _Trace) -> tuple[li
     them (`flattened`); stacks whose members do not run once each are left out (the second list)."""
     out: list[tuple[str, Blocks]] = []
     left_out: list[str] = []
-
-    def visit(name: str) -> None:
+    pending = list(reversed(outermost(lists)))  # depth first, in list order (a loop: a recursive closure
+    while pending:  # is a reference cycle that kept the trace, and the forward's whole graph, alive)
+        name = pending.pop()
         nested = outermost([n for n in lists if inside(n, name)])
         own, flat = members(model, name), flattened(model, name)
         if flat and trace.once_each([m for m, _ in flat]):  # plain lists: every layer in them, in one stack
             out.append((name, flat))
         elif nested and all(trace.runs_as_chain([m for m, _ in members(model, n)]) for n in nested) and (
                 covered(own, nested) or not trace.once_each([m for m, _ in own])):
-            for inner in nested:
-                visit(inner)
+            pending.extend(reversed(nested))
         elif trace.once_each([m for m, _ in own]):
             out.append((name, own))
         else:
             left_out.append(name)
-
-    for name in outermost(lists):
-        visit(name)
     return out, left_out
 
 
