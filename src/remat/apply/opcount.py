@@ -101,6 +101,7 @@ class BlockOpCounter(TorchDispatchMode):
         super().__exit__(*exc)
         self._hooks.__exit__(*exc)
         self._listener.__exit__(*exc)
+        self._hooks = self._listener = None  # they hold bound methods: a cycle that kept the blocks alive
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -79,7 +79,7 @@ class SavedAccountant:
         self._finalizers: dict[int, weakref.finalize] = {}
         self._forward_open = True
         self._handles: list = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def bytes_by_segment(self) -> dict[str, int]:
         """Saved bytes per segment, every segment present (0 when nothing saved)."""
@@ -95,11 +95,14 @@ class SavedAccountant:
             after = between_name(index + 1) if index + 1 < len(self.blocks) else POST
             self._handles.append(module.register_forward_pre_hook(self._enter_block(name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._leave_block(name, after)))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
+        if self._hooks is not None:  # dropped: the hooks hold ``self._pack``, a cycle that would keep the
+            self._hooks.__exit__(*exc)  # blocks (a verified copy of the model) until the collector ran
+            self._hooks = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

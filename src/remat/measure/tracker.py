@@ -259,6 +259,11 @@ class StepTracking:
         self.accountant.__exit__(*exc)
         for handle in self._handles:
             handle.remove()
+        self._handles.clear()
+        # the callbacks are bound methods of this object: a cycle that kept the model (a verified copy)
+        # alive until the garbage collector ran, however many copies a run of `verify` calls made
+        self.accountant._on_saved = None
+        self.boundaries.listeners.remove(self._on_boundary)
 
     def _register_state(self) -> None:
         params = list(self.model.parameters())
