@@ -18,7 +18,14 @@ from torch import nn
 __all__ = ["LayerDropOff", "CONFIG_FIELDS"]
 
 CONFIG_FIELDS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
-"""Config attributes of a LayerDrop rate (Hugging Face)."""
+"""Config attributes of a LayerDrop rate (Hugging Face); any other attribute whose name ends in
+``layerdrop`` counts too (SeamlessM4T's ``speech_encoder_layerdrop``)."""
+
+
+def _rate_fields(owner: Any, known: tuple[str, ...]) -> list[str]:
+    """``known`` and every attribute of ``owner``'s own whose name ends in ``layerdrop``."""
+    own = [name for name in vars(owner) if name.lower().endswith("layerdrop")] if hasattr(owner, "__dict__") else []
+    return list(dict.fromkeys([*known, *own]))
 
 
 class LayerDropOff:
@@ -43,7 +50,7 @@ class LayerDropOff:
                     continue
                 if owner is config:
                     seen.add(id(config))
-                for field in fields:
+                for field in _rate_fields(owner, fields):
                     rate = getattr(owner, field, None) if owner is config else vars(owner).get(field)
                     if isinstance(rate, float) and rate > 0.0:
                         self._saved.append((owner, field, rate))
