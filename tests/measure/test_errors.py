@@ -23,6 +23,40 @@ def test_no_detectable_blocks():
         profile(nn.Linear(4, 4), torch.randn(2, 4), loss_fn=lambda out, batch: out.sum())
 
 
+class _Res(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(2, 2, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv(torch.relu(x))
+
+
+class _Codec(nn.Module):
+    """Encodec's encoder: one list of convolutions (weight-normed), residual blocks and
+    activations, no stack of one class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.utils.parametrizations.weight_norm(nn.Conv1d(1, 2, 3, padding=1)),
+                                     _Res(), nn.ELU(), _Res(), nn.ELU(),
+                                     nn.utils.parametrizations.weight_norm(nn.Conv1d(2, 1, 3, padding=1))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_no_stack_in_a_list_of_several_classes_names_the_list_and_its_layer_class():
+    with pytest.raises(ValueError) as error:
+        profile(_Codec(), torch.randn(2, 1, 8), loss_fn=lambda out, batch: out.sum())
+    message = str(error.value)
+    assert "lists of several classes, whose members are not all layers: layers (ParametrizedConv1d, _Res, ELU)" in message
+    assert message.endswith("(e.g. '_Res').")
+    assert "parametrizations" not in message  # a weight norm's list is part of one layer
+
+
 def test_pattern_that_matches_nothing():
     with pytest.raises(ValueError, match=r"block pattern 'layers\.\*' matches no module of _Pair.*blocks\.\* \(2 x Linear\)"):
         profile(_Pair(), torch.randn(2, 4), loss_fn=lambda out, batch: out.sum(), blocks="layers.*")

@@ -122,6 +122,27 @@ def test_lists_that_do_not_run_once_each_are_left_out_or_refused():
         _run(Twice(), ["layers.0", "unused.0"])
 
 
+class DirectForward(nn.Module):
+    """Calls its layers' ``forward`` directly (SqueezeBERT's encoder): no module hook sees them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer.forward(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("blocks", [None, "layers.*"])
+def test_layers_never_called_as_modules_are_explained(blocks):
+    with pytest.raises(ValueError, match=r"0 calls \(layers\.0, layers\.1\): the forward never called them as modules: "
+                                         r"it skips them, or their parent calls `module\.forward\(\.\.\.\)` directly.*"
+                                         r"blocks=\['layers\.\*\.<child>', \.\.\.\]"):
+        _run(DirectForward(), blocks)
+
+
 def test_discovery_runs_no_backward_and_leaves_the_model_alone():
     model = TwoTowers()
     before = {k: v.clone() for k, v in model.state_dict().items()}

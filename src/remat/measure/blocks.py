@@ -17,6 +17,7 @@ import re
 from collections.abc import Sequence
 
 from torch import nn
+from torch.nn.utils.parametrize import ParametrizationList
 
 Blocks = list[tuple[str, nn.Module]]
 
@@ -44,8 +45,8 @@ def candidate_lists(model: nn.Module) -> list[tuple[str, int, str]]:
     """``(name, length, child class)`` of every ModuleList/Sequential of same-class children."""
     found = []
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
-            continue
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0 or isinstance(module, ParametrizationList):
+            continue  # a parametrized weight's list (weight norm's) is part of one layer, not layers
         classes = {type(child) for child in module}
         if len(classes) == 1:
             found.append((name, len(module), next(iter(classes)).__name__))
@@ -108,13 +109,39 @@ def outermost(names: list[str]) -> list[str]:
 
 
 def no_stack_error(model: nn.Module) -> ValueError:
-    lists = [name for name, _, _ in candidate_lists(model) if name]
-    example = f"{lists[0]}.*" if lists else "layers.*"
+    lists = [name for name, _, _ in candidate_lists(model) if name and has_parameters(model.get_submodule(name))]
+    mixed = _mixed_lists(model)
+    if lists:
+        example = f"'{lists[0]}.*'"
+    elif mixed:  # the class that repeats most among a mixed list's members with weights (Encodec's resnet blocks)
+        example = f"'{mixed[0][1]}'"
+    else:
+        example = "'layers.*'"
+    seen = (f"; lists of several classes, whose members are not all layers: "
+            + ", ".join(f"{name} ({', '.join(classes)})" for name, _, classes in mixed[:4]) if mixed else "")
     return ValueError(
-        f"no blocks found in {type(model).__name__}: it has no nn.ModuleList or nn.Sequential "
-        f"of 2 or more modules with parameters; {_module_summary(model)}. Name "
-        f"the blocks with blocks='<glob over module names>' (e.g. '{example}') or blocks='<ClassName>'."
+        f"no blocks found in {type(model).__name__}: it has no nn.ModuleList or nn.Sequential of 2 or more "
+        f"modules of one class with parameters, nor a ModuleList of composite layers; {_module_summary(model)}"
+        f"{seen}. Name the blocks with blocks='<glob over module names>' or blocks='<ClassName>' (e.g. {example})."
     )
+
+
+def _mixed_lists(model: nn.Module) -> list[tuple[str, str, list[str]]]:
+    """``(name, the class to name as blocks, classes)`` of the ModuleLists/Sequentials
+    whose members are of several classes, a class with parameters repeating in it (the one of most
+    modules: a residual block before the convolutions in it); the longest first."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or isinstance(module, ParametrizationList):
+            continue
+        children = list(module.children())
+        weighted = [c for c in children if has_parameters(c)]
+        names = [type(c).__name__ for c in weighted]
+        repeated = [c for c in weighted if names.count(type(c).__name__) >= 2]
+        if len({type(c) for c in children}) > 1 and repeated:
+            largest = max(repeated, key=lambda c: sum(1 for _ in c.modules()))
+            found.append((name, type(largest).__name__, list(dict.fromkeys(type(c).__name__ for c in children))))
+    return sorted(found, key=lambda item: -len(model.get_submodule(item[0])))
 
 
 def _auto_blocks(model: nn.Module) -> Blocks:
@@ -167,5 +194,6 @@ def _module_summary(model: nn.Module, limit: int = 12) -> str:
     if lists:
         shown = [f"{name or '<root>'}.* ({n} x {cls})" for name, n, cls in lists[:limit]]
         return "candidate lists: " + ", ".join(shown)
-    names = [f"{n} ({type(m).__name__})" for n, m in model.named_modules() if n][:limit]
+    names = [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+             if n and "parametrizations" not in n.split(".")][:limit]  # a weight norm's own modules
     return "modules: " + (", ".join(names) or "none")

@@ -25,6 +25,7 @@ ones included, and
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -137,6 +138,7 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
                 f"no blocks found in {type(model).__name__}: its stacks {lists} do not run each member exactly "
                 f"once per forward" + (f".{hint}" if hint else f" (calls: {counts}).") + " Name the blocks that run "
                 "once with blocks='<glob>'" + (" (modules outside those that repeat), if the model has any." if hint else ".")
+                + _never_called_hint(counts)
             )
         if not groups:
             raise _repeated_error(model, forward) or no_stack_error(model)
@@ -222,7 +224,21 @@ def _check_ran_once(trace: _Trace, chosen: Blocks) -> None:
             + ("" if not any(n > 1 for n in wrong.values()) else
                " A module called more than once shares its weights across the calls (ALBERT's layer groups): "
                "neither it nor any module inside it can be a block.")
+            + _never_called_hint(wrong)
         )
+
+
+def _never_called_hint(counts: dict[str, int]) -> str:
+    """A sentence for modules the forward never called as modules ("" when none): skipped, or run
+    through ``layer.forward(...)`` (SqueezeBERT's encoder), which no module hook sees."""
+    never = [name for name, n in counts.items() if n == 0]
+    if not never:
+        return ""
+    return (f" 0 calls ({', '.join(never[:4])}{', ...' if len(never) > 4 else ''}): the forward never called them "
+            "as modules: it skips them, or their parent calls `module.forward(...)` directly (SqueezeBERT's "
+            "encoder does), which remat cannot see or wrap; name the modules inside them that are called instead, "
+            f"e.g. blocks=['{re.sub(r'[.][0-9]+$', '.*', never[0])}.<child>', ...] for the children that hold "
+            "the layer's weights.")
 
 
 def _chosen_lists(model: nn.Module, lists: list[str], trace: _Trace) -> tuple[list[tuple[str, Blocks]], list[str]]:
