@@ -89,6 +89,31 @@ def test_profile_says_why_there_is_no_head_part():
     assert result.head is None and result.head_note == "the loss is a loss_fn outside the model"
 
 
+class TwoStreamGPT(GPT):
+    """Runs two streams through its projection at once (ProphetNet's main and n-gram streams):
+    twice as many rows of logits as labels, its loss the mean over both."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(idx.size(1), device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        h = self.ln_f(x)
+        logits = self.head(torch.stack([h, h.flip(1)]))
+        if targets is None:
+            return logits[0]
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1).repeat(2))
+
+
+def test_a_projection_making_more_rows_than_labels_is_said_to():
+    model, batch = _scaled_gpt()
+    twin = TwoStreamGPT(model.config)
+    result = profile(twin, batch, repeats=1)
+    rows = batch[1].numel()
+    assert result.head is None and result.head_note.startswith(
+        f"the output projection makes {2 * rows} rows of logits for {rows} labels")
+
+
 class EqualScaledGPT(GPT):
     """Divides its logits by 1.0 (Granite's default ``logits_scaling``): the loss is the
     projection's cross-entropy to the bit, but the logits returned are a new tensor, which a

@@ -103,11 +103,18 @@ def capture_head(model: nn.Module, batch: Any, site: HeadSite) -> tuple[HeadCapt
     inputs = kind.loss_inputs(bound)
     if captured.calls != 1:
         return None, f"the forward called the output projection {captured.calls} times"
+    rows = captured.output.numel() // max(captured.output.size(-1), 1)
+    if isinstance(inputs.labels, torch.Tensor) and rows != inputs.labels.numel():
+        return None, (f"the output projection makes {rows} rows of logits for {inputs.labels.numel()} labels "
+                      "(several streams through one projection, ProphetNet's n-grams): the loss is not one "
+                      "row's cross-entropy per label, and the head stays in the fixed part")
     if model_device(model).type != "meta":
         ours = reference_loss(captured.output, inputs, site.loss).detach()
         if not torch.equal(ours, model_loss):
             return None, (f"the model's loss ({float(model_loss):.9g}) is not the token cross-entropy of its "
-                          f"projection's output ({float(ours):.9g})")
+                          f"projection's output ({float(ours):.9g}) that remat's head computes (next-token, labels "
+                          "shifted): the model computes it another way (an encoder-decoder's unshifted labels, "
+                          "an auxiliary term, a scaling), so the head stays in the fixed part, measured as it is")
     why = _logits_returned(model, batch, site, kind, projection)
     if why:
         return None, why
