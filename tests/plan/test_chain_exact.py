@@ -56,10 +56,12 @@ def test_byte_tables_equal_exact_slot_tables(seed):
 
 
 @pytest.mark.parametrize("num_blocks", [7, 18])
-def test_too_many_points_give_up(num_blocks):
+@pytest.mark.parametrize("joins", [False, True])
+def test_too_many_points_give_up(num_blocks, joins):
     """Past ``max_points`` the DP gives up (18 blocks: after a pilot on the last 4), else it is
-    the slot DP's optimum."""
-    problem = _problem(random.Random(3), num_blocks, joins=False)
+    the slot DP's optimum; with blocks that may not join or be replayed too (the pilot's chain
+    is the last 4 of each: RT-DETR's 40 blocks, some not replayable, raised in the pilot)."""
+    problem = _problem(random.Random(3), num_blocks, joins=joins)
     assert solve_exact(problem, max_points=50) is None
     exact, slots = solve_exact(problem), solve_chain(problem, exact_cells=EXACT_TABLES)
     assert [exact.cost(m) for m, _ in slots.curve()] == pytest.approx([cost for _, cost in slots.curve()], abs=1e-9)

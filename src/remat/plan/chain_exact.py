@@ -176,7 +176,8 @@ def _pilot(problem: ChainProblem, budget: _Budget) -> None:
         return
     tail = n // 4
     joins = None if problem.joins is None else problem.joins[n - tail :]
-    suffix = dataclasses.replace(problem, blocks=problem.blocks[n - tail :], joins=joins)
+    replayable = None if problem.replayable is None else problem.replayable[n - tail :]
+    suffix = dataclasses.replace(problem, blocks=problem.blocks[n - tail :], joins=joins, replayable=replayable)
     size = _top_tables(suffix, _inner_tables(suffix, budget), budget)[0].need.size
     budget.expect(size * sum((len(b.options) + 1) * (n - a) / tail for a, b in enumerate(problem.blocks[: n - tail])))
 
