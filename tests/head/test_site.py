@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import remat
 from remat.head.site import find_head
 from remat.measure.profile import profile
 from remat.models import build
@@ -55,6 +56,34 @@ def test_gemma2_soft_capping_is_refused():
                                        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=32)
     site, why = find_head(transformers.Gemma2ForCausalLM(config))
     assert site is None and "config.final_logit_softcapping=30.0" in why
+
+
+def test_a_vision_language_model_keeping_its_vocabulary_in_the_text_config_has_a_head():
+    """Gemma3, Idefics2, InternVL, Aria, Kosmos-2 and InstructBLIP keep ``vocab_size`` in
+    ``config.text_config``: measuring their head raised AttributeError, so it was never planned."""
+    import transformers
+
+    config = transformers.Gemma3Config(
+        text_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16, intermediate_size=64, vocab_size=64, max_position_embeddings=64,
+                         sliding_window=8, use_cache=False),
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                           image_size=32, patch_size=4),
+        mm_tokens_per_image=4, image_token_index=63, boi_token_index=61, eoi_token_index=62)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).train()
+    assert not hasattr(model.config, "vocab_size")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 60, (2, 16), generator=g)
+    ids[:, 1:5] = 63
+    batch = {"pixel_values": torch.randn(2, 3, 32, 32, generator=g), "input_ids": ids,
+             "token_type_ids": (ids == 63).long(), "labels": ids.clone()}
+    result = profile(model, batch, repeats=1, head_chunks=(8,))
+    assert result.head_note == "" and [o.strategy for o in result.head.options] == ["keep", "recompute", "chunked:8"]
+    assert (result.head.vocab_size, result.head.num_tokens) == (64, 32)
+    v = remat.verify(model, batch, remat.plan(result, strategy="full", head="recompute"), repeats=1)
+    assert v.ok and v.grads_identical
 
 
 class ScaledGPT(GPT):

@@ -130,7 +130,7 @@ class HFCausalLMHead(HeadKind):
                           shift_labels=extra.get("shift_labels"))
 
     def model_loss(self, model: nn.Module, logits: torch.Tensor, inputs: LossInputs, extra: dict[str, Any]) -> torch.Tensor:
-        return model.loss_function(logits=logits, labels=inputs.labels, vocab_size=model.config.vocab_size, **extra)
+        return model.loss_function(logits=logits, labels=inputs.labels, vocab_size=_text_config(model).vocab_size, **extra)
 
     def loss_extra(self, arguments: dict[str, Any]) -> dict[str, Any]:
         return dict(arguments.get("kwargs", {}))
@@ -237,3 +237,12 @@ def capture_projection(projection: nn.Module, *, run: bool) -> Iterator[Captured
             del projection.__dict__["forward"]
         else:
             projection.forward = previous
+
+
+def _text_config(model: nn.Module) -> Any:
+    """The config holding a Hugging Face model's vocabulary: its text config
+    in a vision-language model (Gemma3, Idefics2, InternVL keep ``vocab_size`` there), else its
+    own config."""
+    config = getattr(model, "config", None)
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
