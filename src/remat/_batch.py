@@ -76,7 +76,8 @@ def call_model(model: nn.Module, batch: Any) -> Any:
 
 
 def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None = None) -> torch.Tensor:
-    """The scalar loss of one forward, by the calling convention."""
+    """The scalar loss of one forward, by the calling convention (a one-element tensor is taken
+    as a scalar, as ``Tensor.backward()`` takes it)."""
     if loss_fn is not None:
         loss = loss_fn(output, batch)
         where = "loss_fn(output, batch)"
@@ -89,6 +90,8 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None = None) -> torc
             f"the model returned {type(output).__name__}, not a scalar tensor, and no loss_fn was "
             "given; pass loss_fn=lambda output, batch: <scalar>, or return the loss from forward."
         )
+    if isinstance(loss, torch.Tensor) and loss.dim() != 0 and loss.numel() == 1:
+        return loss.reshape(())  # one element (OneFormer's loss is of shape (1,)): backward takes it as a scalar
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(

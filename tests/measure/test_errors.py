@@ -77,6 +77,17 @@ def test_loss_not_scalar():
         profile(_Pair(), torch.randn(2, 4))
 
 
+def test_a_one_element_loss_is_taken_as_a_scalar():
+    """OneFormer's loss has shape (1,); ``Tensor.backward()`` takes it, and so does remat."""
+    import remat
+
+    model = _Pair()
+    batch = torch.randn(2, 4)
+    result = profile(model, batch, loss_fn=lambda out, batch: out.sum().reshape(1), repeats=1)
+    v = remat.verify(model, batch, remat.plan(result, strategy="full"), lambda out, batch: out.sum().reshape(1), repeats=1)
+    assert v.ok and v.grads_identical and v.peak_error_pct == 0.0
+
+
 def test_output_not_a_tensor_without_loss_fn():
     with pytest.raises(TypeError, match=r"the model returned dict, not a scalar tensor, and no loss_fn"):
         profile(_Pair("dict"), torch.randn(2, 4))
