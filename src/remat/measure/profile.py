@@ -512,8 +512,15 @@ def _block_grad_bytes(block_list: Blocks) -> list[int]:
 
 
 def _pre_grad_bytes(memory: _Accounting, block_list: Blocks) -> int:
-    """Gradients allocated after block 0's backward that are not block 0's own (embeddings)."""
-    return memory.grad_bytes - memory.block_grad_bytes[0] - memory.windows.grads_at_first_block_bytes
+    """Gradients allocated after the backward of the first block that has one and are not its
+    own nor of the code before it (embeddings). That block is block 0 but where the blocks
+    before it have no backward (a frozen backbone's): taken as block 0 there, every gradient
+    counted as allocated after it, and the gradients live at the later blocks' backward came
+    out negative (DETR's peaks 4.5-7.5 % under, Deformable DETR's 18 %)."""
+    windows = memory.windows
+    first = windows.first_backward_block or 0
+    released = sum(memory.block_grad_bytes[i] + windows.between_grad_bytes[i] for i in range(first + 1))
+    return memory.grad_bytes - released - windows.grads_at_first_block_bytes
 
 
 def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,

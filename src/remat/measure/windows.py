@@ -44,7 +44,11 @@ class BackwardWindows:
         """Of the post window, the peak up to the end of the head's backward (``head_bwd_end``);
         ``post_temp_bytes`` then covers the rest, and the larger of the two at the close."""
         self.optimizer_temp_bytes = 0
-        self.grads_at_first_block_bytes = 0  # gradients live when block 0's backward starts
+        self.grads_at_first_block_bytes = 0
+        """Gradients live when the backward of `first_backward_block` starts."""
+        self.first_backward_block: int | None = None
+        """The first block in run order whose backward ran: 0 but where the blocks before it have
+        none (a frozen backbone's, DETR's: no gradient reaches them); None when none ran."""
         self.post_rest_temp_bytes = 0
         self.post_fwd_bytes = 0
         """Peak of the post part's forward (from the last block's end to ``loss.backward()``) less
@@ -101,7 +105,9 @@ class BackwardWindows:
         labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in earlier)]
         grads_live = self.tracker.live_by_label.get("gradients", 0)
         self._grads_at_open = grads_live
-        if self.names and segment == self.names[0]:
+        if segment in self.names and (self.first_backward_block is None
+                                      or self.names.index(segment) < self.first_backward_block):
+            self.first_backward_block = self.names.index(segment)
             self.grads_at_first_block_bytes = grads_live
         watch = ACT_PREFIX + segment if segment in self.names else None
         self._labels, self._offset = labels, self.accountant.segment_bytes(segment) + grads_live
