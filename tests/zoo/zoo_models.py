@@ -197,6 +197,27 @@ def _beit() -> tuple[nn.Module, Callable]:
         "pixel_values": _images(g), "labels": torch.randint(0, 3, (BATCH,), generator=g)}
 
 
+def _detr() -> tuple[nn.Module, Callable]:
+    """Object detection with a frozen backbone stage: DETR freezes its ResNet's stem and first
+    stage, so no gradient reaches those blocks and they have no backward; set-matching loss."""
+    import transformers
+
+    backbone = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
+                                         out_features=["stage1", "stage2"])
+    config = transformers.DetrConfig(use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False,
+                                     d_model=HIDDEN, encoder_layers=2, decoder_layers=2, encoder_attention_heads=HEADS,
+                                     decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN,
+                                     num_queries=4, num_labels=3)
+    config._attn_implementation = "eager"
+
+    def batch(g: torch.Generator) -> dict[str, Any]:
+        labels = [{"class_labels": torch.randint(0, 3, (2,), generator=g),
+                   "boxes": torch.rand(2, 4, generator=g) * 0.5 + 0.25} for _ in range(BATCH)]
+        return {"pixel_values": _images(g), "labels": labels}
+
+    return transformers.DetrForObjectDetection(config), batch
+
+
 ZOO: dict[str, tuple[Callable[[], tuple[nn.Module, Callable]], tuple[tuple[str, int], ...], bool]] = {
     "bert": (_bert, (("bert.encoder.layer", 2),), True),
     "t5": (_t5, (("encoder.block", 2), ("decoder.block", 2)), True),
@@ -215,6 +236,9 @@ ZOO: dict[str, tuple[Callable[[], tuple[nn.Module, Callable]], tuple[tuple[str, 
     "wav2vec2": (_wav2vec2, (("wav2vec2.feature_extractor.conv_layers", 3), ("wav2vec2.encoder.layers", 2)), True),
     "beit": (_beit, (("beit.layers", 2),), True),
     "granite": (_decoder("GraniteConfig", num_key_value_heads=1), (("model.layers", 2),), True),
+    "detr": (_detr, (("model.backbone.model.encoder.stages.0.layers.0.layer", 2),
+                     ("model.backbone.model.encoder.stages.1.layers.0.layer", 2), ("model.encoder.layers", 2),
+                     ("model.decoder.layers", 2), ("bbox_predictor.layers", 3)), True),
     "unet": (None, (("down", 3), ("up", 2)), False),
 }
 """Name -> (builder, expected stacks in run order, HF checkpointing supported)."""
