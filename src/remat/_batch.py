@@ -55,6 +55,19 @@ def check_batch_device(model: nn.Module, batch: Any) -> None:
             )
 
 
+def check_not_compiled(model: nn.Module, where: str) -> None:
+    """Raise if ``model`` is ``torch.compile``'s wrapper: remat measures and changes the model
+    before it is compiled (its blocks' hooks and checkpoints must be in the graph the compiler
+    traces), so a compiled model would be measured as traced before, and verified against it."""
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        raise ValueError(
+            f"{where} takes the model before torch.compile, got torch.compile's wrapper (OptimizedModule of "
+            f"{type(model._orig_mod).__name__}). Pass the module it wraps (model._orig_mod) and compile after "
+            "remat.apply_: profile with remat.profile(..., compiled=True) to plan for the compiled step "
+            "(README, \"Compiled mode\")."
+        )
+
+
 def call_arguments(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The positional and keyword arguments the calling convention passes to the model."""
     if isinstance(batch, torch.Tensor):

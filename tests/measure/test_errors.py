@@ -88,6 +88,24 @@ def test_a_one_element_loss_is_taken_as_a_scalar():
     assert v.ok and v.grads_identical and v.peak_error_pct == 0.0
 
 
+def test_a_compiled_model_is_refused_with_the_module_it_wraps():
+    import remat
+
+    model = _Pair()
+    batch = torch.randn(2, 4)
+    loss_fn = lambda out, batch: out.sum()  # noqa: E731
+    plan = remat.plan(profile(model, batch, loss_fn=loss_fn, repeats=1), strategy="full")
+    compiled = torch.compile(model)  # nothing is compiled until it is called; remat refuses before
+    message = r"takes the model before torch.compile, got torch.compile's wrapper \(OptimizedModule of _Pair\)\. Pass the module it wraps \(model._orig_mod\)"
+    with pytest.raises(ValueError, match=r"remat.profile " + message):
+        profile(compiled, batch, loss_fn=loss_fn)
+    with pytest.raises(ValueError, match=r"remat.verify " + message):
+        remat.verify(compiled, batch, plan, loss_fn)
+    with pytest.raises(ValueError, match=r"remat.apply_ " + message):
+        remat.apply_(compiled, plan)
+    assert not remat.apply.api.is_applied(model)
+
+
 def test_output_not_a_tensor_without_loss_fn():
     with pytest.raises(TypeError, match=r"the model returned dict, not a scalar tensor, and no loss_fn"):
         profile(_Pair("dict"), torch.randn(2, 4))
