@@ -68,6 +68,19 @@ def check_not_compiled(model: nn.Module, where: str) -> None:
         )
 
 
+def check_no_hf_checkpointing(model: nn.Module, where: str) -> None:
+    """Raise if Hugging Face's gradient checkpointing is on in ``model``: its layers would already
+    recompute, so remat would measure checkpointed layers (nothing saved, nothing to plan) and a
+    plan would checkpoint them twice."""
+    on = [name or "<root>" for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if on:
+        raise ValueError(
+            f"{where}: Hugging Face gradient checkpointing is on in {type(model).__name__} ({', '.join(on[:3])}"
+            f"{', ...' if len(on) > 3 else ''}), so its layers already recompute and remat would measure and plan "
+            "checkpointed layers. Call model.gradient_checkpointing_disable() first: a remat plan replaces it."
+        )
+
+
 def call_arguments(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The positional and keyword arguments the calling convention passes to the model."""
     if isinstance(batch, torch.Tensor):

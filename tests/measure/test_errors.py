@@ -106,6 +106,26 @@ def test_a_compiled_model_is_refused_with_the_module_it_wraps():
     assert not remat.apply.api.is_applied(model)
 
 
+def test_hugging_face_checkpointing_left_on_is_refused_with_the_fix():
+    import remat
+    from remat.models import build
+
+    built = build("hf:gpt2", num_layers=2, d_model=16, num_heads=2, seq_len=8, batch_size=2, vocab_size=32)
+    plan = remat.plan(profile(built.model, built.batch, repeats=1), strategy="full")
+    built.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    message = (r": Hugging Face gradient checkpointing is on in GPT2LMHeadModel \(transformer, transformer\.h\.0, transformer\.h\.1\), so its layers "
+               r"already recompute.*Call model.gradient_checkpointing_disable\(\) first")
+    with pytest.raises(ValueError, match=r"remat.profile" + message):
+        profile(built.model, built.batch)
+    with pytest.raises(ValueError, match=r"remat.verify" + message):
+        remat.verify(built.model, built.batch, plan)
+    with pytest.raises(ValueError, match=r"remat.apply_" + message):
+        remat.apply_(built.model, plan)
+    assert not remat.apply.api.is_applied(built.model)
+    built.model.gradient_checkpointing_disable()
+    assert remat.verify(built.model, built.batch, plan, repeats=1).ok
+
+
 def test_output_not_a_tensor_without_loss_fn():
     with pytest.raises(TypeError, match=r"the model returned dict, not a scalar tensor, and no loss_fn"):
         profile(_Pair("dict"), torch.randn(2, 4))
