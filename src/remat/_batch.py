@@ -7,6 +7,7 @@ must be a scalar tensor or carry a scalar ``.loss`` (as Hugging Face outputs do)
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -78,6 +79,31 @@ def check_no_hf_checkpointing(model: nn.Module, where: str) -> None:
             f"{where}: Hugging Face gradient checkpointing is on in {type(model).__name__} ({', '.join(on[:3])}"
             f"{', ...' if len(on) > 3 else ''}), so its layers already recompute and remat would measure and plan "
             "checkpointed layers. Call model.gradient_checkpointing_disable() first: a remat plan replaces it."
+        )
+
+
+def check_step_inputs(optimizer: Any, where: str) -> None:
+    """Raise for what remat cannot run as a training step: an optimizer whose ``step`` needs a
+    closure (LBFGS re-evaluates the model inside it), or a call inside ``torch.autocast`` (its
+    weight-cast cache lives until the outermost autocast exits, so the casts a replay makes
+    would be measured as already made: predicted peaks 4-9 % under)."""
+    if optimizer is not None:
+        step = getattr(type(optimizer), "step", None)
+        params = list(inspect.signature(step).parameters.values())[1:] if callable(step) else []
+        if any(p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in params):
+            raise ValueError(
+                f"{where}: {type(optimizer).__name__}.step needs a closure (it re-evaluates the model), which remat's "
+                "step (forward, backward, optimizer.step()) cannot give it. Pass optimizer=None (the plan then holds "
+                "no optimizer state or step), or an optimizer whose step() takes no argument."
+            )
+    on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    if on:
+        raise ValueError(
+            f"{where} was called inside torch.autocast ({', '.join(on)}): autocast's weight-cast cache then lives "
+            "across remat's whole step, so the casts a replay makes would be measured as made already. Enter "
+            "autocast inside the model's forward instead (a wrapper module whose forward runs the model under "
+            "torch.autocast), and call remat outside it; README, \"Mixed precision\"."
         )
 
 

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from remat._batch import (LossFn, call_model, check_batch_device, check_no_hf_checkpointing, check_not_compiled,
-                          compute_loss, model_device)
+                          check_step_inputs, compute_loss, model_device)
 from remat.apply.api import apply_, check_plan_matches, is_applied, remove_
 from remat.apply.head import HeadTolerance, head_tolerance
 from remat.apply.opcount import BlockOpCounter, expected_extra_calls
@@ -52,6 +52,7 @@ from remat.checkpointing.caches import CacheOff
 from remat.measure.faults import FaultCount
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.profile import _Step
+from remat.measure.state import BatchGrads
 from remat.measure.timing import Clock
 from remat.measure.tracker import track_step
 from remat.plan.types import Plan
@@ -299,10 +300,12 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed steps; the median is kept).")
     check_not_compiled(model, "remat.verify")
     check_no_hf_checkpointing(model, "remat.verify")
+    check_step_inputs(optimizer, "remat.verify")
     check_batch_device(model, batch)
     check_plan_matches(model, plan, batch)
     device = model_device(model)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _host_rng_restored():
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _host_rng_restored(), \
+            BatchGrads(batch):
         base = _Run(model, optimizer, batch, loss_fn, plan, planned=False)
         planned = _Run(model, optimizer, batch, loss_fn, plan, planned=True, offload_dir=offload_dir)
         try:

@@ -126,6 +126,47 @@ def test_hugging_face_checkpointing_left_on_is_refused_with_the_fix():
     assert remat.verify(built.model, built.batch, plan, repeats=1).ok
 
 
+def test_an_optimizer_whose_step_needs_a_closure_is_refused():
+    import remat
+
+    model = _Pair()
+    batch = torch.randn(2, 4)
+    loss_fn = lambda out, batch: out.sum()  # noqa: E731
+    plan = remat.plan(profile(model, batch, loss_fn=loss_fn, repeats=1), strategy="full")
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    message = r"LBFGS.step needs a closure \(it re-evaluates the model\).*Pass optimizer=None"
+    with pytest.raises(ValueError, match=r"remat.profile: " + message):
+        profile(model, batch, loss_fn=loss_fn, optimizer=lbfgs)
+    with pytest.raises(ValueError, match=r"remat.verify: " + message):
+        remat.verify(model, batch, plan, loss_fn, lbfgs)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_call_inside_autocast_is_refused_with_the_wrapper_to_use():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match=r"remat.profile was called inside torch.autocast \(cpu\).*Enter autocast "
+                                             r"inside the model's forward instead"):
+            profile(_Pair(), torch.randn(2, 4), loss_fn=lambda out, batch: out.sum())
+
+
+@pytest.mark.parametrize("grad", [None, "set"])
+def test_the_batchs_input_gradients_are_left_as_they_were(grad):
+    """A batch tensor that requires a gradient (``inputs_embeds``, an adversarial input): the
+    steps remat runs used to leave their input gradients summed in its ``.grad``."""
+    import remat
+
+    torch.manual_seed(0)
+    model = _Pair()
+    x = torch.randn(2, 4, requires_grad=True)
+    x.grad = None if grad is None else torch.full((2, 4), 0.5)
+    loss_fn = lambda out, batch: out.square().sum()  # noqa: E731
+    result = profile(model, x, loss_fn=loss_fn, repeats=1)
+    remat.verify(model, x, remat.plan(result, strategy="full"), loss_fn, repeats=1)
+    assert x.grad is None if grad is None else torch.equal(x.grad, torch.full((2, 4), 0.5))
+
+
 def test_output_not_a_tensor_without_loss_fn():
     with pytest.raises(TypeError, match=r"the model returned dict, not a scalar tensor, and no loss_fn"):
         profile(_Pair("dict"), torch.randn(2, 4))

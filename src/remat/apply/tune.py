@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._batch import LossFn, check_batch_device, model_device
+from remat._batch import LossFn, check_batch_device, check_step_inputs, model_device
 from remat.apply.api import applied, is_applied
 from remat.measure.profile import _Step
 from remat.measure.state import StateSnapshot
@@ -93,8 +93,9 @@ class Tuner:
             raise ValueError(f"{type(self.model).__name__} already has a remat plan applied; call "
                              "remat.remove_(model) before tuning.")
         check_batch_device(self.model, self.batch)
+        check_step_inputs(self.optimizer, "remat tuning")
         device = model_device(self.model)
-        snapshot = StateSnapshot(self.model, self.optimizer)
+        snapshot = StateSnapshot(self.model, self.optimizer, self.batch)
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 step = _Step(self.model, self.batch, self.loss_fn, self.optimizer)

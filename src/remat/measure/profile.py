@@ -73,7 +73,7 @@ import torch
 from torch import nn
 
 from remat._batch import (LossFn, batch_tensors, call_model, check_batch_device, check_no_hf_checkpointing,
-                          check_not_compiled, compute_loss, model_device)
+                          check_not_compiled, check_step_inputs, compute_loss, model_device)
 from remat.checkpointing.cacheable import cacheable
 from remat.checkpointing.caches import CacheOff
 from remat.measure.layerdrop import LayerDropOff
@@ -135,6 +135,7 @@ def profile(
     _check_counts(warmup, repeats)
     check_not_compiled(model, "remat.profile")
     check_no_hf_checkpointing(model, "remat.profile")
+    check_step_inputs(optimizer, "remat.profile")
     check_batch_device(model, batch)
     device = model_device(model)
     backend = backend_name(compiled)
@@ -142,7 +143,7 @@ def profile(
         raise ValueError(f"compiled={compiled!r} needs a model that runs: it is on the meta device. "
                          "Profile it on a real device, or pass compiled=False.")
     site, note = find_head(model) if loss_fn is None else (None, "the loss is a loss_fn outside the model")
-    snapshot = StateSnapshot(model, optimizer)
+    snapshot = StateSnapshot(model, optimizer, batch)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _cache_off(model, device), \
                 LayerDropOff(model) as layerdrop:

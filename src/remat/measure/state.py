@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat._batch import batch_tensors
 from remat.measure.storage import distinct_bytes
 from remat.measure.tracker import optimizer_state_tensors
 
@@ -38,13 +39,14 @@ class StateSnapshot:
     copies live in host memory so that they take nothing from an accelerator being measured
     (on the CPU they are ordinary memory the tracker does not count)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any = None) -> None:
         self.model = model
         self.optimizer = optimizer
         with torch.no_grad():
             self.params = [_host_copy(p) for p in model.parameters()]
             self.buffers = [_host_copy(b) for b in model.buffers()]
             self.grads = [None if p.grad is None else _host_copy(p.grad) for p in model.parameters()]
+        self.inputs = BatchGrads(batch)
         self.optimizer_state: dict[str, Any] | None = (
             _host_state(optimizer.state_dict()) if optimizer is not None else None
         )
@@ -58,6 +60,27 @@ class StateSnapshot:
                 b.copy_(saved)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
+        self.inputs.restore()
+
+
+class BatchGrads:
+    """The ``.grad`` of the batch's leaf tensors that require a gradient (``inputs_embeds``, an
+    adversarial input), put back by `restore`: the steps remat runs would otherwise leave their
+    input gradients summed in the caller's tensors."""
+
+    def __init__(self, batch: Any) -> None:
+        leaves = [t for t in batch_tensors(batch) if t.requires_grad and t.is_leaf] if batch is not None else []
+        self.saved = [(t, None if t.grad is None else t.grad.detach().clone()) for t in leaves]
+
+    def restore(self) -> None:
+        for t, grad in self.saved:
+            t.grad = grad
+
+    def __enter__(self) -> BatchGrads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
