@@ -178,7 +178,8 @@ def checkpointed(body: Body, first: Any, extra: tuple[Any, ...], *, guard: Buffe
     ``torch.compile`` (it would be replayed)."""
 
     def region(first: Any, *extra_args: Any) -> tuple[Any, ...]:
-        return tuple(body(first, extra_args))
+        with _uncached_casts():
+            return tuple(body(first, extra_args))
 
     if torch.compiler.is_compiling() or guard.idle():
         contexts = context_fn  # compiled: decided while tracing, the compiled graph keeps no guard
@@ -188,6 +189,25 @@ def checkpointed(body: Body, first: Any, extra: tuple[Any, ...], *, guard: Buffe
     out = checkpoint(region, first, *extra, use_reentrant=False, preserve_rng_state=True,
                      early_stop=early_stop, **options)
     return list(out)
+
+
+def _uncached_casts() -> contextlib.AbstractContextManager[Any]:
+    """Autocast as it is, but with its weight-cast cache off inside a checkpointed region: the
+    cache keeps every cast of a weight until the outermost autocast exits (the end of a forward
+    that enters it), so a recomputed block would hold its weights' casts through the rest of the
+    forward, which its checkpoint is there to avoid (on a Llama under bfloat16 autocast, a plan
+    measured one layer's cast weights over its prediction and its budget). The casts are the same
+    values made again where an op needs them; the replay makes its own. Nothing changes when
+    autocast is off, its cache already off, or under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    devices = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    if not devices or not torch.is_autocast_cache_enabled():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for device in devices:
+        stack.enter_context(torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False))
+    return stack
 
 
 def _guarded(guard: BufferGuard, context_fn: Callable[[], tuple[Any, Any]] | None) -> tuple[Any, Any]:

@@ -113,11 +113,14 @@ def _measure_block(module: nn.Module, inputs: BlockInputs, backend: str, repeats
                    clock: Clock) -> CompiledBlock:
     runs = {name: torch.compile(fn, fullgraph=True, backend=backend) for name, fn in _variants(module).items()}
     state = storage_keys([*module.parameters(), *module.buffers()])
-    out = runs["plain"](*inputs.args, **inputs.kwargs)
+    with inputs.autocast_context():
+        out = runs["plain"](*inputs.args, **inputs.kwargs)
     saved = saved_storage_bytes(out, state)
     _backward(out)
     for name in ("recompute", "selective"):  # compile them before timing anything
-        _backward(runs[name](*inputs.args, **inputs.kwargs))
+        with inputs.autocast_context():
+            out = runs[name](*inputs.args, **inputs.kwargs)
+        _backward(out)
     eager = _eager_saved_bytes(_variants(module)["plain"], inputs, state)
     series = _timed(runs, inputs, repeats, clock)
     plain = [f + b for f, b in zip(series["plain_fwd"], series["plain_bwd"])]
@@ -194,7 +197,7 @@ def _eager_saved_bytes(fn: Callable[..., Any], inputs: BlockInputs, state: set[i
             storages[key] = tensor.untyped_storage().nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), inputs.autocast_context():
         out = fn(*inputs.args, **inputs.kwargs)
     del out
     return sum(storages.values())
@@ -223,7 +226,8 @@ def _timed(runs: dict[str, Callable[..., Any]], inputs: BlockInputs, repeats: in
 def _one_run(run: Callable[..., Any], inputs: BlockInputs, clock: Clock) -> tuple[float, float]:
     clock.sync()
     start = clock.mark()
-    out = run(*inputs.args, **inputs.kwargs)
+    with inputs.autocast_context():
+        out = run(*inputs.args, **inputs.kwargs)
     middle = clock.mark()
     _backward(out)
     end = clock.mark()

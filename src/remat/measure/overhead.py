@@ -50,6 +50,7 @@ plans by 15-27 %.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import weakref
@@ -106,10 +107,30 @@ class BlockOverheads:
 
 @dataclass(kw_only=True, frozen=True)
 class BlockInputs:
-    """The positional and keyword arguments one block received, detached from the graph."""
+    """The positional and keyword arguments one block received, detached from the graph, and
+    the autocast state it ran in."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    autocast: tuple[tuple[str, torch.dtype, bool], ...] = ()
+    """``(device type, dtype, cache enabled)`` of each device type whose autocast was on when the
+    block was called (a model whose forward enters ``torch.autocast``): the probes run the block
+    in it, as its replay runs (`remat.checkpointing.region` restores it). Run without it, a
+    convolution raised on its bfloat16 input (recompute marked unavailable on every block), and a
+    replay's casts of the block's weights were missing from its figures (plans 2-3 % under)."""
+
+    def autocast_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The autocast state the block ran in, entered (nothing when autocast was off)."""
+        stack = contextlib.ExitStack()
+        for device_type, dtype, cache in self.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
+        return stack
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype, bool], ...]:
+    """The autocast state now (`BlockInputs.autocast`)."""
+    return tuple((device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())
+                 for device_type in ("cpu", "cuda") if torch.is_autocast_enabled(device_type))
 
 
 def capture_block_inputs(block_list: Blocks, forward: Callable[[], Any]) -> list[BlockInputs]:
@@ -122,7 +143,8 @@ def capture_block_inputs(block_list: Blocks, forward: Callable[[], Any]) -> list
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if index not in captured:
                 args, kwargs = drop_kv_caches(args, kwargs)
-                captured[index] = BlockInputs(args=tree_map(_detach, args), kwargs=tree_map(_detach, kwargs))
+                captured[index] = BlockInputs(args=tree_map(_detach, args), kwargs=tree_map(_detach, kwargs),
+                                              autocast=autocast_state())
 
         return hook
 
@@ -309,7 +331,7 @@ def checkpointed_forward_curve(module: nn.Module, inputs: BlockInputs) -> tuple[
     device = leaves[0].device if leaves else next((p.device for p in module.parameters()), torch.device("cpu"))
     tracker = LiveTracker(device)
     curve = _Curve(tracker)
-    with torch.enable_grad(), curve, tracker:
+    with torch.enable_grad(), curve, tracker, inputs.autocast_context():
         out = _full(module, inputs.args, inputs.kwargs)
     del out
     return tuple(curve.points), curve.finish()
@@ -370,7 +392,8 @@ def _timed_run(module: nn.Module, inputs: BlockInputs, runner: Runner, clock: Cl
     clock.sync()
     with FaultCount(enabled=bool(touch_ms_per_byte)) as faults:
         start = clock.mark()
-        out = runner(module, inputs.args, inputs.kwargs)
+        with inputs.autocast_context():  # the forward only: autograd runs the backward in the dtypes it recorded
+            out = runner(module, inputs.args, inputs.kwargs)
         mid = clock.mark()
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if outs:
