@@ -99,7 +99,7 @@ from remat.measure.timing import Clock, StepTimer, StepTimes, median_times, with
 from remat.measure.tracker import StepTracking
 from remat.measure.windows import BackwardWindows
 from remat.head.site import HeadSite, find_head
-from remat.measure.types import BlockProfile, CompiledBlock, Environment, OpRecord, Profile
+from remat.measure.types import NO_BACKWARD, BlockProfile, CompiledBlock, Environment, OpRecord, Profile
 
 Progress = Callable[[int, int, str], None]
 
@@ -483,6 +483,7 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
         optimizer_state_bytes=memory.optimizer_state_bytes,
         optimizer_name=type(optimizer).__name__ if optimizer is not None else "none",
         optimizer_step_temp_bytes=memory.windows.optimizer_temp_bytes,
+        fixed_pre_fwd_bytes=memory.windows.pre_fwd_bytes,
         optimizer_step_ms=times.optimizer_step_ms, buffer_bytes=buffer_bytes(model),
         fixed_pre_saved_bytes=saved[PRE], fixed_post_saved_bytes=saved[POST],
         fixed_post_bwd_temp_bytes=max(memory.windows.post_temp_bytes, memory.windows.post_fwd_bytes - saved[POST]),
@@ -550,7 +551,7 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
             fwd_live_bytes=tuple(max(0, c.live_after - memory.windows.block_fwd_start_bytes[i])
                                  for c in memory.recorder.calls.get(name, [])),
             replay_stop_calls=memory.recorder.stop_calls.get(name, 0),
-            **_overhead_ms(overheads[i]),
+            **_overhead_ms(overheads[i], backward=i in memory.windows.backward_blocks),
             stack=stack_of[i], follows_previous=found.follows_previous[i],
             **_flow_fields(memory.flows[i], memory.windows.between_temp_bytes[i]),
             bwd_start_temp_bytes=memory.windows.block_bwd_start_temp_bytes[i],
@@ -592,15 +593,18 @@ def _scaled_times(ops: tuple[OpRecord, ...], fwd_ms: float) -> tuple[OpRecord, .
     return tuple(dataclasses.replace(op, time_ms=op.time_ms * fwd_ms / total) for op in ops)
 
 
-def _overhead_ms(overheads: BlockOverheads) -> dict[str, Any]:
-    """The `BlockProfile` overhead fields, and the strategies whose probes failed."""
+def _overhead_ms(overheads: BlockOverheads, backward: bool = True) -> dict[str, Any]:
+    """The `BlockProfile` overhead fields, and the strategies whose probes failed; a block whose
+    backward never ran (``backward`` False) offers no strategy but keep (`NO_BACKWARD`)."""
+    unavailable = overheads.unavailable if backward else tuple(
+        (strategy, NO_BACKWARD) for strategy in ("recompute", "selective", "offload"))
     return {
         "selective_overhead_ms": overheads.selective_ms,
         "recompute_overhead_ms": overheads.recompute_ms,
         "selective_cache_overhead_ms": overheads.selective_cache_ms,
         "checkpointed_fwd_live_bytes": overheads.checkpointed_fwd_live_bytes,
         "checkpointed_fwd_freed_at": overheads.checkpointed_fwd_freed_at,
-        "unavailable": overheads.unavailable,
+        "unavailable": unavailable,
     }
 
 

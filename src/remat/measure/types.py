@@ -301,6 +301,13 @@ class BlockProfile:
         return next((reason for name, reason in self.unavailable if name in (strategy, kind)), None)
 
 
+NO_BACKWARD = ("no gradient reaches it in the step (its parameters frozen and its inputs needing none, or its output "
+               "never reaching the loss): it saves nothing a backward needs, and a replay would never run")
+"""`BlockProfile.unavailable`'s reason for a block whose backward never ran in the profiled step:
+only keep. Recomputed, such a block gained nothing and a segment of them held each output until
+the model called the next block (a linear probe of Swin measured twice its prediction)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class Stack:
     """A run of consecutive blocks (in run order) from one module list: an encoder's layers, a
@@ -531,6 +538,10 @@ class Profile(JsonDocument):
     gathered_bytes: int = 0
     """ZeRO-3/FSDP only: the all-gathered weights and unsharded gradients of the largest unit,
     less this rank's shard, live on every rank while that unit runs (see `remat.distributed`)."""
+    fixed_pre_fwd_bytes: int = 0
+    """Peak of the forward before the first block (embeddings, a vision model's stem) above the
+    model state, no gradient live yet: what a model whose early layers save nothing (a frozen
+    backbone under a linear probe) peaks at, whatever the plan (0: not measured)."""
     fixed_pre_grad_bytes: int = 0
     """Gradient bytes allocated only after the first block's backward, other than its own: the
     pre part's (embeddings, and weights tied to them, whose one gradient accumulates last).

@@ -46,6 +46,9 @@ class BackwardWindows:
         self.optimizer_temp_bytes = 0
         self.grads_at_first_block_bytes = 0
         """Gradients live when the backward of `first_backward_block` starts."""
+        self.backward_blocks: set[int] = set()
+        """The blocks whose backward ran: a block no gradient reaches (frozen with its inputs, or
+        whose output never reaches the loss) has none."""
         self.first_backward_block: int | None = None
         """The first block in run order whose backward ran: 0 but where the blocks before it have
         none (a frozen backbone's, DETR's: no gradient reaches them); None when none ran."""
@@ -56,12 +59,22 @@ class BackwardWindows:
         every other live byte (the last block's output, a loss's forward workspace: a CTC loss's
         ``ones_like`` of the input lengths)."""
         self._post_forward_open = False
+        self.pre_fwd_bytes = 0
+        """Peak of the pre part's forward (from ``fwd_begin`` to the first block's start) less the
+        model state."""
+        self._pre_forward_open = False
         self._open: str | None = None  # the segment whose backward window is open
         self._opt_start_bytes = 0
         self._labels: list[str] = []
         self._offset = 0
 
     def __call__(self, event: Boundary) -> None:
+        if event.kind == "fwd_begin":  # the pre part's forward, to the first block's
+            self.tracker.open_window(list(STATE_LABELS))
+            self._pre_forward_open = True
+        elif event.kind == "fwd_start" and event.index == 0 and self._pre_forward_open:
+            self.pre_fwd_bytes = self.tracker.close_window()
+            self._pre_forward_open = False
         if event.kind == "fwd_start":
             self.block_fwd_start_bytes[event.index] = self.tracker.live_bytes
             self.block_fwd_start_temporaries[event.index] = self.tracker.live_by_label.get("temporaries", 0)
@@ -105,6 +118,8 @@ class BackwardWindows:
         labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in earlier)]
         grads_live = self.tracker.live_by_label.get("gradients", 0)
         self._grads_at_open = grads_live
+        if segment in self.names:
+            self.backward_blocks.add(self.names.index(segment))
         if segment in self.names and (self.first_backward_block is None
                                       or self.names.index(segment) < self.first_backward_block):
             self.first_backward_block = self.names.index(segment)

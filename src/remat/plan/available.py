@@ -1,6 +1,7 @@
 """Strategies a block cannot run: the planner never picks them.
 
-A profile marks a strategy unavailable for a block when its probe raised there
+A profile marks a strategy unavailable for a block when its probe raised there, and every
+strategy but keep for a block whose backward never ran (`remat.measure.types.NO_BACKWARD`)
 (`remat.measure.types.BlockProfile.unavailable`). The optimal search leaves such options out
 (`remat.plan.search`); the fixed planners (``full``, ``sqrt``, ``selective:<policy>``...) ask
 for one strategy everywhere, so `fall_back` gives each block that cannot run it the nearest it
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from remat.measure.types import Profile
+from remat.measure.types import NO_BACKWARD, Profile
 from remat.plan.types import Segment
 
 __all__ = ["check_available", "fall_back", "unavailable_blocks"]
@@ -35,7 +36,8 @@ def check_available(profile: Profile, segments: Sequence[Segment]) -> None:
     for seg in segments:
         for index, reason in unavailable_blocks(profile, seg):
             raise ValueError(
-                f"block {profile.blocks[index].name!r} cannot run {seg.strategy!r}: its probe raised {reason}. "
+                f"block {profile.blocks[index].name!r} cannot run {seg.strategy!r}: "
+                f"{reason if reason == NO_BACKWARD else f'its probe raised {reason}'}. "
                 "Plan another strategy for it (the planners do: remat.plan(profile, ...))."
             )
 

@@ -51,6 +51,8 @@ def _breakdown(pred: Prediction) -> str:
     fixed = f"fixed part {format_bytes(pred.fixed_bytes)}"
     if pred.peak_phase == "optimizer":
         return f"the optimizer step ({state} plus its temporaries)"
+    if pred.peak_phase == "pre-forward":
+        return "the forward before the first block (model state without gradients, and its own peak)"
     held = format_bytes(sum(pred.retained_bytes[: max(pred.peak_block, 0)]))
     if pred.peak_phase == "block":
         return (

@@ -41,7 +41,7 @@ from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
 from remat.plan.joins import check_joins
 from remat.plan.types import Plan, Prediction, Segment
 
-__all__ = ["predict", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments"]
+__all__ = ["predict", "pre_forward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -101,6 +101,7 @@ def _peak_phases(profile: Profile, segments: tuple[Segment, ...]) -> tuple[int, 
         "post": base + grad_bytes_live(profile, profile.num_blocks) + profile.fixed_pre_saved_bytes
         + sum(retained) - (dead[-1] if dead else 0) + post_working_bytes(profile),
         "optimizer": _optimizer_phase_bytes(profile),
+        "pre-forward": pre_forward_phase_bytes(profile),
     }
     return max(phases.values()), phases, retained, inner
 
@@ -153,6 +154,12 @@ def backward_base_bytes(profile: Profile) -> int:
 
 def _optimizer_phase_bytes(profile: Profile) -> int:
     return profile.model_state_bytes + profile.optimizer_step_temp_bytes
+
+
+def pre_forward_phase_bytes(profile: Profile) -> int:
+    """The forward before the first block: model state without gradients (none yet after
+    ``zero_grad(set_to_none=True)``) and the pre part's own peak; no plan changes it."""
+    return backward_base_bytes(profile) + profile.fixed_pre_fwd_bytes
 
 
 def _fixed_at(profile: Profile, phase: str) -> int:
