@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import random
 import statistics
@@ -206,9 +207,17 @@ class _Run:
         return counter
 
     def tracked_step(self) -> Any:
+        """The step the plan is for, under the live-storage tracker: under gradient accumulation,
+        the last micro-batch's, its gradients adding to those of one before it (untracked)."""
         _seed()
-        return track_step(self.step.run, model=self.model, optimizer=self.optimizer,
-                          blocks=list(zip(self.plan.block_names, self.blocks)), batch=self.step.batch)
+        accumulate = self.plan.grad_accumulation
+        if accumulate:
+            (self.optimizer or self.model).zero_grad(set_to_none=True)
+            compute_loss(call_model(self.model, self.step.batch), self.step.batch, self.step.loss_fn).backward()
+            _seed()
+        return track_step(functools.partial(self.step.run, accumulate=accumulate), model=self.model,
+                          optimizer=self.optimizer, blocks=list(zip(self.plan.block_names, self.blocks)),
+                          batch=self.step.batch)
 
     def timed_step(self, clock: Clock) -> float:
         _seed()

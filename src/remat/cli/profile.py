@@ -38,6 +38,9 @@ def profile_command(
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     compiled: bool = typer.Option(False, "--compiled", help="Also measure each block under torch.compile "
                                   "(inductor): the profile of a model that will train compiled."),
+    grad_accumulation: bool = typer.Option(False, "--grad-accumulation", help="Several micro-batches per "
+                                           "optimizer step: plans are for a micro-batch whose gradients add to "
+                                           "the earlier ones' (every gradient live through it)."),
 ) -> None:
     """Measure the real model block by block: saved bytes, time, FLOPs, memory peak.
 
@@ -58,7 +61,8 @@ def profile_command(
             bar.update(task, completed=done, total=total, description=f"profiling {escape(spec)}: {escape(stage)}")
 
         result = profile(built.model, built.batch, built.loss_fn, built.optimizer, blocks or None,
-                         warmup=warmup, repeats=repeats, progress=advance, compiled=compiled)
+                         warmup=warmup, repeats=repeats, progress=advance, compiled=compiled,
+                         grad_accumulation=grad_accumulation)
     console.print(profile_table(result, spec))
     if any(b.unavailable for b in result.blocks):
         console.print(unavailable_rich(result))

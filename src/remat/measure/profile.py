@@ -99,7 +99,8 @@ from remat.measure.timing import Clock, StepTimer, StepTimes, median_times, with
 from remat.measure.tracker import StepTracking
 from remat.measure.windows import BackwardWindows
 from remat.head.site import HeadSite, find_head
-from remat.measure.types import NO_BACKWARD, BlockProfile, CompiledBlock, Environment, OpRecord, Profile
+from remat.measure.types import (NO_BACKWARD, BlockProfile, CompiledBlock, Environment, OpRecord, Profile,
+                                 with_grad_accumulation)
 
 Progress = Callable[[int, int, str], None]
 
@@ -117,6 +118,7 @@ def profile(
     head_chunks: Sequence[int] | None = None,
     share_timing: bool = True,
     compiled: bool | str = False,
+    grad_accumulation: bool = False,
 ) -> Profile:
     """Measure ``model`` on ``batch`` (calling convention of `remat._batch`) block by block.
 
@@ -130,7 +132,10 @@ def profile(
     timing probes of the first of them (`remat.measure.sharing`); False measures every block.
     ``compiled``: the model will train under ``torch.compile`` (True: inductor, or a backend's
     name): each block is also measured compiled and its figures become the compiled ones
-    (`remat.measure.compiled`; ``Profile.compiled_backend``).
+    (`remat.measure.compiled`; ``Profile.compiled_backend``). ``grad_accumulation``: the model
+    trains with several micro-batches per optimizer step, so every gradient is live through
+    every micro-batch after the first, and plans are made for that step
+    (`remat.measure.types.with_grad_accumulation`; `remat.verify` then measures one).
     """
     _check_counts(warmup, repeats)
     check_not_compiled(model, "remat.profile")
@@ -152,7 +157,8 @@ def profile(
             if layerdrop.changed:  # a layer that training may skip does not reliably follow the one before
                 found = dataclasses.replace(found, follows_previous=(False,) * len(found.blocks))
             prof, windows = _measure(step, found, warmup, repeats, progress, share_timing, backend)
-            return _with_head(step, prof, windows, note, head_chunks, repeats)
+            prof = _with_head(step, prof, windows, note, head_chunks, repeats)
+            return with_grad_accumulation(prof) if grad_accumulation else prof
     finally:
         snapshot.restore()
 
@@ -183,10 +189,13 @@ class _Step:
     site: HeadSite | None = None
     """The model's head part, when it has one (`remat.head.site.find_head`)."""
 
-    def run(self, marks: StepBoundaries | None = None) -> None:
+    def run(self, marks: StepBoundaries | None = None, *, accumulate: bool = False) -> None:
+        """One step; ``accumulate``: the gradients of a step before are kept and added to (the last
+        micro-batch of gradient accumulation)."""
         emit = marks.emit if marks is not None else (lambda *a: None)
         emit("step_start")
-        (self.optimizer or self.model).zero_grad(set_to_none=True)
+        if not accumulate:
+            (self.optimizer or self.model).zero_grad(set_to_none=True)
         emit("fwd_begin")
         loss = compute_loss(call_model(self.model, self.batch), self.batch, self.loss_fn)
         emit("loss_ready")

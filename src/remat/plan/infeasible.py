@@ -16,7 +16,7 @@ def check_state_fits(profile: Profile, budget_bytes: int, floor_bytes: int, floo
     ``floor_bytes`` is the plan-independent part of the peak named by ``floor_name``."""
     overflow = explain_model_state_overflow(
         param_bytes=profile.param_bytes,
-        grad_bytes=profile.grad_bytes,
+        grad_bytes=profile.gradient_bytes,
         optimizer_state_bytes=profile.optimizer_state_bytes,
         buffer_bytes=profile.buffer_bytes,
         budget_bytes=budget_bytes,

@@ -142,6 +142,7 @@ def make_plan(profile: Profile, segments: tuple[Segment, ...], strategy: str, bu
         fingerprint=profile.fingerprint,
         head=head,
         optimality=optimality,
+        grad_accumulation=profile.grad_accumulation,
     )
 
 

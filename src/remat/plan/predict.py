@@ -147,9 +147,11 @@ def baseline_step_ms(profile: Profile) -> float:
 
 
 def backward_base_bytes(profile: Profile) -> int:
-    """Model state live during the whole backward: params, buffers, optimizer state, and under
-    ZeRO-3/FSDP the largest unit's all-gathered weights and gradients (`remat.distributed`)."""
-    return profile.param_bytes + profile.buffer_bytes + profile.optimizer_state_bytes + profile.gathered_bytes
+    """Model state live during the whole backward: params, buffers, optimizer state, under
+    ZeRO-3/FSDP the largest unit's all-gathered weights and gradients (`remat.distributed`), and
+    under gradient accumulation every gradient (`remat.measure.types.with_grad_accumulation`)."""
+    return (profile.param_bytes + profile.buffer_bytes + profile.optimizer_state_bytes + profile.gathered_bytes
+            + profile.accumulated_grad_bytes)
 
 
 def _optimizer_phase_bytes(profile: Profile) -> int:

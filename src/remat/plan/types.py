@@ -267,6 +267,9 @@ class Plan(JsonDocument):
     output carries no logits in training. Plans without it (older files) keep the head."""
     optimality: Optimality | None = None
     """Strategy ``optimal`` under a budget: how far the plan may be from the fastest that fits."""
+    grad_accumulation: bool = False
+    """Planned for a micro-batch under gradient accumulation (its profile's
+    `remat.measure.types.Profile.grad_accumulation`): `remat.verify` measures such a step."""
     tuning: Tuning | None = None
     """Measured tuning (`remat.plan.tune`): every candidate timed, predicted against measured, and
     the winner (this plan's layout). Plans without it (not tuned, older files) have None."""

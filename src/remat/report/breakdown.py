@@ -47,7 +47,7 @@ def breakdown_of(profile: Profile, point: StepPoint) -> MemoryBreakdown:
     activations = point.peak_bytes - profile.model_state_bytes - point.fixed_bytes
     parts = {
         "parameters": profile.param_bytes + profile.buffer_bytes,
-        "gradients": profile.grad_bytes,
+        "gradients": profile.gradient_bytes,
         "optimizer state": profile.optimizer_state_bytes,
         "fixed part": point.fixed_bytes,
         "activations": max(activations, 0),

@@ -128,7 +128,7 @@ def environment_table(profile: Profile) -> Table:
         ("blocks", f"{profile.num_blocks} x {_block_classes(profile)}"),
         ("optimizer", profile.optimizer_name),
         ("parameters / gradients / optimizer state",
-         f"{format_bytes(profile.param_bytes)} / {format_bytes(profile.grad_bytes)} / "
+         f"{format_bytes(profile.param_bytes)} / {format_bytes(profile.gradient_bytes)} / "
          f"{format_bytes(profile.optimizer_state_bytes)}"),
         ("measured baseline step", f"{format_ms(profile.step_ms)}, peak {format_bytes(profile.peak_bytes)}"),
     ]
