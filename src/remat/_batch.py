@@ -2,8 +2,8 @@
 
 A batch is a tensor (``model(batch)``), a tuple or list (``model(*batch)``) or a dict
 (``model(**batch)``). ``loss_fn(output, batch)`` returns a scalar; without one the output
-must be a scalar tensor or carry a scalar ``.loss`` (as Hugging Face outputs do).
-"""
+must be a scalar tensor or carry a scalar ``.loss`` (as Hugging Face outputs do) or a ``"loss"``
+entry."""
 
 from __future__ import annotations
 
@@ -137,10 +137,13 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None = None) -> torc
         loss, where = output, "the model output"
     elif getattr(output, "loss", None) is not None:
         loss, where = output.loss, "output.loss"
+    elif isinstance(output, Mapping) and output.get("loss") is not None:  # a plain dict, as ModelOutput is one
+        loss, where = output["loss"], "output['loss']"
     else:
         raise TypeError(
             f"the model returned {type(output).__name__}, not a scalar tensor, and no loss_fn was "
-            "given; pass loss_fn=lambda output, batch: <scalar>, or return the loss from forward."
+            "given (nor a .loss or a 'loss' entry); pass loss_fn=lambda output, batch: <scalar>, or return "
+            "the loss from forward."
         )
     if isinstance(loss, torch.Tensor) and loss.dim() != 0 and loss.numel() == 1:
         return loss.reshape(())  # one element (OneFormer's loss is of shape (1,)): backward takes it as a scalar

@@ -15,6 +15,8 @@ class _Pair(nn.Module):
 
     def forward(self, x: torch.Tensor):
         y = self.blocks[1](self.blocks[0](x))
+        if self.output == "dict with loss":
+            return {"y": y, "loss": y.square().sum()}
         return {"y": y} if self.output == "dict" else y
 
 
@@ -168,8 +170,19 @@ def test_the_batchs_input_gradients_are_left_as_they_were(grad):
 
 
 def test_output_not_a_tensor_without_loss_fn():
-    with pytest.raises(TypeError, match=r"the model returned dict, not a scalar tensor, and no loss_fn"):
+    with pytest.raises(TypeError, match=r"the model returned dict, not a scalar tensor, and no loss_fn was given "
+                                        r"\(nor a .loss or a 'loss' entry\)"):
         profile(_Pair("dict"), torch.randn(2, 4))
+
+
+def test_a_plain_dict_with_a_loss_entry_gives_the_loss():
+    """As a Hugging Face ModelOutput (a dict) gives its ``.loss``."""
+    import remat
+
+    model, x = _Pair("dict with loss"), torch.randn(2, 4)
+    result = profile(model, x, repeats=1)
+    check = remat.verify(model, x, remat.plan(result, strategy="full"), repeats=1)
+    assert check.ok and check.grads_identical and check.loss_max_abs_diff == 0.0
 
 
 def test_batch_on_another_device():
