@@ -126,7 +126,7 @@ def test_verify_frees_its_copies_of_the_model_without_waiting_for_the_collector(
     try:
         before = sum(isinstance(o, cls) for o in gc.get_objects())
         remat.verify(built.model, built.batch, plan, built.loss_fn, built.optimizer, repeats=1)
-        assert sum(isinstance(o, cls) for o in gc.get_objects()) == before == 1
+        assert sum(isinstance(o, cls) for o in gc.get_objects()) == before  # the two copies are gone
     finally:
         gc.enable()
 

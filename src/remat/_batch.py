@@ -56,6 +56,13 @@ def check_batch_device(model: nn.Module, batch: Any) -> None:
             )
 
 
+def check_model(model: nn.Module, where: str) -> None:
+    """Raise for a model remat cannot measure or change as given (`check_not_compiled`,
+    `check_no_hf_checkpointing`)."""
+    check_not_compiled(model, where)
+    check_no_hf_checkpointing(model, where)
+
+
 def check_not_compiled(model: nn.Module, where: str) -> None:
     """Raise if ``model`` is ``torch.compile``'s wrapper: remat measures and changes the model
     before it is compiled (its blocks' hooks and checkpoints must be in the graph the compiler

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from remat._batch import (LossFn, call_model, check_batch_device, check_no_hf_checkpointing, check_not_compiled,
-                          check_step_inputs, compute_loss, model_device)
+from remat._batch import (LossFn, call_model, check_batch_device, check_model, check_step_inputs, compute_loss,
+                          model_device)
 from remat.apply.api import apply_, check_plan_matches, is_applied, remove_
 from remat.apply.head import HeadTolerance, head_tolerance
 from remat.apply.opcount import BlockOpCounter, expected_extra_calls
@@ -307,8 +307,7 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
         raise TypeError(f"verify needs a remat Plan, got {type(plan).__name__}; load one with remat.Plan.load(path).")
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed steps; the median is kept).")
-    check_not_compiled(model, "remat.verify")
-    check_no_hf_checkpointing(model, "remat.verify")
+    check_model(model, "remat.verify")
     check_step_inputs(optimizer, "remat.verify")
     check_batch_device(model, batch)
     check_plan_matches(model, plan, batch)

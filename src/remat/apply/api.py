@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._batch import LossFn, check_batch_device, check_no_hf_checkpointing, check_not_compiled
+from remat._batch import LossFn, check_batch_device, check_model
 from remat.apply.head import HeadRuntime
 from remat.apply.runtime import Runtime
 from remat.apply.strategies import HANDLERS
@@ -139,8 +139,7 @@ def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str 
     ``offload_dir`` is where ``offload:disk`` blocks write (default: the system temp directory)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_ needs an nn.Module, got {type(model).__name__}.")
-    check_not_compiled(model, "remat.apply_")
-    check_no_hf_checkpointing(model, "remat.apply_")
+    check_model(model, "remat.apply_")
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_ needs a remat Plan, got {type(plan).__name__}; load one with remat.Plan.load(path).")
     if is_applied(model):

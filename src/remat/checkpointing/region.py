@@ -191,6 +191,21 @@ def checkpointed(body: Body, first: Any, extra: tuple[Any, ...], *, guard: Buffe
     return list(out)
 
 
+def autocast_state() -> tuple[tuple[str, torch.dtype, bool], ...]:
+    """``(device type, dtype, cache enabled)`` of each device type whose autocast is on now."""
+    return tuple((device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())
+                 for device_type in ("cpu", "cuda") if torch.is_autocast_enabled(device_type))
+
+
+def autocast_entered(state: tuple[tuple[str, torch.dtype, bool], ...],
+                     cache: bool | None = None) -> contextlib.AbstractContextManager[Any]:
+    """``state`` (`autocast_state`) entered, its cache setting or ``cache``; nothing when empty."""
+    stack = contextlib.ExitStack()
+    for device_type, dtype, cached in state:
+        stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cached if cache is None else cache))
+    return stack
+
+
 def _uncached_casts() -> contextlib.AbstractContextManager[Any]:
     """Autocast as it is, but with its weight-cast cache off inside a checkpointed region: the
     cache keeps every cast of a weight until the outermost autocast exits (the end of a forward
@@ -199,15 +214,9 @@ def _uncached_casts() -> contextlib.AbstractContextManager[Any]:
     measured one layer's cast weights over its prediction and its budget). The casts are the same
     values made again where an op needs them; the replay makes its own. Nothing changes when
     autocast is off, its cache already off, or under ``torch.compile``."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not torch.is_autocast_cache_enabled():
         return contextlib.nullcontext()
-    devices = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-    if not devices or not torch.is_autocast_cache_enabled():
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    for device in devices:
-        stack.enter_context(torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False))
-    return stack
+    return autocast_entered(autocast_state(), cache=False)
 
 
 def _guarded(guard: BufferGuard, context_fn: Callable[[], tuple[Any, Any]] | None) -> tuple[Any, Any]:

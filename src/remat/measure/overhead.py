@@ -64,7 +64,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from remat.checkpointing.caches import drop_kv_caches
-from remat.checkpointing.region import BufferGuard, call_with_first, checkpointed, first_argument
+from remat.checkpointing.region import (BufferGuard, autocast_entered, autocast_state, call_with_first, checkpointed,
+                                       first_argument)
 from remat.checkpointing.selective import selective_context
 from remat.measure.budget import ProbeBudget
 from remat.measure.blocks import Blocks
@@ -121,16 +122,7 @@ class BlockInputs:
 
     def autocast_context(self) -> contextlib.AbstractContextManager[Any]:
         """The autocast state the block ran in, entered (nothing when autocast was off)."""
-        stack = contextlib.ExitStack()
-        for device_type, dtype, cache in self.autocast:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=cache))
-        return stack
-
-
-def autocast_state() -> tuple[tuple[str, torch.dtype, bool], ...]:
-    """The autocast state now (`BlockInputs.autocast`)."""
-    return tuple((device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_cache_enabled())
-                 for device_type in ("cpu", "cuda") if torch.is_autocast_enabled(device_type))
+        return autocast_entered(self.autocast)
 
 
 def capture_block_inputs(block_list: Blocks, forward: Callable[[], Any]) -> list[BlockInputs]:

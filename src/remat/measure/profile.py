@@ -72,8 +72,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._batch import (LossFn, batch_tensors, call_model, check_batch_device, check_no_hf_checkpointing,
-                          check_not_compiled, check_step_inputs, compute_loss, model_device)
+from remat._batch import (LossFn, batch_tensors, call_model, check_batch_device, check_model, check_step_inputs,
+                          compute_loss, model_device)
 from remat.checkpointing.cacheable import cacheable
 from remat.checkpointing.caches import CacheOff
 from remat.measure.layerdrop import LayerDropOff
@@ -138,8 +138,7 @@ def profile(
     (`remat.measure.types.with_grad_accumulation`; `remat.verify` then measures one).
     """
     _check_counts(warmup, repeats)
-    check_not_compiled(model, "remat.profile")
-    check_no_hf_checkpointing(model, "remat.profile")
+    check_model(model, "remat.profile")
     check_step_inputs(optimizer, "remat.profile")
     check_batch_device(model, batch)
     device = model_device(model)
