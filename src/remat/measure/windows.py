@@ -119,11 +119,10 @@ class BackwardWindows:
         grads_live = self.tracker.live_by_label.get("gradients", 0)
         self._grads_at_open = grads_live
         if segment in self.names:
-            self.backward_blocks.add(self.names.index(segment))
-        if segment in self.names and (self.first_backward_block is None
-                                      or self.names.index(segment) < self.first_backward_block):
-            self.first_backward_block = self.names.index(segment)
-            self.grads_at_first_block_bytes = grads_live
+            index = self.names.index(segment)
+            self.backward_blocks.add(index)
+            if self.first_backward_block is None or index < self.first_backward_block:
+                self.first_backward_block, self.grads_at_first_block_bytes = index, grads_live
         watch = ACT_PREFIX + segment if segment in self.names else None
         self._labels, self._offset = labels, self.accountant.segment_bytes(segment) + grads_live
         self.tracker.open_window(labels, offset_bytes=self._offset, watch_label=watch)
