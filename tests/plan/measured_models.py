@@ -62,6 +62,48 @@ class StagedConvNet(nn.Module):
         return F.cross_entropy(self.head(x.mean(dim=(2, 3))), labels)
 
 
+class AdapterBlock(nn.Module):
+    """A frozen projection, then a trainable bottleneck added to the input (an adapter): the
+    block saves the projection's output, never its input (the frozen matmul needs only its
+    weight to pass the gradient on, the residual add nothing), so a checkpoint starting at it
+    holds that input beside what it saves (`remat.measure.types.BlockProfile.unsaved_input_bytes`)."""
+
+    def __init__(self, width: int, bottleneck: int) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(width, width).requires_grad_(False)
+        self.down = nn.Linear(width, bottleneck)
+        self.up = nn.Linear(bottleneck, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.up(torch.relu(self.down(self.frozen(x))))
+
+
+class AdapterNet(nn.Module):
+    def __init__(self, width: int, bottlenecks: tuple[int, ...]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(AdapterBlock(width, b) for b in bottlenecks)
+        self.head = nn.Linear(width, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def adapter_model(num_blocks: int = 4) -> tuple[AdapterNet, torch.Tensor]:
+    """Width 32, bottlenecks 48, 8, 24, 64 (the first ``num_blocks``), batch 64."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AdapterNet(32, (48, 8, 24, 64)[:num_blocks])
+        batch = torch.randn(64, 32)
+    return model, batch
+
+
+def adapter_profile(num_blocks: int = 4):
+    model, batch = adapter_model(num_blocks)
+    return remat.profile(model, batch, repeats=1)
+
+
 def mlp_profile(num_blocks: int = 6):
     """Widths 48 -> 160 -> 32 -> 96 -> 128 -> 40 -> 72 (the first ``num_blocks`` blocks), batch 256."""
     widths = (48, 160, 32, 96, 128, 40, 72)[: num_blocks + 1]

@@ -61,7 +61,7 @@ def _price(profile, segment: Segment) -> Priced:
     cost = cost_of(profile, a, segment)
     extra_ms, _, offloaded = _extras(profile, (segment,))
     if segment.kind == "recompute":
-        need = layout_peak(profile, segment.children, a, segment.stop, replay=True).bytes
+        need = layout_peak(profile, segment.children, a, segment.stop, replay=True, stopped=segment.stops_early).bytes
     else:
         need = cost.working_bytes + grad_bytes_live(profile, a)
     return Priced(segment=segment, held_bytes=cost.retained_bytes, need_bytes=need, extra_ms=extra_ms,

@@ -80,6 +80,46 @@ def test_recompute_segment_keeps_blocks_during_replay():
     assert pred.extra_ms == 6.0
 
 
+def test_a_replay_holds_its_first_blocks_unsaved_input_to_its_end():
+    # b0 does not save its input (4 bytes, held by the checkpoint; its input needs no gradient):
+    # replayed it works with 10 + 2 + 4 = 16. [0,3) recompute: the checkpoint holds the 4 bytes
+    # until b0's backward, after the others': b1: 417 + 10 + 4 + 9 = 440, b2: 417 + 14 + 8 + 15
+    # = 454. Counted with b0's saved bytes alone, b2 came out at 450, the measured peak 4 above.
+    prof = toy3()
+    prof = replace(prof, blocks=(replace(prof.blocks[0], held_input_bytes=4, unsaved_input_bytes=4),) + prof.blocks[1:])
+    pred = predict(prof, [seg(0, 3, "recompute")])
+    assert (pred.peak_bytes, pred.peak_block, pred.working_bytes) == (454, 2, 15)
+    # a child [0,2) holds it through b1's backward (440); then [0,3)'s checkpoint, as retained
+    # bytes: b2: 417 + 4 + 15 = 436
+    pred = predict(prof, [seg(0, 3, "recompute", children=(seg(0, 2, "recompute"),))])
+    assert (pred.peak_bytes, pred.peak_block) == (440, 1)
+    # a segment starting at b1 holds b1's input, not b0's: b2: 417 + 4 + 8 + 15 = 444
+    assert predict(prof, [seg(0, 1, "recompute"), seg(1, 3, "recompute")]).peak_bytes == 444
+    # a block kept after another in the same replay: its input comes from the replay, and what
+    # it does not save of it is gone after its forward: b2 at 450 as without it
+    prof = toy3()
+    prof = replace(prof, blocks=(prof.blocks[0], replace(prof.blocks[1], held_input_bytes=3, unsaved_input_bytes=3), prof.blocks[2]))
+    assert predict(prof, [seg(0, 3, "recompute")]).peak_bytes == 450
+
+
+def test_the_optimal_search_counts_a_replays_unsaved_input():
+    """The DP's replay tables count a kept block's unsaved input where it starts a segment's
+    replay: its plans never exceed the budget predict prices, at every point of the frontier
+    and at every layout's own peak."""
+    from remat.plan.planners import pareto, plan
+
+    prof = toy3()
+    prof = replace(prof, blocks=(replace(prof.blocks[0], held_input_bytes=4, unsaved_input_bytes=4),) + prof.blocks[1:])
+    budgets = {p.prediction.peak_bytes for p in pareto(prof)} | {454, 453, 444, 440}
+    for budget in sorted(budgets):
+        try:
+            got = plan(prof, budget=budget)
+        except ValueError:
+            assert budget < min(p.prediction.peak_bytes for p in pareto(prof))
+            continue
+        assert got.prediction.peak_bytes <= budget, (budget, got.segments)
+
+
 def test_nested_recompute():
     # [0,3) recompute with child [0,2) recompute with child [0,1) recompute.
     # innermost [0,1): b0 working 12. [0,2): max(12, 4 + 9 = 13). [0,3): max(13, 4 + 15 = 19).

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from remat.checkpointing.caches import drop_kv_caches
-from remat.checkpointing.region import first_argument
+from remat.checkpointing.region import first_argument, replaying
 from remat.measure.calls import first_output, same_arguments
 from remat.plan.types import Segment
 
@@ -215,17 +215,23 @@ class Runtime:
     def run_plain(self, start: int, stop: int, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any],
                   context: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None) -> list[Any]:
         """Run blocks ``start..stop-1`` one after the other, without checkpointing (each inside
-        ``context(i)`` when given)."""
+        ``context(i)`` when given). In a replay (`remat.checkpointing.region.replaying`) only the
+        last output is returned, the others as None: nothing reads them, and held to the end they
+        would keep every block's input the next block does not save alive through the replay
+        (an adapter's, read by a frozen matmul and a residual add)."""
         outputs = []
+        drop = replaying()
         for i in range(start, stop):
             if context is None:
                 out = self.run_raw(i, (first, *extra), kwargs)
             else:
                 with context(i):
                     out = self.run_raw(i, (first, *extra), kwargs)
-            outputs.append(out)
             if i + 1 < stop:
                 first = first_of(out)
+                if drop:
+                    out = None
+            outputs.append(out)
         return outputs
 
     def run_layout(self, seg: Segment, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -233,13 +239,21 @@ class Runtime:
         if not seg.children:
             return self.run_plain(seg.start, seg.stop, first, extra, kwargs)
         outputs: list[Any] = []
+        drop = replaying()  # as in `run_plain`: a part's last output goes once the next part has it
+
+        def handed_on() -> Any:
+            out = first_of(outputs[-1])
+            if drop:
+                outputs[-1] = None
+            return out
+
         pos = seg.start
         for child in sorted(seg.children, key=lambda c: c.start):
             for part in ((pos, child.start, None), (child.start, child.stop, child)):
                 if part[0] >= part[1]:
                     continue
                 if outputs:
-                    first = first_of(outputs[-1])
+                    first = handed_on()
                 if part[2] is None:
                     outputs += self.run_plain(part[0], part[1], first, extra, kwargs)
                 else:
@@ -247,6 +261,6 @@ class Runtime:
             pos = child.stop
         if pos < seg.stop:
             if outputs:
-                first = first_of(outputs[-1])
+                first = handed_on()
             outputs += self.run_plain(pos, seg.stop, first, extra, kwargs)
         return outputs

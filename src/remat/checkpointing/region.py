@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["BufferGuard", "Body", "checkpointed", "first_argument", "call_with_first"]
+__all__ = ["BufferGuard", "Body", "checkpointed", "replaying", "first_argument", "call_with_first"]
 
 Body = Callable[[Any, tuple[Any, ...]], list[Any]]
 """``body(first, extra) -> outputs``: runs the region's blocks from input ``first``."""
@@ -181,8 +182,8 @@ def checkpointed(body: Body, first: Any, extra: tuple[Any, ...], *, guard: Buffe
         with _uncached_casts():
             return tuple(body(first, extra_args))
 
-    if torch.compiler.is_compiling() or guard.idle():
-        contexts = context_fn  # compiled: decided while tracing, the compiled graph keeps no guard
+    if torch.compiler.is_compiling():
+        contexts = context_fn  # decided while tracing: the compiled graph keeps no guard
     else:
         contexts = functools.partial(_guarded, guard, context_fn)
     options: dict[str, Any] = {"context_fn": contexts} if contexts is not None else {}
@@ -220,9 +221,37 @@ def _uncached_casts() -> contextlib.AbstractContextManager[Any]:
 
 
 def _guarded(guard: BufferGuard, context_fn: Callable[[], tuple[Any, Any]] | None) -> tuple[Any, Any]:
-    """``context_fn``'s pair (none: no context) with the guard's forward and replay around them."""
+    """``context_fn``'s pair (none: no context) with the guard's forward and replay around them
+    (none when the guard is idle), the replay marked (`replaying`)."""
     inner = context_fn() if context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext())
-    return _both(guard.forward(), inner[0]), _both(guard.replay(), inner[1])
+    replay = _both(_ReplayMark(), inner[1])
+    if guard.idle():
+        return inner[0], replay
+    return _both(guard.forward(), inner[0]), _both(guard.replay(), replay)
+
+
+_REPLAYS = threading.local()
+
+
+def replaying() -> bool:
+    """Whether a checkpointed region is being replayed on this thread (torch's recompute context
+    says so, eager only). Nothing reads a replay's outputs: the runtime then lets each block's
+    output go once the next block has it (`remat.apply.runtime.Runtime.run_plain`), where the
+    forward must hand every one to the model's code."""
+    return getattr(_REPLAYS, "depth", 0) > 0
+
+
+class _ReplayMark:
+    """Counts the replays running on this thread (nested ones included)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _REPLAYS.depth = getattr(_REPLAYS, "depth", 0) + 1
+
+    def __exit__(self, *exc: Any) -> bool:
+        _REPLAYS.depth -= 1
+        return False
 
 
 class _both:  # noqa: N801 (used as a context manager, like contextlib's)

@@ -93,6 +93,14 @@ class ChainBlock:
     """Held by a recompute segment starting here."""
     saved_slots: int
     """Held when kept during a replay."""
+    unsaved_slots: int = 0
+    """Its input its checkpoint holds and it does not save (an input that needs no gradient, one
+    only a frozen weight's matmul reads): held, besides ``saved_slots``, when the block is kept
+    first in the replay of a segment starting at it (a region's later blocks take their inputs
+    from the replay, and what they do not save is gone after their forward). The slot tables
+    here, which do not tell such a region from the rest of a longer one, count it wherever the
+    block is kept in a replay (`replay_saved_slots`: a bound); `remat.plan.chain_exact` and
+    `least_requirement` count it exactly."""
     working_slots: int
     """Needed by its own backward."""
     fwd_ms: float
@@ -106,11 +114,31 @@ class ChainBlock:
     at its last saved tensor (`remat.plan.types.Segment.stops_early`; None: ``working_slots``)."""
     stop_saving_ms: float = 0.0
     """What that early stop takes off its replay (the forward after its last saved tensor)."""
+    later_working_slots: int | None = None
+    """``working_slots`` kept after another block of the same replay, its inputs from the replay
+    (`remat.plan.phases.replay_working_bytes` with ``first=False``; None: ``working_slots``).
+    The slot tables count ``working_slots`` wherever the block is kept in a replay (a bound)."""
+    later_stop_working_slots: int | None = None
+    """`last_working_slots` so (None: `last_working_slots`)."""
 
     @property
     def last_working_slots(self) -> int:
         """``working_slots`` as the last block of a replay region (`stop_working_slots`)."""
         return self.working_slots if self.stop_working_slots is None else self.stop_working_slots
+
+    def kept_slots(self, first: bool) -> tuple[int, int, int]:
+        """(held, working, working as the region's last) when kept in a replay: ``first`` in the
+        replay of a segment starting at it, else after another block of it."""
+        if first:
+            return self.saved_slots + self.unsaved_slots, self.working_slots, self.last_working_slots
+        work = self.working_slots if self.later_working_slots is None else self.later_working_slots
+        last = self.last_working_slots if self.later_stop_working_slots is None else self.later_stop_working_slots
+        return self.saved_slots, work, last
+
+    @property
+    def replay_saved_slots(self) -> int:
+        """``saved_slots`` and ``unsaved_slots``: what the slot tables hold for a kept block."""
+        return self.saved_slots + self.unsaved_slots
 
     @functools.cached_property
     def option_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -120,12 +148,13 @@ class ChainBlock:
 
     def signature(self) -> tuple:
         opts = tuple((o.retained_slots, o.working_slots, o.extra_ms) for o in self.options)
-        return (self.input_slots, self.saved_slots, self.working_slots, self.grad_slots, self.fwd_ms, opts,
-                self.last_working_slots, self.stop_saving_ms)
+        return (self.input_slots, self.saved_slots, self.unsaved_slots, self.working_slots, self.grad_slots, self.fwd_ms,
+                opts, self.last_working_slots, self.stop_saving_ms, self.kept_slots(False))
 
     def byte_signature(self) -> tuple:
         """What a replay region's tables depend on besides the forward times."""
-        return (self.input_slots, self.saved_slots, self.working_slots, self.grad_slots, self.last_working_slots)
+        return (self.input_slots, self.saved_slots, self.unsaved_slots, self.working_slots, self.grad_slots,
+                self.last_working_slots, self.kept_slots(False))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -227,7 +256,7 @@ def _frame(problem: ChainProblem) -> _Frame:
             working = b.option_arrays[1]
             needs += [int(working.min()) - b.grad_slots, int(working.max()) - b.grad_slots]
     lo = min(needs + [problem.post_slots])
-    keep_all = sum(max(0, b.saved_slots - b.grad_slots) for b in blocks) + max([0, problem.post_slots] + needs)
+    keep_all = sum(max(0, b.replay_saved_slots - b.grad_slots) for b in blocks) + max([0, problem.post_slots] + needs)
     reach = problem.capacity_slots + sum(b.grad_slots for b in blocks)
     hi = max(lo, min(reach, keep_all))
     prefix = np.concatenate([[0], np.cumsum([b.grad_slots for b in blocks])]).astype(np.int64)
@@ -305,7 +334,7 @@ class ChainSolution:
             j = self._inner_pick(a, length, m)
             block = self.problem.blocks[a]
             if j == 0:
-                a, length, m = a + 1, length - 1, m - block.saved_slots + block.grad_slots
+                a, length, m = a + 1, length - 1, m - block.replay_saved_slots + block.grad_slots
                 continue
             out.append(Element(start=a, stop=a + j, option=None, children=self._inner_layout(a, j, m)))
             a, length, m = a + j, length - j, m - block.input_slots + self.frame.grads(a, a + j)
@@ -345,7 +374,7 @@ class ChainSolution:
             return int(self.inner_choice[length][a, self.frame.column(m)])
         block, table = self.problem.blocks[0], self.inner.table
         m = min(m, self.frame.lo + self.frame.width - 1)
-        keep = self._at(table[length - 1 : length], [m - block.saved_slots + block.grad_slots])
+        keep = self._at(table[length - 1 : length], [m - block.replay_saved_slots + block.grad_slots])
         if length == 1:  # nothing after it: fits wherever the block's own need does
             keep[:] = -self.problem.stop_units()
         if m < (block.last_working_slots if length == 1 else block.working_slots) - block.grad_slots:
@@ -451,7 +480,7 @@ def _keep_first(blocks, rest: np.ndarray, frame: _Frame, rest_empty: bool,
     """Cost of keeping the first block of each row, then the rest region in what is left
     (``rest_empty``: nothing is left to run, which fits in any memory, even below ``lo``: the
     block is the region's last, its replay stops early and costs ``-saving``)."""
-    saved = np.array([b.saved_slots - b.grad_slots for b in blocks])
+    saved = np.array([b.replay_saved_slots - b.grad_slots for b in blocks])
     if rest_empty:
         need = np.array([b.last_working_slots - b.grad_slots for b in blocks])
         out = np.empty(rest.shape)
@@ -580,55 +609,64 @@ _NONE = -(1 << 60)
 def least_requirement(problem: ChainProblem) -> tuple[int, tuple[Element, ...]]:
     """Least free slots any layout needs (gradient-adjusted, as ``capacity_slots``) and one
     layout reaching it: a min-max DP over the same space as `solve_chain` (primes: minus the
-    gradients, as in the module docstring),
-    ``need[l][a] = min(max(work'_a, saved'_a + need[l-1][a+1]),
-                       min_{j<l} max(need[j][a], input'_[a,a+j) + need[l-j][a+j]))``,
-    ``need[1][a]`` the block's need as a region's last (`ChainBlock.last_working_slots`), with the
-    top level closing on the head's backward."""
+    gradients, as in the module docstring), with the replay of a segment starting at ``a``
+    (``first``) apart from the rest of a longer region starting there (``rest``):
+    ``first[l][a] = min(max(work'_a, held'_a + rest[l-1][a+1]), child)`` and ``rest`` the same
+    with the block's figures kept later in a replay (`ChainBlock.kept_slots`),
+    ``child = min_{j<l} max(first[j][a], input'_[a,a+j) + rest[l-j][a+j])``, of length 1 the
+    block's need as a region's last, with the top level closing on the head's backward over
+    ``first``."""
     blocks, n = problem.blocks, len(problem.blocks)
     gp = _frame(problem).grad_prefix
-    need = [np.full(n + 1, _NONE, dtype=np.int64)]
-    pick = [np.zeros(n + 1, dtype=np.int64)]
+    empty = np.full(n + 1, _NONE, dtype=np.int64)
+    first, rest, pick_first, pick_rest = [empty], [empty], [np.zeros(n + 1, dtype=np.int64)], [np.zeros(n + 1, dtype=np.int64)]
     inputs = np.array([b.input_slots for b in blocks], dtype=np.int64)
-    works = np.array([b.working_slots - b.grad_slots for b in blocks], dtype=np.int64)
-    lasts = np.array([b.last_working_slots - b.grad_slots for b in blocks], dtype=np.int64)
-    saves = np.array([b.saved_slots - b.grad_slots for b in blocks], dtype=np.int64)
+    grads = np.array([b.grad_slots for b in blocks], dtype=np.int64)
+    # per block (held, working, working as a region's last), kept first or later in a replay
+    kept = [np.array([b.kept_slots(f) for b in blocks], dtype=np.int64).reshape(n, 3) - grads[:, None]
+            for f in (True, False)]
     alike = len({b.byte_signature() for b in blocks}) <= 1
     for length in range(1, n + 1):
-        if alike:
-            best, choice = _least_alike(blocks[0], need, length)
-            need.append(np.full(n - length + 1, best, dtype=np.int64))
-            pick.append(np.full(n - length + 1, choice, dtype=np.int64))
-            continue
         rows = n - length + 1
-        best = np.maximum((lasts if length == 1 else works)[:rows], saves[:rows] + need[length - 1][1 : rows + 1])
-        choice = np.zeros(rows, dtype=np.int64)
+        if alike:
+            picked = _least_alike(blocks[0], first, rest, length)
+            for table, picks, (best, choice) in zip((first, rest), (pick_first, pick_rest), picked):
+                table.append(np.full(rows, best, dtype=np.int64))
+                picks.append(np.full(rows, choice, dtype=np.int64))
+            continue
+        after = rest[length - 1][1 : rows + 1]
+        child, choice = np.full(rows, -_NONE, dtype=np.int64), np.zeros(rows, dtype=np.int64)
         for j in range(1, length):
             held = inputs[:rows] - (gp[j : j + rows] - gp[:rows])
-            cand = np.maximum(need[j][:rows], held + need[length - j][j : j + rows])
-            better = cand < best
-            best, choice = np.where(better, cand, best), np.where(better, j, choice)
-        need.append(best)
-        pick.append(choice)
+            cand = np.maximum(first[j][:rows], held + rest[length - j][j : j + rows])
+            better = cand < child
+            child, choice = np.where(better, cand, child), np.where(better, j, choice)
+        for table, picks, own in ((first, pick_first, kept[0]), (rest, pick_rest, kept[1])):
+            keep = np.maximum(own[:rows, 2 if length == 1 else 1], own[:rows, 0] + after)
+            table.append(np.where(keep <= child, keep, child))
+            picks.append(np.where(keep <= child, 0, choice))
     with deep_recursion(n):
-        return _least_top(problem, need, pick, gp)
+        return _least_top(problem, first, (pick_first, pick_rest), gp)
 
 
-def _least_alike(block: ChainBlock, need, length: int) -> tuple[int, int]:
-    """One length of the alike-block table, every first child at once."""
+def _least_alike(block: ChainBlock, first, rest, length: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """One length of the alike-block tables (``first``, ``rest``: (need, pick) each), every first
+    child at once."""
     g = block.grad_slots
-    firsts = np.array([need[j][0] for j in range(length)], dtype=np.int64)
-    work = block.last_working_slots if length == 1 else block.working_slots
-    keep = max(work - g, block.saved_slots - g + int(firsts[length - 1]))
+    firsts = np.array([first[j][0] for j in range(length)], dtype=np.int64)
+    rests = np.array([rest[j][0] for j in range(length)], dtype=np.int64)
+    keeps = []
+    for held, work, last in (block.kept_slots(True), block.kept_slots(False)):
+        keeps.append(max((last if length == 1 else work) - g, held - g + int(rests[length - 1])))
     if length == 1:
-        return keep, 0
+        return (keeps[0], 0), (keeps[1], 0)
     js = np.arange(1, length)
-    cands = np.maximum(firsts[1:length], block.input_slots - js * g + firsts[length - 1 : 0 : -1])
+    cands = np.maximum(firsts[1:length], block.input_slots - js * g + rests[length - 1 : 0 : -1])
     j = int(np.argmin(cands))
-    return (keep, 0) if keep <= cands[j] else (int(cands[j]), j + 1)
+    return tuple((keep, 0) if keep <= cands[j] else (int(cands[j]), j + 1) for keep in keeps)  # type: ignore[return-value]
 
 
-def _least_top(problem: ChainProblem, need, pick, gp: np.ndarray) -> tuple[int, tuple[Element, ...]]:
+def _least_top(problem: ChainProblem, need, picks, gp: np.ndarray) -> tuple[int, tuple[Element, ...]]:
     blocks, n = problem.blocks, len(problem.blocks)
     top = [0] * n + [problem.post_slots]
     code = [0] * (n + 1)
@@ -646,18 +684,22 @@ def _least_top(problem: ChainProblem, need, pick, gp: np.ndarray) -> tuple[int, 
             layout.append(Element(start=a, stop=a + 1, option=blocks[a].options[-code[a] - 1].label))
             a += 1
         else:
-            layout.append(Element(start=a, stop=a + code[a], option=None, children=_least_inner(pick, a, code[a])))
+            layout.append(Element(start=a, stop=a + code[a], option=None, children=_least_inner(picks, a, code[a])))
             a += code[a]
     return top[0], tuple(layout)
 
 
-def _least_inner(pick, a: int, length: int) -> tuple[Element, ...]:
+def _least_inner(picks, a: int, length: int) -> tuple[Element, ...]:
+    """The children of the replay of a segment ``[a, a+length)`` (``picks``: the choices of the
+    ``first`` and ``rest`` tables of `least_requirement`)."""
     out: list[Element] = []
+    table = 0  # the segment's own replay; after its first element, the rest of it
     while length > 0:
-        j = int(pick[length][a])
+        j = int(picks[table][length][a])
+        table = 1
         if j == 0:
             a, length = a + 1, length - 1
             continue
-        out.append(Element(start=a, stop=a + j, option=None, children=_least_inner(pick, a, j)))
+        out.append(Element(start=a, stop=a + j, option=None, children=_least_inner(picks, a, j)))
         a, length = a + j, length - j
     return tuple(out)

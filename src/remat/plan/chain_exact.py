@@ -2,7 +2,10 @@
 
 Same plan space, recurrences and gradient adjustment as `remat.plan.chain_dp` (its docstring
 defines the tables ``inner[l][a]`` and ``top[a]``); the sizes are bytes, not slots, and nothing
-is rounded. Instead of an array over memory columns each entry is the list of its breakpoints,
+is rounded. A block kept first in its own segment's replay holds the input the checkpoint holds
+and it does not save, and needs it through its backward; kept after another block of a replay it
+does not (`remat.plan.chain_dp.ChainBlock.kept_slots`): ``inner[l]`` is the replay of a segment,
+``rest[l]`` what follows a replay's first element, the same tables where no block differs so. Instead of an array over memory columns each entry is the list of its breakpoints,
 ``(need, cost)`` pairs with ``need`` rising and ``cost`` falling (a Pareto set): with ``m`` free
 bytes the least extra ms is the cost of the last breakpoint whose need is <= m, infinite below
 the first. The recurrences become operations on these lists:
@@ -107,8 +110,9 @@ class ExactSolution:
     """The filled step functions; `cost(m)`, `layout(m)` and `curve()` read them (``m`` in
     gradient-adjusted free bytes, as `remat.plan.chain_dp.ChainProblem.capacity_slots`)."""
 
-    def __init__(self, problem: ChainProblem, inner: list[_Packed], top: list[_Top]):
+    def __init__(self, problem: ChainProblem, inner: list[_Packed], top: list[_Top], rest: list[_Packed] | None = None):
         self.problem, self.inner, self.top = problem, inner, top
+        self.rest = inner if rest is None else rest
 
     def cost(self, m: int) -> float:
         """Least extra ms with ``m`` free bytes (inf: nothing fits)."""
@@ -137,10 +141,12 @@ class ExactSolution:
         return tuple(out)
 
     def _children(self, length: int, point: int) -> tuple[Element, ...]:
-        """Recompute children of the replay of a region of ``length`` blocks at its ``point``."""
+        """Recompute children of the replay of a segment of ``length`` blocks at its ``point``
+        (in ``inner``; what follows its first element, in ``rest``)."""
         out: list[Element] = []
+        tables = self.inner
         while length > 0:
-            table = self.inner[length]
+            table, tables = tables[length], self.rest
             a, j = int(table.rows[point]), int(table.first[point])
             if j == 0:
                 length, point = length - 1, int(table.child[point])
@@ -155,11 +161,11 @@ def solve_exact(problem: ChainProblem, max_points: int = MAX_POINTS) -> ExactSol
     budget = _Budget(max_points)
     try:
         _pilot(problem, budget)
-        inner = _inner_tables(problem, budget)
+        inner, rest = _inner_tables(problem, budget)
         top = _top_tables(problem, inner, budget)
     except _TooLarge:
         return None
-    return ExactSolution(problem, inner, top)
+    return ExactSolution(problem, inner, top, rest)
 
 
 PILOT_BLOCKS = 16
@@ -178,7 +184,7 @@ def _pilot(problem: ChainProblem, budget: _Budget) -> None:
     joins = None if problem.joins is None else problem.joins[n - tail :]
     replayable = None if problem.replayable is None else problem.replayable[n - tail :]
     suffix = dataclasses.replace(problem, blocks=problem.blocks[n - tail :], joins=joins, replayable=replayable)
-    size = _top_tables(suffix, _inner_tables(suffix, budget), budget)[0].need.size
+    size = _top_tables(suffix, _inner_tables(suffix, budget)[0], budget)[0].need.size
     budget.expect(size * sum((len(b.options) + 1) * (n - a) / tail for a, b in enumerate(problem.blocks[: n - tail])))
 
 
@@ -199,65 +205,85 @@ class _Budget:
             raise _TooLarge
 
 
+class _Kept(NamedTuple):
+    """Per block, kept in a replay (gradient-adjusted): what it holds, its working set, and that
+    as the region's last (its replay stops early)."""
+
+    saved: np.ndarray
+    work: np.ndarray
+    last_work: np.ndarray
+
+
 class _Arrays(NamedTuple):
     """Per block, gradient-adjusted (the module docstring of `remat.plan.chain_dp`)."""
 
-    work: np.ndarray
-    saved: np.ndarray
+    first: _Kept
+    """Kept first in the replay of a segment starting at it (`remat.plan.chain_dp.ChainBlock.kept_slots`)."""
+    later: _Kept
+    """Kept after another block of the same replay."""
     inputs: np.ndarray
     grads: np.ndarray
     """Prefix sums of the gradients (N + 1)."""
     fwd: np.ndarray
     """Prefix sums of the forwards (N + 1)."""
-    last_work: np.ndarray
-    """Working sets as the last block of a replay region (its replay stops early)."""
     stop_saving: np.ndarray
-    """What that early stop takes off the replay (ms)."""
+    """What a region's last block's early stop takes off the replay (ms)."""
 
 
 def _arrays(problem: ChainProblem) -> _Arrays:
     blocks = problem.blocks
     grad = np.array([b.grad_slots for b in blocks], dtype=np.int64)
+
+    def kept(first: bool) -> _Kept:
+        columns = np.array([b.kept_slots(first) for b in blocks], dtype=np.int64).reshape(len(blocks), 3)
+        return _Kept(*(columns[:, k] - grad for k in range(3)))
+
     return _Arrays(
-        work=np.array([b.working_slots for b in blocks], dtype=np.int64) - grad,
-        saved=np.array([b.saved_slots for b in blocks], dtype=np.int64) - grad,
+        first=kept(True),
+        later=kept(False),
         inputs=np.array([b.input_slots for b in blocks], dtype=np.int64),
         grads=np.concatenate([[0], np.cumsum(grad)]).astype(np.int64),
         fwd=np.concatenate([[0.0], np.cumsum([b.fwd_ms for b in blocks])]),
-        last_work=np.array([b.last_working_slots for b in blocks], dtype=np.int64) - grad,
         stop_saving=np.array([b.stop_saving_ms for b in blocks], dtype=float),
     )
 
 
-def _inner_tables(problem: ChainProblem, budget: _Budget) -> list[_Packed]:
-    """``inner[l]``: least replay ms of every region of ``l`` blocks by free bytes, all regions
-    of one length at once, up to the longest segment the joins allow (longer ones are unused)."""
+def _inner_tables(problem: ChainProblem, budget: _Budget) -> tuple[list[_Packed], list[_Packed]]:
+    """``inner[l]``: least replay ms of every segment of ``l`` blocks by free bytes, all regions
+    of one length at once, up to the longest segment the joins allow (longer ones are unused);
+    and ``rest[l]``, the same for what follows a replay's first element, whose first block, if
+    kept, comes after another block of the replay (`remat.plan.chain_dp.ChainBlock.kept_slots`;
+    ``rest`` is ``inner`` where no block's figures differ so)."""
     n, arr = len(problem.blocks), _arrays(problem)
     longest = max((problem.longest_segment(a) for a in range(n)), default=0)
     none = np.zeros(0, dtype=np.int64)
     inner = [_pack(none, none, np.zeros(0), n + 1, (none, none, none))]
+    alike = all(np.array_equal(x, y) for x, y in zip(arr.first, arr.later))
+    rest = inner if alike else list(inner)
     for length in range(1, longest + 1):
         rows = n - length + 1
-        parts = [_keep_first(inner[length - 1], arr, rows, length)]
-        parts += [_child_first(inner[j], inner[length - j], arr, rows, j, problem.segment_ms) for j in range(1, length)]
-        group, need, cost, first, child, rest = (np.concatenate(column) for column in zip(*parts))
-        budget.spend(need.size)
-        kept = _row_frontier(group, need, cost, rows)
-        inner.append(_pack(group[kept], need[kept], cost[kept], rows, (first[kept], child[kept], rest[kept])))
+        children = [_child_first(inner[j], rest[length - j], arr, rows, j, problem.segment_ms) for j in range(1, length)]
+        own = [(inner, arr.first)] + ([] if alike else [(rest, arr.later)])
+        for tables, kept in own:
+            parts = [_keep_first(rest[length - 1], kept, arr.stop_saving, rows, length)] + children
+            group, need, cost, first, child, after = (np.concatenate(column) for column in zip(*parts))
+            budget.spend(need.size)
+            index = _row_frontier(group, need, cost, rows)
+            tables.append(_pack(group[index], need[index], cost[index], rows, (first[index], child[index], after[index])))
         # a longer length merges at least as many points per region and first child
         per_child = need.size / (rows * length)
-        budget.expect(per_child * sum((n - k + 1) * k for k in range(length + 1, longest + 1)))
-    return inner
+        budget.expect(len(own) * per_child * sum((n - k + 1) * k for k in range(length + 1, longest + 1)))
+    return inner, rest
 
 
-def _keep_first(shorter: _Packed, arr: _Arrays, rows: int, length: int):
+def _keep_first(shorter: _Packed, kept: _Kept, stop_saving: np.ndarray, rows: int, length: int):
     """Points of keeping block ``a`` first in region ``[a, a+length)``: the rest of the region
-    (row ``a + 1`` of ``shorter``) after its saved bytes, from its working set on."""
+    (row ``a + 1`` of ``shorter``) after its held bytes, from its working set on."""
     if length == 1:  # the region's last block: its replay stops early
         a, none = np.arange(rows), np.full(rows, -1)
-        return a, arr.last_work[:rows], -arr.stop_saving[:rows], np.zeros(rows, dtype=np.int64), none, none
+        return a, kept.last_work[:rows], -stop_saving[:rows], np.zeros(rows, dtype=np.int64), none, none
     group, need, index = shorter.part(1, rows)
-    need = np.maximum(need + arr.saved[group], arr.work[group])
+    need = np.maximum(need + kept.saved[group], kept.work[group])
     zeros, none = np.zeros(group.size, dtype=np.int64), np.full(group.size, -1)
     return group, need, shorter.cost[index], zeros, index, none
 

@@ -95,8 +95,9 @@ class ChainBuilder:
             for i, block in enumerate(self.profile.blocks):
                 keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
                 replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
-                sizes += [replay.retained_bytes, keep.retained_bytes, replay_working_bytes(block),
-                          stopped_replay_working_bytes(block), released_grad_bytes(block)]
+                sizes += [replay.retained_bytes, keep.retained_bytes, block.unsaved_input_bytes, replay_working_bytes(block),
+                          stopped_replay_working_bytes(block), replay_working_bytes(block, first=False),
+                          stopped_replay_working_bytes(block, first=False), released_grad_bytes(block)]
                 sizes += self.options()[i].retained_bytes.tolist() + self.options()[i].working_bytes.tolist()
             self._sizes = sizes
         return self._sizes
@@ -109,8 +110,9 @@ class ChainBuilder:
         b = self.profile.blocks[i]
         keep = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="keep"))
         replay = cost_of(self.profile, i, Segment(start=i, stop=i + 1, strategy="recompute"))
-        return (replay.retained_bytes, keep.retained_bytes, replay_working_bytes(b), stopped_replay_working_bytes(b),
-                released_grad_bytes(b))
+        return (replay.retained_bytes, keep.retained_bytes, b.unsaved_input_bytes, replay_working_bytes(b),
+                stopped_replay_working_bytes(b), replay_working_bytes(b, first=False),
+                stopped_replay_working_bytes(b, first=False), released_grad_bytes(b))
 
     def keep_need(self) -> int:
         """Gradient-adjusted bytes keeping every block needs (`FixedPart.peak_bytes` of it is
@@ -180,12 +182,16 @@ class ChainBuilder:
         return ChainBlock(
             input_slots=need(replay.retained_bytes, quantum),
             saved_slots=need(keep.retained_bytes, quantum),
+            # none in the relaxed problem: the slot tables count them wherever the block is kept
+            unsaved_slots=0 if relax else need(block.unsaved_input_bytes, quantum),
             working_slots=need(replay_working_bytes(block), quantum),
             # a whole replay (a single-block segment's cost stops early); the segment pays the call once
             fwd_ms=block.fwd_ms + block.recompute_overhead_ms - self.profile.checkpoint_call_ms,
             options=options,
             grad_slots=grad(released_grad_bytes(block), quantum),
             stop_working_slots=need(stopped_replay_working_bytes(block), quantum),
+            later_working_slots=need(replay_working_bytes(block, first=False), quantum),
+            later_stop_working_slots=need(stopped_replay_working_bytes(block, first=False), quantum),
             stop_saving_ms=block.fwd_ms - stopped_replay_ms(block),
         )
 

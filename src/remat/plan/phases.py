@@ -60,17 +60,28 @@ def replay_base_bytes(block: BlockProfile) -> int:
     return block.output_grad_bytes if block.bwd_start_temp_bytes is None else block.bwd_start_temp_bytes
 
 
-def replay_working_bytes(block: BlockProfile) -> int:
+def replay_working_bytes(block: BlockProfile, first: bool = True) -> int:
     """Bytes a block needs when its forward is replayed in backward: its saved bytes plus the
     larger of its backward temporaries and its forward temporaries on top of what is live when
     its backward starts (`replay_base_bytes`: the replay's peak; the forward temporaries are
     measured from the forward's start, when the inputs it saves already existed:
     `saved_input_bytes` are added back, 17 KiB of GPT-NeoX's replay); plus its ``entry_bytes``
     and the inputs its checkpoint holds that its saved bytes leave out (``unsaved_input_bytes``);
-    at least `between_phase_bytes`."""
+    at least `between_phase_bytes`. ``first``: the block starts the checkpoint replayed, which
+    holds those inputs through its backward; after another block of the same replay
+    (``first=False``) its inputs come from the replay and what it does not save of them is live
+    in its forward only (an adapter's input, read by a frozen matmul and a residual add)."""
     forward = block.fwd_temp_bytes + replay_base_bytes(block) + saved_input_bytes(block)
-    replay = block.saved_bytes + max(block.bwd_temp_bytes, forward)
-    return max(replay + block.entry_bytes + block.unsaved_input_bytes, between_phase_bytes(block))
+    return _replay_need(block, forward, first)
+
+
+def _replay_need(block: BlockProfile, forward: int, first: bool) -> int:
+    unsaved = block.unsaved_input_bytes
+    if first:
+        replay = block.saved_bytes + max(block.bwd_temp_bytes, forward) + unsaved
+    else:
+        replay = block.saved_bytes + max(block.bwd_temp_bytes, forward + unsaved)
+    return max(replay + block.entry_bytes, between_phase_bytes(block))
 
 
 def replay_stop(block: BlockProfile) -> int:
@@ -79,7 +90,7 @@ def replay_stop(block: BlockProfile) -> int:
     return len(block.ops) if block.replay_stop_calls is None else min(block.replay_stop_calls, len(block.ops))
 
 
-def stopped_replay_working_bytes(block: BlockProfile) -> int:
+def stopped_replay_working_bytes(block: BlockProfile, first: bool = True) -> int:
     """`replay_working_bytes` of a replay that stops at `replay_stop`: its forward term is cut
     where the forward's live curve (`BlockProfile.fwd_live_bytes`) is cut, so it falls by how far
     the curve's peak after the stop rises above its peak before it (the outputs and temporaries
@@ -87,12 +98,10 @@ def stopped_replay_working_bytes(block: BlockProfile) -> int:
     curve = block.fwd_live_bytes
     stop = replay_stop(block)
     if stop >= len(block.ops) or len(curve) != len(block.ops):
-        return replay_working_bytes(block)
+        return replay_working_bytes(block, first)
     drop = max(0, max(curve) - max(curve[:stop], default=0))
     forward = block.fwd_temp_bytes - drop + replay_base_bytes(block) + saved_input_bytes(block)
-    replay = block.saved_bytes + max(block.bwd_temp_bytes, forward)
-    return min(max(replay + block.entry_bytes + block.unsaved_input_bytes, between_phase_bytes(block)),
-               replay_working_bytes(block))
+    return min(_replay_need(block, forward, first), replay_working_bytes(block, first))
 
 
 def stopped_replay_ms(block: BlockProfile) -> float:

@@ -192,7 +192,8 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             working = cost.working_bytes
             if replay and seg.kind == "keep":  # kept inside a replay: its forward runs again
                 last = stopped and seg.start == stop - 1
-                working = (stopped_replay_working_bytes if last else replay_working_bytes)(profile.blocks[seg.start])
+                first = seg.start == start  # else its inputs come from the replay, not the checkpoint
+                working = (stopped_replay_working_bytes if last else replay_working_bytes)(profile.blocks[seg.start], first)
             elif seg.kind == "keep":  # its backward, or its forward (no gradient, the shared tensors live)
                 working = working_bytes(profile.blocks[seg.start]) - unheld
                 unheld = 0
@@ -200,6 +201,8 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             need = held + working - unheld + grad_bytes_live(profile, seg.start)
             candidate = _Peak(bytes=need, block=seg.start, working_bytes=working)
             held += cost.retained_bytes
+            if replay and seg.start == start:  # the checkpoint holds the region's input to its end
+                held += profile.blocks[seg.start].unsaved_input_bytes
         # backward runs in reverse: on a tie the later block reaches the peak first
         if (candidate.bytes, candidate.block) > (best.bytes, best.block):
             best = candidate

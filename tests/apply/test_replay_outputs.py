@@ -1,0 +1,85 @@
+"""A replay hands each block's output to the next block and lets it go: nothing reads a replay's
+outputs (`remat.checkpointing.region.replaying`, `remat.apply.runtime.Runtime.run_plain`).
+Held to the end of the replay, as the forward must hold them for the model's code, they kept
+every nested parent's outputs alive: plans three and four segments deep measured 5-18 % over
+their predictions, the least-peak plan over its budget."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat.checkpointing.region import replaying
+from remat.plan.planners import make_plan
+from remat.plan.types import Segment
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(replaying())
+        return F.relu(x + self.fc2(F.relu(self.fc1(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 64)
+        self.blocks = nn.Sequential(*[Residual() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.stem(x)).pow(2).mean()
+
+
+def _r(a: int, b: int, *children: Segment) -> Segment:
+    return Segment(start=a, stop=b, strategy="recompute", children=children)
+
+
+@pytest.fixture(scope="module")
+def net():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(512, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, x, optimizer, remat.profile(model, x, None, optimizer, repeats=1)
+
+
+@pytest.mark.parametrize("segments", [
+    (_r(0, 3), Segment(start=3, stop=4, strategy="keep")),
+    (_r(0, 3, _r(0, 2)), Segment(start=3, stop=4, strategy="keep")),
+    (_r(0, 3, _r(0, 2, _r(0, 1))), Segment(start=3, stop=4, strategy="keep")),
+    (_r(0, 4, _r(0, 3, _r(0, 2, _r(0, 1)))),),
+], ids=["flat", "two deep", "three deep", "four deep"])
+def test_nested_replays_measure_as_predicted(net, segments):
+    model, x, optimizer, prof = net
+    check = remat.verify(model, x, make_plan(prof, segments, "optimal", None), None, optimizer, repeats=1)
+    assert check.ok and check.grads_identical
+    assert check.measured_peak_bytes == check.predicted_peak_bytes
+
+
+def test_the_least_peak_plan_fits_its_budget(net):
+    model, x, optimizer, prof = net
+    least = remat.pareto(prof)[-1].prediction.peak_bytes
+    check = remat.verify(model, x, remat.plan(prof, budget=least), None, optimizer, repeats=1)
+    assert check.ok and check.measured_peak_bytes == check.predicted_peak_bytes <= least
+
+
+def test_blocks_see_whether_they_are_replayed(net):
+    """One step of a plan recomputing blocks 0-1 as a segment and keeping 2-3: the forward runs
+    each block once outside a replay, the backward replays 0 and 1."""
+    model, x, optimizer, prof = net
+    segments = (_r(0, 2), Segment(start=2, stop=3, strategy="keep"), Segment(start=3, stop=4, strategy="keep"))
+    applied = remat.apply_(copy.deepcopy(model), make_plan(prof, segments, "optimal", None))
+    for block in applied.blocks:
+        block.seen.clear()
+    applied(x).backward()
+    assert [block.seen for block in applied.blocks] == [[False, True], [False, True], [False], [False]]
+    assert not replaying()
