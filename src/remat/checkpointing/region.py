@@ -100,10 +100,17 @@ class BufferGuard:
         return self.known.get(self._key()) == []
 
     @contextlib.contextmanager
-    def forward(self) -> Iterator[None]:
-        """The region's forward: the first one in a training mode learns what it changes."""
+    def forward(self, call: _Call | None = None) -> Iterator[None]:
+        """The region's forward: the first one in a training mode learns what it changes. With
+        ``call`` (one per checkpointed call, shared with its `replay`): the values the forward
+        starts from of the buffers it changes that are copied, not swapped (`_plan`)."""
         key = self._key()
         if key in self.known:
+            if call is not None and self.known[key]:
+                _, copied = self._plan(key, self.known[key])
+                if copied:
+                    with _outside_modes():
+                        call.before = [b.detach().clone() for b in copied]
             yield
             return
         buffers = [b for block in self.blocks for b in block.buffers()]
@@ -112,15 +119,22 @@ class BufferGuard:
         yield
         with _outside_modes():
             self.known[key] = [b for b, v in zip(buffers, before) if not torch.equal(b, v)]
+        if call is not None and self.known[key]:
+            _, copied = self._plan(key, self.known[key])
+            start = {id(b): v for b, v in zip(buffers, before)}
+            call.before = [start[id(b)] for b in copied]
 
     @contextlib.contextmanager
-    def replay(self) -> Iterator[None]:
+    def replay(self, call: _Call | None = None) -> Iterator[None]:
         """The region's replay: the buffers its forward changes are put back after it.
 
         A training BatchNorm's running statistics are not read by its forward (it normalizes by
         the batch's statistics), so the replay updates stand-ins instead: the module's buffers
         are swapped for scratch tensors of the same shape and swapped back, with no copy. Any
-        other buffer the forward changes is copied before the replay and restored after it."""
+        other buffer the forward changes may be read by it (spectral norm's power-iteration
+        vectors, which the forward advances and then uses): the replay runs from the values the
+        forward started from (``call.before``, copied by `forward`), and the buffers get back the
+        values they had before the replay."""
         key = self._key()
         known = self.known.get(key)
         if not known:
@@ -131,6 +145,9 @@ class BufferGuard:
         if copied:
             with _outside_modes():
                 saved = [b.detach().clone() for b in copied]
+                if call is not None and call.before is not None:
+                    for buf, value in zip(copied, call.before):
+                        buf.copy_(value)
         for module, name, _, scratch in swaps:
             module._buffers[name] = scratch
         try:
@@ -165,6 +182,15 @@ class BufferGuard:
 
 _Swap = tuple[nn.Module, str, torch.Tensor, torch.Tensor]
 """(module, buffer name, the buffer, its scratch stand-in)."""
+
+
+class _Call:
+    """One checkpointed call's state shared by its forward and its replay."""
+
+    __slots__ = ("before",)
+
+    def __init__(self) -> None:
+        self.before: list[torch.Tensor] | None = None
 
 
 def checkpointed(body: Body, first: Any, extra: tuple[Any, ...], *, guard: BufferGuard,
@@ -227,7 +253,8 @@ def _guarded(guard: BufferGuard, context_fn: Callable[[], tuple[Any, Any]] | Non
     replay = _both(_ReplayMark(), inner[1])
     if guard.idle():
         return inner[0], replay
-    return _both(guard.forward(), inner[0]), _both(guard.replay(), replay)
+    call = _Call()
+    return _both(guard.forward(call), inner[0]), _both(guard.replay(call), replay)
 
 
 _REPLAYS = threading.local()
