@@ -87,11 +87,15 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True) if t.device.type != "meta" else t.detach().clone()
 
 
-def _host_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+def _host_state(state_dict: Any) -> Any:
     """A deep copy of an optimizer state dict with its tensors on the host (loading it back
-    casts them to each parameter's device, as `torch.optim.Optimizer.load_state_dict` does)."""
-    state = {
-        key: {name: _host_copy(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v) for name, v in entry.items()}
-        for key, entry in state_dict["state"].items()
-    }
-    return {"state": state, "param_groups": copy.deepcopy(state_dict["param_groups"])}
+    casts them to each parameter's device, as `torch.optim.Optimizer.load_state_dict` does).
+    Any nesting of dicts, lists and tuples is copied so: an optimizer that wraps others (one
+    for sparse gradients, one for dense) may lay its state dict out as it likes."""
+    if isinstance(state_dict, torch.Tensor):
+        return _host_copy(state_dict)
+    if isinstance(state_dict, dict):
+        return {k: _host_state(v) for k, v in state_dict.items()}
+    if type(state_dict) in (list, tuple):
+        return type(state_dict)(_host_state(v) for v in state_dict)
+    return copy.deepcopy(state_dict)

@@ -7,6 +7,8 @@ meta-device estimate counts exactly what a real run counts.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,6 +41,8 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
         return [t for v in value for t in tensors_in(v)]
     if hasattr(value, "to_tuple"):  # Hugging Face ModelOutput
         return tensors_in(value.to_tuple())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in tensors_in(getattr(value, f.name, None))]
     return []
 
 

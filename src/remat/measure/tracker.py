@@ -36,7 +36,7 @@ from remat._batch import batch_tensors, model_device
 from remat.measure.blocks import Blocks, find_blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.saved import SavedAccountant
-from remat.measure.storage import flat_tensors, storage_key, storage_nbytes
+from remat.measure.storage import flat_tensors, storage_key, storage_nbytes, tensors_in
 from remat.measure.types import MemoryEvent
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
@@ -292,13 +292,18 @@ class StepTracking:
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """The optimizer's per-parameter state tensors, without 0-dim step counters."""
+    """The optimizer's per-parameter state tensors, without 0-dim step counters. An optimizer
+    that wraps others and keeps no state of its own, its state dict laid out its own way, has
+    the tensors of its state dict (those of the optimizers it wraps)."""
     if optimizer is None:
         return []
-    return [
+    found = [
         value for state in optimizer.state.values() for value in state.values()
         if isinstance(value, torch.Tensor) and value.dim() > 0
     ]
+    if found or type(optimizer).state_dict is torch.optim.Optimizer.state_dict:
+        return found
+    return [t for t in tensors_in(optimizer.state_dict()) if t.dim() > 0]
 
 
 def track_step(step: Callable[[], Any], *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
