@@ -289,3 +289,40 @@ def test_a_model_that_differs_from_itself_is_said_to():
     assert not check.ok and not check.grads_identical
     assert "the model without a plan is not deterministic: two of its runs from the same weights and seed differ" \
         in check.tolerance_reason
+
+
+class _SparseEmbedding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8, sparse=True)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = h + block(h)
+        return h.square().mean()
+
+
+def test_a_sparse_gradient_is_compared_densely():
+    """``nn.Embedding(sparse=True)`` (trained with SGD or SparseAdam) gives a sparse gradient,
+    on which verify's comparison raised NotImplementedError."""
+    torch.manual_seed(0)
+    model, idx = _SparseEmbedding(), torch.randint(0, 16, (4, 6))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = remat.profile(model, idx, None, optimizer, repeats=1)
+    check = remat.verify(model, idx, make_plan(prof, strategy="full"), None, optimizer, repeats=1)
+    assert check.ok and check.grads_identical and check.grad_max_abs_diff == 0.0
+
+
+def test_complex_differences_count_their_imaginary_parts():
+    """``.double()`` dropped the imaginary part: gradients 9 apart in it compared as equal, and a
+    NaN there went unreported."""
+    from remat.verify import _max_abs_diff, _nonfinite
+
+    a = torch.tensor([1 + 1j, 2 + 2j], dtype=torch.cfloat)
+    b = torch.tensor([1 + 5j, 2 - 7j], dtype=torch.cfloat)
+    assert _max_abs_diff([a], [b]) == 9.0 and _max_abs_diff([a], [a.clone()]) == 0.0
+    nan = torch.tensor([1 + float("nan") * 1j], dtype=torch.cfloat)
+    assert _max_abs_diff([nan], [nan]) == float("inf")
+    assert _nonfinite("planned", "gradient", [nan], ["w"]) == ["planned run: gradient w holds 1 NaN and 0 Inf of 1 values"]

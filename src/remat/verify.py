@@ -112,7 +112,9 @@ def _max_abs_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) ->
         if x.shape != y.shape:
             return float("inf")
         if x.numel():
-            x, y = x.detach().double(), y.detach().double()
+            x, y = x.detach(), y.detach()
+            # complex gradients keep their imaginary parts (``.double()`` would drop them)
+            x, y = (x.cdouble(), y.cdouble()) if x.is_complex() or y.is_complex() else (x.double(), y.double())
             if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
                 return float("inf")
             worst = max(worst, float((x - y).abs().max()))
@@ -123,7 +125,7 @@ def _nonfinite(run: str, what: str, tensors: list[torch.Tensor | None], names: l
     """One line per tensor of ``tensors`` holding NaN or Inf: which run, which tensor, how many."""
     found = []
     for name, t in zip(names, tensors):
-        if t is None or not t.is_floating_point() or not t.numel():
+        if t is None or not (t.is_floating_point() or t.is_complex()) or not t.numel():
             continue
         t = t.detach()
         nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
@@ -191,7 +193,9 @@ class _Run:
         loss.backward()
         # a planned head returns no logits: of the outputs, only the loss (compared apart) is left
         outputs = [t.detach().clone() for t in _float_tensors(output)] if self.plan.head == "keep" else []
-        grads = [None if p.grad is None else p.grad.clone() for p in self.model.parameters()]
+        # a sparse embedding's gradient is compared densely
+        grads = [None if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
+                 for p in self.model.parameters()]
         loss = loss.detach()
         del output
         if self.optimizer is not None:
@@ -282,7 +286,7 @@ def _rel_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     """max|a - b| / max|b| (normwise relative difference; inf when only one exists)."""
     if a is None or b is None:
         return 0.0 if a is b else float("inf")
-    scale = float(b.detach().double().abs().max()) if b.numel() else 0.0
+    scale = float(b.detach().abs().double().max()) if b.numel() else 0.0
     diff = _max_abs_diff([a], [b])
     if diff == float("inf"):
         return diff
