@@ -217,6 +217,33 @@ def test_auto_profiles_plans_and_applies_within_the_budget():
         auto_(built.model, built.batch, budget="85%")
 
 
+class _Named(torch.nn.Module):
+    """Blocks in a ModuleDict iterated by key: no stack is found, the user names them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = torch.nn.ModuleDict({k: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for k in "abc"})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages.values():
+            x = x + stage(x)
+        return x.square().mean()
+
+
+def test_auto_takes_the_blocks_the_user_names():
+    """``auto_`` had no ``blocks=``: a model whose blocks remat cannot find (the error says to
+    pass ``blocks=``) could be profiled and applied by hand, never by ``auto_``."""
+    from remat.apply.api import applied_plan, auto_
+
+    torch.manual_seed(0)
+    model, x = _Named(), torch.randn(512, 8)
+    with pytest.raises(ValueError, match="no blocks found"):
+        auto_(model, x, budget="90%")
+    assert applied_plan(model) is None
+    plan = auto_(model, x, budget="90%", strategy="full", blocks="stages.*")
+    assert plan.block_names == ("stages.a", "stages.b", "stages.c") and applied_plan(model) is plan
+
+
 def test_offload_to_disk_moves_saved_tensors_and_keeps_gradients(tmp_path):
     from remat.apply.api import RUNTIME_ATTR
     from remat.models import build

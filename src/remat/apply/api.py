@@ -15,6 +15,7 @@ stay as they are, and ``remove_`` restores every ``forward`` exactly and takes t
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -209,7 +210,8 @@ def applied(model: nn.Module, plan: Plan, **options: Any):
 
 def auto_(model: nn.Module, batch: Any, loss_fn: LossFn | None = None,
           optimizer: torch.optim.Optimizer | None = None, budget: str | int = "50%",
-          strategy: str = "optimal", *, grad_accumulation: bool = False) -> Plan:
+          strategy: str = "optimal", *, grad_accumulation: bool = False,
+          blocks: str | Sequence[str] | None = None) -> Plan:
     """Profile ``model`` on ``batch``, plan the fastest step within ``budget``, apply it; return the plan.
 
     The budget-driven counterpart of Hugging Face's ``gradient_checkpointing_enable()``: ``budget``
@@ -218,14 +220,15 @@ def auto_(model: nn.Module, batch: Any, loss_fn: LossFn | None = None,
     The plan may run a language model's head chunked (`remat.plan.types.Plan.head`): its output
     then carries no logits in training. ``grad_accumulation``: several micro-batches per
     optimizer step, so the plan is for a micro-batch whose gradients add to the earlier ones'
-    (`remat.profile`'s option; a share of the peak is then of that step's)."""
+    (`remat.profile`'s option; a share of the peak is then of that step's). ``blocks``: which
+    modules are blocks, as `remat.profile` takes it (globs or class names; None: found)."""
     from remat.measure.profile import profile as measure
     from remat.plan.budget import parse_budget
     from remat.plan.planners import plan as make_plan
 
     if is_applied(model):
         raise ValueError(f"{type(model).__name__} already has a remat plan applied; call remat.remove_(model) first.")
-    prof = measure(model, batch, loss_fn=loss_fn, optimizer=optimizer, grad_accumulation=grad_accumulation)
+    prof = measure(model, batch, loss_fn=loss_fn, optimizer=optimizer, grad_accumulation=grad_accumulation, blocks=blocks)
     the_plan = make_plan(prof, budget=parse_budget(budget, prof.peak_bytes), strategy=strategy)
     apply_(model, the_plan, batch=batch)
     return the_plan
