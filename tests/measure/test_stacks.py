@@ -86,7 +86,8 @@ class Experts(nn.Module):
 
 
 @pytest.mark.parametrize("cls, expected", [
-    (Stage, [("stages.0.blocks", 0, 2), ("stages.1.blocks", 2, 4)]),  # nested chains: one stack per stage
+    # nested chains: one stack per stage, its downsampling a block of the stage's run
+    (Stage, [("stages.0.blocks", 0, 3), ("stages.1.blocks", 3, 6)]),
     (Experts, [("stages", 0, 2)]),  # nested lists that are no chain: the outer list
 ])
 def test_nested_stacks_are_used_when_they_run_as_chains(cls, expected):
@@ -151,12 +152,13 @@ def test_discovery_runs_no_backward_and_leaves_the_model_alone():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("cls", [Stage, Experts])
-def test_discovery_frees_the_forward_it_ran_without_waiting_for_the_collector(cls):
-    """The traced forward's activations go when discovery returns: the profile's warm-up step
+@pytest.mark.parametrize("cls, forwards", [(Stage, 2), (Experts, 1)])
+def test_discovery_frees_the_forward_it_ran_without_waiting_for_the_collector(cls, forwards):
+    """The traced forwards' activations go when discovery returns: the profile's warm-up step
     runs next, and a graph kept alive until the cyclic collector ran (a recursive closure over
     the trace) held a second forward's worth of memory through it (6-9 s for that step on a
-    16-layer GPT, one step's 0.8 s)."""
+    16-layer GPT, one step's 0.8 s). A second forward sees the layers beside the stacks (the
+    stages' downsampling)."""
     model = nn.Module()
     model.stages = nn.ModuleList(cls() for _ in range(2))
     outputs = []
@@ -172,7 +174,7 @@ def test_discovery_frees_the_forward_it_ran_without_waiting_for_the_collector(cl
     gc.disable()
     try:
         found = discover(model, None, lambda: forward(x))
-        assert len(outputs) == 1 and outputs[0]() is None
+        assert len(outputs) == forwards and all(ref() is None for ref in outputs)
     finally:
         gc.enable()
     assert found.blocks
@@ -355,3 +357,121 @@ def test_a_list_whose_members_never_run_is_named_as_such():
                                          r"nothing to plan\)") as caught:
         _run(ReadOnly())
     assert "To plan them" not in str(caught[0].message)  # no advice that cannot work
+
+
+class _Res(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.conv(x))
+
+
+class _Mid(nn.Module):
+    """A U-Net mid block: ResNet unit, attention (a list of one), ResNet unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(_Res() for _ in range(2))
+        self.attentions = nn.ModuleList([_Res()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.resnets[1](self.attentions[0](self.resnets[0](x)))
+
+
+class _UpStage(nn.Module):
+    """A VAE decoder stage: ResNet units, then an upsampler after an interpolation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(_Res() for _ in range(2))
+        self.upsamplers = nn.ModuleList([nn.Conv2d(4, 4, 3, padding=1)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for unit in self.resnets:
+            x = unit(x)
+        return self.upsamplers[0](nn.functional.interpolate(x, scale_factor=2.0))
+
+
+class _Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(4, 4, 1)
+        self.mid = _Mid()
+        self.up_blocks = nn.ModuleList(_UpStage() for _ in range(2))
+        self.out = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.mid(self.embed(x))
+        for stage in self.up_blocks:
+            x = stage(x)
+        return self.out(x).square().mean()
+
+
+def test_layers_beside_the_stacks_are_blocks_of_their_runs():
+    """Descending into the ResNet units of a decoder's stages left each stage's upsampler, and
+    the mid block's attention (a list of one, no stack), in the fixed part, never recomputed:
+    the upsampler's output at twice the resolution is the decoder's largest. They are blocks
+    of the runs they sit in now; the attention takes the unit before's output, so a segment may
+    span it, the upsampler (after an interpolation) may not. The layers before and after every
+    stack (a stem, an output convolution) stay in the fixed part."""
+    model, x = _Decoder(), torch.randn(2, 4, 8, 8)
+    found = discover(model, None, lambda: model(x))
+    assert [name for name, _ in found.blocks] == [
+        "mid.resnets.0", "mid.attentions.0", "mid.resnets.1",
+        "up_blocks.0.resnets.0", "up_blocks.0.resnets.1", "up_blocks.0.upsamplers.0",
+        "up_blocks.1.resnets.0", "up_blocks.1.resnets.1", "up_blocks.1.upsamplers.0"]
+    assert [(s.name, s.start, s.stop) for s in found.stacks] == [
+        ("mid.resnets", 0, 3), ("up_blocks.0.resnets", 3, 6), ("up_blocks.1.resnets", 6, 9)]
+    assert found.follows_previous == (False, True, True, False, True, False, False, True, False)
+
+
+class _Transformer2D(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(2, 4)
+        self.proj_in = nn.Linear(4, 4)
+        self.transformer_blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(2))
+        self.proj_out = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        y = self.proj_in(self.norm(x).permute(0, 2, 3, 1).reshape(b, h * w, c))
+        for block in self.transformer_blocks:
+            y = block(y)
+        return x + self.proj_out(y).reshape(b, h, w, c).permute(0, 3, 1, 2)
+
+
+class _DownStage(nn.Module):
+    """A U-Net down stage: a ResNet unit and an attention (lists of one), then a downsampler."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList([_Res()])
+        self.attentions = nn.ModuleList([_Transformer2D()])
+        self.downsamplers = nn.ModuleList([nn.Conv2d(4, 4, 3, stride=2, padding=1)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.downsamplers[0](self.attentions[0](self.resnets[0](x)))
+
+
+def test_a_stage_descended_into_keeps_every_layer_around_its_nested_stack():
+    """Each stage holds a stack two levels down (its attention's transformer blocks): remat
+    descended to them and planned nothing else of the stage (its ResNet unit, the attention's
+    norm and projections, the downsampler). Every one is a block of the stage's run now, in the
+    order the forward runs them."""
+    model = nn.Module()
+    model.stages = nn.ModuleList(_DownStage() for _ in range(2))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for stage in model.stages:
+            x = stage(x)
+        return x.square().mean()
+
+    found = discover(model, None, lambda: forward(torch.randn(2, 4, 8, 8)))
+    layers = ["resnets.0", "attentions.0.norm", "attentions.0.proj_in", "attentions.0.transformer_blocks.0",
+              "attentions.0.transformer_blocks.1", "attentions.0.proj_out", "downsamplers.0"]
+    assert [name for name, _ in found.blocks] == [f"stages.{i}.{layer}" for i in range(2) for layer in layers]
+    assert [(s.name, s.start, s.stop) for s in found.stacks] == [
+        ("stages.0.attentions.0.transformer_blocks", 0, 7), ("stages.1.attentions.0.transformer_blocks", 7, 14)]

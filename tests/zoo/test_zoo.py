@@ -102,15 +102,15 @@ def test_swin_selective_block_after_a_recomputed_one_stops_its_replay_at_its_las
     """Swin's block 1 returns what the patch merging before the next stage only reads; its last
     op call comes after its last saved tensor, where a selective replay stops
     (`Segment.stops_early`). So no knapsack point caches it, a plan naming it by hand drops it
-    (it would be cached and never fetched), and with block 0 recomputed and the next stage
-    kept, the knapsack points are predicted to the byte, their replays counted call for call."""
+    (it would be cached and never fetched), and with block 0 recomputed and the patch merging
+    and the next stage kept, the knapsack points are predicted to the byte, their replays counted call for call."""
     zoo, prof, _ = profiled("swin")
     block = prof.blocks[1]
     last = block.ops[-1].key
     assert block.replay_stop_calls < len(block.ops)
     points = [s for s in block_options(prof, 1) if s.strategy == "selective:knapsack" and s.saved_ops]
     assert len(points) > 3 and not any(last in s.saved_ops for s in points)
-    keep = tuple(Segment(start=i, stop=i + 1, strategy="keep") for i in (2, 3))
+    keep = tuple(Segment(start=i, stop=i + 1, strategy="keep") for i in (2, 3, 4))  # the patch merging, the next stage
     by_hand = Segment(start=1, stop=2, strategy="selective:knapsack", saved_ops=(*points[0].saved_ops, last))
     plan = make_plan(prof, (Segment(start=0, stop=1, strategy="recompute"), by_hand, *keep), "manual", None)
     assert plan.segments[1].saved_ops == points[0].saved_ops

@@ -230,14 +230,16 @@ ZOO: dict[str, tuple[Callable[[], tuple[nn.Module, Callable]], tuple[tuple[str, 
     "llama_dropout": (_decoder("LlamaConfig", attention_dropout=0.1), (("model.layers", 2),), True),
     "whisper": (_whisper, (("model.encoder.layers", 2), ("model.decoder.layers", 2)), True),
     "clip": (_clip, (("vision_model.encoder.layers", 2), ("text_model.encoder.layers", 2)), True),
-    "swin": (_swin, (("swin.encoder.layers.0.blocks", 2), ("swin.encoder.layers.1.blocks", 2)), True),
+    # the first stage's patch merging joins its blocks' run (`remat.measure.stacks._beside`)
+    "swin": (_swin, (("swin.encoder.layers.0.blocks", 3), ("swin.encoder.layers.1.blocks", 2)), True),
     "funnel": (_funnel, (("funnel.encoder.blocks", 2), ("funnel.decoder.layers", 2)), False),
     "jamba": (_jamba, (("model.layers", 2),), True),
     "wav2vec2": (_wav2vec2, (("wav2vec2.feature_extractor.conv_layers", 3), ("wav2vec2.encoder.layers", 2)), True),
     "beit": (_beit, (("beit.layers", 2),), True),
     "granite": (_decoder("GraniteConfig", num_key_value_heads=1), (("model.layers", 2),), True),
+    # the second stage's projection shortcut joins its layers' run (`remat.measure.stacks._beside`)
     "detr": (_detr, (("model.backbone.model.encoder.stages.0.layers.0.layer", 2),
-                     ("model.backbone.model.encoder.stages.1.layers.0.layer", 2), ("model.encoder.layers", 2),
+                     ("model.backbone.model.encoder.stages.1.layers.0.layer", 3), ("model.encoder.layers", 2),
                      ("model.decoder.layers", 2), ("bbox_predictor.layers", 3)), True),
     "unet": (None, (("down", 3), ("up", 2)), False),
 }

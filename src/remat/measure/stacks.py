@@ -17,6 +17,9 @@ ones included, and
   other stacks are found, and an error when none is (named blocks must: an error says which did
   not; a module called several times per forward, a layer shared across depths, cannot be a
   block, and the error says so);
+- adds the layers beside the stacks chosen (`_beside`: in a member remat descended from, every
+  layer outside the nested stacks; in a stack's module, the layers run between its members),
+  each to the run of blocks it sits in, with a second forward that sees them run;
 - numbers the blocks in the order they first run;
 - cuts the blocks into `Stack` records, maximal runs of consecutive blocks of one list, and
   says for each block whether it follows the block before it (`remat.measure.calls.follows`,
@@ -142,6 +145,7 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
             )
         if not groups:
             raise _repeated_error(model, forward) or no_stack_error(model)
+        groups, trace = _beside(model, lists, groups, forward, trace)
         groups = _without_no_grad(model, groups, trace)
         if not groups:
             raise ValueError(f"no blocks found in {type(model).__name__}: every stack runs with gradients disabled "
@@ -262,6 +266,88 @@ def _chosen_lists(model: nn.Module, lists: list[str], trace: _Trace) -> tuple[li
         else:
             left_out.append(name)
     return out, left_out
+
+
+def _beside(model: nn.Module, lists: list[str], groups: list[tuple[str, Blocks]], forward: Callable[[], Any],
+            trace: _Trace) -> tuple[list[tuple[str, Blocks]], _Trace]:
+    """``groups`` with the layers beside the stacks chosen, each a block of the run of stack
+    blocks it sits in, and the trace that saw them all run: in a member of an outer stack remat
+    descended from, every layer outside the nested stacks (a VAE decoder stage's upsampler, a
+    U-Net stage's ResNet units and downsampler beside its attention's transformer blocks, the
+    attention's norm and projections, Swin's patch merging); in the module that holds a stack,
+    the layers run between two of its members (a U-Net mid block's attention between its ResNet
+    units). A layer is a module with parameters, not a plain list (whose members are the
+    layers), that runs exactly once per forward with gradients (else it stays in the fixed part,
+    as before). Left out, an upsampler's convolution at twice the resolution, a VAE decoder's
+    largest layer output, was never recomputed. Layers before or after a stack in a module of
+    no outer stack (embeddings, a final norm, a head) stay in the fixed part. When there are
+    any, the forward runs once more with them hooked."""
+    chosen = [name for _, items in groups for name, _ in items]
+    taken = set(chosen)
+    descended = [m for name in lists for m, _ in members(model, name)
+                 if m not in taken and any(inside(c, m) for c in chosen)]
+    scopes: dict[str, str] = {}  # candidate -> the descended member, or the stack it may sit between
+    for member in descended:
+        scopes.update((name, member) for name, _ in _uncovered(model, member, taken))
+    for group in dict.fromkeys(g for g, _ in groups if g in lists):
+        parent = parent_name(group)
+        if any(parent == m or inside(parent, m) for m in descended):
+            continue
+        for name, _ in _children_with_parameters(model, parent, lists):
+            if name not in taken and not any(inside(c, name) for c in chosen):
+                scopes.setdefault(name, group)
+    if not scopes:
+        return groups, trace
+    trace = _Trace([(name, model.get_submodule(name)) for name in chosen + list(scopes)]).run(forward)
+    group_of = {name: group for group, items in groups for name, _ in items}
+    first = {name: i for i, name in reversed(list(enumerate(trace.order)))}
+    in_order = sorted((n for n in chosen if n in first), key=first.__getitem__)
+    out = list(groups)
+    for name, scope in scopes.items():
+        calls = trace.calls[name]
+        if len(calls) != 1 or not calls[0].grad:
+            continue
+        at = first[name]
+        if scope in lists:  # between two members of the stack
+            runs = [first[n] for n, _ in members(model, scope) if n in first]
+            if runs and min(runs) < at < max(runs):
+                out.append((scope, [(name, model.get_submodule(name))]))
+            continue
+        near = [n for n in in_order if inside(n, scope)]
+        before = [n for n in near if first[n] < at]
+        if near:
+            out.append((group_of[before[-1] if before else near[0]], [(name, model.get_submodule(name))]))
+    return out, trace
+
+
+def _uncovered(model: nn.Module, member: str, chosen: set[str]) -> Blocks:
+    """The layers of ``member`` outside the blocks ``chosen``: its children with parameters that
+    hold no block, those holding one walked in turn (plain lists: their members)."""
+    out: Blocks = []
+    for child, module in model.get_submodule(member).named_children():
+        name = f"{member}.{child}"
+        if name in chosen or not has_parameters(module):
+            continue
+        if any(inside(c, name) for c in chosen) or type(module) in (nn.ModuleList, nn.ModuleDict):
+            out += _uncovered(model, name, chosen)
+        else:
+            out.append((name, module))
+    return out
+
+
+def _children_with_parameters(model: nn.Module, parent: str, lists: list[str]) -> Blocks:
+    """The children of module ``parent`` that hold parameters and are no stack, the members of
+    those that are plain lists (a U-Net block's one upsampler in its ``upsamplers`` list)."""
+    out: Blocks = []
+    for child, module in model.get_submodule(parent).named_children():
+        qualified = f"{parent}.{child}" if parent else child
+        if qualified in lists or not has_parameters(module):
+            continue
+        if type(module) in (nn.ModuleList, nn.ModuleDict):
+            out += [(f"{qualified}.{n}", m) for n, m in module.named_children() if has_parameters(m)]
+        else:
+            out.append((qualified, module))
+    return out
 
 
 def covered(own: Blocks, nested: list[str]) -> bool:
