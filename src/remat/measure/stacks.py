@@ -132,7 +132,9 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
     else:
         lists = stack_lists(model)
         every = [m for name in lists for m in members(model, name) + flattened(model, name)]
-        trace = _Trace(list(dict(every).items())).run(forward)
+        siblings = [item for parent in dict.fromkeys(parent_name(n) for n in lists)
+                    for item in _children_with_parameters(model, parent, lists)]  # for `_beside`
+        trace = _Trace(list(dict(every + siblings).items())).run(forward)
         groups, left_out = _chosen_lists(model, lists, trace)
         if not groups and lists:
             counts = {m: len(trace.calls[m]) for m, _ in every if len(trace.calls[m]) != 1}
@@ -271,52 +273,46 @@ def _chosen_lists(model: nn.Module, lists: list[str], trace: _Trace) -> tuple[li
 def _beside(model: nn.Module, lists: list[str], groups: list[tuple[str, Blocks]], forward: Callable[[], Any],
             trace: _Trace) -> tuple[list[tuple[str, Blocks]], _Trace]:
     """``groups`` with the layers beside the stacks chosen, each a block of the run of stack
-    blocks it sits in, and the trace that saw them all run: in a member of an outer stack remat
-    descended from, every layer outside the nested stacks (a VAE decoder stage's upsampler, a
-    U-Net stage's ResNet units and downsampler beside its attention's transformer blocks, the
-    attention's norm and projections, Swin's patch merging); in the module that holds a stack,
-    the layers run between two of its members (a U-Net mid block's attention between its ResNet
-    units). A layer is a module with parameters, not a plain list (whose members are the
-    layers), that runs exactly once per forward with gradients (else it stays in the fixed part,
-    as before). Left out, an upsampler's convolution at twice the resolution, a VAE decoder's
-    largest layer output, was never recomputed. Layers before or after a stack in a module of
-    no outer stack (embeddings, a final norm, a head) stay in the fixed part. When there are
-    any, the forward runs once more with them hooked."""
+    blocks it sits in, and a trace that saw them all run: in the module that holds a stack, the
+    layers run between two of its members (a U-Net mid block's attention between its ResNet
+    units; ``trace`` saw the stacks' siblings); in a member of an outer stack remat descended
+    from, every layer outside the nested stacks (a VAE decoder stage's upsampler, a U-Net
+    stage's ResNet unit and downsampler beside its attention's transformer blocks, the
+    attention's norm and projections, Swin's patch merging), for which the forward runs once
+    more with them hooked. A layer is a module with parameters, not a plain list (whose members
+    are the layers), that runs exactly once per forward with gradients (else it stays in the
+    fixed part, as before). Left out, an upsampler's convolution at twice the resolution, a VAE
+    decoder's largest layer output, was never recomputed. Layers before or after a stack in a
+    module of no outer stack (embeddings, a final norm, a head) stay in the fixed part."""
     chosen = [name for _, items in groups for name, _ in items]
     taken = set(chosen)
+    out = list(groups)
+    for group in dict.fromkeys(g for g, _ in groups if g in lists):  # between two members of a stack
+        runs = [trace.order.index(n) for n, _ in members(model, group) if trace.calls.get(n)]
+        for name, module in _children_with_parameters(model, parent_name(group), lists):
+            calls = trace.calls.get(name, [])
+            if name in taken or len(calls) != 1 or not calls[0].grad or any(inside(c, name) for c in chosen):
+                continue
+            if runs and min(runs) < trace.order.index(name) < max(runs):
+                taken.add(name)
+                out.append((group, [(name, module)]))
     descended = [m for name in lists for m, _ in members(model, name)
                  if m not in taken and any(inside(c, m) for c in chosen)]
-    scopes: dict[str, str] = {}  # candidate -> the descended member, or the stack it may sit between
-    for member in descended:
-        scopes.update((name, member) for name, _ in _uncovered(model, member, taken))
-    for group in dict.fromkeys(g for g, _ in groups if g in lists):
-        parent = parent_name(group)
-        if any(parent == m or inside(parent, m) for m in descended):
-            continue
-        for name, _ in _children_with_parameters(model, parent, lists):
-            if name not in taken and not any(inside(c, name) for c in chosen):
-                scopes.setdefault(name, group)
+    scopes = {name: member for member in descended for name, _ in _uncovered(model, member, taken)}
     if not scopes:
-        return groups, trace
-    trace = _Trace([(name, model.get_submodule(name)) for name in chosen + list(scopes)]).run(forward)
-    group_of = {name: group for group, items in groups for name, _ in items}
+        return out, trace
+    blocks = [name for _, items in out for name, _ in items]
+    trace = _Trace([(name, model.get_submodule(name)) for name in blocks + list(scopes)]).run(forward)
+    group_of = {name: group for group, items in out for name, _ in items}
     first = {name: i for i, name in reversed(list(enumerate(trace.order)))}
     in_order = sorted((n for n in chosen if n in first), key=first.__getitem__)
-    out = list(groups)
     for name, scope in scopes.items():
         calls = trace.calls[name]
-        if len(calls) != 1 or not calls[0].grad:
-            continue
-        at = first[name]
-        if scope in lists:  # between two members of the stack
-            runs = [first[n] for n, _ in members(model, scope) if n in first]
-            if runs and min(runs) < at < max(runs):
-                out.append((scope, [(name, model.get_submodule(name))]))
-            continue
         near = [n for n in in_order if inside(n, scope)]
-        before = [n for n in near if first[n] < at]
-        if near:
-            out.append((group_of[before[-1] if before else near[0]], [(name, model.get_submodule(name))]))
+        if len(calls) != 1 or not calls[0].grad or not near:
+            continue
+        before = [n for n in near if first[n] < first[name]]
+        out.append((group_of[before[-1] if before else near[0]], [(name, model.get_submodule(name))]))
     return out, trace
 
 
