@@ -1,8 +1,8 @@
 """Count aten op calls per block over a training step, and what a plan says the counts should be.
 
 `BlockOpCounter` is a TorchDispatchMode. An op belongs to the block whose forward is running
-(the user's call of the block, seen by forward hooks, or a run by the remat runtime, in the
-forward or in a replay, seen through `remat.apply.runtime.block_listener`). In backward, block
+(the user's call of the block, seen by wrapping its ``forward``, or a run by the remat runtime,
+in the forward or in a replay, seen through `remat.apply.runtime.block_listener`). In backward, block
 ``j``'s part begins when the gradient of what it hands on arrives and ends when the gradient of
 its chained input does (tensor hooks, as `remat.measure.boundaries` places them); the backward of
 code between blocks (pooling, an encoder's final norm) runs in neither and is not counted, so
@@ -58,6 +58,8 @@ class BlockOpCounter(TorchDispatchMode):
         self._backward_block: int | None = None
         self._in_backward = False
         self._handles: list[Any] = []
+        self._forwards: list[tuple[nn.Module, Any]] = []
+        """Per block: its ``forward`` instance attribute before `__enter__` wrapped it (None: none)."""
         self._listener: Any = None
 
     def _on_block(self, index: int, entering: bool) -> None:
@@ -79,18 +81,33 @@ class BlockOpCounter(TorchDispatchMode):
         chained = chained_input(args, kwargs)
         if chained is not None and chained.requires_grad and not self._in_backward:
             chained.register_hook(lambda grad: self._on_input_grad(index))
-        self._on_block(index, True)
 
     def _post(self, index: int, output: Any) -> None:
-        self._on_block(index, False)
         if not self._in_backward:
             on_first_grad(handed_on(output), lambda: self._on_grad(index))
+
+    def _own_forward(self, index: int, block: nn.Module) -> Any:
+        """The block's ``forward`` telling the counter it runs: a user's call of the block counts
+        the ops of its forward, not those of the call's hook machinery around it (a full backward
+        hook's views of the inputs), which a replay, running the forward alone, does not make."""
+        inner = block.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            self._on_block(index, True)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._on_block(index, False)
+
+        return forward
 
     def __enter__(self) -> BlockOpCounter:
         for i, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(lambda m, a, k, i=i: self._pre(i, a, k),
                                                                  with_kwargs=True))
             self._handles.append(block.register_forward_hook(lambda m, a, o, i=i: self._post(i, o)))
+            self._forwards.append((block, block.__dict__.get("forward")))
+            block.forward = self._own_forward(i, block)
         self._listener = block_listener(self._on_block)
         self._listener.__enter__()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
@@ -105,6 +122,12 @@ class BlockOpCounter(TorchDispatchMode):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for block, own in self._forwards:
+            if own is None:
+                del block.forward
+            else:
+                block.forward = own
+        self._forwards.clear()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self._stack and not self._in_backward:
