@@ -55,6 +55,7 @@ from remat.measure.layerdrop import LayerDropOff
 from remat.measure.profile import _Step
 from remat.measure.state import BatchGrads
 from remat.measure.timing import Clock
+from remat.measure.storage import tensors_in
 from remat.measure.tracker import track_step
 from remat.plan.types import Plan
 from remat.verify_types import OpCount, Verification
@@ -156,9 +157,30 @@ def _copy_optimizer(optimizer: torch.optim.Optimizer | None, source: nn.Module, 
             )
         groups.append({**group, "params": [mapping[id(p)] for p in group["params"]]})
     accepted = inspect.signature(type(optimizer)).parameters
-    clone = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    try:
+        clone = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    except TypeError:  # an optimizer that wraps others (its own constructor): its attributes deep-copied onto
+        # the target's parameters (`Optimizer.__getstate__` would keep only its own state and groups)
+        memo: dict[int, Any] = {id(p): q for p, q in zip(source.parameters(), target.parameters())}
+        clone = object.__new__(type(optimizer))
+        clone.__dict__.update(copy.deepcopy(optimizer.__dict__, memo))
+        return clone
     clone.load_state_dict(copy.deepcopy(optimizer.state_dict()))
     return clone
+
+
+def _copy_model(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``, with the tensors the model's code left on its modules from an
+    earlier forward that belong to its graph (deep supervision's features, kept by a forward
+    hook) copied detached: a tensor of a graph cannot be deep-copied (torch's error names
+    weight norm), and the copy's own forwards make them again."""
+    memo: dict[int, Any] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            for t in tensors_in(value):
+                if t.grad_fn is not None:
+                    memo[id(t)] = t.detach().clone()
+    return copy.deepcopy(model, memo)
 
 
 class _Run:
@@ -166,7 +188,7 @@ class _Run:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any,
                  loss_fn: LossFn | None, plan: Plan, *, planned: bool, offload_dir: str | None = None) -> None:
-        self.model = copy.deepcopy(model)
+        self.model = _copy_model(model)
         if is_applied(self.model):
             remove_(self.model)
         LayerDropOff(self.model).install()  # every layer runs, as in the profile (the copy's own rates)

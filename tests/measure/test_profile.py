@@ -595,8 +595,11 @@ class _TwoOptimizers(torch.optim.Optimizer):
             o.load_state_dict(s)
 
 
-def test_an_optimizer_wrapping_others_is_profiled_and_left_as_it_was():
-    """Its state dict has no "state" entry: profiling raised a bare KeyError: 'state' copying it."""
+def test_an_optimizer_wrapping_others_is_profiled_verified_and_left_as_it_was():
+    """Its state dict has no "state" entry: profiling raised a bare KeyError: 'state' copying it;
+    its constructor takes other arguments than an optimizer's: verify's copy of it raised."""
+    import remat
+
     torch.manual_seed(0)
     model, x = _DataclassOutputs(), torch.randn(4, 8)
     params = list(model.parameters())
@@ -612,6 +615,8 @@ def test_an_optimizer_wrapping_others_is_profiled_and_left_as_it_was():
         for key, entry in old["state"].items():
             for name, value in entry.items():
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(new["state"][key][name])), (key, name)
+    check = remat.verify(model, x, remat.plan(result, strategy="full"), None, optimizer, repeats=1)
+    assert check.ok and check.grads_identical and check.predicted_peak_bytes == check.measured_peak_bytes
 
 
 class _TwoStreamBlock(nn.Module):

@@ -396,7 +396,10 @@ def _timed_run(module: nn.Module, inputs: BlockInputs, runner: Runner, clock: Cl
 
 
 def _plain(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return module(*args, **kwargs)
+    """The block's own forward, as `_checkpointed` and a replay run it: not its call, whose user
+    hooks would fire on every probe (a deep-supervision hook appending block outputs to a list
+    on the model kept a hundred graphs alive after the profile)."""
+    return module.forward(*args, **kwargs)
 
 
 def _full(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
