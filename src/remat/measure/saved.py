@@ -130,6 +130,8 @@ class SavedAccountant:
         # A detached alias (`_alias`), not ``t``: autograd keeps what the hook returns, and an op that saves
         # its own output (exp, tanh, softmax) would otherwise hold it through its grad_fn, a cycle
         # only the garbage collector frees, so a graph the forward drops would stay alive.
+        if torch._C._current_graph_task_id() != -1:  # saved in the backward (a reentrant checkpoint's
+            return _alias(t)  # replay, a custom Function's graph): the backward's temporaries, not activations
         if self.on_pack is not None:
             self.on_pack(self.segment)
         key = storage_key(t)
