@@ -703,3 +703,39 @@ def test_tensors_saved_during_the_backward_are_no_activations():
     for strategy in ("none", "full"):
         check = remat.verify(model, x, remat.plan(result, strategy=strategy), repeats=1)
         assert check.ok and check.grads_identical and check.predicted_peak_bytes == check.measured_peak_bytes, strategy
+
+
+class _WideStem(nn.Module):
+    """A stem that works wider than the blocks after it (a vision model's at the input's
+    resolution): its backward, after every block's, is the step's peak once the blocks are
+    recomputed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 16))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return x.square().mean()
+
+
+def test_the_backward_before_the_first_block_is_a_phase_of_the_peak():
+    """The stem's backward runs after every block's, with every gradient but its own live: no
+    phase priced it, so a ResNet's plans were predicted 1.2-4.7 % under their measured peaks and
+    its least-peak plans measured over their budgets."""
+    import remat
+
+    torch.manual_seed(0)
+    model, x = _WideStem(), torch.randn(64, 16)
+    result = profile(model, x, repeats=1)
+    assert result.fixed_pre_bwd_temp_bytes > 0
+    for strategy in ("none", "full"):
+        plan = remat.plan(result, strategy=strategy)
+        check = remat.verify(model, x, plan, repeats=1)
+        assert check.ok and check.grads_identical and check.predicted_peak_bytes == check.measured_peak_bytes, strategy
+    assert plan.prediction.peak_phase == "pre-backward"
+    least = remat.pareto(result)[-1].prediction
+    assert least.peak_phase == "pre-backward" and least.peak_bytes == plan.prediction.peak_bytes

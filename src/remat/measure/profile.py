@@ -492,6 +492,7 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
         optimizer_name=type(optimizer).__name__ if optimizer is not None else "none",
         optimizer_step_temp_bytes=memory.windows.optimizer_temp_bytes,
         fixed_pre_fwd_bytes=memory.windows.pre_fwd_bytes,
+        fixed_pre_bwd_temp_bytes=memory.windows.pre_bwd_temp_bytes,
         optimizer_step_ms=times.optimizer_step_ms, buffer_bytes=buffer_bytes(model),
         fixed_pre_saved_bytes=saved[PRE], fixed_post_saved_bytes=saved[POST],
         fixed_post_bwd_temp_bytes=max(memory.windows.post_temp_bytes, memory.windows.post_fwd_bytes - saved[POST]),

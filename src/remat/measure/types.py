@@ -543,6 +543,12 @@ class Profile(JsonDocument):
     """Peak of the forward before the first block (embeddings, a vision model's stem) above the
     model state, no gradient live yet: what a model whose early layers save nothing (a frozen
     backbone under a linear probe) peaks at, whatever the plan (0: not measured)."""
+    fixed_pre_bwd_temp_bytes: int = 0
+    """Peak of the backward of the part before the first block (a vision model's stem), run after
+    every block's, above the model state, the gradients then live (all but the pre part's own),
+    and the pre part's saved bytes: a phase no plan changes, the peak of a convolutional network
+    whose stem works at the input's resolution once recomputation has lowered the blocks' (0: not
+    measured, or it ran none)."""
     fixed_pre_grad_bytes: int = 0
     """Gradient bytes allocated only after the first block's backward, other than its own: the
     pre part's (embeddings, and weights tied to them, whose one gradient accumulates last).

@@ -63,6 +63,10 @@ class BackwardWindows:
         """Peak of the pre part's forward (from ``fwd_begin`` to the first block's start) less the
         model state."""
         self._pre_forward_open = False
+        self.pre_bwd_temp_bytes = 0
+        """Peak of the pre part's backward (from the gradient of the first block's chained input to
+        the backward's end: a vision model's stem) less the model state, the gradients live when it
+        starts and its own saved bytes (0: it ran none)."""
         self._open: str | None = None  # the segment whose backward window is open
         self._opt_start_bytes = 0
         self._labels: list[str] = []
@@ -99,8 +103,8 @@ class BackwardWindows:
             self._start(self.names[event.index])
         elif event.kind == "bwd_end" and self._open == self.names[event.index]:
             self._close()
-            if event.index:  # the code before this block runs its backward next
-                self._start(between_name(event.index))
+            # the code before this block runs its backward next: the pre part's after block 0's
+            self._start(between_name(event.index) if event.index else PRE)
         elif event.kind == "bwd_done":
             self._close()
         elif event.kind == "opt_start":
@@ -137,6 +141,8 @@ class BackwardWindows:
         if segment == POST:
             self.post_temp_bytes = max(peak, self.post_head_temp_bytes or peak)
             self.post_rest_temp_bytes = peak
+        elif segment == PRE:
+            self.pre_bwd_temp_bytes = peak
         elif segment in self.names:
             index = self.names.index(segment)
             self.block_temp_bytes[index] = peak

@@ -22,7 +22,7 @@ from remat.plan.costs import cost_of, replay_working_bytes
 from remat.plan.options import BlockOptions, OptionClass, offload_options, price_options, undominated_rows
 from remat.plan.phases import (grad_bytes_live, post_working_bytes, released_grad_bytes, stopped_replay_ms,
                                stopped_replay_working_bytes)
-from remat.plan.predict import backward_base_bytes, pre_forward_phase_bytes
+from remat.plan.predict import backward_base_bytes, pre_backward_phase_bytes, pre_forward_phase_bytes
 from remat.plan.types import Segment
 
 __all__ = ["FixedPart", "fixed_part", "ChainBuilder", "keep_segments"]
@@ -44,8 +44,8 @@ class FixedPart:
     then (`remat.plan.phases.post_working_bytes`)."""
     optimizer_bytes: int
     """The larger of the phases no plan changes, no plan's peak lower: the optimizer step (model
-    state and its temporaries) and the forward before the first block
-    (`remat.plan.predict.pre_forward_phase_bytes`)."""
+    state and its temporaries), the forward before the first block and that part's backward
+    (`remat.plan.predict.pre_forward_phase_bytes`, `remat.plan.predict.pre_backward_phase_bytes`)."""
 
     def peak_bytes(self, need_bytes: int | np.ndarray) -> int | np.ndarray:
         """Predicted peak of a layout whose gradient-adjusted need is ``need_bytes``."""
@@ -59,7 +59,7 @@ def fixed_part(profile: Profile) -> FixedPart:
         grad_bytes=grad_bytes_live(profile, 0) + first_grads,
         head_bytes=post_working_bytes(profile) + grad_bytes_live(profile, profile.num_blocks),
         optimizer_bytes=max(profile.model_state_bytes + profile.optimizer_step_temp_bytes,
-                            pre_forward_phase_bytes(profile)),
+                            pre_forward_phase_bytes(profile), pre_backward_phase_bytes(profile)),
     )
 
 

@@ -53,6 +53,9 @@ def _breakdown(pred: Prediction) -> str:
         return f"the optimizer step ({state} plus its temporaries)"
     if pred.peak_phase == "pre-forward":
         return "the forward before the first block (model state without gradients, and its own peak)"
+    if pred.peak_phase == "pre-backward":
+        return (f"the backward of the part before the first block ({state}, gradients, {fixed} saved by it, "
+                "and its own peak), after every block's: no plan changes it")
     held = format_bytes(sum(pred.retained_bytes[: max(pred.peak_block, 0)]))
     if pred.peak_phase == "block":
         return (

@@ -41,7 +41,7 @@ from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
 from remat.plan.joins import check_joins
 from remat.plan.types import Plan, Prediction, Segment
 
-__all__ = ["predict", "pre_forward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments"]
+__all__ = ["predict", "pre_forward_phase_bytes", "pre_backward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -102,6 +102,7 @@ def _peak_phases(profile: Profile, segments: tuple[Segment, ...]) -> tuple[int, 
         + sum(retained) - (dead[-1] if dead else 0) + post_working_bytes(profile),
         "optimizer": _optimizer_phase_bytes(profile),
         "pre-forward": pre_forward_phase_bytes(profile),
+        "pre-backward": pre_backward_phase_bytes(profile),
     }
     return max(phases.values()), phases, retained, inner
 
@@ -164,10 +165,20 @@ def pre_forward_phase_bytes(profile: Profile) -> int:
     return backward_base_bytes(profile) + profile.fixed_pre_fwd_bytes
 
 
+def pre_backward_phase_bytes(profile: Profile) -> int:
+    """The backward of the part before the first block (a stem), after every block's: model
+    state, every gradient but the pre part's own, its saved bytes and its backward's peak; no
+    plan changes it (0 where it was not measured)."""
+    if not profile.fixed_pre_bwd_temp_bytes:
+        return 0
+    return (backward_base_bytes(profile) + profile.grad_bytes - profile.fixed_pre_grad_bytes
+            + profile.fixed_pre_saved_bytes + profile.fixed_pre_bwd_temp_bytes)
+
+
 def _fixed_at(profile: Profile, phase: str) -> int:
     if phase == "post":
         return profile.fixed_pre_saved_bytes + profile.fixed_post_saved_bytes
-    return profile.fixed_pre_saved_bytes if phase == "block" else 0
+    return profile.fixed_pre_saved_bytes if phase in ("block", "pre-backward") else 0
 
 
 def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, stop: int, replay: bool = False,

@@ -41,7 +41,8 @@ from remat.plan.chain_problem import ChainBuilder, fixed_part, keep_segments
 from remat.plan.costs import clear_cost_cache
 from remat.plan.options import block_options, structure_classes
 from remat.plan.policies import clear_subset_cache, knapsack_frontier
-from remat.plan.predict import baseline_step_ms, keep_peak_bytes, pre_forward_phase_bytes, predict
+from remat.plan.predict import (baseline_step_ms, keep_peak_bytes, pre_backward_phase_bytes, pre_forward_phase_bytes,
+                                predict)
 from remat.plan.variants import variants
 from remat.plan.slots import SlotSearch
 from remat.plan.types import Optimality, Segment
@@ -70,6 +71,9 @@ def plan_floor(profile: Profile) -> tuple[int, str]:
     if fixed.optimizer_bytes >= head:
         if pre_forward_phase_bytes(profile) == fixed.optimizer_bytes:
             return fixed.optimizer_bytes, "the forward before the first block (model state plus its own peak)"
+        if pre_backward_phase_bytes(profile) == fixed.optimizer_bytes:
+            return fixed.optimizer_bytes, ("the backward of the part before the first block (model state, "
+                                           "gradients, its saved bytes and its own peak)")
         return fixed.optimizer_bytes, "the optimizer step (model state plus step temporaries)"
     return head, "the head's backward (model state, gradients, fixed part saved bytes and temporaries)"
 
