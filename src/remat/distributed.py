@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from typing import Any
 
 import torch
@@ -95,10 +96,15 @@ def broadcast_plan(plan: Plan | None, src: int = 0) -> Plan:
 
 
 def check_same_plan(plan: Plan) -> None:
-    """Raise ValueError unless every rank holds the same plan (compared by a digest of its JSON)."""
+    """Raise ValueError unless every rank holds the same plan: the same blocks, segments (their
+    strategies, saved ops and children) and head, compared by a digest. Not the predictions: a
+    plan made on every rank from its own profile has the same decisions and its own measured
+    times, which made every such pair of plans differ."""
     if not _initialized():
         return
-    digest = hashlib.sha256(plan.to_json().encode()).digest()[:8]
+    data = json.loads(plan.to_json())["data"]
+    decisions = json.dumps({key: data[key] for key in ("block_names", "segments", "head")}, sort_keys=True)
+    digest = hashlib.sha256(decisions.encode()).digest()[:8]
     mine = torch.tensor(list(digest), dtype=torch.uint8, device=_comm_device())
     gathered = [torch.empty_like(mine) for _ in range(world_size())]
     dist.all_gather(gathered, mine)

@@ -128,7 +128,12 @@ def broadcast_check(rank: int, world_size: int, port: int, out_dir: str) -> None
     weights, batch = _built(rank)
     plan = _shared_plan(weights, batch, "full", world_size, zero_stage=3)
     check_same_plan(plan)
-    other = dataclasses.replace(plan, budget_bytes=rank)  # rank 1 now differs
+    # made on each rank from its own profile: the same decisions, its own predicted times
+    own = dataclasses.replace(plan, budget_bytes=rank,
+                              prediction=dataclasses.replace(plan.prediction, step_ms=plan.prediction.step_ms + rank))
+    check_same_plan(own)
+    kept = tuple(dataclasses.replace(s, strategy="keep", children=()) for s in plan.segments)
+    other = dataclasses.replace(plan, segments=kept) if rank == 1 else plan  # rank 1 now decides otherwise
     try:
         check_same_plan(other)
         error = ""
