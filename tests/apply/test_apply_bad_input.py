@@ -172,3 +172,22 @@ def test_remove_restores_even_after_a_forward_was_deleted_by_hand():
     apply_(model, make_plan(model, batch, NAMES, [seg(0, 4)]))
     remove_(model)
     _assert_untouched(model, batch, before)
+
+
+def test_a_data_parallel_wrapper_is_named_with_the_order_to_apply_in():
+    """``apply_(DataParallel(model), plan)`` said the plan was made for another model, and
+    ``remove_(wrapper)`` that nothing was applied: the plan is the wrapped model's, applied
+    before wrapping (torchtitan's order) or to ``wrapper.module``."""
+    model, x = _toy()
+    plan = make_plan(model, x, NAMES, [seg(0, 4)])
+    before = _snapshot(model, x)
+    wrapper = nn.DataParallel(model)
+    with pytest.raises(ValueError, match=r"DataParallel wraps the model the plan was made for .*apply the plan "
+                                         r"before wrapping .*remat.apply_\(wrapper.module, plan\)"):
+        apply_(wrapper, plan)
+    _assert_untouched(model, x, before)
+    apply_(wrapper.module, plan)
+    with pytest.raises(ValueError, match=r"the model it wraps has: remat.remove_\(wrapper.module\)"):
+        remove_(wrapper)
+    remove_(wrapper.module)
+    _assert_untouched(model, x, before)

@@ -48,6 +48,21 @@ def applied_plan(model: nn.Module) -> Plan | None:
     return None if runtime is None else runtime.options["plan"]
 
 
+def _wrapped_model(model: nn.Module) -> str | None:
+    """The attribute under which a data-parallel or compile wrapper holds the user's model
+    (DistributedDataParallel's and DataParallel's ``module``), or None."""
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    return "module" if isinstance(model, wrappers) else None
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def _resolve_blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
     """The plan's blocks in ``model``: distinct submodules (never the model itself), none inside another."""
     blocks = []
@@ -55,6 +70,13 @@ def _resolve_blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
         try:
             block = model.get_submodule(name)
         except AttributeError:
+            wrapped = _wrapped_model(model)
+            if wrapped is not None and _has(model, f"{wrapped}.{name}"):
+                raise ValueError(
+                    f"{type(model).__name__} wraps the model the plan was made for (as {type(model).__name__}."
+                    f"{wrapped}): apply the plan before wrapping (remat.apply_(model, plan), then "
+                    f"{type(model).__name__}(model)), or pass the wrapped model (remat.apply_(wrapper.{wrapped}, plan))."
+                ) from None
             raise ValueError(
                 f"the plan names block {name!r}, which {type(model).__name__} does not have; the plan "
                 "was made for another model. Profile and plan this model (remat.profile, remat.plan)."
@@ -180,6 +202,10 @@ def remove_(model: nn.Module) -> nn.Module:
     error is raised after."""
     runtime = model.__dict__.get(RUNTIME_ATTR)
     if runtime is None:
+        wrapped = _wrapped_model(model)
+        if wrapped is not None and RUNTIME_ATTR in getattr(model, wrapped).__dict__:
+            raise ValueError(f"{type(model).__name__} has no remat plan applied, the model it wraps has: "
+                             f"remat.remove_(wrapper.{wrapped}).")
         raise ValueError(f"{type(model).__name__} has no remat plan applied; nothing to remove.")
     head = runtime.options.get("head_runtime")
     steps = [runtime.uninstall, runtime.options["cache_off"].remove]
