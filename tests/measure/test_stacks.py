@@ -432,7 +432,9 @@ class _Transformer2D(nn.Module):
         super().__init__()
         self.norm = nn.GroupNorm(2, 4)
         self.proj_in = nn.Linear(4, 4)
-        self.transformer_blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(2))
+        # most of the stage's parameters, as a U-Net's transformer blocks hold (`mostly_nested`)
+        self.transformer_blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 64), nn.GELU(), nn.Linear(64, 4))
+                                                for _ in range(2))
         self.proj_out = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -463,6 +465,8 @@ def test_a_stage_descended_into_keeps_every_layer_around_its_nested_stack():
     order the forward runs them."""
     model = nn.Module()
     model.stages = nn.ModuleList(_DownStage() for _ in range(2))
+    assert 2 * sum(p.numel() for p in model.stages[0].attentions[0].transformer_blocks.parameters()) > sum(
+        p.numel() for p in model.stages[0].parameters())
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         for stage in model.stages:
@@ -475,3 +479,36 @@ def test_a_stage_descended_into_keeps_every_layer_around_its_nested_stack():
     assert [name for name, _ in found.blocks] == [f"stages.{i}.{layer}" for i in range(2) for layer in layers]
     assert [(s.name, s.start, s.stop) for s in found.stacks] == [
         ("stages.0.attentions.0.transformer_blocks", 0, 7), ("stages.1.attentions.0.transformer_blocks", 7, 14)]
+
+
+class _FocalLayer(nn.Module):
+    """FocalNet's layer: projections and an MLP, and a list of two small depthwise convolutions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj_in = nn.Linear(8, 8)
+        self.focal_layers = nn.ModuleList(nn.Conv1d(8, 8, 3, padding=1, groups=8) for _ in range(2))
+        self.mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj_in(x).transpose(1, 2)
+        for conv in self.focal_layers:
+            h = conv(h)
+        x = x + h.transpose(1, 2)
+        return x + self.mlp(x)
+
+
+def test_a_nested_list_of_small_layers_is_not_descended_into():
+    """Descending into FocalNet's focal convolutions cut each layer into eight blocks and left
+    its residual code between them (least feasible peak 15 % above the layers as blocks): a
+    member is split only where its nested stacks hold at least half its parameters."""
+    model = nn.Module()
+    model.layers = nn.ModuleList(_FocalLayer() for _ in range(3))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for layer in model.layers:
+            x = layer(x)
+        return x.square().mean()
+
+    found = discover(model, None, lambda: forward(torch.randn(2, 5, 8)))
+    assert [name for name, _ in found.blocks] == ["layers.0", "layers.1", "layers.2"]

@@ -261,7 +261,7 @@ def _chosen_lists(model: nn.Module, lists: list[str], trace: _Trace) -> tuple[li
         if flat and trace.once_each([m for m, _ in flat]):  # plain lists: every layer in them, in one stack
             out.append((name, flat))
         elif nested and all(trace.runs_as_chain([m for m, _ in members(model, n)]) for n in nested) and (
-                covered(own, nested) or not trace.once_each([m for m, _ in own])):
+                not trace.once_each([m for m, _ in own]) or covered(own, nested) and mostly_nested(own, nested)):
             pending.extend(reversed(nested))
         elif trace.once_each([m for m, _ in own]):
             out.append((name, own))
@@ -344,6 +344,21 @@ def _children_with_parameters(model: nn.Module, parent: str, lists: list[str]) -
         else:
             out.append((qualified, module))
     return out
+
+
+def mostly_nested(own: Blocks, nested: list[str]) -> bool:
+    """In every member of a stack, the ``nested`` stacks hold at least half of its parameters:
+    descending into them makes blocks of the member's main layers (Swin's and a VAE's stages),
+    where a nested list of small layers (FocalNet's two depthwise focal convolutions beside its
+    projections and MLP) would cut each member into many blocks and leave the member's own code
+    between them (least feasible peak 15 % above the members' as blocks)."""
+    for name, module in own:
+        inner = {id(p): p.numel() for n in nested if inside(n, name)
+                 for p in module.get_submodule(n[len(name) + 1:]).parameters()}
+        total = {id(p): p.numel() for p in module.parameters()}
+        if 2 * sum(inner.values()) < sum(total.values()):
+            return False
+    return True
 
 
 def covered(own: Blocks, nested: list[str]) -> bool:
