@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from remat.measure.types import Profile
-from remat.memory.model_state import ModelState, shard_model_state
+from remat.memory.model_state import ModelState, check_sharding, shard_model_state
 from remat.plan.types import Plan
 
 __all__ = [
@@ -116,7 +116,8 @@ def check_same_plan(plan: Plan) -> None:
         )
 
 
-def shard_profile(profile: Profile, *, world_size: int, zero_stage: int) -> Profile:
+def shard_profile(profile: Profile, *, world_size: int, zero_stage: int,
+                  gradient_as_bucket_view: bool = False) -> Profile:
     """One rank's view of ``profile`` when its model state is sharded over ``world_size`` ranks.
 
     ``zero_stage``: 0 = DDP (nothing sharded), 1 = optimizer state, 2 = + gradients,
@@ -125,9 +126,16 @@ def shard_profile(profile: Profile, *, world_size: int, zero_stage: int) -> Prof
     parameter outside the blocks: FSDP2 does not reshard the root after the forward, and its
     gradients, the head's first, stay unsharded until the backward ends), less the rank's own
     shard, are added as ``gathered_bytes``: the planner counts them in every phase of backward.
+    Under stage 0 over several ranks (DDP) its gradient buckets are model state
+    (``bucket_bytes``): a flat copy of every gradient, allocated with the wrapper; with
+    ``gradient_as_bucket_view=True`` (pass what the wrapper gets) the gradients are views of the
+    buckets, every one there from the step's start, none allocated by a block's backward.
     Counted as the largest block alone, a GPT whose embeddings and head outweigh a layer was
     predicted 9.9 % under its measured per-rank peak.
     """
+    check_sharding(world_size, zero_stage)
+    if zero_stage == 0 and world_size > 1:
+        profile = _with_buckets(profile, gradient_as_bucket_view)
     unsharded = ModelState(
         param_bytes=profile.param_bytes, grad_bytes=profile.grad_bytes, master_bytes=0,
         optimizer_state_bytes=profile.optimizer_state_bytes, buffer_bytes=profile.buffer_bytes,
@@ -153,6 +161,15 @@ def shard_profile(profile: Profile, *, world_size: int, zero_stage: int) -> Prof
         optimizer_state_bytes=sharded.optimizer_state_bytes,
         gathered_bytes=sharded.gathered_bytes,
     )
+
+
+def _with_buckets(profile: Profile, as_view: bool) -> Profile:
+    """``profile`` beside DDP's gradient buckets (`shard_profile`)."""
+    if as_view:  # the buckets are the gradients: live from the start, none allocated in the backward
+        blocks = tuple(dataclasses.replace(b, grad_bytes=0, between_grad_bytes=0) for b in profile.blocks)
+        return dataclasses.replace(profile, blocks=blocks, grad_bytes=0, fixed_pre_grad_bytes=0,
+                                   bucket_bytes=profile.grad_bytes)
+    return dataclasses.replace(profile, bucket_bytes=profile.grad_bytes)
 
 
 def fsdp_units(model: nn.Module, plan: Plan) -> list[list[nn.Module]]:

@@ -171,3 +171,36 @@ def fsdp_peak(rank: int, world_size: int, port: int, out_dir: str, strategy: str
         "by_category": tracked.peak_bytes_by_category,
         "sharded_state_bytes": sharded.model_state_bytes, "unsharded_state_bytes": profile.model_state_bytes,
     })
+
+
+def ddp_view_peak(rank: int, world_size: int, port: int, out_dir: str, strategy: str) -> None:
+    """A DDP step with ``gradient_as_bucket_view=True``: the gradients are views of the buckets,
+    which the live-storage tracker sees (DDP's own bucket copies, in its C++ reducer, it does not)."""
+    import remat
+    from remat._batch import call_model, compute_loss
+    from remat.distributed import shard_profile
+    from remat.measure.tracker import track_step
+    from torch.nn.parallel import DistributedDataParallel
+
+    _init(rank, world_size, port)
+    weights, batch = _built(rank)
+    profile = remat.profile(weights.model, batch, weights.loss_fn, weights.optimizer, warmup=0, repeats=1)
+    sharded = shard_profile(profile, world_size=world_size, zero_stage=0, gradient_as_bucket_view=True)
+    plan = remat.plan(sharded, strategy=strategy)
+    unaware = remat.plan(profile, strategy=strategy)
+    model = copy.deepcopy(weights.model)
+    remat.apply_(model, plan)
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    optimizer = torch.optim.AdamW(ddp.parameters())
+
+    def step() -> None:
+        compute_loss(call_model(ddp, batch), batch, weights.loss_fn).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # the buckets stay: DDP's gradients are their views
+
+    step()
+    step()  # the buckets hold the gradients from here on
+    tracked = track_step(step, model=ddp, optimizer=optimizer, batch=batch)
+    _write(out_dir, rank, {"rank": rank, "measured_peak_bytes": tracked.peak_bytes,
+                           "predicted_peak_bytes": plan.prediction.peak_bytes,
+                           "unaware_peak_bytes": unaware.prediction.peak_bytes})

@@ -536,6 +536,11 @@ class Profile(JsonDocument):
     """Live bytes at block boundaries of the baseline step, for the timeline plot."""
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
     """Transfer rates for the offload strategies."""
+    bucket_bytes: int = 0
+    """DDP only (`remat.distributed.shard_profile` with ``zero_stage=0``): its gradient buckets, a
+    flat copy of every gradient allocated with the wrapper, or, under
+    ``gradient_as_bucket_view=True``, the gradients themselves, there from the step's start:
+    model state through the whole step."""
     gathered_bytes: int = 0
     """ZeRO-3/FSDP only: the all-gathered weights and unsharded gradients of the largest unit,
     less this rank's shard, live on every rank while that unit runs (see `remat.distributed`)."""
@@ -607,7 +612,8 @@ class Profile(JsonDocument):
 
     @property
     def model_state_bytes(self) -> int:
-        return self.gradient_bytes + self.param_bytes + self.optimizer_state_bytes + self.buffer_bytes
+        return (self.gradient_bytes + self.param_bytes + self.optimizer_state_bytes + self.buffer_bytes
+                + self.bucket_bytes)
 
     @property
     def gradient_bytes(self) -> int:

@@ -152,6 +152,7 @@ def backward_base_bytes(profile: Profile) -> int:
     ZeRO-3/FSDP the largest unit's all-gathered weights and gradients (`remat.distributed`), and
     under gradient accumulation every gradient (`remat.measure.types.with_grad_accumulation`)."""
     return (profile.param_bytes + profile.buffer_bytes + profile.optimizer_state_bytes + profile.gathered_bytes
+            + profile.bucket_bytes
             + profile.accumulated_grad_bytes)
 
 
