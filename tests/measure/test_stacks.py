@@ -512,3 +512,26 @@ def test_a_nested_list_of_small_layers_is_not_descended_into():
 
     found = discover(model, None, lambda: forward(torch.randn(2, 5, 8)))
     assert [name for name, _ in found.blocks] == ["layers.0", "layers.1", "layers.2"]
+
+
+class _MidWithTransformer(nn.Module):
+    """A U-Net mid block whose attention holds a stack of transformer blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(_Res() for _ in range(2))
+        self.attentions = nn.ModuleList([_Transformer2D()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.resnets[1](self.attentions[0](self.resnets[0](x)))
+
+
+def test_a_layer_between_two_members_that_holds_blocks_gives_its_other_layers_too():
+    """The attention between the mid block's ResNet units holds its own stack (the transformer
+    blocks, chosen as blocks): its norm and projections were left in the fixed part."""
+    model = nn.Module()
+    model.mid = _MidWithTransformer()
+    found = discover(model, None, lambda: model.mid(torch.randn(2, 4, 8, 8)).square().mean())
+    assert [name for name, _ in found.blocks] == [
+        "mid.resnets.0", "mid.attentions.0.norm", "mid.attentions.0.proj_in", "mid.attentions.0.transformer_blocks.0",
+        "mid.attentions.0.transformer_blocks.1", "mid.attentions.0.proj_out", "mid.resnets.1"]

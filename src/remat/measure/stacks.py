@@ -278,8 +278,9 @@ def _beside(model: nn.Module, lists: list[str], groups: list[tuple[str, Blocks]]
     units; ``trace`` saw the stacks' siblings); in a member of an outer stack remat descended
     from, every layer outside the nested stacks (a VAE decoder stage's upsampler, a U-Net
     stage's ResNet unit and downsampler beside its attention's transformer blocks, the
-    attention's norm and projections, Swin's patch merging), for which the forward runs once
-    more with them hooked. A layer is a module with parameters, not a plain list (whose members
+    attention's norm and projections, Swin's patch merging), and so in a layer between two
+    members that holds blocks of its own (a mid block's attention around its transformer
+    blocks), for which the forward runs once more with them hooked. A layer is a module with parameters, not a plain list (whose members
     are the layers), that runs exactly once per forward with gradients (else it stays in the
     fixed part, as before). Left out, an upsampler's convolution at twice the resolution, a VAE
     decoder's largest layer output, was never recomputed. Layers before or after a stack in a
@@ -287,17 +288,21 @@ def _beside(model: nn.Module, lists: list[str], groups: list[tuple[str, Blocks]]
     chosen = [name for _, items in groups for name, _ in items]
     taken = set(chosen)
     out = list(groups)
+    holders: list[str] = []  # layers between two members that hold blocks of their own: walked below
     for group in dict.fromkeys(g for g, _ in groups if g in lists):  # between two members of a stack
         runs = [trace.order.index(n) for n, _ in members(model, group) if trace.calls.get(n)]
         for name, module in _children_with_parameters(model, parent_name(group), lists):
             calls = trace.calls.get(name, [])
-            if name in taken or len(calls) != 1 or not calls[0].grad or any(inside(c, name) for c in chosen):
+            if name in taken or len(calls) != 1 or not calls[0].grad:
                 continue
             if runs and min(runs) < trace.order.index(name) < max(runs):
+                if any(inside(c, name) for c in chosen):
+                    holders.append(name)  # a mid block's attention around its transformer blocks
+                    continue
                 taken.add(name)
                 out.append((group, [(name, module)]))
     descended = [m for name in lists for m, _ in members(model, name)
-                 if m not in taken and any(inside(c, m) for c in chosen)]
+                 if m not in taken and any(inside(c, m) for c in chosen)] + holders
     scopes = {name: member for member in descended for name, _ in _uncovered(model, member, taken)}
     if not scopes:
         return out, trace
