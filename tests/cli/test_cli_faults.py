@@ -202,3 +202,15 @@ def test_model_source_sizes_are_checked_as_the_cli_checks_them():
         ModelSource(hf_family="llama", sizes={"layers": True})
     with pytest.raises(ValueError, match=r"hidden size 100 is not a multiple of 7 attention heads"):
         ModelSource(hf_family="mistral", sizes={"hidden": 100, "heads": 7})
+
+
+def test_a_quiet_rank_says_it_failed_and_where_the_error_is(capsys, monkeypatch):
+    """Under torchrun only rank 0 prints; a rank whose plan failed exited with status 2 and no
+    word, and torchrun named it as the root cause."""
+    from remat.cli import _app
+
+    monkeypatch.setattr(_app.err_console, "quiet", True)
+    monkeypatch.setattr("remat.distributed.rank", lambda: 1)
+    exit_ = _app.fail("no plan fits the budget")
+    assert exit_.exit_code == 2
+    assert capsys.readouterr().err == "remat: rank 1 failed (exit 2); rank 0 prints the error.\n"

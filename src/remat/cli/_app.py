@@ -31,8 +31,14 @@ EXPECTED = (ValueError, TypeError, OSError, OffloadError, TargetCodeError)
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
-    """Print a user error (no traceback, the message literally, one line) and return the Exit to raise."""
+    """Print a user error (no traceback, the message literally, one line) and return the Exit to raise.
+    Under torchrun a rank other than 0, whose output is quiet, says on stderr that it failed and
+    where the error is printed: torchrun names the first rank to exit as the root cause."""
     err_console.print(Text.assemble(("error:", "bold red"), " ", " ".join(message.split("\n"))), soft_wrap=True)
+    if err_console.quiet:
+        from remat.distributed import rank
+
+        sys.stderr.write(f"remat: rank {rank()} failed (exit {code}); rank 0 prints the error.\n")
     return typer.Exit(code)
 
 
