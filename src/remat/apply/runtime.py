@@ -241,7 +241,7 @@ class Runtime:
         outputs: list[Any] = []
         drop = replaying()  # as in `run_plain`: a part's last output goes once the next part has it
 
-        def handed_on() -> Any:
+        def next_input() -> Any:
             out = first_of(outputs[-1])
             if drop:
                 outputs[-1] = None
@@ -253,7 +253,7 @@ class Runtime:
                 if part[0] >= part[1]:
                     continue
                 if outputs:
-                    first = handed_on()
+                    first = next_input()
                 if part[2] is None:
                     outputs += self.run_plain(part[0], part[1], first, extra, kwargs)
                 else:
@@ -261,6 +261,6 @@ class Runtime:
             pos = child.stop
         if pos < seg.stop:
             if outputs:
-                first = handed_on()
+                first = next_input()
             outputs += self.run_plain(pos, seg.stop, first, extra, kwargs)
         return outputs

@@ -5,8 +5,9 @@ defines the tables ``inner[l][a]`` and ``top[a]``); the sizes are bytes, not slo
 is rounded. A block kept first in its own segment's replay holds the input the checkpoint holds
 and it does not save, and needs it through its backward; kept after another block of a replay it
 does not (`remat.plan.chain_dp.ChainBlock.kept_slots`): ``inner[l]`` is the replay of a segment,
-``rest[l]`` what follows a replay's first element, the same tables where no block differs so. Instead of an array over memory columns each entry is the list of its breakpoints,
-``(need, cost)`` pairs with ``need`` rising and ``cost`` falling (a Pareto set): with ``m`` free
+``rest[l]`` what follows a replay's first element, the same tables where no block differs so.
+Instead of an array over memory columns each entry is the list of its breakpoints, ``(need,
+cost)`` pairs with ``need`` rising and ``cost`` falling (a Pareto set): with ``m`` free
 bytes the least extra ms is the cost of the last breakpoint whose need is <= m, infinite below
 the first. The recurrences become operations on these lists:
 - a held size shifts the needs of what follows (``f(m - h)``);
