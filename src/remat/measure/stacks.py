@@ -280,9 +280,9 @@ def _beside(model: nn.Module, lists: list[str], groups: list[tuple[str, Blocks]]
     stage's ResNet unit and downsampler beside its attention's transformer blocks, the
     attention's norm and projections, Swin's patch merging), and so in a layer between two
     members that holds blocks of its own (a mid block's attention around its transformer
-    blocks), for which the forward runs once more with them hooked. A layer is a module with parameters, not a plain list (whose members
-    are the layers), that runs exactly once per forward with gradients (else it stays in the
-    fixed part, as before). Left out, an upsampler's convolution at twice the resolution, a VAE
+    blocks), for which the forward runs once more with them hooked. A layer is a module with
+    parameters, not a plain list (whose members are the layers), that runs exactly once per
+    forward with gradients (else it stays in the fixed part, as before). Left out, an upsampler's convolution at twice the resolution, a VAE
     decoder's largest layer output, was never recomputed. Layers before or after a stack in a
     module of no outer stack (embeddings, a final norm, a head) stay in the fixed part."""
     chosen = [name for _, items in groups for name, _ in items]
