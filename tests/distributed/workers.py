@@ -6,6 +6,7 @@ Each writes ``rank<N>.json`` into the output directory with what the test assert
 from __future__ import annotations
 
 import copy
+import faulthandler
 import hashlib
 import json
 import os
@@ -18,13 +19,17 @@ GPT_SIZES = dict(num_layers=4, d_model=64, num_heads=4, seq_len=32, batch_size=2
 
 
 def _init(rank: int, world_size: int, port: int) -> None:
+    faulthandler.enable()  # a rank that aborts inside gloo prints where it was
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
 
 
 def _write(out_dir: str, rank: int, result: dict) -> None:
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    # written whole or not at all: a rank aborted mid-write leaves no half file to read
+    tmp = Path(out_dir, f"rank{rank}.json.tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(Path(out_dir, f"rank{rank}.json"))
     # every rank past its last collective before any tears gloo down: a rank that destroys the
     # group while the other is still inside a broadcast aborts ("terminate called without an
     # active exception"), about one run in three of the broadcast test
