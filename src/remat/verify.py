@@ -53,7 +53,7 @@ from remat.checkpointing.caches import CacheOff
 from remat.measure.faults import FaultCount
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.profile import _Step
-from remat.measure.state import BatchGrads
+from remat.measure.state import BatchGrads, generators_in, model_generators
 from remat.measure.timing import Clock
 from remat.measure.storage import tensors_in
 from remat.measure.tracker import track_step
@@ -71,6 +71,30 @@ def _seed() -> None:
     torch.manual_seed(SEED)
     random.seed(SEED)
     np.random.seed(SEED)
+
+
+@contextlib.contextmanager
+def _generators_restored(generators: list[torch.Generator]) -> Iterator[None]:
+    """``generators`` as they were before."""
+    states = [g.get_state() for g in generators]
+    try:
+        yield
+    finally:
+        for g, state in zip(generators, states):
+            g.set_state(state)
+
+
+def _host_draws() -> tuple[Any, ...]:
+    """Where Python's `random` and NumPy's global generator stand (compared between the runs)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return random.getstate(), kind, keys.tobytes(), pos, has_gauss, gauss
+
+
+HOST_DRAWS = (" But the planned step drew other numbers from Python's random or NumPy's global generator than the "
+              "step without a plan: a replayed block draws from them, and no checkpoint can restore them (it restores "
+              "torch's generators). Keep the blocks that draw from them (remat.profile(..., blocks=...) or a plan "
+              "that keeps them), or draw from torch's generator.")
+"""Why the runs differ when the plan made the host's generators draw again."""
 
 
 @contextlib.contextmanager
@@ -187,8 +211,12 @@ class _Run:
     """One copy of the model (baseline or planned) and its optimizer, stepped identically."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any,
-                 loss_fn: LossFn | None, plan: Plan, *, planned: bool, offload_dir: str | None = None) -> None:
+                 loss_fn: LossFn | None, plan: Plan, *, planned: bool, offload_dir: str | None = None,
+                 batch_generators: list[tuple[torch.Generator, torch.Tensor]] = ()) -> None:
         self.model = _copy_model(model)
+        # as each compared step starts: the batch's generators as verify found them (``batch_generators``),
+        # this copy's modules' as they were copied
+        self.generators = [*batch_generators, *((g, g.get_state()) for g in model_generators(self.model))]
         if is_applied(self.model):
             remove_(self.model)
         LayerDropOff(self.model).install()  # every layer runs, as in the profile (the copy's own rates)
@@ -200,15 +228,24 @@ class _Run:
         self.plan = plan
         self.step = _Step(self.model, batch, loss_fn, self.optimizer)
         self.blocks = [self.model.get_submodule(n) for n in plan.block_names]
+        self.host_draws: tuple[Any, ...] = ()
+        """Python's and NumPy's generator states after the first `compared_step`."""
         self.first_step: tuple[Any, ...] | None = None
         """The first `compared_step`'s loss, outputs and gradients."""
         self.faults: list[int] = []
         """Host memory faulted in fresh by each timed step (CPU)."""
 
+    def _seed(self) -> None:
+        """`_seed`, and every generator of the batch and of this copy's modules set back to its
+        state when the run began: both runs draw the same numbers from them."""
+        _seed()
+        for g, state in self.generators:
+            g.set_state(state)
+
     def compared_step(self) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor | None]]:
         """Loss, float outputs and gradients of one step from `SEED` (the first one's are kept:
         ``first_step``)."""
-        _seed()
+        self._seed()
         (self.optimizer or self.model).zero_grad(set_to_none=True)
         output = call_model(self.model, self.step.batch)
         loss = compute_loss(output, self.step.batch, self.step.loss_fn)
@@ -224,10 +261,11 @@ class _Run:
             self.optimizer.step()
         if self.first_step is None:
             self.first_step = (loss, outputs, grads)
+            self.host_draws = _host_draws()
         return loss, outputs, grads
 
     def counted_step(self) -> BlockOpCounter:
-        _seed()
+        self._seed()
         with BlockOpCounter(self.blocks) as counter:
             self.step.run()
         return counter
@@ -235,18 +273,18 @@ class _Run:
     def tracked_step(self) -> Any:
         """The step the plan is for, under the live-storage tracker: under gradient accumulation,
         the last micro-batch's, its gradients adding to those of one before it (untracked)."""
-        _seed()
+        self._seed()
         accumulate = self.plan.grad_accumulation
         if accumulate:
             (self.optimizer or self.model).zero_grad(set_to_none=True)
             compute_loss(call_model(self.model, self.step.batch), self.step.batch, self.step.loss_fn).backward()
-            _seed()
+            self._seed()
         return track_step(functools.partial(self.step.run, accumulate=accumulate), model=self.model,
                           optimizer=self.optimizer, blocks=list(zip(self.plan.block_names, self.blocks)),
                           batch=self.step.batch)
 
     def timed_step(self, clock: Clock) -> float:
-        _seed()
+        self._seed()
         clock.sync()
         with FaultCount(enabled=not clock.cuda) as faults:
             start = clock.mark()
@@ -339,16 +377,21 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
     check_plan_matches(model, plan, batch)
     device = model_device(model)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _host_rng_restored(), \
-            BatchGrads(batch):
-        base = _Run(model, optimizer, batch, loss_fn, plan, planned=False)
-        planned = _Run(model, optimizer, batch, loss_fn, plan, planned=True, offload_dir=offload_dir)
+            _generators_restored(generators_in(batch)), BatchGrads(batch):
+        drawn = [(g, g.get_state()) for g in generators_in(batch)]
+        base = _Run(model, optimizer, batch, loss_fn, plan, planned=False, batch_generators=drawn)
+        planned = _Run(model, optimizer, batch, loss_fn, plan, planned=True, offload_dir=offload_dir,
+                       batch_generators=drawn)
         try:
             result = _compare(plan, base, planned, repeats, device)
         finally:
             planned.close()
         if result.ok or result.nonfinite:
             return result
-        return _with_determinism(result, base.first_step, _Run(model, optimizer, batch, loss_fn, plan, planned=False))
+        if base.host_draws != planned.host_draws:
+            result = dataclasses.replace(result, tolerance_reason=result.tolerance_reason + HOST_DRAWS)
+        again = _Run(model, optimizer, batch, loss_fn, plan, planned=False, batch_generators=drawn)
+        return _with_determinism(result, base.first_step, again)
 
 
 def _with_determinism(result: Verification, first: tuple[Any, ...], again: _Run) -> Verification:

@@ -87,6 +87,10 @@ class OpRecorder(TorchDispatchMode):
         self.timed_segments: set[str] | None = None
         """The segments whose calls runs after the first time (None: all of them; blocks that take
         another block's timing are left out, `remat.measure.sharing`)."""
+        self.own_generators: dict[str, list[str]] = defaultdict(list)
+        """Segment -> keys of its random calls (first run) that drew from a ``torch.Generator`` of
+        their own, not a device's default one (`own_generator`)."""
+        self._varied: set[str] = set()
         self.stop_calls: dict[str, int] = {}
         """Segment -> calls it had dispatched when autograd last saved a tensor in it (first
         run; `note_pack`)."""
@@ -107,8 +111,22 @@ class OpRecorder(TorchDispatchMode):
 
     def next_run(self) -> None:
         """Start another run of the same forward (its times add to the first run's calls)."""
+        self._note_varied()
         self._first_run = False
         self._counts.clear()
+
+    def varied_segments(self) -> set[str]:
+        """Segments whose calls in a later run were not the first run's: a call it did not make,
+        or fewer or more of them (control flow on the data or on a random draw)."""
+        self._note_varied()
+        return set(self._varied)
+
+    def _note_varied(self) -> None:
+        if self._first_run:
+            return
+        for segment, counts in self._counts.items():
+            if sum(counts.values()) not in (0, len(self.calls.get(segment, []))):
+                self._varied.add(segment)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -136,8 +154,13 @@ class OpRecorder(TorchDispatchMode):
             index = self._index[segment].get(key)
             if index is not None:
                 calls[index].times_s.append(elapsed_s)
+            else:
+                self._varied.add(segment)
             return
         self._index[segment][key] = len(calls)
+        is_random = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+        if is_random and own_generator(args, kwargs):
+            self.own_generators[segment].append(key)
         self._mark_escapes(segment, args, kwargs)
         self._note_writes(func, args, kwargs)
         new = new_storages(args, kwargs, out)
@@ -146,7 +169,7 @@ class OpRecorder(TorchDispatchMode):
         ids, nbytes = self._output_storages(segment, new, out)
         calls.append(_Call(
             name=name, key=key, new_storages=new, flops=op_flops(func, args, kwargs, out),
-            is_random=torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()),
+            is_random=is_random,
             is_view=bool(getattr(func, "is_view", False)), storage_ids=ids, storage_bytes=nbytes,
             times_s=[elapsed_s], args=args_signature(args, kwargs),
             # the tracker is the outer mode: it adds this call's outputs after the call returns
@@ -264,3 +287,14 @@ def new_storages(args: tuple, kwargs: dict, out: Any) -> dict[int, int]:
         if key is not None and key not in inputs:
             new[key] = storage_nbytes(t)
     return new
+
+
+def own_generator(args: tuple, kwargs: dict) -> bool:
+    """Whether a call draws from a ``torch.Generator`` passed to it that is no device's default
+    generator (``torch.rand(..., generator=g)``). Checkpointing saves and restores the default
+    generators' states around a replay, never such a one: the replay draws the next numbers."""
+    defaults = {torch.default_generator._cdata}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        defaults.update(g._cdata for g in torch.cuda.default_generators)
+    values = (*args, *kwargs.values())
+    return any(isinstance(v, torch.Generator) and v._cdata not in defaults for v in values)

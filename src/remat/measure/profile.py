@@ -65,6 +65,7 @@ import os
 import platform
 import socket
 import statistics
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,7 +101,7 @@ from remat.measure.tracker import StepTracking
 from remat.measure.windows import BackwardWindows
 from remat.head.site import HeadSite, find_head
 from remat.measure.types import (NO_BACKWARD, BlockProfile, CompiledBlock, Environment, OpRecord, Profile,
-                                 with_grad_accumulation)
+                                 own_generator_reason, with_grad_accumulation)
 
 Progress = Callable[[int, int, str], None]
 
@@ -267,6 +268,7 @@ def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
     for _ in range(len(times) - 1):
         _time_ops(step, block_list, memory.recorder, groups)
         report("op timing forward")
+    _warn_varied(block_list, memory.recorder.varied_segments())
     steps = without_instrumentation(median_times(times), statistics.median(plain))
     touch = statistics.median(probes) if steps.fault_bytes and probes else 0.0
     budget = ProbeBudget(step_ms=statistics.median(plain), steps=OVERHEAD_STEPS, floor_ms=OVERHEAD_FLOOR_MS,
@@ -443,6 +445,20 @@ def _until_last(step: _Step, block_list: Blocks, chosen: Sequence[int]) -> Calla
     return forward
 
 
+def _warn_varied(block_list: Blocks, varied: set[str]) -> None:
+    """A UserWarning naming the blocks whose forward ran other operations in a later profiled
+    step than in the first: their figures (bytes, ops, the replay's path) are the first step's."""
+    names = [name for name, _ in block_list if name in varied]
+    if not names:
+        return
+    shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    warnings.warn(
+        f"block {shown} ran other operations in a later profiled step than in the first (control flow on the "
+        "data or on a random draw, or shapes that change): the profile's figures are the first step's path, so "
+        "a step that takes another path may peak elsewhere than predicted. remat.verify measures a plan's step.",
+        UserWarning, stacklevel=3)
+
+
 def _time_ops(step: _Step, block_list: Blocks, recorder: OpRecorder, groups: BlockGroups) -> None:
     """One more forward under the same recorder, for a median time per op call of the blocks
     whose timing others take (the forward stops after the last of them)."""
@@ -560,7 +576,8 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
             fwd_live_bytes=tuple(max(0, c.live_after - memory.windows.block_fwd_start_bytes[i])
                                  for c in memory.recorder.calls.get(name, [])),
             replay_stop_calls=memory.recorder.stop_calls.get(name, 0),
-            **_overhead_ms(overheads[i], backward=i in memory.windows.backward_blocks),
+            **_overhead_ms(overheads[i], backward=i in memory.windows.backward_blocks,
+                           own_generator_calls=memory.recorder.own_generators.get(name, ())),
             stack=stack_of[i], follows_previous=found.follows_previous[i],
             **_flow_fields(memory.flows[i], memory.windows.between_temp_bytes[i]),
             bwd_start_temp_bytes=memory.windows.block_bwd_start_temp_bytes[i],
@@ -602,11 +619,17 @@ def _scaled_times(ops: tuple[OpRecord, ...], fwd_ms: float) -> tuple[OpRecord, .
     return tuple(dataclasses.replace(op, time_ms=op.time_ms * fwd_ms / total) for op in ops)
 
 
-def _overhead_ms(overheads: BlockOverheads, backward: bool = True) -> dict[str, Any]:
+def _overhead_ms(overheads: BlockOverheads, backward: bool = True,
+                 own_generator_calls: Sequence[str] = ()) -> dict[str, Any]:
     """The `BlockProfile` overhead fields, and the strategies whose probes failed; a block whose
-    backward never ran (``backward`` False) offers no strategy but keep (`NO_BACKWARD`)."""
+    backward never ran (``backward`` False) offers no strategy but keep (`NO_BACKWARD`); one that
+    draws from a generator of its own (``own_generator_calls``) is never replayed."""
     unavailable = overheads.unavailable if backward else tuple(
         (strategy, NO_BACKWARD) for strategy in ("recompute", "selective", "offload"))
+    if own_generator_calls:
+        reason = own_generator_reason(own_generator_calls)
+        named = {name for name, _ in unavailable}
+        unavailable += tuple((kind, reason) for kind in ("recompute", "selective") if kind not in named)
     return {
         "selective_overhead_ms": overheads.selective_ms,
         "recompute_overhead_ms": overheads.recompute_ms,

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+import random
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -42,6 +45,10 @@ class StateSnapshot:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any = None) -> None:
         self.model = model
         self.optimizer = optimizer
+        # the draws the caller would make next: Python's, NumPy's and the generators of the batch and
+        # of the modules (a model masking with NumPy, SpecAugment, masks other frames after a profile)
+        self.host_rng = (random.getstate(), np.random.get_state())
+        self.generators = [(g, g.get_state()) for g in generators_in(batch) + model_generators(model)]
         with torch.no_grad():
             self.params = [_host_copy(p) for p in model.parameters()]
             self.buffers = [_host_copy(b) for b in model.buffers()]
@@ -61,6 +68,35 @@ class StateSnapshot:
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
         self.inputs.restore()
+        random.setstate(self.host_rng[0])
+        np.random.set_state(self.host_rng[1])
+        for g, state in self.generators:
+            g.set_state(state)
+
+
+def generators_in(value: Any, out: list[torch.Generator] | None = None) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects in ``value`` (a batch: nested mappings, tuples and lists),
+    each once."""
+    out = [] if out is None else out
+    if isinstance(value, torch.Generator):
+        if all(g is not value for g in out):
+            out.append(value)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            generators_in(v, out)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            generators_in(v, out)
+    return out
+
+
+def model_generators(model: nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects the model's modules hold as attributes (a block drawing
+    its dropout masks from its own)."""
+    out: list[torch.Generator] = []
+    for module in model.modules():
+        generators_in(list(vars(module).values()), out)
+    return out
 
 
 class BatchGrads:

@@ -309,6 +309,19 @@ only keep. Recomputed, such a block gained nothing and a segment of them held ea
 the model called the next block (a linear probe of Swin measured twice its prediction)."""
 
 
+OWN_GENERATOR = "its forward draws from a torch.Generator of its own"
+"""How `own_generator_reason` begins."""
+
+
+def own_generator_reason(calls: Sequence[str]) -> str:
+    """`BlockProfile.unavailable`'s reason for a block whose forward draws from a
+    ``torch.Generator`` of its own (``calls``: the keys of those random calls)."""
+    shown = ", ".join(calls[:3]) + (f" and {len(calls) - 3} more" if len(calls) > 3 else "")
+    return (f"{OWN_GENERATOR} ({shown}): a replay restores only the default "
+            "generators' states, so it would draw other numbers and the gradients would differ; keep it, or draw "
+            "from the default generator (torch.manual_seed seeds it)")
+
+
 @dataclass(kw_only=True, frozen=True)
 class Stack:
     """A run of consecutive blocks (in run order) from one module list: an encoder's layers, a

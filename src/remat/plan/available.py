@@ -13,12 +13,13 @@ error, never a crash in the training step.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 
-from remat.measure.types import NO_BACKWARD, Profile
+from remat.measure.types import NO_BACKWARD, OWN_GENERATOR, Profile
 from remat.plan.types import Segment
 
-__all__ = ["check_available", "fall_back", "unavailable_blocks"]
+__all__ = ["check_available", "fall_back", "unavailable_blocks", "warn_fallen_back", "explained"]
 
 
 def unavailable_blocks(profile: Profile, segment: Segment) -> list[tuple[int, str]]:
@@ -37,9 +38,28 @@ def check_available(profile: Profile, segments: Sequence[Segment]) -> None:
         for index, reason in unavailable_blocks(profile, seg):
             raise ValueError(
                 f"block {profile.blocks[index].name!r} cannot run {seg.strategy!r}: "
-                f"{reason if reason == NO_BACKWARD else f'its probe raised {reason}'}. "
+                f"{explained(reason)}. "
                 "Plan another strategy for it (the planners do: remat.plan(profile, ...))."
             )
+
+
+def explained(reason: str) -> str:
+    """An unavailable strategy's reason as a clause: the profile's own words, or what a probe raised."""
+    return reason if reason == NO_BACKWARD or reason.startswith(OWN_GENERATOR) else f"its probe raised {reason}"
+
+
+def warn_fallen_back(profile: Profile, segments: Sequence[Segment]) -> None:
+    """A UserWarning naming the blocks of ``segments`` that cannot run their strategy, and why
+    (`fall_back` gives them the nearest they can)."""
+    found = [(seg.strategy, i, reason) for seg in segments for i, reason in unavailable_blocks(profile, seg)]
+    if not found:
+        return
+    strategy, index, reason = found[0]
+    others = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+    warnings.warn(
+        f"block {profile.blocks[index].name!r}{others} cannot run {strategy!r}: {explained(reason)}. It runs the "
+        "nearest strategy it can (selective -> recompute -> keep); plan.block_strategies() shows what each block runs.",
+        UserWarning, stacklevel=3)
 
 
 def fall_back(profile: Profile, segments: Sequence[Segment]) -> tuple[Segment, ...]:

@@ -18,7 +18,7 @@ import math
 from typing import Callable, Protocol
 
 from remat.measure.types import Profile
-from remat.plan.available import check_available, fall_back
+from remat.plan.available import check_available, fall_back, warn_fallen_back
 from remat.plan.budget import format_bytes, parse_budget
 from remat.plan.costs import reached_saved_ops
 from remat.plan.head import check_head, head_choices, priced_profile
@@ -91,7 +91,10 @@ def plan(profile: Profile, budget: int | str | None = None, strategy: str = "opt
     if kind == "optimal":
         result = _optimal_plan(profile, heads, budget)
     else:
-        segments = fall_back(profile, STRATEGIES[kind](priced_profile(profile, heads[0]), strategy, budget))
+        asked = STRATEGIES[kind](priced_profile(profile, heads[0]), strategy, budget)
+        segments = fall_back(profile, asked)
+        if segments != tuple(asked):
+            warn_fallen_back(profile, asked)
         result = make_plan(profile, segments, strategy, budget, head=heads[0])
     if budget is not None and result.prediction.peak_bytes > budget:
         best = min_peak_plan(profile).prediction
