@@ -81,23 +81,25 @@ def test_plan_broadcast_and_checked(tmp_path: Path) -> None:
     assert results[1]["mismatch_error"].startswith("ranks [1] hold a different plan")
 
 
-@pytest.mark.parametrize("strategy", ["none", "full"])
+@pytest.mark.parametrize("strategy", ["none", "full", "sqrt"])
 def test_fsdp2_measured_peak_matches_sharded_prediction(tmp_path: Path, strategy: str) -> None:
     """Per-rank peak of an FSDP2 step (live-storage tracker, DTensors counted by their local
     shards) against the prediction on `shard_profile(profile, world_size=2, zero_stage=3)`.
 
-    Tolerance 8%. The sharded model divides parameters, gradients and optimizer state exactly
+    Tolerance 3%. The sharded model divides parameters, gradients and optimizer state exactly
     and adds the largest unit's and the root unit's gathered weights and gradients less the
-    rank's shard (the ZeRO paper's accounting, with FSDP2's root kept gathered). It does not
-    model FSDP2's backward prefetch, which gathers the next unit's weights while the current
-    unit's backward runs: measured here as -1.7% (no recomputation: the root's gradients counted
-    from the backward's start, the embedding's come last) and +2.4% (full recomputation, peak
-    inside a block's backward) on this model; +0.5% and +5.5% with the largest block alone.
+    rank's shard (the ZeRO paper's accounting, with FSDP2's root kept gathered); a recompute
+    segment of several blocks is one unit (`fully_shard_by_plan`), gathered whole through its
+    backward (`remat.plan.phases.unit_extra_bytes`: sqrt's two-block segments measured +5.2 %
+    under before it). It does not model FSDP2's backward prefetch, which gathers the next unit's
+    weights while the current unit's backward runs: measured here as -1.7% (no recomputation:
+    the root's gradients counted from the backward's start, the embedding's come last), +2.4%
+    (full recomputation, peak inside a block's backward) and -2.0% (sqrt) on this model.
     """
     results = _spawn(workers.fsdp_peak, tmp_path, strategy)
     for res in results:
         err = abs(res["measured_peak_bytes"] - res["predicted_peak_bytes"]) / res["predicted_peak_bytes"]
-        assert err <= 0.08, res
+        assert err <= 0.03, res
         # sharding really shrank the model state on the rank
         assert res["sharded_state_bytes"] < res["unsharded_state_bytes"]
 

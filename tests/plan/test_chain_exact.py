@@ -6,12 +6,13 @@ not share a segment (joins), blocks that may not be replayed."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import pytest
 
-from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, solve_chain
+from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, UnitSlots, least_requirement, solve_chain
 from remat.plan.chain_exact import solve_exact
 
 EXACT_TABLES = 10**12
@@ -65,3 +66,29 @@ def test_too_many_points_give_up(num_blocks, joins):
     assert solve_exact(problem, max_points=50) is None
     exact, slots = solve_exact(problem), solve_chain(problem, exact_cells=EXACT_TABLES)
     assert [exact.cost(m) for m, _ in slots.curve()] == pytest.approx([cost for _, cost in slots.curve()], abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_segments_as_fsdp_units_the_same_in_both(seed):
+    """ZeRO-3: a recompute segment of several blocks gathers its blocks' weights together
+    (`UnitSlots`), which raises its replay's need by a sum over its blocks; both DPs price it
+    alike, the slot DP's layouts read back at that need, and the least need agrees too."""
+    rng = random.Random(100 + seed)
+    plain = _problem(rng, rng.randint(3, 6), joins=seed % 2 == 1)
+    unit_bytes = tuple(rng.randint(1, 4) * 2 for _ in plain.blocks)
+    if seed >= 4:  # alike blocks: the slot DP's shared replay tables
+        plain = dataclasses.replace(plain, blocks=(plain.blocks[0],) * len(plain.blocks), joins=None, replayable=None)
+        unit_bytes = (unit_bytes[0],) * len(unit_bytes)
+    units = UnitSlots(unit_bytes=unit_bytes, root_bytes=rng.randint(0, 3), world_size=2, quantum=1)
+    problem = dataclasses.replace(plain, units=units)
+    extra = problem.unit_slots(0, [1, 2, len(plain.blocks)])
+    assert extra[0] == 0 and extra[2] > 0  # one block: its own unit; the whole chain: more than the largest
+    slots, exact = solve_chain(problem, exact_cells=EXACT_TABLES), solve_exact(problem)
+    columns = [m for m, cost in slots.curve() if math.isfinite(cost)]
+    assert exact.curve()[0][0] == min(columns) == least_requirement(problem)[0]
+    for m in columns:
+        assert exact.cost(m) == pytest.approx(slots.cost(m), abs=1e-9)
+        assert slots.layout_ms(slots.layout(m)) == pytest.approx(slots.cost(m), abs=1e-9)
+        assert slots.layout_ms(exact.layout(m)) == pytest.approx(exact.cost(m), abs=1e-9)
+    # the units cost memory: nothing needs less than without them, and a long segment needs more
+    assert min(columns) >= min(m for m, cost in solve_chain(plain, exact_cells=EXACT_TABLES).curve() if math.isfinite(cost))

@@ -555,8 +555,18 @@ class Profile(JsonDocument):
     ``gradient_as_bucket_view=True``, the gradients themselves, there from the step's start:
     model state through the whole step."""
     gathered_bytes: int = 0
-    """ZeRO-3/FSDP only: the all-gathered weights and unsharded gradients of the largest unit,
-    less this rank's shard, live on every rank while that unit runs (see `remat.distributed`)."""
+    """ZeRO-3/FSDP only: the all-gathered weights and unsharded gradients of the largest block's
+    unit and of the root unit, less this rank's shard, live on every rank while that unit runs
+    (see `remat.distributed`)."""
+    unit_bytes: tuple[int, ...] = ()
+    """ZeRO-3/FSDP only: per block, its weights and gradients unsharded. A recompute segment of
+    several blocks is one unit (`remat.distributed.fsdp_units`), gathered whole through its
+    backward: beyond ``gathered_bytes`` by `remat.plan.phases.unit_extra_bytes` (() elsewhere)."""
+    unit_root_bytes: int = 0
+    """ZeRO-3/FSDP only: the root unit's weights and gradients unsharded (every parameter outside
+    the blocks), gathered beside every unit."""
+    unit_world_size: int = 1
+    """ZeRO-3/FSDP only: the ranks each unit is sharded over."""
     fixed_pre_fwd_bytes: int = 0
     """Peak of the forward before the first block (embeddings, a vision model's stem) above the
     model state, no gradient live yet: what a model whose early layers save nothing (a frozen

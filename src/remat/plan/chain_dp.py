@@ -67,7 +67,7 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = [
-    "BlockOption", "ChainBlock", "ChainProblem", "ChainSolution", "Element", "solve_chain", "choose_quantum",
+    "BlockOption", "ChainBlock", "ChainProblem", "ChainSolution", "Element", "UnitSlots", "solve_chain", "choose_quantum",
     "least_requirement", "deep_recursion", "EXACT_CELLS",
 ]
 
@@ -158,6 +158,35 @@ class ChainBlock:
 
 
 @dataclass(kw_only=True, frozen=True)
+class UnitSlots:
+    """ZeRO-3/FSDP: what a top-level recompute segment ``[a, b)`` adds to every phase of its
+    replay, in slots (`remat.plan.phases.unit_extra_bytes`, rounded up: its blocks are one unit,
+    gathered whole)."""
+
+    unit_bytes: tuple[int, ...]
+    """Per block, its weights and gradients unsharded."""
+    root_bytes: int
+    world_size: int
+    quantum: int
+    relax: bool = False
+    """Round down (the DP's cost a lower bound), not up (a layout it accepts fits)."""
+
+    def slots(self, a: int, stops: np.ndarray) -> np.ndarray:
+        """Extra slots of the segments ``[a, b)`` for each ``b`` of ``stops``."""
+        prefix = np.concatenate([[0], np.cumsum(self.unit_bytes, dtype=np.int64)])
+        n = self.world_size
+
+        def gathered(unit: np.ndarray) -> np.ndarray:
+            return unit - (-(-unit // n))
+
+        stops = np.asarray(stops, dtype=np.int64)
+        largest = gathered(np.int64(max(self.unit_bytes) + self.root_bytes))
+        extra = np.maximum(0, gathered(prefix[stops] - prefix[a] + self.root_bytes) - largest)
+        extra[stops - a < 2] = 0
+        return extra // self.quantum if self.relax else -(-extra // self.quantum)
+
+
+@dataclass(kw_only=True, frozen=True)
 class ChainProblem:
     blocks: tuple[ChainBlock, ...]
     post_slots: int
@@ -178,6 +207,14 @@ class ChainProblem:
     replayable: tuple[bool, ...] | None = None
     """Per block: False where it may not be in any recompute segment (its replay failed when
     profiled: `remat.measure.types.BlockProfile.unavailable`); None: every block may."""
+    units: UnitSlots | None = None
+    """ZeRO-3/FSDP: what a top-level recompute segment of several blocks adds to its replay's
+    need (one unit, gathered whole); None: nothing."""
+
+    def unit_slots(self, a: int, stops: np.ndarray) -> np.ndarray:
+        """`UnitSlots.slots` (zeros without ``units``)."""
+        stops = np.asarray(stops, dtype=np.int64)
+        return np.zeros(stops.shape, dtype=np.int64) if self.units is None else self.units.slots(a, stops)
 
     def __post_init__(self) -> None:
         if self.joins is not None and len(self.joins) != max(len(self.blocks) - 1, 0):
@@ -324,7 +361,8 @@ class ChainSolution:
                 out.append(Element(start=a, stop=a + 1, option=option.label))
                 a, m = a + 1, m - option.retained_slots + block.grad_slots
             else:
-                out.append(Element(start=a, stop=a + code, option=None, children=self._inner_layout(a, code, m)))
+                own = m - int(self.problem.unit_slots(a, [a + code])[0])  # the replay's, its unit gathered
+                out.append(Element(start=a, stop=a + code, option=None, children=self._inner_layout(a, code, own)))
                 a, m = a + code, m - block.input_slots + self.frame.grads(a, a + code)
         return tuple(out)
 
@@ -356,16 +394,17 @@ class ChainSolution:
         opt_cost[m < working - block.grad_slots] = _INF
         js = np.arange(1, self.problem.longest_segment(a) + 1)
         rest = self._at(self.top[a + js], m - block.input_slots + (gp[a + js] - gp[a]))
-        inner = self._segment_inner(a, js, m)
+        inner = self._segment_inner(a, js, m - self.problem.unit_slots(a, a + js))
         seg_cost = (self._fwd_prefix[a + js] - self._fwd_prefix[a]) + self.problem.segment_ms + inner + rest
         k = int(np.argmin(np.concatenate([opt_cost, seg_cost])))
         return -(k + 1) if k < len(opts) else k - len(opts) + 1
 
-    def _segment_inner(self, a: int, js: np.ndarray, m: int) -> np.ndarray:
+    def _segment_inner(self, a: int, js: np.ndarray, ms: np.ndarray) -> np.ndarray:
+        """The replay of each segment ``[a, a + j)`` at its ``ms`` free slots."""
         if not self.alike:
-            return np.array([self._at(self.inner[j][a : a + 1], [m])[0] for j in js])
+            return np.array([self._at(self.inner[j][a : a + 1], [m])[0] for j, m in zip(js, ms)])
         fwd = self._fwd_prefix[a + 1 :] - self._fwd_prefix[a:-1]
-        counts = self._at(self.inner.table[js], np.full(js.size, m))
+        counts = self._at(self.inner.table[js], ms)
         return _scaled(counts[:, None], np.minimum.accumulate(fwd)[: js.size])[:, 0]
 
     def _inner_pick(self, a: int, length: int, m: int) -> int:
@@ -590,6 +629,8 @@ def _top(problem: ChainProblem, frame: _Frame, inner, alike: bool):
         else:
             seg_inner = np.stack([inner[j][a] for j in js])
         rest = _shift(top[a + 1 : a + longest + 1], block.input_slots - (gp[a + js] - gp[a]))
+        if problem.units is not None:  # the segment's replay with its unit gathered whole
+            seg_inner = _shift(seg_inner, problem.unit_slots(a, a + js))
         seg_cost = (prefix[a + js] - prefix[a])[:, None] + problem.segment_ms + seg_inner + rest
         np.minimum(opt_cost.min(axis=0), seg_cost.min(axis=0), out=top[a])
     return top
@@ -673,8 +714,10 @@ def _least_top(problem: ChainProblem, need, picks, gp: np.ndarray) -> tuple[int,
     for a in range(n - 1, -1, -1):
         g = blocks[a].grad_slots
         cands = [max(o.working_slots - g, o.retained_slots - g + top[a + 1]) for o in blocks[a].options]
-        cands += [max(int(need[j][a]), blocks[a].input_slots - int(gp[a + j] - gp[a]) + top[a + j])
-                  for j in range(1, problem.longest_segment(a) + 1)]
+        js = np.arange(1, problem.longest_segment(a) + 1)
+        units = problem.unit_slots(a, a + js)
+        cands += [max(int(need[j][a]) + int(u), blocks[a].input_slots - int(gp[a + j] - gp[a]) + top[a + j])
+                  for j, u in zip(js.tolist(), units.tolist())]
         k = int(np.argmin(cands))
         top[a] = cands[k]
         code[a] = -(k + 1) if k < len(blocks[a].options) else k - len(blocks[a].options) + 1

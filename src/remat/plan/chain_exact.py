@@ -312,8 +312,9 @@ def _top_tables(problem: ChainProblem, inner: list[_Packed], budget: _Budget) ->
     top: list[_Top] = [None] * n + [head]  # type: ignore[list-item]
     for a in range(n - 1, -1, -1):
         parts = [_options(top[a + 1], blocks[a], a)]
-        for b in range(a + 1, a + problem.longest_segment(a) + 1):
-            parts.append(_segment(inner[b - a], top[b], arr, a, b, problem.segment_ms))
+        stops = np.arange(a + 1, a + problem.longest_segment(a) + 1)
+        for b, unit in zip(stops.tolist(), problem.unit_slots(a, stops).tolist()):
+            parts.append(_segment(inner[b - a], top[b], arr, a, b, problem.segment_ms, unit))
         need = np.concatenate([p[0] for p in parts])
         budget.spend(need.size)
         kept = _frontier(need, np.concatenate([p[1] for p in parts]))
@@ -349,13 +350,15 @@ def _options(rest: _Top, block, a: int):
     return need, cost, source
 
 
-def _segment(region: _Packed, rest: _Top, arr: _Arrays, a: int, b: int, segment_ms: float):
+def _segment(region: _Packed, rest: _Top, arr: _Arrays, a: int, b: int, segment_ms: float, unit: int = 0):
     """Points of a recompute segment ``[a, b)``: its replay (row ``a`` of ``region``) at ``m``
-    and the rest of the chain after its held input, at the breakpoints of both."""
+    less ``unit`` (what its FSDP unit gathers beyond the largest block's:
+    `remat.plan.chain_dp.ChainProblem.unit_slots`) and the rest of the chain after its held
+    input, at the breakpoints of both."""
     held = int(arr.inputs[a] - (arr.grads[b] - arr.grads[a]))
     _, own, _ = region.part(a, 1)
-    need = np.r_[own, rest.need + held]
-    k1 = region.locate(np.full(need.size, a), need)
+    need = np.r_[own + unit, rest.need + held]
+    k1 = region.locate(np.full(need.size, a), need - unit)
     k2 = rest.locate(need - held)
     cost = _cost_at(region, k1) + _cost_at(rest, k2) + float(arr.fwd[b] - arr.fwd[a]) + segment_ms
 

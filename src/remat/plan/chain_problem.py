@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.measure.types import Profile
-from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, Element, deep_recursion
+from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, Element, UnitSlots, deep_recursion
 from remat.plan.costs import cost_of, replay_working_bytes
 from remat.plan.options import BlockOptions, OptionClass, offload_options, price_options, undominated_rows
 from remat.plan.phases import (grad_bytes_live, post_working_bytes, released_grad_bytes, stopped_replay_ms,
@@ -143,8 +143,13 @@ class ChainBuilder:
             for row, block in zip(plain, self._class_chain_blocks(group, plain, quantum, relax)):
                 chain[group.members[row]] = block
         blocks = tuple(b if b is not None else self._chain_block(i, quantum, relax) for i, b in enumerate(chain))
+        units = None
+        if self.profile.unit_bytes:  # ZeRO-3: a segment's unit gathered whole (rounded down with ``relax``)
+            units = UnitSlots(unit_bytes=self.profile.unit_bytes, root_bytes=self.profile.unit_root_bytes,
+                              world_size=self.profile.unit_world_size, quantum=quantum, relax=relax)
         return ChainProblem(blocks=blocks, post_slots=self.head_need(quantum, relax), capacity_slots=capacity,
-                            segment_ms=self.profile.checkpoint_call_ms, joins=self.joins, replayable=self.replayable())
+                            segment_ms=self.profile.checkpoint_call_ms, joins=self.joins, replayable=self.replayable(),
+                            units=units)
 
     def replayable(self) -> tuple[bool, ...] | None:
         """Per block, whether its replay ran when profiled (None: every block's did)."""

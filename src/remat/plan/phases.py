@@ -16,7 +16,7 @@ from remat.measure.types import BlockProfile, Profile
 __all__ = [
     "held_input_bytes", "between_phase_bytes", "working_bytes", "saved_input_bytes", "replay_base_bytes",
     "replay_working_bytes", "replay_stop", "stopped_replay_working_bytes", "stopped_replay_ms",
-    "stopped_replay_flops", "forward_phase_bytes", "keep_working_bytes", "keep_forward_bytes",
+    "stopped_replay_flops", "forward_phase_bytes", "keep_working_bytes", "keep_forward_bytes", "unit_extra_bytes",
     "released_grad_bytes", "grad_bytes_live", "post_working_bytes",
 ]
 
@@ -149,6 +149,22 @@ def keep_forward_bytes(profile: Profile, block_index: int, previous_kept: bool) 
     block = profile.blocks[block_index]
     held = 0 if previous_kept or not block_index else profile.blocks[block_index - 1].output_held_bytes
     return forward_phase_bytes(block) + held - grad_bytes_live(profile, block_index)
+
+
+def unit_extra_bytes(profile: Profile, start: int, stop: int) -> int:
+    """What a top-level recompute segment ``[start, stop)`` adds to every phase of its backward
+    under ZeRO-3/FSDP: it is one unit (`remat.distributed.fsdp_units`: its replay runs its blocks
+    together), so its blocks' weights and unsharded gradients are gathered together, where
+    ``gathered_bytes`` counts the largest block's, each beside the root unit and less the rank's
+    shard. 0 for one block, and without ZeRO-3 (``unit_bytes`` empty)."""
+    if stop - start < 2 or not profile.unit_bytes:
+        return 0
+    n, root = profile.unit_world_size, profile.unit_root_bytes
+
+    def gathered(unit: int) -> int:
+        return unit - (-(-unit // n))
+
+    return max(0, gathered(sum(profile.unit_bytes[start:stop]) + root) - gathered(max(profile.unit_bytes) + root))
 
 
 def released_grad_bytes(block: BlockProfile) -> int:

@@ -36,7 +36,7 @@ from remat.measure.types import Profile
 from remat.plan.chain_dp import deep_recursion
 from remat.plan.costs import cost_of
 from remat.plan.phases import (grad_bytes_live, keep_forward_bytes, post_working_bytes, replay_working_bytes,
-                               stopped_replay_working_bytes, working_bytes)
+                               stopped_replay_working_bytes, unit_extra_bytes, working_bytes)
 from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
 from remat.plan.joins import check_joins
 from remat.plan.types import Plan, Prediction, Segment
@@ -197,7 +197,9 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
         unheld = dead[seg.start] if dead else 0
         if seg.kind == "recompute":
             inner = layout_peak(profile, seg.children, seg.start, seg.stop, replay=True, stopped=seg.stops_early)
-            candidate = _Peak(bytes=held + inner.bytes - unheld, block=inner.block, working_bytes=inner.working_bytes)
+            unit = 0 if replay else unit_extra_bytes(profile, seg.start, seg.stop)  # ZeRO-3: one unit
+            candidate = _Peak(bytes=held + inner.bytes + unit - unheld, block=inner.block,
+                              working_bytes=inner.working_bytes)
             held += cost_of(profile, seg.start, seg).retained_bytes
         else:
             cost = cost_of(profile, seg.start, seg)
