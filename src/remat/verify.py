@@ -37,6 +37,7 @@ import functools
 import inspect
 import random
 import statistics
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -375,6 +376,12 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
     check_step_inputs(optimizer, "remat.verify")
     check_batch_device(model, batch)
     check_plan_matches(model, plan, batch)
+    if plan.compiled_backend:
+        warnings.warn(
+            f"the plan is for the model compiled with backend {plan.compiled_backend!r} (its profile was taken "
+            "compiled); verify runs both steps eagerly: the gradients compare as always, but the measured peak and "
+            "times are the eager step's against the compiled step's prediction. benchmarks/compiled.py measures "
+            "the compiled step (allocator peaks).", UserWarning, stacklevel=2)
     device = model_device(model)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _host_rng_restored(), \
             _generators_restored(generators_in(batch)), BatchGrads(batch):
@@ -444,5 +451,5 @@ def _compare(plan: Plan, base: _Run, planned: _Run, repeats: int, device: torch.
         predicted_baseline_step_ms=pred_base, predicted_overhead_pct=_pct(pred.step_ms, pred_base) if pred_base > 0 else 0.0,
         paired_step_error_pct=_pct(step_p, at_this_speed), baseline_drift_pct=_pct(step_b, pred_base) if pred_base > 0 else 0.0,
         op_counts=counts, recompute_counts_match=all(c.planned_count == c.expected_count for c in counts),
-        timeline=tracked_p.timeline,
+        compiled_backend=plan.compiled_backend, timeline=tracked_p.timeline,
     )

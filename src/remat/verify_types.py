@@ -109,6 +109,10 @@ class Verification(JsonDocument):
     """Per block and op: baseline, planned and expected call counts."""
     recompute_counts_match: bool
     """True when every planned count equals the expected count."""
+    compiled_backend: str = ""
+    """The plan's (`remat.plan.types.Plan.compiled_backend`): verify ran both steps eagerly, so
+    for a plan made for a compiled model the peak and times compare an eager step with the compiled
+    step's prediction (`benchmarks/compiled.py` measures the compiled step); "" for an eager plan."""
     timeline: tuple[MemoryEvent, ...] = ()
     """Live bytes over the planned step, for the timeline plot."""
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from remat.checkpointing.caches import drop_kv_caches
-from remat.checkpointing.region import first_argument, replaying
+from remat.checkpointing.region import BufferGuard, first_argument, replaying
 from remat.measure.calls import first_output, same_arguments
 from remat.plan.types import Segment
 
@@ -119,8 +119,13 @@ class Runtime:
         self.first_keys: dict[int, str] = {}
         """Blocks the model calls with keyword arguments only: the name of the one passed through
         the checkpoint (`remat.checkpointing.region.first_argument`)."""
-        self.guards: dict[tuple[int, int], Any] = {}
-        """The `remat.checkpointing.region.BufferGuard` of each region ``(start, stop)``, made on its first call."""
+        self.guards: dict[tuple[int, int], Any] = {
+            (seg.start, seg.stop): BufferGuard(blocks[seg.start : seg.stop], self.mutating, (seg.start, seg.stop))
+            for seg in _checkpointed_regions(segments)}
+        """The `remat.checkpointing.region.BufferGuard` of each checkpointed region ``(start, stop)``,
+        nested ones included, all made here: made on a region's first call, a nested region's
+        would be stored inside its parent's checkpoint, which ``torch.compile`` refuses (a
+        side effect inside a higher-order op)."""
 
     # -- installing -------------------------------------------------------------------------
     def planned_indices(self) -> list[int]:
@@ -264,3 +269,13 @@ class Runtime:
                 first = next_input()
             outputs += self.run_plain(pos, seg.stop, first, extra, kwargs)
         return outputs
+
+
+def _checkpointed_regions(segments: tuple[Segment, ...]) -> list[Segment]:
+    """Every recompute and selective segment of ``segments``, children included."""
+    out: list[Segment] = []
+    for seg in segments:
+        if seg.kind in ("recompute", "selective"):
+            out.append(seg)
+        out += _checkpointed_regions(seg.children)
+    return out

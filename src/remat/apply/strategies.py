@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from remat.apply.runtime import Runtime
-from remat.checkpointing.region import BufferGuard, checkpointed
+from remat.checkpointing.region import checkpointed
 from remat.checkpointing.selective import selective_context
 from remat.plan.types import Segment
 
@@ -29,10 +29,7 @@ Handler = Callable[[Runtime, Segment, Any, tuple[Any, ...], dict[str, Any]], lis
 
 def _checkpointed(runtime: Runtime, seg: Segment, body: Callable[[Any], list[Any]],
                   first: Any, extra: tuple[Any, ...], context_fn: Callable[[], Any] | None = None) -> list[Any]:
-    guard = runtime.guards.get((seg.start, seg.stop))
-    if guard is None:  # one guard per region, made on its first call
-        guard = BufferGuard(runtime.blocks[seg.start : seg.stop], runtime.mutating, (seg.start, seg.stop))
-        runtime.guards[(seg.start, seg.stop)] = guard
+    guard = runtime.guards[(seg.start, seg.stop)]  # one per region, made with the runtime
     return checkpointed(body, first, extra, guard=guard, context_fn=context_fn, early_stop=seg.stops_early)
 
 

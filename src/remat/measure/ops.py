@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat.checkpointing.cacheable import is_in_place
 from remat.measure.boundaries import in_backward
 from remat.measure.flops import op_flops
 from remat.measure.saved import BETWEEN, POST, SavedStorage
@@ -170,7 +171,8 @@ class OpRecorder(TorchDispatchMode):
         calls.append(_Call(
             name=name, key=key, new_storages=new, flops=op_flops(func, args, kwargs, out),
             is_random=is_random,
-            is_view=bool(getattr(func, "is_view", False)), storage_ids=ids, storage_bytes=nbytes,
+            is_view=bool(getattr(func, "is_view", False)) or _aliases(name, args, kwargs, out),
+            storage_ids=ids, storage_bytes=nbytes,
             times_s=[elapsed_s], args=args_signature(args, kwargs),
             # the tracker is the outer mode: it adds this call's outputs after the call returns
             live_after=self.live_bytes() + sum(new.values()) if self.live_bytes is not None else 0,
@@ -298,3 +300,14 @@ def own_generator(args: tuple, kwargs: dict) -> bool:
         defaults.update(g._cdata for g in torch.cuda.default_generators)
     values = (*args, *kwargs.values())
     return any(isinstance(v, torch.Generator) and v._cdata not in defaults for v in values)
+
+
+def _aliases(name: str, args: tuple, kwargs: dict, out: Any) -> bool:
+    """Whether a call that is not in place returns only tensors in its inputs' storages: an
+    alias torch does not tag as a view (``aten._unsafe_view`` after a matmul's reshape). Saving
+    it keeps its input's storage, which the call that made it saves as well; and under
+    ``torch.compile`` it is traced as ``view``, so a key naming it would name another call."""
+    if is_in_place(name):
+        return False
+    outputs = {storage_key(t) for t in flat_tensors((out,))}
+    return bool(outputs) and None not in outputs and outputs <= {storage_key(t) for t in flat_tensors(args, kwargs)}

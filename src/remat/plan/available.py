@@ -57,7 +57,7 @@ def warn_fallen_back(profile: Profile, segments: Sequence[Segment]) -> None:
     strategy, index, reason = found[0]
     others = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
     warnings.warn(
-        f"block {profile.blocks[index].name!r}{others} cannot run {strategy!r}: {explained(reason)}. It runs the "
+        f"block {profile.blocks[index].name!r}{others} cannot run {strategy!r}: {explained(reason).rstrip('.')}. It runs the "
         "nearest strategy it can (selective -> recompute -> keep); plan.block_strategies() shows what each block runs.",
         UserWarning, stacklevel=3)
 

@@ -146,6 +146,7 @@ def make_plan(profile: Profile, segments: tuple[Segment, ...], strategy: str, bu
         head=head,
         optimality=optimality,
         grad_accumulation=profile.grad_accumulation,
+        compiled_backend=profile.compiled_backend,
     )
 
 

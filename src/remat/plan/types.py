@@ -273,6 +273,9 @@ class Plan(JsonDocument):
     tuning: Tuning | None = None
     """Measured tuning (`remat.plan.tune`): every candidate timed, predicted against measured, and
     the winner (this plan's layout). Plans without it (not tuned, older files) have None."""
+    compiled_backend: str = ""
+    """The ``torch.compile`` backend its profile was taken with (`remat.measure.types.Profile.compiled_backend`):
+    the plan is for the model compiled so, its prediction the compiled step's; "" for eager."""
 
     def __post_init__(self) -> None:
         self.check(segments=False)

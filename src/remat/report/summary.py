@@ -160,6 +160,8 @@ def _measured(ver: Verification, budget: int | None) -> str:
         grads = f"gradients DIFFER (max difference {ver.grad_max_abs_diff:.1e} > tolerance {ver.tolerance:.1e})"
     over = (f", over the {format_bytes(budget)} budget"
             if budget is not None and ver.measured_peak_bytes > budget else "")
+    eager = (f" The plan is for the model compiled with {ver.compiled_backend!r}; these steps ran eagerly, so the "
+             "peak and step compare an eager step with the compiled prediction." if ver.compiled_backend else "")
     return (f"Measured: peak {format_bytes(ver.measured_peak_bytes)} "
             f"({format_pct(ver.peak_error_pct)} vs predicted{over}), step {ver.measured_step_ms:.1f} ms "
-            f"({format_pct(ver.overhead_pct)} vs baseline), {grads}.")
+            f"({format_pct(ver.overhead_pct)} vs baseline), {grads}.{eager}")
