@@ -56,6 +56,23 @@ def test_save_matmuls_includes_cpu_fused_attention():
     assert save_matmuls(fused) == ("aten._scaled_dot_product_flash_attention_for_cpu.default#0", "aten.convolution.default#0")
 
 
+def test_save_matmuls_saves_the_experts_grouped_matmuls():
+    """Hugging Face's MoE layers (Mixtral, Qwen2-MoE, OLMoE in transformers 5) run their experts
+    as ``_grouped_mm``: the heaviest calls of the layer, replayed by save-matmuls before."""
+    import torch
+
+    import remat
+    from tests.zoo.zoo_models import build_zoo
+
+    torch.set_num_threads(1)
+    z = build_zoo("mixtral")
+    prof = remat.profile(z.model, z.batch, z.loss_fn, z.optimizer, warmup=0, repeats=1)
+    experts = [o.key for o in prof.blocks[0].ops if o.name == "aten._grouped_mm.default"]
+    assert experts  # the zoo's Mixtral runs them so on the CPU
+    saved = remat.plan(prof, strategy="selective:save-matmuls").segments[0].saved_ops
+    assert set(experts) <= set(saved)
+
+
 def _brute_force(block, target):
     import itertools
 

@@ -31,6 +31,10 @@ MATMUL_OPS = frozenset(
         "aten.addmm",
         "aten.bmm",
         "aten.baddbmm",
+        "aten._grouped_mm",
+        "aten._scaled_mm",
+        "aten._scaled_grouped_mm",
+        "aten._int_mm",
         "aten.linear",
         "aten.convolution",
         "aten._convolution",
@@ -44,7 +48,9 @@ MATMUL_OPS = frozenset(
 )
 """Compute-intensive ops: the outputs `save-matmuls` keeps, and what a compiled profile times
 apart from the cheap ops (`remat.measure.compiled`): torchtitan's list, plus the CPU fused
-attention kernel, which differs from the CUDA ones."""
+attention kernel, which differs from the CUDA ones, and the grouped and low-precision matmuls
+(a mixture-of-experts layer's experts run as one ``_grouped_mm`` in Hugging Face's MoE models:
+without it, save-matmuls replayed the experts, the layer's heaviest calls)."""
 
 
 def op_packet(name: str) -> str:
