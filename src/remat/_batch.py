@@ -58,9 +58,34 @@ def check_batch_device(model: nn.Module, batch: Any) -> None:
 
 def check_model(model: nn.Module, where: str) -> None:
     """Raise for a model remat cannot measure or change as given (`check_not_compiled`,
-    `check_no_hf_checkpointing`)."""
+    `check_no_hf_checkpointing`, `check_no_torch_checkpointing`)."""
     check_not_compiled(model, where)
     check_no_hf_checkpointing(model, where)
+    check_no_torch_checkpointing(model, where)
+
+
+def check_no_torch_checkpointing(model: nn.Module, where: str) -> None:
+    """Raise if torch's module-level activation checkpointing is on in ``model``: a
+    ``checkpoint_wrapper`` (or ``offload_wrapper``) around a module, torchtitan's way, or the
+    composable ``torch.distributed._composable.checkpoint``. Its modules already recompute (the
+    profile saw 0 bytes saved there and a plan checkpointed them twice, a layer's forward ran
+    twice more per step), with no word."""
+    registry = None
+    try:
+        from torch.distributed._composable.contract import _get_registry as registry
+    except ImportError:  # a build without torch.distributed
+        pass
+    wrapped = [name or "<root>" for name, m in model.named_modules()
+               if any(c.__name__ == "ActivationWrapper" for c in type(m).__mro__)
+               or (registry is not None and "checkpoint" in (registry(m) or {}))]
+    if wrapped:
+        raise ValueError(
+            f"{where}: torch's activation checkpointing is on in {type(model).__name__} ({', '.join(wrapped[:3])}"
+            f"{', ...' if len(wrapped) > 3 else ''}: checkpoint_wrapper, offload_wrapper or "
+            "torch.distributed._composable.checkpoint), so those modules already recompute and remat would measure "
+            "and plan checkpointed layers. Build the model without it (or unwrap: CheckpointWrapper's "
+            "_checkpoint_wrapped_module): a remat plan replaces it."
+        )
 
 
 def check_not_compiled(model: nn.Module, where: str) -> None:

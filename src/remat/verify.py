@@ -376,6 +376,13 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
     check_step_inputs(optimizer, "remat.verify")
     check_batch_device(model, batch)
     check_plan_matches(model, plan, batch)
+    if plan.head != "keep" and loss_fn is not None:
+        raise ValueError(
+            f"the plan's head is {plan.head!r}: the model's output carries no logits in training, and its loss is the "
+            "model's own (labels in the batch). A loss_fn was given, which reads the output: a profile with a "
+            "loss_fn plans no head. Plan the head as keep (remat.plan(..., head='keep')), or drop loss_fn and pass "
+            "the labels in the batch."
+        )
     if plan.compiled_backend:
         warnings.warn(
             f"the plan is for the model compiled with backend {plan.compiled_backend!r} (its profile was taken "

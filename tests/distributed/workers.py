@@ -209,3 +209,28 @@ def ddp_view_peak(rank: int, world_size: int, port: int, out_dir: str, strategy:
     _write(out_dir, rank, {"rank": rank, "measured_peak_bytes": tracked.peak_bytes,
                            "predicted_peak_bytes": plan.prediction.peak_bytes,
                            "unaware_peak_bytes": unaware.prediction.peak_bytes})
+
+
+def tp_profile(rank: int, world_size: int, port: int, out_dir: str, strategy: str) -> None:
+    """Tensor parallelism (DTensor): the built-in GPT's MLPs split column- then row-wise over the
+    ranks, profiled and verified on each rank as it runs."""
+    import remat
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    _init(rank, world_size, port)
+    weights, batch = _built(0)  # one batch: tensor parallelism splits the layers, not the data
+    model = copy.deepcopy(weights.model)
+    split = {}
+    for i in range(len(model.blocks)):
+        split[f"blocks.{i}.mlp.fc"], split[f"blocks.{i}.mlp.proj"] = ColwiseParallel(), RowwiseParallel()
+    parallelize_module(model, init_device_mesh("cpu", (world_size,)), split)
+    optimizer = torch.optim.AdamW(model.parameters())
+    profile = remat.profile(model, batch, weights.loss_fn, optimizer, warmup=1, repeats=1)
+    plan = remat.plan(profile, strategy=strategy)
+    v = remat.verify(model, batch, plan, weights.loss_fn, optimizer, repeats=1)
+    _write(out_dir, rank, {
+        "rank": rank, "ok": v.ok, "identical": v.grads_identical, "predicted": v.predicted_peak_bytes,
+        "measured": v.measured_peak_bytes, "param_bytes": profile.param_bytes,
+        "whole_param_bytes": sum(p.numel() * p.element_size() for p in weights.model.parameters()),
+    })

@@ -121,3 +121,22 @@ def test_num_items_in_batch_reaches_the_chunked_loss(profiled):
     assert not torch.allclose(unplanned[1], mean)  # the keyword changes the loss...
     assert _rel(planned[1], unplanned[1]) <= FP32_REASSOCIATION_RTOL  # ...and the chunked head computes it so
     assert max(_rel(planned[2][n], unplanned[2][n]) for n in unplanned[2]) <= FP32_REASSOCIATION_RTOL
+
+
+def test_auto_takes_the_head_chunks_a_short_batch_needs():
+    """64 tokens are too few for the profile's default chunk sizes: the least peak, a chunked
+    head's, was out of `auto_`'s reach (its error then blamed the model state)."""
+    import remat
+
+    built = tiny("hf:llama", optimizer="sgd", vocab_size=2048)  # the logits set the least peak
+    tokens = built.batch["labels"].numel()
+    assert tokens < 128  # below the default chunks' reach
+    prof = profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1, head_chunks=(8,))
+    least = remat.pareto(prof)[-1]
+    assert least.head == "chunked:8"
+    chosen = remat.auto_(built.model, built.batch, built.loss_fn, built.optimizer, budget=least.prediction.peak_bytes,
+                         head_chunks=(8,))
+    try:
+        assert chosen.head == "chunked:8" and chosen.prediction.peak_bytes <= least.prediction.peak_bytes
+    finally:
+        remat.remove_(built.model)

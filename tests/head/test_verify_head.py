@@ -31,3 +31,18 @@ def test_head_plans_verified(name):
     keep = verify(built.model, built.batch, plan(prof, strategy="none"), built.loss_fn, built.optimizer, repeats=1)
     chunked = plan(prof, strategy="none", head="chunked:8")
     assert chunked.prediction.peak_bytes < keep.measured_peak_bytes  # the full logits no longer exist
+
+
+def test_a_planned_head_with_a_loss_fn_is_refused_before_anything_runs():
+    """A chunked or recomputed head returns no logits in training; a loss_fn reading them failed
+    inside the user's code with "'NoneType' object is not subscriptable"."""
+    built = tiny("hf:llama")
+    prof = profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1, head_chunks=(8,))
+    chunked = plan(prof, strategy="none", head="chunked:8")
+
+    def smoothed(output, batch):
+        return output.logits[:, :-1].float().log_softmax(-1).mean()
+
+    with pytest.raises(ValueError, match=r"the plan's head is 'chunked:8': the model's output carries no logits in "
+                                         r"training.*Plan the head as keep"):
+        verify(built.model, built.batch, chunked, smoothed, built.optimizer, repeats=1)

@@ -128,6 +128,34 @@ def test_hugging_face_checkpointing_left_on_is_refused_with_the_fix():
     assert remat.verify(built.model, built.batch, plan, repeats=1).ok
 
 
+@pytest.mark.parametrize("how", ["checkpoint_wrapper", "offload_wrapper", "composable"])
+def test_torchs_own_activation_checkpointing_left_on_is_refused_with_the_fix(how):
+    """torchtitan wraps each block in ``checkpoint_wrapper``; the composable ``checkpoint`` marks
+    a module. Either way its blocks already recompute: the profile saw nothing saved there (0
+    bytes under the composable one) and a plan checkpointed them again, with no word."""
+    import remat
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper, offload_wrapper
+
+    from remat.models import build
+
+    built = build("gpt", seed=0, optimizer="none", num_layers=2, d_model=16, num_heads=2, seq_len=8, batch_size=2,
+                  vocab_size=32)
+    plan = remat.plan(profile(built.model, built.batch, built.loss_fn, repeats=1), strategy="full")
+    if how == "composable":
+        checkpoint(built.model.blocks[1])
+    else:
+        built.model.blocks[1] = (checkpoint_wrapper if how == "checkpoint_wrapper" else offload_wrapper)(built.model.blocks[1])
+    message = r": torch's activation checkpointing is on in GPT \(blocks\.1.*a remat plan replaces it"
+    with pytest.raises(ValueError, match=r"remat.profile" + message):
+        profile(built.model, built.batch, built.loss_fn)
+    with pytest.raises(ValueError, match=r"remat.verify" + message):
+        remat.verify(built.model, built.batch, plan, built.loss_fn)
+    with pytest.raises(ValueError, match=r"remat.apply_" + message):
+        remat.apply_(built.model, plan)
+    assert not remat.apply.api.is_applied(built.model)
+
+
 def test_an_optimizer_whose_step_needs_a_closure_is_refused():
     import remat
 

@@ -237,7 +237,7 @@ def applied(model: nn.Module, plan: Plan, **options: Any):
 def auto_(model: nn.Module, batch: Any, loss_fn: LossFn | None = None,
           optimizer: torch.optim.Optimizer | None = None, budget: str | int = "50%",
           strategy: str = "optimal", *, grad_accumulation: bool = False,
-          blocks: str | Sequence[str] | None = None) -> Plan:
+          blocks: str | Sequence[str] | None = None, head_chunks: Sequence[int] | None = None) -> Plan:
     """Profile ``model`` on ``batch``, plan the fastest step within ``budget``, apply it; return the plan.
 
     The budget-driven counterpart of Hugging Face's ``gradient_checkpointing_enable()``: ``budget``
@@ -247,14 +247,17 @@ def auto_(model: nn.Module, batch: Any, loss_fn: LossFn | None = None,
     then carries no logits in training. ``grad_accumulation``: several micro-batches per
     optimizer step, so the plan is for a micro-batch whose gradients add to the earlier ones'
     (`remat.profile`'s option; a share of the peak is then of that step's). ``blocks``: which
-    modules are blocks, as `remat.profile` takes it (globs or class names; None: found)."""
+    modules are blocks, as `remat.profile` takes it (globs or class names; None: found).
+    ``head_chunks``: the chunk sizes (tokens) a chunked head is measured at, as `remat.profile`
+    takes them (None: its defaults, which need at least 128 tokens in the batch)."""
     from remat.measure.profile import profile as measure
     from remat.plan.budget import parse_budget
     from remat.plan.planners import plan as make_plan
 
     if is_applied(model):
         raise ValueError(f"{type(model).__name__} already has a remat plan applied; call remat.remove_(model) first.")
-    prof = measure(model, batch, loss_fn=loss_fn, optimizer=optimizer, grad_accumulation=grad_accumulation, blocks=blocks)
+    prof = measure(model, batch, loss_fn=loss_fn, optimizer=optimizer, grad_accumulation=grad_accumulation, blocks=blocks,
+                   head_chunks=head_chunks)
     the_plan = make_plan(prof, budget=parse_budget(budget, prof.peak_bytes), strategy=strategy)
     apply_(model, the_plan, batch=batch)
     return the_plan

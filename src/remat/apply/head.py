@@ -64,9 +64,26 @@ class HeadRuntime:
         with capture_projection(self.projection, run=False) as captured:
             output = self._original(*bound.args, **bound.kwargs)
         self._check(captured, output)
+        self._check_no_auxiliary_loss(output)
         call = HeadCall(kind=self.kind, site=self.site, model=self.model, projection=self.projection,
                         inputs=inputs, extra=extra)
         return self.kind.output(output, self.strategy.loss(call, captured.hidden))
+
+    def _check_no_auxiliary_loss(self, output: Any) -> None:
+        """A loss term beside the logits (a mixture-of-experts router's load balancing, asked for by
+        ``output_router_logits``) that the model adds to its loss with labels: the head strategy
+        computes the token cross-entropy alone, and would drop it from training."""
+        items = output.items() if hasattr(output, "items") else ()
+        auxiliary = [k for k, v in items if k != "loss" and "loss" in k and v is not None]
+        if not auxiliary or getattr(getattr(self.model, "config", None), "router_aux_loss_coef", None) == 0:
+            return
+        raise ValueError(
+            f"{type(self.model).__name__} returned {', '.join(auxiliary)} beside its logits: with labels it adds that "
+            f"to its loss (router_aux_loss_coef * aux_loss), and the head strategy {self.strategy.name!r} computes the "
+            "token cross-entropy alone, so the term would be dropped from training. The plan was made for a call "
+            "without it (output_router_logits off when profiled). Profile the call you train with (its head is then "
+            "planned as keep), or plan the head as keep (remat.plan(..., head='keep'))."
+        )
 
     def _check(self, captured: Any, output: Any) -> None:
         """The forward must have called the projection once and returned its output as the

@@ -44,7 +44,7 @@ from torch import nn
 from remat.measure.blocks import Blocks
 from remat.measure.boundaries import in_backward
 from remat.measure.saved import BETWEEN, POST, PRE, SavedStorage, between_name
-from remat.measure.storage import storage_key, storage_nbytes
+from remat.measure.storage import storage_key, storage_nbytes, storage_of
 from remat.measure.types import BlockInput
 
 __all__ = ["DataflowRecorder", "BlockFlow", "block_flows", "segment_position", "named_tensors"]
@@ -151,7 +151,7 @@ class DataflowRecorder:
 
     def _storage_id(self, tensor: torch.Tensor, key: int) -> int:
         known = self._by_key.get(key)
-        storage = tensor.untyped_storage()
+        storage = storage_of(tensor)
         if known is not None and self.storages[known].ref() is storage:
             return known
         self._by_key[key] = len(self.storages)

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
 from remat.measure.blocks import Blocks
-from remat.measure.storage import distinct_bytes, storage_key, storage_keys, storage_nbytes, tensors_in
+from remat.measure.storage import distinct_bytes, storage_key, storage_keys, storage_nbytes, storage_of, tensors_in
 
 PRE = "pre"
 POST = "post"
@@ -145,7 +146,7 @@ class SavedAccountant:
         nbytes = storage_nbytes(t)
         self.saved[key] = SavedStorage(nbytes=nbytes, segment=self.segment)
         self._totals[self.segment] = self._totals.get(self.segment, 0) + nbytes
-        self._finalizers[key] = weakref.finalize(t.untyped_storage(), self._freed, key)
+        self._finalizers[key] = weakref.finalize(storage_of(t), self._freed, key)
         if self._on_saved is not None:
             self._on_saved(t, nbytes, self.segment)
         return _alias(t)
@@ -172,7 +173,12 @@ class SavedAccountant:
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
     """``t.detach()``, unseen by the dispatch modes that watch the step (the op recorder, the live
-    tracker): a view of the same storage with no graph, not an op of the model."""
+    tracker): a view of the same storage with no graph, not an op of the model. A wrapper
+    subclass (a tensor-parallel DTensor) makes its own alias: with torch dispatch disabled it
+    would come back a plain tensor, and the backward would mix it with DTensors."""
+    if is_traceable_wrapper_subclass(t):
+        with _disable_current_modes():
+            return t.detach()
     with torch._C._DisableTorchDispatch():
         return t.detach()
 

@@ -8,23 +8,44 @@ meta-device estimate counts exactly what a real run counts.
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors inside a wrapper tensor subclass (a DTensor's local shard), recursively;
+    ``[t]`` for a plain tensor.
+
+    A wrapper's own storage is a placeholder of the *global* size: counting it would count a
+    sharded parameter, or a tensor-parallel activation, as if it were whole on every rank."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inners = (getattr(t, name) for name in names)
+    return [p for inner in inners if isinstance(inner, torch.Tensor) for p in plain_tensors(inner)]
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage the tensor's bytes live in: a wrapper subclass's first inner tensor's."""
+    return plain_tensors(t)[0].untyped_storage() if is_traceable_wrapper_subclass(t) else t.untyped_storage()
 
 
 def storage_key(t: torch.Tensor) -> int | None:
-    """The identity of the tensor's storage, or None for tensors without one (sparse, nested)."""
+    """The identity of the tensor's storage (a DTensor's: its local shard's), or None for tensors
+    without one (sparse, nested)."""
     try:
-        return t.untyped_storage()._cdata
-    except (NotImplementedError, RuntimeError):
+        return storage_of(t)._cdata
+    except (NotImplementedError, RuntimeError, IndexError):
         return None
 
 
 def storage_nbytes(t: torch.Tensor) -> int:
-    """Bytes of the tensor's whole storage (0 without one)."""
+    """Bytes of the tensor's whole storage, a DTensor's local shard's (0 without one)."""
+    if is_traceable_wrapper_subclass(t):
+        return sum(storage_nbytes(p) for p in plain_tensors(t))
     try:
         return t.untyped_storage().nbytes()
     except (NotImplementedError, RuntimeError):

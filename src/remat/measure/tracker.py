@@ -28,31 +28,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from remat._batch import batch_tensors, model_device
 from remat.measure.blocks import Blocks, find_blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.saved import SavedAccountant
-from remat.measure.storage import flat_tensors, storage_key, storage_nbytes, tensors_in
+from remat.measure.storage import flat_tensors, plain_tensors, storage_key, storage_nbytes, tensors_in
 from remat.measure.types import MemoryEvent
 
 CATEGORIES = ("parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries")
 ACT_PREFIX = "act:"
-
-
-def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors inside a wrapper tensor subclass (a DTensor's local shard), recursively.
-
-    A wrapper's own storage is a placeholder of the *global* size: counting it would count a
-    sharded parameter as if it were whole."""
-    if not is_traceable_wrapper_subclass(t):
-        return [t]
-    names, _ = t.__tensor_flatten__()
-    inners = (getattr(t, name) for name in names)
-    return [p for inner in inners if isinstance(inner, torch.Tensor) for p in plain_tensors(inner)]
 
 
 def category_of(label: str) -> str:
