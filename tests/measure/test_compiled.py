@@ -251,3 +251,25 @@ def test_a_plan_for_the_compiled_model_says_so_and_verify_says_it_ran_eagerly(ao
         v = remat.verify(model, x, plan, repeats=1)
     assert v.ok and v.compiled_backend == "aot_eager"
     assert "these steps ran eagerly" in _measured(v, None)
+
+
+def test_the_experts_grouped_matmul_is_one_call_eager_or_traced():
+    """Hugging Face's MoE layers run their experts through ``aten._grouped_mm`` eagerly and
+    through their ``grouped_mm_fallback`` op where it cannot run (traced for the compiler with
+    float32 weights): the policy counts the second as the first, so a plan saving the experts'
+    outputs saves them compiled too (they were replayed: Qwen2-MoE's two saved keys never met)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    pytest.importorskip("transformers.integrations.moe", reason="transformers before 5 has no grouped_mm_fallback op")
+
+    from remat.checkpointing.cacheable import MATMUL_OPS
+    from remat.checkpointing.selective import SavedOpsPolicy
+
+    fallback = torch.ops.transformers.grouped_mm_fallback.default
+    policy = SavedOpsPolicy(frozenset({"aten._grouped_mm.default#1"}))
+    decisions = [policy(None, op) for op in (torch.ops.aten._grouped_mm.default, fallback, fallback)]
+    assert decisions == [CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE]
+    assert policy.seen == ["aten._grouped_mm.default#0", "aten._grouped_mm.default#1", "aten._grouped_mm.default#2"]
+    eager_named = SavedOpsPolicy(frozenset({"transformers.grouped_mm_fallback.default#0"}))
+    assert eager_named(None, torch.ops.aten._grouped_mm.default) == CheckpointPolicy.MUST_SAVE
+    assert {"aten._grouped_mm", "transformers.grouped_mm_fallback"} <= MATMUL_OPS

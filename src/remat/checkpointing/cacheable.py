@@ -32,6 +32,7 @@ MATMUL_OPS = frozenset(
         "aten.bmm",
         "aten.baddbmm",
         "aten._grouped_mm",
+        "transformers.grouped_mm_fallback",
         "aten._scaled_mm",
         "aten._scaled_grouped_mm",
         "aten._int_mm",
@@ -49,8 +50,9 @@ MATMUL_OPS = frozenset(
 """Compute-intensive ops: the outputs `save-matmuls` keeps, and what a compiled profile times
 apart from the cheap ops (`remat.measure.compiled`): torchtitan's list, plus the CPU fused
 attention kernel, which differs from the CUDA ones, and the grouped and low-precision matmuls
-(a mixture-of-experts layer's experts run as one ``_grouped_mm`` in Hugging Face's MoE models:
-without it, save-matmuls replayed the experts, the layer's heaviest calls)."""
+(a mixture-of-experts layer's experts run as one ``_grouped_mm`` in Hugging Face's MoE models,
+or as its ``grouped_mm_fallback`` op where that cannot run, under ``torch.compile``: without
+them, save-matmuls replayed the experts, the layer's heaviest calls)."""
 
 
 def op_packet(name: str) -> str:

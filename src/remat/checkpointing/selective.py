@@ -31,6 +31,11 @@ _EAGER_CPU_DROPOUT = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.
 """What eager CPU autograd runs for one dropout (ATen's ``_dropout_impl``), the output last."""
 
 
+_SAME_CALL = {"transformers.grouped_mm_fallback.default": "aten._grouped_mm.default"}
+"""Overloads that stand for another's call, counted as it: Hugging Face's MoE layers run their
+experts through ``aten._grouped_mm`` eagerly and through their own ``grouped_mm_fallback`` op
+where ``_grouped_mm`` cannot run (traced for ``torch.compile``, float32 weights), one call for one."""
+
 _NAMES: dict[Any, str] = {}
 """Op overload -> its name: the policy is asked about every op of every checkpointed forward and
 replay, and ``str(op)`` formats the name anew each time (half of the policy's own time)."""
@@ -64,7 +69,7 @@ class SavedOpsPolicy:
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         name = _NAMES.get(op)
         if name is None:
-            name = _NAMES[op] = str(op)
+            name = _NAMES[op] = _SAME_CALL.get(str(op), str(op))
         if name == _NATIVE_DROPOUT and args and _traced_on_cpu(args[0]):
             for eager in _EAGER_CPU_DROPOUT:
                 index = self._next(eager)
@@ -83,7 +88,7 @@ def _saved_counts(saved_ops: frozenset[str]) -> dict[str, frozenset[int]]:
     for key in saved_ops:
         name, _, index = key.rpartition("#")
         if name and index.isdigit() and is_saved(key, saved_ops):
-            counts.setdefault(name, set()).add(int(index))
+            counts.setdefault(_SAME_CALL.get(name, name), set()).add(int(index))
     return {name: frozenset(indices) for name, indices in counts.items()}
 
 
