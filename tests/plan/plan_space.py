@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.plan.costs import cost_of
-from remat.plan.phases import unit_extra_bytes
+from remat.plan.phases import segment_forward_bytes, unit_extra_bytes
 from remat.plan.predict import _extras, backward_base_bytes, baseline_step_ms, fresh_memory, grad_bytes_live, layout_peak
 from remat.plan.search import block_options
 from remat.plan.types import Segment
@@ -64,6 +64,7 @@ def _price(profile, segment: Segment) -> Priced:
     if segment.kind == "recompute":
         need = layout_peak(profile, segment.children, a, segment.stop, replay=True, stopped=segment.stops_early).bytes
         need += unit_extra_bytes(profile, a, segment.stop)  # ZeRO-3: the segment is one unit
+        need = max(need, segment_forward_bytes(profile, a, segment.stop))  # its forward holds every output
     else:
         need = cost.working_bytes + grad_bytes_live(profile, a)
     return Priced(segment=segment, held_bytes=cost.retained_bytes, need_bytes=need, extra_ms=extra_ms,

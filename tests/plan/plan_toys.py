@@ -39,9 +39,10 @@ def profile(blocks: list[BlockProfile], **fields) -> Profile:
     return Profile(**base)
 
 
-def chain(num_blocks: int, *, input_bytes: int, saved_bytes: int, **fields) -> Profile:
+def chain(num_blocks: int, *, input_bytes: int, saved_bytes: int, output_bytes: int | None = None, **fields) -> Profile:
     """A homogeneous chain: every block alike."""
-    blocks = [block(i, input_bytes=input_bytes, saved_bytes=saved_bytes) for i in range(num_blocks)]
+    blocks = [block(i, input_bytes=input_bytes, saved_bytes=saved_bytes, output_bytes=output_bytes)
+              for i in range(num_blocks)]
     return profile(blocks, **fields)
 
 

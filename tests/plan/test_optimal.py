@@ -157,10 +157,15 @@ def test_revolve_bound_on_homogeneous_chains(length, slots, revolve):
     can be kept at once); a budget of ``slots`` + 11 bytes holds ``slots`` block inputs, the
     chain's input (block 0's input) counting as one, plus one block's working set. The last
     block is then kept and every other block replayed at least once: the block forwards added
-    are Griewank & Walther's t(l, s) = r*l - C(s+r, s+1), r least with C(s+r, s) >= l."""
+    are Griewank & Walther's t(l, s) = r*l - C(s+r, s+1), r least with C(s+r, s) >= l.
+
+    Outputs cost nothing here: in remat's runtime a top-level segment's forward holds every
+    block's output for the model's own calls (`remat.plan.phases.segment_forward_bytes`), which
+    Revolve's model has no term for; `test_a_long_segment_holds_every_output_in_its_forward`
+    prices that."""
     r = next(r for r in range(1, length + 1) if math.comb(slots + r, slots) >= length)
     assert r * length - math.comb(slots + r, slots + 1) == revolve
-    prof = chain(length, input_bytes=1, saved_bytes=11)
+    prof = chain(length, input_bytes=1, saved_bytes=11, output_bytes=0)
     got = plan(prof, budget=slots + 11)
     assert got.prediction.extra_ms == revolve  # fwd_ms = 1 per block
     assert got.prediction.extra_flops == 100 * revolve
@@ -168,6 +173,21 @@ def test_revolve_bound_on_homogeneous_chains(length, slots, revolve):
     if length <= 100:
         with pytest.raises(ValueError, match=r"minimum feasible peak .* is 12 B"):
             plan(prof, budget=11)  # one slot (the chain's input) plus one working set is the least
+
+
+def test_a_long_segment_holds_every_output_in_its_forward():
+    """The model calls each block; the runtime runs a segment's blocks at its first block's call
+    and holds each output until the model calls the next block. The forward of one segment over
+    the whole chain holds its input and every output: with 1-byte outputs, the least peak of 30
+    blocks is no longer 12 bytes (Revolve's, the replays alone) but the forward's 1 + 30."""
+    from remat.plan.phases import segment_forward_bytes
+
+    prof = chain(30, input_bytes=1, saved_bytes=11)
+    assert segment_forward_bytes(prof, 0, 30) == 1 + 29 + 1  # input, 29 outputs held, the last block's output
+    least = min(p.prediction.peak_bytes for p in pareto(prof))
+    assert plan(prof, budget=least).prediction.peak_bytes == least > 12
+    with pytest.raises(ValueError, match="minimum feasible peak"):
+        plan(prof, budget=least - 1)
 
 
 def test_sqrt_retains_order_sqrt_n():

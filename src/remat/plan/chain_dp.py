@@ -67,7 +67,8 @@ from typing import NamedTuple
 import numpy as np
 
 __all__ = [
-    "BlockOption", "ChainBlock", "ChainProblem", "ChainSolution", "Element", "UnitSlots", "solve_chain", "choose_quantum",
+    "BlockOption", "ChainBlock", "ChainProblem", "ChainSolution", "Element", "SegmentForward", "UnitSlots", "solve_chain",
+    "choose_quantum",
     "least_requirement", "deep_recursion", "EXACT_CELLS",
 ]
 
@@ -187,6 +188,38 @@ class UnitSlots:
 
 
 @dataclass(kw_only=True, frozen=True)
+class SegmentForward:
+    """What the forward of a top-level recompute segment ``[a, b)`` needs, in slots,
+    gradient-adjusted as every need here (`remat.plan.phases.segment_forward_bytes`: its input,
+    the outputs of its blocks held for the model's calls, a block's checkpointed forward; no
+    gradient exists yet, so the blocks' before ``a`` are added back and ``G`` taken off)."""
+
+    first_bytes: tuple[int, ...]
+    """Per block, what a segment starting there holds: its held input and entry bytes."""
+    output_bytes: tuple[int, ...]
+    peak_bytes: tuple[int, ...]
+    """Per block, its checkpointed forward's peak above its start, its output included."""
+    grad_bytes: tuple[int, ...]
+    """Per block, the gradients its backward allocates (`remat.plan.phases.released_grad_bytes`)."""
+    total_grad_bytes: int
+    """``G`` of the problem."""
+    quantum: int
+    relax: bool = False
+
+    def slots(self, a: int, stops: np.ndarray) -> np.ndarray:
+        """Needs of the forwards of the segments ``[a, b)`` for each ``b`` of ``stops``."""
+        stops = np.asarray(stops, dtype=np.int64)
+        if not stops.size:
+            return np.zeros(0, dtype=np.int64)
+        outputs = np.concatenate([[0], np.cumsum(self.output_bytes, dtype=np.int64)])
+        j = np.arange(a, int(stops.max()))
+        running = np.maximum.accumulate(outputs[j] - outputs[a] + np.asarray(self.peak_bytes, dtype=np.int64)[j])
+        before = int(sum(self.grad_bytes[:a]))
+        need = self.first_bytes[a] + running[stops - 1 - a] + before - self.total_grad_bytes
+        return need // self.quantum if self.relax else -(-need // self.quantum)
+
+
+@dataclass(kw_only=True, frozen=True)
 class ChainProblem:
     blocks: tuple[ChainBlock, ...]
     post_slots: int
@@ -210,6 +243,14 @@ class ChainProblem:
     units: UnitSlots | None = None
     """ZeRO-3/FSDP: what a top-level recompute segment of several blocks adds to its replay's
     need (one unit, gathered whole); None: nothing."""
+
+    forward: SegmentForward | None = None
+    """What the forward of each top-level recompute segment needs (None: nothing beyond its replay)."""
+
+    def forward_slots(self, a: int, stops: np.ndarray) -> np.ndarray:
+        """`SegmentForward.slots` (no constraint without ``forward``)."""
+        stops = np.asarray(stops, dtype=np.int64)
+        return np.full(stops.shape, _NONE, dtype=np.int64) if self.forward is None else self.forward.slots(a, stops)
 
     def unit_slots(self, a: int, stops: np.ndarray) -> np.ndarray:
         """`UnitSlots.slots` (zeros without ``units``)."""
@@ -396,6 +437,7 @@ class ChainSolution:
         rest = self._at(self.top[a + js], m - block.input_slots + (gp[a + js] - gp[a]))
         inner = self._segment_inner(a, js, m - self.problem.unit_slots(a, a + js))
         seg_cost = (self._fwd_prefix[a + js] - self._fwd_prefix[a]) + self.problem.segment_ms + inner + rest
+        seg_cost[m < self.problem.forward_slots(a, a + js)] = _INF
         k = int(np.argmin(np.concatenate([opt_cost, seg_cost])))
         return -(k + 1) if k < len(opts) else k - len(opts) + 1
 
@@ -632,6 +674,8 @@ def _top(problem: ChainProblem, frame: _Frame, inner, alike: bool):
         if problem.units is not None:  # the segment's replay with its unit gathered whole
             seg_inner = _shift(seg_inner, problem.unit_slots(a, a + js))
         seg_cost = (prefix[a + js] - prefix[a])[:, None] + problem.segment_ms + seg_inner + rest
+        if problem.forward is not None:  # the segment's forward holds every output for the model's calls
+            seg_cost[_below(width, frame.lo, problem.forward_slots(a, a + js))] = _INF
         np.minimum(opt_cost.min(axis=0), seg_cost.min(axis=0), out=top[a])
     return top
 
@@ -715,9 +759,9 @@ def _least_top(problem: ChainProblem, need, picks, gp: np.ndarray) -> tuple[int,
         g = blocks[a].grad_slots
         cands = [max(o.working_slots - g, o.retained_slots - g + top[a + 1]) for o in blocks[a].options]
         js = np.arange(1, problem.longest_segment(a) + 1)
-        units = problem.unit_slots(a, a + js)
-        cands += [max(int(need[j][a]) + int(u), blocks[a].input_slots - int(gp[a + j] - gp[a]) + top[a + j])
-                  for j, u in zip(js.tolist(), units.tolist())]
+        units, forwards = problem.unit_slots(a, a + js), problem.forward_slots(a, a + js)
+        cands += [max(int(need[j][a]) + int(u), blocks[a].input_slots - int(gp[a + j] - gp[a]) + top[a + j], int(f))
+                  for j, u, f in zip(js.tolist(), units.tolist(), forwards.tolist())]
         k = int(np.argmin(cands))
         top[a] = cands[k]
         code[a] = -(k + 1) if k < len(blocks[a].options) else k - len(blocks[a].options) + 1

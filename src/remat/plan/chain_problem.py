@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.measure.types import Profile
-from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, Element, UnitSlots, deep_recursion
+from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, Element, SegmentForward, UnitSlots, deep_recursion
 from remat.plan.costs import cost_of, replay_working_bytes
 from remat.plan.options import BlockOptions, OptionClass, offload_options, price_options, undominated_rows
-from remat.plan.phases import (grad_bytes_live, post_working_bytes, released_grad_bytes, stopped_replay_ms,
-                               stopped_replay_working_bytes)
+from remat.plan.phases import (checkpointed_forward_peak, grad_bytes_live, held_input_bytes, post_working_bytes,
+                               released_grad_bytes, stopped_replay_ms, stopped_replay_working_bytes)
 from remat.plan.predict import backward_base_bytes, pre_backward_phase_bytes, pre_forward_phase_bytes
 from remat.plan.types import Segment
 
@@ -147,9 +147,15 @@ class ChainBuilder:
         if self.profile.unit_bytes:  # ZeRO-3: a segment's unit gathered whole (rounded down with ``relax``)
             units = UnitSlots(unit_bytes=self.profile.unit_bytes, root_bytes=self.profile.unit_root_bytes,
                               world_size=self.profile.unit_world_size, quantum=quantum, relax=relax)
+        blocks_ = self.profile.blocks
+        forward = SegmentForward(
+            first_bytes=tuple(held_input_bytes(b) + b.entry_bytes for b in blocks_),
+            output_bytes=tuple(b.output_bytes for b in blocks_), peak_bytes=tuple(map(checkpointed_forward_peak, blocks_)),
+            grad_bytes=tuple(map(released_grad_bytes, blocks_)), total_grad_bytes=self.fixed.grad_bytes,
+            quantum=quantum, relax=relax)
         return ChainProblem(blocks=blocks, post_slots=self.head_need(quantum, relax), capacity_slots=capacity,
                             segment_ms=self.profile.checkpoint_call_ms, joins=self.joins, replayable=self.replayable(),
-                            units=units)
+                            units=units, forward=forward)
 
     def replayable(self) -> tuple[bool, ...] | None:
         """Per block, whether its replay ran when profiled (None: every block's did)."""

@@ -17,6 +17,7 @@ __all__ = [
     "held_input_bytes", "between_phase_bytes", "working_bytes", "saved_input_bytes", "replay_base_bytes",
     "replay_working_bytes", "replay_stop", "stopped_replay_working_bytes", "stopped_replay_ms",
     "stopped_replay_flops", "forward_phase_bytes", "keep_working_bytes", "keep_forward_bytes", "unit_extra_bytes",
+    "segment_forward_bytes", "checkpointed_forward_peak",
     "released_grad_bytes", "grad_bytes_live", "post_working_bytes",
 ]
 
@@ -149,6 +150,29 @@ def keep_forward_bytes(profile: Profile, block_index: int, previous_kept: bool) 
     block = profile.blocks[block_index]
     held = 0 if previous_kept or not block_index else profile.blocks[block_index - 1].output_held_bytes
     return forward_phase_bytes(block) + held - grad_bytes_live(profile, block_index)
+
+
+def checkpointed_forward_peak(block: BlockProfile) -> int:
+    """The most a checkpointed forward of the block holds above its start, its output included
+    (`BlockProfile.checkpointed_fwd_live_bytes`; without it, its forward temporaries and output)."""
+    curve = block.checkpointed_fwd_live_bytes
+    return max(curve) if curve else block.fwd_temp_bytes + block.output_bytes
+
+
+def segment_forward_bytes(profile: Profile, start: int, stop: int) -> int:
+    """The forward of a top-level recompute segment ``[start, stop)``: the model calls its first
+    block, and the runtime runs every block of it then (`remat.apply.runtime`), each output held
+    for the model's own call of the next block until it makes that call. So at block j the
+    segment holds its input and the outputs of blocks ``start..j-1`` beside j's checkpointed
+    forward. A long segment's forward, not its replays, is the peak of the least-memory plans of
+    long chains: a 64-block MLP's nested least-peak plan measured 2.3x its prediction without it."""
+    first = profile.blocks[start]
+    best, pending = 0, 0
+    for j in range(start, stop):
+        block = profile.blocks[j]
+        best = max(best, pending + checkpointed_forward_peak(block))
+        pending += block.output_bytes
+    return held_input_bytes(first) + first.entry_bytes + best
 
 
 def unit_extra_bytes(profile: Profile, start: int, stop: int) -> int:

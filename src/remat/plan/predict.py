@@ -36,7 +36,8 @@ from remat.measure.types import Profile
 from remat.plan.chain_dp import deep_recursion
 from remat.plan.costs import cost_of
 from remat.plan.phases import (grad_bytes_live, keep_forward_bytes, post_working_bytes, replay_working_bytes,
-                               stopped_replay_working_bytes, unit_extra_bytes, working_bytes)
+                               segment_forward_bytes, stopped_replay_working_bytes, unit_extra_bytes,
+                               working_bytes)
 from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
 from remat.plan.joins import check_joins
 from remat.plan.types import Plan, Prediction, Segment
@@ -200,6 +201,9 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             unit = 0 if replay else unit_extra_bytes(profile, seg.start, seg.stop)  # ZeRO-3: one unit
             candidate = _Peak(bytes=held + inner.bytes + unit - unheld, block=inner.block,
                               working_bytes=inner.working_bytes)
+            forward = 0 if replay else segment_forward_bytes(profile, seg.start, seg.stop)
+            if held + forward - unheld > candidate.bytes:  # its forward: every output held for the model's calls
+                candidate = _Peak(bytes=held + forward - unheld, block=seg.start, working_bytes=forward)
             held += cost_of(profile, seg.start, seg).retained_bytes
         else:
             cost = cost_of(profile, seg.start, seg)
