@@ -185,6 +185,12 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None = None) -> torc
             f"{where} must be a scalar tensor, got shape {shape}; reduce it (for example "
             ".mean() or .sum()) or pass a loss_fn that returns a scalar."
         )
+    if torch.is_grad_enabled() and not loss.requires_grad and loss.device.type != "meta":
+        raise ValueError(
+            f"{where} needs no gradient: no parameter the step used requires grad (all frozen?) and no input "
+            "does, so there is no backward to train or to plan. Leave the parameters to train with requires_grad "
+            "(model.requires_grad_() for all), or pass a batch whose inputs require grad."
+        )
     return loss
 
 

@@ -214,3 +214,35 @@ def test_a_quiet_rank_says_it_failed_and_where_the_error_is(capsys, monkeypatch)
     exit_ = _app.fail("no plan fits the budget")
     assert exit_.exit_code == 2
     assert capsys.readouterr().err == "remat: rank 1 failed (exit 2); rank 0 prints the error.\n"
+
+
+FROZEN = ("import torch\n\ndef build():\n    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))\n"
+          "    model.requires_grad_(False)\n    return model, torch.randn(2, 4), lambda out, batch: out.sum()\n")
+HUGE = ("import torch\n\ndef build():\n    class Huge(torch.nn.Module):\n        def forward(self, x):\n"
+        "            raise RuntimeError('[enforce fail at alloc_cpu.cpp:127] . DefaultCPUAllocator: can\\'t allocate "
+        "memory: you tried to allocate 1280000000000 bytes.')\n    return Huge(), torch.randn(2, 4), None\n")
+
+
+def test_a_target_file_that_is_not_python_is_one_line(tmp_path):
+    """``remat profile plan.json:build`` raised AttributeError ('NoneType' object has no attribute 'loader')."""
+    target = tmp_path / "plan.json"
+    target.write_text("{}")
+    message = _one_line_error(runner.invoke(app, ["profile", f"{target}:build"]))
+    assert f"{str(target)!r} is not a Python file Python can import (it needs the .py suffix)" in message
+
+
+def test_a_model_with_nothing_to_train_is_one_line(tmp_path):
+    """Every parameter frozen: the backward raised torch's 'element 0 of tensors does not require grad'."""
+    path = _user_file(tmp_path, FROZEN)
+    message = _one_line_error(runner.invoke(app, ["profile", f"{path}:build"]))
+    assert message.startswith("loss_fn(output, batch) needs no gradient: no parameter the step used requires grad")
+
+
+def test_running_out_of_memory_is_one_line_naming_the_sizes(tmp_path):
+    """The host allocator's failure on a size too large (`--seq 100000`) was a traceback after minutes."""
+    path = _user_file(tmp_path, HUGE)
+    message = _one_line_error(runner.invoke(app, ["profile", f"{path}:build"]))
+    assert message.startswith("the step ran out of memory ([enforce fail at alloc_cpu.cpp:127]")
+    assert "choose smaller sizes" in message
+    other = _user_file(tmp_path, RAISES.replace("1 / 0", "torch.empty(2).view(3)"))  # any other RuntimeError
+    assert "Traceback" not in runner.invoke(app, ["profile", f"{other}:build"]).output  # build errors: one line as before

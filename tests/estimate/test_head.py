@@ -147,6 +147,7 @@ def test_chunked_head_lowers_the_peak_of_llama3_8b_at_its_vocabulary():
     assert chunk.bwd_peak_bytes == T * H * 2 + T * 8 + 4 + 8 + T * H * 2 + V * H * 2 + 3 * 256 * V * 4
     assert (rows["keep"].peak_phase, rows["keep"].fits) == ("head", False)
     assert "The peak is the LM head's: its logits are 3.91 GiB per GPU, and --head chunked (chunked:256)" in rows["keep"].diagnosis
+    assert rows["keep"].diagnosis.endswith("lower there, within the budget.")
     assert rows["chunked"].fits
     # both peak at the head's backward, on top of every layer's saved bytes: they differ by the head alone
     assert rows["keep"].peak_bytes - rows["chunked"].peak_bytes == keep.bwd_peak_bytes - chunk.bwd_peak_bytes > 10 * 2**30
@@ -189,3 +190,16 @@ def test_a_head_the_byte_model_does_not_describe_is_priced_as_traced(toy):
     assert priced.post_saved_bytes + priced.post_working_bytes == REST + 119304  # the byte model's keep peak
     with pytest.raises(ValueError, match=r"head strategy 'chunked:8' needs an LM head"):
         _pricing(wrong, "chunked:8", pipeline=2).stages(2)
+
+
+def test_a_head_phase_peak_the_layers_make_points_at_recomputation():
+    """At the head's phase every layer's saved activations are held too: where a chunked head
+    alone leaves the step over the budget, the diagnosis no longer calls the peak the head's."""
+    source = ModelSource(hf_family="llama", sizes=dict(hidden=4096, layers=32, heads=32, kv_heads=8,
+                                                       intermediate=14336, vocab=128256, seq=8192))
+    result = estimate(source, seq_len=8192, world_size=2, zero_stage=3, head="keep", strategies=("none",))
+    row = result.devices[0].strategies[0]
+    assert row.peak_phase == "head" and not row.fits
+    assert "The peak falls in the LM head's phase, with every layer's saved activations still held" in row.diagnosis
+    assert "what the layers hold is what recomputation lowers" in row.diagnosis
+    assert "The peak is the LM head's" not in row.diagnosis

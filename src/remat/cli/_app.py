@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import typer
 from rich.console import Console
 from rich.text import Text
@@ -57,6 +58,12 @@ _invocation = {"debug": False}
 """Options of the group, set by its callback before each command runs."""
 
 
+def _out_of_memory(error: RuntimeError) -> bool:
+    """torch's out-of-memory errors: CUDA's (`torch.OutOfMemoryError`) and the CPU allocator's."""
+    text = str(error)
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text
+
+
 def _guarded(command: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -66,6 +73,11 @@ def _guarded(command: Callable[..., Any]) -> Callable[..., Any]:
             if _invocation["debug"]:
                 raise
             raise fail(describe(error)) from None
+        except RuntimeError as error:  # the host or the device ran out of memory: sizes the user can change
+            if _invocation["debug"] or not _out_of_memory(error):
+                raise
+            raise fail(f"the step ran out of memory ({str(error).splitlines()[0][:200]}); choose smaller sizes "
+                       "(--seq, --batch, --layers...), or a device with more memory.") from None
 
     return run
 

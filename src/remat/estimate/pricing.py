@@ -305,16 +305,24 @@ class Pricing:
                 param_count=_param_count(self.state(index, zero_stage=0), self.recipe), unit_state=unit,
             )
         text = explain_activation_overflow(row, rank, budget_bytes=budget, device=spec, micro_batch=self.micro_batch)
-        return text + self._head_hint(row)
+        return text + self._head_hint(row, budget)
 
-    def _head_hint(self, row: StrategyEstimate) -> str:
-        """What the chunked head would save when the model's own head makes the peak ("" otherwise)."""
+    def _head_hint(self, row: StrategyEstimate, budget: int) -> str:
+        """What the chunked head would save when the peak is in the head's phase ("" otherwise):
+        the peak is the head's when that saving brings it within ``budget``; else the layers'
+        saved activations, held there too, are what to lower."""
         keep = self.head_on_gpu(self.micro_batch, "keep")
         if row.peak_phase != "head" or self.head != "keep" or keep is None:
             return ""
         chunked = self.head_on_gpu(self.micro_batch, "chunked")
-        return (f" The peak is the LM head's: its logits are {format_gib(keep.logits_bytes)} per GPU, and --head "
-                f"chunked ({chunked.strategy}) peaks {format_gib(keep.peak_bytes - chunked.peak_bytes)} lower there.")
+        saving = keep.peak_bytes - chunked.peak_bytes
+        if row.peak_bytes - saving <= budget:
+            return (f" The peak is the LM head's: its logits are {format_gib(keep.logits_bytes)} per GPU, and --head "
+                    f"chunked ({chunked.strategy}) peaks {format_gib(saving)} lower there, within the budget.")
+        return (f" The peak falls in the LM head's phase, with every layer's saved activations still held: --head "
+                f"chunked ({chunked.strategy}) peaks {format_gib(saving)} lower there (its logits are "
+                f"{format_gib(keep.logits_bytes)} per GPU), still {format_gib(row.peak_bytes - saving - budget)} over; "
+                "what the layers hold is what recomputation lowers.")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -192,6 +192,9 @@ def _code_error(exc: BaseException, path: Path, what: str) -> TargetCodeError:
 def _import_file(path: Path, spec: str) -> Any:
     name = f"remat_user_{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"{spec!r}: {str(path)!r} is not a Python file Python can import (it needs the .py suffix); "
+                         "pass file.py:function, the file defining the function that builds the model.")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     sys.path.insert(0, str(path.resolve().parent))  # the file may import its neighbours
