@@ -276,3 +276,22 @@ def test_optimal_with_gradients_heavier_than_activations(seed):
     blocks = [replace(b, grad_bytes=6) for b in blocks]
     prof = profile(blocks, param_bytes=6 * n + 5, grad_bytes=6 * n + 5, fixed_post_saved_bytes=2)
     _check_against_space(prof)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pareto_past_the_exact_search_ends_at_the_least_peak_and_beats_the_recipes(seed):
+    """64 unlike blocks: the slot-counted search makes the frontier. Its last plan is the least
+    peak `plan` finds, and no plan on it is slower than full recomputation or sqrt at a peak no
+    lower than theirs."""
+    prof = random_profile(random.Random(seed), 64)
+    frontier = pareto(prof)
+    least = plan(prof, budget=frontier[-1].prediction.peak_bytes)
+    assert frontier[-1].prediction.peak_bytes == least.prediction.peak_bytes
+    with pytest.raises(ValueError, match="minimum feasible peak"):
+        plan(prof, budget=frontier[-1].prediction.peak_bytes - 1)
+    for recipe in ("full", "sqrt"):
+        r = plan(prof, strategy=recipe).prediction
+        assert not any(p.prediction.peak_bytes >= r.peak_bytes and p.prediction.step_ms > r.step_ms + 1e-9
+                       for p in frontier), recipe
+    peaks = [p.prediction.peak_bytes for p in frontier]
+    assert peaks == sorted(peaks, reverse=True)

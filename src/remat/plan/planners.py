@@ -217,9 +217,20 @@ def min_peak_plan(profile: Profile, heads: tuple[str, ...] | None = None) -> Pla
 
 def pareto(profile: Profile) -> list[Plan]:
     """Optimal plans from no recomputation down to the minimum feasible peak, by falling peak;
-    each is faster than every plan with a lower predicted peak (over every head strategy)."""
-    plans = [make_plan(profile, segs, "optimal", None, head=head) for head in head_choices(profile)
+    each is faster than every plan with a lower predicted peak (over every head strategy).
+
+    Past the byte-exact search's reach the frontier comes from the slot-counted one, whose
+    rounding may leave out the least-peak plan and price some layouts above a recipe's: the
+    least-peak plan (`min_peak_plan`) and the recipes' layouts (full recomputation, sqrt) join
+    the candidates, so the last plan is the least peak and no plan is slower than one with a
+    lower peak (a 256-layer Llama's frontier ended above ``full``'s peak, 20 of its plans slower)."""
+    heads = head_choices(profile)
+    plans = [make_plan(profile, segs, "optimal", None, head=head) for head in heads
              for segs in optimal_search(priced_profile(profile, head)).frontier_segments()]
+    plans.append(min_peak_plan(profile, heads))
+    for name in ("full", "sqrt"):
+        plans += [make_plan(profile, fall_back(profile, STRATEGIES[name](priced_profile(profile, head), name, None)),
+                            "optimal", None, head=head) for head in heads]
     plans.sort(key=lambda p: (p.prediction.peak_bytes, p.prediction.step_ms))
     frontier: list[Plan] = []
     for candidate in plans:
