@@ -246,3 +246,20 @@ def test_running_out_of_memory_is_one_line_naming_the_sizes(tmp_path):
     assert "choose smaller sizes" in message
     other = _user_file(tmp_path, RAISES.replace("1 / 0", "torch.empty(2).view(3)"))  # any other RuntimeError
     assert "Traceback" not in runner.invoke(app, ["profile", f"{other}:build"]).output  # build errors: one line as before
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["profile", "--model", "mlp", "--json", "{tmp}"], "--json {tmp}: a directory is there; pass a file path"),
+    (["profile", "--model", "mlp", "--json", "{tmp}/no/such/p.json"], "--json {tmp}/no/such/p.json: the folder {tmp}/no/such does not exist"),
+    (["plan", "--model", "mlp", "--out", "{tmp}"], "--out {tmp}: a directory is there"),
+    (["run", "--model", "mlp", "--out", "{tmp}/afile"], "--out {tmp}/afile: a file is there, not a directory"),
+    (["demo", "--out", "{tmp}/afile"], "--out {tmp}/afile: a file is there, not a directory"),
+], ids=["profile-json-dir", "profile-json-missing-folder", "plan-out-dir", "run-out-file", "demo-out-file"])
+def test_an_output_path_that_cannot_be_written_fails_before_any_work(tmp_path, argv, message):
+    """The output path was checked after the profile and the verification: `remat demo --out
+    /sys/demo` failed after 25 s, its work lost."""
+    (tmp_path / "afile").write_text("mine")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    got = _one_line_error(runner.invoke(app, argv))
+    assert got.startswith(message.format(tmp=tmp_path)), got
+    assert sorted(os.listdir(tmp_path)) == ["afile"] and (tmp_path / "afile").read_text() == "mine"

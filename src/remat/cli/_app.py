@@ -141,3 +141,39 @@ def _main(debug: bool = typer.Option(False, "--debug", help=DEBUG_HELP)) -> None
 def main(argv: list[str] | None = None) -> None:
     """The ``remat`` entry point."""
     app(args=move_debug_first(list(sys.argv[1:] if argv is None else argv)), prog_name="remat")
+
+
+def check_output_file(path: Any, option: str) -> None:
+    """Fail before any work when ``path`` (the file ``option`` names) cannot be written: a
+    directory there, or a folder that is missing or not writable. Else a long profile is lost to
+    a typo at its end."""
+    if path is None:
+        return
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir():
+        raise fail(f"{option} {path}: a directory is there; pass a file path (e.g. {path / 'out.json'}).")
+    _check_writable_folder(path.resolve().parent, f"{option} {path}")
+
+
+def check_output_dir(path: Any, option: str) -> None:
+    """Fail before any work when the directory ``option`` names cannot be made or written."""
+    from pathlib import Path
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise fail(f"{option} {path}: a file is there, not a directory; pass a directory path.")
+    existing = path.resolve()
+    while not existing.exists():
+        existing = existing.parent
+    _check_writable_folder(existing, f"{option} {path}")
+
+
+def _check_writable_folder(folder: Any, what: str) -> None:
+    import os
+
+    if not folder.is_dir():
+        raise fail(f"{what}: the folder {folder} does not exist; create it or pass a path in an existing folder.")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise fail(f"{what}: the folder {folder} is not writable; pass a path you may write to.")

@@ -9,7 +9,7 @@ import typer
 from rich.text import Text
 
 from remat.apply.run import DEFAULT_OUT_DIR
-from remat.cli._app import DEVICE_HELP, app, console
+from remat.cli._app import DEVICE_HELP, app, check_output_dir, console
 from remat.cli.run import render, save_outputs
 
 DEMO_OUT_DIR = DEFAULT_OUT_DIR / "demo"
@@ -28,6 +28,7 @@ def demo_command(
     from remat.apply.run import DEMO_SIZES, demo_job
     from remat.models import model_sizes
 
+    check_output_dir(out, "--out")
     sizes = {**model_sizes("gpt"), **DEMO_SIZES}
     shown = ", ".join(f"{k}={sizes[k]}" for k in ("num_layers", "d_model", "num_heads", "seq_len", "batch_size"))
     with console.status("building...") as status:

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from remat._units import format_bytes, in_unit, table_unit
-from remat.cli._app import DEVICE_HELP, app, console
+from remat.cli._app import DEVICE_HELP, app, check_output_file, console
 from remat.measure.types import Profile
 from remat.plan.types import Plan, Segment
 
@@ -48,6 +48,7 @@ def plan_command(
     from remat.plan.planners import pareto, plan
 
     sizes = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
+    check_output_file(out, "--out")
     if tune and model is None:
         raise ValueError("--tune times plans on the model, which a profile JSON does not hold: give --model NAME "
                          "(or use `remat run --tune`).")

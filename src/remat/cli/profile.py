@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from remat._units import format_bytes, format_bytes_exact, in_unit, table_unit
-from remat.cli._app import DEVICE_HELP, TARGET_HELP, app, console, fail
+from remat.cli._app import DEVICE_HELP, TARGET_HELP, app, check_output_file, console, fail
 from remat.distributed import is_main_process
 from remat.measure.types import Profile
 
@@ -49,6 +49,7 @@ def profile_command(
     from remat.models import load_target, sizes_from_options
 
     spec = target or model
+    check_output_file(json_path, "--json")
     options = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch, vocab=vocab,
                    dropout=dropout, attention=attention)
     with console.status(Text(f"building {spec}...")):

@@ -15,7 +15,7 @@ from rich.text import Text
 from remat._units import format_bytes, in_unit, table_unit
 from remat.apply.run import DEFAULT_OUT_DIR
 from remat.distributed import is_main_process
-from remat.cli._app import DEVICE_HELP, TARGET_HELP, app, console, describe, fail, styled
+from remat.cli._app import DEVICE_HELP, TARGET_HELP, app, check_output_dir, check_output_file, console, describe, fail, styled
 from remat.cli.plan import TUNE_HELP, TUNE_SECONDS_HELP, TUNE_STEPS_HELP, print_tuning
 
 RUN_OUT_DIR = DEFAULT_OUT_DIR / "run"
@@ -175,6 +175,7 @@ def run_command(
 
     options = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
     _check_offload_dir(offload_dir)
+    check_output_dir(out, "--out")
     sizes = sizes_from_options(model, **options)
     with console.status("building...") as status:
         result = run_job(model, budget=budget, strategy=strategy, sizes=sizes, seed=seed, repeats=repeats,
@@ -253,6 +254,7 @@ def verify_command(
     from remat.plan.types import Plan
 
     _check_offload_dir(offload_dir)
+    check_output_file(json_path, "--json")
     plan = Plan.load(plan_path)
     sizes = sizes_from_options(model, layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
     with console.status("building...") as status:
