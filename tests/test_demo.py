@@ -141,7 +141,7 @@ def test_file_stems_and_an_output_path_that_is_a_file(tmp_path):
     (tmp_path / "taken").write_text("")
     out = CliRunner().invoke(app, ["run", "--budget", "85%", "--repeats", "1", *TINY_OPTIONS, "--out", str(tmp_path / "taken")])
     assert out.exit_code == 2
-    assert "is a file; pass a directory" in " ".join(out.output.split())  # rich wraps long paths
+    assert "a file is there, not a directory; pass a directory path" in " ".join(out.output.split())  # rich wraps long paths
 
 
 def test_default_gpt_activations_dominate_so_40_percent_fits():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ProbeBudget", "MAX_REPEATS"]
+__all__ = ["ProbeBudget", "MAX_REPEATS", "lockstep"]
 
 MAX_REPEATS = 400
 """Timed runs of one probe at most, however fast it is."""
@@ -53,6 +53,8 @@ class ProbeBudget:
     def repeats(self, run_ms: float) -> int:
         """Timed runs of a probe whose one run takes ``run_ms`` (the warm-up's time): as many as
         fit in `budget_ms`, within ``[min_repeats, max_repeats]``."""
+        if lockstep():  # every rank runs the same number of steps, whatever its clock says
+            return self.min_repeats
         if run_ms <= 0:
             return self.max_repeats
         fit = math.floor(self.budget_ms / run_ms)
@@ -63,3 +65,13 @@ class ProbeBudget:
         parts = max(parts, 1)
         return ProbeBudget(step_ms=self.step_ms, steps=self.steps / parts, min_repeats=self.min_repeats,
                            max_repeats=self.max_repeats, floor_ms=self.floor_ms / parts)
+
+
+def lockstep() -> bool:
+    """Whether the profile runs on several ranks of a process group (a tensor-parallel model,
+    whose forward holds collectives): then every count of steps and probe runs is fixed, never
+    read off a clock, or the ranks would run different numbers of forwards and wait on each
+    other's collectives for ever."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

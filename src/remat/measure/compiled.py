@@ -49,6 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from remat.checkpointing.cacheable import MATMUL_OPS, op_packet
 from remat.checkpointing.region import BufferGuard, call_with_first, checkpointed, first_argument
 from remat.measure.blocks import Blocks
+from remat.measure.budget import lockstep
 from remat.measure.probes import failure_reason
 from remat.measure.overhead import BlockInputs, _alike_key
 from remat.measure.storage import storage_key, storage_keys
@@ -209,7 +210,7 @@ def _timed(runs: dict[str, Callable[..., Any]], inputs: BlockInputs, repeats: in
     three variants in turn (starting one later each round)."""
     series: dict[str, list[float]] = {"plain_fwd": [], "plain_bwd": [], "recompute": [], "selective": []}
     spent_s, rounds = 0.0, 0
-    while rounds < repeats or (spent_s < MIN_MEASURE_S and rounds < MAX_ROUNDS):
+    while rounds < repeats or (spent_s < MIN_MEASURE_S and rounds < MAX_ROUNDS and not lockstep()):
         for k in range(len(_VARIANTS)):
             name = _VARIANTS[(rounds + k) % len(_VARIANTS)]
             fwd_ms, bwd_ms = _one_run(runs[name], inputs, clock)

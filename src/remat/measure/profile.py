@@ -80,7 +80,7 @@ from remat.checkpointing.caches import CacheOff
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.blocks import Blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
-from remat.measure.budget import ProbeBudget
+from remat.measure.budget import ProbeBudget, lockstep
 from remat.measure.compiled import backend_name, measure_compiled, with_compiled
 from remat.measure.dataflow import BlockFlow, DataflowRecorder, block_flows
 from remat.measure.fixed import fixed_modules
@@ -237,7 +237,7 @@ is about 20 steps)."""
 def settled(plain_ms: Sequence[float], instrumented_ms: Sequence[float]) -> bool:
     """Whether the timed steps so far are enough: at least `SETTLED_STEPS` pairs, and within
     each kind the slowest at most `SETTLED_SPREAD` above the fastest."""
-    if min(len(plain_ms), len(instrumented_ms)) < SETTLED_STEPS:
+    if min(len(plain_ms), len(instrumented_ms)) < SETTLED_STEPS or lockstep():  # ranks: every step they all run
         return False
     return all(min(ts) > 0 and max(ts) / min(ts) - 1 <= SETTLED_SPREAD for ts in (plain_ms, instrumented_ms))
 
