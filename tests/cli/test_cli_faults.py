@@ -264,3 +264,11 @@ def test_an_output_path_that_cannot_be_written_fails_before_any_work(tmp_path, a
     got = _one_line_error(runner.invoke(app, argv))
     assert got.startswith(message.format(tmp=tmp_path)), got
     assert sorted(os.listdir(tmp_path)) == ["afile"] and (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_hub_model_name_is_told_remat_never_downloads():
+    """``hf:meta-llama/Llama-2-7b-hf`` was told to ``pip install remat[hf]`` with transformers installed."""
+    pytest.importorskip("transformers")
+    message = _one_line_error(runner.invoke(app, ["profile", "hf:meta-llama/Llama-2-7b-hf"]))
+    assert "never downloads one: name hf:gpt2 or hf:llama, or build yours in a file" in message
+    assert "pip install" not in message

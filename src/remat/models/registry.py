@@ -69,7 +69,12 @@ def model_sizes(name: str) -> dict[str, Any]:
 
 def _entry(name: str) -> _Entry:
     if name not in _REGISTRY:
-        hint = " (hf:* models need `pip install remat[hf]`)" if name.startswith("hf:") else ""
+        hint = ""
+        if name.startswith("hf:") and not hf.transformers_available():
+            hint = " (hf:* models need `pip install remat[hf]`)"
+        elif name.startswith("hf:"):
+            hint = (" (remat builds Hugging Face models from a config with random weights and never downloads one: "
+                    "name hf:gpt2 or hf:llama, or build yours in a file and pass path/to/file.py:build)")
         raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODEL_NAMES)}{hint}.")
     return _REGISTRY[name]
 
