@@ -74,17 +74,6 @@ def _seed() -> None:
     np.random.seed(SEED)
 
 
-@contextlib.contextmanager
-def _generators_restored(generators: list[torch.Generator]) -> Iterator[None]:
-    """``generators`` as they were before."""
-    states = [g.get_state() for g in generators]
-    try:
-        yield
-    finally:
-        for g, state in zip(generators, states):
-            g.set_state(state)
-
-
 def _host_draws() -> tuple[Any, ...]:
     """Where Python's `random` and NumPy's global generator stand (compared between the runs)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -99,15 +88,18 @@ HOST_DRAWS = (" But the planned step drew other numbers from Python's random or 
 
 
 @contextlib.contextmanager
-def _host_rng_restored() -> Iterator[None]:
-    """Python's `random` and NumPy's global generator as they were before (torch's are forked
-    by `torch.random.fork_rng`)."""
+def _host_rng_restored(generators: list[torch.Generator]) -> Iterator[None]:
+    """Python's `random`, NumPy's global generator and ``generators`` (the batch's) as they were
+    before (torch's own are forked by `torch.random.fork_rng`)."""
     python_state, numpy_state = random.getstate(), np.random.get_state()
+    states = [g.get_state() for g in generators]
     try:
         yield
     finally:
         random.setstate(python_state)
         np.random.set_state(numpy_state)
+        for g, state in zip(generators, states):
+            g.set_state(state)
 
 
 CUDA_TOLERANCE = 1e-5
@@ -390,8 +382,8 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
             "times are the eager step's against the compiled step's prediction. benchmarks/compiled.py measures "
             "the compiled step (allocator peaks).", UserWarning, stacklevel=2)
     device = model_device(model)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _host_rng_restored(), \
-            _generators_restored(generators_in(batch)), BatchGrads(batch):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            _host_rng_restored(generators_in(batch)), BatchGrads(batch):
         drawn = [(g, g.get_state()) for g in generators_in(batch)]
         base = _Run(model, optimizer, batch, loss_fn, plan, planned=False, batch_generators=drawn)
         planned = _Run(model, optimizer, batch, loss_fn, plan, planned=True, offload_dir=offload_dir,
