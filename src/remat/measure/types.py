@@ -14,7 +14,9 @@ Conventions (every later stage relies on them):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -502,6 +504,14 @@ class Profile(JsonDocument):
     """Everything `remat.plan` needs, measured on the real model on its device."""
 
     DOCUMENT = (PROFILE_FORMAT, PROFILE_VERSION, PROFILE_RULES)
+
+    @functools.cached_property
+    def released_grad_prefix(self) -> tuple[int, ...]:
+        """Running sums of what each block's backward and the code before it allocate as
+        gradients (`remat.plan.phases.released_grad_bytes`: ``grad_bytes + between_grad_bytes``):
+        entry ``j`` covers blocks ``< j``. Computed once per profile; the planners read it for
+        every phase of every candidate plan."""
+        return tuple(itertools.accumulate((b.grad_bytes + b.between_grad_bytes for b in self.blocks), initial=0))
 
     fingerprint: Fingerprint
     environment: Environment

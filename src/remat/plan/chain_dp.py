@@ -422,7 +422,7 @@ class ChainSolution:
     def _at(self, rows: np.ndarray, ms: np.ndarray) -> np.ndarray:
         """``rows[i]`` read at ``ms[i]`` free slots (inf below ``lo``), as `_shift` reads them."""
         ms = np.asarray(ms)
-        cols = np.clip(ms - self.frame.lo, 0, self.frame.width - 1)
+        cols = np.minimum(np.maximum(ms - self.frame.lo, 0), self.frame.width - 1)
         return np.where(ms < self.frame.lo, _INF, rows[np.arange(len(rows)), cols])
 
     def _top_code(self, a: int, m: int) -> int:
@@ -443,8 +443,10 @@ class ChainSolution:
 
     def _segment_inner(self, a: int, js: np.ndarray, ms: np.ndarray) -> np.ndarray:
         """The replay of each segment ``[a, a + j)`` at its ``ms`` free slots."""
-        if not self.alike:
-            return np.array([self._at(self.inner[j][a : a + 1], [m])[0] for j, m in zip(js, ms)])
+        if not self.alike:  # one table per length: read each at its column, in Python (no per-call arrays)
+            lo, last = self.frame.lo, self.frame.width - 1
+            return np.array([_INF if m < lo else float(self.inner[j][a, min(m - lo, last)])
+                             for j, m in zip(js.tolist(), np.broadcast_to(ms, js.shape).tolist())])
         fwd = self._fwd_prefix[a + 1 :] - self._fwd_prefix[a:-1]
         counts = self._at(self.inner.table[js], ms)
         return _scaled(counts[:, None], np.minimum.accumulate(fwd)[: js.size])[:, 0]

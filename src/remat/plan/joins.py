@@ -58,7 +58,10 @@ def chain_runs(profile: Profile) -> list[tuple[int, int]]:
 def check_joins(profile: Profile, segments: Iterable[Segment]) -> None:
     """Refuse a segment (or nested child) that runs several blocks across a break (keep
     segments run their blocks as the model calls them and may span anything)."""
-    mask = joins(profile)
+    _check_joins(profile, joins(profile), segments)
+
+
+def _check_joins(profile: Profile, mask: tuple[bool, ...], segments: Iterable[Segment]) -> None:
     for seg in segments:
         if seg.kind != "keep":
             for i in range(seg.start, seg.stop - 1):
@@ -69,4 +72,4 @@ def check_joins(profile: Profile, segments: Iterable[Segment]) -> None:
                         f"({profile.blocks[i].name!r}, {profile.blocks[i + 1].name!r}) as one chain, but "
                         f"{reason}. Split the segment at block {i + 1}; remat.plan never crosses it."
                     )
-        check_joins(profile, seg.children)
+        _check_joins(profile, mask, seg.children)

@@ -208,8 +208,7 @@ def grad_bytes_live(profile: Profile, block_index: int) -> int:
     (conservative)."""
     if block_index >= profile.num_blocks:
         return 0
-    own = sum(released_grad_bytes(b) for b in profile.blocks[: block_index + 1])
-    return profile.grad_bytes - profile.fixed_pre_grad_bytes - own
+    return profile.grad_bytes - profile.fixed_pre_grad_bytes - profile.released_grad_prefix[block_index + 1]
 
 
 def post_working_bytes(profile: Profile) -> int:
