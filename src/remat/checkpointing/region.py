@@ -254,7 +254,29 @@ def _guarded(guard: BufferGuard, context_fn: Callable[[], tuple[Any, Any]] | Non
     if guard.idle():
         return inner[0], replay
     call = _Call()
-    return _both(guard.forward(call), inner[0]), _both(guard.replay(call), replay)
+    return _both(guard.forward(call), inner[0]), _both(_Fresh(functools.partial(guard.replay, call)), replay)
+
+
+class _Fresh:  # noqa: N801 (used as a context manager, like contextlib's)
+    """``factory()`` entered anew on every entry. Torch enters a checkpoint's recompute context
+    once per replay, and a step that backpropagates twice through a region replays it twice
+    (``torch.autograd.grad(..., create_graph=True)`` for a gradient penalty or a physics-informed
+    loss, then the loss's backward): a generator's context manager enters once only."""
+
+    __slots__ = ("factory", "entered")
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.factory = factory
+        self.entered: list[Any] = []
+
+    def __enter__(self) -> Any:
+        context = self.factory()
+        value = context.__enter__()
+        self.entered.append(context)
+        return value
+
+    def __exit__(self, *exc: Any) -> bool:
+        return bool(self.entered.pop().__exit__(*exc))
 
 
 _REPLAYS = threading.local()

@@ -100,7 +100,7 @@ from remat.measure.timing import Clock, StepTimer, StepTimes, median_times, with
 from remat.measure.tracker import StepTracking
 from remat.measure.windows import BackwardWindows
 from remat.head.site import HeadSite, find_head
-from remat.measure.types import (NO_BACKWARD, BlockProfile, CompiledBlock, Environment, OpRecord, Profile,
+from remat.measure.types import (BACKWARD_TWICE, GRADIENT_GRAPH, NO_BACKWARD, BlockProfile, CompiledBlock, Environment, OpRecord, Profile,
                                  own_generator_reason, with_grad_accumulation)
 
 Progress = Callable[[int, int, str], None]
@@ -351,6 +351,10 @@ class _Accounting:
     flows: list[BlockFlow]
     call_signatures: list[tuple[Any, ...] | None]
     """Per block, `remat.measure.sharing.args_signature` of its first call's arguments."""
+    backward_tasks: dict[str, set[int]]
+    graph_building: set[str]
+    """`remat.measure.saved.SavedAccountant`'s: the backward passes that read each segment's saved
+    tensors, and the segments a graph-building backward read."""
 
 
 class _ForwardGate:
@@ -393,7 +397,8 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
         timeline=tuple(tracking.timeline), grad_bytes=grad_bytes(step.model),
         block_grad_bytes=_block_grad_bytes(block_list),
         optimizer_state_bytes=optimizer_state_bytes(step.optimizer), flows=flows,
-        call_signatures=calls.signatures,
+        call_signatures=calls.signatures, backward_tasks=accountant.backward_tasks,
+        graph_building=accountant.graph_building,
     )
 
 
@@ -577,7 +582,8 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
                                  for c in memory.recorder.calls.get(name, [])),
             replay_stop_calls=memory.recorder.stop_calls.get(name, 0),
             **_overhead_ms(overheads[i], backward=i in memory.windows.backward_blocks,
-                           own_generator_calls=memory.recorder.own_generators.get(name, ())),
+                           own_generator_calls=memory.recorder.own_generators.get(name, ()),
+                           backward_reads=(name in memory.graph_building, len(memory.backward_tasks.get(name, ())))),
             stack=stack_of[i], follows_previous=found.follows_previous[i],
             **_flow_fields(memory.flows[i], memory.windows.between_temp_bytes[i]),
             bwd_start_temp_bytes=memory.windows.block_bwd_start_temp_bytes[i],
@@ -620,16 +626,21 @@ def _scaled_times(ops: tuple[OpRecord, ...], fwd_ms: float) -> tuple[OpRecord, .
 
 
 def _overhead_ms(overheads: BlockOverheads, backward: bool = True,
-                 own_generator_calls: Sequence[str] = ()) -> dict[str, Any]:
+                 own_generator_calls: Sequence[str] = (), backward_reads: tuple[bool, int] = (False, 1)) -> dict[str, Any]:
     """The `BlockProfile` overhead fields, and the strategies whose probes failed; a block whose
     backward never ran (``backward`` False) offers no strategy but keep (`NO_BACKWARD`); one that
-    draws from a generator of its own (``own_generator_calls``) is never replayed."""
+    draws from a generator of its own (``own_generator_calls``) is never replayed; one a
+    graph-building backward read (``backward_reads``: that, and how many backward passes read it)
+    is never replayed either (`GRADIENT_GRAPH`), one read by several is never selective
+    (`BACKWARD_TWICE`)."""
     unavailable = overheads.unavailable if backward else tuple(
         (strategy, NO_BACKWARD) for strategy in ("recompute", "selective", "offload"))
-    if own_generator_calls:
-        reason = own_generator_reason(own_generator_calls)
-        named = {name for name, _ in unavailable}
-        unavailable += tuple((kind, reason) for kind in ("recompute", "selective") if kind not in named)
+    for kinds, reason in ((("recompute", "selective"), own_generator_reason(own_generator_calls) if own_generator_calls else None),
+                          (("recompute", "selective", "offload"), GRADIENT_GRAPH if backward_reads[0] else None),
+                          (("selective",), BACKWARD_TWICE if backward_reads[1] > 1 else None)):
+        if reason is not None:
+            named = {name for name, _ in unavailable}
+            unavailable += tuple((kind, reason) for kind in kinds if kind not in named)
     return {
         "selective_overhead_ms": overheads.selective_ms,
         "recompute_overhead_ms": overheads.recompute_ms,

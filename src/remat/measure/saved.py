@@ -81,6 +81,17 @@ class SavedAccountant:
         self._forward_open = True
         self._handles: list = []
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._packed_by: dict[int, tuple[weakref.ref, str]] = {}
+        """id of what the pack hook returned during the forward -> (a weak reference to it, the
+        segment that saved it), for `_unpack` to tell whose saved tensor the backward reads."""
+        self.backward_tasks: dict[str, set[int]] = {}
+        """Segment -> the autograd graph tasks (backward passes) that read its saved tensors: more
+        than one when the step runs a backward through it twice (``retain_graph=True``, or a
+        gradient taken with ``create_graph=True`` and the loss's backward after it)."""
+        self.graph_building: set[str] = set()
+        """Segments whose saved tensors a backward read while building a graph of its own
+        (``torch.autograd.grad(..., create_graph=True)``: a gradient penalty, a physics-informed
+        loss): what that backward computes from them is saved again for the second backward."""
 
     def bytes_by_segment(self) -> dict[str, int]:
         """Saved bytes per segment, every segment present (0 when nothing saved)."""
@@ -96,7 +107,7 @@ class SavedAccountant:
             after = between_name(index + 1) if index + 1 < len(self.blocks) else POST
             self._handles.append(module.register_forward_pre_hook(self._enter_block(name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._leave_block(name, after)))
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
@@ -110,6 +121,7 @@ class SavedAccountant:
         for finalizer in self._finalizers.values():
             finalizer.detach()
         self._finalizers.clear()
+        self._packed_by.clear()
 
     def _enter_block(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -135,6 +147,21 @@ class SavedAccountant:
             return _alias(t)  # replay, a custom Function's graph): the backward's temporaries, not activations
         if self.on_pack is not None:
             self.on_pack(self.segment)
+        out = self._counted(t)
+        self._packed_by[id(out)] = (weakref.ref(out), self.segment)
+        return out
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        packed = self._packed_by.get(id(t))
+        task = torch._C._current_graph_task_id()
+        if packed is not None and packed[0]() is t and task != -1:
+            self.backward_tasks.setdefault(packed[1], set()).add(task)
+            if torch.is_grad_enabled():  # the engine runs a backward with grad mode on only under create_graph
+                self.graph_building.add(packed[1])
+        return t
+
+    def _counted(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s alias, its storage counted as the current segment's when it is the first save."""
         key = storage_key(t)
         if key is None or key in self._excluded or (self._made_in_step is not None and not self._made_in_step(t)):
             return _alias(t)
@@ -181,7 +208,3 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
             return t.detach()
     with torch._C._DisableTorchDispatch():
         return t.detach()
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t

@@ -311,6 +311,21 @@ only keep. Recomputed, such a block gained nothing and a segment of them held ea
 the model called the next block (a linear probe of Swin measured twice its prediction)."""
 
 
+GRADIENT_GRAPH = ("the step differentiates through its backward (a gradient taken with create_graph=True: a gradient "
+                  "penalty, a physics-informed loss): a replay would run once per backward, what it recomputes is saved "
+                  "again by that gradient's graph and held to the step's last backward, and torch's selective "
+                  "checkpointing allows one backward through a region")
+"""`BlockProfile.unavailable`'s reason (recompute, selective and offload) for a block whose saved
+tensors a backward read while building a graph (`remat.measure.saved.SavedAccountant.graph_building`).
+Recomputed, such a block was replayed once per backward and its replayed tensors were held by
+the gradient's graph: a physics-informed net's `full` plan measured 13 % over its prediction, and
+a selective plan raised torch's "Trying to backward an extra time"."""
+
+BACKWARD_TWICE = ("the step runs a backward through it more than once (retain_graph=True), and torch's selective "
+                  "checkpointing allows one backward through a region")
+"""`BlockProfile.unavailable`'s reason (selective) for a block two backward passes read
+(`remat.measure.saved.SavedAccountant.backward_tasks`); recomputing it replays it once per pass."""
+
 OWN_GENERATOR = "its forward draws from a torch.Generator of its own"
 """How `own_generator_reason` begins."""
 

@@ -16,7 +16,7 @@ import dataclasses
 import warnings
 from collections.abc import Sequence
 
-from remat.measure.types import NO_BACKWARD, OWN_GENERATOR, Profile
+from remat.measure.types import BACKWARD_TWICE, GRADIENT_GRAPH, NO_BACKWARD, OWN_GENERATOR, Profile
 from remat.plan.types import Segment
 
 __all__ = ["check_available", "fall_back", "unavailable_blocks", "warn_fallen_back", "explained"]
@@ -45,7 +45,8 @@ def check_available(profile: Profile, segments: Sequence[Segment]) -> None:
 
 def explained(reason: str) -> str:
     """An unavailable strategy's reason as a clause: the profile's own words, or what a probe raised."""
-    return reason if reason == NO_BACKWARD or reason.startswith(OWN_GENERATOR) else f"its probe raised {reason}"
+    own = reason in (NO_BACKWARD, GRADIENT_GRAPH, BACKWARD_TWICE) or reason.startswith(OWN_GENERATOR)
+    return reason if own else f"its probe raised {reason}"
 
 
 def warn_fallen_back(profile: Profile, segments: Sequence[Segment]) -> None:
