@@ -8,8 +8,10 @@ step of the change itself that fails undoes the steps before it. It changes only
 ``forward`` instance attribute of the planned blocks (`remat.apply.runtime`) and, when the
 plan's head is not ``keep``, of the model itself (`remat.apply.head`), and on Hugging Face
 models adds a forward pre-hook that turns the key/value cache off where gradients are enabled
-(`remat.checkpointing.caches.CacheOff`, with a one-time warning); ``state_dict`` keys and values
-stay as they are, and ``remove_`` restores every ``forward`` exactly and takes the hook off.
+(`remat.checkpointing.caches.CacheOff`, with a one-time warning). A forward pre-hook on the model
+(`remat.apply.watch.StepWatch`) warns of a training batch larger than the one the plan was made
+for and refuses Hugging Face checkpointing turned on since. ``state_dict`` keys and values stay as
+they are, and ``remove_`` restores every ``forward`` exactly and takes the hooks off.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from remat._batch import LossFn, check_batch_device, check_model
 from remat.apply.head import HeadRuntime
 from remat.apply.runtime import Runtime
 from remat.apply.strategies import HANDLERS
+from remat.apply.watch import StepWatch
 from remat.checkpointing.caches import CacheOff
 from remat.head.site import find_head
 from remat.head.strategies import parse_head
@@ -177,7 +180,9 @@ def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str 
     check_plan_matches(model, plan, batch)
     head = _head_runtime(model, plan)
     # every check passed: from here on, change the model, and undo everything if a step fails
-    options = {"plan": plan, "offload_engines": {}, "cache_off": CacheOff(model), "head_runtime": head}
+    watch = StepWatch(model, plan.fingerprint.batch_shapes, plan.prediction.peak_bytes, plan.budget_bytes)
+    options = {"plan": plan, "offload_engines": {}, "cache_off": CacheOff(model), "head_runtime": head,
+               "step_watch": watch}
     runtime = Runtime(blocks=blocks, block_names=plan.block_names, segments=plan.segments,
                       handlers=HANDLERS, options=options)
     model.__dict__[RUNTIME_ATTR] = runtime
@@ -185,6 +190,7 @@ def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str 
         options["offload_engines"] = _offload_engines(plan, offload_dir)
         runtime.install()
         options["cache_off"].install()
+        watch.install()
         if head is not None:
             head.install()
     except BaseException:
@@ -209,6 +215,8 @@ def remove_(model: nn.Module) -> nn.Module:
         raise ValueError(f"{type(model).__name__} has no remat plan applied; nothing to remove.")
     head = runtime.options.get("head_runtime")
     steps = [runtime.uninstall, runtime.options["cache_off"].remove]
+    if "step_watch" in runtime.options:
+        steps.append(runtime.options["step_watch"].remove)
     if head is not None:
         steps.append(head.uninstall)
     steps += [engine.close for engine in runtime.options["offload_engines"].values()]
