@@ -147,3 +147,14 @@ def test_a_fresh_interpreter_importing_the_lower_layers_loads_no_higher_one():
                             check=True, env={"PYTHONPATH": str(SRC), "PATH": "", "OMP_NUM_THREADS": "1"})
     assert json.loads(result.stdout) == {}
     assert len(pairs) > 40  # every module of those layers was imported
+
+
+def test_the_package_reaches_its_subpackages_by_attribute_and_keeps_its_functions():
+    """``remat.models.build`` with only ``import remat`` (the README's and users' way); the
+    functions named like submodules stay functions; an unknown name is an AttributeError."""
+    code = ("import remat, types; print(remat.models.build.__name__, type(remat.plan).__name__, "
+            "type(remat.verify).__name__, type(remat.distributed).__name__); import remat.plan; "
+            "print(type(remat.plan).__name__)\n"
+            "try:\n    remat.no_such_thing\nexcept AttributeError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[:3] == ["build function function module", "function", "module 'remat' has no attribute 'no_such_thing'"]

@@ -11,6 +11,7 @@ Importing remat is cheap and never initialises CUDA: the API is loaded on first 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 from typing import Any
@@ -59,6 +60,8 @@ sys.modules[__name__].__class__ = _RematModule
 def __getattr__(name: str) -> Any:
     module = _API.get(name)
     if module is None:
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")  # a subpackage (remat.models): bound on import
         raise AttributeError(f"module 'remat' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
