@@ -11,6 +11,7 @@ import importlib
 
 import pytest
 import torch
+from torch import nn
 
 import remat
 from remat.models import build
@@ -396,3 +397,68 @@ def test_a_nested_plan_whose_forward_is_its_peak_is_predicted_exactly():
     nested = dataclasses.replace(nested, prediction=predict(prof, nested.segments))
     v = remat.verify(built.model, built.batch, nested, built.loss_fn, built.optimizer, repeats=1)
     assert v.grads_identical and v.measured_peak_bytes == v.predicted_peak_bytes
+
+
+class _Supervised(nn.Module):
+    """Deep supervision by forward hooks that close over the model (``self.feats.append``)."""
+
+    def __init__(self, loss_inside: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+        self.aux = nn.Linear(8, 3)
+        self.feats: list[torch.Tensor] = []
+        self.loss_inside = loss_inside
+        for block in self.blocks:
+            block.register_forward_hook(lambda module, args, output: self.feats.append(output))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.feats.clear()
+        for block in self.blocks:
+            x = block(x)
+        if self.loss_inside:
+            return sum(nn.functional.cross_entropy(self.aux(f), y) for f in self.feats) + x.pow(2).mean()
+        return x
+
+
+@pytest.mark.parametrize("loss_inside", [True, False], ids=["loss-in-forward", "loss_fn-reads-the-model"])
+def test_verify_runs_hooks_and_a_loss_fn_that_close_over_the_model_on_its_copies(loss_inside):
+    """``copy.deepcopy`` copies functions as themselves: the copies' hooks appended to the original's
+    list (their own losses lacked the auxiliary terms, and verify passed a step that was not the
+    one trained), and a loss_fn reading the model raised an autograd error inside verify."""
+    torch.manual_seed(0)
+    model = _Supervised(loss_inside)
+    batch = {"x": torch.randn(4, 8), "y": torch.tensor([0, 1, 2, 0])}
+    loss_fn = None if loss_inside else (
+        lambda out, b: sum(nn.functional.cross_entropy(model.aux(f), b["y"]) for f in model.feats) + out.pow(2).mean())
+    prof = remat.profile(model, batch, loss_fn, repeats=1)
+    before = list(model.feats)
+    result = remat.verify(model, batch, remat.plan(prof, strategy="full"), loss_fn, repeats=1)
+    assert result.ok and result.grads_identical
+    assert len(model.feats) == len(before) and all(a is b for a, b in zip(model.feats, before))  # untouched
+
+
+def test_rebound_points_closures_defaults_and_globals_at_the_copies():
+    from remat.verify import _rebound
+
+    original, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    twin = nn.Linear(2, 2)
+    memo = {id(original): twin}
+    captured = original
+
+    def closure(x):
+        return captured(x)
+
+    def default(x, m=original, *, k=original):
+        return m, k
+
+    assert _rebound(closure, memo).__closure__[0].cell_contents is twin
+    assert _rebound(default, memo)(0) == (twin, twin)
+    untouched = lambda x: other(x)  # noqa: E731 - reads nothing memo copied
+    assert _rebound(untouched, memo) is untouched
+    assert _rebound(len, memo) is len  # not a Python function
+    globals()["_GLOBAL_MODEL"] = original
+    try:
+        reads_global = eval("lambda: _GLOBAL_MODEL", globals())
+        assert _rebound(reads_global, memo)() is twin and reads_global() is original  # only the copy sees it
+    finally:
+        del globals()["_GLOBAL_MODEL"]

@@ -37,6 +37,7 @@ import functools
 import inspect
 import random
 import statistics
+import types
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -186,18 +187,66 @@ def _copy_optimizer(optimizer: torch.optim.Optimizer | None, source: nn.Module, 
     return clone
 
 
-def _copy_model(model: nn.Module) -> nn.Module:
-    """``copy.deepcopy(model)``, with the tensors the model's code left on its modules from an
-    earlier forward that belong to its graph (deep supervision's features, kept by a forward
-    hook) copied detached: a tensor of a graph cannot be deep-copied (torch's error names
-    weight norm), and the copy's own forwards make them again."""
+def _copy_model(model: nn.Module) -> tuple[nn.Module, dict[int, Any]]:
+    """``copy.deepcopy(model)`` and its memo (original's id -> copy), with the tensors the model's
+    code left on its modules from an earlier forward that belong to its graph (deep supervision's
+    features, kept by a forward hook) copied detached: a tensor of a graph cannot be deep-copied
+    (torch's error names weight norm), and the copy's own forwards make them again. The copy's
+    hooks act on the copy (`_rebound`)."""
     memo: dict[int, Any] = {}
     for module in model.modules():
         for value in vars(module).values():
             for t in tensors_in(value):
                 if t.grad_fn is not None:
                     memo[id(t)] = t.detach().clone()
-    return copy.deepcopy(model, memo)
+    copied = copy.deepcopy(model, memo)
+    for module in copied.modules():
+        for name in _HOOK_DICTS:
+            hooks = getattr(module, name, None)
+            for key, hook in list((hooks or {}).items()):
+                hooks[key] = _rebound(hook, memo)
+    return copied, memo
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _rebound(fn: Any, memo: dict[int, Any]) -> Any:
+    """``fn`` reading the copies in ``memo`` (`copy.deepcopy`'s) of what it reads of the original.
+
+    ``copy.deepcopy`` copies a function as itself: a hook registered as ``lambda m, i, o:
+    self.feats.append(o)`` on a copied model, or a loss_fn reading ``model.aux`` and
+    ``model.feats``, still acts on the original. `verify` then compared steps that were not the one
+    trained (the copies' features went to the original's list; the copies' losses lacked them)
+    or raised an autograd error. The function is rebuilt with each closure cell, default and
+    global name it reads that ``memo`` copied pointing at the copy (the globals as a copied
+    dict, so only this function sees the copy). Anything else is returned as it is."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+
+    def mapped(value: Any) -> Any:
+        return memo.get(id(value), value)
+
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            cells.append(types.CellType(mapped(cell.cell_contents)) if id(cell.cell_contents) in memo else cell)
+        except ValueError:  # an empty cell (a name bound later)
+            cells.append(cell)
+    names = {name: memo[id(fn.__globals__[name])] for name in fn.__code__.co_names
+             if name in fn.__globals__ and id(fn.__globals__[name]) in memo}
+    defaults = tuple(mapped(v) for v in fn.__defaults__ or ())
+    kwdefaults = {k: mapped(v) for k, v in (fn.__kwdefaults__ or {}).items()}
+    if (not names and all(a is b for a, b in zip(cells, fn.__closure__ or ()))
+            and all(a is b for a, b in zip(defaults, fn.__defaults__ or ()))
+            and all(kwdefaults[k] is v for k, v in (fn.__kwdefaults__ or {}).items())):
+        return fn
+    out = types.FunctionType(fn.__code__, {**fn.__globals__, **names} if names else fn.__globals__, fn.__name__,
+                             defaults or None, tuple(cells) or None)
+    out.__kwdefaults__ = kwdefaults or None
+    out.__dict__.update(fn.__dict__)
+    out.__qualname__ = fn.__qualname__
+    return out
 
 
 class _Run:
@@ -206,7 +255,7 @@ class _Run:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Any,
                  loss_fn: LossFn | None, plan: Plan, *, planned: bool, offload_dir: str | None = None,
                  batch_generators: list[tuple[torch.Generator, torch.Tensor]] = ()) -> None:
-        self.model = _copy_model(model)
+        self.model, memo = _copy_model(model)
         # as each compared step starts: the batch's generators as verify found them (``batch_generators``),
         # this copy's modules' as they were copied
         self.generators = [*batch_generators, *((g, g.get_state()) for g in model_generators(self.model))]
@@ -219,7 +268,7 @@ class _Run:
         else:  # as under the plan and in the profile: no key/value cache (remat.checkpointing.caches)
             CacheOff(self.model).install()
         self.plan = plan
-        self.step = _Step(self.model, batch, loss_fn, self.optimizer)
+        self.step = _Step(self.model, batch, _rebound(loss_fn, memo), self.optimizer)
         self.blocks = [self.model.get_submodule(n) for n in plan.block_names]
         self.host_draws: tuple[Any, ...] = ()
         """Python's and NumPy's generator states after the first `compared_step`."""
