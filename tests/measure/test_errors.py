@@ -243,3 +243,43 @@ def test_failed_profile_leaves_the_model_unchanged():
     with pytest.raises(ValueError, match="boom"):
         profile(model, torch.randn(2, 4), loss_fn=loss_fn, optimizer=optimizer)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_stacks_run_inside_a_custom_autograd_function_are_named_as_such():
+    """Reversible layers (Reformer's) run inside a custom Function's forward, with gradients off;
+    the error called them "a frozen part of the model"."""
+
+    class Reversible(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, layers):
+            ctx.layers = layers
+            for layer in layers:
+                x = layer(x)
+            ctx.save_for_backward(x)
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            (y,) = ctx.saved_tensors
+            with torch.enable_grad():
+                x = y.detach().requires_grad_(True)
+                out = x
+                for layer in ctx.layers:
+                    out = layer(out)
+                torch.autograd.backward(out, grad)
+            return x.grad, None
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(4, 4)
+            self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+        def forward(self, x):
+            return Reversible.apply(self.embed(x), self.layers).sum()
+
+    model = Model()
+    with pytest.raises(ValueError, match=r"^no blocks found in Model: every stack runs with gradients disabled \(under "
+                                         r"torch.no_grad\(\), a frozen part of the model, or inside a custom "
+                                         r"torch.autograd.Function's forward, as reversible layers run"):
+        profile(model, torch.randn(2, 4))

@@ -127,8 +127,8 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
         groups = [(parent_name(name), [(name, module)]) for name, module in chosen]
         groups = _without_no_grad(model, groups, trace)
         if not groups:
-            raise ValueError(f"every block named by blocks={blocks!r} runs with gradients disabled (torch.no_grad(): "
-                             "a frozen part of the model): there is nothing to recompute; name blocks that train.")
+            raise ValueError(f"every block named by blocks={blocks!r} runs with gradients disabled ({_GRAD_OFF}): "
+                             "there is nothing to recompute; name blocks that train.")
     else:
         lists = stack_lists(model)
         every = [m for name in lists for m in members(model, name) + flattened(model, name)]
@@ -151,10 +151,15 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
         groups = _without_no_grad(model, groups, trace)
         if not groups:
             raise ValueError(f"no blocks found in {type(model).__name__}: every stack runs with gradients disabled "
-                             "(torch.no_grad(): a frozen part of the model), so there is nothing to recompute.")
+                             f"({_GRAD_OFF}), so there is nothing to recompute.")
         if left_out:
             warnings.warn(_left_out_message(model, left_out, trace), UserWarning, stacklevel=3)
     return _in_run_order(groups, trace)
+
+
+_GRAD_OFF = ("under torch.no_grad(), a frozen part of the model, or inside a custom torch.autograd.Function's forward, "
+             "as reversible layers run (Reformer's, RevNet's), which recompute their activations in the backward already")
+"""Where a stack runs with gradients disabled: what the messages of `discover` say."""
 
 
 def _without_no_grad(model: nn.Module, groups: list[tuple[str, Blocks]], trace: _Trace) -> list[tuple[str, Blocks]]:
