@@ -75,3 +75,24 @@ def test_only_the_outermost_model_is_hooked_and_a_cache_reaching_a_block_is_drop
         args, kwargs = drop_kv_caches((1, cache), {"past_key_values": cache, "mask": 2})
     assert args == (1, None) and kwargs == {"past_key_values": None, "mask": 2}
     assert CACHE_WARNING.startswith("use_cache=True is incompatible")
+
+
+def test_an_encoder_whose_config_has_use_cache_is_not_warned_of_a_cache_it_never_makes():
+    """BERT's config and signature have ``use_cache`` (for use as a decoder); its masked-LM output has no
+    place for a cache, and every remat call warned of one."""
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64)
+    config = transformers.BertConfig(**sizes)
+    model = transformers.BertForMaskedLM(config)
+    assert model.config.use_cache
+    ids = torch.randint(1, 64, (2, 16))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remat.apply_(model, remat.plan(remat.profile(model, batch, repeats=1), strategy="full"))
+        model(**batch).loss.backward()
+    remat.remove_(model)
+    decoder = transformers.BertLMHeadModel(transformers.BertConfig(is_decoder=True, **sizes))
+    with CacheOff(decoder) as off:  # as a decoder it caches: hooked
+        assert len(off.handles) == 1

@@ -11,6 +11,7 @@ wrapper passing its own) get None instead (`drop_kv_caches`). Either way the use
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import warnings
@@ -54,12 +55,26 @@ def drop_kv_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple
 
 
 def _takes_use_cache(module: nn.Module) -> bool:
+    """Whether ``module``'s forward takes ``use_cache`` and may make a cache with it. BERT's family
+    takes it for use as a decoder and makes none unless ``config.is_decoder``: an encoder is not
+    hooked (every remat call on a masked LM warned of a cache it never makes)."""
     config = getattr(module, "config", None)
     if getattr(config, "use_cache", None) is None:
         return False
     try:
-        return "use_cache" in inspect.signature(module.forward).parameters
+        if "use_cache" not in inspect.signature(module.forward).parameters:
+            return False
     except (TypeError, ValueError):  # a forward without a signature
+        return False
+    return getattr(config, "is_decoder", True) is not False or not _caches_as_decoder_only(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _caches_as_decoder_only(cls: type) -> bool:
+    """Whether ``cls.forward`` reads ``config.is_decoder`` (BERT's: ``use_cache`` only as a decoder)."""
+    try:
+        return "self.config.is_decoder" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
         return False
 
 
