@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import remat
 from remat.checkpointing.caches import CACHE_WARNING, CacheOff, drop_kv_caches
@@ -96,3 +97,43 @@ def test_an_encoder_whose_config_has_use_cache_is_not_warned_of_a_cache_it_never
     decoder = transformers.BertLMHeadModel(transformers.BertConfig(is_decoder=True, **sizes))
     with CacheOff(decoder) as off:  # as a decoder it caches: hooked
         assert len(off.handles) == 1
+
+
+class _PrefixTuned(nn.Module):
+    """Prefix tuning as peft does it: learned keys and values per layer, handed to the model in a
+    key/value cache (`past_key_values`) with every forward."""
+
+    def __init__(self, model, prefix: int = 4) -> None:
+        super().__init__()
+        self.model = model
+        config = model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        dim = config.hidden_size // config.num_attention_heads
+        self.keys = nn.Parameter(torch.randn(config.num_hidden_layers, 1, heads, prefix, dim) * 0.1)
+        self.values = nn.Parameter(torch.randn(config.num_hidden_layers, 1, heads, prefix, dim) * 0.1)
+
+    def forward(self, input_ids, labels):
+        batch = input_ids.shape[0]
+        cache = transformers.DynamicCache(config=self.model.config)
+        for layer in range(self.keys.shape[0]):
+            cache.update(self.keys[layer].expand(batch, -1, -1, -1), self.values[layer].expand(batch, -1, -1, -1), layer)
+        mask = torch.ones(batch, self.keys.shape[3] + input_ids.shape[1], dtype=torch.long)
+        return self.model(input_ids=input_ids, labels=labels, past_key_values=cache, attention_mask=mask)
+
+
+def test_blocks_handed_a_filled_cache_are_keep_only_with_the_reason():
+    """The runtime hands a recomputed block None for its cache; a prefix-tuned model's cache holds
+    the prefix, which the block must see: the probes raised on the mismatch and the reason named
+    only a size mismatch."""
+    from remat.checkpointing.caches import PREFILLED_CACHE
+
+    torch.manual_seed(0)
+    base, batch = _built("llama")
+    model = _PrefixTuned(base)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    prof = remat.profile(model, batch, repeats=1)
+    assert [b.name for b in prof.blocks] == ["model.model.layers.0", "model.model.layers.1"]
+    assert [dict(b.unavailable) for b in prof.blocks] == [{"recompute": PREFILLED_CACHE, "selective": PREFILLED_CACHE}] * 2
+    with pytest.warns(UserWarning, match=r"cannot run 'recompute': it is handed a key/value cache that already holds positions"):
+        assert remat.plan(prof, strategy="full").block_strategies() == ("keep", "keep")

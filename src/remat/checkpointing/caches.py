@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CACHE_WARNING", "CacheOff", "drop_kv_caches", "is_kv_cache"]
+__all__ = ["CACHE_WARNING", "CacheOff", "PREFILLED_CACHE", "cache_positions", "drop_kv_caches", "is_kv_cache"]
 
 CACHE_WARNING = (
     "use_cache=True is incompatible with remat's recomputation (a replayed layer would append to "
@@ -43,8 +43,25 @@ def is_kv_cache(value: Any) -> bool:
     return cache is not None and isinstance(value, cache)
 
 
+def cache_positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The most positions a Hugging Face key/value cache among the arguments already holds (0 when
+    none does): a training forward handed a filled cache (prefix tuning's virtual tokens) needs
+    what it holds."""
+    held = [v.get_seq_length() for v in (*args, *kwargs.values()) if is_kv_cache(v)]
+    return max((int(n) for n in held), default=0)
+
+
+PREFILLED_CACHE = ("it is handed a key/value cache that already holds positions (prefix tuning's virtual tokens, or a "
+                   "cache passed in): a replay would append to it again, and without it the block would not see those "
+                   "positions")
+"""Why a block handed a filled cache (`cache_positions`) is never replayed: its
+`remat.measure.types.BlockProfile.unavailable` reason."""
+
+
 def drop_kv_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args`` and ``kwargs`` with every Hugging Face key/value cache replaced by None (warned)."""
+    """``args`` and ``kwargs`` with every Hugging Face key/value cache replaced by None (warned). A
+    block handed a cache that holds positions before the step (`cache_positions`) is profiled
+    keep-only (`PREFILLED_CACHE`), so no plan of `remat.plan` replays it."""
     cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
     if cache is None or not any(isinstance(v, cache) for v in (*args, *kwargs.values())):
         return args, kwargs  # asked of every planned block call: one lookup, then isinstance

@@ -63,7 +63,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from remat.checkpointing.caches import drop_kv_caches
+from remat.checkpointing.caches import PREFILLED_CACHE, cache_positions, drop_kv_caches
 from remat.checkpointing.region import (BufferGuard, autocast_entered, autocast_state, call_with_first, checkpointed,
                                        first_argument)
 from remat.checkpointing.selective import selective_context
@@ -113,6 +113,9 @@ class BlockInputs:
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    cache_positions: int = 0
+    """Positions the key/value cache the block was handed already held (prefix tuning): such a
+    block is never replayed (`remat.checkpointing.caches.PREFILLED_CACHE`), nor probed."""
     autocast: tuple[tuple[str, torch.dtype, bool], ...] = ()
     """``(device type, dtype, cache enabled)`` of each device type whose autocast was on when the
     block was called (a model whose forward enters ``torch.autocast``): the probes run the block
@@ -134,6 +137,10 @@ def capture_block_inputs(block_list: Blocks, forward: Callable[[], Any]) -> list
     def hook_for(index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if index not in captured:
+                positions = cache_positions(args, kwargs)
+                if positions:  # not probed: keep only (the cache stays the model's)
+                    captured[index] = BlockInputs(args=(), kwargs={}, cache_positions=positions)
+                    return
                 args, kwargs = drop_kv_caches(args, kwargs)
                 captured[index] = BlockInputs(args=tree_map(_detach, args), kwargs=tree_map(_detach, kwargs),
                                               autocast=autocast_state())
@@ -185,6 +192,11 @@ def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys
     found: dict[int, BlockOverheads] = {}
     each = budget.split(len(groups)) if budget is not None else None
     for members in groups.values():
+        if inputs[members[0]].cache_positions:
+            reason = PREFILLED_CACHE
+            found.update((i, BlockOverheads(selective_ms=0.0, recompute_ms=0.0, selective_cache_ms=0.0, unavailable=(
+                ("recompute", reason), ("selective", reason)))) for i in members)
+            continue
         runs = [(block_list[i][1], inputs[i]) for i in members]
         uncacheable = uncacheable_shares[members[0]] if uncacheable_shares is not None else 0.0
         count = _Count(repeats + len(runs) - 1) if each is None else _Count(len(runs), each)
@@ -196,7 +208,7 @@ def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys
 def _alike_key(module: nn.Module, inputs: BlockInputs, op_keys: frozenset[str]) -> tuple[Any, ...]:
     tensors = [t for t in tree_leaves((inputs.args, inputs.kwargs)) if isinstance(t, torch.Tensor)]
     return (
-        type(module), op_keys, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors),
+        type(module), op_keys, inputs.cache_positions, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors),
         tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()),
     )
 
