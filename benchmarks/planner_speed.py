@@ -13,6 +13,7 @@ slots.
 
     .venv/bin/python -m benchmarks.planner_speed            # table on stdout
     .venv/bin/python -m benchmarks.planner_speed --markdown planner-speed.md
+    .venv/bin/python -m benchmarks.planner_speed --smoke --measured 64,128,256   # pareto, measured MLPs
 """
 
 from __future__ import annotations
@@ -155,16 +156,39 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, help="Also write the table as Markdown here.")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="Only the chains of 10 and 24 blocks.")
+    parser.add_argument("--measured", default="", metavar="DEPTHS",
+                        help="Also time remat.pareto on measured profiles of the built-in MLP at these depths "
+                             "(comma-separated, e.g. 64,128,256; width 128, batch 128, AdamW).")
     args = parser.parse_args()
     cases = [(10, "alike"), (24, "unlike"), (100, "alike"), (100, "unlike"), (1000, "alike"), (1000, "unlike")]
     rows = run(cases[:2] if args.smoke else cases, args.repeats)
     prof = chain_profile(24, 0.0)
     seconds, _, frontier = timed(lambda: pareto(prof), 1)
     text = markdown(rows, (24, seconds, len(frontier)))
+    if args.measured:
+        text += "\n\n" + measured_pareto([int(d) for d in args.measured.split(",")])
     print(text)
     if args.markdown is not None:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(args.markdown, _header() + text + "\n\n" + NOTES)
+
+
+def measured_pareto(depths: list[int]) -> str:
+    """`remat.pareto` on the built-in MLP profiled at each depth (a measured profile: every
+    block's own bytes and times), from cold: CPU seconds, frontier plans, least peak."""
+    import torch
+
+    from remat.measure.profile import profile
+    from remat.models import build
+
+    torch.set_num_threads(1)
+    lines = ["| MLP blocks (measured) | pareto: CPU s | frontier plans | least peak MiB |", "| ---: | ---: | ---: | ---: |"]
+    for depth in depths:
+        built = build("mlp", depth=depth, width=128, batch_size=128)
+        prof = profile(built.model, built.batch, built.loss_fn, torch.optim.AdamW(built.model.parameters()))
+        _, cpu_seconds, frontier = timed(lambda: pareto(prof), 1)
+        lines.append(f"| {depth} | {cpu_seconds:.2f} | {len(frontier)} | {frontier[-1].prediction.peak_bytes / MIB:.2f} |")
+    return "\n".join(lines)
 
 
 NOTES = """Reading the table:
