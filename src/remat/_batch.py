@@ -60,8 +60,27 @@ def check_model(model: nn.Module, where: str) -> None:
     """Raise for a model remat cannot measure or change as given (`check_not_compiled`,
     `check_no_hf_checkpointing`, `check_no_torch_checkpointing`)."""
     check_not_compiled(model, where)
+    check_not_fsdp1(model, where)
     check_no_hf_checkpointing(model, where)
     check_no_torch_checkpointing(model, where)
+
+
+def check_not_fsdp1(model: nn.Module, where: str) -> None:
+    """Raise if ``model`` is or holds FSDP1's wrapper (``FullyShardedDataParallel``): its
+    parameters are flattened shards gathered by the wrapper's own forward, which remat's probes of
+    a block alone never run (the profile raised on shapes of 0 or the flat parameter's), and its
+    memory (flat parameters gathered by resizing storages) is not what the step's tracker sees."""
+    wrapped = [name or "<root>" for name, m in model.named_modules() if type(m).__name__ == "FullyShardedDataParallel"]
+    if wrapped:
+        what = ("the model is FSDP's wrapper (FullyShardedDataParallel" if wrapped[0] == "<root>" else
+                f"{type(model).__name__} holds FSDP wrappers (FullyShardedDataParallel")
+        raise ValueError(
+            f"{where}: {what}: {', '.join(wrapped[:3])}{', ...' if len(wrapped) > 3 else ''}). remat profiles and plans the model before it is wrapped: profile "
+            "the unwrapped model, shard_profile it (remat.distributed), apply_ the plan, then shard with FSDP2 "
+            "(remat.distributed.fully_shard_by_plan), whose per-rank peak remat predicts (README, \"With torchrun, "
+            "FSDP2 and DDP\"). FSDP1 wrapped after apply_ trains as without remat, but its peak is not predicted and "
+            "each recompute segment must be one block (strategy 'full', or 'every:1')."
+        )
 
 
 def check_no_torch_checkpointing(model: nn.Module, where: str) -> None:
@@ -119,6 +138,14 @@ def check_step_inputs(optimizer: Any, where: str) -> None:
     closure (LBFGS re-evaluates the model inside it), or a call inside ``torch.autocast`` (its
     weight-cast cache lives until the outermost autocast exits, so the casts a replay makes
     would be measured as already made: predicted peaks 4-9 % under)."""
+    if optimizer is not None and type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        inner = getattr(getattr(optimizer, "_optim_constructor", None), "__name__", "the optimizer it wraps")
+        raise ValueError(
+            f"{where}: ZeroRedundancyOptimizer shards its state over the ranks and steps collectively, so one rank "
+            f"cannot copy, restore or step it alone. Profile with the optimizer it wraps ({inner}, on the model's "
+            "parameters) and share the state with remat.distributed.shard_profile(profile, world_size=..., zero_stage=1); "
+            "apply the plan and train with ZeroRedundancyOptimizer as before (README, \"With torchrun, FSDP2 and DDP\")."
+        )
     if optimizer is not None:
         step = getattr(type(optimizer), "step", None)
         params = list(inspect.signature(step).parameters.values())[1:] if callable(step) else []

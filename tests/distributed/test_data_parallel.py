@@ -132,3 +132,18 @@ clock, the ranks ran different numbers of forwards and waited on each other's al
         assert res["ok"] and res["identical"], res
         assert abs(res["predicted"] - res["measured"]) <= 0.01 * res["measured"], str(res)
         assert res["param_bytes"] < res["whole_param_bytes"]  # the MLPs' weights counted by their shards
+
+
+def test_fsdp1_is_refused_by_profile_trains_one_block_segments_and_refuses_longer_ones(tmp_path: Path) -> None:
+    """FSDP1 wrapping each block after apply_: a segment of several blocks crashed inside them on
+    their flattened shards ("mat2 must be a matrix"); a wrapped model and a ZeroRedundancyOptimizer
+    raised torch's errors from inside the profile."""
+    for res in _spawn(workers.fsdp1_checks, tmp_path):
+        assert res["zero_error"].startswith("remat.profile: ZeroRedundancyOptimizer shards its state over the ranks and "
+                                            "steps collectively") and "optimizer it wraps (AdamW" in res["zero_error"]
+        assert res["profile_error"].startswith("remat.profile: the model is FSDP's wrapper (FullyShardedDataParallel: "
+                                               "<root>, _fsdp_wrapped_module.blocks.0, ")
+        assert res["mismatched"] == [] and res["loss_equal"] and res["num_params"] > 0
+        assert res["sqrt_segments"] == [[0, 2], [2, 4]]
+        assert res["segment_error"].startswith("block 'blocks.1' runs inside the recompute segment [0, 2) from block "
+                                               "'blocks.0''s call, but its parameters were flattened since the plan")

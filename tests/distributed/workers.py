@@ -234,3 +234,50 @@ def tp_profile(rank: int, world_size: int, port: int, out_dir: str, strategy: st
         "measured": v.measured_peak_bytes, "param_bytes": profile.param_bytes,
         "whole_param_bytes": sum(p.numel() * p.element_size() for p in weights.model.parameters()),
     })
+
+
+def fsdp1_checks(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """FSDP1 (FullyShardedDataParallel, each block its own unit): a wrapped model is refused by
+    `profile`; a plan of one-block segments trains as without remat; a segment of several blocks
+    is refused at its first forward (it crashed inside the blocks on their flattened shards)."""
+    import remat
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from remat.models.gpt import Block
+
+    _init(rank, world_size, port)
+    weights, batch = _built(rank)
+    plans = {s: _shared_plan(weights, batch, s, world_size, zero_stage=3) for s in ("full", "sqrt")}
+
+    def wrapped(model):  # flat parameters: every rank's shard has a gradient
+        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=False,
+                                        device_id=torch.device("cpu"))
+
+    result: dict = {"rank": rank}
+    try:
+        remat.profile(wrapped(copy.deepcopy(weights.model)), batch, weights.loss_fn, repeats=1)
+    except ValueError as e:
+        result["profile_error"] = str(e)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    zero = ZeroRedundancyOptimizer(weights.model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    try:  # its state is sharded and its step collective: refused before anything runs
+        remat.profile(weights.model, batch, weights.loss_fn, zero, repeats=1)
+    except ValueError as e:
+        result["zero_error"] = str(e)
+    runs = []
+    for plan in (None, plans["full"]):
+        model = copy.deepcopy(weights.model)
+        if plan is not None:
+            remat.apply_(model, plan)
+        runs.append(_step(wrapped(model), batch, weights.loss_fn, seed=1234 + rank))
+    result.update(_compare(rank, *runs))
+    model = copy.deepcopy(weights.model)
+    remat.apply_(model, plans["sqrt"])
+    result["sqrt_segments"] = [[s.start, s.stop] for s in plans["sqrt"].segments]
+    try:
+        _step(wrapped(model), batch, weights.loss_fn, seed=1234 + rank)
+    except RuntimeError as e:
+        result["segment_error"] = str(e)
+    _write(out_dir, rank, result)

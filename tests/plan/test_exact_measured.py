@@ -239,3 +239,18 @@ def test_gpt_small_floor_and_whole_budget(gpt_small):
     assert whole.block_strategies() == ("keep",) * 4 and whole.prediction.step_ms == keep.step_ms
     measured = dataclasses.replace(gpt_small, peak_bytes=keep.peak_bytes)
     assert plan(measured, budget="100%").block_strategies() == ("keep",) * 4
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_ddp_buckets_counted_beside_a_sharded_optimizer_too(measured, as_view):
+    """Stage 1 (DDP with torch's ZeroRedundancyOptimizer) keeps DDP's gradient buckets as stage 0
+    does; they were left out: DDP + ZeRO with bucket views measured 25 % over its prediction."""
+    from remat.distributed import shard_profile
+
+    whole = measured["gpt"]
+    for stage in (0, 1):
+        sharded = shard_profile(whole, world_size=2, zero_stage=stage, gradient_as_bucket_view=as_view)
+        assert sharded.bucket_bytes == whole.grad_bytes
+        assert sharded.grad_bytes == (0 if as_view else whole.grad_bytes)
+    assert shard_profile(whole, world_size=2, zero_stage=2).bucket_bytes == 0
+    assert shard_profile(whole, world_size=1, zero_stage=1).bucket_bytes == 0

@@ -53,9 +53,9 @@ def applied_plan(model: nn.Module) -> Plan | None:
 
 def _wrapped_model(model: nn.Module) -> str | None:
     """The attribute under which a data-parallel or compile wrapper holds the user's model
-    (DistributedDataParallel's and DataParallel's ``module``), or None."""
+    (DistributedDataParallel's, DataParallel's and FSDP1's ``module``), or None."""
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    return "module" if isinstance(model, wrappers) else None
+    return "module" if isinstance(model, wrappers) or type(model).__name__ == "FullyShardedDataParallel" else None
 
 
 def _has(model: nn.Module, name: str) -> bool:

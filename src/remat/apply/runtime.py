@@ -137,6 +137,29 @@ class Runtime:
             if "forward" in block.__dict__:
                 self.saved_forwards[i] = block.__dict__["forward"]
             block.forward = BlockForward(self, i)
+        self.first_params = {i: next(self.blocks[i].parameters(), None) for seg in self.heads.values()
+                             for i in range(seg.start + 1, seg.stop)}
+        """The first parameter of each block a multi-block segment runs from its first block's call, as
+        applied: `_check_gathered` tells from it a block wrapped on its own since."""
+
+    def _check_gathered(self, seg: Segment) -> None:
+        """Refuse a multi-block segment whose later blocks FSDP1 wrapped on their own after apply_:
+        the runtime runs them from the first block's call, inside that block's wrapper, so their own
+        wrapper never gathers their flattened parameters (a block would see shards: "mat2 must be a
+        matrix", "weight of shape [0]")."""
+        for i in range(seg.start + 1, seg.stop):
+            first = self.first_params.get(i)
+            if first is None:
+                continue
+            now = next(self.blocks[i].parameters(), None)  # FSDP1: flagged views, or none (flat parameters)
+            if now is None or getattr(now, "_fsdp_flattened", False):
+                raise RuntimeError(
+                    f"block {self.block_names[i]!r} runs inside the recompute segment [{seg.start}, {seg.stop}) from block "
+                    f"{self.block_names[seg.start]!r}'s call, but its parameters were flattened since the plan was applied "
+                    "(FSDP1, FullyShardedDataParallel, wrapping each block): its wrapper would never gather them. "
+                    "Shard with FSDP2 by the plan (remat.distributed.fully_shard_by_plan: a segment is one unit), or plan "
+                    "one-block segments for FSDP1 (strategy 'full' or 'every:1')."
+                )
 
     def uninstall(self) -> None:
         """Restore every planned block's own ``forward`` (those this runtime installed; a block
@@ -192,6 +215,8 @@ class Runtime:
             self.first_keys[index] = key
             args, kwargs = (first,), rest
         run_args, run_kwargs = drop_kv_caches(args, kwargs)
+        if seg.stop - seg.start > 1:
+            self._check_gathered(seg)
         outputs = self.run_segment(seg, run_args[0], run_args[1:], run_kwargs)
         for offset in range(1, len(outputs)):
             self.pending[index + offset] = _Pending(
