@@ -87,6 +87,12 @@ class BufferGuard:
         self.modules = [m for block in blocks for m in block.modules()]
         """Every module of the blocks, listed once: the key reads their training flags on every
         forward and replay, and walking the module tree each time cost more than the flags."""
+        self.observed = {id(b) for m in self.modules if _observes(m) for b in m.buffers(recurse=False)}
+        """Buffers of quantization observers and fake-quantizers (QAT): counted as changed by every
+        forward, whether or not the one that learns changed them (a weight observer's min and max
+        stay put in a step whose weights equal the last step's, and move after the optimizer's step:
+        learned from such a forward, the guard went idle and later replays advanced the observers
+        again, so the fake-quantized weights and the gradients differed from the second step on)."""
         self._plans: dict[tuple[Any, ...], tuple[list[_Swap], list[torch.Tensor], list[torch.Tensor]]] = {}
         """Per training mode: what a replay swaps and copies (`_plan`), and the ``known`` list it
         was made for."""
@@ -118,7 +124,7 @@ class BufferGuard:
             before = [b.detach().clone() for b in buffers]
         yield
         with _outside_modes():
-            self.known[key] = [b for b, v in zip(buffers, before) if not torch.equal(b, v)]
+            self.known[key] = [b for b, v in zip(buffers, before) if id(b) in self.observed or not _same(b, v)]
         if call is not None and self.known[key]:
             _, copied = self._plan(key, self.known[key])
             start = {id(b): v for b, v in zip(buffers, before)}
@@ -147,7 +153,7 @@ class BufferGuard:
                 saved = [b.detach().clone() for b in copied]
                 if call is not None and call.before is not None:
                     for buf, value in zip(copied, call.before):
-                        buf.copy_(value)
+                        _put(buf, value)
         for module, name, _, scratch in swaps:
             module._buffers[name] = scratch
         try:
@@ -158,7 +164,7 @@ class BufferGuard:
             if copied:
                 with _outside_modes():
                     for buf, value in zip(copied, saved):
-                        buf.copy_(value)
+                        _put(buf, value)
 
     def _plan(self, key: tuple[Any, ...], known: list[torch.Tensor]) -> tuple[list[_Swap], list[torch.Tensor]]:
         """For the training mode ``key``: the swaps (each changed buffer of a training BatchNorm
@@ -178,6 +184,30 @@ class BufferGuard:
         copied = [b for b in known if id(b) not in swapped]
         self._plans[key] = (swaps, copied, known)
         return swaps, copied
+
+
+def _observes(module: nn.Module) -> bool:
+    """Whether ``module`` is a quantization observer or fake-quantizer (`torch.ao.quantization`),
+    whose buffers its forward updates from what it sees."""
+    bases = tuple(getattr(_ao_quantization(), name, None) for name in ("ObserverBase", "FakeQuantizeBase"))
+    return isinstance(module, tuple(b for b in bases if isinstance(b, type)))
+
+
+def _ao_quantization() -> Any:
+    return sys.modules.get("torch.ao.quantization")  # loaded by whoever built the QAT model; none otherwise
+
+
+def _put(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    """``value`` into ``buffer`` in place, resized to its shape first where the forward resized it."""
+    if buffer.shape != value.shape:
+        buffer.resize_(value.shape)
+    buffer.copy_(value)
+
+
+def _same(after: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether a buffer holds what it held (a per-channel observer's empty buffers are resized in
+    place by the first forward: another shape is a change)."""
+    return after.shape == before.shape and torch.equal(after, before)
 
 
 _Swap = tuple[nn.Module, str, torch.Tensor, torch.Tensor]

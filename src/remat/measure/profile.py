@@ -85,7 +85,7 @@ from remat.measure.compiled import backend_name, measure_compiled, with_compiled
 from remat.measure.dataflow import BlockFlow, DataflowRecorder, block_flows
 from remat.measure.fixed import fixed_modules
 from remat.measure.faults import FaultCount, first_touch_ms_per_byte
-from remat.measure.fingerprint import fingerprint
+from remat.measure.fingerprint import fingerprint, model_hash
 from remat.measure.head import HeadBoundary, capture_head, chunk_candidates, measure_head
 from remat.measure.probes import failure_reason
 from remat.measure.ops import OpRecorder
@@ -148,6 +148,7 @@ def profile(
         raise ValueError(f"compiled={compiled!r} needs a model that runs: it is on the meta device. "
                          "Profile it on a real device, or pass compiled=False.")
     site, note = find_head(model) if loss_fn is None else (None, "the loss is a loss_fn outside the model")
+    structure = model_hash(model)  # as given: a forward may resize buffers (QAT observers start empty)
     snapshot = StateSnapshot(model, optimizer, batch)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _cache_off(model, device), \
@@ -158,6 +159,7 @@ def profile(
                 found = dataclasses.replace(found, follows_previous=(False,) * len(found.blocks))
             prof, windows = _measure(step, found, warmup, repeats, progress, share_timing, backend)
             prof = _with_head(step, prof, windows, note, head_chunks, repeats)
+            prof = dataclasses.replace(prof, fingerprint=dataclasses.replace(prof.fingerprint, model_hash=structure))
             return with_grad_accumulation(prof) if grad_accumulation else prof
     finally:
         snapshot.restore()

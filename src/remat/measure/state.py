@@ -64,6 +64,8 @@ class StateSnapshot:
                 p.copy_(saved)
                 p.grad = None if grad is None else grad.to(p.device)
             for b, saved in zip(self.model.buffers(), self.buffers):
+                if b.shape != saved.shape:  # resized in place by a forward (a QAT per-channel observer's, empty at first)
+                    b.resize_(saved.shape)
                 b.copy_(saved)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
