@@ -94,3 +94,30 @@ def test_hugging_face_checkpointing_turned_on_after_apply_is_refused_before_the_
     handle.remove()
     remove_(model)
     assert not is_applied(model)
+
+
+def test_a_block_replaced_after_apply_is_warned_of_once():
+    built = _gpt()
+    model, batch, loss_fn = built.model, built.batch, built.loss_fn
+    apply_(model, remat.plan(remat.profile(model, batch, loss_fn, repeats=1), strategy="full"))
+    assert _step(model, batch, loss_fn) == []
+    model.blocks[1] = copy.deepcopy(model.blocks[1])  # a layer swapped by hand: it runs without the plan
+    messages = _step(model, batch, loss_fn)
+    assert messages == ["remat: block 'blocks.1' of GPT was replaced after the plan was applied: the new module runs "
+                        "without the plan (its activations all kept, as the plan did not count) and remat still holds "
+                        "the old one. Call remat.remove_(model), then profile and plan the model as it is now."]
+    assert _step(model, batch, loss_fn) == []
+    remove_(model)
+
+
+def test_a_head_projection_replaced_after_apply_is_named():
+    pytest.importorskip("transformers")
+    built = build("hf:llama", num_layers=2, d_model=32, num_heads=2, seq_len=16, batch_size=2, vocab_size=64)
+    model, batch = built.model, built.batch
+    prof = remat.profile(model, batch, repeats=1, head_chunks=(8,))
+    apply_(model, remat.plan(prof, strategy="none", head="chunked:8"))
+    model.resize_token_embeddings(72)
+    with pytest.raises(ValueError, match=r"^the output projection 'lm_head' of LlamaForCausalLM was replaced after the "
+                                         r"plan was applied \(resize_token_embeddings makes a new one\)"):
+        compute_loss(call_model(model, batch), batch)
+    remove_(model)

@@ -180,7 +180,8 @@ def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str 
     check_plan_matches(model, plan, batch)
     head = _head_runtime(model, plan)
     # every check passed: from here on, change the model, and undo everything if a step fails
-    watch = StepWatch(model, plan.fingerprint.batch_shapes, plan.prediction.peak_bytes, plan.budget_bytes)
+    watch = StepWatch(model, plan.fingerprint.batch_shapes, plan.prediction.peak_bytes, plan.budget_bytes,
+                      blocks=list(zip(plan.block_names, blocks)))
     options = {"plan": plan, "offload_engines": {}, "cache_off": CacheOff(model), "head_runtime": head,
                "step_watch": watch}
     runtime = Runtime(blocks=blocks, block_names=plan.block_names, segments=plan.segments,

@@ -59,6 +59,7 @@ class HeadRuntime:
         labels = bound.arguments.get(self.site.labels_arg)
         if labels is None or not torch.is_grad_enabled():
             return self._original(*args, **kwargs)
+        self._check_projection()
         inputs, extra = self.kind.loss_inputs(bound.arguments), self.kind.loss_extra(bound.arguments)
         bound.arguments[self.site.labels_arg] = None
         with capture_projection(self.projection, run=False) as captured:
@@ -68,6 +69,21 @@ class HeadRuntime:
         call = HeadCall(kind=self.kind, site=self.site, model=self.model, projection=self.projection,
                         inputs=inputs, extra=extra)
         return self.kind.output(output, self.strategy.loss(call, captured.hidden))
+
+    def _check_projection(self) -> None:
+        """The output projection must be the one the plan was applied with: replaced since
+        (``resize_token_embeddings`` makes a new one), the head would watch the old one."""
+        try:
+            now = self.model.get_submodule(self.site.projection)
+        except AttributeError:
+            now = None
+        if now is not self.projection:
+            raise ValueError(
+                f"the output projection {self.site.projection!r} of {type(self.model).__name__} was replaced after the "
+                f"plan was applied (resize_token_embeddings makes a new one), so the head strategy "
+                f"{self.strategy.name!r} would run the old one. Call remat.remove_(model), then profile and plan the "
+                "model as it is now."
+            )
 
     def _check_no_auxiliary_loss(self, output: Any) -> None:
         """A loss term beside the logits (a mixture-of-experts router's load balancing, asked for by

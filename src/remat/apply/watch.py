@@ -1,5 +1,5 @@
 """What an applied plan watches in every training forward: a batch larger than the one it was
-made for, and Hugging Face's gradient checkpointing switched on after it.
+made for, Hugging Face's gradient checkpointing switched on after it, and blocks replaced since.
 
 A plan's figures hold for the batch it was profiled with (`remat.measure.types.Fingerprint`'s
 ``batch_shapes``). Activations grow with the batch: a plan made at 4x32 tokens and trained at
@@ -54,8 +54,12 @@ class StepWatch:
     """The forward pre-hook of an applied plan on its model: `install`, `remove`."""
 
     def __init__(self, model: nn.Module, batch_shapes: tuple[str, ...], peak_bytes: int,
-                 budget_bytes: int | None) -> None:
+                 budget_bytes: int | None, blocks: list[tuple[str, nn.Module]] = ()) -> None:
         self.model = model
+        self.blocks = list(blocks)
+        """``(name, module)`` of each planned block as applied: one the model no longer holds under
+        its name is warned of once (`_check_blocks`)."""
+        self.replaced: set[str] = set()
         self.profiled = largest_dims(batch_shapes)
         self.warned = {rank: list(dims) for rank, dims in self.profiled.items()}
         """The largest size warned of so far, per rank and dimension (the profiled ones at first)."""
@@ -85,7 +89,27 @@ class StepWatch:
                 "(and leave gradient_checkpointing=False in TrainingArguments), or remat.remove_(model)."
             )
         self._check_sizes(batch_tensors((args, kwargs)))
+        self._check_blocks()
         return None
+
+    def _check_blocks(self) -> None:
+        """Warn once per block replaced since the plan was applied (a layer swapped by hand): the
+        new module runs without the plan, every activation of it kept, and remat holds the old one."""
+        for name, block in self.blocks:
+            if name in self.replaced:
+                continue
+            try:
+                now = self.model.get_submodule(name)
+            except AttributeError:
+                now = None
+            if now is not block:
+                self.replaced.add(name)
+                if not torch.compiler.is_compiling():
+                    warnings.warn(
+                        f"remat: block {name!r} of {type(self.model).__name__} was replaced after the plan was applied: the "
+                        "new module runs without the plan (its activations all kept, as the plan did not count) and remat "
+                        "still holds the old one. Call remat.remove_(model), then profile and plan the model as it is now.",
+                        RuntimeWarning, stacklevel=3)
 
     def _check_sizes(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
