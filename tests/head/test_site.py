@@ -240,3 +240,39 @@ def test_a_router_loss_turned_on_after_profiling_is_refused_not_dropped(coef):
         model(**batch)  # as profiled: no router loss, the planned head runs
     finally:
         remat.remove_(model)
+
+
+class _Adapted(nn.Module):
+    """A wrapper in peft's way (``PeftModelForCausalLM``): ``get_base_model()``, the call passed
+    through with its labels, every other attribute read from the model it wraps."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base_model = base
+
+    def get_base_model(self) -> nn.Module:
+        return self.base_model
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        return self.base_model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.base_model, name)
+
+
+def test_a_wrapped_language_model_has_its_head_planned_through_the_wrapper():
+    """peft's LoRA models were told "PeftModelForCausalLM is not a language model remat knows the
+    head of": their head and loss stayed in the fixed part, where a large vocabulary peaks."""
+    built = tiny("hf:llama")
+    model = _Adapted(built.model)
+    site, why = find_head(model)
+    assert why == "" and (site.kind, site.projection, site.labels_arg) == ("hf-causal-lm", "base_model.lm_head", "labels")
+    prof = profile(model, built.batch, repeats=1, head_chunks=(8,))
+    assert [o.strategy for o in prof.head.options] == ["keep", "recompute", "chunked:8"]
+    for head in ("recompute", "chunked:8"):
+        result = remat.verify(model, built.batch, remat.plan(prof, strategy="full", head=head), repeats=1)
+        assert result.ok and result.head == head
+    assert find_head(_Adapted(build("mlp", depth=2, width=8, batch_size=2).model))[0] is None

@@ -156,11 +156,16 @@ KINDS: dict[str, HeadKind] = {
 
 
 def _kind_of(model: nn.Module) -> HeadKind | None:
+    """The head kind of ``model``'s class, or of the model a wrapper forwards its calls and
+    attributes to (peft's ``PeftModelForCausalLM``: ``get_base_model()``, a Hugging Face
+    ``*ForCausalLM`` whose LoRA layers sit inside), or None."""
     for cls in type(model).__mro__:
         kind = KINDS.get(f"{cls.__module__}.{cls.__qualname__}")
         if kind is not None:
             return kind
-    return None
+    base = getattr(type(model), "get_base_model", None)
+    inner = base(model) if callable(base) else None
+    return _kind_of(inner) if isinstance(inner, nn.Module) and inner is not model else None
 
 
 def kind_named(name: str) -> HeadKind:
