@@ -192,7 +192,8 @@ def _copy_model(model: nn.Module) -> tuple[nn.Module, dict[int, Any]]:
     code left on its modules from an earlier forward that belong to its graph (deep supervision's
     features, kept by a forward hook) copied detached: a tensor of a graph cannot be deep-copied
     (torch's error names weight norm), and the copy's own forwards make them again. The copy's
-    hooks act on the copy (`_rebound`)."""
+    hooks and the functions set on its modules (an instance ``forward`` wrapping the original's,
+    as TRL's fused-head patch and accelerate's output casts are) act on the copy (`_rebound`)."""
     memo: dict[int, Any] = {}
     for module in model.modules():
         for value in vars(module).values():
@@ -205,41 +206,104 @@ def _copy_model(model: nn.Module) -> tuple[nn.Module, dict[int, Any]]:
             hooks = getattr(module, name, None)
             for key, hook in list((hooks or {}).items()):
                 hooks[key] = _rebound(hook, memo)
+        for name, value in list(vars(module).items()):
+            if isinstance(value, _CALLABLES):
+                module.__dict__[name] = _rebound(value, memo)
     return copied, memo
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_CALLABLES = (types.FunctionType, types.MethodType, functools.partial)
 
 
-def _rebound(fn: Any, memo: dict[int, Any]) -> Any:
+def _rebound(fn: Any, memo: dict[int, Any], seen: dict[int, Any] | None = None) -> Any:
     """``fn`` reading the copies in ``memo`` (`copy.deepcopy`'s) of what it reads of the original.
 
     ``copy.deepcopy`` copies a function as itself: a hook registered as ``lambda m, i, o:
-    self.feats.append(o)`` on a copied model, or a loss_fn reading ``model.aux`` and
-    ``model.feats``, still acts on the original. `verify` then compared steps that were not the one
-    trained (the copies' features went to the original's list; the copies' losses lacked them)
-    or raised an autograd error. The function is rebuilt with each closure cell, default and
-    global name it reads that ``memo`` copied pointing at the copy (the globals as a copied
-    dict, so only this function sees the copy). Anything else is returned as it is."""
-    if not isinstance(fn, types.FunctionType):
-        return fn
+    self.feats.append(o)`` on a copied model, a loss_fn reading ``model.aux`` and
+    ``model.feats``, or an instance ``forward`` closing over the original's bound ``forward``
+    still acted on the original. `verify` then compared steps that were not the one trained (the
+    copies' features went to the original's list; a patched forward ran the original model twice
+    and gave its parameters gradients: "identical", 40 % off in peak) or raised an autograd error.
+    A function is rebuilt with each closure cell, default and global name it reads pointing at
+    the copy of what ``memo`` copied, and the functions it closes over rebuilt the same way (the
+    globals as a copied dict, so only this function sees the copy); a bound method is bound to
+    the copy of its object, its function rebuilt; a ``functools.partial`` gets its function and
+    arguments so; any other object (a callable class holding the model) is deep-copied through
+    ``memo``. Anything that reads nothing ``memo`` copied is returned as it is."""
+    seen = {} if seen is None else seen
+    if id(fn) in memo:
+        return memo[id(fn)]
+    if id(fn) in seen:
+        return seen[id(fn)]
+    seen[id(fn)] = fn  # a function that closes over itself (recursion) stops here
 
     def mapped(value: Any) -> Any:
-        return memo.get(id(value), value)
+        if id(value) in memo:
+            return memo[id(value)]
+        if isinstance(value, _CALLABLES):
+            return _rebound(value, memo, seen)
+        return _holding_copied(value, memo)
 
-    cells = []
+    if isinstance(fn, types.MethodType):
+        func, owner = mapped(fn.__func__), mapped(fn.__self__)
+        out = fn if func is fn.__func__ and owner is fn.__self__ else types.MethodType(func, owner)
+    elif isinstance(fn, functools.partial):
+        func, args = mapped(fn.func), tuple(mapped(a) for a in fn.args)
+        kwargs = {k: mapped(v) for k, v in fn.keywords.items()}
+        same = func is fn.func and all(a is b for a, b in zip(args, fn.args)) and all(
+            kwargs[k] is v for k, v in fn.keywords.items())
+        out = fn if same else functools.partial(func, *args, **kwargs)
+    elif isinstance(fn, types.FunctionType):
+        out = _rebuilt_function(fn, mapped, memo)
+    elif fn is None or isinstance(fn, (types.BuiltinFunctionType, type)):
+        out = fn
+    else:  # a callable object: its attributes through the memo (the original model -> the copy)
+        try:
+            out = copy.deepcopy(fn, memo)
+        except Exception:  # noqa: BLE001 - an object that cannot be copied is used as it is
+            out = fn
+    seen[id(fn)] = out
+    return out
+
+
+def _holding_copied(value: Any, memo: dict[int, Any]) -> Any:
+    """``value`` deep-copied through ``memo`` when one of its attributes is something ``memo``
+    copied (a trainer-like object whose ``self.model`` a lambda or method reads), else itself."""
+    attributes = getattr(value, "__dict__", None)
+    if not isinstance(attributes, dict) or isinstance(value, (nn.Module, type, types.ModuleType)):
+        return value
+    if not any(id(v) in memo for v in attributes.values()):
+        return value
+    try:
+        return copy.deepcopy(value, memo)
+    except Exception:  # noqa: BLE001 - an object that cannot be copied is used as it is
+        return value
+
+
+def _rebuilt_function(fn: types.FunctionType, mapped: Any, memo: dict[int, Any]) -> types.FunctionType:
+    """``fn`` with its closure cells, defaults and global names passed through ``mapped``."""
+    cells, changed = [], False
     for cell in fn.__closure__ or ():
         try:
-            cells.append(types.CellType(mapped(cell.cell_contents)) if id(cell.cell_contents) in memo else cell)
+            contents = cell.cell_contents
         except ValueError:  # an empty cell (a name bound later)
             cells.append(cell)
-    names = {name: memo[id(fn.__globals__[name])] for name in fn.__code__.co_names
-             if name in fn.__globals__ and id(fn.__globals__[name]) in memo}
+            continue
+        value = mapped(contents)
+        changed |= value is not contents
+        cells.append(types.CellType(value) if value is not contents else cell)
+    names = {}
+    for name in fn.__code__.co_names:
+        if name in fn.__globals__:
+            value = mapped(fn.__globals__[name])
+            if value is not fn.__globals__[name]:
+                names[name] = value
     defaults = tuple(mapped(v) for v in fn.__defaults__ or ())
     kwdefaults = {k: mapped(v) for k, v in (fn.__kwdefaults__ or {}).items()}
-    if (not names and all(a is b for a, b in zip(cells, fn.__closure__ or ()))
-            and all(a is b for a, b in zip(defaults, fn.__defaults__ or ()))
-            and all(kwdefaults[k] is v for k, v in (fn.__kwdefaults__ or {}).items())):
+    changed |= bool(names) or any(a is not b for a, b in zip(defaults, fn.__defaults__ or ())) or any(
+        kwdefaults[k] is not v for k, v in (fn.__kwdefaults__ or {}).items())
+    if not changed:
         return fn
     out = types.FunctionType(fn.__code__, {**fn.__globals__, **names} if names else fn.__globals__, fn.__name__,
                              defaults or None, tuple(cells) or None)
