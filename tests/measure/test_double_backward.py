@@ -108,3 +108,42 @@ def test_a_region_replayed_by_two_backward_passes_trains_as_without_remat():
     for name in expected:  # weights and the BatchNorm statistics, advanced once per step
         assert torch.equal(trained[name], expected[name]), name
     remat.remove_(model)
+
+
+class _Swish(torch.autograd.Function):
+    """A memory-efficient Swish: the backward recomputes under ``torch.enable_grad()``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch.enable_grad():
+            (x,) = ctx.saved_tensors  # unpacked with grad mode on, in an ordinary backward
+            x = x.detach().requires_grad_()
+            (out,) = torch.autograd.grad(x * torch.sigmoid(x), x, grad)
+        return out
+
+
+class _SwishBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + _Swish.apply(self.linear(x))
+
+
+def test_a_custom_backward_under_enable_grad_keeps_every_strategy():
+    """Grad mode on while a saved tensor is unpacked was read as create_graph=True: every block of
+    an ordinary step was made keep-only."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[_SwishBlock() for _ in range(3)]), torch.randn(8, 16)
+    prof = remat.profile(model, x, lambda out, b: out.pow(2).mean(), repeats=1)
+    assert [b.unavailable for b in prof.blocks] == [()] * 3
+    plan = remat.plan(prof, strategy="full")
+    assert plan.block_strategies() == ("recompute",) * 3
+    result = remat.verify(model, x, plan, lambda out, b: out.pow(2).mean(), repeats=1)
+    assert result.ok and result.grads_identical

@@ -7,8 +7,9 @@ A plan's figures hold for the batch it was profiled with (`remat.measure.types.F
 model gets a forward pre-hook (`StepWatch`) that, in each forward with gradients enabled, reads
 the sizes of the tensors the model is called with. For each rank (number of dimensions) the
 profiled batch has, it keeps the largest size of each dimension; a call whose tensor of that
-rank is larger in any dimension is warned of once per new size (dynamic padding would
-otherwise warn at every batch), with the fix: plan at the largest batch trained on. A batch
+rank is larger in any dimension is warned of, with the fix: plan at the largest batch trained
+on. A shape no larger in every dimension than one already warned of is not warned of again
+(dynamic padding would otherwise warn at every batch); 8x128 after 4x128 and 8x32 is. A batch
 no larger in any dimension than the profiled one is not warned of: a plan made there holds for
 it (its activations are no larger). Tensors of a rank the profiled batch had none of are not
 judged.
@@ -61,8 +62,9 @@ class StepWatch:
         its name is warned of once (`_check_blocks`)."""
         self.replaced: set[str] = set()
         self.profiled = largest_dims(batch_shapes)
-        self.warned = {rank: list(dims) for rank, dims in self.profiled.items()}
-        """The largest size warned of so far, per rank and dimension (the profiled ones at first)."""
+        self.told: dict[int, list[tuple[int, ...]]] = {rank: [tuple(dims)] for rank, dims in self.profiled.items()}
+        """Per rank, the shapes no larger than which a call is not warned of: the profiled batch's
+        largest, then each shape warned of."""
         self.peak_bytes = peak_bytes
         self.budget_bytes = budget_bytes
         self.hf_modules = [m for m in model.modules() if isinstance(getattr(m, "gradient_checkpointing", None), bool)]
@@ -102,7 +104,8 @@ class StepWatch:
                 now = self.model.get_submodule(name)
             except AttributeError:
                 now = None
-            if now is not block:
+            if now is not block and not (now is not None and any(m is block for m in now.modules())):
+                # a wrapper holding the block (FSDP1's, a compiled module's, the user's) runs its planned forward
                 self.replaced.add(name)
                 if not torch.compiler.is_compiling():
                     warnings.warn(
@@ -113,11 +116,11 @@ class StepWatch:
 
     def _check_sizes(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
-            limit = self.warned.get(t.dim())
-            if limit is None or all(d <= m for d, m in zip(t.shape, limit)):
+            told = self.told.get(t.dim())
+            if told is None or any(all(d <= m for d, m in zip(t.shape, shape)) for shape in told):
                 continue
             profiled = self.profiled[t.dim()]
-            self.warned[t.dim()] = [max(d, m) for d, m in zip(t.shape, limit)]
+            told.append(tuple(t.shape))
             budget = f", budget {self.budget_bytes:,} bytes" if self.budget_bytes is not None else ""
             if not torch.compiler.is_compiling():  # a warning breaks a compiled graph; eager runs say it
                 warnings.warn(

@@ -585,7 +585,7 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
             replay_stop_calls=memory.recorder.stop_calls.get(name, 0),
             **_overhead_ms(overheads[i], backward=i in memory.windows.backward_blocks,
                            own_generator_calls=memory.recorder.own_generators.get(name, ()),
-                           backward_reads=(name in memory.graph_building, len(memory.backward_tasks.get(name, ())))),
+                           backward_reads=_backward_reads(memory, name)),
             stack=stack_of[i], follows_previous=found.follows_previous[i],
             **_flow_fields(memory.flows[i], memory.windows.between_temp_bytes[i]),
             bwd_start_temp_bytes=memory.windows.block_bwd_start_temp_bytes[i],
@@ -595,6 +595,16 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
         )
         for i, (name, module) in enumerate(block_list)
     )
+
+
+def _backward_reads(memory: _Accounting, name: str) -> tuple[bool, int]:
+    """Whether a graph-building backward read block ``name``'s saved tensors and another backward
+    read them again (``create_graph=True``, then the loss's backward), and how many backward passes
+    read them. Grad mode on alone is not enough: a custom Function's backward may unpack its saved
+    tensors under ``torch.enable_grad()`` in an ordinary step (a memory-efficient Swish did, and
+    every block was made keep-only)."""
+    tasks = len(memory.backward_tasks.get(name, ()))
+    return name in memory.graph_building and tasks > 1, tasks
 
 
 def _flow_fields(flow: BlockFlow, between_temp_bytes: int) -> dict[str, Any]:

@@ -316,7 +316,8 @@ GRADIENT_GRAPH = ("the step differentiates through its backward (a gradient take
                   "again by that gradient's graph and held to the step's last backward, and torch's selective "
                   "checkpointing allows one backward through a region")
 """`BlockProfile.unavailable`'s reason (recompute, selective and offload) for a block whose saved
-tensors a backward read while building a graph (`remat.measure.saved.SavedAccountant.graph_building`).
+tensors a backward read while building a graph (`remat.measure.saved.SavedAccountant.graph_building`)
+and another backward read again.
 Recomputed, such a block was replayed once per backward and its replayed tensors were held by
 the gradient's graph: a physics-informed net's `full` plan measured 13 % over its prediction, and
 a selective plan raised torch's "Trying to backward an extra time"."""
