@@ -129,7 +129,8 @@ def check_no_hf_checkpointing(model: nn.Module, where: str) -> None:
         raise ValueError(
             f"{where}: Hugging Face gradient checkpointing is on in {type(model).__name__} ({', '.join(on[:3])}"
             f"{', ...' if len(on) > 3 else ''}), so its layers already recompute and remat would measure and plan "
-            "checkpointed layers. Call model.gradient_checkpointing_disable() first: a remat plan replaces it."
+            "checkpointed layers. Call model.gradient_checkpointing_disable() first (activation_checkpointing_disable() "
+            "in transformers 5): a remat plan replaces it."
         )
 
 

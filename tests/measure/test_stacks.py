@@ -240,8 +240,8 @@ class Shared(nn.Module):
 
 
 def test_a_layer_shared_across_depths_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match=r"its only layers repeat\. Calls per forward: \{'groups\.0': 3\}\. A module called "
-                                         r"more than once shares its weights"):
+    with pytest.raises(ValueError, match=r"its only layers repeat\. Calls per step: \{'groups\.0': 3\}\. A module called "
+                                         r"more than once with gradients shares its weights across the calls: across depths"):
         _run(Shared())
     with pytest.raises(ValueError, match=r"ran another number of times: \{'groups\.0': 3\}\..*neither it nor any module "
                                          r"inside it can be a block"):
@@ -535,3 +535,38 @@ def test_a_layer_between_two_members_that_holds_blocks_gives_its_other_layers_to
     assert [name for name, _ in found.blocks] == [
         "mid.resnets.0", "mid.attentions.0.norm", "mid.attentions.0.proj_in", "mid.attentions.0.transformer_blocks.0",
         "mid.attentions.0.transformer_blocks.1", "mid.attentions.0.proj_out", "mid.resnets.1"]
+
+
+class _Pair(nn.Module):
+    """A policy called twice in one step: on chosen and rejected (DPO without concatenation), or
+    once under no_grad as its own reference."""
+
+    def __init__(self, reference: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.reference = reference
+
+    def policy(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reference:
+            with torch.no_grad():
+                ref = self.policy(x)
+            return (self.policy(x) - ref).pow(2).sum()
+        return (self.policy(x) - self.policy(x + 1)).pow(2).sum()
+
+
+def test_a_model_called_twice_in_a_step_is_told_the_way_that_works():
+    """The message blamed weight sharing across depths (ALBERT's) for a DPO step, whose fix is
+    one batch of chosen and rejected, or a reference pass moved out of the step."""
+    with pytest.raises(ValueError, match=r"Calls per step: \{'layers\.0': 2, 'layers\.1': 2\}\. A module called more "
+                                         r"than once with gradients .* put those inputs in one batch and call the model "
+                                         r"once \(TRL's concatenated_forward\)"):
+        _run(_Pair(reference=False))
+    with pytest.raises(ValueError, match=r"Calls per step: \{'layers\.0': 2, 'layers\.1': 2\}\. Of these, 1 per module "
+                                         r"ran with gradients disabled \(a reference pass under torch.no_grad\(\).*"
+                                         r"profile the step without it"):
+        _run(_Pair(reference=True))

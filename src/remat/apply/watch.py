@@ -88,7 +88,8 @@ class StepWatch:
                 "was applied (gradient_checkpointing_enable(), or Trainer with "
                 "TrainingArguments(gradient_checkpointing=True)): every layer would be checkpointed on top of the "
                 "plan, which then no longer describes the step. Use one: call model.gradient_checkpointing_disable() "
-                "(and leave gradient_checkpointing=False in TrainingArguments), or remat.remove_(model)."
+                "(activation_checkpointing_disable() in transformers 5) and pass gradient_checkpointing=False to "
+                "TrainingArguments (TRL's SFTConfig and DPOConfig turn it on by default), or remat.remove_(model)."
             )
         self._check_sizes(batch_tensors((args, kwargs)))
         self._check_blocks()

@@ -138,10 +138,10 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
         groups, left_out = _chosen_lists(model, lists, trace)
         if not groups and lists:
             counts = {m: len(trace.calls[m]) for m, _ in every if len(trace.calls[m]) != 1}
-            hint = _repeated_hint(counts)
+            hint = _repeated_hint(counts, trace)
             raise ValueError(
                 f"no blocks found in {type(model).__name__}: its stacks {lists} do not run each member exactly "
-                f"once per forward" + (f".{hint}" if hint else f" (calls: {counts}).") + " Name the blocks that run "
+                f"once per step" + (f".{hint}" if hint else f" (calls: {counts}).") + " Name the blocks that run "
                 "once with blocks='<glob>'" + (" (modules outside those that repeat), if the model has any." if hint else ".")
                 + _never_called_hint(counts)
             )
@@ -177,15 +177,25 @@ def _without_no_grad(model: nn.Module, groups: list[tuple[str, Blocks]], trace: 
     return [(group, items) for group, items in kept if items]
 
 
-def _repeated_hint(counts: dict[str, int]) -> str:
-    """A sentence for modules that ran more than once per forward (a layer whose weights are
-    shared across depths, ALBERT's), or "" when none did: naming them as blocks cannot help."""
+def _repeated_hint(counts: dict[str, int], trace: _Trace | None = None) -> str:
+    """A sentence for modules that ran more than once per step (a layer whose weights are shared
+    across depths, ALBERT's; a model called once per input; a reference pass under no_grad), or ""
+    when none did: naming them as blocks cannot help."""
     repeated = {name: n for name, n in counts.items() if n > 1}
     if not repeated:
         return ""
-    return (f" Calls per forward: {repeated}. A module called more than once shares its weights across "
-            "the calls (ALBERT's layer groups); remat plans each block's activations once per step, so "
-            "neither such a module nor any module inside it can be a block.")
+    text = f" Calls per step: {repeated}."
+    off = {name: sum(not c.grad for c in trace.calls[name]) for name in repeated} if trace is not None else {}
+    if any(off.values()):
+        text += (f" Of these, {max(off.values())} per module ran with gradients disabled (a reference pass under "
+                 "torch.no_grad(), as DPO does with the adapters off): profile the step without it (the reference "
+                 "log-probs computed before the step); an applied plan runs such calls as they are.")
+    if any(n - off.get(name, 0) > 1 for name, n in repeated.items()):
+        text += (" A module called more than once with gradients shares its weights across the calls: across depths "
+                 "(ALBERT's layer groups; then neither it nor any module inside it can be a block) or across inputs "
+                 "(chosen and rejected, two views): put those inputs in one batch and call the model once (TRL's "
+                 "concatenated_forward). remat plans each block's activations once per step.")
+    return text
 
 
 def _repeated_error(model: nn.Module, forward: Callable[[], Any]) -> ValueError | None:
