@@ -61,8 +61,22 @@ def check_model(model: nn.Module, where: str) -> None:
     `check_no_hf_checkpointing`, `check_no_torch_checkpointing`)."""
     check_not_compiled(model, where)
     check_not_fsdp1(model, where)
+    check_no_per_sample_grads(model, where)
     check_no_hf_checkpointing(model, where)
     check_no_torch_checkpointing(model, where)
+
+
+PER_SAMPLE = ("per-sample gradients (Opacus's GradSampleModule) are computed by hooks that keep each layer's "
+              "input from its forward and pair it with the backward's gradient: a replay runs the forward again, and "
+              "the pairs no longer match (12 of 16 parameters lost their per-sample gradients, as under torch's own "
+              "checkpoint)")
+"""Why remat refuses a model whose parameters Opacus counts forwards of (``_forward_counter``)."""
+
+
+def check_no_per_sample_grads(model: nn.Module, where: str) -> None:
+    """Raise if Opacus's per-sample gradient hooks are on ``model`` (`PER_SAMPLE`)."""
+    if any(hasattr(p, "_forward_counter") for p in model.parameters()):
+        raise ValueError(f"{where}: {PER_SAMPLE}. Train with Opacus without a remat plan.")
 
 
 def check_not_fsdp1(model: nn.Module, where: str) -> None:

@@ -157,3 +157,21 @@ def test_a_block_wrapped_after_apply_is_not_called_replaced():
     assert _step(model, batch, loss_fn) == []
     model.blocks[0] = model.blocks[0].inner
     remove_(model)
+
+
+def test_per_sample_gradient_hooks_are_refused_before_and_after_apply():
+    """Opacus's GradSampleModule pairs each layer's forward input with its backward gradient and
+    marks every parameter it counts forwards of (``_forward_counter``); under a plan, 12 of 16
+    parameters lost their per-sample gradients, silently."""
+    built = _gpt()
+    model, batch, loss_fn = built.model, built.batch, built.loss_fn
+    plan = remat.plan(remat.profile(model, batch, loss_fn, repeats=1), strategy="full")
+    apply_(model, plan)
+    for p in model.parameters():
+        p._forward_counter = 0  # as GradSampleModule(model) marks them
+    with pytest.raises(RuntimeError, match=r"^block 'blocks.0' cannot be replayed: per-sample gradients \(Opacus's "
+                                           r"GradSampleModule\)"):
+        compute_loss(call_model(model, batch), batch, loss_fn)
+    remove_(model)
+    with pytest.raises(ValueError, match=r"^remat.profile: per-sample gradients \(Opacus's GradSampleModule\)"):
+        remat.profile(model, batch, loss_fn, repeats=1)

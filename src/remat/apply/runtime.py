@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat._batch import PER_SAMPLE
 from remat.checkpointing.caches import drop_kv_caches
 from remat.checkpointing.region import BufferGuard, first_argument, replaying
 from remat.measure.calls import first_output, same_arguments
@@ -137,19 +138,23 @@ class Runtime:
             if "forward" in block.__dict__:
                 self.saved_forwards[i] = block.__dict__["forward"]
             block.forward = BlockForward(self, i)
-        self.first_params = {i: next(self.blocks[i].parameters(), None) for seg in self.heads.values()
-                             for i in range(seg.start + 1, seg.stop)}
-        """The first parameter of each block a multi-block segment runs from its first block's call, as
-        applied: `_check_gathered` tells from it a block wrapped on its own since."""
+        self.first_params = {i: next(self.blocks[i].parameters(), None) for i in self.planned_indices()}
+        """The first parameter of each planned block as applied: `_check_segment` tells from it a
+        block wrapped on its own since, or given per-sample gradient hooks."""
 
-    def _check_gathered(self, seg: Segment) -> None:
-        """Refuse a multi-block segment whose later blocks FSDP1 wrapped on their own after apply_:
-        the runtime runs them from the first block's call, inside that block's wrapper, so their own
-        wrapper never gathers their flattened parameters (a block would see shards: "mat2 must be a
-        matrix", "weight of shape [0]")."""
-        for i in range(seg.start + 1, seg.stop):
+    def _check_segment(self, seg: Segment) -> None:
+        """Refuse a segment whose blocks Opacus's per-sample gradient hooks reach (`PER_SAMPLE`),
+        or whose later blocks FSDP1 wrapped on their own after apply_: the runtime runs them from the
+        first block's call, inside that block's wrapper, so their own wrapper never gathers their
+        flattened parameters (a block would see shards: "mat2 must be a matrix", "weight of shape [0]")."""
+        for i in range(seg.start, seg.stop):
             first = self.first_params.get(i)
             if first is None:
+                continue
+            if hasattr(first, "_forward_counter"):
+                raise RuntimeError(f"block {self.block_names[i]!r} cannot be replayed: {PER_SAMPLE}. Train with Opacus "
+                                   "without a remat plan (remat.remove_(model)).")
+            if i == seg.start:
                 continue
             now = next(self.blocks[i].parameters(), None)  # FSDP1: flagged views, or none (flat parameters)
             if now is None or getattr(now, "_fsdp_flattened", False):
@@ -215,8 +220,7 @@ class Runtime:
             self.first_keys[index] = key
             args, kwargs = (first,), rest
         run_args, run_kwargs = drop_kv_caches(args, kwargs)
-        if seg.stop - seg.start > 1:
-            self._check_gathered(seg)
+        self._check_segment(seg)
         outputs = self.run_segment(seg, run_args[0], run_args[1:], run_kwargs)
         for offset in range(1, len(outputs)):
             self.pending[index + offset] = _Pending(
