@@ -529,3 +529,70 @@ def test_verify_runs_a_forward_patched_on_the_instance_on_its_copies():
     linears = [(c.block, c.baseline_count, c.planned_count) for c in result.op_counts if c.op == "aten.addmm.default"]
     assert linears == [(f"blocks.{i}", 1, 2) for i in range(3)]  # the copies' blocks ran, and were recomputed
     assert all(p.grad is None for p in model.parameters())
+
+
+def _deep_supervised():
+    torch.manual_seed(0)
+    model = _Supervised(loss_inside=False)
+    return model, {"x": torch.randn(4, 8), "y": torch.tensor([0, 1, 2, 0])}
+
+
+def _countdown_loss(n, out, b):
+    """Recursive, reading the model (a global name of the test) at the bottom."""
+    return _supervised_loss(_RECURSION_MODEL, out, b) if n == 0 else _countdown_loss(n - 1, out, b)
+
+
+_RECURSION_MODEL = None
+
+
+@pytest.mark.parametrize("shape", ["recursive-global", "recursive-closure", "optimizer-l2"])
+def test_verify_rebinds_recursion_and_the_optimizer(shape):
+    """A recursive loss read its original self below the first call (an autograd error about
+    in-place changes); an L2 term over the optimizer's parameters read the original's (peak 20 %
+    off, gradients left on the caller's model)."""
+    model, batch = _deep_supervised()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    global _RECURSION_MODEL
+    _RECURSION_MODEL = model
+
+    def countdown(n, out, b):
+        return _supervised_loss(model, out, b) if n == 0 else countdown(n - 1, out, b)
+
+    loss_fn = {"recursive-global": lambda out, b: _countdown_loss(2, out, b),
+               "recursive-closure": lambda out, b: countdown(2, out, b),
+               "optimizer-l2": lambda out, b: _supervised_loss(model, out, b) + 1e-2 * sum(
+                   p.pow(2).sum() for p in opt.param_groups[0]["params"])}[shape]
+    prof = remat.profile(model, batch, loss_fn, opt, repeats=1)
+    result = remat.verify(model, batch, remat.plan(prof, strategy="full"), loss_fn, opt, repeats=1)
+    assert result.ok and result.grads_identical and result.peak_error_pct == 0.0
+    assert all(p.grad is None for p in model.parameters())
+    _RECURSION_MODEL = None
+
+
+def test_verify_names_a_loss_that_reaches_the_model_through_what_cannot_be_copied():
+    """An object holding the model beside a lock cannot be copied: its loss ran the original, and
+    verify ended in an autograd error about in-place changes naming neither."""
+    import threading
+
+    model, batch = _deep_supervised()
+    holder = _LossHolder(model)
+    holder.lock = threading.Lock()
+    prof = remat.profile(model, batch, holder, repeats=1)
+    with pytest.raises(ValueError, match=r"^remat.verify steps copies of the model, but the original model's module "
+                                         r"'aux' ran while it did: the loss_fn or a hook reaches the model through"):
+        remat.verify(model, batch, remat.plan(prof, strategy="full"), holder, repeats=1)
+    assert not model._forward_pre_hooks and not model.aux._forward_pre_hooks  # its guard is taken off
+    model.blocks[0].register_forward_hook(_LockedHook())
+    with pytest.raises(ValueError, match=r"^remat.verify runs both steps on copies of the model \(copy.deepcopy\), and "
+                                         r"_Supervised cannot be copied: TypeError: cannot pickle '_thread.lock'"):
+        remat.verify(model, batch, remat.plan(prof, strategy="full"), holder, repeats=1)
+
+
+class _LockedHook:
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+
+    def __call__(self, module, args, output):
+        return None

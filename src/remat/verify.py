@@ -200,7 +200,14 @@ def _copy_model(model: nn.Module) -> tuple[nn.Module, dict[int, Any]]:
             for t in tensors_in(value):
                 if t.grad_fn is not None:
                     memo[id(t)] = t.detach().clone()
-    copied = copy.deepcopy(model, memo)
+    try:
+        copied = copy.deepcopy(model, memo)
+    except Exception as exc:  # noqa: BLE001 - whatever deepcopy raises, said with what verify needs
+        raise ValueError(
+            f"remat.verify runs both steps on copies of the model (copy.deepcopy), and {type(model).__name__} cannot "
+            f"be copied: {type(exc).__name__}: {exc}. Something on its modules (a hook object, an attribute) holds what "
+            "cannot be copied (a lock, an open file); take it off while verifying, or check the plan by applying it "
+            "(remat.apply_) and comparing training steps.") from exc
     for module in copied.modules():
         for name in _HOOK_DICTS:
             hooks = getattr(module, name, None)
@@ -255,7 +262,7 @@ def _rebound(fn: Any, memo: dict[int, Any], seen: dict[int, Any] | None = None) 
             kwargs[k] is v for k, v in fn.keywords.items())
         out = fn if same else functools.partial(func, *args, **kwargs)
     elif isinstance(fn, types.FunctionType):
-        out = _rebuilt_function(fn, mapped, memo)
+        out = _rebuilt_function(fn, mapped)
     elif fn is None or isinstance(fn, (types.BuiltinFunctionType, type)):
         out = fn
     else:  # a callable object: its attributes through the memo (the original model -> the copy)
@@ -281,14 +288,19 @@ def _holding_copied(value: Any, memo: dict[int, Any]) -> Any:
         return value
 
 
-def _rebuilt_function(fn: types.FunctionType, mapped: Any, memo: dict[int, Any]) -> types.FunctionType:
-    """``fn`` with its closure cells, defaults and global names passed through ``mapped``."""
-    cells, changed = [], False
+def _rebuilt_function(fn: types.FunctionType, mapped: Any) -> types.FunctionType:
+    """``fn`` with its closure cells, defaults and global names passed through ``mapped``; where it
+    reads itself (a recursive function, by a cell or a global name), it reads the rebuilt one."""
+    cells, changed, own_cells, own_names = [], False, [], []
     for cell in fn.__closure__ or ():
         try:
             contents = cell.cell_contents
         except ValueError:  # an empty cell (a name bound later)
             cells.append(cell)
+            continue
+        if contents is fn:
+            cells.append(types.CellType())
+            own_cells.append(cells[-1])
             continue
         value = mapped(contents)
         changed |= value is not contents
@@ -296,6 +308,9 @@ def _rebuilt_function(fn: types.FunctionType, mapped: Any, memo: dict[int, Any])
     names = {}
     for name in fn.__code__.co_names:
         if name in fn.__globals__:
+            if fn.__globals__[name] is fn:
+                own_names.append(name)
+                continue
             value = mapped(fn.__globals__[name])
             if value is not fn.__globals__[name]:
                 names[name] = value
@@ -305,11 +320,15 @@ def _rebuilt_function(fn: types.FunctionType, mapped: Any, memo: dict[int, Any])
         kwdefaults[k] is not v for k, v in (fn.__kwdefaults__ or {}).items())
     if not changed:
         return fn
-    out = types.FunctionType(fn.__code__, {**fn.__globals__, **names} if names else fn.__globals__, fn.__name__,
-                             defaults or None, tuple(cells) or None)
+    scope = {**fn.__globals__, **names} if names else fn.__globals__
+    out = types.FunctionType(fn.__code__, scope, fn.__name__, defaults or None, tuple(cells) or None)
     out.__kwdefaults__ = kwdefaults or None
     out.__dict__.update(fn.__dict__)
     out.__qualname__ = fn.__qualname__
+    for cell in own_cells:
+        cell.cell_contents = out
+    if names:
+        scope.update(dict.fromkeys(own_names, out))
     return out
 
 
@@ -332,6 +351,8 @@ class _Run:
         else:  # as under the plan and in the profile: no key/value cache (remat.checkpointing.caches)
             CacheOff(self.model).install()
         self.plan = plan
+        if optimizer is not None:  # a loss reading the optimizer (an L2 term over its parameters) reads the copy's
+            memo[id(optimizer)] = self.optimizer
         self.step = _Step(self.model, batch, _rebound(loss_fn, memo), self.optimizer)
         self.blocks = [self.model.get_submodule(n) for n in plan.block_names]
         self.host_draws: tuple[Any, ...] = ()
@@ -502,7 +523,8 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
         planned = _Run(model, optimizer, batch, loss_fn, plan, planned=True, offload_dir=offload_dir,
                        batch_generators=drawn)
         try:
-            result = _compare(plan, base, planned, repeats, device)
+            with _OriginalUntouched(model):
+                result = _compare(plan, base, planned, repeats, device)
         finally:
             planned.close()
         if result.ok or result.nonfinite:
@@ -510,7 +532,46 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
         if base.host_draws != planned.host_draws:
             result = dataclasses.replace(result, tolerance_reason=result.tolerance_reason + HOST_DRAWS)
         again = _Run(model, optimizer, batch, loss_fn, plan, planned=False, batch_generators=drawn)
-        return _with_determinism(result, base.first_step, again)
+        with _OriginalUntouched(model):
+            return _with_determinism(result, base.first_step, again)
+
+
+class _OriginalUntouched:
+    """Raise, naming the cause, when the caller's model runs or gets gradients while verify steps
+    its copies: a loss_fn or hook reaching the model through something `_rebound` cannot point at
+    the copy (an object holding the model beside a lock or an open file; a module that holds the
+    model) would otherwise make verify compare the original with itself, or end in an autograd
+    error about in-place changes that names neither."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.handles: list[Any] = []
+        self.grads: list[torch.Tensor | None] = []
+
+    def __enter__(self) -> _OriginalUntouched:
+        names = {id(m): n or "<root>" for n, m in self.model.named_modules()}
+        self.grads = [p.grad for p in self.model.parameters()]
+        self.handles = [m.register_forward_pre_hook(functools.partial(_ran_original, names[id(m)]))
+                        for m in self.model.modules()]
+        return self
+
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+        if kind is None and any(p.grad is not g for p, g in zip(self.model.parameters(), self.grads)):
+            raise ValueError(_ORIGINAL_REACHED.format(what="parameters got gradients"))
+
+
+_ORIGINAL_REACHED = (
+    "remat.verify steps copies of the model, but the original model's {what} while it did: the loss_fn or a hook "
+    "reaches the model through something remat cannot point at the copy (an object holding the model beside a "
+    "lock, an open file or another object that cannot be copied; a module holding the model). Let the loss_fn "
+    "reach the model by a closure, a global name or an attribute of an object that can be copied, or check the "
+    "plan by applying it (remat.apply_) and comparing training steps.")
+
+
+def _ran_original(name: str, module: nn.Module, args: Any) -> None:
+    raise ValueError(_ORIGINAL_REACHED.format(what=f"module {name!r} ran"))
 
 
 def _with_determinism(result: Verification, first: tuple[Any, ...], again: _Run) -> Verification:
