@@ -570,3 +570,9 @@ def test_a_model_called_twice_in_a_step_is_told_the_way_that_works():
                                          r"ran with gradients disabled \(a reference pass under torch.no_grad\(\).*"
                                          r"profile the step without it"):
         _run(_Pair(reference=True))
+
+
+def test_named_blocks_of_a_model_called_twice_are_told_the_way_that_works():
+    with pytest.raises(ValueError, match=r"^blocks must run exactly once per step; these ran another number of times: "
+                                         r"\{'layers\.0': 2, 'layers\.1': 2\}\..* put those inputs in one batch"):
+        _run(_Pair(reference=False), "layers.*")

@@ -177,14 +177,14 @@ def _without_no_grad(model: nn.Module, groups: list[tuple[str, Blocks]], trace: 
     return [(group, items) for group, items in kept if items]
 
 
-def _repeated_hint(counts: dict[str, int], trace: _Trace | None = None) -> str:
+def _repeated_hint(counts: dict[str, int], trace: _Trace | None = None, counted: bool = True) -> str:
     """A sentence for modules that ran more than once per step (a layer whose weights are shared
     across depths, ALBERT's; a model called once per input; a reference pass under no_grad), or ""
-    when none did: naming them as blocks cannot help."""
+    when none did: naming them as blocks cannot help. ``counted``: the counts are part of it."""
     repeated = {name: n for name, n in counts.items() if n > 1}
     if not repeated:
         return ""
-    text = f" Calls per step: {repeated}."
+    text = f" Calls per step: {repeated}." if counted else ""
     off = {name: sum(not c.grad for c in trace.calls[name]) for name in repeated} if trace is not None else {}
     if any(off.values()):
         text += (f" Of these, {max(off.values())} per module ran with gradients disabled (a reference pass under "
@@ -239,12 +239,9 @@ def _check_ran_once(trace: _Trace, chosen: Blocks) -> None:
     wrong = {name: len(trace.calls[name]) for name, _ in chosen if len(trace.calls[name]) != 1}
     if wrong:
         raise ValueError(
-            f"blocks must run exactly once per forward; these ran another number of times: {wrong}. "
-            "remat plans each block's activations once per step (a block run twice shares its "
-            "weights between two places): name blocks that the forward calls once."
-            + ("" if not any(n > 1 for n in wrong.values()) else
-               " A module called more than once shares its weights across the calls (ALBERT's layer groups): "
-               "neither it nor any module inside it can be a block.")
+            f"blocks must run exactly once per step; these ran another number of times: {wrong}. "
+            "remat plans each block's activations once per step: name blocks that the step calls once."
+            + _repeated_hint(wrong, trace, counted=False)
             + _never_called_hint(wrong)
         )
 
