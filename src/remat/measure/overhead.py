@@ -192,10 +192,10 @@ def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys
     found: dict[int, BlockOverheads] = {}
     each = budget.split(len(groups)) if budget is not None else None
     for members in groups.values():
-        if inputs[members[0]].cache_positions:
-            reason = PREFILLED_CACHE
-            found.update((i, BlockOverheads(selective_ms=0.0, recompute_ms=0.0, selective_cache_ms=0.0, unavailable=(
-                ("recompute", reason), ("selective", reason)))) for i in members)
+        if inputs[members[0]].cache_positions:  # keep-only, never probed
+            unavailable = (("recompute", PREFILLED_CACHE), ("selective", PREFILLED_CACHE))
+            found.update((i, BlockOverheads(selective_ms=0.0, recompute_ms=0.0, selective_cache_ms=0.0,
+                                            unavailable=unavailable)) for i in members)
             continue
         runs = [(block_list[i][1], inputs[i]) for i in members]
         uncacheable = uncacheable_shares[members[0]] if uncacheable_shares is not None else 0.0
@@ -208,7 +208,7 @@ def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys
 def _alike_key(module: nn.Module, inputs: BlockInputs, op_keys: frozenset[str]) -> tuple[Any, ...]:
     tensors = [t for t in tree_leaves((inputs.args, inputs.kwargs)) if isinstance(t, torch.Tensor)]
     return (
-        type(module), op_keys, inputs.cache_positions, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors),
+        type(module), op_keys, inputs.cache_positions > 0, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors),
         tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()),
     )
 
