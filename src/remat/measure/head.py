@@ -106,8 +106,9 @@ def capture_head(model: nn.Module, batch: Any, site: HeadSite) -> tuple[HeadCapt
     rows = captured.output.numel() // max(captured.output.size(-1), 1)
     if isinstance(inputs.labels, torch.Tensor) and rows != inputs.labels.numel():
         return None, (f"the output projection makes {rows} rows of logits for {inputs.labels.numel()} labels "
-                      "(several streams through one projection, ProphetNet's n-grams): the loss is not one "
-                      "row's cross-entropy per label, and the head stays in the fixed part")
+                      "(several streams through one projection, ProphetNet's n-grams; or tokens a wrapper adds "
+                      "before the labels it was given, peft's prompt tuning's virtual tokens): the loss is not one "
+                      "row's cross-entropy per label given, and the head stays in the fixed part")
     if model_device(model).type != "meta":
         ours = reference_loss(captured.output, inputs, site.loss).detach()
         if not torch.equal(ours, model_loss):
