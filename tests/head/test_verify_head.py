@@ -46,3 +46,22 @@ def test_a_planned_head_with_a_loss_fn_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match=r"the plan's head is 'chunked:8': the model's output carries no logits in "
                                          r"training.*Plan the head as keep"):
         verify(built.model, built.batch, chunked, smoothed, built.optimizer, repeats=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "hf:llama"])
+def test_a_frozen_projection_prices_hidden_states_the_step_frees(name):
+    """A frozen output projection (peft's LoRA freezes it) saves only its weight: the step frees
+    the hidden states once the head's forward returns, while the head measured alone held them
+    throughout. Priced against that keep head, a chunked head (which saves them) came out one
+    hidden state (tokens x hidden x 4 = 4096 bytes here) under its measured peak."""
+    built = tiny(name)
+    projection = built.model.lm_head if name == "hf:llama" else built.model.head
+    projection.weight.requires_grad_(False)
+    prof = profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1, head_chunks=(8,))
+    keep = prof.head.option("keep")
+    assert prof.head.post_head_bytes == prof.fixed_post_saved_bytes - keep.saved_bytes + keep.bwd_peak_bytes
+    for head in ("keep", "chunked:8"):
+        check = verify(built.model, built.batch, plan(prof, strategy="none", head=head), built.loss_fn,
+                       built.optimizer, repeats=1)
+        assert check.ok and check.measured_peak_bytes == check.predicted_peak_bytes, head

@@ -185,7 +185,8 @@ def _backward(loss: torch.Tensor, hidden: torch.Tensor, call: HeadCall) -> Any:
 def _option_bytes(strategy: HeadStrategy, capture: HeadCapture) -> dict[str, int]:
     """Saved, held and peak bytes of one strategy's forward and backward, the hidden states counted."""
     hidden = capture.hidden.detach().requires_grad_()
-    excluded = storage_keys([*_params(capture.call), capture.call.inputs.labels])
+    projection = capture.call.projection  # its parameters are model state, frozen or not
+    excluded = storage_keys([t for t in (projection.weight, projection.bias, capture.call.inputs.labels) if t is not None])
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -204,8 +205,11 @@ def _option_bytes(strategy: HeadStrategy, capture: HeadCapture) -> dict[str, int
         grads = _backward(loss, hidden, capture.call)
         bwd_peak = tracker.close_window()
         del grads, loss
-    return {"saved_bytes": sum(saved.values()), "held_bytes": held, "fwd_peak_bytes": fwd_peak,
-            "bwd_peak_bytes": bwd_peak}
+    # hidden states that no backward reads (a frozen projection's keeps only its weight) are
+    # freed in the step once the head's forward returns; here the capture holds them throughout
+    unread = 0 if storage_key(hidden) in saved else storage_nbytes(hidden)
+    return {"saved_bytes": sum(saved.values()), "held_bytes": held - unread, "fwd_peak_bytes": fwd_peak,
+            "bwd_peak_bytes": bwd_peak - unread}
 
 
 def _option_times(strategies: list[HeadStrategy], capture: HeadCapture, repeats: int,
