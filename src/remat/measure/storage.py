@@ -63,8 +63,17 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     if hasattr(value, "to_tuple"):  # Hugging Face ModelOutput
         return tensors_in(value.to_tuple())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [t for f in dataclasses.fields(value) for t in tensors_in(getattr(value, f.name, None))]
+        return [t for f in dataclasses.fields(value) for t in tensors_in(_field(value, f.name))]
     return []
+
+
+def _field(value: Any, name: str) -> Any:
+    """``value.name``, or None where reading it raises: a dataclass may guard a field (Gemma 4's
+    config raises for a per-layer attribute read globally)."""
+    try:
+        return getattr(value, name, None)
+    except Exception:
+        return None
 
 
 def flat_tensors(args: tuple, kwargs: dict | None = None) -> list[torch.Tensor]:
