@@ -1,5 +1,6 @@
 """The exact search against `predict` where a term depends on other blocks' strategies
-(`remat.plan.variants`): a mask no checkpoint holds, a kept block's forward after a kept block.
+(`remat.plan.variants`): a mask no checkpoint holds, a kept block's forward after a kept block,
+a recomputed block's forward beside what the code holds of the block before.
 
 Toy chains whose every layout (keep / recompute per block, nested recompute segments) is priced
 by `predict`: at every layout's own peak the plan is as fast as the fastest layout that fits, and
@@ -44,6 +45,17 @@ def _skip_chain():
     return profile(blocks)
 
 
+def _held_forward_chain():
+    """Block 1's checkpointed forward (70 bytes at its height) is its larger part; the model's
+    code holds block 0's output (8 bytes) through it when block 0 is not kept (GPT-NeoX-Japanese's
+    layers return their attention weights, held by the loop until the next layer returns)."""
+    blocks = [replace(block(0, input_bytes=8, saved_bytes=40, fwd_ms=3.0), output_held_bytes=8, fwd_other_bytes=0),
+              replace(block(1, input_bytes=8, saved_bytes=24, fwd_ms=1.0), fwd_other_bytes=0,
+                      checkpointed_fwd_live_bytes=(70,)),
+              replace(block(2, input_bytes=8, saved_bytes=24, fwd_ms=1.0), fwd_other_bytes=0)]
+    return profile(blocks)
+
+
 def _every_layout(prof):
     out = {}
     for elements in layouts(element_tables(prof, joins(prof), options=False)):
@@ -56,9 +68,21 @@ def _every_layout(prof):
 def test_groups_and_neighbours_found():
     assert shared_groups(_mask_chain()) == [SharedGroup(takers=frozenset({1, 2}), first=1, num_bytes=MASK)]
     assert kept_neighbours(_skip_chain()) == [KeptNeighbour(block=1, num_bytes=8)]
+    assert kept_neighbours(_held_forward_chain()) == [KeptNeighbour(block=1, num_bytes=8)]
 
 
-@pytest.mark.parametrize("make", [_mask_chain, _skip_chain])
+def test_a_segment_forward_holds_what_the_code_keeps_of_the_block_before():
+    """Recompute blocks 0 and 1: block 1's checkpointed forward (70) runs beside block 0's
+    checkpoint input (8), its own input (8) and block 0's output the code still holds (8): 94.
+    Keep block 0: its saved bytes (40) hold that output, so nothing is added: 40 + 8 + 70."""
+    prof = _held_forward_chain()
+    both = (_seg(0, "recompute"), _seg(1, "recompute"), _seg(2, "keep"))
+    assert predict(prof, both).peak_bytes == 8 + 8 + 70 + 8
+    kept = (_seg(0, "keep"), _seg(1, "recompute"), _seg(2, "keep"))
+    assert predict(prof, kept).peak_bytes == 40 + 8 + 70
+
+
+@pytest.mark.parametrize("make", [_mask_chain, _skip_chain, _held_forward_chain])
 def test_search_curve_is_predict_and_optimal(make):
     prof = make()
     space = _every_layout(prof)

@@ -237,6 +237,10 @@ ZOO: dict[str, tuple[Callable[[], tuple[nn.Module, Callable]], tuple[tuple[str, 
     "wav2vec2": (_wav2vec2, (("wav2vec2.feature_extractor.conv_layers", 3), ("wav2vec2.encoder.layers", 2)), True),
     "beit": (_beit, (("beit.layers", 2),), True),
     "granite": (_decoder("GraniteConfig", num_key_value_heads=1), (("model.layers", 2),), True),
+    # its layers return their attention weights, which the model's loop holds through the next
+    # layer's call (`remat.plan.phases.previous_held_bytes`)
+    "gpt_neox_japanese": (_decoder("GPTNeoXJapaneseConfig", intermediate_multiple_size=2, hidden_dropout=0.0,
+                                   attention_dropout=0.0), (("gpt_neox_japanese.layers", 2),), True),
     # the second stage's projection shortcut joins its layers' run (`remat.measure.stacks._beside`)
     "detr": (_detr, (("model.backbone.model.encoder.stages.0.layers.0.layer", 2),
                      ("model.backbone.model.encoder.stages.1.layers.0.layer", 3), ("model.encoder.layers", 2),

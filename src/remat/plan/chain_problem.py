@@ -21,7 +21,7 @@ from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, Element, 
 from remat.plan.costs import cost_of, replay_working_bytes
 from remat.plan.options import BlockOptions, OptionClass, offload_options, price_options, undominated_rows
 from remat.plan.phases import (checkpointed_forward_peak, grad_bytes_live, held_input_bytes, post_working_bytes,
-                               released_grad_bytes, stopped_replay_ms, stopped_replay_working_bytes)
+                               previous_held_bytes, released_grad_bytes, stopped_replay_ms, stopped_replay_working_bytes)
 from remat.plan.predict import backward_base_bytes, pre_backward_phase_bytes, pre_forward_phase_bytes
 from remat.plan.types import Segment
 
@@ -149,7 +149,9 @@ class ChainBuilder:
                               world_size=self.profile.unit_world_size, quantum=quantum, relax=relax)
         blocks_ = self.profile.blocks
         forward = SegmentForward(
-            first_bytes=tuple(held_input_bytes(b) + b.entry_bytes for b in blocks_),
+            # the outputs the code holds of the block before, as if it is not kept: a bound (`remat.plan.variants`)
+            first_bytes=tuple(held_input_bytes(b) + b.entry_bytes + previous_held_bytes(self.profile, i, False)
+                              for i, b in enumerate(blocks_)),
             output_bytes=tuple(b.output_bytes for b in blocks_), peak_bytes=tuple(map(checkpointed_forward_peak, blocks_)),
             grad_bytes=tuple(map(released_grad_bytes, blocks_)), total_grad_bytes=self.fixed.grad_bytes,
             quantum=quantum, relax=relax)

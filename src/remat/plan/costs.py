@@ -28,8 +28,8 @@ from typing import Callable
 import numpy as np
 
 from remat.measure.types import BlockProfile, Profile
-from remat.plan.phases import (between_phase_bytes, held_input_bytes, keep_working_bytes, replay_base_bytes,
-                               replay_stop, replay_working_bytes, saved_input_bytes, stopped_replay_flops, stopped_replay_ms,
+from remat.plan.phases import (between_phase_bytes, held_input_bytes, keep_working_bytes, previous_held_bytes,
+                               replay_base_bytes, replay_stop, replay_working_bytes, saved_input_bytes, stopped_replay_flops, stopped_replay_ms,
                                stopped_replay_working_bytes, working_bytes)
 from remat.plan.policies import op_cacheable, op_storages
 from remat.plan.types import Segment
@@ -46,6 +46,7 @@ __all__ = [
     "cached_ops",
     "reached_saved_ops",
     "SelectivePrices",
+    "selective_cost",
     "selective_prices",
     "selective_working_bytes",
     "clear_cost_cache",
@@ -198,11 +199,12 @@ def _selective(profile: Profile, block_index: int, segment: Segment) -> BlockCos
     machinery's dispatch on every op of the forward and the replay, plus the cache's share for
     the share of cacheable calls saved (`remat.measure.overhead`). Priced by `selective_prices`,
     the one formula the optimal search also uses."""
-    return _selective_cost(profile.blocks[block_index], segment.saved_ops)
+    return selective_cost(profile.blocks[block_index], segment.saved_ops,
+                           previous_held_bytes(profile, block_index, previous_kept=False))
 
 
-_SELECTIVE_COSTS: dict[tuple[int, tuple[str, ...]], tuple[BlockProfile, BlockCost]] = {}
-"""`_selective_cost`'s results by block identity (hashing a block's op table costs more than a
+_SELECTIVE_COSTS: dict[tuple[int, tuple[str, ...], int], tuple[BlockProfile, BlockCost]] = {}
+"""`selective_cost`'s results by block identity (hashing a block's op table costs more than a
 lookup should): predict prices each block's option several times per plan."""
 
 
@@ -211,25 +213,27 @@ def clear_cost_cache() -> None:
     _SELECTIVE_COSTS.clear()
 
 
-def _selective_cost(block: BlockProfile, saved_ops: tuple[str, ...]) -> BlockCost:
-    hit = _SELECTIVE_COSTS.get((id(block), saved_ops))
+def selective_cost(block: BlockProfile, saved_ops: tuple[str, ...], previous_held: int = 0) -> BlockCost:
+    """A selective block's cost; ``previous_held``: the outputs of the block before it the code
+    holds through its forward (`remat.plan.phases.previous_held_bytes`)."""
+    hit = _SELECTIVE_COSTS.get((id(block), saved_ops, previous_held))
     if hit is not None and hit[0] is block:
         return hit[1]
     if len(_SELECTIVE_COSTS) >= 65536:
         _SELECTIVE_COSTS.clear()
-    prices = selective_prices([block], [saved_ops])
+    prices = selective_prices([block], [saved_ops], previous_held)
     cost = BlockCost(
         retained_bytes=int(prices.retained_bytes[0]),
         working_bytes=int(prices.working_bytes[0]),
         extra_ms=float(prices.extra_ms[0, 0]),
         extra_flops=int(prices.extra_flops[0]),
     )
-    _SELECTIVE_COSTS[(id(block), saved_ops)] = (block, cost)
+    _SELECTIVE_COSTS[(id(block), saved_ops, previous_held)] = (block, cost)
     return cost
 
 
 def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, int]],
-                            escaping: Sequence[dict[object, int]] | None = None) -> np.ndarray:
+                            escaping: Sequence[dict[object, int]] | None = None, previous_held: int = 0) -> np.ndarray:
     """Working sets of a selective block for each of ``cached`` (storage id -> bytes of the
     storages its cached op calls keep alive: `selective_saved_bytes`'s storages).
 
@@ -251,7 +255,8 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     cached byte, an upper bound. ``escaping``: per choice, the cached storages that outlive the
     block (`_escaping_storages`): held by the cache alone when the replay starts, until the
     replay reaches their call (a ResNet's strided unit caching its output measured 73 KiB above
-    the prediction before)."""
+    the prediction before). ``previous_held``: what the model's code holds of the block before
+    through this block's forward (`remat.plan.phases.previous_held_bytes`), on its forward."""
     escaping = escaping if escaping is not None else [{} for _ in cached]
     totals = np.array([sum(c.values()) for c in cached], dtype=np.int64)
     replay_totals = totals + np.array([sum(e.values()) for e in escaping], dtype=np.int64)
@@ -297,7 +302,7 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
         held_then = np.minimum(held_then, checkpointed[None, :] + np.cumsum(
             _outliving(block, cached, created, made), axis=1))
     live = held_input_bytes(block) if block.fwd_other_bytes is None else block.fwd_other_bytes
-    forward = live + block.entry_bytes + held_then.max(axis=1)
+    forward = live + block.entry_bytes + held_then.max(axis=1) + previous_held
     return np.maximum(np.maximum(backward, forward), between_phase_bytes(block))
 
 
@@ -340,12 +345,14 @@ class SelectivePrices:
     """(B, K) float."""
 
 
-def selective_prices(blocks: Sequence[BlockProfile], saved_ops: Sequence[tuple[str, ...]]) -> SelectivePrices:
+def selective_prices(blocks: Sequence[BlockProfile], saved_ops: Sequence[tuple[str, ...]],
+                     previous_held: int = 0) -> SelectivePrices:
     """Cost of saving each of ``saved_ops`` (op keys) in each of ``blocks``; the blocks must be
     alike in structure (the first one's bytes, FLOPs and cached storages are used for all).
 
     Working set: the replay's, plus what the cached storages add by staying alive through the
-    block's whole backward (`selective_working_bytes`)."""
+    block's whole backward (`selective_working_bytes`); ``previous_held``: the blocks' own
+    `remat.plan.phases.previous_held_bytes` (equal within a structure class)."""
     first = blocks[0]
     replayed = np.zeros((len(saved_ops), len(first.ops)))
     cached_bytes = np.zeros(len(saved_ops), dtype=np.int64)
@@ -379,7 +386,7 @@ def selective_prices(blocks: Sequence[BlockProfile], saved_ops: Sequence[tuple[s
     ms += select * ((calls + stop) / (2 * calls) if calls else 1.0) + cache * num_cached[None, :] / cacheable_calls
     return SelectivePrices(
         retained_bytes=held_input_bytes(first) + first.entry_bytes + cached_bytes,
-        working_bytes=selective_working_bytes(first, storages, escaping),
+        working_bytes=selective_working_bytes(first, storages, escaping, previous_held),
         extra_flops=(replayed.astype(np.int64) * flops[None, :]).sum(axis=1),
         extra_ms=ms,
     )

@@ -30,7 +30,7 @@ def check_state_fits(profile: Profile, budget_bytes: int, floor_bytes: int, floo
             f"at least {format_bytes(floor_bytes)} ({floor_bytes} bytes) for {floor_name}, which no "
             "recomputation plan changes: "
             f"model state {format_bytes(profile.model_state_bytes)}. Raise the budget to at least "
-            f"{floor_bytes} bytes or shrink model state (ZeRO/FSDP sharding, 8-bit optimizer state, "
+            f"{floor_bytes}B or shrink model state (ZeRO/FSDP sharding, 8-bit optimizer state, "
             "optimizer offload)."
         )
 
@@ -40,7 +40,7 @@ def infeasible_error(budget_bytes: int, best: Prediction, what: str) -> ValueErr
     return ValueError(
         f"no plan fits the budget {format_bytes(budget_bytes)} ({budget_bytes} bytes): the minimum "
         f"feasible peak with {what} is {format_bytes(best.peak_bytes)} ({best.peak_bytes} bytes), "
-        f"taken by {_breakdown(best)}. Raise the budget to at least {best.peak_bytes} bytes, or "
+        f"taken by {_breakdown(best)}. Raise the budget to at least {best.peak_bytes}B, or "
         "shrink the batch or sequence length."
     )
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from remat.measure.types import BlockProfile, Profile
 from remat.plan.costs import cost_of, has_cost, selective_prices
-from remat.plan.phases import keep_working_bytes
+from remat.plan.phases import keep_working_bytes, previous_held_bytes
 from remat.plan.policies import knapsack_frontier_union, policy
 from remat.plan.types import Segment
 
@@ -81,8 +81,9 @@ def structure_classes(profile: Profile) -> list[list[int]]:
     """Blocks grouped by structure: equal op tables and bytes, times aside (`_structure_key`), and
     equal kept working sets (`remat.plan.phases.keep_working_bytes`: a forward at its place)."""
     classes: dict[tuple, list[int]] = {}
-    for i, block in enumerate(profile.blocks):  # a kept block's forward depends on its place
-        classes.setdefault((_structure_key(block), keep_working_bytes(profile, i)), []).append(i)
+    for i, block in enumerate(profile.blocks):  # a kept or selective block's forward depends on its place
+        key = (_structure_key(block), keep_working_bytes(profile, i), previous_held_bytes(profile, i, previous_kept=False))
+        classes.setdefault(key, []).append(i)
     return list(classes.values())
 
 
@@ -144,7 +145,8 @@ def _class_options(profile: Profile, members: list[int]) -> tuple[OptionClass, l
     blocks = [profile.blocks[i] for i in members]
     segments = _class_segments(profile, members)
     first = blocks[0]
-    prices = selective_prices(blocks, [s.saved_ops for s in segments[1:]])
+    prices = selective_prices(blocks, [s.saved_ops for s in segments[1:]],
+                              previous_held_bytes(profile, first.index, previous_kept=False))
     keep = cost_of(profile, first.index, segments[0])
     retained = np.r_[keep.retained_bytes, prices.retained_bytes].astype(np.int64)
     working = np.r_[keep.working_bytes, prices.working_bytes].astype(np.int64)

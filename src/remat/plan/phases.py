@@ -17,7 +17,7 @@ __all__ = [
     "held_input_bytes", "between_phase_bytes", "working_bytes", "saved_input_bytes", "replay_base_bytes",
     "replay_working_bytes", "replay_stop", "stopped_replay_working_bytes", "stopped_replay_ms",
     "stopped_replay_flops", "forward_phase_bytes", "keep_working_bytes", "keep_forward_bytes", "unit_extra_bytes",
-    "segment_forward_bytes", "checkpointed_forward_peak",
+    "segment_forward_bytes", "checkpointed_forward_peak", "previous_held_bytes",
     "released_grad_bytes", "grad_bytes_live", "post_working_bytes",
 ]
 
@@ -148,8 +148,7 @@ def keep_forward_bytes(profile: Profile, block_index: int, previous_kept: bool) 
     allocated yet), with the outputs of the block before it that the code still holds when that
     block is not kept (its saved bytes hold them when it is)."""
     block = profile.blocks[block_index]
-    held = 0 if previous_kept or not block_index else profile.blocks[block_index - 1].output_held_bytes
-    return forward_phase_bytes(block) + held - grad_bytes_live(profile, block_index)
+    return forward_phase_bytes(block) + previous_held_bytes(profile, block_index, previous_kept) - grad_bytes_live(profile, block_index)
 
 
 def checkpointed_forward_peak(block: BlockProfile) -> int:
@@ -159,20 +158,30 @@ def checkpointed_forward_peak(block: BlockProfile) -> int:
     return max(curve) if curve else block.fwd_temp_bytes + block.output_bytes
 
 
-def segment_forward_bytes(profile: Profile, start: int, stop: int) -> int:
+def segment_forward_bytes(profile: Profile, start: int, stop: int, previous_kept: bool = False) -> int:
     """The forward of a top-level recompute segment ``[start, stop)``: the model calls its first
     block, and the runtime runs every block of it then (`remat.apply.runtime`), each output held
     for the model's own call of the next block until it makes that call. So at block j the
     segment holds its input and the outputs of blocks ``start..j-1`` beside j's checkpointed
     forward. A long segment's forward, not its replays, is the peak of the least-memory plans of
-    long chains: a 64-block MLP's nested least-peak plan measured 2.3x its prediction without it."""
+    long chains: a 64-block MLP's nested least-peak plan measured 2.3x its prediction without it.
+    The outputs of the block before that the code holds are live beside it unless that block is
+    kept (``previous_kept``; False: a bound wherever the segment sits)."""
     first = profile.blocks[start]
     best, pending = 0, 0
     for j in range(start, stop):
         block = profile.blocks[j]
         best = max(best, pending + checkpointed_forward_peak(block))
         pending += block.output_bytes
-    return held_input_bytes(first) + first.entry_bytes + best
+    return held_input_bytes(first) + first.entry_bytes + best + previous_held_bytes(profile, start, previous_kept)
+
+
+def previous_held_bytes(profile: Profile, block_index: int, previous_kept: bool) -> int:
+    """The outputs of the block before ``block_index`` that the model's code still holds while
+    this block's forward runs (`BlockProfile.output_held_bytes`: GPT-NeoX-Japanese's layers
+    return their attention weights, and the loop's ``outputs`` holds them through the next
+    layer's call), when that block is not kept: kept, its saved bytes hold them."""
+    return 0 if previous_kept or not block_index else profile.blocks[block_index - 1].output_held_bytes
 
 
 def unit_extra_bytes(profile: Profile, start: int, stop: int) -> int:

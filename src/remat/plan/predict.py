@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 from remat.measure.types import Profile
 from remat.plan.chain_dp import deep_recursion
-from remat.plan.costs import cost_of
-from remat.plan.phases import (grad_bytes_live, keep_forward_bytes, post_working_bytes, replay_working_bytes,
-                               segment_forward_bytes, stopped_replay_working_bytes, unit_extra_bytes,
+from remat.plan.costs import cost_of, selective_cost
+from remat.plan.phases import (grad_bytes_live, keep_forward_bytes, post_working_bytes, previous_held_bytes,
+                               replay_working_bytes, segment_forward_bytes, stopped_replay_working_bytes, unit_extra_bytes,
                                working_bytes)
 from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
 from remat.plan.joins import check_joins
@@ -201,13 +201,17 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             unit = 0 if replay else unit_extra_bytes(profile, seg.start, seg.stop)  # ZeRO-3: one unit
             candidate = _Peak(bytes=held + inner.bytes + unit - unheld, block=inner.block,
                               working_bytes=inner.working_bytes)
-            forward = 0 if replay else segment_forward_bytes(profile, seg.start, seg.stop)
+            forward = 0 if replay else segment_forward_bytes(profile, seg.start, seg.stop, previous_kept)
             if held + forward - unheld > candidate.bytes:  # its forward: every output held for the model's calls
                 candidate = _Peak(bytes=held + forward - unheld, block=seg.start, working_bytes=forward)
             held += cost_of(profile, seg.start, seg).retained_bytes
         else:
             cost = cost_of(profile, seg.start, seg)
             working = cost.working_bytes
+            if seg.kind == "selective" and previous_held_bytes(profile, seg.start, previous_kept=False):
+                # the cost counts the block before's held outputs on its forward, as if not kept
+                held_then = 0 if replay else previous_held_bytes(profile, seg.start, previous_kept)
+                working = selective_cost(profile.blocks[seg.start], seg.saved_ops, held_then).working_bytes
             if replay and seg.kind == "keep":  # kept inside a replay: its forward runs again
                 last = stopped and seg.start == stop - 1
                 first = seg.start == start  # else its inputs come from the replay, not the checkpoint

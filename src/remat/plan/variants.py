@@ -82,15 +82,19 @@ def shared_groups(profile: Profile) -> list[SharedGroup]:
 
 
 def kept_neighbours(profile: Profile) -> list[KeptNeighbour]:
-    """Blocks whose kept forward, with the block before it not kept, may exceed their backward
-    (counting every shared group's bytes as a dead variant adds them), largest term first."""
+    """Blocks whose forward depends on whether the block before it is kept, largest term first:
+    kept, where its forward with that block not kept may exceed its backward (counting every
+    shared group's bytes as a dead variant adds them); or starting a recompute segment, whose
+    forward holds those outputs beside it (`remat.plan.phases.segment_forward_bytes`)."""
     shared = sum(g.num_bytes for g in shared_groups(profile))
     out = []
     for i in range(1, profile.num_blocks):
         block, held = profile.blocks[i], profile.blocks[i - 1].output_held_bytes
-        if block.fwd_other_bytes is None or held <= 0:
+        if held <= 0:
             continue
-        if keep_forward_bytes(profile, i, previous_kept=False) + shared > working_bytes(block):
+        kept_forward = block.fwd_other_bytes is not None and (
+            keep_forward_bytes(profile, i, previous_kept=False) + shared > working_bytes(block))
+        if kept_forward or block.unavailable_reason("recompute") is None:
             out.append(KeptNeighbour(block=i, num_bytes=held))
     return sorted(out, key=lambda k: (-k.num_bytes, k.block))
 
