@@ -145,6 +145,33 @@ def test_held_attention_weights_priced_beside_the_next_recomputed_layer():
         assert check.ok and check.measured_peak_bytes == check.predicted_peak_bytes, the_plan.segments
 
 
+def test_layers_reading_shared_key_values_can_be_recomputed():
+    """Gemma 4's last layers reuse the keys and values earlier layers leave in a shared mapping
+    (``shared_kv_states``, a UserDict): the probes ran those layers on the mapping as the model
+    left it, backward through its graph a second time, and marked them keep-only (half of a
+    Gemma 4 E2B's layers). Copied with its tensors detached, every layer can be recomputed, and
+    full recomputation trains bit-identically, each replay counted."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Gemma4TextConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, head_dim=8, global_head_dim=16, max_position_embeddings=128,
+        vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2, use_cache=False)
+    assert config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    model = transformers.Gemma4ForCausalLM(config).train()
+    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prof = profile(model, batch, None, optimizer, repeats=1)
+    assert [b.unavailable for b in prof.blocks] == [()] * 4
+    full = plan(prof, strategy="full")
+    assert full.block_strategies() == ("recompute",) * 4
+    check = verify(model, batch, full, None, optimizer, repeats=1)
+    assert check.grads_identical and check.recompute_counts_match
+
+
 def _step_loss(model: torch.nn.Module, zoo: ZooModel) -> torch.Tensor:
     """One forward and backward from seed 0, NumPy's and Python's generators too (wav2vec2 draws
     its SpecAugment masks with NumPy; gradients cleared after)."""

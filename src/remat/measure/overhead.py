@@ -50,11 +50,13 @@ plans by 15-27 %.
 
 from __future__ import annotations
 
+import copy
+
 import contextlib
 import functools
 import statistics
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +165,12 @@ def capture_block_inputs(block_list: Blocks, forward: Callable[[], Any]) -> list
 
 
 def _detach(value: Any) -> Any:
+    if isinstance(value, MutableMapping):  # a mapping pytree leaves whole (Gemma 4's shared key/value states,
+        # a UserDict later layers read): copied, or the probes' runs backward through the model's graph
+        copied = copy.copy(value)
+        for key, item in value.items():
+            copied[key] = tree_map(_detach, item)
+        return copied
     if not isinstance(value, torch.Tensor):
         return value
     return value.detach().requires_grad_(value.requires_grad and value.is_floating_point())
