@@ -49,13 +49,22 @@ class BlockBytes:
 
 
 def check_plan_matches(profile: Profile, plan: Plan) -> None:
-    """ValueError unless ``plan`` was made for this profile's model: same model hash, the same
-    blocks in order, one retained-bytes entry per block."""
+    """ValueError unless ``plan`` was made for this profile's model and step: same model hash,
+    batch shapes, dtype and device, the same blocks in order, one retained-bytes entry per block."""
     if plan.fingerprint.model_hash != profile.fingerprint.model_hash:
         raise ValueError(
             f"plan {plan.strategy_name!r} was made for model {plan.fingerprint.model_hash!r}, the "
             f"profile is of model {profile.fingerprint.model_hash!r}; pass the profile the plan was made from."
         )
+    for field in ("batch_shapes", "dtype", "device"):
+        made_for, profiled = getattr(plan.fingerprint, field), getattr(profile.fingerprint, field)
+        if made_for != profiled:
+            shown = (list(made_for), list(profiled)) if field == "batch_shapes" else (made_for, profiled)
+            raise ValueError(
+                f"plan {plan.strategy_name!r} was made for {field.replace('_', ' ')} {shown[0]}, the profile was taken "
+                f"with {shown[1]}: its figures would be set beside another step's. Pass the profile the plan was "
+                "made from (or plan this profile again)."
+            )
     names = tuple(b.name for b in profile.blocks)
     if plan.block_names != names:
         raise ValueError(
