@@ -125,3 +125,22 @@ def build():
     blocks = nn.Sequential(*[nn.Sequential(nn.Linear(48, 96), nn.ReLU(), nn.Linear(96, 48)) for _ in range(2)])
     return blocks, torch.ones(4, 48), lambda out, batch: out.sum()
 """
+
+
+def test_searched_expert_layouts_fold_into_their_ranks(tmp_path) -> None:
+    """The search offered t = 4 with e = 8 on 8 GPUs (8 % 8 == 0 over t x c x d), whose experts
+    need t x e = 32 ranks: every `remat estimate --search` of an MoE config ended in "world_size
+    must be an integer >= 1, got 0". Every layout it yields now passes the check a hand-typed one
+    gets, with at least one rank per expert shard."""
+    from remat.estimate import SearchSpace
+    from remat.estimate.fastest import layouts
+
+    traced = trace_source(ModelSource(hf_config_path=_config(tmp_path, **MIXTRAL)), seq_len=S)
+    space = SearchSpace(gpus=8, global_batch=16, seq_len=S, micro_batch=(1,))
+    found = [par for par, _, _ in layouts(space, traced, 8)]
+    assert {par.expert for par in found} == {1, 2, 4, 8}
+    for par in found:
+        par.check_experts()
+        assert par.expert_data >= 1 and par.tensor * par.context * par.data % (par.tensor * par.expert) == 0
+    assert (4, 8) not in {(par.tensor, par.expert) for par in found}
+    assert (1, 8) in {(par.tensor, par.expert) for par in found}

@@ -110,7 +110,9 @@ def layouts(space: SearchSpace, traced: Traced, gpus_per_node: int) -> Iterator[
                 if layers % p or space.gpus % (t * c * p):
                     continue
                 d = space.gpus // (t * c * p)
-                for e in _expert_sizes(experts, t * c * d):
+                # the experts fold into a stage's t x c x d ranks split t ways (their tensor
+                # parallelism is the layers'): e must divide c x d (`Parallelism.check_experts`)
+                for e in _expert_sizes(experts, c * d):
                     yield from _batches(space, Parallelism(data=d, tensor=t, sequence_parallel=t > 1, pipeline=p,
                                                            context=c, expert=e), layers)
 
