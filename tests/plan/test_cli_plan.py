@@ -1,6 +1,7 @@
 """`remat plan` on a profile JSON (the --model path profiles a real model: see the models tests)."""
 
 import json
+import re
 
 from typer.testing import CliRunner
 
@@ -60,6 +61,16 @@ def test_plan_errors_are_messages_without_traceback(tmp_path):
     assert "minimum feasible peak with keep, recompute, nested segments and selective policies is 7.00 MiB" in _error(
         ["plan", path, "--budget", "3MiB"])
     assert "--model NAME" in _error(["plan"])
+
+
+def test_the_budget_an_error_suggests_is_one_the_command_takes(tmp_path):
+    """"Raise the budget to at least 7340032 bytes" was refused as a budget (a unit is
+    required): the message now writes it the way --budget reads it."""
+    path = str(_profile_file(tmp_path))
+    suggested = re.search(r"Raise the budget to at least (\S+?),", _error(["plan", path, "--budget", "3MiB"]))[1]
+    assert suggested == f"{7 * 2**20}B"
+    result = runner.invoke(app, ["plan", path, "--budget", suggested])
+    assert result.exit_code == 0, result.output
 
 
 def test_plan_with_the_head_named_and_searched(tmp_path):
