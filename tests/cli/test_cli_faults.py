@@ -255,7 +255,12 @@ def test_running_out_of_memory_is_one_line_naming_the_sizes(tmp_path):
     (["plan", "--model", "mlp", "--out", "{tmp}"], "--out {tmp}: a directory is there"),
     (["run", "--model", "mlp", "--out", "{tmp}/afile"], "--out {tmp}/afile: a file is there, not a directory"),
     (["demo", "--out", "{tmp}/afile"], "--out {tmp}/afile: a file is there, not a directory"),
-], ids=["profile-json-dir", "profile-json-missing-folder", "plan-out-dir", "run-out-file", "demo-out-file"])
+    # a file on the way: it said "the folder {tmp}/afile does not exist"
+    (["run", "--model", "mlp", "--out", "{tmp}/afile/sub"], "--out {tmp}/afile/sub: {tmp}/afile is a file, not a folder"),
+    # writable to root by its permissions, but nothing can be made there: it failed after the whole job
+    (["run", "--model", "mlp", "--out", "/proc/remat-out/run"], "--out /proc/remat-out/run: cannot write there"),
+], ids=["profile-json-dir", "profile-json-missing-folder", "plan-out-dir", "run-out-file", "demo-out-file",
+        "run-out-under-file", "run-out-uncreatable"])
 def test_an_output_path_that_cannot_be_written_fails_before_any_work(tmp_path, argv, message):
     """The output path was checked after the profile and the verification: `remat demo --out
     /sys/demo` failed after 25 s, its work lost."""

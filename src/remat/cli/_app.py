@@ -158,16 +158,33 @@ def check_output_file(path: Any, option: str) -> None:
 
 
 def check_output_dir(path: Any, option: str) -> None:
-    """Fail before any work when the directory ``option`` names cannot be made or written."""
+    """Fail before any work when the directory ``option`` names cannot be made or written: the
+    missing folders are made and a file written there, then removed again (permissions do not
+    say it all: root may write everywhere but under /proc)."""
+    import tempfile
     from pathlib import Path
 
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise fail(f"{option} {path}: a file is there, not a directory; pass a directory path.")
-    existing = path.resolve()
+    missing, existing = [], path.resolve()
     while not existing.exists():
+        missing.append(existing)
         existing = existing.parent
+    if not existing.is_dir():
+        raise fail(f"{option} {path}: {existing} is a file, not a folder; pass a path under a directory.")
     _check_writable_folder(existing, f"{option} {path}")
+    made = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            made.append(folder)
+        tempfile.TemporaryFile(dir=path.resolve()).close()
+    except OSError as error:
+        raise fail(f"{option} {path}: cannot write there ({describe(error)}); pass a directory you may write to.") from None
+    finally:
+        for folder in reversed(made):
+            folder.rmdir()
 
 
 def _check_writable_folder(folder: Any, what: str) -> None:
