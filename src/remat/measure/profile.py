@@ -583,12 +583,16 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
             fwd_live_bytes=tuple(max(0, c.live_after - memory.windows.block_fwd_start_bytes[i])
                                  for c in memory.recorder.calls.get(name, [])),
             replay_stop_calls=memory.recorder.stop_calls.get(name, 0),
-            **_overhead_ms(overheads[i], backward=i in memory.windows.backward_blocks,
+            **_overhead_ms(_aligned(overheads[i], len(memory.recorder.calls.get(name, []))),
+                           backward=i in memory.windows.backward_blocks,
                            own_generator_calls=memory.recorder.own_generators.get(name, ()),
                            backward_reads=_backward_reads(memory, name)),
             stack=stack_of[i], follows_previous=found.follows_previous[i],
             **_flow_fields(memory.flows[i], memory.windows.between_temp_bytes[i]),
-            bwd_start_temp_bytes=memory.windows.block_bwd_start_temp_bytes[i],
+            # a window that opens with fewer bytes live than the block's saved bytes it excludes
+            # (some freed before its backward began) measures below zero: nothing is live beside
+            # a replay then, which rebuilds them all
+            bwd_start_temp_bytes=max(memory.windows.block_bwd_start_temp_bytes[i], 0),
             between_grad_bytes=memory.windows.between_grad_bytes[i],
             fwd_other_bytes=memory.windows.block_fwd_start_temporaries[i]
             - sum(flow.shared_entry_bytes for flow in memory.flows[: i + 1]),
@@ -613,7 +617,7 @@ def _flow_fields(flow: BlockFlow, between_temp_bytes: int) -> dict[str, Any]:
         "inputs": flow.inputs, "held_input_bytes": flow.held_input_bytes,
         "unsaved_input_bytes": flow.unsaved_input_bytes, "shared_entry_bytes": flow.shared_entry_bytes,
         "handoff_bytes": flow.handoff_bytes, "handoff_next_bytes": flow.handoff_next_bytes,
-        "between_saved_bytes": flow.between_saved_bytes, "between_bwd_temp_bytes": between_temp_bytes,
+        "between_saved_bytes": flow.between_saved_bytes, "between_bwd_temp_bytes": max(between_temp_bytes, 0),
         "entry_bytes": flow.entry_bytes, "output_held_bytes": flow.output_held_bytes,
     }
 
@@ -635,6 +639,16 @@ def _scaled_times(ops: tuple[OpRecord, ...], fwd_ms: float) -> tuple[OpRecord, .
     if total <= 0 or fwd_ms <= 0:
         return ops
     return tuple(dataclasses.replace(op, time_ms=op.time_ms * fwd_ms / total) for op in ops)
+
+
+def _aligned(overheads: BlockOverheads, calls: int) -> BlockOverheads:
+    """``overheads`` without the checkpointed forward's curve where that forward made another
+    number of op calls than the traced one (a router whose path depends on the data, a cache the
+    probes do not pass): the curve is read call for call against the block's ops, so one that
+    does not line up is left out and the planner takes its bound (`checkpointed_forward_peak`)."""
+    if len(overheads.checkpointed_fwd_live_bytes) in (0, calls):
+        return overheads
+    return dataclasses.replace(overheads, checkpointed_fwd_live_bytes=(), checkpointed_fwd_freed_at=())
 
 
 def _overhead_ms(overheads: BlockOverheads, backward: bool = True,
