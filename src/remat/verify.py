@@ -349,7 +349,7 @@ class _Run:
         if planned:
             apply_(self.model, plan, batch=batch, offload_dir=offload_dir)
         else:  # as under the plan and in the profile: no key/value cache (remat.checkpointing.caches)
-            CacheOff(self.model).install()
+            CacheOff(self.model).install().drop_in([self.model.get_submodule(n) for n in plan.block_names])
         self.plan = plan
         if optimizer is not None:  # a loss reading the optimizer (an L2 term over its parameters) reads the copy's
             memo[id(optimizer)] = self.optimizer

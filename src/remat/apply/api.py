@@ -190,7 +190,7 @@ def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str 
     try:
         options["offload_engines"] = _offload_engines(plan, offload_dir)
         runtime.install()
-        options["cache_off"].install()
+        options["cache_off"].install().drop_in(blocks)
         watch.install()
         if head is not None:
             head.install()

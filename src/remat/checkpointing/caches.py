@@ -5,8 +5,9 @@ values a second time; training does not read it. Hugging Face's own gradient che
 turns it off in training (``use_cache=True`` is incompatible with gradient checkpointing.
 Setting ``use_cache=False``). remat does the same wherever gradients are enabled, in the
 profile, in `remat.verify`'s runs and under an applied plan (`CacheOff`), so that what is
-measured, what is predicted and what runs are the same step; blocks still handed a cache (a
-wrapper passing its own) get None instead (`drop_kv_caches`). Either way the user is told once.
+measured, what is predicted and what runs are the same step; blocks still handed an empty cache
+(a wrapper passing its own, a model that makes one whatever ``use_cache`` says) get None instead
+(`drop_kv_caches`, `CacheOff.drop_in`). Either way the user is told once.
 """
 
 from __future__ import annotations
@@ -107,6 +108,19 @@ def _cache_off_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     return args, {**kwargs, "use_cache": False}
 
 
+def _drop_empty_cache_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+    """Block forward pre-hook: an empty cache handed to the block becomes None when gradients
+    are enabled, in every step remat measures, verifies or runs, kept and replayed blocks alike:
+    a replay must not append to it, and a block run with it computes its attention from the
+    cache's copies of the keys and values, not bit for bit the same (Flaubert's gradients 1e-11
+    apart, and verify failed the plan). A cache that holds positions is left: the block needs
+    them, and is keep-only (`PREFILLED_CACHE`)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or cache_positions(args, kwargs):
+        return None  # a compiled model: its blocks run as the model calls them (the runtime drops a replayed one's)
+    dropped = drop_kv_caches(args, kwargs)
+    return None if dropped[0] is args and dropped[1] is kwargs else dropped
+
+
 class CacheOff:
     """Forward pre-hooks on the outermost Hugging Face modules of ``model`` (those with a
     ``config.use_cache`` and a ``use_cache`` argument) that turn the cache off in every forward
@@ -123,6 +137,13 @@ class CacheOff:
                 continue
             hooked.append(name)
             self.handles.append(module.register_forward_pre_hook(_cache_off_hook, with_kwargs=True))
+        return self
+
+    def drop_in(self, blocks: list[nn.Module]) -> CacheOff:
+        """Also hand ``blocks`` no empty key/value cache in training (`_drop_empty_cache_hook`):
+        a model that makes one whatever ``use_cache`` says (Flaubert's and XLM's attention
+        layers get a fresh cache on every forward) runs its blocks as a replayed block must."""
+        self.handles.extend(b.register_forward_pre_hook(_drop_empty_cache_hook, with_kwargs=True) for b in blocks)
         return self
 
     def remove(self) -> None:

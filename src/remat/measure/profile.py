@@ -151,10 +151,12 @@ def profile(
     structure = model_hash(model)  # as given: a forward may resize buffers (QAT observers start empty)
     snapshot = StateSnapshot(model, optimizer, batch)
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _cache_off(model, device), \
-                LayerDropOff(model) as layerdrop:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                _cache_off(model, device) as cache_off, LayerDropOff(model) as layerdrop:
             step = _Step(model, batch, loss_fn, optimizer, site)
             found = discover(model, blocks, step.forward)
+            if cache_off is not None:  # the blocks handed no empty cache either, as under a plan
+                cache_off.drop_in([module for _, module in found.blocks])
             if layerdrop.changed:  # a layer that training may skip does not reliably follow the one before
                 found = dataclasses.replace(found, follows_previous=(False,) * len(found.blocks))
             prof, windows = _measure(step, found, warmup, repeats, progress, share_timing, backend)
