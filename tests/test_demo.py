@@ -122,6 +122,28 @@ def test_run_then_verify_the_saved_plan(tmp_path, monkeypatch):
     assert "identical" in out.output
 
 
+def test_run_without_a_budget_plans_at_the_least_peak_where_forty_percent_cannot_fit(tmp_path, monkeypatch):
+    """`remat run --model mlp` (and unet, hf:gpt2, hf:llama, convnet at their default sizes) failed
+    at run's default 40 %: model state alone is more. Without --budget the share is raised to the
+    least peak any plan reaches, said in a note; a budget given is never raised."""
+    from remat.cli._app import console
+    from remat.plan.planners import min_peak_plan
+
+    monkeypatch.setattr(console, "width", 200)
+    sizes = ["--layers", "3", "--d-model", "16", "--batch", "4"]
+    out = CliRunner().invoke(app, ["run", "--model", "mlp", "--repeats", "1", *sizes, "--out", str(tmp_path / "a")])
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert "note: the default budget 40% (" in text and "planned at that peak (pass --budget to choose)" in text
+    assert "optimal @ least peak" in text
+    plan = remat.Plan.load(tmp_path / "a" / "plan-optimal-least-peak.json")
+    profile = remat.Profile.load(tmp_path / "a" / "profile.json")
+    assert plan.budget_bytes == min_peak_plan(profile).prediction.peak_bytes > 0.4 * profile.peak_bytes
+    given = CliRunner().invoke(app, ["run", "--model", "mlp", "--budget", "40%", "--repeats", "1", *sizes,
+                                     "--out", str(tmp_path / "b")])
+    assert given.exit_code == 2 and "Model state alone needs" in " ".join(given.output.split())
+
+
 def test_demo_job_verifies_the_strategies_and_budgets_it_is_given():
     result = run_module.demo_job(model_name="gpt", sizes=TINY_GPT, repeats=1, strategies=("none", "full"),
                                  budget_fractions=(0.5, 1.0))

@@ -64,6 +64,8 @@ class JobResult:
     """The budget the report judges the plans by (run: the one asked for; demo: the middle one)."""
     repeats: int = 5
     """Timed pairs (baseline, plan) per row."""
+    budget_note: str = ""
+    """Why the plan's budget is not the one asked for ("": it is; `run_job`'s ``raise_to_floor``)."""
 
     @property
     def plans(self) -> tuple[Plan, ...]:
@@ -120,14 +122,17 @@ def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", s
             sizes: dict[str, Any] | None = None, seed: int = 0, offload_dir: str | None = None,
             repeats: int = 5, progress: Progress = _quiet, device: str | None = None,
             dtype: torch.dtype | None = None, tune: bool = False, tune_steps: int = 20,
-            tune_seconds: float = 30.0) -> JobResult:
+            tune_seconds: float = 30.0, raise_to_floor: bool = False) -> JobResult:
     """Profile ``model_name``, plan ``strategy`` within ``budget`` (a share is of the measured
     baseline peak), apply it to a copy and verify it; the first row is the baseline.
     ``offload_dir``: measure the disk there, so the planner may offload to it. ``device``: where
     the model and batch run, ``dtype``: their floating dtype (`remat.models.load_target`; None:
     where and as they were built). ``tune``: time the candidates side by side on the model and
     keep the fastest measured (`remat.apply.tune.Tuner`, at most ``tune_steps`` timed steps per
-    candidate or ``tune_seconds`` of rounds)."""
+    candidate or ``tune_seconds`` of rounds). ``raise_to_floor``: a budget below the least peak
+    any plan reaches is raised to it, the reason in ``budget_note`` (`remat run` without
+    ``--budget``: its default share is chosen without knowing the model; a budget given is never
+    raised)."""
     from remat.distributed import broadcast_plan, world_size
     from remat.plan.budget import parse_budget
     from remat.plan.planners import plan as make_plan
@@ -137,6 +142,16 @@ def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", s
                            dtype=dtype)
     baseline = make_plan(prof, strategy="none")
     budget_bytes = None if budget is None else parse_budget(budget, baseline_peak(prof, baseline))
+    note = ""
+    if raise_to_floor and budget_bytes is not None and strategy == "optimal":
+        from remat.plan.planners import min_peak_plan
+        from remat._units import format_bytes
+
+        floor = min_peak_plan(prof).prediction.peak_bytes
+        if budget_bytes < floor:
+            note = (f"the default budget {budget} ({format_bytes(budget_bytes)}) is below the least peak any plan "
+                    f"reaches on this model, {format_bytes(floor)}: planned at that peak (pass --budget to choose)")
+            budget_bytes = floor
     tuner = None
     if tune:
         from remat.apply.tune import Tuner
@@ -147,12 +162,12 @@ def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", s
     chosen = make_plan(prof, budget=budget_bytes, strategy=strategy, tune=tuner)
     if world_size() > 1:  # under torchrun every rank applies rank 0's plans
         baseline, chosen = broadcast_plan(baseline), broadcast_plan(chosen)
-    label = strategy if budget is None else f"{strategy} @ {budget}"
+    label = strategy if budget is None else f"{strategy} @ {budget}" if not note else f"{strategy} @ least peak"
     label += ", tuned" if tune else ""
     rows = (_verified(built, baseline, "none", repeats, progress),
             _verified(built, chosen, label, repeats, progress, offload_dir))
     return JobResult(model_name=model_name, sizes=sizes, profile=prof, rows=rows, baseline=baseline,
-                     budget_bytes=budget_bytes, repeats=repeats)
+                     budget_bytes=budget_bytes, repeats=repeats, budget_note=note)
 
 
 def verify_job(plan: Plan, model_name: str = DEMO_MODEL, *, sizes: dict[str, Any] | None = None, seed: int = 0,

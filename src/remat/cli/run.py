@@ -149,10 +149,14 @@ SIZE_HELP = {
 }
 
 
+RUN_BUDGET = "40%"
+"""`remat run`'s budget when none is given (raised to the least feasible peak where that is more)."""
+
+
 @app.command("run")
 def run_command(
     model: str = typer.Option("gpt", "--model", "-m", help=TARGET_HELP),
-    budget: Optional[str] = typer.Option("40%", "--budget", "-b", help="Memory budget: 6GiB, 750MB, 512MiB or 40% of the measured baseline peak."),
+    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget: 6GiB, 750MB, 512MiB or 40% of the measured baseline peak. Default: 40%, raised to the least peak any plan reaches where that is more.", show_default=False),
     strategy: str = typer.Option("optimal", "--strategy", "-s", help="none, full, every:K, sqrt, selective:<policy>, optimal."),
     offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Measure this directory's disk and let the plan offload to it."),
     layers: Optional[int] = typer.Option(None, help=SIZE_HELP["layers"]),
@@ -177,16 +181,21 @@ def run_command(
     _check_offload_dir(offload_dir)
     check_output_dir(out, "--out")
     sizes = sizes_from_options(model, **options)
+    asked = budget
     with console.status("building...") as status:
-        result = run_job(model, budget=budget, strategy=strategy, sizes=sizes, seed=seed, repeats=repeats,
-                         offload_dir=None if offload_dir is None else str(offload_dir), progress=_progress_to(status),
-                         device=device, tune=tune, tune_steps=tune_steps, tune_seconds=tune_seconds)
+        result = run_job(model, budget=budget or RUN_BUDGET, strategy=strategy, sizes=sizes, seed=seed,
+                         repeats=repeats, offload_dir=None if offload_dir is None else str(offload_dir),
+                         progress=_progress_to(status), device=device, tune=tune, tune_steps=tune_steps,
+                         tune_seconds=tune_seconds, raise_to_floor=asked is None)
+    budget = asked or RUN_BUDGET
+    if result.budget_note:
+        console.print(f"note: {escape(result.budget_note)}", soft_wrap=True)
     if result.rows[-1].plan.tuning is not None:
         print_tuning(result.rows[-1].plan)
-    render(result, f"remat run: {model}, {strategy}" + (f" within {budget}" if budget else ""))
+    render(result, f"remat run: {model}, {strategy}" + (" at the least peak" if result.budget_note else f" within {budget}"))
     on = ["--device", device] if device else []
     tuned = ["--tune", "--tune-steps", str(tune_steps), "--tune-seconds", f"{tune_seconds:g}"] if tune else []
-    args = ["--model", model, "--strategy", strategy, *(["--budget", budget] if budget else []),
+    args = ["--model", model, "--strategy", strategy, *(["--budget", asked] if asked else []),
             *_size_args(options), "--seed", str(seed), *on, *tuned, "--out", str(out)]
     files = save_outputs(result, out, ["remat", "run", *args], chosen_row=len(result.rows) - 1)
     if files is not None:
