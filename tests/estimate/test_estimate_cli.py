@@ -80,3 +80,16 @@ def test_head_option() -> None:
     assert "LM head: chunked:8 (logits 0.00 GiB per GPU)" in table.output
     bad = runner.invoke(app, GPT + ["--head", "chunks:8"])
     assert bad.exit_code == 2 and "unknown head strategy 'chunks:8'" in bad.output
+
+
+def test_a_config_without_a_causal_lm_is_told_what_estimate_prices(tmp_path) -> None:
+    """A T5 config.json printed transformers' list of 300-odd configuration classes."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 4, "d_ff": 128,
+                                "vocab_size": 256}))
+    result = runner.invoke(app, ["estimate", "--config", str(path), "--device", "H100-80GB"], env={"COLUMNS": "400"})
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())
+    assert "T5Config (model_type 't5') has no causal language model in transformers" in text
+    assert "prices decoder-only language models" in text and "GPT2Config" not in text

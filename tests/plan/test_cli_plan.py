@@ -63,6 +63,16 @@ def test_plan_errors_are_messages_without_traceback(tmp_path):
     assert "--model NAME" in _error(["plan"])
 
 
+def test_pareto_with_options_it_would_ignore_is_refused(tmp_path):
+    """`plan --pareto --budget 40% -o p.json` printed the frontier, wrote no file and said nothing."""
+    path = str(_profile_file(tmp_path))
+    out = tmp_path / "p.json"
+    message = _error(["plan", path, "--pareto", "--budget", "40%", "--out", str(out)])
+    assert "--pareto prints every optimal plan from no recomputation to the least peak, so --budget, --out would be " \
+           "ignored" in message
+    assert not out.exists()
+
+
 def test_the_budget_an_error_suggests_is_one_the_command_takes(tmp_path):
     """"Raise the budget to at least 7340032 bytes" was refused as a budget (a unit is
     required): the message now writes it the way --budget reads it."""

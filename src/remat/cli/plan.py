@@ -49,6 +49,13 @@ def plan_command(
 
     sizes = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
     check_output_file(out, "--out")
+    if show_pareto:
+        given = [name for name, on in (("--budget", budget is not None), ("--out", out is not None), ("--tune", tune),
+                                       ("--head", head is not None), ("--strategy", strategy != "optimal")) if on]
+        if given:
+            raise ValueError(f"--pareto prints every optimal plan from no recomputation to the least peak, so "
+                             f"{', '.join(given)} would be ignored; drop --pareto to plan one (and write it), or "
+                             f"drop {', '.join(given)}.")
     if tune and model is None:
         raise ValueError("--tune times plans on the model, which a profile JSON does not hold: give --model NAME "
                          "(or use `remat run --tune`).")

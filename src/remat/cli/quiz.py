@@ -26,7 +26,7 @@ def quiz_command(
     lang: Optional[str] = typer.Option(None, "--lang", help="vi or en (default: from LC_ALL/LANG, else en)."),
     shuffle: bool = typer.Option(False, "--shuffle", help="Shuffle each question's options."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for --shuffle (same seed, same order)."),
-    answers: Optional[str] = typer.Option(None, "--answers", help="Grade these letters, e.g. B,D,A,C,D,B,C,A."),
+    answers: Optional[str] = typer.Option(None, "--answers", help="Grade these letters, one per question in order, e.g. A,A,A,A,A,A,A,A."),
     as_json: bool = typer.Option(False, "--json", help="With --answers or --list: print JSON."),
     list_only: bool = typer.Option(False, "--list", help="Print the questions and exit."),
     live: bool = typer.Option(False, "--live", help="After each explanation, measure the claim on this machine."),
@@ -45,7 +45,7 @@ def quiz_command(
 
 def _prepare(lang: str | None, shuffle: bool, seed: int | None, json_alone: bool) -> tuple[Quiz, int | None]:
     if json_alone:
-        raise fail("--json needs --answers or --list; for example: remat quiz --answers B,D,A,C,D,B,C,A --json.")
+        raise fail("--json needs --answers or --list; for example: remat quiz --answers A,B,C,D,A,B,C,D --json.")
     if seed is not None and not shuffle:
         raise fail(f"--seed {seed} has no effect without --shuffle; add --shuffle or drop --seed.")
     language = default_language() if lang is None else lang

@@ -191,6 +191,13 @@ def build_hf_on_meta(config: Any, *, layers: int, dtype: torch.dtype) -> nn.Modu
 
     import transformers
 
+    causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if config.model_type not in causal:
+        raise ValueError(
+            f"{type(config).__name__} (model_type {config.model_type!r}) has no causal language model in transformers: "
+            "`remat estimate --config` prices decoder-only language models (a causal LM's config, its layers in "
+            "num_hidden_layers). For an encoder-decoder or an encoder, measure it with `remat profile path/to/file.py:build` "
+            "at a size that runs here, or estimate its decoder as a causal LM of the same sizes (--hf llama ...).")
     config = copy.deepcopy(config)
     config.num_hidden_layers = layers
     with torch.device("meta"):

@@ -77,7 +77,7 @@ class Quiz:
 
     @property
     def answer_key(self) -> str:
-        """The right letters, comma-separated, e.g. ``"B,D,A,C,D,B,C,A"``."""
+        """The right letters, comma-separated, one per question in order."""
         return ",".join(q.answer_letter for q in self.questions)
 
     def text(self, key: str, **values: Any) -> str:
