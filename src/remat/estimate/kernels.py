@@ -24,10 +24,12 @@ class GpuKernels(TorchFunctionMode):
     - ``F.scaled_dot_product_attention`` without an explicit mask: FlashAttention
       (``aten._scaled_dot_product_flash_attention``, whose meta kernel gives the real saved
       tensors: the output and a float32 log-sum-exp per query, no seq x seq scores).
-      Grouped-query attention repeats K and V to all heads first (transformers' ``repeat_kv``).
-      Values narrower than the queries (DeepSeek's multi-head latent attention) run as the
-      memory-efficient kernel, which takes them as they are (FlashAttention needs equal widths).
-      Calls with a mask keep PyTorch's own path.
+      Grouped-query attention (``enable_gqa``, transformers' call without a mask) keeps K and V
+      as given, not repeated per query head (`_GroupedFlash`). Values narrower than the queries
+      (DeepSeek's multi-head latent attention) run as the memory-efficient kernel, which takes
+      them as they are (FlashAttention needs equal widths); so do calls with a mask (a sliding
+      window, Falcon's), the mask as an additive bias of its own shape: PyTorch's path on the
+      meta device would save the seq x seq scores of every head, which no GPU kernel keeps.
     - ``F.dropout`` in training: ``aten.native_dropout``, whose mask is 1-byte bool (the CPU
       path saves a mask in the activation dtype: 2 or 4 bytes per element).
     """
@@ -50,17 +52,61 @@ def _native_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, 
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
            dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
            enable_gqa: bool = False) -> torch.Tensor:
-    if attn_mask is not None:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     groups = query.size(-3) // key.size(-3)
-    if groups > 1:
-        key, value = (t.repeat_interleave(groups, dim=-3) for t in (key, value))
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+    if attn_mask is not None:  # FlashAttention takes no mask: the memory-efficient kernel, with the mask as a bias
+        if groups > 1:  # it takes no groups either (transformers repeats K and V itself when it passes a mask)
+            key, value = (t.repeat_interleave(groups, dim=-3) for t in (key, value))
+        return efficient(query, key, value, _bias(attn_mask, query.dtype), True, dropout_p, is_causal, scale=scale)[0]
     if value.size(-1) != query.size(-1):
-        efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+        if groups > 1:
+            key, value = (t.repeat_interleave(groups, dim=-3) for t in (key, value))
         return efficient(query, key, value, None, True, dropout_p, is_causal, scale=scale)[0]
+    if groups > 1:
+        if not enable_gqa:  # as transformers' repeat_kv leaves them: K and V repeated before the call
+            key, value = (t.repeat_interleave(groups, dim=-3) for t in (key, value))
+        else:
+            return _GroupedFlash.apply(query, key, value, dropout_p, is_causal, scale)
     flash = torch.ops.aten._scaled_dot_product_flash_attention
     return flash(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+
+
+def _bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the additive bias PyTorch makes of it for a fused kernel (True: attend):
+    a tensor of the mask's shape in the queries' dtype, made in each call and saved by it."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), float("-inf"))
+
+
+class _GroupedFlash(torch.autograd.Function):
+    """FlashAttention on grouped-query K and V (``enable_gqa``, as transformers calls SDPA without
+    a mask): the kernel reads each K and V head for its group of query heads, so autograd keeps
+    them as given, not repeated per query head; the backward makes the repeated K and V
+    gradients and sums them per group (FlashAttention-2 does the same)."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float,
+                is_causal: bool, scale: float | None) -> torch.Tensor:
+        groups = query.size(-3) // key.size(-3)
+        repeated = [t.repeat_interleave(groups, dim=-3) for t in (key, value)]
+        flash = torch.ops.aten._scaled_dot_product_flash_attention
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = flash(query, *repeated, dropout_p, is_causal, False,
+                                                                     scale=scale)
+        del repeated
+        ctx.save_for_backward(query, key, value, out, lse, seed, offset)
+        ctx.cum, ctx.max, ctx.flags = (cum_q, cum_k), (max_q, max_k), (groups, dropout_p, is_causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        query, key, value, out, lse, seed, offset = ctx.saved_tensors
+        groups, dropout_p, is_causal, scale = ctx.flags
+        repeated = [t.repeat_interleave(groups, dim=-3) for t in (key, value)]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad, query, *repeated, out, lse, *ctx.cum, *ctx.max, dropout_p, is_causal, seed, offset, scale=scale)
+        per_group = [t.unflatten(-3, (key.size(-3), groups)).sum(-3) for t in (dk, dv)]
+        return dq, *per_group, None, None, None
 
 
 @contextlib.contextmanager
