@@ -93,3 +93,29 @@ def test_a_config_without_a_causal_lm_is_told_what_estimate_prices(tmp_path) -> 
     text = " ".join(result.output.split())
     assert "T5Config (model_type 't5') has no causal language model in transformers" in text
     assert "prices decoder-only language models" in text and "GPT2Config" not in text
+
+
+@pytest.mark.parametrize("cfg, dtype, said", [
+    (dict(model_type="mixtral", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+          intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, vocab_size=96), "fp32",
+     "runs its routed experts (model.layers.0.mlp.experts) with grouped_mm, whose kernel takes bfloat16 only, and the "
+     "estimate is asked for float32: estimate it with --dtype bf16"),
+    (dict(model_type="bart", d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+          decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=96), "bf16",
+     "BartForCausalLM's training step cannot be traced on the meta device, where the estimate runs it: RuntimeError: "
+     "Tensor.item() cannot be called on meta tensors"),
+    (dict(model_type="gemma2", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+          intermediate_size=64, head_dim=8, vocab_size=96), "bf16",
+     "transformers offers no SDPA attention for Gemma2Config (it runs attention code of its own, or none: a "
+     "state-space model), which the estimate traces by default (as FlashAttention); pass --explicit-attention"),
+], ids=["moe-fp32", "bart", "gemma2"])
+def test_configs_the_trace_cannot_take_get_one_line_naming_the_way(tmp_path, cfg, dtype, said) -> None:
+    """Each was a traceback of 46 to 62 frames from inside transformers (or transformers' own
+    text, naming an argument the CLI has not)."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    result = runner.invoke(app, ["estimate", "--config", str(path), "--seq", "32", "--micro-batch", "2",
+                                 "--dtype", dtype], env={"COLUMNS": "400"})
+    assert result.exit_code == 2, result.output
+    assert said in " ".join(result.output.split())

@@ -234,10 +234,17 @@ def _tracer(model: nn.Module, batch_at: Callable[[int], Any], loss_fn: Any, fuse
 
     def trace(micro_batch: int) -> tuple[Profile, Classified]:
         batch = batch_at(micro_batch)
-        with no_packed_sequence_check():
-            profile = trace_profile(model, batch, loss_fn, gpu_kernels=fused)
-            with GpuKernels() if fused else contextlib.nullcontext():
-                classified = classify(model, batch, blocks, loss_fn=loss_fn, plan=plan)
+        try:
+            with no_packed_sequence_check():
+                profile = trace_profile(model, batch, loss_fn, gpu_kernels=fused)
+                with GpuKernels() if fused else contextlib.nullcontext():
+                    classified = classify(model, batch, blocks, loss_fn=loss_fn, plan=plan)
+        except (RuntimeError, NotImplementedError, TypeError) as error:  # the model's own code on meta tensors
+            raise ValueError(
+                f"{type(model).__name__}'s training step cannot be traced on the meta device, where the estimate runs "
+                f"it: {type(error).__name__}: {str(error).splitlines()[0][:300]} (its forward reads tensor values, which "
+                "a meta tensor has not, or calls a kernel with no meta implementation). Measure it with `remat profile "
+                "path/to/file.py:build` at a size that runs here.") from error
         return profile, classified
 
     return trace
@@ -296,11 +303,33 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
     config = hf_config(source)
     config.use_cache = False
     traced, kinds = hf_layer_kinds(config, num_layers(config), layers)
-    model = build_hf_on_meta(config, layers=traced, dtype=dtype)
+    try:
+        model = build_hf_on_meta(config, layers=traced, dtype=dtype)
+    except ValueError as error:
+        if "attn_implementation" not in str(error) or source.attention == "eager":
+            raise
+        raise ValueError(f"{source.label}: transformers offers no SDPA attention for {type(config).__name__} (it runs "
+                         "attention code of its own, or none: a state-space model), which the estimate traces by default "
+                         "(as FlashAttention); pass --explicit-attention to trace its own attention code (eager).") from None
+    _check_experts_dtype(model, source.label, dtype)
     batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len)  # noqa: E731
     tracer = _tracer(model, batch_at, None, fused, getattr(config, "base_model_tp_plan", None))
     facts, shape = _hf_facts(config)
     return _describe(source.label, model, tracer, kinds, seq_len, facts=facts, shape=shape)
+
+
+def _check_experts_dtype(model: nn.Module, label: str, dtype: torch.dtype) -> None:
+    """transformers runs stacked routed experts (one 3-d weight for all of them) with
+    ``grouped_mm``, whose kernel takes bfloat16 only, on a GPU as on the meta device: in another
+    dtype the trace raised from inside transformers."""
+    if dtype == torch.bfloat16:
+        return
+    experts = next((name for name, p in model.named_parameters() if p.dim() == 3 and "expert" in name), None)
+    if experts is not None:
+        raise ValueError(
+            f"{label} runs its routed experts ({experts.rsplit('.', 1)[0]}) with grouped_mm, whose kernel takes bfloat16 "
+            f"only, and the estimate is asked for {str(dtype).removeprefix('torch.')}: estimate it with --dtype bf16, "
+            "the dtype such models train in (with fp32 master weights unless --no-master-weights).")
 
 
 def _trace_builtin(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: int, fused: bool) -> Traced:
