@@ -88,10 +88,11 @@ def flush(fd: int) -> None:
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def read_at(path: str, offset: int, nbytes: int, block: str) -> tuple[torch.Tensor, bytes]:
-    """Read ``nbytes`` at ``offset`` into a new uint8 tensor; return it and the SHA-256 read.
-    A symlink at ``path`` is refused (``O_NOFOLLOW``), as is anything but a regular file."""
-    out = torch.empty(nbytes, dtype=torch.uint8)
+def read_at(path: str, offset: int, nbytes: int, block: str, out: torch.Tensor | None = None) -> tuple[torch.Tensor, bytes]:
+    """Read ``nbytes`` at ``offset`` into ``out`` (a uint8 tensor of ``nbytes``; None: a new one);
+    return it and the SHA-256 read. A symlink at ``path`` is refused (``O_NOFOLLOW``), as is
+    anything but a regular file."""
+    out = torch.empty(nbytes, dtype=torch.uint8) if out is None else out
     view = memoryview(out.numpy()).cast("B")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)

@@ -139,6 +139,16 @@ class OffloadEngine:
         self._last_group: _Group | None = None
         self.reset_stats()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadEngine:
+        """An engine of its own for a copy of a model with a plan applied (an EMA copy, a copy to
+        evaluate): the same target, directory and sizes; no file, thread or lock shared (a deep
+        copy raised "cannot pickle '_thread.lock' object")."""
+        directory = self.store.root if self.target == "disk" else None
+        num_threads = self.store.num_threads if self.target == "disk" else 2
+        copied = OffloadEngine(self.target, directory=directory, min_bytes=self.min_bytes, num_threads=num_threads)
+        memo[id(self)] = copied
+        return copied
+
     def reset_stats(self) -> None:
         self._stats = {"offloaded_bytes": 0, "offloaded_storages": 0, "kept_tensors": 0, "restored_tensors": 0}
 

@@ -7,8 +7,9 @@ in the forward or in a replay, seen through `remat.apply.runtime.block_listener`
 its chained input does (tensor hooks, as `remat.measure.boundaries` places them); the backward of
 code between blocks (pooling, an encoder's final norm) runs in neither and is not counted, so
 models with several stacks and skip connections count as chains do.
-Bookkeeping ops that never compute (detach, size, stride: torch's ``SAC_IGNORED_OPS``) are
-not counted; checkpointing adds detaches of its own.
+Bookkeeping ops that never compute (detach, size, stride: torch's ``SAC_IGNORED_OPS``; making
+or re-pointing a storage: `_STORAGE_OPS`) are not counted; checkpointing adds detaches of its
+own, offloading its storages.
 
 `expected_extra_calls` turns a plan into the forward op calls it adds: a block under ``r``
 nested recompute segments replays its forward ``r`` times; a selective block replays every call
@@ -136,7 +137,7 @@ class BlockOpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func in SAC_IGNORED_OPS:
+        if func in SAC_IGNORED_OPS or func in _STORAGE_OPS:
             return out
         index = self._stack[-1] if self._stack else self._backward_block
         if index is None:
@@ -147,6 +148,13 @@ class BlockOpCounter(TorchDispatchMode):
             seen = sum(1 for k in self.forward_keys[index] if op_name(k) == name)
             self.forward_keys[index].append(f"{name}#{seen}")
         return out
+
+
+_STORAGE_OPS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.set_.source_Storage,
+                          torch.ops.aten.set_.source_Storage_storage_offset})
+"""Ops that make or re-point a storage and compute nothing: an offload engine's own, as it packs
+a saved tensor and unpacks it in the block's backward (every offload plan was reported with
+replays that did not match the plan), counted in neither run."""
 
 
 def expected_extra_calls(plan: Plan, forward_keys: list[list[str]],

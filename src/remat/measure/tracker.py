@@ -22,6 +22,7 @@ tracker and returns its peak, the categories at the peak and a block-boundary ti
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -52,6 +53,22 @@ class _Entry:
     nbytes: int
     label: str
     finalizer: weakref.finalize
+
+
+_ACTIVE: list[LiveTracker] = []
+"""Trackers entered and not yet exited: what `note_allocated` tells."""
+_LOCK = threading.RLock()
+"""Serializes the trackers' bookkeeping: storages are freed (finalizers) and noted
+(`note_allocated`) on other threads than the step's."""
+
+
+def note_allocated(t: torch.Tensor, label: str = "temporaries") -> None:
+    """Count ``t``'s storage in every active tracker: one another thread made for the step (a
+    disk offload's read-back buffer), which a dispatch mode, seeing its own thread's ops only,
+    does not see made."""
+    with _LOCK:
+        for tracker in list(_ACTIVE):
+            tracker._add(t, label)
 
 
 class LiveTracker(TorchDispatchMode):
@@ -143,11 +160,19 @@ class LiveTracker(TorchDispatchMode):
                 self._add(t, "temporaries")
         return out
 
+    def __enter__(self) -> LiveTracker:
+        with _LOCK:
+            _ACTIVE.append(self)
+        return super().__enter__()
+
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        for entry in self._entries.values():
-            entry.finalizer.detach()
-        self._entries.clear()
+        with _LOCK:
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+            for entry in self._entries.values():
+                entry.finalizer.detach()
+            self._entries.clear()
 
     # ---- bookkeeping ------------------------------------------------------------------
     def _on_device(self, t: torch.Tensor) -> bool:
@@ -156,6 +181,10 @@ class LiveTracker(TorchDispatchMode):
         )
 
     def _add(self, t: torch.Tensor, label: str) -> None:
+        with _LOCK:
+            self._add_locked(t, label)
+
+    def _add_locked(self, t: torch.Tensor, label: str) -> None:
         if is_traceable_wrapper_subclass(t):  # DTensor (FSDP2): its local shard is what lives here
             for inner in plain_tensors(t):
                 self._add(inner, label)
@@ -169,11 +198,12 @@ class LiveTracker(TorchDispatchMode):
         self._shift(label, nbytes)
 
     def _free(self, key: int) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            if self._window is not None and entry.label == self._watch:
-                self._watch_freed.append((key, entry.nbytes))
-            self._shift(entry.label, -entry.nbytes)
+        with _LOCK:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                if self._window is not None and entry.label == self._watch:
+                    self._watch_freed.append((key, entry.nbytes))
+                self._shift(entry.label, -entry.nbytes)
 
     def _shift(self, label: str, delta: int) -> None:
         self.live_by_label[label] = self.live_by_label.get(label, 0) + delta
