@@ -246,7 +246,8 @@ def applied(model: nn.Module, plan: Plan, **options: Any):
 def auto_(model: nn.Module, batch: Any, loss_fn: LossFn | None = None,
           optimizer: torch.optim.Optimizer | None = None, budget: str | int = "50%",
           strategy: str = "optimal", *, grad_accumulation: bool = False,
-          blocks: str | Sequence[str] | None = None, head_chunks: Sequence[int] | None = None) -> Plan:
+          blocks: str | Sequence[str] | None = None, head_chunks: Sequence[int] | None = None,
+          offload_dir: str | None = None) -> Plan:
     """Profile ``model`` on ``batch``, plan the fastest step within ``budget``, apply it; return the plan.
 
     The budget-driven counterpart of Hugging Face's ``gradient_checkpointing_enable()``: ``budget``
@@ -258,7 +259,9 @@ def auto_(model: nn.Module, batch: Any, loss_fn: LossFn | None = None,
     (`remat.profile`'s option; a share of the peak is then of that step's). ``blocks``: which
     modules are blocks, as `remat.profile` takes it (globs or class names; None: found).
     ``head_chunks``: the chunk sizes (tokens) a chunked head is measured at, as `remat.profile`
-    takes them (None: its defaults, which need at least 128 tokens in the batch)."""
+    takes them (None: its defaults, which need at least 128 tokens in the batch). ``offload_dir``:
+    a directory the plan may offload saved activations to (its disk measured by the profile;
+    the plan applied with it)."""
     from remat.measure.profile import profile as measure
     from remat.plan.budget import parse_budget
     from remat.plan.planners import plan as make_plan
@@ -266,7 +269,7 @@ def auto_(model: nn.Module, batch: Any, loss_fn: LossFn | None = None,
     if is_applied(model):
         raise ValueError(f"{type(model).__name__} already has a remat plan applied; call remat.remove_(model) first.")
     prof = measure(model, batch, loss_fn=loss_fn, optimizer=optimizer, grad_accumulation=grad_accumulation, blocks=blocks,
-                   head_chunks=head_chunks)
+                   head_chunks=head_chunks, offload_dir=offload_dir)
     the_plan = make_plan(prof, budget=parse_budget(budget, prof.peak_bytes), strategy=strategy)
-    apply_(model, the_plan, batch=batch)
+    apply_(model, the_plan, batch=batch, offload_dir=offload_dir)
     return the_plan

@@ -41,6 +41,10 @@ def profile_command(
     grad_accumulation: bool = typer.Option(False, "--grad-accumulation", help="Several micro-batches per "
                                            "optimizer step: plans are for a micro-batch whose gradients add to "
                                            "the earlier ones' (every gradient live through it)."),
+    head_chunks: Optional[str] = typer.Option(None, "--head-chunks", help="Chunk sizes (tokens) a chunked LM head "
+                                              "is measured at, e.g. 512,64 (default: from half the tokens down to 64)."),
+    offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Measure this directory's disk too, so "
+                                               "that plans of this profile may offload to it (offload:disk)."),
 ) -> None:
     """Measure the real model block by block: saved bytes, time, FLOPs, memory peak.
 
@@ -50,6 +54,7 @@ def profile_command(
 
     spec = target or model
     check_output_file(json_path, "--json")
+    chunks = parse_head_chunks(head_chunks)
     options = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch, vocab=vocab,
                    dropout=dropout, attention=attention)
     with console.status(Text(f"building {spec}...")):
@@ -63,7 +68,8 @@ def profile_command(
 
         result = profile(built.model, built.batch, built.loss_fn, built.optimizer, blocks or None,
                          warmup=warmup, repeats=repeats, progress=advance, compiled=compiled,
-                         grad_accumulation=grad_accumulation)
+                         grad_accumulation=grad_accumulation, head_chunks=chunks,
+                         offload_dir=None if offload_dir is None else str(offload_dir))
     console.print(profile_table(result, spec))
     if any(b.unavailable for b in result.blocks):
         console.print(unavailable_rich(result))
@@ -193,3 +199,12 @@ def head_summary(result: Profile) -> str:
     return (f"head: {head.projection}{tied}, {head.num_tokens} tokens x {head.vocab_size} vocabulary ({head.dtype}); "
             f"post part peak by head strategy: {options}{failed}")
 
+
+def parse_head_chunks(text: Optional[str]) -> Optional[tuple[int, ...]]:
+    """``--head-chunks 512,64`` -> (512, 64); None when not given."""
+    if text is None:
+        return None
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--head-chunks {text!r}: expected positive token counts separated by commas, e.g. 512,64.")
+    return tuple(int(p) for p in parts)

@@ -120,6 +120,7 @@ def profile(
     share_timing: bool = True,
     compiled: bool | str = False,
     grad_accumulation: bool = False,
+    offload_dir: str | os.PathLike | None = None,
 ) -> Profile:
     """Measure ``model`` on ``batch`` (calling convention of `remat._batch`) block by block.
 
@@ -137,8 +138,15 @@ def profile(
     trains with several micro-batches per optimizer step, so every gradient is live through
     every micro-batch after the first, and plans are made for that step
     (`remat.measure.types.with_grad_accumulation`; `remat.verify` then measures one).
+    ``offload_dir``: a directory whose disk the plans may offload to: its write and read rates
+    are measured after the model's (`remat.measure.bandwidth.with_bandwidths`; on a CUDA model
+    the host link's too), so that `remat.plan` offers ``offload:disk``.
     """
     _check_counts(warmup, repeats)
+    if offload_dir is not None:  # before any work: a directory that cannot be used fails at once
+        from remat._diskio import check_offload_root
+
+        check_offload_root(offload_dir)
     check_model(model, "remat.profile")
     check_step_inputs(optimizer, "remat.profile")
     check_batch_device(model, batch)
@@ -162,9 +170,14 @@ def profile(
             prof, windows = _measure(step, found, warmup, repeats, progress, share_timing, backend)
             prof = _with_head(step, prof, windows, note, head_chunks, repeats)
             prof = dataclasses.replace(prof, fingerprint=dataclasses.replace(prof.fingerprint, model_hash=structure))
-            return with_grad_accumulation(prof) if grad_accumulation else prof
+            prof = with_grad_accumulation(prof) if grad_accumulation else prof
     finally:
         snapshot.restore()
+    if offload_dir is not None:
+        from remat.measure.bandwidth import with_bandwidths
+
+        prof = with_bandwidths(prof, device, offload_dir)
+    return prof
 
 
 def _cache_off(model: nn.Module, device: torch.device) -> contextlib.AbstractContextManager[Any]:

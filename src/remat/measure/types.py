@@ -511,8 +511,8 @@ class HeadProfile:
             if candidate.strategy == strategy:
                 return candidate
         measured = ", ".join(o.strategy for o in self.options)
-        raise ValueError(f"head strategy {strategy!r} was not measured; measured: {measured}. Profile with "
-                         "head_chunks=(...) naming its chunk size.")
+        raise ValueError(f"head strategy {strategy!r} was not measured; measured: {measured}. Profile with its "
+                         "chunk size named: remat.profile(..., head_chunks=(...)), remat profile --head-chunks N,...")
 
 
 @dataclass(kw_only=True, frozen=True)

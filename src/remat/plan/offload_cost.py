@@ -72,7 +72,7 @@ def transfer_ms(profile: Profile, strategy: str, nbytes: int) -> tuple[float, fl
         raise ValueError(
             f"cannot cost {strategy!r}: the profile has no measured rates for it (bandwidths "
             f"{profile.bandwidths}); offload:disk needs a profile taken with an offload directory "
-            "(remat profile --offload-dir DIR), offload:cpu a CUDA model."
+            "(remat profile --offload-dir DIR, remat.profile(..., offload_dir=DIR)), offload:cpu a CUDA model."
         )
     bw = profile.bandwidths
     out_ms, back_ms = 0.0, 0.0
