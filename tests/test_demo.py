@@ -144,6 +144,22 @@ def test_run_without_a_budget_plans_at_the_least_peak_where_forty_percent_cannot
     assert given.exit_code == 2 and "Model state alone needs" in " ".join(given.output.split())
 
 
+def test_run_with_an_offload_dir_repeats_it_in_the_commands_it_prints(tmp_path, monkeypatch):
+    """The report's reproduce command and the "apply it again" line dropped --offload-dir: the
+    plan they remake could not offload where the first one did."""
+    from remat.cli._app import console
+
+    monkeypatch.setattr(console, "width", 400)
+    out_dir, disk = tmp_path / "run", tmp_path / "disk"
+    out = CliRunner().invoke(app, ["run", "--model", "gpt", "--budget", "90%", "--repeats", "1", *TINY_OPTIONS,
+                                   "--offload-dir", str(disk), "--out", str(out_dir)])
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert f"apply it again: remat verify {out_dir / 'plan-optimal-90pct.json'} --model gpt" in text
+    assert text.count(f"--offload-dir {disk}") == 1 and f"--batch 2 --offload-dir {disk}" in text
+    assert f"--seed 0 --offload-dir {disk} --out {out_dir}" in (out_dir / "report.html").read_text()
+
+
 def test_demo_job_verifies_the_strategies_and_budgets_it_is_given():
     result = run_module.demo_job(model_name="gpt", sizes=TINY_GPT, repeats=1, strategies=("none", "full"),
                                  budget_fractions=(0.5, 1.0))

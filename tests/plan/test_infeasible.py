@@ -52,3 +52,17 @@ def test_budget_text_and_types():
         plan(prof, budget=1.5)
     with pytest.raises(ValueError, match="no blocks"):
         plan(profile([]))
+
+
+def test_the_strategies_searched_include_offload_where_the_profile_can_price_it():
+    """With the disk's rates measured the search offers offload:disk, and an infeasible budget's
+    message listed the strategies without it."""
+    from remat.measure.types import Bandwidths
+
+    measured = chain(3, input_bytes=MIB, saved_bytes=4 * MIB,
+                     bandwidths=Bandwidths(disk_write_bytes_per_s=1e9, disk_read_bytes_per_s=2e9, disk_dir="/tmp"))
+    with pytest.raises(ValueError, match=r"minimum feasible peak with keep, recompute, nested segments and selective "
+                                         r"policies, offload:disk is"):
+        plan(measured, budget=MIB)
+    with pytest.raises(ValueError, match=r"nested segments and selective policies is"):
+        plan(chain(3, input_bytes=MIB, saved_bytes=4 * MIB), budget=MIB)

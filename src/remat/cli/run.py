@@ -194,13 +194,14 @@ def run_command(
         print_tuning(result.rows[-1].plan)
     render(result, f"remat run: {model}, {strategy}" + (" at the least peak" if result.budget_note else f" within {budget}"))
     on = ["--device", device] if device else []
+    disk = ["--offload-dir", str(offload_dir)] if offload_dir is not None else []  # the plan may offload there
     tuned = ["--tune", "--tune-steps", str(tune_steps), "--tune-seconds", f"{tune_seconds:g}"] if tune else []
     args = ["--model", model, "--strategy", strategy, *(["--budget", asked] if asked else []),
-            *_size_args(options), "--seed", str(seed), *on, *tuned, "--out", str(out)]
+            *_size_args(options), "--seed", str(seed), *on, *disk, *tuned, "--out", str(out)]
     files = save_outputs(result, out, ["remat", "run", *args], chosen_row=len(result.rows) - 1)
     if files is not None:
         console.print(f"apply it again: remat verify {files.plans[-1]} --model {model}"
-                      + "".join(f" {a}" for a in [*_size_args(options), *on]), soft_wrap=True)
+                      + "".join(f" {a}" for a in [*_size_args(options), *on, *disk]), soft_wrap=True)
     if not result.all_identical:
         raise typer.Exit(1)
 

@@ -24,6 +24,7 @@ from remat.plan.costs import reached_saved_ops
 from remat.plan.head import check_head, head_choices, priced_profile
 from remat.plan.infeasible import check_state_fits, infeasible_error
 from remat.plan.joins import chain_runs, joins
+from remat.plan.offload_cost import offload_strategies
 from remat.plan.predict import baseline_step_ms, predict
 from remat.plan.policies import policy
 from remat.plan.search import Choice, OptimalSearch, plan_floor
@@ -190,6 +191,9 @@ def _optimal_plan(profile: Profile, heads: tuple[str, ...], budget: int | None) 
                                    optimality=_keep_optimality(profile, kept, choice)))
     if not plans:
         space = "keep, recompute, nested segments and selective policies"
+        offload = offload_strategies(profile)
+        if offload:
+            space += f", {' and '.join(offload)}"
         if heads != ("keep",):
             space += f", the head as {' or '.join(heads)}"
         raise infeasible_error(budget, min_peak_plan(profile, heads).prediction, space)
