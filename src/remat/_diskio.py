@@ -217,8 +217,9 @@ def remove_private_dir(private: str | None, made_root: str | None = None) -> Non
     """Remove a private directory and everything in it, then ``made_root`` when empty."""
     if private is not None:
         shutil.rmtree(private, ignore_errors=True)
-        with _live_lock:
-            _live.discard(private)
+        if not os.path.lexists(private):  # else (a file system turned read-only) it stays listed:
+            with _live_lock:          # exit and SIGTERM try again (it was left behind for good)
+                _live.discard(private)
     if made_root is not None:
         try:
             os.rmdir(made_root)

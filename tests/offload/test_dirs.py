@@ -148,3 +148,21 @@ def test_a_parent_removed_after_construction_is_an_offload_error(toy, tmp_path):
     with pytest.raises(OffloadError, match=r"its parent '.*/a' is not an existing directory .*\(block 'blocks\.0'\)"):
         toy_step(blocks, x, engine)
     assert dir_entries(tmp_path) == []
+
+
+def test_a_private_directory_that_cannot_be_removed_is_tried_again_at_exit(tmp_path, monkeypatch):
+    """A file system turned read-only after a step: the purge could not remove the private
+    directory, forgot it, and it stayed after `remove_` and after the process ended. It stays
+    listed, and the exit's cleanup (here called by hand, the file system writable again) removes it."""
+    from remat import _diskio
+
+    monkeypatch.setattr(_diskio, "_live", set())  # this test's directory alone: the exit's cleanup takes all
+    private, _ = _diskio.make_private_dir(str(tmp_path))
+    (tmp_path / os.path.basename(private) / "block-0").write_bytes(b"x")
+    real = _diskio.shutil.rmtree
+    monkeypatch.setattr(_diskio.shutil, "rmtree", lambda path, ignore_errors=False: None)  # EROFS, ignored
+    _diskio.remove_private_dir(private)
+    assert private in live_private_dirs() and os.path.isdir(private)
+    monkeypatch.setattr(_diskio.shutil, "rmtree", real)
+    _diskio._remove_all()
+    assert not os.path.exists(private) and private not in live_private_dirs()
