@@ -177,3 +177,20 @@ def test_a_layer_saves_what_the_fused_kernels_keep(tmp_path, kv_heads, window) -
                sliding_window=window, tie_word_embeddings=False)
     estimated, measured = _estimated_and_measured_layer(tmp_path, **cfg)
     assert estimated - measured == (16 if window else 24)
+
+
+def test_a_mask_bias_is_whole_under_sequence_parallelism(tmp_path) -> None:
+    """The (b, 1, s, s) bias a sliding window's mask becomes is not split by sequence parallelism
+    (attention runs on the gathered sequence) nor by heads: under --sp it was halved with t = 2,
+    3.5 GiB a GPU short for Mistral-7B at 8192 tokens, t = 8. What the window adds to a layer is
+    the same with and without --sp."""
+    base = dict(model_type="mistral", hidden_size=H, num_hidden_layers=2, num_attention_heads=A, num_key_value_heads=2,
+                intermediate_size=128, vocab_size=96, max_position_embeddings=128, tie_word_embeddings=False)
+    layer = {}
+    for window in (None, 16):
+        path = _config(tmp_path / str(window), **base, sliding_window=window) if (tmp_path / str(window)).mkdir() is None else None
+        for sp in (False, True):
+            par = Parallelism(tensor=2, sequence_parallel=sp)
+            layer[window, sp] = estimate(ModelSource(hf_config_path=path), seq_len=S, micro_batch=2, dtype="fp32",
+                                         parallelism=par).layer_saved_bytes
+    assert layer[16, True] - layer[None, True] == layer[16, False] - layer[None, False] > 2 * S * S * 4

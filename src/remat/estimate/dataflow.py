@@ -68,6 +68,8 @@ class _Storage:
     split: bool
     expert: bool
     last_read: int = -1
+    unsharded: bool = False
+    """An attention kernel's mask bias (`remat.estimate.shares.Share.unsharded`)."""
 
 
 @dataclass
@@ -132,6 +134,10 @@ class _Tracer(TorchDispatchMode):
         inputs = flat_tensors(args, kwargs)
         params = [self.params[k] for k in (storage_key(t) for t in inputs) if k in self.params]
         reads = tuple(i for i in (self._id(t) for t in inputs) if i is not None)
+        if name == "aten._scaled_dot_product_efficient_attention" and len(args) > 3 and isinstance(args[3], torch.Tensor):
+            bias = self._id(args[3])  # the mask as the fused kernel's bias: not split by heads nor sequence
+            if bias is not None and bias in st.storages and not st.storages[bias].split:
+                st.storages[bias].unsharded = True
         in_split = any(st.storages[i].split for i in reads)
         for p in params:
             st.used_in.setdefault(p, set()).add(st.segment)
@@ -351,9 +357,11 @@ def _explicit_core(calls: list[_Call], softmax: _Call, state: _State) -> tuple[s
     return members, kept
 
 
-def _bucket(core: bool, split: bool, expert: bool) -> str:
+def _bucket(core: bool, split: bool, expert: bool, unsharded: bool = False) -> str:
     if core:
         return "core"
+    if unsharded and not expert:
+        return "unsharded"
     return ("expert_" if expert else "") + ("split" if split else "whole")
 
 
@@ -370,7 +378,7 @@ def _flow(state: _State, num_layers: int) -> Flow:
         s = state.storages[ident]
         if segment.startswith("layer:") and s.segment != segment and own_input.get(segment) != ident:
             segment = PRE  # made before this layer and not its own input: shared by the layers
-        _add(saved, segment, _bucket(ident in core_storages, s.split, s.expert), s.nbytes)
+        _add(saved, segment, _bucket(ident in core_storages, s.split, s.expert, s.unsharded), s.nbytes)
     shared = {i for _, others in state.inputs.values() for i in others if i not in state.saved}
     for ident in shared:
         _add(saved, PRE, "whole", state.storages[ident].nbytes)

@@ -13,7 +13,10 @@ the sequence; context parallelism splits every tensor indexed by token along the
 - ``core``: attention-core internals (scores, softmax, its dropout; a fused kernel's
   log-sum-exp), inside the split region: what Megatron-LM's selective recomputation frees;
 - ``expert_split`` / ``expert_whole``: the same inside routed experts, whose token count is
-  scaled by the router's load assumption (`remat.estimate.parallel.Parallelism.expert_load`).
+  scaled by the router's load assumption (`remat.estimate.parallel.Parallelism.expert_load`);
+- ``unsharded``: whole on every tensor-parallel rank even under sequence parallelism (an
+  attention mask made a bias for the fused kernel: attention runs on the gathered sequence, and
+  the mask has no head dimension to split), divided by context parallelism only.
 
 A traced quantity is affine in the micro-batch ``b`` for ``b >= 2`` (each tensor has a batch
 dimension or none: position ids, causal masks), so each one is
@@ -31,7 +34,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-BUCKETS = ("split", "whole", "core", "expert_split", "expert_whole")
+BUCKETS = ("split", "whole", "core", "expert_split", "expert_whole", "unsharded")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -48,10 +51,12 @@ class Share:
     """Inside routed experts, inside the tensor-parallel region."""
     expert_whole: float = 0
     """Inside routed experts, outside it (dispatched tokens)."""
+    unsharded: float = 0
+    """Whole under tensor and sequence parallelism (an attention mask's bias)."""
 
     @property
     def total(self) -> float:
-        return self.split + self.whole + self.core + self.expert_split + self.expert_whole
+        return self.split + self.whole + self.core + self.expert_split + self.expert_whole + self.unsharded
 
     def divided(self, *, tensor: int, sequence: int, context: int, expert_load: float) -> float:
         """This share on one GPU: split buckets over ``tensor``, whole ones over ``sequence``
@@ -59,7 +64,7 @@ class Share:
         times ``expert_load``."""
         inside = (self.split + self.core + expert_load * self.expert_split) / tensor
         outside = (self.whole + expert_load * self.expert_whole) / sequence
-        return (inside + outside) / context
+        return (inside + outside + self.unsharded) / context
 
     def without_core(self) -> Share:
         return dataclasses.replace(self, core=0)
