@@ -188,7 +188,8 @@ def test_a_mask_bias_is_whole_under_sequence_parallelism(tmp_path) -> None:
                 intermediate_size=128, vocab_size=96, max_position_embeddings=128, tie_word_embeddings=False)
     layer = {}
     for window in (None, 16):
-        path = _config(tmp_path / str(window), **base, sliding_window=window) if (tmp_path / str(window)).mkdir() is None else None
+        (tmp_path / str(window)).mkdir()
+        path = _config(tmp_path / str(window), **base, sliding_window=window)
         for sp in (False, True):
             par = Parallelism(tensor=2, sequence_parallel=sp)
             layer[window, sp] = estimate(ModelSource(hf_config_path=path), seq_len=S, micro_batch=2, dtype="fp32",
