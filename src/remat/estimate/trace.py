@@ -22,6 +22,7 @@ A ``file.py:build`` model is built under ``torch.device("meta")`` as its functio
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -190,10 +191,11 @@ def check_alike(profile: Profile) -> None:
 
 
 def _check_kinds(profile: Profile, kinds: tuple[int, ...]) -> None:
-    """The traced layers copied more than once run the same ops as the layer before them."""
-    last = max(kinds)
-    if last >= 1:
-        check_alike(profile)
+    """Each traced layer that is copied runs the same ops as the layer traced before it (its
+    twin: the same kind of layer)."""
+    for k in sorted(set(kinds)):
+        if k >= 1:
+            check_alike(replace(profile, blocks=profile.blocks[k - 1 : k + 1]))
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -280,13 +282,35 @@ def trace_source(
 
 def hf_layer_kinds(config: Any, full: int, layers: int) -> tuple[int, tuple[int, ...]]:
     """(layers to trace, traced layer per full-model layer): the first ``first_k_dense_replace``
-    layers of DeepSeek-style models are dense, the rest MoE; other models are uniform."""
+    layers of DeepSeek-style models are dense, the rest MoE; a model whose ``layer_types`` mix
+    kinds (Gemma 3's five sliding-window layers to one global, Qwen3-Next's linear and full
+    attention) traces two layers of each kind, in the order they first come (`traced_layer_types`),
+    and copies the second of each; other models are uniform."""
     dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
     if 0 < dense < full:
         traced = min(full, dense + 2)
         return traced, (dense - 1,) * dense + (traced - 1,) * (full - dense)
+    kinds = _mixed_layer_types(config, full)
+    if kinds:
+        return 2 * len(kinds), tuple(2 * kinds.index(t) + 1 for t in list(config.layer_types)[:full])
     traced = min(layers, full)
     return traced, (traced - 1,) * full
+
+
+def _mixed_layer_types(config: Any, full: int) -> list[str]:
+    """The distinct ``layer_types`` of the model's layers in the order they first come, when
+    there are several ([] otherwise)."""
+    types = getattr(config, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or len(types) < full:
+        return []
+    kinds = list(dict.fromkeys(types[:full]))
+    return kinds if len(kinds) > 1 else []
+
+
+def traced_layer_types(config: Any, full: int) -> list[str] | None:
+    """The ``layer_types`` of the traced model (two of each kind, `hf_layer_kinds`), or None."""
+    kinds = _mixed_layer_types(config, full)
+    return [t for t in kinds for _ in range(2)] if kinds else None
 
 
 def _hf_facts(config: Any) -> tuple[ModelFacts, ModelShape]:
@@ -303,6 +327,10 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
     config = hf_config(source)
     config.use_cache = False
     traced, kinds = hf_layer_kinds(config, num_layers(config), layers)
+    types = traced_layer_types(config, num_layers(config))
+    if types is not None:  # the traced model's layers: two of each kind
+        config = copy.deepcopy(config)
+        config.layer_types = types
     try:
         model = build_hf_on_meta(config, layers=traced, dtype=dtype)
     except ValueError as error:
@@ -390,4 +418,4 @@ def _trace_file(source: ModelSource, dtype: torch.dtype, fused: bool) -> Traced:
 
 
 __all__ = ["DTYPES", "ModelShape", "TRACED_MICRO_BATCHES", "Traced", "check_alike", "dtype_of", "hf_layer_kinds",
-           "trace_profile", "trace_source"]
+           "trace_profile", "trace_source", "traced_layer_types"]
