@@ -240,7 +240,7 @@ ZOO: dict[str, tuple[Callable[[], tuple[nn.Module, Callable]], tuple[tuple[str, 
     # its layers return their attention weights, which the model's loop holds through the next
     # layer's call (`remat.plan.phases.previous_held_bytes`)
     "gpt_neox_japanese": (_decoder("GPTNeoXJapaneseConfig", intermediate_multiple_size=2, hidden_dropout=0.0,
-                                   attention_dropout=0.0), (("gpt_neox_japanese.layers", 2),), True),
+                                   attention_dropout=0.0), (("gpt_neox_japanese.layers", 2),), False),
     # the second stage's projection shortcut joins its layers' run (`remat.measure.stacks._beside`)
     "detr": (_detr, (("model.backbone.model.encoder.stages.0.layers.0.layer", 2),
                      ("model.backbone.model.encoder.stages.1.layers.0.layer", 3), ("model.encoder.layers", 2),
