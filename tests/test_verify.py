@@ -596,3 +596,35 @@ class _LockedHook:
 
     def __call__(self, module, args, output):
         return None
+
+
+COLLECTED: list[torch.Tensor] = []
+"""Activations a user's forward hooks collect for an auxiliary loss (a module-level list)."""
+
+
+def _collect(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    COLLECTED.append(output)
+
+
+def _loss_with_activations(output: torch.Tensor, batch: tuple) -> torch.Tensor:
+    extra = sum(a.pow(2).mean() for a in COLLECTED)
+    COLLECTED.clear()
+    return output.pow(2).mean() + 1e-3 * extra
+
+
+def test_a_loss_reading_what_user_hooks_collect_is_left_nothing_stale():
+    """The profile ran a forward stopped after the last block it probes, before the loss: the
+    hooks' activations stayed in the user's list, and the next loss (verify's, or the user's first
+    step) read them through a graph long gone ("modified by an inplace operation"). With forward
+    hooks and a loss_fn that forward runs whole."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(4)))
+    for layer in model:
+        layer.register_forward_hook(_collect)
+    batch = (torch.randn(8, 16),)
+    optimizer = torch.optim.AdamW(model.parameters())
+    COLLECTED.clear()
+    prof = remat.profile(model, batch, _loss_with_activations, optimizer, repeats=1)
+    assert COLLECTED == []
+    check = remat.verify(model, batch, make_plan(prof, strategy="full"), _loss_with_activations, optimizer, repeats=1)
+    assert check.grads_identical and check.recompute_counts_match and COLLECTED == []

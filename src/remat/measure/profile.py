@@ -457,8 +457,14 @@ def _groups(found: Discovery, memory: _Accounting, share: bool) -> BlockGroups:
 
 def _until_last(step: _Step, block_list: Blocks, chosen: Sequence[int]) -> Callable[[], None]:
     """``step.forward`` stopped once the last of the ``chosen`` blocks has returned: what comes
-    after it is not needed (the blocks that take its timing, the head, the loss)."""
+    after it is not needed (the blocks that take its timing, the head, the loss). Whole, the
+    loss_fn's included, on a model with forward hooks and a loss_fn."""
     last = block_list[max(chosen)][1] if chosen else None
+    if step.loss_fn is not None and any(m._forward_hooks for m in step.model.modules()):
+        # a hook of the user's may collect what the forward makes for the loss_fn to read and clear
+        # (activations for an auxiliary loss): a forward stopped before the loss left them behind,
+        # in the user's step after the profile (and verify's), read through a graph long gone
+        return step.forward
 
     def forward() -> None:
         with stop_after(last):
