@@ -203,3 +203,21 @@ def test_a_head_phase_peak_the_layers_make_points_at_recomputation():
     assert "The peak falls in the LM head's phase, with every layer's saved activations still held" in row.diagnosis
     assert "what the layers hold is what recomputation lowers" in row.diagnosis
     assert "The peak is the LM head's" not in row.diagnosis
+
+
+def test_a_head_whose_logits_the_model_transforms_is_not_priced(tmp_path) -> None:
+    """Granite divides its logits by ``logits_scaling`` even at 1.0: `remat.profile` plans no head
+    there, and the estimate priced a chunked one (the same check, that a call without labels
+    returns the projection's own output, now runs on the meta device)."""
+    import json
+
+    from remat.estimate import ModelSource, estimate
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(model_type="granite", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=4, intermediate_size=64, vocab_size=96,
+                                    max_position_embeddings=128)))
+    answer = estimate(ModelSource(hf_config_path=str(path)), seq_len=32, micro_batch=2, dtype="fp32")
+    assert "does not return the output projection's own output as its logits" in answer.head_note
+    with pytest.raises(ValueError, match="needs an LM head remat can price"):
+        estimate(ModelSource(hf_config_path=str(path)), seq_len=32, micro_batch=2, dtype="fp32", head="chunked")

@@ -149,8 +149,32 @@ def find_traced_head(model: Any, seq_len: int | None) -> tuple[TracedHead | None
         return None, note
     if seq_len is None:
         return None, "the model's batch is its own (a file model): its head stays as traced"
+    why = _logits_transformed(model, site, seq_len)
+    if why:
+        return None, why
     weight = model.get_submodule(site.projection).weight
     vocab, hidden = weight.shape
     traced = HeadShape(batch_size=1, seq_len=seq_len, hidden_size=int(hidden), vocab_size=int(vocab),
                        dtype_bytes=weight.element_size(), upcast=site.loss.upcast, shift=site.loss.shift, tied=site.tied)
     return TracedHead(projection=site.projection, traced=traced), ""
+
+
+def _logits_transformed(model: Any, site: Any, seq_len: int) -> str:
+    """Why a planned head could not stand in for the model's own ("" when it can): the check
+    `remat.profile` makes (`remat.measure.head`), that a call without labels returns the
+    projection's own output as its logits, run on the meta device, where it needs no values.
+    Granite divides its logits by ``logits_scaling`` even when that is 1.0: the estimate priced a
+    chunked head the profile refuses."""
+    import torch
+
+    from remat.estimate.kernels import no_packed_sequence_check
+    from remat.head.site import kind_named
+    from remat.measure.head import logits_returned
+
+    ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    try:
+        with no_packed_sequence_check():
+            return logits_returned(model, {"input_ids": ids, site.labels_arg: ids}, site, kind_named(site.kind),
+                                    model.get_submodule(site.projection))
+    except Exception:  # noqa: BLE001 - a forward the meta device cannot run: the trace says so itself
+        return ""

@@ -38,7 +38,8 @@ from remat.measure.timing import Clock
 from remat.measure.tracker import LiveTracker
 from remat.measure.types import HeadOption, HeadProfile
 
-__all__ = ["HeadBoundary", "HeadCapture", "capture_head", "measure_head", "chunk_candidates", "MIN_CHUNK_TOKENS"]
+__all__ = ["HeadBoundary", "HeadCapture", "capture_head", "measure_head", "chunk_candidates", "logits_returned",
+           "MIN_CHUNK_TOKENS"]
 
 MIN_CHUNK_TOKENS = 64
 """The smallest chunk offered by default. Each chunk's backward reads and writes the whole weight
@@ -116,7 +117,7 @@ def capture_head(model: nn.Module, batch: Any, site: HeadSite) -> tuple[HeadCapt
                           f"projection's output ({float(ours):.9g}) that remat's head computes (next-token, labels "
                           "shifted): the model computes it another way (an encoder-decoder's unshifted labels, "
                           "an auxiliary term, a scaling), so the head stays in the fixed part, measured as it is")
-    why = _logits_returned(model, batch, site, kind, projection)
+    why = logits_returned(model, batch, site, kind, projection)
     if why:
         return None, why
     call = HeadCall(kind=kind, site=site, model=model, projection=projection, inputs=inputs,
@@ -124,7 +125,7 @@ def capture_head(model: nn.Module, batch: Any, site: HeadSite) -> tuple[HeadCapt
     return HeadCapture(hidden=captured.hidden.detach(), call=call), ""
 
 
-def _logits_returned(model: nn.Module, batch: Any, site: HeadSite, kind: Any, projection: nn.Module) -> str:
+def logits_returned(model: nn.Module, batch: Any, site: HeadSite, kind: Any, projection: nn.Module) -> str:
     """'' when a call without labels returns the projection's own output as its logits, as a
     planned head needs (`remat.apply.head`: it computes the loss from the projection's input and
     never makes those logits); else why not. A model that rescales its logits by a factor that
