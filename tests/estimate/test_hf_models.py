@@ -146,11 +146,13 @@ def test_searched_expert_layouts_fold_into_their_ranks(tmp_path) -> None:
     assert (1, 8) in {(par.tensor, par.expert) for par in found}
 
 
-def _estimated_and_measured_layer(tmp_path, **cfg) -> tuple[int, int]:
-    """The last layer's saved bytes: estimated (the GPU's kernels traced on the meta device) and
-    measured by `remat.profile` on the CPU, whose SDPA is a fused kernel too, fp32 both."""
+def _estimated_and_measured_layer(tmp_path, gpu_kernels: bool = True, **cfg) -> tuple[int, int]:
+    """The last layer's saved bytes: estimated (the GPU's kernels, or the CPU's, traced on the
+    meta device) and measured by `remat.profile` on the CPU, whose SDPA is a fused kernel too,
+    fp32 both."""
     path = _config(tmp_path, **cfg)
-    layer = estimate(ModelSource(hf_config_path=path), seq_len=S, micro_batch=2, dtype="fp32").layer_saved_bytes
+    layer = estimate(ModelSource(hf_config_path=path), seq_len=S, micro_batch=2, dtype="fp32",
+                     gpu_kernels=gpu_kernels).layer_saved_bytes
     fields = {k: v for k, v in cfg.items() if k != "model_type"}
     config = transformers.AutoConfig.for_model(cfg["model_type"], **fields)
     config._attn_implementation, config.use_cache = "sdpa", False
@@ -177,6 +179,9 @@ def test_a_layer_saves_what_the_fused_kernels_keep(tmp_path, kv_heads, window) -
                sliding_window=window, tie_word_embeddings=False)
     estimated, measured = _estimated_and_measured_layer(tmp_path, **cfg)
     assert estimated - measured == (16 if window else 24)
+    # --cpu-kernels traced the math path, every head's scores saved (+29 % a layer): now the CPU's fused kernel
+    on_cpu, measured = _estimated_and_measured_layer(tmp_path, gpu_kernels=False, **cfg)
+    assert on_cpu == measured
 
 
 def test_a_mask_bias_is_whole_under_sequence_parallelism(tmp_path) -> None:

@@ -51,7 +51,7 @@ def estimate_command(
     head: Optional[str] = typer.Option(None, "--head", help="LM head and loss: keep (default: as the model runs it), "
                                        "recompute, chunked or chunked:N (N tokens a chunk); --search tries keep and chunked."),
     explicit_attention: bool = typer.Option(False, "--explicit-attention", help="HF eager attention (scores materialized) instead of SDPA."),
-    cpu_kernels: bool = typer.Option(False, "--cpu-kernels", help="Trace the CPU's kernels (no FlashAttention, dropout masks in the activation dtype)."),
+    cpu_kernels: bool = typer.Option(False, "--cpu-kernels", help="Trace the CPU's kernels (its fused attention kernel, but the math path under attention dropout; dropout masks in the activation dtype): what remat profile measures on a CPU."),
     context_mib: int = typer.Option(512, "--context-mib", help="Allowance: CUDA context, kernels, NCCL (MiB)."),
     workspace_mib: int = typer.Option(32, "--workspace-mib", help="Allowance: library workspaces (MiB)."),
     fragmentation: float = typer.Option(0.05, "--fragmentation", help="Allowance: allocator fragmentation, share of the peak."),

@@ -1,7 +1,7 @@
 """What a GPU runs where the meta device (like the CPU) would run something else.
 
 `GpuKernels` runs scaled dot-product attention as FlashAttention and dropout with 1-byte masks,
-as a GPU does; `no_packed_sequence_check` lets a Hugging Face model trace on the meta device
+as a GPU does; `CpuKernels` runs attention as the CPU's fused kernel; `no_packed_sequence_check` lets a Hugging Face model trace on the meta device
 without a key/value cache.
 """
 
@@ -41,6 +41,31 @@ class GpuKernels(TorchFunctionMode):
         if func is F.dropout:
             return _native_dropout(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+class CpuKernels(TorchFunctionMode):
+    """Run ``F.scaled_dot_product_attention`` as PyTorch's CPU runs it, where the meta device
+    would take the math path (every head's seq x seq scores saved): the CPU's fused flash kernel
+    (``aten._scaled_dot_product_flash_attention_for_cpu``: grouped-query K and V as given, a mask
+    kept as the float bias it is made into), but with attention dropout, which sends the CPU down
+    the math path too. What `remat.profile` measures on a CPU (``--cpu-kernels``)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _cpu_flash(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _cpu_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> torch.Tensor:
+    if dropout_p > 0.0 or value.size(-1) != query.size(-1) or (query.size(-3) != key.size(-3) and not enable_gqa):
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    mask = None if attn_mask is None else _bias(attn_mask, query.dtype)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return flash(query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale)[0]
 
 
 def _native_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
@@ -128,4 +153,4 @@ def no_packed_sequence_check() -> Iterator[None]:
         masking.find_packed_sequence_indices = original
 
 
-__all__ = ["GpuKernels", "no_packed_sequence_check"]
+__all__ = ["CpuKernels", "GpuKernels", "no_packed_sequence_check"]

@@ -21,7 +21,6 @@ A ``file.py:build`` model is built under ``torch.device("meta")`` as its functio
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,7 +32,7 @@ from torch import nn
 
 from remat.estimate.comms import ModelFacts
 from remat.estimate.dataflow import Classified, classify
-from remat.estimate.kernels import GpuKernels, no_packed_sequence_check
+from remat.estimate.kernels import CpuKernels, GpuKernels, no_packed_sequence_check
 from remat.estimate.shares import Flow, Split, split_by_tokens, untokenized
 from remat.estimate.head import TracedHead, find_traced_head
 from remat.estimate.sharding import ModelParams, RoleShapes
@@ -222,10 +221,11 @@ def _buffer_bytes(module: nn.Module) -> int:
 
 def trace_profile(model: nn.Module, batch: Any, loss_fn: Any = None, *, gpu_kernels: bool = False) -> Profile:
     """`remat.profile` of one training step (no optimizer, one repeat: times are not used);
-    with ``gpu_kernels``, SDPA and dropout run as a GPU's fused kernels (`GpuKernels`)."""
+    with ``gpu_kernels``, SDPA and dropout run as a GPU's fused kernels (`GpuKernels`), else
+    SDPA as the CPU's (`CpuKernels`)."""
     from remat.measure.profile import profile
 
-    mode = GpuKernels() if gpu_kernels else contextlib.nullcontext()
+    mode = GpuKernels() if gpu_kernels else CpuKernels()
     with mode:
         return profile(model, batch, loss_fn=loss_fn, optimizer=None, warmup=0, repeats=1)
 
@@ -239,7 +239,7 @@ def _tracer(model: nn.Module, batch_at: Callable[[int], Any], loss_fn: Any, fuse
         try:
             with no_packed_sequence_check():
                 profile = trace_profile(model, batch, loss_fn, gpu_kernels=fused)
-                with GpuKernels() if fused else contextlib.nullcontext():
+                with GpuKernels() if fused else CpuKernels():
                     classified = classify(model, batch, blocks, loss_fn=loss_fn, plan=plan)
         except (RuntimeError, NotImplementedError, TypeError) as error:  # the model's own code on meta tensors
             raise ValueError(
