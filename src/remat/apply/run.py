@@ -151,6 +151,9 @@ def run_job(model_name: str = DEMO_MODEL, *, budget: str | int | None = "40%", s
         if budget_bytes < floor:
             note = (f"the default budget {budget} ({format_bytes(budget_bytes)}) is below the least peak any plan "
                     f"reaches on this model, {format_bytes(floor)}: planned at that peak (pass --budget to choose)")
+            if floor >= baseline.prediction.peak_bytes:
+                note += ("; no plan lowers this model's peak: what sets it (the model state, the part outside the "
+                         "blocks) is the same in every plan")
             budget_bytes = floor
     tuner = None
     if tune:
