@@ -10,6 +10,7 @@ max(20 steps, 10 s). ``--unshared`` adds a profile that measures every block's p
     .venv/bin/python -m benchmarks.profile_cost                        # MLP 8-256 blocks, GPT 2-16 layers
     .venv/bin/python -m benchmarks.profile_cost --mlp-depths 8,64 --gpt-layers 2 --unshared
     .venv/bin/python -m benchmarks.profile_cost --markdown profile-cost.md
+    .venv/bin/python -m benchmarks.profile_cost --mlp-depths '' --gpt-layers '' --resnet-images 96,160
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -64,24 +66,41 @@ def _step_ms(built, steps: int = 5) -> float:
     return statistics.median(times)
 
 
-def _profile_s(built, share: bool) -> tuple[float, int]:
-    """Seconds of one profile with default settings (``share``) or every block's probes run, and
-    the blocks whose probes ran (all of them in a profile that does not record it)."""
+def _profile_s(built, share: bool) -> tuple[float, int, int]:
+    """Seconds of one profile with default settings (``share``) or every block's probes run, the
+    blocks whose probes ran (all of them in a profile that does not record it), and its blocks."""
     options = {} if share else {"share_timing": False}
     start = time.perf_counter()
     result = profile(built.model, built.batch, built.loss_fn, built.optimizer, **options)
     elapsed = time.perf_counter() - start
-    return elapsed, sum(1 for b in result.blocks if getattr(b, "timing_from", b.index) in (b.index, None))
+    probed = sum(1 for b in result.blocks if getattr(b, "timing_from", b.index) in (b.index, None))
+    return elapsed, probed, result.num_blocks
+
+
+def _resnet50(image_size: int) -> SimpleNamespace:
+    """Hugging Face's ResNet-50 from its default config (random weights): 16 bottlenecks, 52
+    blocks of different shapes in 23 timing groups, a heterogeneous chain unlike the MLP and GPT;
+    4 images of ``image_size`` pixels a side, 10 classes, AdamW."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(transformers.ResNetConfig(num_labels=10)).train()
+    g = torch.Generator().manual_seed(0)
+    batch = {"pixel_values": torch.randn(4, 3, image_size, image_size, generator=g),
+             "labels": torch.randint(0, 10, (4,), generator=g)}
+    return SimpleNamespace(model=model, batch=batch, loss_fn=None, optimizer=torch.optim.AdamW(model.parameters()))
 
 
 def measure(model: str, depth: int, unshared: bool) -> Row:
-    sizes = {"mlp": {"depth": depth}, "gpt": {"num_layers": depth}}[model]
-    built = build(model, **sizes)
+    if model == "resnet50":  # ``depth``: the image size
+        built = _resnet50(depth)
+    else:
+        built = build(model, **{"mlp": {"depth": depth}, "gpt": {"num_layers": depth}}[model])
     step_ms = _step_ms(built)
-    profile_s, measured = _profile_s(built, True)
+    profile_s, measured, blocks = _profile_s(built, True)
     other = _profile_s(built, False)[0] if unshared else None
-    return Row(model=model, blocks=depth, step_ms=step_ms, profile_s=profile_s, measured_blocks=measured,
-               unshared_s=other)
+    return Row(model=model if model != "resnet50" else f"resnet50 @ {depth} px", blocks=blocks, step_ms=step_ms,
+               profile_s=profile_s, measured_blocks=measured, unshared_s=other)
 
 
 def markdown(rows: list[Row]) -> str:
@@ -106,11 +125,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mlp-depths", default="8,32,64,128,256", help="MLP depths, comma separated ('' for none).")
     parser.add_argument("--gpt-layers", default="2,4,8,16", help="GPT layers, comma separated ('' for none).")
+    parser.add_argument("--resnet-images", default="", help="Hugging Face ResNet-50 at these image sizes, comma "
+                        "separated (default none; needs transformers).")
     parser.add_argument("--unshared", action="store_true", help="Also profile with every block's probes run.")
     parser.add_argument("--markdown", type=Path, default=None, help="Write the table here too.")
     args = parser.parse_args(argv)
     jobs = [("mlp", int(d)) for d in args.mlp_depths.split(",") if d] + [
-        ("gpt", int(d)) for d in args.gpt_layers.split(",") if d]
+        ("gpt", int(d)) for d in args.gpt_layers.split(",") if d] + [
+        ("resnet50", int(d)) for d in args.resnet_images.split(",") if d]
     rows = []
     for model, depth in jobs:
         rows.append(measure(model, depth, args.unshared))
