@@ -593,12 +593,16 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
         BlockProfile(
             index=i, name=name, class_name=type(module).__name__,
             input_bytes=memory.input_bytes.get(name, 0), output_bytes=memory.output_bytes.get(name, 0),
-            saved_bytes=memory.saved_bytes[name], bwd_temp_bytes=memory.windows.block_temp_bytes[i],
+            # a block no backward runs (its output reaches no loss: LLaVA's last vision layer) had
+            # its graph dropped in the forward: what it saved lives there only, not to a backward
+            saved_bytes=memory.saved_bytes[name] if i in memory.windows.backward_blocks else 0,
+            bwd_temp_bytes=memory.windows.block_temp_bytes[i],
             fwd_ms=times.block_fwd_ms[i], bwd_ms=times.block_bwd_ms[i],
             fwd_flops=memory.recorder.segment_flops(name),
             ops=_scaled_times(ops[i], times.block_fwd_ms[i]), timing_from=groups.timing_from[i],
             grad_bytes=memory.block_grad_bytes[i],
-            fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i],
+            fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i]
+            + (0 if i in memory.windows.backward_blocks else memory.saved_bytes[name]),
             output_grad_bytes=memory.output_bytes.get(name, 0),
             bwd_free_order=memory.windows.block_free_order[i],
             fwd_live_bytes=tuple(max(0, c.live_after - memory.windows.block_fwd_start_bytes[i])
