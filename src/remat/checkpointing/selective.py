@@ -52,30 +52,41 @@ class SavedOpsPolicy:
         self.saved_ops = saved_ops
         self.saved = _saved_counts(saved_ops)
         self.counts: dict[str, int] = {}
+        """Occurrences so far per overload, in the checkpointed forward."""
+        self.replay_counts: dict[str, int] = {}
+        """The same in the replay: torch before 2.12 asks the policy again there (with
+        ``ctx.is_recompute``) and takes a cached output for each call it answers MUST_SAVE, so
+        the replay's n-th call must get the forward's n-th answer. Counted on from the forward's
+        counts, a replay would recompute every call and leave the cache held to the end of the
+        block's backward: on an H200 (torch 2.11), 19 % over the predicted peak of a small
+        convolutional net and 11 % over the predicted step time of the built-in GPT."""
         self.calls: list[tuple[str, int]] = []
-        """(overload, occurrence) of every call the policy was asked about, in order."""
+        """(overload, occurrence) of every forward call the policy was asked about, in order."""
 
     @property
     def seen(self) -> list[str]:
-        """Keys of every call the policy was asked about, in order (for diagnostics and tests)."""
+        """Keys of every forward call the policy was asked about, in order (for diagnostics and tests)."""
         return [f"{name}#{index}" for name, index in self.calls]
 
-    def _next(self, name: str) -> int:
-        index = self.counts.get(name, 0)
-        self.counts[name] = index + 1
-        self.calls.append((name, index))
+    def _next(self, name: str, replay: bool) -> int:
+        counts = self.replay_counts if replay else self.counts
+        index = counts.get(name, 0)
+        counts[name] = index + 1
+        if not replay:
+            self.calls.append((name, index))
         return index
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         name = _NAMES.get(op)
         if name is None:
             name = _NAMES[op] = _SAME_CALL.get(str(op), str(op))
+        replay = bool(getattr(ctx, "is_recompute", False))
         if name == _NATIVE_DROPOUT and args and _traced_on_cpu(args[0]):
             for eager in _EAGER_CPU_DROPOUT:
-                index = self._next(eager)
+                index = self._next(eager, replay)
             name = _EAGER_CPU_DROPOUT[-1]
         else:
-            index = self._next(name)
+            index = self._next(name, replay)
         saved = self.saved.get(name)
         return CheckpointPolicy.MUST_SAVE if saved is not None and index in saved else CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -5,10 +5,13 @@
   fdatasync + POSIX_FADV_DONTNEED, so the read comes from the disk, not the page cache;
   ``read_at``). A 4 MiB pilot sets the size so that the timed write takes about ``target_s``; the
   whole probe stays under a second on anything faster than ~40 MB/s.
-- Overlap: the rate of a small matmul loop while the offload's transfers run (records written
-  by a pool of `WRITER_THREADS` threads, as the disk offload's store writes them; side-stream
-  D2H copies on CUDA) over its rate alone. Compute that loses
-  nothing to the transfers hides them fully (1.0); compute that stalls for them hides nothing.
+- Overlap, disk: the rate of a small matmul loop while records are written by a pool of
+  `WRITER_THREADS` threads, as the disk offload's store writes them, over its rate alone.
+  Compute that loses nothing to the writes hides them fully (1.0); compute that stalls for them
+  hides nothing.
+- Overlap, CUDA (`measure_copy_overlap`): a device->host and a host->device copy on a side
+  stream beside matmuls of about the same length on the current stream, timed alone and
+  together with CUDA events: the share of the shorter that the two hide of each other.
 - Host<->device (CUDA only): pinned copies timed with CUDA events.
 """
 
@@ -18,6 +21,7 @@ import dataclasses
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,7 +31,8 @@ from remat._diskio import flush, make_private_dir, read_at, remove_private_dir, 
 from remat.measure.probes import Attempts
 from remat.measure.types import Bandwidths, Profile
 
-__all__ = ["measure_bandwidths", "measure_disk", "measure_disk_overlap", "measure_host_device", "with_bandwidths"]
+__all__ = ["measure_bandwidths", "measure_copy_overlap", "measure_disk", "measure_disk_overlap", "measure_host_device",
+           "overlap_share", "with_bandwidths"]
 
 PILOT_BYTES = 4 << 20
 MIN_PROBE_BYTES = 8 << 20
@@ -73,14 +78,12 @@ def measure_disk(directory: str | os.PathLike, *, target_s: float = 0.15) -> tup
 
 
 def _compute_rate(device: torch.device, until, min_s: float) -> float:
-    """Iterations per second of a small matmul loop run until ``until()`` and ``min_s`` elapsed."""
+    """Iterations per second of a small CPU matmul loop run until ``until()`` and ``min_s`` elapsed."""
     a = torch.randn(128, 128, device=device)
     iters, start = 0, time.perf_counter()
     while not until() or time.perf_counter() - start < min_s:
         a = torch.tanh(a @ a * (1.0 / 128))
         iters += 1
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
     return iters / (time.perf_counter() - start)
 
 
@@ -121,21 +124,69 @@ def _cuda_copy_s(dst: torch.Tensor, src: torch.Tensor, repeats: int = 3) -> floa
 
 
 def measure_host_device(device: torch.device, nbytes: int = 64 << 20) -> tuple[float, float, float]:
-    """(host->device, device->host bytes/s, hidden share of a side-stream D2H copy) on CUDA."""
+    """(host->device, device->host bytes/s, hidden share of side-stream copies) on CUDA."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    h2d = nbytes / _cuda_copy_s(dev, host)
+    h2d_s = _cuda_copy_s(dev, host)
     d2h_s = _cuda_copy_s(host, dev)
-    side = torch.cuda.Stream(device)
-    alone = _compute_rate(device, lambda: True, 0.05)
-    done = torch.cuda.Event()
-    with torch.cuda.stream(side):
-        for _ in range(4):
+    return nbytes / h2d_s, nbytes / d2h_s, measure_copy_overlap(device, host, dev, d2h_s + h2d_s)
+
+
+def overlap_share(compute_s: float, transfer_s: float, together_s: float) -> float:
+    """Share of the shorter of compute and transfer hidden when both run at once: what
+    `remat.plan.offload_cost.exposed_ms` takes (``together = compute + transfer - share * min``),
+    clamped to 0..1."""
+    shorter = min(compute_s, transfer_s)
+    if shorter <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (compute_s + transfer_s - together_s) / shorter))
+
+
+def measure_copy_overlap(device: torch.device, host: torch.Tensor, dev: torch.Tensor, transfer_s: float,
+                         *, repeats: int = 3) -> float:
+    """Share of pinned copies' time hidden behind compute on the GPU, as the offload runs them.
+
+    A device->host then a host->device copy of ``dev`` (``transfer_s`` alone) run on a side stream
+    while the current stream runs matmuls sized to take about as long; the share is
+    `overlap_share` of the three times (compute alone, copies alone, both at once), each timed
+    with CUDA events on the current stream, the median of ``repeats``. Only the streams
+    involved are waited for: a device-wide synchronize inside the timed region would serialise
+    the very copies being measured."""
+    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    a = torch.randn(1024, 1024, device=device)
+
+    def compute(n: int) -> None:
+        for _ in range(n):
+            torch.mm(a, a)
+
+    def copies() -> None:
+        with torch.cuda.stream(side):
             host.copy_(dev, non_blocking=True)
-        done.record(side)
-    during = _compute_rate(device, done.query, 0.0)
-    side.synchronize()
-    return h2d, nbytes / d2h_s, min(1.0, max(0.0, during / alone))
+            dev.copy_(host, non_blocking=True)
+
+    def timed(work: Callable[[], None], *, on_side: bool = False) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(main)
+        side.wait_event(start)
+        work()
+        if on_side:
+            main.wait_stream(side)
+        end.record(main)
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    compute(2)
+    per_mm = max(timed(lambda: compute(8)) / 8, 1e-7)
+    n = max(1, min(100_000, round(transfer_s / per_mm)))
+
+    def both() -> None:
+        copies()
+        compute(n)
+
+    rounds = [(timed(lambda: compute(n)), timed(copies, on_side=True), timed(both, on_side=True))
+              for _ in range(repeats)]
+    shares = sorted(overlap_share(*times) for times in rounds)
+    return shares[len(shares) // 2]
 
 
 def _host_fields(device: torch.device) -> dict:
