@@ -20,7 +20,7 @@ peers, each model and each mode likewise):
 - peers: remat against per-block checkpointing, checkpoint_sequential, torchtitan's policy and
   torch.compile's activation memory budget at matched peaks (`benchmarks.peers.run_suite`).
 
-``full`` (the default) is sized for one H200 within 6 minutes of sections; ``small`` runs the
+``full`` (the default) is sized for one H200 within 7 minutes of sections; ``small`` runs the
 same code on toy shapes on the CPU in about a minute (`benchmarks._device.config`). After every
 section ``results.json`` and ``results.md`` (Markdown tables with the date, the device and the
 torch version) are written again under ``--out``, so a run stopped from outside keeps its
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="directory for results.json and results.md")
     parser.add_argument("--sections", nargs="+", choices=SECTION_NAMES, default=list(SECTION_NAMES),
                         help="run only these (e.g. to rerun one that failed)")
-    parser.add_argument("--time-limit-s", type=float, help="all sections together (default: full 360, small 170)")
+    parser.add_argument("--time-limit-s", type=float, help="all sections together (default: full 420, small 170)")
     parser.add_argument("--repeats", type=int, help="timed pairs per plan (default: full 5, small 2)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
     args = parser.parse_args(argv)

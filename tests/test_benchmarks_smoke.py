@@ -454,3 +454,22 @@ def test_a_hugging_face_chunked_head_plan_gets_its_tolerance():
     add_remat(suite, profile, [("chunked", plan)], strategies.EAGER, warmup_steps=1)
     (run,) = suite.runners
     assert run.relative_tolerance == 1e-5
+
+
+def test_peak_by_op_names_what_is_live_at_each_peak_and_restores_the_tracker(tmp_path) -> None:
+    from benchmarks import peak_by_op
+    from remat.measure.tracker import LiveTracker
+
+    methods = {name: getattr(LiveTracker, name) for name in ("__torch_dispatch__", "_add_locked", "_shift", "__exit__")}
+    lines = peak_by_op.run("cpu", tmp_path, ["selective:attention-core"], top=40)
+    assert {name: getattr(LiveTracker, name) for name in methods} == methods
+    headers = [line for line in lines if line.startswith("## ")]
+    assert [h.split()[1] for h in headers] == ["convnet", "gpt"]
+    assert all("(+0.00 %)" in h and h.endswith("as planned: True") for h in headers)
+    assert (tmp_path / "peak_by_op.txt").read_text().splitlines() == lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["convnet-profile.json", "gpt-profile.json", "peak_by_op.txt"]
+    # the convnet's baseline peak: the stem's and 4 units' 2 convolutions' outputs (9) and as many
+    # ReLUs', each 4 x 8 x 16 x 16 floats (32 KiB): 0.28 MiB apiece, as printed
+    convnet_baseline = lines[lines.index(headers[0]) + 2:lines.index(headers[0]) + 12]
+    saved = {line.split()[-1]: float(line.split()[0]) for line in convnet_baseline if "activations      fwd" in line}
+    assert saved["aten.relu.default"] == saved["aten.convolution.default"] == round(9 * 32 / 1024, 2)
