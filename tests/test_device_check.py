@@ -215,7 +215,13 @@ def test_markdown_renders_the_cuda_figures():
     text = report.markdown(_cuda_results())
     assert text.startswith("## Device check: NVIDIA H200, torch 2.11.0+cu130, 2027-01-01 00:00 UTC")
     assert ("| gpt | full | 100.00 | 101.00 (+1.0%) | 110.00 (+4.0%) | 128.00 (+22.0%) | 50.0 / 55.0 | +25.0% / "
-            "+37.5% | - | within tolerance (max abs diff 2.0e-06, allowed 1e-05) |") in text
+            "+37.5% | - | within tolerance (max abs diff 2.0e-06, allowed 1e-05) | as planned |") in text
+    assert "gradients passed: 1 of 1; replays as planned: 1 of 1." in text
+    # the H200's first run: every selective plan replayed other calls than planned (torch 2.11)
+    results = _cuda_results()
+    results["sections"]["models"]["data"]["rows"][0]["recompute_counts_match"] = False
+    text = report.markdown(results)
+    assert "allowed 1e-05) | NOT as planned |" in text and "replays as planned: 0 of 1." in text
     assert ("| 512.00 MiB | 50.0 / 40.0 | 24.2 ms | 6.0 / 2.4 ms | 75% | 90% | 30.0 / 36.0 / 32.4 | +11.3% | "
             "900.00 / 400.00 / 398.00 | passed (max abs diff 0.0e+00) |") in text
 

@@ -37,6 +37,13 @@ def _grads(row: dict[str, Any]) -> str:
     return f"{verdict} (max abs diff {_num(row['grad_max_abs_diff'], '.1e')}, allowed {row['tolerance']:g})"
 
 
+def _replays(row: dict[str, Any]) -> str:
+    """Whether each block replayed the op calls its plan names (`Verification.recompute_counts_match`):
+    a selective policy that answers the replay differently from the forward replays more."""
+    match = row.get("recompute_counts_match")
+    return "-" if match is None else "as planned" if match else "NOT as planned"
+
+
 def _within(value: float | None, limit: float) -> bool:
     return value is not None and abs(value) <= limit
 
@@ -66,8 +73,9 @@ def models_table(data: dict[str, Any]) -> str:
     rows = data.get("rows", [])
     lines = [
         "| model | plan | peak predicted MiB | tracker MiB (error) | max allocated MiB (error) | max reserved MiB "
-        "(error) | step ms predicted / measured | overhead predicted / measured | step error (side by side) | gradients |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "(error) | step ms predicted / measured | overhead predicted / measured | step error (side by side) | gradients "
+        "| replayed calls |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for r in rows:
         lines.append(
@@ -77,13 +85,14 @@ def models_table(data: dict[str, Any]) -> str:
             f"{_with_error(r.get('max_reserved_bytes'), r.get('reserved_error_pct'))} | "
             f"{_num(r['predicted_step_ms'], '.1f')} / {_num(r['measured_step_ms'], '.1f')} | "
             f"{_num(r['predicted_overhead_pct'], '+.1f', '%')} / {_num(r['measured_overhead_pct'], '+.1f', '%')} | "
-            f"{_num(r['step_error_pct'], '+.1f', '%')} | {_grads(r)} |"
+            f"{_num(r['step_error_pct'], '+.1f', '%')} | {_grads(r)} | {_replays(r)} |"
         )
     planned = [r for r in rows if r["plan"] != "none"]
     peaks = sum(_within(r["tracker_error_pct"], 2) for r in rows)
     steps = sum(_within(r["step_error_pct"], 10) for r in planned)
     lines += ["", f"Peak within 2 % (tracker): {peaks} of {len(rows)}; step time within 10 % side by side: "
-                  f"{steps} of {len(planned)} plans; gradients passed: {sum(r['grads_ok'] for r in rows)} of {len(rows)}. "
+                  f"{steps} of {len(planned)} plans; gradients passed: {sum(r['grads_ok'] for r in rows)} of {len(rows)}; "
+                  f"replays as planned: {sum(r.get('recompute_counts_match') is not False for r in rows)} of {len(rows)}. "
                   f"Allocator: {data.get('allocator', '-')}; its errors are of the allocator's figure less what "
                   "lies outside the model state (batch, library workspaces)."]
     lines += [f"{name}: skipped ({why})." for name, why in data.get("skipped_models", {}).items()]
