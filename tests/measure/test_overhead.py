@@ -204,3 +204,41 @@ def test_repeats_must_be_positive():
     inputs = capture_block_inputs(block_list, lambda: model(x))
     with pytest.raises(ValueError, match=r"repeats=0 must be an integer >= 1"):
         measure_overheads(block_list, inputs, [frozenset()] * 2, repeats=0, clock=Clock(torch.device("cpu")))
+
+
+class _QueueClock:
+    """A clock that says which marks were taken: CUDA's (``cuda=True``) or the CPU's."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.marks, self.syncs = cuda, [], 0
+
+    def mark(self) -> int:
+        self.marks.append(len(self.marks))
+        return self.marks[-1]
+
+    def elapsed_ms(self, start: int, end: int) -> float:
+        return float(end - start)
+
+    def sync(self) -> None:
+        self.syncs += 1
+
+
+@pytest.mark.parametrize("cuda, runs", [(False, 1), (True, 2)])
+def test_a_probe_on_cuda_is_timed_behind_a_queued_run_of_its_kind(cuda, runs):
+    """On a GPU the timed run follows an untimed one without a synchronisation between them, as a
+    block in a step follows the blocks before it (the checkpoint's Python then overlaps the
+    device's work); on the CPU one run, timed alone. Gradients start unset for the timed run."""
+    from remat.measure.overhead import BlockInputs, _plain, _timed_run
+
+    calls = []
+
+    def runner(module, args, kwargs):
+        calls.append([p.grad is None for p in module.parameters()])
+        return _plain(module, args, kwargs)
+
+    module = nn.Linear(4, 4)
+    clock = _QueueClock(cuda)
+    _timed_run(module, BlockInputs(args=(torch.randn(2, 4, requires_grad=True),), kwargs={}), runner, clock)
+    assert calls == [[True, True]] * runs  # each run from unset gradients
+    assert clock.marks == [0, 1, 2] and clock.syncs == 2  # one timed run between two waits
+    assert all(p.grad is not None for p in module.parameters())

@@ -397,11 +397,20 @@ def _timed_run(module: nn.Module, inputs: BlockInputs, runner: Runner, clock: Cl
                touch_ms_per_byte: float = 0.0) -> tuple[float, float]:
     """(forward ms, forward + backward ms) of one run, the latter less ``touch_ms_per_byte`` per
     byte of fresh host memory the run faulted in; parameter and input gradients start unset, as
-    in a training step after ``zero_grad(set_to_none=True)``."""
+    in a training step after ``zero_grad(set_to_none=True)``.
+
+    On CUDA the timed run is queued behind an untimed run of the same kind, as a block in a step
+    runs behind the blocks before it: the Python the checkpoint adds (hooks, its frame, the
+    guard, the policy) then runs while the device still works, and costs device time only where
+    it outlasts the block's kernels, as in the step. Timed from an idle device, a run pays all of
+    it: an H200 (2026-12-04) measured 1.11 ms of overhead per unit of a convolutional net whose
+    forward takes 0.76 ms, and predicted its recomputing plans 8-18 % slower than they ran."""
     leaves = [t for t in tree_leaves((inputs.args, inputs.kwargs)) if isinstance(t, torch.Tensor)]
+    clock.sync()
+    if getattr(clock, "cuda", False):  # a run of the same kind queued first: the timed one starts behind it
+        _run_once(module, inputs, runner, leaves)
     for tensor in [*leaves, *module.parameters()]:
         tensor.grad = None
-    clock.sync()
     with FaultCount(enabled=bool(touch_ms_per_byte)) as faults:
         start = clock.mark()
         with inputs.autocast_context():  # the forward only: autograd runs the backward in the dtypes it recorded
@@ -413,6 +422,17 @@ def _timed_run(module: nn.Module, inputs: BlockInputs, runner: Runner, clock: Cl
         end = clock.mark()
         clock.sync()
     return clock.elapsed_ms(start, mid), clock.elapsed_ms(start, end) - touch_ms_per_byte * (faults.bytes or 0)
+
+
+def _run_once(module: nn.Module, inputs: BlockInputs, runner: Runner, leaves: list[torch.Tensor]) -> None:
+    """One untimed run (forward, backward with ones), gradients unset before it."""
+    for tensor in [*leaves, *module.parameters()]:
+        tensor.grad = None
+    with inputs.autocast_context():
+        out = runner(module, inputs.args, inputs.kwargs)
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
 
 def _plain(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
