@@ -210,3 +210,17 @@ def test_optimizer_names_from_instances() -> None:
     assert optimizer_name_of(torch.optim.Adafactor(params)) == "adafactor"
     with pytest.raises(ValueError, match="optimizer RMSprop has no entry in the state table"):
         optimizer_name_of(torch.optim.RMSprop(params))
+
+
+def test_a_builtins_step_sizes_are_the_estimates_own_arguments():
+    """``batch_size`` in a built-in's sizes reached `remat.models.build` beside the estimate's own
+    (a TypeError, "got multiple values for keyword argument"); ``seq_len`` was replaced without a
+    word. Both are refused, naming the argument to pass."""
+    from remat.estimate.sources import ModelSource
+
+    with pytest.raises(ValueError, match=r"sizes \['batch_size', 'seq_len'\] of the built-in model 'gpt' are the "
+                       r"estimate's own arguments; pass micro_batch=, seq_len= to remat.estimate instead"):
+        ModelSource(builtin="gpt", sizes=dict(num_layers=2, seq_len=32, batch_size=2))
+    with pytest.raises(ValueError, match=r"\['optimizer'\] .* pass optimizer= to remat.estimate"):
+        ModelSource(builtin="mlp", sizes=dict(depth=2, optimizer="sgd"))
+    assert ModelSource(builtin="gpt", sizes=dict(num_layers=2)).sizes == {"num_layers": 2}

@@ -41,6 +41,10 @@ HF_SIZE_KEYS: dict[str, dict[str, str]] = {
 }
 
 
+_STEP_ARGUMENTS = {"batch_size": "micro_batch", "seq_len": "seq_len", "optimizer": "optimizer"}
+"""A built-in model's size keywords that the estimate sets from its own arguments."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ModelSource:
     """A model to estimate: exactly one of ``builtin``, ``hf_family``, ``hf_config_path``, ``file``."""
@@ -72,6 +76,14 @@ class ModelSource:
             raise ValueError(f"attention={self.attention!r} is not supported; allowed: sdpa, eager.")
         if self.hf_family:
             check_sizes(self.sizes, f"--hf {self.hf_family}")
+        if self.builtin:
+            clashes = sorted(set(self.sizes) & set(_STEP_ARGUMENTS))
+            if clashes:
+                raise ValueError(
+                    f"sizes {clashes} of the built-in model {self.builtin!r} are the estimate's own arguments; "
+                    f"pass {', '.join(f'{_STEP_ARGUMENTS[k]}=' for k in clashes)} to remat.estimate instead "
+                    f"(sizes given: {self.sizes})."
+                )
 
     @property
     def label(self) -> str:
