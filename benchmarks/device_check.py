@@ -1,7 +1,7 @@
 """One prepared check of remat on an accelerator: every figure BENCHMARKS.md lacks for want of a GPU.
 
     python -m benchmarks.device_check --device cuda --out DIR [--size full|small]
-                                      [--sections models attention_core host_offload peers]
+                                      [--sections models attention_core host_offload estimate peers]
                                       [--time-limit-s S] [--repeats N] [--no-compile]
     make device-check OUT=DIR [DEVICE=cuda] [SIZE=full]
 
@@ -17,10 +17,13 @@ peers, each model and each mode likewise):
   fewer stored activation bytes at <= 5 % step time;
 - host_offload: every block offloaded to pinned host memory, the transfer overlap it achieves
   (`benchmarks.offload.host_offload`; CUDA only);
+- estimate: `remat estimate` (the meta device, the GPU's fused kernels on CUDA) of gpt and
+  hf:llama at the models' sizes against the same steps measured: peak and step time without
+  recomputation and with every block recomputed;
 - peers: remat against per-block checkpointing, checkpoint_sequential, torchtitan's policy and
   torch.compile's activation memory budget at matched peaks (`benchmarks.peers.run_suite`).
 
-``full`` (the default) is sized for one H200 within 7 minutes of sections; ``small`` runs the
+``full`` (the default) is sized for one H200 within 7.5 minutes of sections; ``small`` runs the
 same code on toy shapes on the CPU in about a minute (`benchmarks._device.config`). After every
 section ``results.json`` and ``results.md`` (Markdown tables with the date, the device and the
 torch version) are written again under ``--out``, so a run stopped from outside keeps its
@@ -55,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="directory for results.json and results.md")
     parser.add_argument("--sections", nargs="+", choices=SECTION_NAMES, default=list(SECTION_NAMES),
                         help="run only these (e.g. to rerun one that failed)")
-    parser.add_argument("--time-limit-s", type=float, help="all sections together (default: full 420, small 170)")
+    parser.add_argument("--time-limit-s", type=float, help="all sections together (default: full 450, small 170)")
     parser.add_argument("--repeats", type=int, help="timed pairs per plan (default: full 5, small 2)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
     args = parser.parse_args(argv)

@@ -46,6 +46,7 @@ def test_small_check_on_the_cpu(tmp_path):
     _is_complete_and_finite(results)
     _verifies_every_model_and_plan(results["sections"]["models"]["data"])
     _measures_attention_core_and_the_peers(results["sections"])
+    _estimates_what_it_measures(results["sections"]["estimate"]["data"])
     _writes_markdown_with_date_device_and_torch(results, (tmp_path / "results.md").read_text())
 
 
@@ -56,7 +57,7 @@ def _is_complete_and_finite(results: dict) -> None:
     env = results["environment"]
     assert env["device"] == "cpu" and env["torch_version"] == torch.__version__ and env["date_utc"].endswith("UTC")
     got = {name: s["status"] for name, s in results["sections"].items()}
-    assert got == {"models": "ok", "attention_core": "ok", "host_offload": "skipped", "peers": "ok"}
+    assert got == {"models": "ok", "attention_core": "ok", "host_offload": "skipped", "estimate": "ok", "peers": "ok"}
     assert "CUDA tensors" in results["sections"]["host_offload"]["note"]
 
 
@@ -89,11 +90,23 @@ def _measures_attention_core_and_the_peers(sections_: dict) -> None:
     assert "skipped" in peers["compiled"]
 
 
+def _estimates_what_it_measures(data: dict) -> None:
+    """On the CPU the estimate traces the CPU's kernels: the built-in GPT's step without
+    recomputation equals its measurement to the byte (with every block recomputed the estimate
+    equals remat's prediction, and the measured step is within 0.02 % of it)."""
+    expected = ["gpt"] + (["hf:llama"] if not data["skipped_models"] else [])
+    assert [(r["model"], r["strategy"]) for r in data["rows"]] == [(m, s) for m in expected for s in ("none", "full")]
+    assert all(r["kernels"] == "CPU" and r["measured_peak_bytes"] > 0 for r in data["rows"])
+    gpt = [r["peak_error_pct"] for r in data["rows"] if r["model"] == "gpt"]
+    assert gpt[0] == 0.0 and abs(gpt[1]) < 0.02
+    assert all(abs(r["peak_error_pct"]) < 1.0 for r in data["rows"])
+
+
 def _writes_markdown_with_date_device_and_torch(results: dict, text: str) -> None:
     env = results["environment"]
     assert text.startswith(f"## Device check: {env['device_name']}, torch {torch.__version__}, {env['date_utc']}")
     for heading in ("### Predicted against measured, per model", "### Attention-core at a GPT-3 layer",
-                    "### remat against the alternatives at matched peaks"):
+                    "### `remat estimate` against the measured step", "### remat against the alternatives at matched peaks"):
         assert heading in text
     assert "| gpt | none |" in text and "| host_offload | skipped |" in text
 

@@ -9,6 +9,8 @@
 - ``attention_core``: the Megatron-LM comparison at a GPT-3 layer, after checking with
   `remat.estimate` that the shape fits the device.
 - ``host_offload``: pinned host offload of every block, and the transfer overlap it achieves.
+- ``estimate``: `remat.estimate` against the same steps measured (peak and time, without
+  recomputation and with every block recomputed).
 - ``peers``: remat at the peers' peaks, eager, then compiled.
 """
 
@@ -166,6 +168,66 @@ def host_offload(config: CheckConfig, device: torch.device) -> SectionRun:
     return run
 
 
+ESTIMATE_STRATEGIES = ("none", "full")
+"""What `remat estimate` is compared with measurement on: the step as written, every block recomputed."""
+
+
+def _estimate_rows(name: str, sizes: dict[str, Any], device: torch.device, progress: Progress) -> list[dict[str, Any]]:
+    """`remat.estimate` of one model (on the meta device, the GPU's fused kernels where the
+    device is CUDA, as the CPU runs them otherwise) beside the same step measured here: the peak
+    (the live-storage tracker: `remat.profile`'s step without recomputation, `remat.verify`'s
+    with every block recomputed) and the step time."""
+    from remat.apply.run import _profile
+    from remat.estimate.api import estimate
+    from remat.estimate.sources import ModelSource
+    from remat.plan.planners import plan
+    from remat.verify import verify
+
+    built, prof = _profile(name, dict(sizes), progress, device=str(device))
+    full = plan(prof, strategy="full")
+    progress("verifying full")
+    measured = {"none": (prof.peak_bytes, prof.step_ms)}
+    ver = verify(built.model, built.batch, full, built.loss_fn, built.optimizer, repeats=1)
+    measured["full"] = (ver.measured_peak_bytes, ver.measured_step_ms)
+    progress("estimating on the meta device")
+    model_sizes = {k: v for k, v in sizes.items() if k not in ("batch_size", "seq_len")}
+    est = estimate(ModelSource(builtin=name, sizes=model_sizes), devices=("H200-141GB",), micro_batch=sizes["batch_size"],
+                   seq_len=sizes["seq_len"], dtype="fp32", optimizer="adamw", strategies=ESTIMATE_STRATEGIES,
+                   gpu_kernels=device.type == "cuda")
+    rows = []
+    for strategy in est.devices[0].strategies:
+        peak, step_ms = measured[strategy.strategy]
+        rows.append({"model": name, "strategy": strategy.strategy, "kernels": "GPU" if device.type == "cuda" else "CPU",
+                     "estimated_peak_bytes": strategy.peak_bytes, "measured_peak_bytes": peak,
+                     "peak_error_pct": 100 * (strategy.peak_bytes - peak) / peak,
+                     "estimated_step_ms": 1e3 * strategy.step_s, "measured_step_ms": step_ms, "mfu": est.mfu})
+    return rows
+
+
+def estimate_check(config: CheckConfig, device: torch.device) -> SectionRun:
+    """`remat estimate` against the measured step, per model; a model that fails is recorded and
+    the next one runs."""
+    from remat.models.hf import transformers_available
+
+    def run(data: dict[str, Any], progress: Progress) -> None:
+        rows, skipped = data.setdefault("rows", []), data.setdefault("skipped_models", {})
+        failures = data.setdefault("failed_models", {})
+        for name in ESTIMATE_MODELS:
+            if name.startswith("hf:") and not transformers_available():
+                skipped[name] = "transformers is not installed"
+                continue
+            rows += run_part(failures, name, _estimate_rows, name, config.models[name], device,
+                             prefixed(progress, name)) or []
+        raise_failures(failures)
+
+    return run
+
+
+ESTIMATE_MODELS = ("gpt", "hf:llama")
+"""The models section's models that `remat estimate` takes as built-ins (a language model's
+tokens and sequence length), at the models section's sizes."""
+
+
 def _suite_json(workload: Any, peers_: list[Any], repeats: int, frontier_points: int) -> dict[str, Any]:
     """One peers comparison, measured (`benchmarks.peers.run_suite`), as JSON."""
     from benchmarks._peers import results
@@ -205,5 +267,6 @@ def peers(config: CheckConfig, device: torch.device) -> SectionRun:
 
 def sections(config: CheckConfig, device: torch.device) -> list[Section]:
     """Every section, in the order they run, with their shares of the time limit."""
-    runs = {"models": models, "attention_core": attention_core, "host_offload": host_offload, "peers": peers}
+    runs = {"models": models, "attention_core": attention_core, "host_offload": host_offload,
+            "estimate": estimate_check, "peers": peers}
     return [Section(name=name, share=config.shares[name], run=make(config, device)) for name, make in runs.items()]

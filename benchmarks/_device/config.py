@@ -35,11 +35,12 @@ BUDGET_FRACTIONS = (0.25, 0.75)
 """The optimal rows: this far from the least feasible peak to the baseline peak (two of
 `remat demo`'s three)."""
 
-FULL_SHARES = {"models": 0.27, "attention_core": 0.13, "host_offload": 0.06, "peers": 0.54}
+FULL_SHARES = {"models": 0.25, "attention_core": 0.12, "host_offload": 0.05, "estimate": 0.07, "peers": 0.51}
 """On a GPU the compiled peers cost most (tens of seconds of compilation a model). On an H200
 (2026-12-04) the sections took 102 s, 47 s, 10-18 s and about 200 s with a cold inductor cache
-(57 s warm): 113, 55, 25 and 227 s of the 420."""
-SMALL_SHARES = {"models": 0.50, "attention_core": 0.25, "host_offload": 0.05, "peers": 0.20}
+(57 s warm): 112, 54, 22 and 230 s of the 450, and 31 s for the estimates (two profiles, two
+verified steps, two meta traces)."""
+SMALL_SHARES = {"models": 0.45, "attention_core": 0.22, "host_offload": 0.05, "estimate": 0.10, "peers": 0.18}
 """On the CPU nothing is compiled: profiling and verifying the four models cost most."""
 
 SECTION_NAMES = tuple(FULL_SHARES)
@@ -95,7 +96,7 @@ PRESETS: dict[str, CheckConfig] = {
         peers_size="tiny", frontier_points=1, shares=SMALL_SHARES,
     ),
     "full": CheckConfig(
-        size="full", repeats=5, total_s=420.0,
+        size="full", repeats=5, total_s=450.0,
         models={
             "gpt": _GPT_FULL,
             "hf:llama": dict(num_layers=8, d_model=1024, num_heads=16, seq_len=1024, batch_size=4, vocab_size=32000),

@@ -140,6 +140,23 @@ def host_offload_table(row: dict[str, Any]) -> str:
     ])
 
 
+def estimate_table(data: dict[str, Any]) -> str:
+    rows = data.get("rows", [])
+    lines = ["| model | strategy | kernels | peak estimated MiB | peak measured MiB (tracker) | error "
+             "| step ms estimated (MFU) / measured |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['strategy']} | {r['kernels']} | {_mib(r['estimated_peak_bytes'])} | "
+                     f"{_mib(r['measured_peak_bytes'])} | {_num(r['peak_error_pct'], '+.2f', '%')} | "
+                     f"{_num(r['estimated_step_ms'], '.1f')} ({_num(r['mfu'], '.2f')}) / {_num(r['measured_step_ms'], '.1f')} |")
+    within = sum(_within(r["peak_error_pct"], 2) for r in rows)
+    lines += ["", f"Estimated peak within 2 % of the measured: {within} of {len(rows)}. The estimate's step time "
+                  "is its FLOP count at the stated MFU of an H200's peak rate, not a measurement."]
+    lines += [f"{name}: skipped ({why})." for name, why in data.get("skipped_models", {}).items()]
+    lines += [f"{name}: failed ({why.splitlines()[0]})." for name, why in data.get("failed_models", {}).items()]
+    return "\n".join(lines)
+
+
 def _peers_part(part: dict[str, Any]) -> str:
     from benchmarks._peers import results
 
@@ -174,6 +191,8 @@ def markdown(results: dict[str, Any]) -> str:
                            lambda d: attention_core_table(d, results["environment"]["repeats"]) if "row" in d else None),
         "host_offload": ("Pinned host offload (offload:cpu, every block)",
                          lambda d: host_offload_table(d["row"]) if "row" in d else None),
+        "estimate": ("`remat estimate` against the measured step",
+                     lambda d: estimate_table(d) if d.get("rows") or d.get("failed_models") else None),
         "peers": ("remat against the alternatives at matched peaks", lambda d: peers_tables(d) or None),
     }
     for name, (title, table) in render.items():
