@@ -20,6 +20,7 @@ run by the runtime, in the forward and in the replay, for per-block accounting.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -182,7 +183,8 @@ class Runtime:
     def original_forward(self, index: int) -> Callable[..., Any]:
         block = self.blocks[index]
         saved = self.saved_forwards.get(index)
-        return saved if saved is not None else type(block).forward.__get__(block)
+        # a partial, not ``forward.__get__(block)``: torch 2.11's dynamo refuses that call inside a checkpoint
+        return saved if saved is not None else functools.partial(type(block).forward, block)
 
     def run_raw(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run block ``index``'s own forward (no hooks), telling the listeners; a block the model

@@ -104,7 +104,11 @@ def _saved_counts(saved_ops: frozenset[str]) -> dict[str, frozenset[int]]:
 
 
 def _traced_on_cpu(first: Any) -> bool:
-    return torch.compiler.is_compiling() and isinstance(first, torch.Tensor) and first.device.type == "cpu"
+    """Whether the call is traced for ``torch.compile`` (AOT Autograd's proxy mode is on: torch
+    before 2.12 calls the policy there with ``is_compiling()`` False; torch's own
+    ``checkpoint._is_compiling`` asks the same) on a CPU tensor."""
+    tracing = torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+    return tracing and isinstance(first, torch.Tensor) and first.device.type == "cpu"
 
 
 def is_saved(key: str, saved_ops: frozenset[str] | set[str]) -> bool:

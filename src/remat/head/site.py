@@ -20,6 +20,7 @@ projection's output. Any other model has no head part: its loss stays in the fix
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -227,7 +228,7 @@ def capture_projection(projection: nn.Module, *, run: bool) -> Iterator[Captured
     else it returns an empty tensor instead of the logits (which then never exist)."""
     captured = Captured()
     previous = projection.__dict__.get("forward")
-    own = type(projection).forward.__get__(projection) if previous is None else previous
+    own = functools.partial(type(projection).forward, projection) if previous is None else previous
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         captured.hidden, captured.calls = hidden, captured.calls + 1
