@@ -331,7 +331,13 @@ def _with_head(step: _Step, prof: Profile, windows: BackwardWindows, note: str, 
             repeats=min(repeats, HEAD_ROUNDS), touch_ms_per_byte=prof.first_touch_ms_per_byte)
     except Exception as exc:  # noqa: BLE001 - reported in the profile, as the block probes do
         return dataclasses.replace(prof, head_note=f"measuring the head raised {failure_reason(exc)}")
-    return dataclasses.replace(prof, head=head)
+    # the post part's forward as the step ran it, against the head's model of it: what the step
+    # holds beside the head that the head run alone does not (an unreached block's graph, outputs
+    # the model's output keeps to the loss: LLaVA's image features)
+    keep = head.option("keep")
+    modelled = post - keep.saved_bytes + keep.fwd_peak_bytes
+    held = max(0, windows.post_fwd_bytes + windows.unreached_post_bytes() - modelled)
+    return dataclasses.replace(prof, head=head, fixed_post_fwd_held_bytes=held)
 
 
 class _Reporter:
@@ -539,7 +545,8 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
         fixed_pre_bwd_temp_bytes=memory.windows.pre_bwd_temp_bytes,
         optimizer_step_ms=times.optimizer_step_ms, buffer_bytes=buffer_bytes(model),
         fixed_pre_saved_bytes=saved[PRE], fixed_post_saved_bytes=saved[POST],
-        fixed_post_bwd_temp_bytes=max(memory.windows.post_temp_bytes, memory.windows.post_fwd_bytes - saved[POST]),
+        fixed_post_bwd_temp_bytes=max(memory.windows.post_temp_bytes, memory.windows.post_fwd_bytes
+                                      + memory.windows.unreached_post_bytes() - saved[POST]),
         fixed_pre_grad_bytes=_pre_grad_bytes(memory, block_list),
         fixed_fwd_ms=times.fixed_fwd_ms, fixed_bwd_ms=times.fixed_bwd_ms,
         fixed_flops=recorder.segment_flops(PRE) + between_flops + recorder.segment_flops(POST),

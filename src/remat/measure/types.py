@@ -603,6 +603,14 @@ class Profile(JsonDocument):
     and the pre part's saved bytes: a phase no plan changes, the peak of a convolutional network
     whose stem works at the input's resolution once recomputation has lowered the blocks' (0: not
     measured, or it ran none)."""
+    fixed_post_fwd_held_bytes: int = 0
+    """With a head part: what the step holds through the post part's forward beyond what the
+    head's own model of that forward counts (`remat.plan.head.head_need_bytes`): the graphs of
+    blocks no backward runs, which live as long as their outputs, and outputs the model's output
+    keeps to the loss. LLaVA keeps its vision tower's output, every layer's hidden state in it
+    (so the unreached last vision layer's graph), and its image features: 3.5 % under the
+    measured peak of every plan peaking at the head before. Without a head part the post part's
+    measured forward counts them (``fixed_post_bwd_temp_bytes``)."""
     fixed_pre_grad_bytes: int = 0
     """Gradient bytes allocated only after the first block's backward, other than its own: the
     pre part's (embeddings, and weights tied to them, whose one gradient accumulates last).

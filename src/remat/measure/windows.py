@@ -59,6 +59,10 @@ class BackwardWindows:
         every other live byte (the last block's output, a loss's forward workspace: a CTC loss's
         ``ones_like`` of the input lengths)."""
         self._post_forward_open = False
+        self.post_fwd_block_bytes: list[int] = [0] * len(block_names)
+        """What each block saved that is still live when the post part's forward begins: the
+        ``post_fwd_bytes`` window leaves it out as the block's to count; a block no backward runs
+        counts nothing (`unreached_post_bytes`)."""
         self.pre_fwd_bytes = 0
         """Peak of the pre part's forward (from ``fwd_begin`` to the first block's start) less the
         model state."""
@@ -87,6 +91,7 @@ class BackwardWindows:
             own = self.accountant.segment_bytes(self.names[event.index])
             self.block_fwd_temp_bytes[event.index] = self.tracker.close_window() - own
             if event.index == len(self.names) - 1:  # the post part's forward: final norm, head, loss
+                self.post_fwd_block_bytes = [self.tracker.live_by_label.get(ACT_PREFIX + n, 0) for n in self.names]
                 labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in self.order[: self.order.index(POST)])]
                 self.tracker.open_window(labels)
                 self._post_forward_open = True
@@ -112,6 +117,12 @@ class BackwardWindows:
             self.tracker.open_window()
         elif event.kind == "opt_end":
             self.optimizer_temp_bytes = self.tracker.close_window() - self._opt_start_bytes
+
+    def unreached_post_bytes(self) -> int:
+        """What the blocks no backward runs saved and the step still holds through the post part's
+        forward: their graphs live as long as their outputs, which the model's output may hold to
+        the loss (LLaVA's vision tower output, every layer's hidden state in it)."""
+        return sum(nbytes for i, nbytes in enumerate(self.post_fwd_block_bytes) if i not in self.backward_blocks)
 
     def _start(self, segment: str) -> None:
         """Exclude the state and what earlier segments still hold (live), and two constants: the

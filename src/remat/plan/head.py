@@ -62,7 +62,8 @@ def head_need_bytes(profile: Profile, head: str = KEEP) -> int:
     part, option, keep = profile.head, _option(profile, head), profile.head.option(KEEP)
     rest = profile.fixed_post_saved_bytes - keep.saved_bytes
     backward = part.post_head_bytes + option.bwd_peak_bytes - keep.bwd_peak_bytes
-    return max(rest + option.fwd_peak_bytes, backward, part.post_rest_bytes)
+    forward = rest + option.fwd_peak_bytes + profile.fixed_post_fwd_held_bytes  # unreached blocks' graphs too
+    return max(forward, backward, part.post_rest_bytes)
 
 
 def priced_profile(profile: Profile, head: str = KEEP) -> Profile:
