@@ -13,7 +13,7 @@ GIB = 2**30
 
 DEVICES = ["H100-80GB", "H200-141GB", "A100-40GB", "A100-80GB", "L4-24GB", "RTX4090-24GB", "B200-180GB", "GB200-186GB",
            "MI300X-192GB", "MI325X-256GB", "H100-PCIe-80GB", "H800-80GB", "L40S-48GB", "A10G-24GB"]
-SOURCED = ("memory_bytes", "peak_bf16_flops_per_s", "memory_bytes_per_s", "host_link_bytes_per_s",
+SOURCED = ("memory_bytes", "peak_bf16_flops_per_s", "peak_fp32_flops_per_s", "memory_bytes_per_s", "host_link_bytes_per_s",
            "gpu_link_bytes_per_s", "gpus_per_node", "network_bytes_per_s")
 
 
@@ -23,13 +23,15 @@ def test_builtin_table_has_every_device_with_a_source_per_value() -> None:
     for spec in table.values():
         given = {k for k in SOURCED if getattr(spec, k) is not None}
         assert set(spec.sources) == given, spec.name
-        assert {"memory_bytes", "peak_bf16_flops_per_s", "memory_bytes_per_s", "host_link_bytes_per_s",
-                "gpu_link_bytes_per_s"} <= given
+        assert {"memory_bytes", "peak_bf16_flops_per_s", "peak_fp32_flops_per_s", "memory_bytes_per_s",
+                "host_link_bytes_per_s", "gpu_link_bytes_per_s"} <= given
         assert all(text.strip() for text in spec.sources.values())
     assert table["H100-80GB"].memory_bytes == 80 * GIB
     assert table["H100-80GB"].peak_bf16_flops_per_s == 989.4e12
     assert table["H100-80GB"].gpu_link_bytes_per_s == 450e9 and table["H100-80GB"].gpus_per_node == 8
     assert table["A100-40GB"].peak_bf16_flops_per_s == 312e12
+    assert (table["H100-80GB"].peak_fp32_flops_per_s, table["H200-141GB"].peak_fp32_flops_per_s,
+            table["A100-40GB"].peak_fp32_flops_per_s, table["MI300X-192GB"].peak_fp32_flops_per_s) == (67e12, 67e12, 19.5e12, 163.4e12)
     assert table["L4-24GB"].memory_bytes_per_s == 300e9
     assert table["B200-180GB"].peak_bf16_flops_per_s == 2.25e15 and table["GB200-186GB"].gpus_per_node == 72
     assert table["MI300X-192GB"].memory_bytes == 192 * GIB and table["MI325X-256GB"].memory_bytes_per_s == 6e12

@@ -32,8 +32,8 @@ def traced():
 
 
 def _devices_file(tmp_path, **memories: int):
-    entries = [{"name": name, "memory_bytes": mem, "peak_bf16_flops_per_s": 1e12, "memory_bytes_per_s": 1e11}
-               for name, mem in memories.items()]
+    entries = [{"name": name, "memory_bytes": mem, "peak_bf16_flops_per_s": 1e12, "peak_fp32_flops_per_s": 1e12,
+                "memory_bytes_per_s": 1e11} for name, mem in memories.items()]
     path = tmp_path / "devices.json"
     path.write_text(json.dumps({"devices": entries}))
     return path
@@ -224,3 +224,26 @@ def test_a_builtins_step_sizes_are_the_estimates_own_arguments():
     with pytest.raises(ValueError, match=r"\['optimizer'\] .* pass optimizer= to remat.estimate"):
         ModelSource(builtin="mlp", sizes=dict(depth=2, optimizer="sgd"))
     assert ModelSource(builtin="gpt", sizes=dict(num_layers=2)).sizes == {"num_layers": 2}
+
+
+def test_an_fp32_step_is_priced_at_the_devices_fp32_rate(tmp_path):
+    """float32 matmuls run at the FP32 rate (an H200's 67 TFLOP/s against 989 in BF16): priced at
+    the BF16 rate, an fp32 GPT's step was 8.0 ms against 82.9 measured on an H200. A device with
+    no FP32 rate is refused for fp32 and priced as before for bf16."""
+    from remat.estimate.sources import ModelSource
+
+    path = tmp_path / "devices.json"
+    path.write_text(json.dumps({"devices": [
+        {"name": "Fast32", "memory_bytes": 2**36, "peak_bf16_flops_per_s": 1e12, "peak_fp32_flops_per_s": 1e12},
+        {"name": "Slow32", "memory_bytes": 2**36, "peak_bf16_flops_per_s": 1e12, "peak_fp32_flops_per_s": 1e11},
+        {"name": "No32", "memory_bytes": 2**36, "peak_bf16_flops_per_s": 1e12}]}))
+    source = ModelSource(builtin="gpt", sizes=dict(num_layers=2, d_model=64, num_heads=2, vocab_size=64))
+    run = lambda devices, dtype: estimate(source, devices=devices, devices_file=str(path), micro_batch=2,  # noqa: E731
+                                          seq_len=32, dtype=dtype, strategies=("none",))
+    fast, slow = (d.strategies[0].time.compute_s for d in run(["Fast32", "Slow32"], "fp32").devices)
+    assert slow == pytest.approx(10 * fast)
+    with pytest.raises(ValueError, match=r"device 'No32' has no peak_fp32_flops_per_s: an fp32 step runs its matmuls "
+                                         r"far below the BF16 rate .* add the FP32 rate to a devices file"):
+        run(["No32"], "fp32")
+    bf16 = run(["Fast32", "No32"], "bf16").devices
+    assert bf16[0].strategies[0].time.compute_s == bf16[1].strategies[0].time.compute_s

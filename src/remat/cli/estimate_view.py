@@ -127,12 +127,13 @@ def devices_table(devices_file: Optional[Path]) -> Table:
     if devices_file is not None:
         specs.update(load_devices_file(devices_file))
     table = Table(show_edge=False)
-    for name in ("device", "memory GiB", "bf16 TFLOP/s", "memory TB/s", "host link GB/s", "GPU link GB/s",
+    for name in ("device", "memory GiB", "bf16 TFLOP/s", "fp32 TFLOP/s", "memory TB/s", "host link GB/s", "GPU link GB/s",
                  "GPUs/node", "source"):
         table.add_column(name)
     for spec in specs.values():
         table.add_row(
             spec.name, _gib(spec.memory_bytes), f"{spec.peak_bf16_flops_per_s / 1e12:.1f}",
+            f"{spec.peak_fp32_flops_per_s / 1e12:.1f}" if spec.peak_fp32_flops_per_s else "-",
             f"{spec.memory_bytes_per_s / 1e12:.2f}" if spec.memory_bytes_per_s else "-",
             f"{spec.host_link_bytes_per_s / 1e9:.0f}" if spec.host_link_bytes_per_s else "-",
             f"{spec.gpu_link_bytes_per_s / 1e9:.0f}" if spec.gpu_link_bytes_per_s else "-",

@@ -6,6 +6,7 @@ A user file (JSON or TOML) lists devices with the same fields, for example in TO
     name = "MyGPU-48GB"
     memory_bytes = 51539607552
     peak_bf16_flops_per_s = 362e12
+    peak_fp32_flops_per_s = 91.6e12   # optional; needed for --dtype fp32
     memory_bytes_per_s = 864e9        # optional
     host_link_bytes_per_s = 32e9      # optional
     gpu_link_bytes_per_s = 32e9       # optional: GPU to GPU in a node, one direction
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 _REQUIRED = ("name", "memory_bytes", "peak_bf16_flops_per_s")
-_OPTIONAL = ("description", "memory_bytes_per_s", "host_link_bytes_per_s", "gpu_link_bytes_per_s", "gpus_per_node",
+_OPTIONAL = ("description", "peak_fp32_flops_per_s", "memory_bytes_per_s", "host_link_bytes_per_s", "gpu_link_bytes_per_s", "gpus_per_node",
              "network_bytes_per_s", "sources")
 
 
@@ -38,6 +39,10 @@ class DeviceSpec:
     """Device memory in bytes."""
     peak_bf16_flops_per_s: float
     """Peak dense BF16 tensor FLOP/s."""
+    peak_fp32_flops_per_s: float | None = None
+    """Peak dense FP32 FLOP/s as PyTorch runs float32 matmuls by default (``allow_tf32`` off):
+    the CUDA cores' rate on NVIDIA GPUs, the matrix cores' on AMD's; what ``--dtype fp32``
+    prices at (None: unknown, and an fp32 estimate for the device is refused)."""
     memory_bytes_per_s: float | None = None
     """Device memory bandwidth."""
     host_link_bytes_per_s: float | None = None
@@ -53,7 +58,23 @@ class DeviceSpec:
     sources: dict[str, str] = field(default_factory=dict)
     """Where each value comes from (field name -> datasheet and figure)."""
 
+    def peak_flops_per_s(self, precision: str) -> float:
+        """The peak rate a step of ``precision`` (`remat.memory.model_state` recipe names) runs
+        its matmuls at: FP32's for ``fp32``, BF16's otherwise."""
+        if precision != "fp32":
+            return self.peak_bf16_flops_per_s
+        if self.peak_fp32_flops_per_s is None:
+            raise ValueError(
+                f"device {self.name!r} has no peak_fp32_flops_per_s: an fp32 step runs its matmuls far below the "
+                f"BF16 rate ({self.peak_bf16_flops_per_s:.3g} FLOP/s); add the FP32 rate to a devices file "
+                "(--devices-file) or estimate --dtype bf16."
+            )
+        return self.peak_fp32_flops_per_s
+
     def __post_init__(self) -> None:
+        if self.peak_fp32_flops_per_s is not None and self.peak_fp32_flops_per_s <= 0:
+            raise ValueError(f"device {self.name!r}: peak_fp32_flops_per_s={self.peak_fp32_flops_per_s} must be positive; "
+                             "fix the device file.")
         if self.memory_bytes <= 0 or self.peak_bf16_flops_per_s <= 0:
             raise ValueError(
                 f"device {self.name!r}: memory_bytes={self.memory_bytes} and peak_bf16_flops_per_s="
@@ -72,6 +93,8 @@ def _spec(entry: Mapping[str, Any], where: str) -> DeviceSpec:
     values = dict(entry)
     values["memory_bytes"] = int(values["memory_bytes"])
     values["peak_bf16_flops_per_s"] = float(values["peak_bf16_flops_per_s"])
+    if "peak_fp32_flops_per_s" in values:
+        values["peak_fp32_flops_per_s"] = float(values["peak_fp32_flops_per_s"])
     return DeviceSpec(**values)
 
 

@@ -207,7 +207,8 @@ def _candidate(pricing: Pricing, spec: DeviceSpec, space: SearchSpace, label: st
                      micro_batch=pricing.micro_batch, micro_batches=pricing.micro_batches, strategy=label,
                      peak_bytes=peak, step_s=step_s, tokens_per_s_per_gpu=tokens / step_s / space.gpus,
                      head=pricing.head_name,
-                     mfu=model_flops(pricing.traced) * space.global_batch / (step_s * space.gpus * spec.peak_bf16_flops_per_s))
+                     mfu=model_flops(pricing.traced) * space.global_batch
+                     / (step_s * space.gpus * spec.peak_flops_per_s(pricing.recipe.precision)))
 
 
 def model_flops(traced: Traced) -> float:
