@@ -6,7 +6,8 @@ one *accounting* step under the live-storage tracker, the saved-tensor accountan
 recorder and the dataflow recorder (`remat.measure.dataflow`), then ``repeats`` timed steps
 (each after a plain one, timed whole: the parts are scaled to the plain steps' median,
 `remat.measure.timing.without_instrumentation`) and ``repeats - 1`` more forwards for per-op
-times, then each block alone, plain and checkpointed, for the checkpointing overheads
+times, one forward without gradients for the calls whose outputs the code holds to the end
+(`remat.measure.held`), then each block alone, plain and checkpointed, for the checkpointing overheads
 (`remat.measure.overhead`; a probe that fails marks its strategy unavailable for the block,
 `BlockProfile.unavailable`). Blocks that are the same computation share these timing probes:
 they run on the first of them, and the forwards stop after the last block that runs them
@@ -86,6 +87,7 @@ from remat.measure.dataflow import BlockFlow, DataflowRecorder, block_flows
 from remat.measure.fixed import fixed_modules
 from remat.measure.faults import FaultCount, first_touch_ms_per_byte
 from remat.measure.fingerprint import fingerprint, model_hash
+from remat.measure.held import code_held_calls
 from remat.measure.head import HeadBoundary, capture_head, chunk_candidates, measure_head
 from remat.measure.probes import failure_reason
 from remat.measure.ops import OpRecorder
@@ -294,7 +296,7 @@ def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
     call_ms = 0.0 if device.type == "meta" else measure_checkpoint_call_ms(
         device, repeats=repeats, clock=Clock(device), touch_ms_per_byte=touch,
         budget=dataclasses.replace(budget, steps=CALL_STEPS, floor_ms=0.0, min_repeats=1))
-    prof = _assemble(step, found, memory, steps, overheads, touch, groups)
+    prof = _with_end_held(_assemble(step, found, memory, steps, overheads, touch, groups), step, block_list)
     least = min((b.recompute_overhead_ms for b in prof.blocks), default=0.0)
     prof = dataclasses.replace(prof, checkpoint_call_ms=min(call_ms, least))
     if backend:
@@ -586,6 +588,22 @@ def _pre_grad_bytes(memory: _Accounting, block_list: Blocks) -> int:
     first = windows.first_backward_block or 0
     released = sum(memory.block_grad_bytes[i] + windows.between_grad_bytes[i] for i in range(first + 1))
     return memory.grad_bytes - released - windows.grads_at_first_block_bytes
+
+
+def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
+    """Each block's `BlockProfile.output_end_held_bytes`: the saved bytes of its calls whose
+    outputs the code holds to the end of the forward (`remat.measure.held`). One more forward,
+    without gradients; not on the meta device, where no storage is freed. A forward that fails
+    there leaves them 0, as before they were measured."""
+    if model_device(step.model).type == "meta":
+        return prof
+    try:
+        held = code_held_calls(step.model, step.batch, block_list, step.loss_fn)
+    except Exception:  # noqa: BLE001 - a refinement: the profile stands without it
+        return prof
+    blocks = tuple(dataclasses.replace(b, output_end_held_bytes=sum(op.saved_bytes for op in b.ops if op.key in keys))
+                   for b, keys in zip(prof.blocks, held))
+    return dataclasses.replace(prof, blocks=blocks)
 
 
 def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,

@@ -278,6 +278,12 @@ class BlockProfile:
     """What ``bwd_temp_bytes`` counts when the block's backward starts: the gradient of its
     output and whatever else the step holds then; a replay of the block runs on top of it
     (None: not measured; ``output_grad_bytes`` stands for it)."""
+    output_end_held_bytes: int = 0
+    """Of ``saved_bytes``, its outputs the model's code still holds when the last block's
+    forward ends, other than what it hands on (`remat.measure.dataflow`): the attention weights
+    of ``output_attentions=True``, which the model's output holds through the head and the loss.
+    Live through the post part's forward whatever this block's strategy, so counted there when
+    this block is not kept (`remat.plan.predict`)."""
     output_held_bytes: int = 0
     """Of ``saved_bytes``, its outputs the model's code still holds when the next block's forward
     begins (not that block's inputs, not handed off): live in that forward whatever this block's

@@ -54,29 +54,33 @@ def _option(profile: Profile, head: str) -> HeadOption:
     return profile.head.option(head)
 
 
-def head_need_bytes(profile: Profile, head: str = KEEP) -> int:
-    """``need(head)``: the post part's peak above the state, pre part and blocks (module docstring)."""
+def head_need_bytes(profile: Profile, head: str = KEEP, forward_held: int = 0) -> int:
+    """``need(head)``: the post part's peak above the state, pre part and blocks (module docstring);
+    ``forward_held``: bytes the code holds through the head's forward beside them (a plan's
+    recomputed blocks' outputs kept to the loss, `remat.plan.predict.end_held_bytes`)."""
     if profile.head is None:
         check_head(profile, head)
-        return profile.fixed_post_saved_bytes + profile.fixed_post_bwd_temp_bytes
+        return profile.fixed_post_saved_bytes + profile.fixed_post_bwd_temp_bytes + forward_held
     part, option, keep = profile.head, _option(profile, head), profile.head.option(KEEP)
     rest = profile.fixed_post_saved_bytes - keep.saved_bytes
     backward = part.post_head_bytes + option.bwd_peak_bytes - keep.bwd_peak_bytes
-    forward = rest + option.fwd_peak_bytes + profile.fixed_post_fwd_held_bytes  # unreached blocks' graphs too
+    # what the step holds beside the head (unreached blocks' graphs), and what this plan adds
+    forward = rest + option.fwd_peak_bytes + profile.fixed_post_fwd_held_bytes + forward_held
     return max(forward, backward, part.post_rest_bytes)
 
 
-def priced_profile(profile: Profile, head: str = KEEP) -> Profile:
+def priced_profile(profile: Profile, head: str = KEEP, forward_held: int = 0) -> Profile:
     """``profile`` whose post-part bytes are those of ``head``: the post part holds the rest's
-    saved bytes and what the head holds (``held_bytes``), and peaks at ``need(head)``. The head
-    part is folded in (``head=None``): pricing the result again with ``keep`` changes nothing."""
+    saved bytes and what the head holds (``held_bytes``), and peaks at ``need(head)`` (with
+    ``forward_held`` in the head's forward). The head part is folded in (``head=None``): pricing
+    the result again with ``keep`` changes nothing."""
     if profile.head is None:
         check_head(profile, head)
         return profile
     option, keep = _option(profile, head), profile.head.option(KEEP)
     held = profile.fixed_post_saved_bytes - keep.saved_bytes + option.held_bytes
     return dataclasses.replace(profile, fixed_post_saved_bytes=held,
-                               fixed_post_bwd_temp_bytes=head_need_bytes(profile, head) - held,
+                               fixed_post_bwd_temp_bytes=head_need_bytes(profile, head, forward_held) - held,
                                head=None, head_note=f"the post part is priced with the head {head}")
 
 
