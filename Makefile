@@ -5,6 +5,8 @@
 #   make test TORCH='torch==2.5.1'
 # On a machine with a GPU (and a CUDA build of torch through TORCH where the default is not one):
 #   make device-check OUT=device-check   # DEVICE=cuda (default), SIZE=full (default) or small
+#   make device-check-system OUT=DIR     # the same with $(PYTHON) as it is (torch with CUDA installed,
+#                                        # nothing fetched: a machine that reaches no package index)
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 DEVICE ?= cuda
@@ -14,7 +16,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean bench device-check
+.PHONY: demo test setup clean bench device-check device-check-system
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +38,9 @@ bench: $(STAMP)
 
 device-check: $(STAMP)
 	$(BIN)/python -m benchmarks.device_check --device $(DEVICE) --size $(SIZE) --out $(OUT)
+
+device-check-system:
+	PYTHONPATH=src $(PYTHON) -m benchmarks.device_check --device $(DEVICE) --size $(SIZE) --out $(OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
