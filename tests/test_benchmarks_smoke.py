@@ -473,3 +473,13 @@ def test_peak_by_op_names_what_is_live_at_each_peak_and_restores_the_tracker(tmp
     convnet_baseline = lines[lines.index(headers[0]) + 2:lines.index(headers[0]) + 12]
     saved = {line.split()[-1]: float(line.split()[0]) for line in convnet_baseline if "activations      fwd" in line}
     assert saved["aten.relu.default"] == saved["aten.convolution.default"] == round(9 * 32 / 1024, 2)
+
+
+def test_held_outputs_benchmark_prices_mistrals_attention_weights_in_every_layout() -> None:
+    """Mistral with ``output_attentions=True``: each layer's weights (4 sequences x 2 heads x 32 x
+    32 floats) held to the loss, and every keep/recompute layout's peak as predicted."""
+    from benchmarks.held_outputs import layouts
+
+    row = layouts("mistral")
+    assert row["held"] == [4 * 2 * 32 * 32 * 4] * 2 and row["layouts"] == 4
+    assert row["most_under"][0] == 0.0 and row["most_over"][0] == 0.0
