@@ -107,7 +107,8 @@ def _traced_on_cpu(first: Any) -> bool:
     """Whether the call is traced for ``torch.compile`` (AOT Autograd's proxy mode is on: torch
     before 2.12 calls the policy there with ``is_compiling()`` False; torch's own
     ``checkpoint._is_compiling`` asks the same) on a CPU tensor."""
-    tracing = torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+    proxy = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
+    tracing = torch.compiler.is_compiling() or proxy is not None
     return tracing and isinstance(first, torch.Tensor) and first.device.type == "cpu"
 
 

@@ -127,8 +127,8 @@ def devices_table(devices_file: Optional[Path]) -> Table:
     if devices_file is not None:
         specs.update(load_devices_file(devices_file))
     table = Table(show_edge=False)
-    for name in ("device", "memory GiB", "bf16 TFLOP/s", "fp32 TFLOP/s", "memory TB/s", "host link GB/s", "GPU link GB/s",
-                 "GPUs/node", "source"):
+    for name in ("device", "memory GiB", "bf16 TFLOP/s", "fp32 TFLOP/s", "memory TB/s", "host link GB/s",
+                 "GPU link GB/s", "GPUs/node", "source"):
         table.add_column(name)
     for spec in specs.values():
         table.add_row(

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 _REQUIRED = ("name", "memory_bytes", "peak_bf16_flops_per_s")
-_OPTIONAL = ("description", "peak_fp32_flops_per_s", "memory_bytes_per_s", "host_link_bytes_per_s", "gpu_link_bytes_per_s", "gpus_per_node",
-             "network_bytes_per_s", "sources")
+_OPTIONAL = ("description", "peak_fp32_flops_per_s", "memory_bytes_per_s", "host_link_bytes_per_s",
+             "gpu_link_bytes_per_s", "gpus_per_node", "network_bytes_per_s", "sources")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -73,8 +73,8 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         if self.peak_fp32_flops_per_s is not None and self.peak_fp32_flops_per_s <= 0:
-            raise ValueError(f"device {self.name!r}: peak_fp32_flops_per_s={self.peak_fp32_flops_per_s} must be positive; "
-                             "fix the device file.")
+            raise ValueError(f"device {self.name!r}: peak_fp32_flops_per_s={self.peak_fp32_flops_per_s} must be "
+                             "positive; fix the device file.")
         if self.memory_bytes <= 0 or self.peak_bf16_flops_per_s <= 0:
             raise ValueError(
                 f"device {self.name!r}: memory_bytes={self.memory_bytes} and peak_bf16_flops_per_s="

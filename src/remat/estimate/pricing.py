@@ -236,7 +236,8 @@ class Pricing:
         return Network(intra_node_bytes_per_s=link, inter_node_bytes_per_s=net, gpus_per_node=spec.gpus_per_node or 8)
 
     def rates(self, spec: DeviceSpec) -> Rates:
-        return Rates(flops_per_s=self.mfu * spec.peak_flops_per_s(self.recipe.precision), memory_bytes_per_s=spec.memory_bytes_per_s,
+        return Rates(flops_per_s=self.mfu * spec.peak_flops_per_s(self.recipe.precision),
+                     memory_bytes_per_s=spec.memory_bytes_per_s,
                      host_link_bytes_per_s=spec.host_link_bytes_per_s)
 
     def on_device(self, spec: DeviceSpec) -> DeviceEstimate:

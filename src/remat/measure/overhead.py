@@ -423,30 +423,26 @@ def _timed_run(module: nn.Module, inputs: BlockInputs, runner: Runner, clock: Cl
     clock.sync()
     if getattr(clock, "cuda", False):  # a run of the same kind queued first: the timed one starts behind it
         _run_once(module, inputs, runner, leaves)
-    for tensor in [*leaves, *module.parameters()]:
-        tensor.grad = None
     with FaultCount(enabled=bool(touch_ms_per_byte)) as faults:
-        start = clock.mark()
-        with inputs.autocast_context():  # the forward only: autograd runs the backward in the dtypes it recorded
-            out = runner(module, inputs.args, inputs.kwargs)
-        mid = clock.mark()
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if outs:
-            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-        end = clock.mark()
+        start, mid, end = _run_once(module, inputs, runner, leaves, clock.mark)
         clock.sync()
     return clock.elapsed_ms(start, mid), clock.elapsed_ms(start, end) - touch_ms_per_byte * (faults.bytes or 0)
 
 
-def _run_once(module: nn.Module, inputs: BlockInputs, runner: Runner, leaves: list[torch.Tensor]) -> None:
-    """One untimed run (forward, backward with ones), gradients unset before it."""
+def _run_once(module: nn.Module, inputs: BlockInputs, runner: Runner, leaves: list[torch.Tensor],
+              mark: Callable[[], Any] | None = None) -> tuple[Any, Any, Any]:
+    """One run, forward then backward with ones, from unset gradients; ``mark`` is read at its
+    start, after the forward and at its end (those marks are returned)."""
     for tensor in [*leaves, *module.parameters()]:
         tensor.grad = None
-    with inputs.autocast_context():
+    start = mark() if mark else None
+    with inputs.autocast_context():  # the forward only: autograd runs the backward in the dtypes it recorded
         out = runner(module, inputs.args, inputs.kwargs)
+    mid = mark() if mark else None
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     if outs:
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    return start, mid, mark() if mark else None
 
 
 def _plain(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
