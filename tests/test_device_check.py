@@ -47,6 +47,7 @@ def test_small_check_on_the_cpu(tmp_path):
     _verifies_every_model_and_plan(results["sections"]["models"]["data"])
     _measures_attention_core_and_the_peers(results["sections"])
     _estimates_what_it_measures(results["sections"]["estimate"]["data"])
+    _times_segments_of_every_length(results["sections"]["segments"]["data"])
     _writes_markdown_with_date_device_and_torch(results, (tmp_path / "results.md").read_text())
 
 
@@ -57,7 +58,8 @@ def _is_complete_and_finite(results: dict) -> None:
     env = results["environment"]
     assert env["device"] == "cpu" and env["torch_version"] == torch.__version__ and env["date_utc"].endswith("UTC")
     got = {name: s["status"] for name, s in results["sections"].items()}
-    assert got == {"models": "ok", "attention_core": "ok", "host_offload": "skipped", "estimate": "ok", "peers": "ok"}
+    assert got == {"models": "ok", "attention_core": "ok", "host_offload": "skipped", "estimate": "ok", "segments": "ok",
+                   "peers": "ok"}
     assert "CUDA tensors" in results["sections"]["host_offload"]["note"]
 
 
@@ -102,13 +104,22 @@ def _estimates_what_it_measures(data: dict) -> None:
     assert all(abs(r["peak_error_pct"]) < 1.0 for r in data["rows"])
 
 
+def _times_segments_of_every_length(data: dict) -> None:
+    (row,) = data["rows"]
+    assert row["model"] == "convnet" and row["blocks"] == 4 and data["failed_models"] == {}
+    assert list(row["measured_ms"]) == ["none", "torch, 1 a segment (4 calls)", "torch, 2 a segment (2 calls)",
+                                        "torch, 4 a segment (1 calls)", "remat full", "remat sqrt"]
+    assert row["predicted_ms"]["full"] > row["predicted_ms"]["none"] > 0
+
+
 def _writes_markdown_with_date_device_and_torch(results: dict, text: str) -> None:
     env = results["environment"]
     assert text.startswith(f"## Device check: {env['device_name']}, torch {torch.__version__}, {env['date_utc']}")
     for heading in ("### Predicted against measured, per model", "### Attention-core at a GPT-3 layer",
-                    "### `remat estimate` against the measured step", "### remat against the alternatives at matched peaks"):
+                    "### `remat estimate` against the measured step", "### remat against the alternatives at matched peaks",
+                    "### Segments of k blocks, side by side (`benchmarks/segment_calls.py`)"):
         assert heading in text
-    assert "| gpt | none |" in text and "| host_offload | skipped |" in text
+    assert "| gpt | none |" in text and "| host_offload | skipped |" in text and "| remat sqrt |" in text
 
 
 def _section(name, run, share=1.0):

@@ -228,6 +228,24 @@ ESTIMATE_MODELS = ("gpt", "hf:llama")
 tokens and sequence length), at the models section's sizes."""
 
 
+def segments(config: CheckConfig, device: torch.device) -> SectionRun:
+    """`benchmarks.segment_calls` per model: torch's checkpoint around segments of 1, 2, 4 and
+    every block, and remat's full and √N plans, side by side, beside what the profile charges a
+    segment boundary; a model that fails is recorded and the next one runs."""
+    from benchmarks.segment_calls import measure
+
+    def run(data: dict[str, Any], progress: Progress) -> None:
+        rows, failures = data.setdefault("rows", []), data.setdefault("failed_models", {})
+        for name, sizes in config.segment_models.items():
+            progress(f"{name}: profiling, then segments of k blocks side by side")
+            row = run_part(failures, name, measure, name, dict(sizes), device.type, config.segment_rounds)
+            if row is not None:
+                rows.append(row)
+        raise_failures(failures)
+
+    return run
+
+
 def _suite_json(workload: Any, peers_: list[Any], repeats: int, frontier_points: int) -> dict[str, Any]:
     """One peers comparison, measured (`benchmarks.peers.run_suite`), as JSON."""
     from benchmarks._peers import results
@@ -268,5 +286,5 @@ def peers(config: CheckConfig, device: torch.device) -> SectionRun:
 def sections(config: CheckConfig, device: torch.device) -> list[Section]:
     """Every section, in the order they run, with their shares of the time limit."""
     runs = {"models": models, "attention_core": attention_core, "host_offload": host_offload,
-            "estimate": estimate_check, "peers": peers}
+            "estimate": estimate_check, "segments": segments, "peers": peers}
     return [Section(name=name, share=config.shares[name], run=make(config, device)) for name, make in runs.items()]

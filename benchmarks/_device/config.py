@@ -35,12 +35,14 @@ BUDGET_FRACTIONS = (0.25, 0.75)
 """The optimal rows: this far from the least feasible peak to the baseline peak (two of
 `remat demo`'s three)."""
 
-FULL_SHARES = {"models": 0.25, "attention_core": 0.12, "host_offload": 0.05, "estimate": 0.07, "peers": 0.51}
+FULL_SHARES = {"models": 0.23, "attention_core": 0.11, "host_offload": 0.05, "estimate": 0.07, "segments": 0.08,
+               "peers": 0.46}
 """On a GPU the compiled peers cost most (tens of seconds of compilation a model). On an H200
-(2026-12-04) the sections took 102 s, 47 s, 10-18 s and about 200 s with a cold inductor cache
-(57 s warm): 112, 54, 22 and 230 s of the 450, and 31 s for the estimates (two profiles, two
-verified steps, two meta traces)."""
-SMALL_SHARES = {"models": 0.45, "attention_core": 0.22, "host_offload": 0.05, "estimate": 0.10, "peers": 0.18}
+(2026-12-04, second run, 387 s in all) the sections took 105 s, 49 s, 12 s, 15 s and 205 s with
+a cold inductor cache (57 s warm): 112, 54, 22, 34 and 230 s of the 450 then; the segments'
+script took 40 s with its two profiles. Of 490 s: 113, 54, 25, 34, 39 and 225 s."""
+SMALL_SHARES = {"models": 0.42, "attention_core": 0.21, "host_offload": 0.05, "estimate": 0.10, "segments": 0.05,
+                "peers": 0.17}
 """On the CPU nothing is compiled: profiling and verifying the four models cost most."""
 
 SECTION_NAMES = tuple(FULL_SHARES)
@@ -75,6 +77,11 @@ class CheckConfig:
     compiled part."""
     frontier_points: int = 2
     """Plans of remat's Pareto frontier measured beside the peers."""
+    segment_models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Built-in model name -> sizes for `benchmarks.segment_calls` (segments of k blocks against
+    each other)."""
+    segment_rounds: int = 15
+    """Interleaved timed rounds of the segments section."""
     shares: dict[str, float] = field(default_factory=lambda: dict(FULL_SHARES))
     """Section name -> its weight in ``total_s`` (`benchmarks._device.sections.limit_s`)."""
 
@@ -94,9 +101,10 @@ PRESETS: dict[str, CheckConfig] = {
         core_sizes=dict(num_layers=2, d_model=64, num_heads=2, seq_len=512, batch_size=1, dropout=0.1),
         offload_sizes=dict(num_layers=2, d_model=32, num_heads=2, seq_len=32, batch_size=2, attention="sdpa"),
         peers_size="tiny", frontier_points=1, shares=SMALL_SHARES,
+        segment_models={"convnet": dict(num_blocks=4, channels=4, image_size=8, batch_size=2)}, segment_rounds=2,
     ),
     "full": CheckConfig(
-        size="full", repeats=5, total_s=450.0,
+        size="full", repeats=5, total_s=490.0,
         models={
             "gpt": _GPT_FULL,
             "hf:llama": dict(num_layers=8, d_model=1024, num_heads=16, seq_len=1024, batch_size=4, vocab_size=32000),
@@ -106,5 +114,6 @@ PRESETS: dict[str, CheckConfig] = {
         core_sizes=dict(num_layers=2, d_model=12288, num_heads=96, seq_len=2048, batch_size=1, dropout=0.1),
         offload_sizes=dict(num_layers=6, d_model=2048, num_heads=16, seq_len=1024, batch_size=4, attention="sdpa"),
         peers_size="large", peers_sizes=_GPT_FULL, compile_budgets=(0.5,),
+        segment_models={"convnet": dict(num_blocks=16, channels=64, image_size=64, batch_size=64), "gpt": _GPT_FULL},
     ),
 }

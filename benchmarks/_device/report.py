@@ -157,6 +157,23 @@ def estimate_table(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def segments_table(data: dict[str, Any]) -> str:
+    """Per model: what the profile charges a segment boundary, then each run's median step."""
+    lines = []
+    for row in data.get("rows", []):
+        predicted = " / ".join(f"{row['predicted_ms'][s]:.1f}" for s in ("none", "full", "sqrt"))
+        lines += [f"{row['model']}, {row['blocks']} blocks ({', '.join(f'{k}={v}' for k, v in row['sizes'].items())}): "
+                  f"the profile's checkpointed call {row['checkpoint_call_ms']:.3f} ms and block 0's overhead "
+                  f"{row['block0_recompute_overhead_ms']:.3f} ms (forward {row['block0_fwd_ms']:.2f} ms, backward "
+                  f"{row['block0_bwd_ms']:.2f} ms); predicted none / full / sqrt {predicted} ms.", "",
+                  "| run | step ms (median) | against none |", "| --- | ---: | ---: |"]
+        none = row["measured_ms"]["none"]
+        lines += [f"| {key} | {ms:.1f} | {100 * (ms / none - 1):+.1f}% |" for key, ms in row["measured_ms"].items()]
+        lines.append("")
+    lines += [f"{name}: failed ({why.splitlines()[0]})." for name, why in data.get("failed_models", {}).items()]
+    return "\n".join(lines).strip()
+
+
 def _peers_part(part: dict[str, Any]) -> str:
     from benchmarks._peers import results
 
@@ -193,6 +210,8 @@ def markdown(results: dict[str, Any]) -> str:
                          lambda d: host_offload_table(d["row"]) if "row" in d else None),
         "estimate": ("`remat estimate` against the measured step",
                      lambda d: estimate_table(d) if d.get("rows") or d.get("failed_models") else None),
+        "segments": ("Segments of k blocks, side by side (`benchmarks/segment_calls.py`)",
+                     lambda d: segments_table(d) if d.get("rows") or d.get("failed_models") else None),
         "peers": ("remat against the alternatives at matched peaks", lambda d: peers_tables(d) or None),
     }
     for name, (title, table) in render.items():
