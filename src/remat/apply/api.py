@@ -120,8 +120,9 @@ def check_plan_matches(model: nn.Module, plan: Plan, batch: Any = None) -> None:
     want = plan.fingerprint
     # dtype and device first: the structure hash covers parameter dtypes too, and naming the
     # dtype is the more useful message.
+    structure = have.model_hash if have.model_hash == want.run_model_hash else want.model_hash  # either state
     checks = [("dtype", want.dtype, have.dtype), ("device", want.device, have.device),
-              ("model structure", want.model_hash, have.model_hash)]
+              ("model structure", structure, have.model_hash)]
     if batch is not None:
         checks.append(("batch shapes", want.batch_shapes, have.batch_shapes))
     for what, planned, actual in checks:

@@ -39,7 +39,8 @@ between_saved_bytes_j``):
 - peak from ``loss.backward()`` to the start of the last block's backward (the head's and the
   loss's backward) = ``P + B + O + G_post + S_<N + fixed_post_saved_bytes +
   fixed_post_bwd_temp_bytes`` (``S_<N``: every saved byte before the post part);
-- peak during ``optimizer.step()`` = ``P + B + O + grad_bytes + optimizer_step_temp_bytes``;
+- peak during ``optimizer.step()`` = ``P + B + O + grad_bytes + step_held_bytes +
+  optimizer_step_temp_bytes`` (``step_held_bytes``: what the step leaves on the model);
 - peak during block j's forward = live bytes when it starts + ``saved_bytes_j +
   fwd_temp_bytes_j``, and the live bytes when it starts = ``P + B + O + S_<j +
   (shared_entry_bytes of blocks <= j) + fwd_other_bytes_j`` (no gradient exists yet);
@@ -175,6 +176,9 @@ def profile(
             prof = with_grad_accumulation(prof) if grad_accumulation else prof
     finally:
         snapshot.restore()
+    ran = model_hash(model)
+    if ran != structure:  # the model changed its own structure by running (BigBird-Pegasus)
+        prof = dataclasses.replace(prof, fingerprint=dataclasses.replace(prof.fingerprint, run_model_hash=ran))
     if offload_dir is not None:
         from remat.measure.bandwidth import with_bandwidths
 
@@ -543,6 +547,7 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
         optimizer_state_bytes=memory.optimizer_state_bytes,
         optimizer_name=type(optimizer).__name__ if optimizer is not None else "none",
         optimizer_step_temp_bytes=memory.windows.optimizer_temp_bytes,
+        step_held_bytes=memory.windows.opt_start_held_bytes,
         fixed_pre_fwd_bytes=memory.windows.pre_fwd_bytes,
         fixed_pre_bwd_temp_bytes=memory.windows.pre_bwd_temp_bytes,
         optimizer_step_ms=times.optimizer_step_ms, buffer_bytes=buffer_bytes(model),

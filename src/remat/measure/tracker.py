@@ -110,6 +110,10 @@ class LiveTracker(TorchDispatchMode):
         if self.live_bytes == self.peak_bytes:  # still at the peak: reclassify it too
             self.peak_by_category = dict(self._live_by_category)
 
+    def live_in(self, categories: Iterable[str]) -> int:
+        """Live bytes now in ``categories`` (`CATEGORIES`)."""
+        return sum(self._live_by_category[c] for c in categories)
+
     def live_keys(self) -> Any:
         """The `storage_key` of every storage tracked and live now (a set-like view)."""
         return self._entries.keys()

@@ -393,6 +393,12 @@ class Fingerprint:
     block_names_hash: str = ""
     """`remat.measure.fingerprint.block_names_hash` of the profiled blocks' names, in order: a plan
     naming other blocks is refused ("": not recorded, older files and hand-made plans)."""
+    run_model_hash: str = ""
+    """``model_hash`` after the profile, where running the model changed its own structure
+    (BigBird-Pegasus at a sequence too short for block-sparse attention swaps its attention
+    modules for full ones on its first forward): the profile measured that model, and the one
+    given, never run, becomes it on its first forward, so a model in either state matches ("":
+    running changed nothing)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -617,6 +623,11 @@ class Profile(JsonDocument):
     (so the unreached last vision layer's graph), and its image features: 3.5 % under the
     measured peak of every plan peaking at the head before. Without a head part the post part's
     measured forward counts them (``fixed_post_bwd_temp_bytes``)."""
+    step_held_bytes: int = 0
+    """What a step leaves live on the model beyond its state, measured when the optimizer steps:
+    tensors its code keeps between steps (RecurrentGemma's RG-LRU stores its recurrent state as
+    ``self.recurrent_states`` on every forward), live through the optimizer's step until the
+    next forward replaces them; no plan changes them (0: none, or no optimizer)."""
     fixed_pre_grad_bytes: int = 0
     """Gradient bytes allocated only after the first block's backward, other than its own: the
     pre part's (embeddings, and weights tied to them, whose one gradient accumulates last).

@@ -73,6 +73,9 @@ class BackwardWindows:
         starts and its own saved bytes (0: it ran none)."""
         self._open: str | None = None  # the segment whose backward window is open
         self._opt_start_bytes = 0
+        self.opt_start_held_bytes = 0
+        """What the step leaves live on the model when the optimizer steps, beyond the model state:
+        activations and temporaries its code keeps (a recurrent layer's state as an attribute)."""
         self._labels: list[str] = []
         self._offset = 0
 
@@ -114,6 +117,7 @@ class BackwardWindows:
             self._close()
         elif event.kind == "opt_start":
             self._opt_start_bytes = self.tracker.live_bytes
+            self.opt_start_held_bytes = self.tracker.live_in(("activations", "temporaries"))
             self.tracker.open_window()
         elif event.kind == "opt_end":
             self.optimizer_temp_bytes = self.tracker.close_window() - self._opt_start_bytes

@@ -22,7 +22,8 @@ from remat.plan.costs import cost_of, replay_working_bytes
 from remat.plan.options import BlockOptions, OptionClass, offload_options, price_options, undominated_rows
 from remat.plan.phases import (checkpointed_forward_peak, grad_bytes_live, held_input_bytes, post_working_bytes,
                                previous_held_bytes, released_grad_bytes, stopped_replay_ms, stopped_replay_working_bytes)
-from remat.plan.predict import backward_base_bytes, pre_backward_phase_bytes, pre_forward_phase_bytes
+from remat.plan.predict import (backward_base_bytes, optimizer_phase_bytes, pre_backward_phase_bytes,
+                                pre_forward_phase_bytes)
 from remat.plan.types import Segment
 
 __all__ = ["FixedPart", "fixed_part", "ChainBuilder", "keep_segments"]
@@ -58,8 +59,8 @@ def fixed_part(profile: Profile) -> FixedPart:
         base_bytes=backward_base_bytes(profile) + profile.fixed_pre_saved_bytes,
         grad_bytes=grad_bytes_live(profile, 0) + first_grads,
         head_bytes=post_working_bytes(profile) + grad_bytes_live(profile, profile.num_blocks),
-        optimizer_bytes=max(profile.model_state_bytes + profile.optimizer_step_temp_bytes,
-                            pre_forward_phase_bytes(profile), pre_backward_phase_bytes(profile)),
+        optimizer_bytes=max(optimizer_phase_bytes(profile), pre_forward_phase_bytes(profile),
+                            pre_backward_phase_bytes(profile)),
     )
 
 

@@ -42,7 +42,7 @@ from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
 from remat.plan.joins import check_joins
 from remat.plan.types import Plan, Prediction, Segment
 
-__all__ = ["predict", "pre_forward_phase_bytes", "pre_backward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments"]
+__all__ = ["predict", "pre_forward_phase_bytes", "optimizer_phase_bytes", "pre_backward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -107,7 +107,7 @@ def _peak_phases(profile: Profile, segments: tuple[Segment, ...],
         "block": base + profile.fixed_pre_saved_bytes + inner.bytes,
         "post": base + grad_bytes_live(profile, profile.num_blocks) + profile.fixed_pre_saved_bytes
         + sum(retained) - (dead[-1] if dead else 0) + post_working_bytes(profile) + post_extra,
-        "optimizer": _optimizer_phase_bytes(profile),
+        "optimizer": optimizer_phase_bytes(profile),
         "pre-forward": pre_forward_phase_bytes(profile),
         "pre-backward": pre_backward_phase_bytes(profile),
     }
@@ -163,8 +163,10 @@ def backward_base_bytes(profile: Profile) -> int:
             + profile.accumulated_grad_bytes)
 
 
-def _optimizer_phase_bytes(profile: Profile) -> int:
-    return profile.model_state_bytes + profile.optimizer_step_temp_bytes
+def optimizer_phase_bytes(profile: Profile) -> int:
+    """The optimizer's step: model state, what the step leaves on the model (`Profile.step_held_bytes`)
+    and the step's temporaries; no plan changes it."""
+    return profile.model_state_bytes + profile.step_held_bytes + profile.optimizer_step_temp_bytes
 
 
 def pre_forward_phase_bytes(profile: Profile) -> int:
