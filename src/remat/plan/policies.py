@@ -29,6 +29,8 @@ from remat.plan.phases import replay_stop
 
 __all__ = [
     "ALLOCATION_OPS",
+    "MAX_KNAPSACK_GROUPS",
+    "knapsack_left_out_ms",
     "cacheable",
     "op_cacheable",
     "op_storages",
@@ -51,6 +53,16 @@ POLICIES: dict[str, PolicyFn] = {}
 
 _MAX_GROUP_STORAGES = 10
 """Storages sharing saved ops beyond which `knapsack_frontier` offers a group only whole."""
+
+MAX_KNAPSACK_GROUPS = 64
+"""Groups of calls (`knapsack_frontier`) a block's knapsack chooses among at most: those whose
+calls take the most replay time; the others are replayed in every knapsack option. The built-in
+models' blocks have 1 to 40 groups, a Llama layer 40; a layer whose kernel is a Python loop of
+small ops has hundreds (BailingHybrid's and Kimi Linear's linear attention in PyTorch, 420 in a
+1,048-call layer), whose exact frontier had 18,671 points: 41 s to build, and the optimal
+search's dominance filter over them did not end in 400 s. The search is exact over the options
+it offers; one that also caches left-out groups saves at most their replay time
+(`knapsack_left_out_ms`)."""
 
 _SOFTMAX_OPS = frozenset({"aten._softmax", "aten.softmax", "aten._safe_softmax"})
 _SCORE_MATMULS = frozenset({"aten.mm", "aten.bmm", "aten.baddbmm", "aten.matmul"})
@@ -181,12 +193,33 @@ def knapsack_frontier(block: BlockProfile) -> list[_Point]:
 
 
 def _group_options(block: BlockProfile) -> list[list[_Point]]:
-    """Per group of calls sharing storages: its Pareto options other than saving nothing."""
+    """Per group of calls sharing storages (`MAX_KNAPSACK_GROUPS` at most): its Pareto options
+    other than saving nothing."""
     times = [op.time_ms for op in block.ops]
     return [
         _prune([(w, sum(times[i] for i in calls), tuple(block.ops[i].key for i in calls)) for w, calls in group])
-        for group in _group_subsets(block)
+        for group in _offered(_group_subsets(block), np.array([times], dtype=float))
     ]
+
+
+def _offered(groups: _Subsets, times: np.ndarray) -> _Subsets:
+    """``groups`` (`_group_subsets`), or where there are more than `MAX_KNAPSACK_GROUPS` of them,
+    those whose calls take the most replay time (``times``: one row of op times per block; a
+    group's time is that of all its calls, on the block where it is most), in their order."""
+    if len(groups) <= MAX_KNAPSACK_GROUPS:
+        return groups
+    worth = [max(times[:, list(inside)].sum(axis=1).max() for _, inside in group) for group in groups]
+    top = sorted(sorted(range(len(groups)), key=lambda g: -worth[g])[:MAX_KNAPSACK_GROUPS])
+    return tuple(groups[g] for g in top)
+
+
+def knapsack_left_out_ms(block: BlockProfile) -> float:
+    """Replay time of the calls the block's knapsack never caches for `MAX_KNAPSACK_GROUPS`: what
+    an option caching them too could save at most (0 for a block of that many groups or fewer)."""
+    groups = _group_subsets(block)
+    times = np.array([[op.time_ms for op in block.ops]], dtype=float)
+    offered = {calls for group in _offered(groups, times) for calls in [group[-1][1]]}
+    return float(sum(times[0, list(group[-1][1])].sum() for group in groups if group[-1][1] not in offered))
 
 
 _Subsets = tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
@@ -248,7 +281,7 @@ def knapsack_frontier_union(blocks: Sequence[BlockProfile]) -> list[tuple[int, t
     weights = np.zeros(1, dtype=np.int64)
     calls: list[tuple[int, ...]] = [()]
     values = np.zeros((len(blocks), 1))
-    for group in _group_subsets(blocks[0]):
+    for group in _offered(_group_subsets(blocks[0]), times):
         gw = np.array([w for w, _ in group], dtype=np.int64)
         gv = np.stack([times[:, list(inside)].sum(axis=1) for _, inside in group], axis=1)
         weights = np.concatenate([weights, (weights[:, None] + gw[None, :]).ravel()])
