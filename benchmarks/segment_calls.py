@@ -121,7 +121,8 @@ def markdown(rows: list[dict[str, Any]], device: str, rounds: int) -> str:
         lines += [f"{row['model']} ({row['blocks']} blocks, {row['sizes']}): checkpointed call "
                   f"{row['checkpoint_call_ms']:.3f} ms, block 0 overhead {row['block0_recompute_overhead_ms']:.3f} ms, "
                   f"forward {row['block0_fwd_ms']:.2f} ms, backward {row['block0_bwd_ms']:.2f} ms (profile); "
-                  f"predicted none / full / sqrt " + " / ".join(f"{row['predicted_ms'][s]:.1f}" for s in ("none", "full", "sqrt"))
+                  "predicted none / full / sqrt "
+                  + " / ".join(f"{row['predicted_ms'][s]:.1f}" for s in ("none", "full", "sqrt"))
                   + " ms", "", "| run | step ms |", "| --- | ---: |"]
         lines += [f"| {key} | {ms:.1f} |" for key, ms in row["measured_ms"].items()]
         lines.append("")

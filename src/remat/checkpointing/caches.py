@@ -27,7 +27,9 @@ CACHE_WARNING = (
     "use_cache=True is incompatible with remat's recomputation (a replayed layer would append to "
     "the key/value cache again). Setting use_cache=False where gradients are enabled, as Hugging "
     "Face's gradient checkpointing does; pass use_cache=False (or set model.config.use_cache = False) "
-    "to silence this."
+    "to silence this. Training with the cache on, attention reads the cache's copies of the keys and "
+    "values, so its gradients may differ from these in the last bits; remat.verify compares with "
+    "use_cache=False, as the plan runs."
 )
 
 
