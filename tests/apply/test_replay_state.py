@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import remat
+from remat.cli.profile import state_summary
 
 
 class KeepsState(nn.Module):
@@ -79,6 +80,7 @@ def test_what_the_step_leaves_on_the_model_counts_in_the_optimizer_step() -> Non
     optimizer = torch.optim.AdamW(model.parameters())
     prof = remat.profile(model, (x,), optimizer=optimizer)
     assert prof.step_held_bytes == 4 * (2 * 4 * 256 * 4) + 3 * (4 * 64 * 4) == 35840
+    assert "kept on the model between steps" in state_summary(prof)
     for strategy in ("none", "full", "sqrt"):
         plan = remat.plan(prof, strategy=strategy)
         ver = remat.verify(model, (x,), plan, optimizer=optimizer, repeats=1)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import remat
+from remat.cli.profile import state_summary
 from remat.plan.policies import MAX_KNAPSACK_GROUPS, _group_subsets, knapsack_frontier, knapsack_left_out_ms
 
 
@@ -49,6 +50,7 @@ def test_a_block_of_many_groups_offers_the_costliest_and_plans_exactly() -> None
     assert len({g[-1][1] for g in groups if set(g[-1][1]) <= offered}) == MAX_KNAPSACK_GROUPS
     assert abs(sum(times[i] for i in offered) - sum(worth[:MAX_KNAPSACK_GROUPS])) < 1e-9
     assert abs(knapsack_left_out_ms(block) - sum(worth[MAX_KNAPSACK_GROUPS:])) < 1e-9
+    assert "selective:knapsack offers the 64 call groups of most replay time of a block; 2 block(s)" in state_summary(prof)
     least = min(p.prediction.peak_bytes for p in remat.pareto(prof))
     for budget in (least, (least + remat.plan(prof, strategy="none").prediction.peak_bytes) // 2):
         plan = remat.plan(prof, budget=budget)
@@ -64,3 +66,4 @@ def test_a_block_of_few_groups_offers_them_all() -> None:
         block.scale = nn.Parameter(block.scale[:20].detach().clone())
     block = remat.profile(model, (x,)).blocks[0]
     assert len(_group_subsets(block)) == 40 and knapsack_left_out_ms(block) == 0.0
+    assert "call groups" not in state_summary(remat.profile(model, (x,)))

@@ -15,6 +15,7 @@ from remat._units import format_bytes, format_bytes_exact, in_unit, table_unit
 from remat.cli._app import DEVICE_HELP, TARGET_HELP, app, check_output_file, console, fail
 from remat.distributed import is_main_process
 from remat.measure.types import Profile
+from remat.plan.policies import MAX_KNAPSACK_GROUPS, knapsack_left_out_ms
 
 
 
@@ -194,6 +195,15 @@ def state_summary(result: Profile) -> str:
         f"step {result.step_ms:.1f} ms",
         f"measured peak {format_bytes_exact(result.peak_bytes)} ({peak})",
     ]
+    if result.step_held_bytes:
+        lines.append(f"kept on the model between steps (tensors its code stores on modules, live through the "
+                     f"optimizer's step): {format_bytes(result.step_held_bytes)}")
+    left_out = [(b.index, knapsack_left_out_ms(b)) for b in result.blocks]
+    left_out = [(i, ms) for i, ms in left_out if ms > 0]
+    if left_out:
+        lines.append(f"selective:knapsack offers the {MAX_KNAPSACK_GROUPS} call groups of most replay time of a block; "
+                     f"{len(left_out)} block(s) have more, always replayed: up to "
+                     f"{max(ms for _, ms in left_out):.2f} ms a block (block {max(left_out, key=lambda t: t[1])[0]})")
     if result.device_max_allocated_bytes is not None:
         lines.append(f"torch.cuda.max_memory_allocated {format_bytes_exact(result.device_max_allocated_bytes)}")
     return "\n".join(lines)
