@@ -35,6 +35,9 @@ WORKLOADS: dict[str, tuple[str, dict]] = {
     "gpt-small": ("gpt", dict(num_layers=4, d_model=128, num_heads=4, seq_len=64, batch_size=8, vocab_size=512)),
     "convnet": ("convnet", {}),
     "mlp": ("mlp", dict(depth=16, width=256, batch_size=256)),
+    # issue 20's heterogeneous chains, as `benchmarks.peers` builds them (small)
+    "resnet": ("convnet", dict(num_blocks=8, channels=16, image_size=32, batch_size=8, downsample_every=2)),
+    "unet": ("unet", dict(depth=4, channels=16, image_size=64, batch_size=4)),
 }
 
 
