@@ -82,6 +82,14 @@ class BlockOpCounter(TorchDispatchMode):
         chained = chained_input(args, kwargs)
         if chained is not None and chained.requires_grad and not self._in_backward:
             chained.register_hook(lambda grad: self._on_input_grad(index))
+            if chained.is_leaf:
+                # torch 2.9 runs no tensor hook of a leaf that a checkpoint took while saved-tensor
+                # hooks were on (this counter's, `_pack`): the block's backward seemed never to end,
+                # and the optimizer's step was counted as the first block's (wav2vec2's feature
+                # extractor, its input made a leaf that needs a gradient). Its post-accumulate hook
+                # runs; where both run, the second finds the block's backward ended already.
+                self._handles.append(chained.register_post_accumulate_grad_hook(
+                    lambda t: self._on_input_grad(index)))
 
     def _post(self, index: int, output: Any) -> None:
         if not self._in_backward:
