@@ -192,6 +192,12 @@ class BlockProfile:
     """Peak live bytes during this block's forward minus those live when it began minus its full
     ``saved_bytes`` (negative when the peak comes before all saves): a forward replayed in
     backward (recompute) peaks at what is live then + ``saved_bytes`` + this."""
+    between_fwd_peak_bytes: int = 0
+    """Peak of the code the model runs between the block before and this one (from that block's
+    forward's end to this one's start) above the live bytes when it began: a transient no block
+    saves, such as a mask or bias built under ``torch.no_grad()`` between two layers; counted in
+    this block's forward phase, kept or recomputed (`remat.plan.phases.forward_phase_bytes`,
+    `checkpointed_forward_peak`). 0 for block 0, whose code before is the pre part's forward."""
     output_grad_bytes: int = 0
     """Bytes of the gradient of the block's output, live while a replay of the block runs in
     backward (its output bytes when measured; 0: not counted)."""

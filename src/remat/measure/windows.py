@@ -36,6 +36,10 @@ class BackwardWindows:
         self.storage_id: Callable[[int, str], int] = lambda key, segment: -1
         """Block-local storage id (`remat.measure.types.OpRecord.storage_ids`) of a storage key."""
         self.block_fwd_temp_bytes = [0] * len(block_names)
+        self.between_fwd_peak_bytes = [0] * len(block_names)
+        """Per block, the peak of the code run between the block before and it, above the live
+        bytes when that code began (`BlockProfile.between_fwd_peak_bytes`)."""
+        self._between_open = False
         self.block_fwd_start_bytes = [0] * len(block_names)
         self.block_fwd_start_temporaries = [0] * len(block_names)
         """Live bytes neither model state nor saved for backward when each block's forward began."""
@@ -86,6 +90,9 @@ class BackwardWindows:
         elif event.kind == "fwd_start" and event.index == 0 and self._pre_forward_open:
             self.pre_fwd_bytes = self.tracker.close_window()
             self._pre_forward_open = False
+        if event.kind == "fwd_start" and self._between_open:  # the code between the block before and this one
+            self.between_fwd_peak_bytes[event.index] = max(0, self.tracker.close_window())
+            self._between_open = False
         if event.kind == "fwd_start":
             self.block_fwd_start_bytes[event.index] = self.tracker.live_bytes
             self.block_fwd_start_temporaries[event.index] = self.tracker.live_by_label.get("temporaries", 0)
@@ -98,7 +105,13 @@ class BackwardWindows:
                 labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in self.order[: self.order.index(POST)])]
                 self.tracker.open_window(labels)
                 self._post_forward_open = True
+            else:
+                self.tracker.open_window(offset_bytes=self.tracker.live_bytes)
+                self._between_open = True
         elif event.kind == "bwd_begin":
+            if self._between_open:  # no block followed (blocks that did not run): nothing to count
+                self.tracker.close_window()
+                self._between_open = False
             if self._post_forward_open:
                 self.post_fwd_bytes = self.tracker.close_window()
                 self._post_forward_open = False

@@ -1,0 +1,62 @@
+"""The code a model runs between two blocks makes temporaries no block saves (a bias or mask built
+under ``torch.no_grad()`` between layers, as EoMT builds its attention masks): their peak is
+measured and counted in the next block's forward, kept or recomputed."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import remat
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+class BiasBetween(nn.Module):
+    """Between layers 1 and 2 a (batch, tokens, 64, 32) distance tensor and its softmax, freed at
+    once: the step's peak, 4 MiB each against 0.5 MiB a layer saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.codes = nn.Linear(16, 32), nn.Parameter(torch.randn(64, 32))
+        self.layers = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i, layer in enumerate(self.layers):
+            h = layer(h)
+            if i == 1:
+                with torch.no_grad():
+                    bias = (h.unsqueeze(2) - self.codes.unsqueeze(1).transpose(0, 1)).pow(2).sum(-1).softmax(-1)
+                h = h + bias @ self.codes
+        return self.head(h).pow(2).mean()
+
+
+def test_a_transient_between_two_blocks_is_priced_in_the_next_ones_forward() -> None:
+    torch.manual_seed(0)
+    model, x = BiasBetween(), torch.randn(2, 256, 16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    prof = remat.profile(model, (x,), optimizer=optimizer)
+    between = [b.between_fwd_peak_bytes for b in prof.blocks]
+    assert between[0] == 0 and between[2] >= 2 * 256 * 64 * 32 * 4 * 2  # the distances and their softmax
+    assert max(between[1], between[3]) < between[2] // 8
+    for strategy in ("none", "full"):
+        plan = remat.plan(prof, strategy=strategy)
+        ver = remat.verify(model, (x,), plan, optimizer=optimizer, repeats=1)
+        assert ver.grads_identical
+        # before: the measured peak 3.1x (none) and 6.1x (full) the prediction. The transient is
+        # counted on what is live when the next block starts, which holds what the code between
+        # made (here 128 KiB: the bias's product and the new hidden state), so it may stand a
+        # little above the step; never below it
+        assert 0 <= plan.prediction.peak_bytes - ver.measured_peak_bytes <= 0.02 * ver.measured_peak_bytes, strategy
+    least = min(p.prediction.peak_bytes for p in remat.pareto(prof))
+    plan = remat.plan(prof, budget=least)
+    assert remat.verify(model, (x,), plan, optimizer=optimizer, repeats=1).measured_peak_bytes <= least
