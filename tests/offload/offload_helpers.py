@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -117,7 +119,19 @@ def tmpfs(path, size: str, read_only: bool = False) -> Iterator[str]:
     try:
         yield str(path)
     finally:
-        subprocess.run(["umount", str(path)], check=True)
+        _unmount(str(path))
+
+
+def _unmount(path: str, tries: int = 50) -> None:
+    """``umount`` once nothing holds the mount: a failed engine's files are closed by their
+    finalizers, which a loaded machine may run a moment after the test's last line ("target is
+    busy", exit 32); a file held open for good still fails here after 5 s."""
+    for _ in range(tries - 1):
+        gc.collect()
+        if subprocess.run(["umount", path], capture_output=True).returncode == 0:
+            return
+        time.sleep(0.1)
+    subprocess.run(["umount", path], check=True)
 
 
 @pytest.fixture

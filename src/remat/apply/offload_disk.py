@@ -252,6 +252,10 @@ class DiskStore:
         self.num_threads = num_threads
         self._lock = threading.Lock()
         self._live: set[str] = set()
+        self._fds: weakref.WeakSet[_Fd] = weakref.WeakSet()
+        """The descriptors of the files opened for writing: `purge` closes those still open, so
+        a deleted file's space comes back at once, not when the failed step's records (which a
+        traceback the caller keeps may hold) are collected."""
         self._executor: ThreadPoolExecutor | None = None
         self._jobs: set[Future] = set()
         self._generation = 0
@@ -311,7 +315,10 @@ class DiskStore:
         except OSError as exc:
             self.purge()
             raise _io_error(exc, f"offload file {path}", block, "create") from exc
-        return BlockFile(self, path, block, fd)
+        opened = BlockFile(self, path, block, fd)
+        with self._lock:
+            self._fds.add(opened._fd)
+        return opened
 
     def check(self) -> None:
         """Raise the first background failure (after deleting every file)."""
@@ -343,6 +350,9 @@ class DiskStore:
             self._executor = None
         with self._lock:
             self._live.clear()
+            fds = list(self._fds)
+        for fd in fds:  # the writes have ended (the executor is shut down)
+            fd.try_close()
         _remove_tree(self._state)
 
     def close(self) -> None:
