@@ -117,9 +117,11 @@ def _float_tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _max_abs_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+def _max_abs_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None], infinities: bool = False) -> float:
     """Largest |x - y| over corresponding tensors; inf when counts, presence or shapes differ,
-    or when either holds a NaN or an Inf (``max(0.0, nan)`` is 0.0: a NaN must never pass as equal)."""
+    or when either holds a NaN or an Inf (``max(0.0, nan)`` is 0.0: a NaN must never pass as equal).
+    ``infinities``: a pair with the same infinities in the same places and no NaN (a model's
+    outputs that mask logits with -inf by design: Grounding DINO's) is compared on the rest."""
     if len(a) != len(b):
         return float("inf")
     worst = 0.0
@@ -135,9 +137,22 @@ def _max_abs_diff(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) ->
             # complex gradients keep their imaginary parts (``.double()`` would drop them)
             x, y = (x.cdouble(), y.cdouble()) if x.is_complex() or y.is_complex() else (x.double(), y.double())
             if not (bool(torch.isfinite(x).all()) and bool(torch.isfinite(y).all())):
-                return float("inf")
+                if not (infinities and same_infinities(x, y)):
+                    return float("inf")
+                finite = torch.isfinite(x)
+                x, y = x[finite], y[finite]
+                if not x.numel():
+                    continue
             worst = max(worst, float((x - y).abs().max()))
     return worst
+
+
+def same_infinities(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``x`` and ``y`` (same shape) hold no NaN and the same infinities in the same places."""
+    if x.is_complex() or y.is_complex() or bool(torch.isnan(x).any()) or bool(torch.isnan(y).any()):
+        return False
+    inf = torch.isinf(x)
+    return bool(torch.equal(inf, torch.isinf(y))) and bool(torch.equal(x[inf], y[inf]))
 
 
 def _nonfinite(run: str, what: str, tensors: list[torch.Tensor | None], names: list[str]) -> list[str]:
@@ -154,10 +169,21 @@ def _nonfinite(run: str, what: str, tensors: list[torch.Tensor | None], names: l
 
 
 def _nonfinite_report(run: str, loss: torch.Tensor, outputs: list[torch.Tensor],
-                      grads: list[torch.Tensor | None], param_names: list[str]) -> list[str]:
+                      grads: list[torch.Tensor | None], param_names: list[str],
+                      other_outputs: list[torch.Tensor] | None = None) -> list[str]:
+    """The lines of `_nonfinite` for the loss, the outputs and the gradients; an output with the
+    same infinities as the other run's (``other_outputs``) and no NaN is left out: infinities the
+    model puts there by design (-inf masking logits), which recomputation left as they were."""
+    if other_outputs is not None and len(other_outputs) == len(outputs):
+        outputs = [None if _alike(x, y) else x for x, y in zip(outputs, other_outputs)]
     return (_nonfinite(run, "loss", [loss], [""])
             + _nonfinite(run, "output", outputs, [f"#{i}" for i in range(len(outputs))])
             + _nonfinite(run, "gradient of", grads, param_names))
+
+
+def _alike(x: torch.Tensor | None, y: torch.Tensor | None) -> bool:
+    return (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+            and x.is_floating_point() and y.is_floating_point() and same_infinities(x.detach(), y.detach()))
 
 
 def _copy_optimizer(optimizer: torch.optim.Optimizer | None, source: nn.Module, target: nn.Module) -> torch.optim.Optimizer | None:
@@ -596,10 +622,10 @@ def _compare(plan: Plan, base: _Run, planned: _Run, repeats: int, device: torch.
     tracked_b, tracked_p = base.tracked_step(), planned.tracked_step()
     times_b, times_p = _timed_pairs(base, planned, repeats, Clock(device))
     loss_diff = _max_abs_diff([loss_b], [loss_p])
-    out_diff, grad_diff = _max_abs_diff(out_b, out_p), _max_abs_diff(grads_b, grads_p)
+    out_diff, grad_diff = _max_abs_diff(out_b, out_p, infinities=True), _max_abs_diff(grads_b, grads_p)
     names = [n for n, _ in base.model.named_parameters()]
-    nonfinite = (_nonfinite_report("baseline", loss_b, out_b, grads_b, names)
-                 + _nonfinite_report("planned", loss_p, out_p, grads_p, names))
+    nonfinite = (_nonfinite_report("baseline", loss_b, out_b, grads_b, names, out_p)
+                 + _nonfinite_report("planned", loss_p, out_p, grads_p, names, out_b))
     head = head_tolerance(base.model, plan.head, base.step.batch)
     rel_diff = max_rel_diff([loss_p, *grads_p], [loss_b, *grads_b])
     tolerance, reason = _tolerance(device, head)
