@@ -4,6 +4,7 @@ the model trains correctly afterwards."""
 from __future__ import annotations
 
 import errno
+import gc
 import os
 
 import pytest
@@ -89,8 +90,8 @@ def test_disk_full_real_tiny_filesystem(toy, tmp_path):
         _fault_in_forward(toy, tiny, rf"could not write offload file {tiny}/\S+ for {BLOCK}: No space left on device \(errno 28\); the disk is full")
 
 
-def test_disk_full_simulated(toy, tmp_path, monkeypatch):
-    """Without root: the record write raises ENOSPC after the first record, as a full disk does."""
+def _disk_full_after_first_write(monkeypatch) -> None:
+    """The record write raises ENOSPC after the first record, as a full disk does."""
     real_write, calls = offload_disk.write_at, []
 
     def write_at_then_enospc(fd, offset, data):
@@ -100,7 +101,42 @@ def test_disk_full_simulated(toy, tmp_path, monkeypatch):
         return real_write(fd, offset, data)
 
     monkeypatch.setattr(offload_disk, "write_at", write_at_then_enospc)
+
+
+def test_disk_full_simulated(toy, tmp_path, monkeypatch):
+    """Without root: a simulated full disk."""
+    _disk_full_after_first_write(monkeypatch)
     _fault_in_forward(toy, tmp_path, rf"could not write offload file {tmp_path}/\S+ for {BLOCK}: No space left on device")
+
+
+def _open_under(directory) -> list[str]:
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)):
+            found.append(target)
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads the open descriptors from /proc")
+def test_a_disk_full_leaves_no_descriptor_open(toy, tmp_path, monkeypatch):
+    """A failed offload closes its files' descriptors itself: a deleted file keeps its disk space
+    while one is open, and the failed step's records, which a traceback the caller keeps may
+    hold, are collected whenever Python gets to them."""
+    _disk_full_after_first_write(monkeypatch)
+    blocks, x = toy
+    engine = OffloadEngine("disk", directory=tmp_path, min_bytes=1)
+    gc.disable()  # the failed step's records stay uncollected, as a kept traceback keeps them
+    try:
+        with pytest.raises(OffloadError, match="No space left on device") as caught:
+            toy_step(blocks, x, engine, after_forward=engine.wait_writes)
+        assert caught.value is not None and _open_under(tmp_path) == []
+    finally:
+        gc.enable()
+    engine.close()
 
 
 @pytest.mark.skipif(not CAN_MOUNT, reason="a read-only mount needs root (root ignores chmod); see the non-root variant")
