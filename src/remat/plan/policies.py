@@ -218,7 +218,7 @@ def knapsack_left_out_ms(block: BlockProfile) -> float:
     an option caching them too could save at most (0 for a block of that many groups or fewer)."""
     groups = _group_subsets(block)
     times = np.array([[op.time_ms for op in block.ops]], dtype=float)
-    offered = {calls for group in _offered(groups, times) for calls in [group[-1][1]]}
+    offered = {group[-1][1] for group in _offered(groups, times)}  # a group's last option holds all its calls
     return float(sum(times[0, list(group[-1][1])].sum() for group in groups if group[-1][1] not in offered))
 
 
