@@ -631,7 +631,9 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
             fwd_flops=memory.recorder.segment_flops(name),
             ops=_scaled_times(ops[i], times.block_fwd_ms[i]), timing_from=groups.timing_from[i],
             grad_bytes=memory.block_grad_bytes[i],
-            between_fwd_peak_bytes=memory.windows.between_fwd_peak_bytes[i],
+            between_fwd_peak_bytes=memory.windows.between_fwd_peak_bytes[i]
+            + memory.windows.unreached_live_bytes(i, "between"),
+            unreached_fwd_bytes=memory.windows.unreached_live_bytes(i, "fwd_start"),
             fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i]
             + (0 if i in memory.windows.backward_blocks else memory.saved_bytes[name]),
             output_grad_bytes=memory.output_bytes.get(name, 0),

@@ -40,6 +40,11 @@ class BackwardWindows:
         """Per block, the peak of the code run between the block before and it, above the live
         bytes when that code began (`BlockProfile.between_fwd_peak_bytes`)."""
         self._between_open = False
+        self.saved_live_at_between: list[dict[int, int]] = [{} for _ in block_names]
+        self.saved_live_at_fwd_start: list[dict[int, int]] = [{} for _ in block_names]
+        """Per block, the saved bytes of each block before it still live when the code before it
+        began and when its forward began: those of blocks no backward runs (`unreached_live_bytes`)
+        live as long as the code holds their outputs, beside this block's forward."""
         self.block_fwd_start_bytes = [0] * len(block_names)
         self.block_fwd_start_temporaries = [0] * len(block_names)
         """Live bytes neither model state nor saved for backward when each block's forward began."""
@@ -94,6 +99,7 @@ class BackwardWindows:
             self.between_fwd_peak_bytes[event.index] = max(0, self.tracker.close_window())
             self._between_open = False
         if event.kind == "fwd_start":
+            self.saved_live_at_fwd_start[event.index] = self._saved_live(event.index)
             self.block_fwd_start_bytes[event.index] = self.tracker.live_bytes
             self.block_fwd_start_temporaries[event.index] = self.tracker.live_by_label.get("temporaries", 0)
             self.tracker.open_window(offset_bytes=self.tracker.live_bytes)
@@ -106,6 +112,7 @@ class BackwardWindows:
                 self.tracker.open_window(labels)
                 self._post_forward_open = True
             else:
+                self.saved_live_at_between[event.index + 1] = self._saved_live(event.index + 1)
                 self.tracker.open_window(offset_bytes=self.tracker.live_bytes)
                 self._between_open = True
         elif event.kind == "bwd_begin":
@@ -134,6 +141,21 @@ class BackwardWindows:
             self.tracker.open_window()
         elif event.kind == "opt_end":
             self.optimizer_temp_bytes = self.tracker.close_window() - self._opt_start_bytes
+
+    def _saved_live(self, index: int) -> dict[int, int]:
+        """The saved bytes of each block before ``index`` live now (those with none left out)."""
+        live = self.tracker.live_by_label
+        return {i: n for i in range(index) if (n := live.get(ACT_PREFIX + self.names[i], 0))}
+
+    def unreached_live_bytes(self, index: int, at: str) -> int:
+        """What the blocks before ``index`` that no backward runs saved and was live when the code
+        before it began (``at="between"``) or its forward began (``at="fwd_start"``): their graphs
+        live as long as the model's code holds their outputs (a tokenizer stack whose output, made
+        into integer codes, stays in a variable to the forward's end), and no plan changes them
+        (such blocks are kept, `remat.measure.types.NO_BACKWARD`). Known once the step's backward
+        ran (``backward_blocks``)."""
+        snapshot = (self.saved_live_at_between if at == "between" else self.saved_live_at_fwd_start)[index]
+        return sum(n for i, n in snapshot.items() if i not in self.backward_blocks)
 
     def unreached_post_bytes(self) -> int:
         """What the blocks no backward runs saved and the step still holds through the post part's

@@ -123,14 +123,15 @@ def stopped_replay_flops(block: BlockProfile) -> int:
 def forward_phase_bytes(block: BlockProfile) -> int:
     """What the block's own forward, kept, needs on top of the blocks before it: its entry
     bytes, the other live bytes the model's code holds then (``fwd_other_bytes``: its input
-    when nothing saved it before), and its saved bytes and forward temporaries, or the code's
-    before it between the block before and this one where that peaks higher
+    when nothing saved it before), and its saved bytes and forward temporaries with the graphs
+    of blocks no backward runs still live (``unreached_fwd_bytes``), or the code's before it
+    between the block before and this one where that peaks higher
     (``between_fwd_peak_bytes``: it runs with less live, so this bounds it); 0 in profiles
     recorded without ``fwd_other_bytes`` (the forward was not priced)."""
     if block.fwd_other_bytes is None:
         return 0
-    return block.entry_bytes + block.fwd_other_bytes + max(block.saved_bytes + block.fwd_temp_bytes,
-                                                           block.between_fwd_peak_bytes)
+    return block.entry_bytes + block.fwd_other_bytes + max(
+        block.saved_bytes + block.fwd_temp_bytes + block.unreached_fwd_bytes, block.between_fwd_peak_bytes)
 
 
 def keep_working_bytes(profile: Profile, block_index: int) -> int:
@@ -156,11 +157,12 @@ def keep_forward_bytes(profile: Profile, block_index: int, previous_kept: bool) 
 
 def checkpointed_forward_peak(block: BlockProfile) -> int:
     """The most a checkpointed forward of the block holds above its start, its output included
-    (`BlockProfile.checkpointed_fwd_live_bytes`; without it, its forward temporaries and output),
-    or the code run before it, since the block before, where that peaks higher
-    (``between_fwd_peak_bytes``)."""
+    (`BlockProfile.checkpointed_fwd_live_bytes`; without it, its forward temporaries and output)
+    with the graphs of blocks no backward runs still live (``unreached_fwd_bytes``), or the code
+    run before it, since the block before, where that peaks higher (``between_fwd_peak_bytes``)."""
     curve = block.checkpointed_fwd_live_bytes
-    return max(max(curve) if curve else block.fwd_temp_bytes + block.output_bytes, block.between_fwd_peak_bytes)
+    own = max(curve) if curve else block.fwd_temp_bytes + block.output_bytes
+    return max(own + block.unreached_fwd_bytes, block.between_fwd_peak_bytes)
 
 
 def segment_forward_bytes(profile: Profile, start: int, stop: int, previous_kept: bool = False) -> int:
