@@ -30,7 +30,6 @@ relative tolerance (`remat.apply.head.head_tolerance`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -39,7 +38,7 @@ import random
 import statistics
 import types
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -55,7 +54,7 @@ from remat.checkpointing.caches import CacheOff
 from remat.measure.faults import FaultCount
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.profile import _Step
-from remat.measure.state import BatchGrads, generators_in, model_generators
+from remat.measure.state import BatchGrads, generators_in, host_rng_restored, model_generators
 from remat.measure.timing import Clock
 from remat.measure.storage import tensors_in
 from remat.measure.tracker import track_step
@@ -86,21 +85,6 @@ HOST_DRAWS = (" But the planned step drew other numbers from Python's random or 
               "torch's generators). Keep the blocks that draw from them (remat.profile(..., blocks=...) or a plan "
               "that keeps them), or draw from torch's generator.")
 """Why the runs differ when the plan made the host's generators draw again."""
-
-
-@contextlib.contextmanager
-def _host_rng_restored(generators: list[torch.Generator]) -> Iterator[None]:
-    """Python's `random`, NumPy's global generator and ``generators`` (the batch's) as they were
-    before (torch's own are forked by `torch.random.fork_rng`)."""
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    states = [g.get_state() for g in generators]
-    try:
-        yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-        for g, state in zip(generators, states):
-            g.set_state(state)
 
 
 CUDA_TOLERANCE = 1e-5
@@ -375,7 +359,9 @@ class _Run:
         if planned:
             apply_(self.model, plan, batch=batch, offload_dir=offload_dir)
         else:  # as under the plan and in the profile: no key/value cache (remat.checkpointing.caches)
-            CacheOff(self.model).install().drop_in([self.model.get_submodule(n) for n in plan.block_names])
+            cache_off = CacheOff(self.model).install()
+            if not plan.fingerprint.shared_cache:  # else the model reads what the blocks write there
+                cache_off.drop_in([self.model.get_submodule(n) for n in plan.block_names])
         self.plan = plan
         if optimizer is not None:  # a loss reading the optimizer (an L2 term over its parameters) reads the copy's
             memo[id(optimizer)] = self.optimizer
@@ -543,7 +529,7 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
             "the compiled step (allocator peaks).", UserWarning, stacklevel=2)
     device = model_device(model)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-            _host_rng_restored(generators_in(batch)), BatchGrads(batch):
+            host_rng_restored(generators_in(batch)), BatchGrads(batch):
         drawn = [(g, g.get_state()) for g in generators_in(batch)]
         base = _Run(model, optimizer, batch, loss_fn, plan, planned=False, batch_generators=drawn)
         planned = _Run(model, optimizer, batch, loss_fn, plan, planned=True, offload_dir=offload_dir,

@@ -137,3 +137,48 @@ def test_blocks_handed_a_filled_cache_are_keep_only_with_the_reason():
     assert [dict(b.unavailable) for b in prof.blocks] == [{"recompute": PREFILLED_CACHE, "selective": PREFILLED_CACHE}] * 2
     with pytest.warns(UserWarning, match=r"cannot run 'recompute': it is handed a key/value cache that already holds positions"):
         assert remat.plan(prof, strategy="full").block_strategies() == ("keep", "keep")
+
+
+def test_a_cache_the_step_reads_is_left_to_the_blocks_that_write_it():
+    """DiffusionGemma's encoder layers write the prompt's keys and values into a cache its decoder
+    layers then attend to, in every training forward. Handed no empty cache (as remat hands a
+    model's blocks, `CacheOff.drop_in`), the encoder wrote nothing and the decoder saw no prompt,
+    in the profile, in both of verify's runs and under the plan alike: verify passed while the
+    planned model trained another function (the first loss 4.5795 against 4.5455). Now the
+    profile finds that the step reads the cache, leaves it to the blocks, and keeps the blocks
+    handed one."""
+    from remat.checkpointing.caches import PREFILLED_CACHE, SHARED_CACHE
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, global_head_dim=8, max_position_embeddings=128, sliding_window=8,
+                num_experts=4, top_k_experts=2, moe_intermediate_size=32, layer_types=["sliding_attention", "full_attention"])
+    vision = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=8, patch_size=4, position_embedding_size=64)
+    config = transformers.DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=8, boi_token_id=120,
+                                               eoi_token_id=121, image_token_id=122)
+    model = transformers.DiffusionGemmaForBlockDiffusion(config).train()
+    g = torch.Generator().manual_seed(1)
+    batch = dict(input_ids=torch.randint(10, 128, (2, 16), generator=g),
+                 decoder_input_ids=torch.randint(10, 128, (2, 8), generator=g))
+
+    def loss_fn(out, b):
+        return nn.functional.cross_entropy(out.logits.float().flatten(0, 1), b["decoder_input_ids"].flatten())
+
+    other_prompt = dict(batch, input_ids=torch.randint(10, 128, (2, 16), generator=torch.Generator().manual_seed(99)))
+    plain = [loss_fn(model(**b), b).item() for b in (batch, other_prompt)]
+    assert plain[0] != plain[1]  # the decoder reads the prompt through the cache
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prof = remat.profile(model, batch, loss_fn, optimizer, repeats=1)
+        assert prof.fingerprint.shared_cache
+        reasons = [dict(b.unavailable).get("recompute") for b in prof.blocks]
+        # the encoder's last layer's output reaches no loss (its keys and values do): no backward
+        assert reasons[0] == SHARED_CACHE and reasons[1] and reasons[2:] == [PREFILLED_CACHE] * 2
+        least = remat.plan(prof, budget=min(p.prediction.peak_bytes for p in remat.pareto(prof)))
+        check = remat.verify(model, batch, least, loss_fn, optimizer, repeats=1)
+        assert check.grads_identical and check.measured_peak_bytes == check.predicted_peak_bytes
+        remat.apply_(model, least)
+        applied = [loss_fn(model(**b), b).item() for b in (batch, other_prompt)]
+    assert applied == plain  # the same function as without remat, prompt and all

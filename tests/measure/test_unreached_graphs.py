@@ -78,10 +78,11 @@ def test_an_unreached_graph_freed_before_the_next_block_costs_it_nothing() -> No
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     prof = remat.profile(model, (x,), optimizer=optimizer)
     assert [b.unreached_fwd_bytes for b in prof.blocks] == [0, BLOCK_SAVED, 2 * BLOCK_SAVED] + [0] * 4
-    # the code between the tokenizer and the first layer ran with the whole graph live
+    # the code between the tokenizer and the first layer ran with the whole graph live, and
+    # freed it: measured above what is live as the first layer starts, it counts it
     assert prof.blocks[3].between_fwd_peak_bytes >= 3 * BLOCK_SAVED
     for strategy in ("none", "full"):
         plan = remat.plan(prof, strategy=strategy)
         ver = remat.verify(model, (x,), plan, optimizer=optimizer, repeats=1)
         assert ver.grads_identical
-        assert 0 <= plan.prediction.peak_bytes - ver.measured_peak_bytes <= 0.01 * ver.measured_peak_bytes, strategy
+        assert plan.prediction.peak_bytes == ver.measured_peak_bytes, strategy

@@ -191,7 +191,9 @@ def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str 
     try:
         options["offload_engines"] = _offload_engines(plan, offload_dir)
         runtime.install()
-        options["cache_off"].install().drop_in(blocks)
+        options["cache_off"].install()
+        if not plan.fingerprint.shared_cache:  # else the model reads what the blocks write there
+            options["cache_off"].drop_in(blocks)
         watch.install()
         if head is not None:
             head.install()

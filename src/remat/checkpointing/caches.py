@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CACHE_WARNING", "CacheOff", "PREFILLED_CACHE", "cache_positions", "drop_kv_caches", "is_kv_cache"]
+__all__ = ["CACHE_WARNING", "CacheOff", "PREFILLED_CACHE", "SHARED_CACHE", "cache_positions", "drop_kv_caches", "is_kv_cache"]
 
 CACHE_WARNING = (
     "use_cache=True is incompatible with remat's recomputation (a replayed layer would append to "
@@ -53,6 +53,12 @@ def cache_positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     held = [v.get_seq_length() for v in (*args, *kwargs.values()) if is_kv_cache(v)]
     return max((int(n) for n in held), default=0)
 
+
+SHARED_CACHE = ("it writes a key/value cache that the model reads later in the same step (an encoder filling the cache "
+                "its decoder attends to, as DiffusionGemma's does): the cache is left to the blocks, and a replay would "
+                "write it again")
+"""Why a block handed a cache in a model whose step reads what its blocks write there is never
+replayed (`remat.measure.types.Fingerprint.shared_cache`)."""
 
 PREFILLED_CACHE = ("it is handed a key/value cache that already holds positions (prefix tuning's virtual tokens, or a "
                    "cache passed in): a replay would append to it again, and without it the block would not see those "
@@ -131,6 +137,13 @@ class CacheOff:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.handles: list[Any] = []
+        self.block_handles: list[Any] = []
+        self._dropped = [0]  # the blocks' hooks count here: they must not hold this, which holds the model
+
+    @property
+    def dropped(self) -> int:
+        """Calls of the ``drop_in`` blocks whose cache was dropped."""
+        return self._dropped[0]
 
     def install(self) -> CacheOff:
         hooked: list[str] = []
@@ -145,10 +158,25 @@ class CacheOff:
         """Also hand ``blocks`` no empty key/value cache in training (`_drop_empty_cache_hook`):
         a model that makes one whatever ``use_cache`` says (Flaubert's and XLM's attention
         layers get a fresh cache on every forward) runs its blocks as a replayed block must."""
-        self.handles.extend(b.register_forward_pre_hook(_drop_empty_cache_hook, with_kwargs=True) for b in blocks)
+        count = self._dropped
+
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+            dropped = _drop_empty_cache_hook(module, args, kwargs)
+            count[0] += dropped is not None
+            return dropped
+
+        self.block_handles.extend(b.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks)
         return self
 
+    def keep_in_blocks(self) -> None:
+        """Undo `drop_in`: the blocks are handed their caches again (a model that reads in the step
+        what its blocks write there, `remat.measure.types.Fingerprint.shared_cache`)."""
+        for handle in self.block_handles:
+            handle.remove()
+        self.block_handles.clear()
+
     def remove(self) -> None:
+        self.keep_in_blocks()
         for handle in self.handles:
             handle.remove()
         self.handles.clear()

@@ -65,7 +65,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from remat.checkpointing.caches import PREFILLED_CACHE, cache_positions, drop_kv_caches
+from remat.checkpointing.caches import PREFILLED_CACHE, SHARED_CACHE, cache_positions, drop_kv_caches, is_kv_cache
 from remat.checkpointing.region import (BufferGuard, autocast_entered, autocast_state, call_with_first, checkpointed,
                                        first_argument)
 from remat.checkpointing.selective import selective_context
@@ -118,6 +118,9 @@ class BlockInputs:
     cache_positions: int = 0
     """Positions the key/value cache the block was handed already held (prefix tuning): such a
     block is never replayed (`remat.checkpointing.caches.PREFILLED_CACHE`), nor probed."""
+    shared_cache: bool = False
+    """The block was handed a cache that the model reads later in the step (captured with
+    ``shared_caches``): never replayed (`remat.checkpointing.caches.SHARED_CACHE`), nor probed."""
     autocast: tuple[tuple[str, torch.dtype, bool], ...] = ()
     """``(device type, dtype, cache enabled)`` of each device type whose autocast was on when the
     block was called (a model whose forward enters ``torch.autocast``): the probes run the block
@@ -130,10 +133,13 @@ class BlockInputs:
         return autocast_entered(self.autocast)
 
 
-def capture_block_inputs(block_list: Blocks, forward: Callable[[], Any]) -> list[BlockInputs]:
+def capture_block_inputs(block_list: Blocks, forward: Callable[[], Any], *,
+                         shared_caches: bool = False) -> list[BlockInputs]:
     """Run ``forward()`` once (gradients enabled) and keep each block's first call's arguments:
     tensors detached, floating ones needing gradients as they did in the model; Hugging Face
-    key/value caches become None, as `remat.apply` passes them (every call would append to them)."""
+    key/value caches become None, as `remat.apply` passes them (every call would append to them).
+    ``shared_caches``: the model reads what its blocks write to their caches
+    (`remat.measure.types.Fingerprint.shared_cache`), and a block handed one is keep-only."""
     captured: dict[int, BlockInputs] = {}
 
     def hook_for(index: int) -> Callable[..., None]:
@@ -142,6 +148,9 @@ def capture_block_inputs(block_list: Blocks, forward: Callable[[], Any]) -> list
                 positions = cache_positions(args, kwargs)
                 if positions:  # not probed: keep only (the cache stays the model's)
                     captured[index] = BlockInputs(args=(), kwargs={}, cache_positions=positions)
+                    return
+                if shared_caches and any(is_kv_cache(v) for v in (*args, *kwargs.values())):
+                    captured[index] = BlockInputs(args=(), kwargs={}, shared_cache=True)
                     return
                 args, kwargs = drop_kv_caches(args, kwargs)
                 captured[index] = BlockInputs(args=tree_map(_detach, args), kwargs=tree_map(_detach, kwargs),
@@ -200,8 +209,9 @@ def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys
     found: dict[int, BlockOverheads] = {}
     each = budget.split(len(groups)) if budget is not None else None
     for members in groups.values():
-        if inputs[members[0]].cache_positions:  # keep-only, never probed
-            unavailable = (("recompute", PREFILLED_CACHE), ("selective", PREFILLED_CACHE))
+        if inputs[members[0]].cache_positions or inputs[members[0]].shared_cache:  # keep-only, never probed
+            reason = SHARED_CACHE if inputs[members[0]].shared_cache else PREFILLED_CACHE
+            unavailable = (("recompute", reason), ("selective", reason))
             found.update((i, BlockOverheads(selective_ms=0.0, recompute_ms=0.0, selective_cache_ms=0.0,
                                             unavailable=unavailable)) for i in members)
             continue
@@ -216,7 +226,8 @@ def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys
 def _alike_key(module: nn.Module, inputs: BlockInputs, op_keys: frozenset[str]) -> tuple[Any, ...]:
     tensors = [t for t in tree_leaves((inputs.args, inputs.kwargs)) if isinstance(t, torch.Tensor)]
     return (
-        type(module), op_keys, inputs.cache_positions > 0, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors),
+        type(module), op_keys, inputs.cache_positions > 0, inputs.shared_cache,
+        tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors),
         tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()),
     )
 

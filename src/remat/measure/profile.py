@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import platform
 import socket
@@ -98,7 +99,8 @@ from remat.measure.saved import POST, PRE, SavedAccountant, between_name
 from remat.measure.sharing import BlockGroups, CallSignatures, group_blocks, stop_after, structure_key, trace_key
 from remat.measure.stacks import Discovery, discover
 from remat.measure.storage import storage_key, storage_keys, storage_nbytes
-from remat.measure.state import StateSnapshot, buffer_bytes, grad_bytes, optimizer_state_bytes, param_bytes
+from remat.measure.state import (StateSnapshot, buffer_bytes, generators_in, grad_bytes, host_rng_restored,
+                                 optimizer_state_bytes, param_bytes)
 from remat.measure.timing import Clock, StepTimer, StepTimes, median_times, without_instrumentation
 from remat.measure.tracker import StepTracking
 from remat.measure.windows import BackwardWindows
@@ -171,6 +173,12 @@ def profile(
             if layerdrop.changed:  # a layer that training may skip does not reliably follow the one before
                 found = dataclasses.replace(found, follows_previous=(False,) * len(found.blocks))
             prof, windows = _measure(step, found, warmup, repeats, progress, share_timing, backend)
+            if cache_off is not None and cache_off.dropped and _cache_read_in_step(step, found, cache_off):
+                # the step reads what the blocks write to their caches: measured again, the caches theirs
+                cache_off.keep_in_blocks()
+                prof, windows = _measure(step, found, warmup, repeats, progress, share_timing, backend,
+                                         shared_caches=True)
+                prof = dataclasses.replace(prof, fingerprint=dataclasses.replace(prof.fingerprint, shared_cache=True))
             prof = _with_head(step, prof, windows, note, head_chunks, repeats)
             prof = dataclasses.replace(prof, fingerprint=dataclasses.replace(prof.fingerprint, model_hash=structure))
             prof = with_grad_accumulation(prof) if grad_accumulation else prof
@@ -184,6 +192,36 @@ def profile(
 
         prof = with_bandwidths(prof, device, offload_dir)
     return prof
+
+
+CACHE_READ_TOLERANCE = 1e-5
+"""Relative difference of one forward's loss, the blocks handed their caches or none, beyond
+which the step reads what they write there (`_cache_read_in_step`); a cache only written differs
+in the last bits (attention reads the cache's copies of the keys and values)."""
+
+
+def _cache_read_in_step(step: _Step, found: Discovery, cache_off: CacheOff) -> bool:
+    """Whether the step reads what its blocks write to a key/value cache (DiffusionGemma's encoder
+    layers fill the cache its decoder attends to), for a model whose blocks were handed one
+    (``cache_off.dropped``): one forward's loss with the caches dropped (`CacheOff.drop_in`)
+    against one with them, from the same random numbers."""
+    device = model_device(step.model)
+
+    def loss() -> float:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                host_rng_restored(generators_in(step.batch)):
+            torch.manual_seed(0)
+            return float(compute_loss(call_model(step.model, step.batch), step.batch, step.loss_fn).detach().double())
+
+    dropped = loss()
+    cache_off.keep_in_blocks()
+    try:
+        kept = loss()
+    finally:
+        cache_off.drop_in([module for _, module in found.blocks])
+    if not (math.isfinite(dropped) and math.isfinite(kept)):
+        return False
+    return not math.isclose(dropped, kept, rel_tol=CACHE_READ_TOLERANCE, abs_tol=1e-12)
 
 
 def _cache_off(model: nn.Module, device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -267,7 +305,7 @@ def settled(plain_ms: Sequence[float], instrumented_ms: Sequence[float]) -> bool
 
 def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
              progress: Progress | None, share_timing: bool = True,
-             backend: str = "") -> tuple[Profile, BackwardWindows]:
+             backend: str = "", shared_caches: bool = False) -> tuple[Profile, BackwardWindows]:
     block_list = found.blocks
     report = _Reporter(progress, max(warmup, 1) + 1 + repeats + (repeats - 1))
     for _ in range(max(warmup, 1)):
@@ -296,7 +334,7 @@ def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
     touch = statistics.median(probes) if steps.fault_bytes and probes else 0.0
     budget = ProbeBudget(step_ms=statistics.median(plain), steps=OVERHEAD_STEPS, floor_ms=OVERHEAD_FLOOR_MS,
                          min_repeats=min(repeats, OVERHEAD_MIN_REPEATS))
-    overheads = _overheads(step, block_list, memory.recorder, repeats, touch, groups, budget)
+    overheads = _overheads(step, block_list, memory.recorder, repeats, touch, groups, budget, shared_caches)
     call_ms = 0.0 if device.type == "meta" else measure_checkpoint_call_ms(
         device, repeats=repeats, clock=Clock(device), touch_ms_per_byte=touch,
         budget=dataclasses.replace(budget, steps=CALL_STEPS, floor_ms=0.0, min_repeats=1))
@@ -512,7 +550,7 @@ def _time_ops(step: _Step, block_list: Blocks, recorder: OpRecorder, groups: Blo
 
 
 def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: int, touch_ms_per_byte: float,
-               groups: BlockGroups, budget: ProbeBudget) -> tuple[BlockOverheads, ...]:
+               groups: BlockGroups, budget: ProbeBudget, shared_caches: bool = False) -> tuple[BlockOverheads, ...]:
     """Per-block checkpointing overheads (`remat.measure.overhead`), measured on each group's
     representative (the forward that captures their inputs stops after the last of them), each
     in an equal part of ``budget``; zeros on the meta device, where nothing runs and there is no
@@ -521,7 +559,8 @@ def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: i
     if device.type == "meta":
         return tuple(BlockOverheads(selective_ms=0.0, recompute_ms=0.0, selective_cache_ms=0.0) for _ in block_list)
     chosen = groups.representatives
-    inputs = capture_block_inputs([block_list[i] for i in chosen], _until_last(step, block_list, chosen))
+    inputs = capture_block_inputs([block_list[i] for i in chosen], _until_last(step, block_list, chosen),
+                                  shared_caches=shared_caches)
     measured: dict[int, BlockOverheads] = {}
     for i, given in zip(chosen, inputs):
         calls = recorder.calls.get(block_list[i][0], [])
@@ -551,7 +590,8 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
         fixed_pre_fwd_bytes=memory.windows.pre_fwd_bytes,
         fixed_pre_bwd_temp_bytes=memory.windows.pre_bwd_temp_bytes,
         optimizer_step_ms=times.optimizer_step_ms, buffer_bytes=buffer_bytes(model),
-        fixed_pre_saved_bytes=saved[PRE], fixed_post_saved_bytes=saved[POST],
+        # what the pre part saved for a backward: a graph off the loss path dies with the forward
+        fixed_pre_saved_bytes=saved[PRE] - memory.windows.pre_saved_dead_bytes(), fixed_post_saved_bytes=saved[POST],
         fixed_post_bwd_temp_bytes=max(memory.windows.post_temp_bytes, memory.windows.post_fwd_bytes
                                       + memory.windows.unreached_post_bytes() - saved[POST]),
         fixed_pre_grad_bytes=_pre_grad_bytes(memory, block_list),
@@ -631,9 +671,8 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
             fwd_flops=memory.recorder.segment_flops(name),
             ops=_scaled_times(ops[i], times.block_fwd_ms[i]), timing_from=groups.timing_from[i],
             grad_bytes=memory.block_grad_bytes[i],
-            between_fwd_peak_bytes=memory.windows.between_fwd_peak_bytes[i]
-            + memory.windows.unreached_live_bytes(i, "between"),
-            unreached_fwd_bytes=memory.windows.unreached_live_bytes(i, "fwd_start"),
+            between_fwd_peak_bytes=memory.windows.between_fwd_peak_bytes[i],
+            unreached_fwd_bytes=memory.windows.unreached_live_bytes(i),
             fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i]
             + (0 if i in memory.windows.backward_blocks else memory.saved_bytes[name]),
             output_grad_bytes=memory.output_bytes.get(name, 0),

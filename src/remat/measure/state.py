@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -137,3 +138,18 @@ def _host_state(state_dict: Any) -> Any:
     if type(state_dict) in (list, tuple):
         return type(state_dict)(_host_state(v) for v in state_dict)
     return copy.deepcopy(state_dict)
+
+
+@contextlib.contextmanager
+def host_rng_restored(generators: list[torch.Generator]) -> Iterator[None]:
+    """Python's `random`, NumPy's global generator and ``generators`` (the batch's) as they were
+    before (torch's own are forked by `torch.random.fork_rng`)."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    states = [g.get_state() for g in generators]
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        for g, state in zip(generators, states):
+            g.set_state(state)

@@ -194,17 +194,21 @@ class BlockProfile:
     backward (recompute) peaks at what is live then + ``saved_bytes`` + this."""
     between_fwd_peak_bytes: int = 0
     """Peak of the code the model runs between the block before and this one (from that block's
-    forward's end to this one's start) above the live bytes when it began: a transient no block
-    saves, such as a mask or bias built under ``torch.no_grad()`` between two layers, and the
-    graphs of blocks no backward runs live then (`unreached_fwd_bytes`); counted in this block's
-    forward phase, kept or recomputed (`remat.plan.phases.forward_phase_bytes`,
-    `checkpointed_forward_peak`). 0 for block 0, whose code before is the pre part's forward."""
+    forward's end to this one's start) above the live bytes when this one starts: a transient no
+    block saves, such as a mask or bias built under ``torch.no_grad()`` between two layers, or a
+    graph no backward needs, freed before this block (an off-path tokenizer's, once its output
+    became integer codes); counted in this block's forward phase, kept or recomputed
+    (`remat.plan.phases.forward_phase_bytes`, `checkpointed_forward_peak`). Measured above the
+    start, not above the live bytes when that code began, it leaves out what that code made and
+    still holds then (the block's inputs), which the block's own figures count. 0 for block 0,
+    whose code before is the pre part's forward."""
     unreached_fwd_bytes: int = 0
     """What blocks before this one that no backward runs saved and is still live when this
     block's forward begins: their graphs live as long as the model's code holds their outputs (a
     tokenizer stack whose output becomes integer codes, kept in a variable to the forward's end),
     beside this block's forward whatever its strategy (such blocks are always kept; their own
-    ``saved_bytes`` is 0). A trainable tokenizer of three blocks off the loss path measured 16.7 %
+    ``saved_bytes`` is 0); and likewise what the part before the first block saved and no
+    backward keeps (Chameleon's trainable VQ tokenizer). A trainable tokenizer of three blocks off the loss path measured 16.7 %
     above the prediction of full recomputation before (0: none, or not measured)."""
     output_grad_bytes: int = 0
     """Bytes of the gradient of the block's output, live while a replay of the block runs in
@@ -413,6 +417,13 @@ class Fingerprint:
     modules for full ones on its first forward): the profile measured that model, and the one
     given, never run, becomes it on its first forward, so a model in either state matches ("":
     running changed nothing)."""
+    shared_cache: bool = False
+    """The model reads, later in the step, the key/value cache its blocks write (DiffusionGemma's
+    encoder layers fill the cache its decoder attends to): its blocks are handed their caches in
+    the profile, `remat.verify` and under the plan, where other models' get none
+    (`remat.checkpointing.caches.CacheOff.drop_in`), and a block handed one is keep-only
+    (`remat.checkpointing.caches.SHARED_CACHE`). Handed none, the decoder attended to no prompt,
+    and the plan trained another model than the one given."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -573,7 +584,10 @@ class Profile(JsonDocument):
     buffer_bytes: int
     """Bytes of module buffers (BatchNorm running stats...)."""
     fixed_pre_saved_bytes: int
-    """Saved bytes of the fixed part before the first block (alive through the whole backward)."""
+    """Saved bytes of the fixed part before the first block still live when the backward begins
+    (alive through the whole backward); what it saved on a graph off the loss path, freed with the
+    forward (a trainable image tokenizer whose codes are integers), is counted beside the blocks'
+    forwards instead (`BlockProfile.unreached_fwd_bytes`)."""
     fixed_post_saved_bytes: int
     """Saved bytes of the fixed part after the last block (freed by the head's backward)."""
     fixed_post_bwd_temp_bytes: int

@@ -38,13 +38,18 @@ class BackwardWindows:
         self.block_fwd_temp_bytes = [0] * len(block_names)
         self.between_fwd_peak_bytes = [0] * len(block_names)
         """Per block, the peak of the code run between the block before and it, above the live
-        bytes when that code began (`BlockProfile.between_fwd_peak_bytes`)."""
+        bytes when the block began (`BlockProfile.between_fwd_peak_bytes`)."""
         self._between_open = False
-        self.saved_live_at_between: list[dict[int, int]] = [{} for _ in block_names]
+        self._between_open_bytes = 0
+        self.pre_saved_live_at_fwd_start = [0] * len(block_names)
+        self.pre_saved_live_at_backward: int | None = None
+        """What the pre part saved still live when each block's forward began and when the
+        backward began: a graph it built off the loss path (Chameleon's trainable VQ tokenizer,
+        whose codes are integers) dies with the forward (`pre_saved_dead_bytes`)."""
         self.saved_live_at_fwd_start: list[dict[int, int]] = [{} for _ in block_names]
-        """Per block, the saved bytes of each block before it still live when the code before it
-        began and when its forward began: those of blocks no backward runs (`unreached_live_bytes`)
-        live as long as the code holds their outputs, beside this block's forward."""
+        """Per block, the saved bytes of each block before it still live when its forward began:
+        those of blocks no backward runs (`unreached_live_bytes`) live as long as the code holds
+        their outputs, beside this block's forward."""
         self.block_fwd_start_bytes = [0] * len(block_names)
         self.block_fwd_start_temporaries = [0] * len(block_names)
         """Live bytes neither model state nor saved for backward when each block's forward began."""
@@ -96,10 +101,14 @@ class BackwardWindows:
             self.pre_fwd_bytes = self.tracker.close_window()
             self._pre_forward_open = False
         if event.kind == "fwd_start" and self._between_open:  # the code between the block before and this one
-            self.between_fwd_peak_bytes[event.index] = max(0, self.tracker.close_window())
+            # its peak above what is live now, as this block starts: what it made and still holds
+            # (the block's inputs) and what it freed (a graph no backward needed) are live here or not
+            peak = self.tracker.close_window() + self._between_open_bytes
+            self.between_fwd_peak_bytes[event.index] = max(0, peak - self.tracker.live_bytes)
             self._between_open = False
         if event.kind == "fwd_start":
             self.saved_live_at_fwd_start[event.index] = self._saved_live(event.index)
+            self.pre_saved_live_at_fwd_start[event.index] = self.tracker.live_by_label.get(ACT_PREFIX + PRE, 0)
             self.block_fwd_start_bytes[event.index] = self.tracker.live_bytes
             self.block_fwd_start_temporaries[event.index] = self.tracker.live_by_label.get("temporaries", 0)
             self.tracker.open_window(offset_bytes=self.tracker.live_bytes)
@@ -112,10 +121,11 @@ class BackwardWindows:
                 self.tracker.open_window(labels)
                 self._post_forward_open = True
             else:
-                self.saved_live_at_between[event.index + 1] = self._saved_live(event.index + 1)
+                self._between_open_bytes = self.tracker.live_bytes
                 self.tracker.open_window(offset_bytes=self.tracker.live_bytes)
                 self._between_open = True
         elif event.kind == "bwd_begin":
+            self.pre_saved_live_at_backward = self.tracker.live_by_label.get(ACT_PREFIX + PRE, 0)
             if self._between_open:  # no block followed (blocks that did not run): nothing to count
                 self.tracker.close_window()
                 self._between_open = False
@@ -147,15 +157,27 @@ class BackwardWindows:
         live = self.tracker.live_by_label
         return {i: n for i in range(index) if (n := live.get(ACT_PREFIX + self.names[i], 0))}
 
-    def unreached_live_bytes(self, index: int, at: str) -> int:
-        """What the blocks before ``index`` that no backward runs saved and was live when the code
-        before it began (``at="between"``) or its forward began (``at="fwd_start"``): their graphs
-        live as long as the model's code holds their outputs (a tokenizer stack whose output, made
-        into integer codes, stays in a variable to the forward's end), and no plan changes them
-        (such blocks are kept, `remat.measure.types.NO_BACKWARD`). Known once the step's backward
-        ran (``backward_blocks``)."""
-        snapshot = (self.saved_live_at_between if at == "between" else self.saved_live_at_fwd_start)[index]
-        return sum(n for i, n in snapshot.items() if i not in self.backward_blocks)
+    def unreached_live_bytes(self, index: int) -> int:
+        """What the blocks before ``index`` that no backward runs saved and was live when its
+        forward began: their graphs live as long as the model's code holds their outputs (a
+        tokenizer stack whose output, made into integer codes, stays in a variable to the
+        forward's end), and no plan changes them (such blocks are kept,
+        `remat.measure.types.NO_BACKWARD`), and what the pre part saved and the backward did not
+        keep (`pre_saved_dead_bytes`). Known once the step's backward ran (``backward_blocks``)."""
+        unreached = sum(n for i, n in self.saved_live_at_fwd_start[index].items() if i not in self.backward_blocks)
+        return unreached + self._pre_dead_then(index)
+
+    def _pre_dead_then(self, index: int) -> int:
+        """Of what the pre part saved, the bytes live when block ``index`` began that no backward kept."""
+        if self.pre_saved_live_at_backward is None:
+            return 0
+        return max(0, self.pre_saved_live_at_fwd_start[index] - self.pre_saved_live_at_backward)
+
+    def pre_saved_dead_bytes(self) -> int:
+        """What the pre part saved and freed before the backward began, of what was live as the
+        first block started: its graphs off the loss path, gone with the forward; counted beside
+        the blocks' forwards (`unreached_live_bytes`), not through the backward."""
+        return self._pre_dead_then(0)
 
     def unreached_post_bytes(self) -> int:
         """What the blocks no backward runs saved and the step still holds through the post part's
@@ -178,7 +200,8 @@ class BackwardWindows:
             if self.first_backward_block is None or index < self.first_backward_block:
                 self.first_backward_block, self.grads_at_first_block_bytes = index, grads_live
         watch = ACT_PREFIX + segment if segment in self.names else None
-        self._labels, self._offset = labels, self.accountant.segment_bytes(segment) + grads_live
+        own = self.accountant.segment_bytes(segment) - (self.pre_saved_dead_bytes() if segment == PRE else 0)
+        self._labels, self._offset = labels, own + grads_live
         self.tracker.open_window(labels, offset_bytes=self._offset, watch_label=watch)
         if segment in self.names:
             self.block_bwd_start_temp_bytes[self.names.index(segment)] = self.tracker.window_value()

@@ -303,8 +303,8 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
             _outliving(block, cached, created, made), axis=1))
     live = held_input_bytes(block) if block.fwd_other_bytes is None else block.fwd_other_bytes
     # or the code between the block before and this one, before it starts (`between_fwd_peak_bytes`)
-    forward = live + block.entry_bytes + previous_held + np.maximum(
-        held_then.max(axis=1) + block.unreached_fwd_bytes, block.between_fwd_peak_bytes)
+    forward = live + block.entry_bytes + previous_held + block.unreached_fwd_bytes + np.maximum(
+        held_then.max(axis=1), block.between_fwd_peak_bytes)
     return np.maximum(np.maximum(backward, forward), between_phase_bytes(block))
 
 

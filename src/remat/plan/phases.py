@@ -17,7 +17,7 @@ __all__ = [
     "held_input_bytes", "between_phase_bytes", "working_bytes", "saved_input_bytes", "replay_base_bytes",
     "replay_working_bytes", "replay_stop", "stopped_replay_working_bytes", "stopped_replay_ms",
     "stopped_replay_flops", "forward_phase_bytes", "keep_working_bytes", "keep_forward_bytes", "unit_extra_bytes",
-    "segment_forward_bytes", "checkpointed_forward_peak", "previous_held_bytes",
+    "segment_forward_bytes", "checkpointed_forward_peak", "code_held_bytes", "previous_held_bytes",
     "released_grad_bytes", "grad_bytes_live", "post_working_bytes",
 ]
 
@@ -123,15 +123,15 @@ def stopped_replay_flops(block: BlockProfile) -> int:
 def forward_phase_bytes(block: BlockProfile) -> int:
     """What the block's own forward, kept, needs on top of the blocks before it: its entry
     bytes, the other live bytes the model's code holds then (``fwd_other_bytes``: its input
-    when nothing saved it before), and its saved bytes and forward temporaries with the graphs
-    of blocks no backward runs still live (``unreached_fwd_bytes``), or the code's before it
-    between the block before and this one where that peaks higher
-    (``between_fwd_peak_bytes``: it runs with less live, so this bounds it); 0 in profiles
+    when nothing saved it before), the graphs of blocks no backward runs still live
+    (``unreached_fwd_bytes``), and its saved bytes and forward temporaries, or the peak of the
+    code before it, between the block before and this one, where that is higher
+    (``between_fwd_peak_bytes``, above what is live as this block starts); 0 in profiles
     recorded without ``fwd_other_bytes`` (the forward was not priced)."""
     if block.fwd_other_bytes is None:
         return 0
-    return block.entry_bytes + block.fwd_other_bytes + max(
-        block.saved_bytes + block.fwd_temp_bytes + block.unreached_fwd_bytes, block.between_fwd_peak_bytes)
+    return block.entry_bytes + block.fwd_other_bytes + block.unreached_fwd_bytes + max(
+        block.saved_bytes + block.fwd_temp_bytes, block.between_fwd_peak_bytes)
 
 
 def keep_working_bytes(profile: Profile, block_index: int) -> int:
@@ -158,11 +158,22 @@ def keep_forward_bytes(profile: Profile, block_index: int, previous_kept: bool) 
 def checkpointed_forward_peak(block: BlockProfile) -> int:
     """The most a checkpointed forward of the block holds above its start, its output included
     (`BlockProfile.checkpointed_fwd_live_bytes`; without it, its forward temporaries and output)
-    with the graphs of blocks no backward runs still live (``unreached_fwd_bytes``), or the code
-    run before it, since the block before, where that peaks higher (``between_fwd_peak_bytes``)."""
+    with the graphs of blocks no backward runs still live (``unreached_fwd_bytes``) and what the
+    code holds beside (`code_held_bytes`), or the code run before it, since the block before,
+    where that peaks higher (``between_fwd_peak_bytes``, above what is live as the block starts)."""
     curve = block.checkpointed_fwd_live_bytes
     own = max(curve) if curve else block.fwd_temp_bytes + block.output_bytes
-    return max(own + block.unreached_fwd_bytes, block.between_fwd_peak_bytes)
+    return block.unreached_fwd_bytes + code_held_bytes(block) + max(own, block.between_fwd_peak_bytes)
+
+
+def code_held_bytes(block: BlockProfile) -> int:
+    """What the model's code holds as the block starts beyond the inputs a checkpoint of it holds
+    (``fwd_other_bytes`` less `held_input_bytes`): a bias the code before it made and keeps in a
+    variable; live beside its forward, kept (``fwd_other_bytes`` counts it) or checkpointed. 0
+    in profiles recorded without ``fwd_other_bytes``."""
+    if block.fwd_other_bytes is None:
+        return 0
+    return max(0, block.fwd_other_bytes - held_input_bytes(block))
 
 
 def segment_forward_bytes(profile: Profile, start: int, stop: int, previous_kept: bool = False) -> int:
