@@ -50,9 +50,20 @@ class _Codec(nn.Module):
         return x
 
 
-def test_no_stack_in_a_list_of_several_classes_names_the_list_and_its_layer_class():
+def test_a_list_of_several_classes_with_a_repeated_layer_is_the_stack_where_there_is_no_other():
+    """Encodec's encoder and decoder: no stack of one class; each member of the list is a block
+    (a model refused before, "no blocks found")."""
+    prof = profile(_Codec(), torch.randn(2, 1, 8), loss_fn=lambda out, batch: out.sum())
+    assert [b.name for b in prof.blocks] == [f"layers.{i}" for i in range(6)]
+    assert [b.class_name for b in prof.blocks] == ["ParametrizedConv1d", "_Res", "ELU", "_Res", "ELU", "ParametrizedConv1d"]
+
+
+def test_no_stack_in_a_sequential_of_several_classes_names_it_and_its_layer_class():
+    """A Sequential of several classes is one layer's pipeline, not a stack: the error names it."""
+    model = _Codec()
+    model.layers = nn.Sequential(*model.layers)
     with pytest.raises(ValueError) as error:
-        profile(_Codec(), torch.randn(2, 1, 8), loss_fn=lambda out, batch: out.sum())
+        profile(model, torch.randn(2, 1, 8), loss_fn=lambda out, batch: out.sum())
     message = str(error.value)
     assert "lists of several classes, whose members are not all layers: layers (ParametrizedConv1d, _Res, ELU)" in message
     assert message.endswith("(e.g. '_Res').")

@@ -194,6 +194,7 @@ def test_a_cache_the_model_makes_whatever_use_cache_says_is_dropped_in_every_ste
     batch = {"input_ids": torch.randint(3, 128, (2, 32), generator=g), "labels": torch.tensor([0, 1])}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prof = profile(model, batch, None, optimizer, repeats=1)
+    assert not prof.fingerprint.shared_cache  # written, never read in the step: dropped
     check = verify(model, batch, plan(prof, strategy="full"), None, optimizer, repeats=1)
     assert check.grads_identical and check.recompute_counts_match
     assert check.measured_peak_bytes == check.predicted_peak_bytes
@@ -300,3 +301,34 @@ def test_attention_weights_the_output_keeps_priced_at_the_head_beside_recomputed
         check = verify(model, batch, kept_last, None, optimizer, repeats=1)
         assert check.ok and (check.grads_identical or head != "keep")  # a chunked head: within its tolerance
         assert check.measured_peak_bytes == check.predicted_peak_bytes, head
+
+
+def test_encodecs_lists_of_convolutions_residual_units_and_activations_are_its_stacks():
+    """Encodec has no stack of one class: its encoder and decoder are lists of convolutions,
+    residual units, ELUs and an LSTM, and remat refused it ("no blocks found"). Every member is a
+    block now; the encoder's output becomes integer codes, so no backward reaches its blocks
+    (keep-only), and the decoder's recompute exactly as predicted."""
+    import transformers
+
+    from remat.measure.types import NO_BACKWARD
+
+    torch.manual_seed(0)
+    config = transformers.EncodecConfig(hidden_size=32, num_filters=8, upsampling_ratios=[2, 2], codebook_size=32,
+                                        num_lstm_layers=1, sampling_rate=800, target_bandwidths=[1.5, 3.0])
+    model = transformers.EncodecModel(config).train()
+    batch = {"input_values": torch.randn(2, 1, 256, generator=torch.Generator().manual_seed(7))}
+
+    def loss_fn(out, b):
+        return (out.audio_values[..., :256] - b["input_values"]).pow(2).mean()
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    prof = profile(model, batch, loss_fn, optimizer, repeats=1)
+    assert [b.name for b in prof.blocks] == [f"{part}.layers.{i}" for part in ("encoder", "decoder") for i in range(10)]
+    assert all(dict(b.unavailable).get("recompute") == NO_BACKWARD for b in prof.blocks[:10])
+    assert not any(b.unavailable for b in prof.blocks[10:])
+    with pytest.warns(UserWarning, match="cannot run 'recompute'"):
+        full = plan(prof, strategy="full")
+    assert full.block_strategies() == ("keep",) * 10 + ("recompute",) * 10
+    check = verify(model, batch, full, loss_fn, optimizer, repeats=1)
+    assert check.grads_identical and check.recompute_counts_match
+    assert check.measured_peak_bytes == check.predicted_peak_bytes

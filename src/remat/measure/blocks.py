@@ -144,8 +144,17 @@ def _mixed_lists(model: nn.Module) -> list[tuple[str, str, list[str]]]:
     return sorted(found, key=lambda item: -len(model.get_submodule(item[0])))
 
 
+def mixed_stacks(model: nn.Module) -> list[str]:
+    """Where a model has no stack (`stack_lists`): the outermost plain ``ModuleList``s of several
+    classes in which a class with parameters repeats, whose every member is then a block: a
+    codec's list of convolutions, residual units, activations and an LSTM run in turn (Encodec's
+    encoder and decoder), which was refused before, "no blocks found"."""
+    found = [name for name, _, _ in _mixed_lists(model) if type(model.get_submodule(name)) is nn.ModuleList]
+    return sorted(outermost(found), key=list(dict(model.named_modules())).index)
+
+
 def _auto_blocks(model: nn.Module) -> Blocks:
-    stacks = outermost(stack_lists(model))
+    stacks = outermost(stack_lists(model)) or mixed_stacks(model)
     if not stacks:
         raise no_stack_error(model)
     return [member for name in stacks for member in flattened(model, name) or members(model, name)]
