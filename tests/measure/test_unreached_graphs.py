@@ -86,3 +86,43 @@ def test_an_unreached_graph_freed_before_the_next_block_costs_it_nothing() -> No
         ver = remat.verify(model, (x,), plan, optimizer=optimizer, repeats=1)
         assert ver.grads_identical
         assert plan.prediction.peak_bytes == ver.measured_peak_bytes, strategy
+
+
+class PreTokenizer(nn.Module):
+    """The tokenizer in the part before the first block (two linears, no stack), its output kept
+    in a variable to the forward's end, as Chameleon's VQ image tokenizer runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.codebook, self.embed = nn.Linear(16, D), nn.Parameter(torch.randn(64, D)), nn.Embedding(64, D)
+        self.tok_in, self.tok_out = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(D, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        t = self.tok_out(torch.relu(self.tok_in(h)))
+        h = h + self.embed((t @ self.codebook.t()).argmin(-1))
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h).pow(2).mean()
+
+
+def test_what_the_pre_part_saved_on_a_graph_off_the_loss_path_counts_in_the_forward_only():
+    torch.manual_seed(0)
+    model, x = PreTokenizer(), torch.randn(B, T, 16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    prof = remat.profile(model, (x,), optimizer=optimizer)
+    # tok_in saves its input (the input linear's output); ReLU its output, which tok_out saves
+    # too; the codebook product saves t: dead when the forward returns
+    dead = (B * T * D + B * T * 4 * D + B * T * D) * 4
+    assert [b.unreached_fwd_bytes for b in prof.blocks] == [dead] * 3
+    # what stays for the backward: the input linear saves the batch (not counted: the caller's),
+    # the embedding its integer indices (int64)
+    assert prof.fixed_pre_saved_bytes == B * T * 8
+    for strategy in ("none", "full"):
+        plan = remat.plan(prof, strategy=strategy)
+        ver = remat.verify(model, (x,), plan, optimizer=optimizer, repeats=1)
+        assert ver.grads_identical
+        # before, the tokenizer's graph was held through the whole backward: full 16 % over
+        assert plan.prediction.peak_bytes == ver.measured_peak_bytes, strategy
