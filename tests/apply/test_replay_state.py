@@ -5,6 +5,7 @@ must not keep the replay's graph, and with it the recomputed saved tensors, aliv
 from __future__ import annotations
 
 import copy
+from collections import UserDict
 
 import torch
 from torch import nn
@@ -107,3 +108,56 @@ def test_the_state_after_a_step_equals_the_state_without_remat_and_holds_no_grap
         torch.testing.assert_close(ours.state, theirs.state, rtol=0, atol=0)
         assert ours.state.grad_fn is None and all(t.grad_fn is None for t in ours.pair)
         torch.testing.assert_close(ours.up.weight.grad, theirs.up.weight.grad, rtol=0, atol=0)
+
+
+class Stores(nn.Module):
+    """Writes its tanh output to a mapping every layer is handed (Gemma 4's ``shared_kv_states``),
+    for the layers after it to read."""
+
+    def __init__(self, width: int, index: int) -> None:
+        super().__init__()
+        self.up, self.down, self.index = nn.Linear(width, width), nn.Linear(width, width), index
+
+    def forward(self, x: torch.Tensor, shared: UserDict) -> torch.Tensor:
+        h = torch.tanh(self.up(x))
+        shared[f"h{self.index}"] = h  # before the last tensor the forward saves: the replay gets here
+        return x + torch.tanh(self.down(h))
+
+
+class Reads(Stores):
+    def forward(self, x: torch.Tensor, shared: UserDict) -> torch.Tensor:
+        return x + torch.tanh(self.up(x)) * shared[f"h{self.index - 2}"]
+
+
+class SharesState(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Stores(width, 0), Stores(width, 1), Reads(width, 2), Reads(width, 3)])
+        self.shared: UserDict | None = None
+        self.written: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.shared = UserDict()
+        for block in self.blocks:
+            x = block(x, shared=self.shared)
+        self.written = dict(self.shared)
+        return x.square().mean()
+
+
+def test_what_a_replay_writes_to_a_mapping_the_layers_share_is_undone() -> None:
+    """A replayed storing layer wrote its recomputed output, with the replay's graph, over the
+    forward's in the mapping, which the checkpoints hold to the end of the backward: a 4-layer
+    Gemma 4 at full recomputation measured 3.9 % over its prediction. The replay's writes are
+    undone as it ends: the mapping holds the forward's tensors again, and the gradients are
+    those without remat."""
+    torch.manual_seed(0)
+    model, x = SharesState(), torch.randn(64, 16)
+    reference = copy.deepcopy(model)
+    plan = remat.plan(remat.profile(model, (x,)), strategy="full")
+    remat.apply_(model, plan)
+    model(x).backward()
+    assert set(model.shared) == {"h0", "h1"}
+    assert all(model.shared[key] is model.written[key] for key in model.shared)  # the forward's, not a replay's
+    reference(x).backward()
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=0)

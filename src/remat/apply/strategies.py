@@ -27,10 +27,11 @@ from remat.plan.types import Segment
 Handler = Callable[[Runtime, Segment, Any, tuple[Any, ...], dict[str, Any]], list[Any]]
 
 
-def _checkpointed(runtime: Runtime, seg: Segment, body: Callable[[Any], list[Any]],
-                  first: Any, extra: tuple[Any, ...], context_fn: Callable[[], Any] | None = None) -> list[Any]:
+def _checkpointed(runtime: Runtime, seg: Segment, body: Callable[[Any], list[Any]], first: Any, extra: tuple[Any, ...],
+                  kwargs: dict[str, Any], context_fn: Callable[[], Any] | None = None) -> list[Any]:
     guard = runtime.guards[(seg.start, seg.stop)]  # one per region, made with the runtime
-    return checkpointed(body, first, extra, guard=guard, context_fn=context_fn, early_stop=seg.stops_early)
+    return checkpointed(body, first, extra, guard=guard, context_fn=context_fn, early_stop=seg.stops_early,
+                        kwargs=kwargs)
 
 
 def run_keep(runtime: Runtime, seg: Segment, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -41,14 +42,14 @@ def run_keep(runtime: Runtime, seg: Segment, first: Any, extra: tuple[Any, ...],
 def run_recompute(runtime: Runtime, seg: Segment, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """Keep only the segment's input; replay its blocks (children checkpointed) in backward."""
     body = lambda f, e: runtime.run_layout(seg, f, e, kwargs)  # noqa: E731
-    return _checkpointed(runtime, seg, body, first, extra)
+    return _checkpointed(runtime, seg, body, first, extra, kwargs)
 
 
 def run_selective(runtime: Runtime, seg: Segment, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """Save the outputs of the op calls named in ``saved_ops``; recompute the others."""
     body = lambda f, e: runtime.run_plain(seg.start, seg.stop, f, e, kwargs)  # noqa: E731
     context_fn = functools.partial(selective_context, frozenset(seg.saved_ops))
-    return _checkpointed(runtime, seg, body, first, extra, context_fn)
+    return _checkpointed(runtime, seg, body, first, extra, kwargs, context_fn)
 
 
 def run_offload(runtime: Runtime, seg: Segment, first: Any, extra: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
