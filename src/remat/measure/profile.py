@@ -217,6 +217,8 @@ def _cache_read_in_step(step: _Step, found: Discovery, cache_off: CacheOff) -> b
     cache_off.keep_in_blocks()
     try:
         kept = loss()
+    except Exception:  # noqa: BLE001 - a model that cannot run with its blocks' caches: they stay dropped
+        return False
     finally:
         cache_off.drop_in([module for _, module in found.blocks])
     if not (math.isfinite(dropped) and math.isfinite(kept)):

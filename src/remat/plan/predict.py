@@ -219,8 +219,10 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             candidate = _Peak(bytes=held + inner.bytes + unit - unheld, block=inner.block,
                               working_bytes=inner.working_bytes)
             forward = 0 if replay else segment_forward_bytes(profile, seg.start, seg.stop, previous_kept)
-            if held + forward - unheld > candidate.bytes:  # its forward: every output held for the model's calls
-                candidate = _Peak(bytes=held + forward - unheld, block=seg.start, working_bytes=forward)
+            # its forward: every output held for the model's calls, and the shared tensors no
+            # checkpoint holds (``unheld``), which live to the forward's end as a kept block's forward counts
+            if held + forward > candidate.bytes:
+                candidate = _Peak(bytes=held + forward, block=seg.start, working_bytes=forward)
             held += cost_of(profile, seg.start, seg).retained_bytes
         else:
             cost = cost_of(profile, seg.start, seg)
