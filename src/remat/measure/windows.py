@@ -69,8 +69,9 @@ class BackwardWindows:
         self.post_rest_temp_bytes = 0
         self.post_fwd_bytes = 0
         """Peak of the post part's forward (from the last block's end to ``loss.backward()``) less
-        the model state and every earlier segment's saved bytes: its own saved bytes so far and
-        every other live byte (the last block's output, a loss's forward workspace: a CTC loss's
+        the model state and every earlier segment's saved bytes (the pre part's as the backward
+        finds them: a graph of its no backward needs counts while it lives): its own saved bytes
+        so far and every other live byte (the last block's output, a loss's forward workspace: a CTC loss's
         ``ones_like`` of the input lengths)."""
         self._post_forward_open = False
         self.post_fwd_block_bytes: list[int] = [0] * len(block_names)
@@ -117,7 +118,10 @@ class BackwardWindows:
             self.block_fwd_temp_bytes[event.index] = self.tracker.close_window() - own
             if event.index == len(self.names) - 1:  # the post part's forward: final norm, head, loss
                 self.post_fwd_block_bytes = [self.tracker.live_by_label.get(ACT_PREFIX + n, 0) for n in self.names]
-                labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in self.order[: self.order.index(POST)])]
+                # what the pre part saved stays in the window, less what the backward finds of it
+                # (`pre_saved_live_at_backward`, at its close): a graph of its that no backward
+                # needs counts while it lives (Chameleon's VQ tokenizer, to the forward's end)
+                labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in self.order[: self.order.index(POST)] if s != PRE)]
                 self.tracker.open_window(labels)
                 self._post_forward_open = True
             else:
@@ -130,7 +134,7 @@ class BackwardWindows:
                 self.tracker.close_window()
                 self._between_open = False
             if self._post_forward_open:
-                self.post_fwd_bytes = self.tracker.close_window()
+                self.post_fwd_bytes = self.tracker.close_window() - self.pre_saved_live_at_backward
                 self._post_forward_open = False
             self._start(POST)
         elif event.kind == "head_bwd_end" and self._open == POST:
