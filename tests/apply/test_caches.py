@@ -139,7 +139,7 @@ def test_blocks_handed_a_filled_cache_are_keep_only_with_the_reason():
         assert remat.plan(prof, strategy="full").block_strategies() == ("keep", "keep")
 
 
-def test_a_cache_the_step_reads_is_left_to_the_blocks_that_write_it():
+def test_a_cache_the_step_reads_is_left_to_the_blocks_that_write_it(tmp_path):
     """DiffusionGemma's encoder layers write the prompt's keys and values into a cache its decoder
     layers then attend to, in every training forward. Handed no empty cache (as remat hands a
     model's blocks, `CacheOff.drop_in`), the encoder wrote nothing and the decoder saw no prompt,
@@ -171,7 +171,7 @@ def test_a_cache_the_step_reads_is_left_to_the_blocks_that_write_it():
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prof = remat.profile(model, batch, loss_fn, optimizer, repeats=1)
+        prof = remat.profile(model, batch, loss_fn, optimizer, repeats=1, offload_dir=str(tmp_path))
         assert prof.fingerprint.shared_cache
         reasons = [dict(b.unavailable).get("recompute") for b in prof.blocks]
         # the encoder's last layer's output reaches no loss (its keys and values do): no backward
@@ -179,6 +179,15 @@ def test_a_cache_the_step_reads_is_left_to_the_blocks_that_write_it():
         least = remat.plan(prof, budget=min(p.prediction.peak_bytes for p in remat.pareto(prof)))
         check = remat.verify(model, batch, least, loss_fn, optimizer, repeats=1)
         assert check.grads_identical and check.measured_peak_bytes == check.predicted_peak_bytes
-        remat.apply_(model, least)
-        applied = [loss_fn(model(**b), b).item() for b in (batch, other_prompt)]
-    assert applied == plain  # the same function as without remat, prompt and all
+        # a block handed the cache may still offload its saved tensors: it writes the cache once
+        from remat.plan.planners import make_plan
+        from remat.plan.types import Segment
+
+        offload = make_plan(prof, (Segment(start=0, stop=1, strategy="offload:disk"),
+                                   *(Segment(start=i, stop=i + 1, strategy="keep") for i in range(1, 4))), "manual", None)
+        assert remat.verify(model, batch, offload, loss_fn, optimizer, repeats=1, offload_dir=str(tmp_path)).grads_identical
+        for applied_plan in (least, offload):
+            remat.apply_(model, applied_plan, offload_dir=str(tmp_path))
+            applied = [loss_fn(model(**b), b).item() for b in (batch, other_prompt)]
+            remat.remove_(model)
+            assert applied == plain, applied_plan.block_strategies()  # the same function, prompt and all

@@ -221,7 +221,11 @@ class Runtime:
             first, rest, key = _named_first(self.block_names[index], kwargs)
             self.first_keys[index] = key
             args, kwargs = (first,), rest
-        run_args, run_kwargs = drop_kv_caches(args, kwargs)
+        plan = self.options.get("plan")
+        if plan is not None and plan.fingerprint.shared_cache:  # the step reads what its blocks write there:
+            run_args, run_kwargs = args, kwargs  # theirs (a block handed one is kept or offloaded, never replayed)
+        else:
+            run_args, run_kwargs = drop_kv_caches(args, kwargs)
         self._check_segment(seg)
         outputs = self.run_segment(seg, run_args[0], run_args[1:], run_kwargs)
         for offset in range(1, len(outputs)):
