@@ -96,14 +96,20 @@ def test_what_the_step_leaves_on_the_model_counts_in_the_optimizer_step() -> Non
     assert remat.profile(plain, (x,), optimizer=torch.optim.AdamW(plain.parameters())).step_held_bytes == 0
 
 
+def _stepped_with_full_recomputation(model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """A copy of ``model`` before, after one backward without remat; ``model`` after one under full
+    recomputation."""
+    reference = copy.deepcopy(model)
+    remat.apply_(model, remat.plan(remat.profile(model, (x,)), strategy="full"))
+    model(x).backward()
+    reference(x).backward()
+    return reference
+
+
 def test_the_state_after_a_step_equals_the_state_without_remat_and_holds_no_graph() -> None:
     torch.manual_seed(0)
     model, x = Chain(), torch.randn(64, 16)
-    reference = copy.deepcopy(model)
-    plan = remat.plan(remat.profile(model, (x,)), strategy="full")
-    remat.apply_(model, plan)
-    model(x).backward()
-    reference(x).backward()
+    reference = _stepped_with_full_recomputation(model, x)
     for ours, theirs in zip(model.blocks, reference.blocks):
         torch.testing.assert_close(ours.state, theirs.state, rtol=0, atol=0)
         assert ours.state.grad_fn is None and all(t.grad_fn is None for t in ours.pair)
@@ -152,12 +158,8 @@ def test_what_a_replay_writes_to_a_mapping_the_layers_share_is_undone() -> None:
     those without remat."""
     torch.manual_seed(0)
     model, x = SharesState(), torch.randn(64, 16)
-    reference = copy.deepcopy(model)
-    plan = remat.plan(remat.profile(model, (x,)), strategy="full")
-    remat.apply_(model, plan)
-    model(x).backward()
+    reference = _stepped_with_full_recomputation(model, x)
     assert set(model.shared) == {"h0", "h1"}
     assert all(model.shared[key] is model.written[key] for key in model.shared)  # the forward's, not a replay's
-    reference(x).backward()
     for ours, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=0)
