@@ -206,6 +206,59 @@ def test_a_list_of_plain_lists_gives_the_layers_of_all_of_them(sizes):
     assert [(s.name, s.start, s.stop) for s in found.stacks] == [("blocks", 0, len(layers)), ("head", len(layers), len(layers) + 2)]
 
 
+class Attention(nn.Module):
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.norm, self.qkv, self.out = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        return self.out(torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v)
+
+
+class Residual(nn.Module):  # no weights of its own
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return x + residual
+
+
+class PairsOfLayers(nn.Module):
+    """vit-pytorch's ViT: ``layers = ModuleList([ModuleList([Attention, FeedForward]) ...])``
+    iterated ``for attn, ff in layers``; ``wrapped``: x-transformers' ``[norms, layer, residual]``,
+    the norms in a list of their own and a residual without weights."""
+
+    def __init__(self, wrapped: bool, depth: int = 3) -> None:
+        super().__init__()
+        self.wrapped = wrapped
+        pairs = [(Attention(), Layer()) for _ in range(depth)]
+        if wrapped:
+            self.layers = nn.ModuleList(nn.ModuleList([nn.ModuleList([nn.LayerNorm(4)]), layer, Residual()])
+                                        for pair in pairs for layer in pair)
+        else:
+            self.layers = nn.ModuleList(nn.ModuleList(pair) for pair in pairs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wrapped:
+            for norms, layer, residual in self.layers:
+                x = residual(layer(norms[0](x)), x)
+        else:
+            for attn, ff in self.layers:
+                x = attn(x) + x
+                x = ff(x) + x
+        return x.sum()
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_lists_of_attention_and_feed_forward_pairs_give_their_layers(wrapped):
+    """'no blocks found' before: the inner lists hold several classes (and, wrapped, a list of
+    norms and a residual without weights), which are never called themselves."""
+    found = _run(PairsOfLayers(wrapped))
+    if wrapped:  # each layer, and the norm of its list run beside it
+        expected = [name for i in range(6) for name in (f"layers.{i}.0.0", f"layers.{i}.1")]
+    else:
+        expected = [f"layers.{i}.{j}" for i in range(3) for j in range(2)]
+    assert [name for name, _ in found.blocks] == expected
+
+
 class PartlyRun(nn.Module):
     """One stack runs once each; the other runs its first member twice and its second never."""
 

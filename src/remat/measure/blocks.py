@@ -85,17 +85,19 @@ def members(model: nn.Module, list_name: str) -> Blocks:
 def flattened(model: nn.Module, list_name: str) -> Blocks:
     """The members of the members of ``list_name`` when those are plain lists (an
     ``nn.ModuleList`` of ``nn.ModuleList``: Funnel's encoder, one list of layers per block of
-    its pooling), as ``(qualified name, module)`` in order, if they are two or more of one class
-    holding parameters; else none. A plain list has no forward of its own, so its members are
-    the layers that run."""
+    its pooling; the ``[attention, feed-forward]`` pairs of vit-pytorch's ViT, x-transformers'
+    layers and a diffusion U-Net's stages, iterated as ``for attn, ff in self.layers``), as
+    ``(qualified name, module)`` in order: those holding parameters that are no plain list
+    themselves (x-transformers' ``[norms, layer, residual]``: the layer; its norms' list and a
+    residual without weights are not layers that run as such), if they are two or more; else
+    none. A plain list has no forward of its own, so its members are the layers that run (whether
+    each runs once, in order, discovery checks)."""
     outer = members(model, list_name)
     if not outer or not all(type(m) is nn.ModuleList for _, m in outer):
         return []
-    inner = [item for name, _ in outer for item in members(model, name)]
-    if len(inner) < 2 or len({type(m) for _, m in inner}) != 1 or not all(
-            has_parameters(m) for _, m in inner):
-        return []
-    return inner
+    inner = [(name, m) for outer_name, _ in outer for name, m in members(model, outer_name)
+             if has_parameters(m) and type(m) is not nn.ModuleList]
+    return inner if len(inner) >= 2 else []
 
 
 def inside(name: str, outer: str) -> bool:
