@@ -1,4 +1,5 @@
-"""The op calls of each block whose outputs the model's code holds to the end of its forward.
+"""The op calls of each block whose outputs the model's code holds to the end of its forward,
+and those it holds past the next block's forward.
 
 A block's outputs that the code keeps (``output_attentions=True``: Hugging Face's output
 recorder collects every layer's attention weights into the model's output) stay live through
@@ -13,12 +14,18 @@ code. The calls are named as the op table names them (``"<aten overload>#<occurr
 the block's forward); a forward that runs other calls without gradients than with them (a path
 chosen on ``torch.is_grad_enabled()``) names calls the op table may not have, and those count
 nothing.
+
+The same forward says which calls' outputs the code still holds as each later block starts
+(x-transformers keeps every layer's attention scores in a list to the end of its layers'
+forward, inside a dataclass the block returns): `CodeHeld.during`. Kept, the block saves them; recomputed, they are
+live in every forward they outlive.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +36,18 @@ from remat.measure.blocks import Blocks
 from remat.measure.calls import first_output
 from remat.measure.storage import flat_tensors, storage_key, storage_nbytes, storage_of
 
-__all__ = ["code_held_calls"]
+__all__ = ["code_held_calls", "CodeHeld"]
+
+
+@dataclass(frozen=True)
+class CodeHeld:
+    """What the code holds of each block's calls (keys as the op table names them)."""
+
+    end: list[frozenset[str]]
+    """Per block, its calls whose storages are live when the model's forward returns."""
+    during: list[dict[int, frozenset[str]]]
+    """Per block j, for each later block k whose forward starts with some of j's call storages
+    live (not among k's arguments, not what j hands on), those calls' keys."""
 
 
 class _Calls(TorchDispatchMode):
@@ -60,16 +78,28 @@ class _Calls(TorchDispatchMode):
 
 
 def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
-                    loss_fn: LossFn | None = None) -> list[frozenset[str]]:
+                    loss_fn: LossFn | None = None) -> CodeHeld:
     """Per block, the keys of its calls whose storages are live when the model's forward returns,
-    other than what the block hands on, run once without gradients; the loss then runs on the
-    output as in a step (a loss that reads what the model's hooks collected clears it). The
-    caller restores what a forward changes (buffers, the RNG)."""
+    other than what the block hands on, and as each later block starts, other than that block's
+    arguments; run once without gradients; the loss then runs on the output as in
+    a step (a loss that reads what the model's hooks collected clears it). The caller restores
+    what a forward changes (buffers, the RNG)."""
     calls = _Calls(len(block_list))
+    during: list[dict[int, frozenset[str]]] = [{} for _ in block_list]
+    started: set[int] = set()
     handles = []
     for index, (_, module) in enumerate(block_list):
-        def enter(_module: Any, _args: Any, index: int = index) -> None:
+        def enter(_module: Any, args: tuple, kwargs: dict, index: int = index) -> None:
             calls.current = index
+            if index in started:  # a block called again (a shared layer): its first call counts
+                return
+            started.add(index)
+            arguments = {storage_key(t) for t in flat_tensors(args, kwargs)}
+            for j in range(index):
+                calls.made[j] = [(key, ref) for key, ref in calls.made[j] if ref() is not None]  # what died stays dead
+                live = frozenset(key for key, ref in calls.made[j] if _held(ref, calls.handed[j], arguments))
+                if live:
+                    during[j][index] = live
 
         def leave(_module: Any, _args: Any, output: Any, index: int = index) -> None:
             calls.current = None
@@ -77,7 +107,7 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
             if first is not None and calls.handed[index] is None:
                 calls.handed[index] = weakref.ref(storage_of(first))
 
-        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+        handles += [module.register_forward_pre_hook(enter, with_kwargs=True), module.register_forward_hook(leave)]
     try:
         with torch.no_grad(), calls:
             output = call_model(model, batch)
@@ -89,7 +119,12 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
     finally:
         for handle in handles:
             handle.remove()
-    return held
+    return CodeHeld(end=held, during=during)
+
+
+def _held(ref: weakref.ref, handed: weakref.ref | None, arguments: set[int | None]) -> bool:
+    storage = ref()
+    return storage is not None and not _same(ref, handed) and storage._cdata not in arguments
 
 
 def _same(ref: weakref.ref, other: weakref.ref | None) -> bool:

@@ -638,8 +638,10 @@ def _pre_grad_bytes(memory: _Accounting, block_list: Blocks) -> int:
 
 
 def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
-    """Each block's `BlockProfile.output_end_held_bytes`: the saved bytes of its calls whose
-    outputs the code holds to the end of the forward (`remat.measure.held`). One more forward,
+    """Each block's `BlockProfile.output_end_held_bytes`, ``output_later_held_bytes`` and
+    ``output_held_until``: the saved bytes of its calls whose outputs the code holds to the end
+    of the forward, and past the block after it (`remat.measure.held`); its ``output_held_bytes``
+    where more of them are live as the next block starts than the dataflow named. One more forward,
     without gradients; not on the meta device, where no storage is freed. A forward that fails
     there leaves them 0, as before they were measured."""
     if model_device(step.model).type == "meta":
@@ -648,9 +650,24 @@ def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
         held = code_held_calls(step.model, step.batch, block_list, step.loss_fn)
     except Exception:  # noqa: BLE001 - a refinement: the profile stands without it
         return prof
-    blocks = tuple(dataclasses.replace(b, output_end_held_bytes=sum(op.saved_bytes for op in b.ops if op.key in keys))
-                   for b, keys in zip(prof.blocks, held))
-    return dataclasses.replace(prof, blocks=blocks)
+
+    def saved(block: BlockProfile, keys: frozenset[str]) -> int:
+        return sum(op.saved_bytes for op in block.ops if op.key in keys)
+
+    blocks = []
+    for b, end, during in zip(prof.blocks, held.end, held.during):
+        later = {k: saved(b, keys) for k, keys in during.items() if k >= b.index + 2}
+        later = {k: nbytes for k, nbytes in later.items() if nbytes > 0}
+        calls = sorted(set().union(*(during[k] for k in later)) & {op.key for op in b.ops if op.saved_bytes})
+        # the dataflow sees the outputs it can name (tensors, in tuples, lists and dicts); this
+        # forward sees those inside other objects too (x-transformers' intermediates dataclass)
+        following = saved(b, during.get(b.index + 1, frozenset()))
+        blocks.append(dataclasses.replace(b, output_end_held_bytes=saved(b, end),
+                                          output_held_bytes=max(b.output_held_bytes, following),
+                                          output_later_held_bytes=max(later.values(), default=0),
+                                          output_held_until=max(later, default=0),
+                                          output_later_held_calls=tuple(calls)))
+    return dataclasses.replace(prof, blocks=tuple(blocks))
 
 
 def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,

@@ -307,6 +307,18 @@ class BlockProfile:
     begins (not that block's inputs, not handed off): live in that forward whatever this block's
     strategy, so counted there when this block is not kept (its saved bytes hold them when it
     is; `remat.measure.dataflow`)."""
+    output_later_held_bytes: int = 0
+    """Of ``saved_bytes``, its outputs the model's code still holds as the blocks from two after
+    it start (not their arguments, not what it hands on; the most at any of them): x-transformers
+    keeps every layer's attention scores in a list to the end of its layers' forward. Live in the
+    forwards of those blocks whatever this block's strategy, so counted there when this block is
+    not kept (`remat.plan.predict`; `remat.measure.held`)."""
+    output_held_until: int = 0
+    """The last block whose forward starts with ``output_later_held_bytes`` of this block's
+    outputs still held (0: none)."""
+    output_later_held_calls: tuple[str, ...] = ()
+    """The op calls (keys of ``ops``) whose outputs ``output_later_held_bytes`` counts: a
+    selective strategy that caches one holds it already."""
     fwd_other_bytes: int | None = None
     """Live bytes when its forward began that are neither model state nor saved by anything
     before it, less the ``shared_entry_bytes`` of this block and those before it: its input when

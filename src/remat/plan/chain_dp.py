@@ -246,6 +246,19 @@ class ChainProblem:
 
     forward: SegmentForward | None = None
     """What the forward of each top-level recompute segment needs (None: nothing beyond its replay)."""
+    later_slots: tuple[int, ...] | None = None
+    """Per block, what a top-level recompute segment holding it adds to what the segment holds
+    (the outputs the model's code keeps through later blocks' forwards:
+    `remat.measure.types.BlockProfile.output_later_held_bytes`; a bound: they are live in those
+    forwards only); None: nothing."""
+
+    def later(self, a: int, stops: np.ndarray) -> np.ndarray:
+        """``later_slots`` summed over each segment ``[a, b)`` of ``stops``."""
+        stops = np.asarray(stops, dtype=np.int64)
+        if self.later_slots is None:
+            return np.zeros(stops.shape, dtype=np.int64)
+        prefix = np.concatenate([[0], np.cumsum(self.later_slots, dtype=np.int64)])
+        return prefix[stops] - prefix[a]
 
     def forward_slots(self, a: int, stops: np.ndarray) -> np.ndarray:
         """`SegmentForward.slots` (no constraint without ``forward``)."""
@@ -404,7 +417,8 @@ class ChainSolution:
             else:
                 own = m - int(self.problem.unit_slots(a, [a + code])[0])  # the replay's, its unit gathered
                 out.append(Element(start=a, stop=a + code, option=None, children=self._inner_layout(a, code, own)))
-                a, m = a + code, m - block.input_slots + self.frame.grads(a, a + code)
+                held = block.input_slots + int(self.problem.later(a, np.array([a + code]))[0])
+                a, m = a + code, m - held + self.frame.grads(a, a + code)
         return tuple(out)
 
     def _inner_layout(self, a: int, length: int, m: int) -> tuple[Element, ...]:
@@ -434,7 +448,7 @@ class ChainSolution:
         opt_cost = extra + self._at(np.repeat(self.top[a + 1 : a + 2], len(opts), 0), m - retained + block.grad_slots)
         opt_cost[m < working - block.grad_slots] = _INF
         js = np.arange(1, self.problem.longest_segment(a) + 1)
-        rest = self._at(self.top[a + js], m - block.input_slots + (gp[a + js] - gp[a]))
+        rest = self._at(self.top[a + js], m - block.input_slots - self.problem.later(a, a + js) + (gp[a + js] - gp[a]))
         inner = self._segment_inner(a, js, m - self.problem.unit_slots(a, a + js))
         seg_cost = (self._fwd_prefix[a + js] - self._fwd_prefix[a]) + self.problem.segment_ms + inner + rest
         seg_cost[m < self.problem.forward_slots(a, a + js)] = _INF
@@ -672,7 +686,7 @@ def _top(problem: ChainProblem, frame: _Frame, inner, alike: bool):
             seg_inner = _scaled(inner.table[1 : longest + 1], least_fwd)
         else:
             seg_inner = np.stack([inner[j][a] for j in js])
-        rest = _shift(top[a + 1 : a + longest + 1], block.input_slots - (gp[a + js] - gp[a]))
+        rest = _shift(top[a + 1 : a + longest + 1], block.input_slots + problem.later(a, a + js) - (gp[a + js] - gp[a]))
         if problem.units is not None:  # the segment's replay with its unit gathered whole
             seg_inner = _shift(seg_inner, problem.unit_slots(a, a + js))
         seg_cost = (prefix[a + js] - prefix[a])[:, None] + problem.segment_ms + seg_inner + rest
@@ -761,9 +775,9 @@ def _least_top(problem: ChainProblem, need, picks, gp: np.ndarray) -> tuple[int,
         g = blocks[a].grad_slots
         cands = [max(o.working_slots - g, o.retained_slots - g + top[a + 1]) for o in blocks[a].options]
         js = np.arange(1, problem.longest_segment(a) + 1)
-        units, forwards = problem.unit_slots(a, a + js), problem.forward_slots(a, a + js)
-        cands += [max(int(need[j][a]) + int(u), blocks[a].input_slots - int(gp[a + j] - gp[a]) + top[a + j], int(f))
-                  for j, u, f in zip(js.tolist(), units.tolist(), forwards.tolist())]
+        units, forwards, later = problem.unit_slots(a, a + js), problem.forward_slots(a, a + js), problem.later(a, a + js)
+        cands += [max(int(need[j][a]) + int(u), blocks[a].input_slots + int(h) - int(gp[a + j] - gp[a]) + top[a + j], int(f))
+                  for j, u, f, h in zip(js.tolist(), units.tolist(), forwards.tolist(), later.tolist())]
         k = int(np.argmin(cands))
         top[a] = cands[k]
         code[a] = -(k + 1) if k < len(blocks[a].options) else k - len(blocks[a].options) + 1

@@ -313,9 +313,9 @@ def _top_tables(problem: ChainProblem, inner: list[_Packed], budget: _Budget) ->
     for a in range(n - 1, -1, -1):
         parts = [_options(top[a + 1], blocks[a], a)]
         stops = np.arange(a + 1, a + problem.longest_segment(a) + 1)
-        for b, unit, forward in zip(stops.tolist(), problem.unit_slots(a, stops).tolist(),
-                                    problem.forward_slots(a, stops).tolist()):
-            parts.append(_segment(inner[b - a], top[b], arr, a, b, problem.segment_ms, unit, forward))
+        for b, unit, forward, later in zip(stops.tolist(), problem.unit_slots(a, stops).tolist(),
+                                           problem.forward_slots(a, stops).tolist(), problem.later(a, stops).tolist()):
+            parts.append(_segment(inner[b - a], top[b], arr, a, b, problem.segment_ms, unit, forward, later))
         need = np.concatenate([p[0] for p in parts])
         budget.spend(need.size)
         kept = _frontier(need, np.concatenate([p[1] for p in parts]))
@@ -352,13 +352,13 @@ def _options(rest: _Top, block, a: int):
 
 
 def _segment(region: _Packed, rest: _Top, arr: _Arrays, a: int, b: int, segment_ms: float, unit: int = 0,
-             forward: int = -(1 << 60)):
+             forward: int = -(1 << 60), later: int = 0):
     """Points of a recompute segment ``[a, b)``: its replay (row ``a`` of ``region``) at ``m``
     less ``unit`` (what its FSDP unit gathers beyond the largest block's:
     `remat.plan.chain_dp.ChainProblem.unit_slots`) and the rest of the chain after its held
-    input, at the breakpoints of both; none below ``forward``, its forward's need
-    (`remat.plan.chain_dp.ChainProblem.forward_slots`)."""
-    held = int(arr.inputs[a] - (arr.grads[b] - arr.grads[a]))
+    input and ``later`` (`remat.plan.chain_dp.ChainProblem.later`), at the breakpoints of both;
+    none below ``forward``, its forward's need (`remat.plan.chain_dp.ChainProblem.forward_slots`)."""
+    held = int(arr.inputs[a] + later - (arr.grads[b] - arr.grads[a]))
     _, own, _ = region.part(a, 1)
     need = np.maximum(np.r_[own + unit, rest.need + held], forward)
     k1 = region.locate(np.full(need.size, a), need - unit)

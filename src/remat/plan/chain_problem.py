@@ -156,9 +156,10 @@ class ChainBuilder:
             output_bytes=tuple(b.output_bytes for b in blocks_), peak_bytes=tuple(map(checkpointed_forward_peak, blocks_)),
             grad_bytes=tuple(map(released_grad_bytes, blocks_)), total_grad_bytes=self.fixed.grad_bytes,
             quantum=quantum, relax=relax)
+        later = tuple(self._later_slots(i, quantum, relax) for i in range(self.profile.num_blocks))
         return ChainProblem(blocks=blocks, post_slots=self.head_need(quantum, relax), capacity_slots=capacity,
-                            segment_ms=self.profile.checkpoint_call_ms, joins=self.joins, replayable=self.replayable(),
-                            units=units, forward=forward)
+                            later_slots=later if any(later) else None, segment_ms=self.profile.checkpoint_call_ms,
+                            joins=self.joins, replayable=self.replayable(), units=units, forward=forward)
 
     def replayable(self) -> tuple[bool, ...] | None:
         """Per block, whether its replay ran when profiled (None: every block's did)."""
@@ -193,6 +194,11 @@ class ChainBuilder:
             ok = undominated_rows(retained, working, opts.extra_ms[None, :])[0]
             options = tuple(BlockOption(label=k, retained_slots=r, working_slots=w, extra_ms=ms) for k, r, w, ms in zip(
                 np.flatnonzero(ok).tolist(), retained[ok].tolist(), working[ok].tolist(), opts.extra_ms[ok].tolist()))
+        later = self._later_slots(i, quantum, relax)
+        if later:  # not kept, the outputs the code keeps through later forwards (a bound: `later_slots`)
+            kinds = [segment.kind for segment in self.options()[i].segments]
+            options = tuple(o._replace(retained_slots=o.retained_slots + later) if kinds[o.label] != "keep" else o
+                            for o in options)
         return ChainBlock(
             input_slots=need(replay.retained_bytes, quantum),
             saved_slots=need(keep.retained_bytes, quantum),
@@ -208,6 +214,14 @@ class ChainBuilder:
             later_stop_working_slots=need(stopped_replay_working_bytes(block, first=False), quantum),
             stop_saving_ms=block.fwd_ms - stopped_replay_ms(block),
         )
+
+    def _later_slots(self, i: int, quantum: int, relax: bool) -> int:
+        """`remat.plan.chain_dp.ChainProblem.later_slots` of block ``i``: its outputs the code
+        keeps through the forwards of blocks from two after it, counted while they are held as a
+        checkpoint's input is (through the backward too: a bound, the prediction counts them in
+        those forwards only); none in the relaxed problem, whose costs bound from below."""
+        block = self.profile.blocks[i]
+        return 0 if relax or block.output_held_until < i + 2 else _ceil(block.output_later_held_bytes, quantum)
 
     def segments(self, elements: tuple[Element, ...]) -> tuple[Segment, ...]:
         """A DP layout as Segments."""

@@ -11,13 +11,15 @@ the block whatever the plan, the inputs it saves itself were live before its for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from remat.measure.types import BlockProfile, Profile
 
 __all__ = [
     "held_input_bytes", "between_phase_bytes", "working_bytes", "saved_input_bytes", "replay_base_bytes",
     "replay_working_bytes", "replay_stop", "stopped_replay_working_bytes", "stopped_replay_ms",
     "stopped_replay_flops", "forward_phase_bytes", "keep_working_bytes", "keep_forward_bytes", "unit_extra_bytes",
-    "segment_forward_bytes", "checkpointed_forward_peak", "code_held_bytes", "previous_held_bytes",
+    "segment_forward_bytes", "checkpointed_forward_peak", "code_held_bytes", "previous_held_bytes", "later_held_bytes",
     "released_grad_bytes", "grad_bytes_live", "post_working_bytes",
 ]
 
@@ -200,6 +202,21 @@ def previous_held_bytes(profile: Profile, block_index: int, previous_kept: bool)
     return their attention weights, and the loop's ``outputs`` holds them through the next
     layer's call), when that block is not kept: kept, its saved bytes hold them."""
     return 0 if previous_kept or not block_index else profile.blocks[block_index - 1].output_held_bytes
+
+
+def later_held_bytes(profile: Profile, block_index: int, unkept: Sequence[tuple[int, frozenset[str]]]) -> int:
+    """The outputs of blocks two or more before ``block_index`` that the model's code still
+    holds as its forward starts (`BlockProfile.output_later_held_bytes`: x-transformers' list of
+    every layer's attention scores), of the blocks in ``unkept`` (kept, their saved bytes hold
+    them), each with the calls its selective strategy caches (held by its cache already)."""
+    total = 0
+    for j, cached in unkept:
+        block = profile.blocks[j]
+        if j > block_index - 2 or block.output_held_until < block_index:
+            continue
+        cached_held = sum(op.saved_bytes for op in block.ops if op.key in cached and op.key in block.output_later_held_calls)
+        total += max(0, block.output_later_held_bytes - cached_held)
+    return total
 
 
 def unit_extra_bytes(profile: Profile, start: int, stop: int) -> int:

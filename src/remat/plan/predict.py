@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 from remat.measure.types import Profile
 from remat.plan.chain_dp import deep_recursion
-from remat.plan.costs import cost_of, selective_cost
-from remat.plan.phases import (grad_bytes_live, keep_forward_bytes, post_working_bytes, previous_held_bytes,
+from remat.plan.costs import cached_ops, cost_of, selective_cost
+from remat.plan.phases import (grad_bytes_live, keep_forward_bytes, later_held_bytes, post_working_bytes, previous_held_bytes,
                                replay_working_bytes, segment_forward_bytes, stopped_replay_working_bytes, unit_extra_bytes,
                                working_bytes)
 from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
@@ -211,14 +211,16 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
     best = _Peak(bytes=0, block=-1, working_bytes=0)
     held = 0
     previous_kept = True
+    unkept: list[tuple[int, frozenset[str]]] = []  # top-level blocks before this one not kept, what they cache
     for seg in _fill_gaps(segments, start, stop):
         unheld = dead[seg.start] if dead else 0
+        later = 0 if replay else later_held_bytes(profile, seg.start, unkept)
         if seg.kind == "recompute":
             inner = layout_peak(profile, seg.children, seg.start, seg.stop, replay=True, stopped=seg.stops_early)
             unit = 0 if replay else unit_extra_bytes(profile, seg.start, seg.stop)  # ZeRO-3: one unit
             candidate = _Peak(bytes=held + inner.bytes + unit - unheld, block=inner.block,
                               working_bytes=inner.working_bytes)
-            forward = 0 if replay else segment_forward_bytes(profile, seg.start, seg.stop, previous_kept)
+            forward = 0 if replay else segment_forward_bytes(profile, seg.start, seg.stop, previous_kept) + later
             # its forward: every output held for the model's calls, and the shared tensors no
             # checkpoint holds (``unheld``), which live to the forward's end as a kept block's forward counts
             if held + forward > candidate.bytes:
@@ -227,9 +229,9 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
         else:
             cost = cost_of(profile, seg.start, seg)
             working = cost.working_bytes
-            if seg.kind == "selective" and previous_held_bytes(profile, seg.start, previous_kept=False):
+            if seg.kind == "selective" and (previous_held_bytes(profile, seg.start, previous_kept=False) or later):
                 # the cost counts the block before's held outputs on its forward, as if not kept
-                held_then = 0 if replay else previous_held_bytes(profile, seg.start, previous_kept)
+                held_then = 0 if replay else previous_held_bytes(profile, seg.start, previous_kept) + later
                 working = selective_cost(profile.blocks[seg.start], seg.saved_ops, held_then).working_bytes
             if replay and seg.kind == "keep":  # kept inside a replay: its forward runs again
                 last = stopped and seg.start == stop - 1
@@ -238,7 +240,7 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             elif seg.kind == "keep":  # its backward, or its forward (no gradient, the shared tensors live)
                 working = working_bytes(profile.blocks[seg.start]) - unheld
                 unheld = 0
-                working = max(working, keep_forward_bytes(profile, seg.start, previous_kept))
+                working = max(working, keep_forward_bytes(profile, seg.start, previous_kept) + later)
             need = held + working - unheld + grad_bytes_live(profile, seg.start)
             candidate = _Peak(bytes=need, block=seg.start, working_bytes=working)
             held += cost.retained_bytes
@@ -248,6 +250,9 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
         if (candidate.bytes, candidate.block) > (best.bytes, best.block):
             best = candidate
         previous_kept = seg.kind == "keep"
+        if not previous_kept:
+            cached = cached_ops(profile.blocks[seg.start], seg.saved_ops) if seg.kind == "selective" else frozenset()
+            unkept.extend((i, cached) for i in range(seg.start, seg.stop))
     return best
 
 

@@ -174,10 +174,29 @@ class OptimalSearch:
         fixed = self.builder.fixed
         curve = self.exact_curve()
         needs, costs, variants = (np.array(column) for column in zip(*curve))
-        fits = needs <= budget_bytes - fixed.base_bytes - fixed.grad_bytes
-        needs, variants, bounds = needs[fits], variants[fits], costs[fits] - self._saving(fixed.peak_bytes(needs[fits]))
-        best = self._fastest(budget_bytes, bounds, lambda k: self.exact_segments(int(needs[k]), int(variants[k])))
-        return None if best is None else _choice(*best, lower_bound_ms=float(bounds.min()), quantum=1)
+        allowance = budget_bytes - fixed.base_bytes - fixed.grad_bytes
+        bounds = costs - self._saving(fixed.peak_bytes(needs))
+        best = self._points(budget_bytes, needs, variants, bounds, needs <= allowance)
+        slack = self._later_slack()
+        if slack:  # the DP counts kept outputs through the backward too: points a little over may fit
+            best = self._points(budget_bytes, needs, variants, bounds, (needs > allowance) & (needs <= allowance + slack),
+                                ends=[self.min_peak_segments()], first=best)
+        if best is None:
+            return None
+        lower = float(bounds[needs <= allowance + slack].min(initial=best[1]))
+        return _choice(*best, lower_bound_ms=lower, quantum=1)
+
+    def _points(self, budget_bytes: int, needs: np.ndarray, variants: np.ndarray, bounds: np.ndarray,
+                mask: np.ndarray, ends=(), first=None) -> tuple[tuple[Segment, ...], float] | None:
+        needs, variants = needs[mask], variants[mask]
+        return self._fastest(budget_bytes, bounds[mask], lambda k: self.exact_segments(int(needs[k]), int(variants[k])),
+                             ends, first)
+
+    def _later_slack(self) -> int:
+        """The most the DP's need of a layout exceeds its predicted peak's by the outputs the
+        code keeps through later forwards (`remat.plan.chain_dp.ChainProblem.later_slots`,
+        counted through the backward): 0 without them."""
+        return sum(b.output_later_held_bytes for b in self.profile.blocks if b.output_held_until >= b.index + 2)
 
     def _slot_choice(self, budget_bytes: int, tight: bool) -> Choice | None:
         allowance = budget_bytes - self.builder.fixed.base_bytes
