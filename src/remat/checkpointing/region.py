@@ -244,7 +244,8 @@ def checkpointed(body: Body, first: Any, extra: tuple[Any, ...], *, guard: Buffe
     if torch.compiler.is_compiling():
         contexts = context_fn  # decided while tracing: the compiled graph keeps no guard
     else:
-        contexts = functools.partial(_guarded, guard, context_fn, _mappings_in((*extra, kwargs or {})))
+        contexts = functools.partial(_guarded, guard, context_fn, _mappings_in((*extra, kwargs or {})),
+                                     _lists_in((first, *extra, kwargs or {})))
     options: dict[str, Any] = {"context_fn": contexts} if contexts is not None else {}
     out = checkpoint(region, first, *extra, use_reentrant=False, preserve_rng_state=True,
                      early_stop=early_stop, **options)
@@ -280,12 +281,16 @@ def _uncached_casts() -> contextlib.AbstractContextManager[Any]:
 
 
 def _guarded(guard: BufferGuard, context_fn: Callable[[], tuple[Any, Any]] | None,
-             mappings: Sequence[MutableMapping[Any, Any]] = ()) -> tuple[Any, Any]:
+             mappings: Sequence[MutableMapping[Any, Any]] = (), lists: Sequence[list[Any]] = ()) -> tuple[Any, Any]:
     """``context_fn``'s pair (none: no context) with the guard's forward and replay around them
-    (none when the guard is idle), the replay marked (`replaying`), and what it writes to the
-    region's mapping arguments undone (`_MappingsRestored`)."""
+    (none when the guard is idle), the replay marked (`replaying`), what it writes to the
+    region's mapping arguments undone (`_MappingsRestored`), and its list arguments as they were
+    when the region was called (`_ListsAsCalled`; torch calls this as the forward starts)."""
     inner = context_fn() if context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext())
-    replay = _both(_ReplayMark(), _both(_StateDetached(guard.modules), _both(_MappingsRestored(mappings), inner[1])))
+    restored = _both(_MappingsRestored(mappings), inner[1])
+    if lists:
+        restored = _both(_ListsAsCalled(lists), restored)
+    replay = _both(_ReplayMark(), _both(_StateDetached(guard.modules), restored))
     if guard.idle():
         return inner[0], replay
     call = _Call()
@@ -381,6 +386,49 @@ def _mappings_in(values: Sequence[Any]) -> list[MutableMapping[Any, Any]]:
             if isinstance(value, dict):
                 found.extend(v for v in value.values() if isinstance(v, MutableMapping))
     return found
+
+
+def _lists_in(values: Sequence[Any]) -> list[list[Any]]:
+    """The lists among a region's arguments, in tuples and in a dict's values (its keyword
+    arguments) too."""
+    found: list[list[Any]] = []
+    for value in values:
+        if isinstance(value, list):
+            found.append(value)
+            found.extend(_lists_in(value))
+        elif isinstance(value, tuple):
+            found.extend(_lists_in(value))
+        elif isinstance(value, dict):
+            found.extend(_lists_in(list(value.values())))
+    return found
+
+
+class _ListsAsCalled:
+    """The region's list arguments as they were when it was called, for the length of a replay.
+
+    A list the model's code passes a block and goes on appending to (timm's DenseNet hands each
+    dense layer the list of every feature map so far, then appends the layer's output) holds more
+    by the time the block replays: the replay concatenated more channels than the forward did
+    (DenseNet's replays failed, "running_mean should contain 256 elements not 248"; a block reading
+    the list's last item would have replayed on another tensor, silently). Each list holds its
+    call-time items during the replay and its current ones again after."""
+
+    __slots__ = ("lists", "called", "now")
+
+    def __init__(self, lists: Sequence[list[Any]]) -> None:
+        self.lists = lists
+        self.called = [list(items) for items in lists]
+        self.now: list[list[list[Any]]] = []
+
+    def __enter__(self) -> None:
+        self.now.append([list(items) for items in self.lists])
+        for items, called in zip(self.lists, self.called):
+            items[:] = called
+
+    def __exit__(self, *exc: Any) -> bool:
+        for items, now in zip(self.lists, self.now.pop()):
+            items[:] = now
+        return False
 
 
 class _MappingsRestored:

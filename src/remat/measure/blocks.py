@@ -41,13 +41,25 @@ def named_blocks(model: nn.Module, blocks: str | Sequence[str]) -> Blocks:
     return _named_blocks(model, patterns)
 
 
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+"""Module containers: their children may be a stack (`_container`)."""
+
+
+def _container(module: nn.Module) -> bool:
+    """A list or sequential, or a ``ModuleDict`` of a class of its own that runs its members in
+    its forward (timm's DenseNet's dense blocks). A plain ``ModuleDict`` is a lookup by key
+    (Switch Transformers' experts, Mask2Former's norm per stage), not a chain."""
+    return isinstance(module, (nn.ModuleList, nn.Sequential)) or (
+        isinstance(module, nn.ModuleDict) and type(module) is not nn.ModuleDict)
+
+
 def candidate_lists(model: nn.Module) -> list[tuple[str, int, str]]:
     """``(name, length, child class)`` of every ModuleList/Sequential of same-class children."""
     found = []
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0 or isinstance(module, ParametrizationList):
+        if not _container(module) or len(module) == 0 or isinstance(module, ParametrizationList):
             continue  # a parametrized weight's list (weight norm's) is part of one layer, not layers
-        classes = {type(child) for child in module}
+        classes = {type(child) for child in module.children()}
         if len(classes) == 1:
             found.append((name, len(module), next(iter(classes)).__name__))
     return found
@@ -67,7 +79,7 @@ def stack_lists(model: nn.Module) -> list[str]:
     same = {name for name, count, _ in candidate_lists(model) if count >= 2}
     names = []
     for name, module in model.named_modules():
-        children = list(module.children()) if isinstance(module, (nn.ModuleList, nn.Sequential)) else []
+        children = list(module.children()) if _container(module) else []
         mixed = (type(module) is nn.ModuleList and len({type(c) for c in children}) > 1
                  and all(any(True for _ in c.children()) for c in children))  # layers, not a conv and its norm
         if len(children) >= 2 and (name in same or mixed) and all(
@@ -155,8 +167,34 @@ def mixed_stacks(model: nn.Module) -> list[str]:
     return sorted(outermost(found), key=list(dict(model.named_modules())).index)
 
 
+def attribute_stacks(model: nn.Module) -> list[str]:
+    """Where a model has no stack in a container (`stack_lists`, `mixed_stacks`): the outermost
+    modules that are no container whose children, two or more, are all of one class of layers
+    made of layers (`_composite`), registered one by one as attributes (timm's RegNet stages: ``b1``, ``b2``, ...
+    added with ``add_module``), which was refused before, "no blocks found"; with them the
+    modules of the same class holding one such child."""
+    found, kinds = [], {}
+    for name, module in model.named_modules():
+        if isinstance(module, (*_CONTAINERS, ParametrizationList)):
+            continue
+        children = list(module.children())
+        if children and len({type(c) for c in children}) == 1 and all(map(_composite, children)):
+            kinds[name] = (type(module), type(children[0]))
+            if len(children) >= 2:
+                found.append(name)
+    # a stage of one block is a stage too, where others of its class hold two or more (RegNet's first)
+    stages = {kinds[name] for name in found}
+    return outermost([name for name, kind in kinds.items() if kind in stages])
+
+
+def _composite(module: nn.Module) -> bool:
+    """A layer made of layers: two or more children with parameters (a residual block, not the
+    two convolutions of a residual unit's own pipeline)."""
+    return sum(1 for child in module.children() if has_parameters(child)) >= 2
+
+
 def _auto_blocks(model: nn.Module) -> Blocks:
-    stacks = outermost(stack_lists(model)) or mixed_stacks(model)
+    stacks = outermost(stack_lists(model)) or mixed_stacks(model) or attribute_stacks(model)
     if not stacks:
         raise no_stack_error(model)
     return [member for name in stacks for member in flattened(model, name) or members(model, name)]
