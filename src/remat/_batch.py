@@ -140,11 +140,15 @@ def check_no_hf_checkpointing(model: nn.Module, where: str) -> None:
     plan would checkpoint them twice."""
     on = [name or "<root>" for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
     if on:
+        if hasattr(model, "disable_gradient_checkpointing"):  # diffusers' models name it so
+            library, fix = "diffusers", "model.disable_gradient_checkpointing() first"
+        else:
+            library, fix = "Hugging Face", ("model.gradient_checkpointing_disable() first (activation_checkpointing_disable() "
+                                            "in transformers 5)")
         raise ValueError(
-            f"{where}: Hugging Face gradient checkpointing is on in {type(model).__name__} ({', '.join(on[:3])}"
+            f"{where}: {library} gradient checkpointing is on in {type(model).__name__} ({', '.join(on[:3])}"
             f"{', ...' if len(on) > 3 else ''}), so its layers already recompute and remat would measure and plan "
-            "checkpointed layers. Call model.gradient_checkpointing_disable() first (activation_checkpointing_disable() "
-            "in transformers 5): a remat plan replaces it."
+            f"checkpointed layers. Call {fix}: a remat plan replaces it."
         )
 
 

@@ -139,6 +139,43 @@ def test_hugging_face_checkpointing_left_on_is_refused_with_the_fix():
     assert remat.verify(built.model, built.batch, plan, repeats=1).ok
 
 
+def test_diffusers_checkpointing_left_on_is_refused_with_its_own_fix():
+    """diffusers' models turn it on and off with ``enable_gradient_checkpointing`` /
+    ``disable_gradient_checkpointing`` and mark each block's parent ``gradient_checkpointing =
+    True``, as a U-Net's down blocks here (diffusers is not a dependency: its two names only)."""
+    import remat
+
+    class DownBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gradient_checkpointing = False
+            self.resnets = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.resnets:
+                x = layer(x)
+            return x
+
+    class UNetLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.down = DownBlock()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(x).square().mean()
+
+        def disable_gradient_checkpointing(self) -> None:
+            self.down.gradient_checkpointing = False
+
+    model = UNetLike()
+    model.down.gradient_checkpointing = True
+    with pytest.raises(ValueError, match=r"remat.profile: diffusers gradient checkpointing is on in UNetLike \(down\).*"
+                                         r"Call model.disable_gradient_checkpointing\(\) first: a remat plan replaces it"):
+        profile(model, torch.randn(2, 8))
+    model.disable_gradient_checkpointing()
+    assert profile(model, torch.randn(2, 8), repeats=1).num_blocks == 2
+
+
 @pytest.mark.parametrize("how", ["checkpoint_wrapper", "offload_wrapper", "composable"])
 def test_torchs_own_activation_checkpointing_left_on_is_refused_with_the_fix(how):
     """torchtitan wraps each block in ``checkpoint_wrapper``; the composable ``checkpoint`` marks
