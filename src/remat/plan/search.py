@@ -176,7 +176,10 @@ class OptimalSearch:
         needs, costs, variants = (np.array(column) for column in zip(*curve))
         allowance = budget_bytes - fixed.base_bytes - fixed.grad_bytes
         bounds = costs - self._saving(fixed.peak_bytes(needs))
-        best = self._points(budget_bytes, needs, variants, bounds, needs <= allowance)
+        fits = needs <= allowance
+        # where no point fits, the least-peak layout still may: the DP bounds some terms from above
+        # (a selective block's forward beside the outputs the block before holds, as if not kept)
+        best = self._points(budget_bytes, needs, variants, bounds, fits, ends=() if fits.any() else [self.min_peak_segments()])
         slack = self._later_slack()
         if slack:  # the DP counts kept outputs through the backward too: points a little over may fit
             best = self._points(budget_bytes, needs, variants, bounds, (needs > allowance) & (needs <= allowance + slack),
