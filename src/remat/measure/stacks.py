@@ -210,7 +210,9 @@ def _repeated_error(model: nn.Module, forward: Callable[[], Any]) -> ValueError 
     if not counts:
         return None
     return ValueError(f"no blocks found in {type(model).__name__}: its only layers repeat." + _repeated_hint(counts)
-                      + " There is nothing remat can recompute in this model; it trains as it is without a plan.")
+                      + " remat has no block to plan in this model: it trains as it is without a plan; to trade its "
+                      "memory for time anyway, checkpoint each call of the shared layer by hand "
+                      "(torch.utils.checkpoint.checkpoint(layer, ..., use_reentrant=False) inside its loop).")
 
 
 def _left_out_message(model: nn.Module, left_out: list[str], trace: _Trace) -> str:
