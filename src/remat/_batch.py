@@ -135,9 +135,19 @@ def check_not_compiled(model: nn.Module, where: str) -> None:
 
 
 def check_no_hf_checkpointing(model: nn.Module, where: str) -> None:
-    """Raise if Hugging Face's gradient checkpointing is on in ``model``: its layers would already
-    recompute, so remat would measure checkpointed layers (nothing saved, nothing to plan) and a
-    plan would checkpoint them twice."""
+    """Raise if Hugging Face's (or diffusers', or timm's: ``set_grad_checkpointing``, which sets
+    ``grad_checkpointing`` on the model or its stages) gradient checkpointing is on in ``model``:
+    its layers would already recompute, so remat would measure checkpointed layers (nothing
+    saved, nothing to plan) and a plan would checkpoint them twice."""
+    timm = [name or "<root>" for name, m in model.named_modules() if getattr(m, "grad_checkpointing", False) is True
+            ] if any(hasattr(m, "set_grad_checkpointing") for m in model.modules()) else []
+    if timm:  # timm's models checkpoint their stages themselves when set so
+        raise ValueError(
+            f"{where}: timm's gradient checkpointing is on in {type(model).__name__} ({', '.join(timm[:3])}"
+            f"{', ...' if len(timm) > 3 else ''}), so its blocks already recompute and remat would measure and plan "
+            "checkpointed blocks (nothing saved in them). Call model.set_grad_checkpointing(False) first: a remat plan "
+            "replaces it."
+        )
     on = [name or "<root>" for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
     if on:
         if hasattr(model, "disable_gradient_checkpointing"):  # diffusers' models name it so

@@ -176,6 +176,44 @@ def test_diffusers_checkpointing_left_on_is_refused_with_its_own_fix():
     assert profile(model, torch.randn(2, 8), repeats=1).num_blocks == 2
 
 
+def test_timm_checkpointing_left_on_is_refused_with_its_own_fix():
+    """timm's models checkpoint their blocks themselves after ``set_grad_checkpointing(True)``,
+    which sets ``grad_checkpointing`` on the model or on its stages (ConvNeXt's): remat measured 0
+    saved bytes per block and planned a one-point frontier, with no word (timm is not a dependency:
+    its two names only)."""
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.grad_checkpointing = False
+            self.blocks = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.grad_checkpointing:
+                return torch.utils.checkpoint.checkpoint_sequential(self.blocks, 2, x, use_reentrant=False)
+            return self.blocks(x)
+
+    class TimmLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = nn.Sequential(Stage(), Stage())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.stages(x).square().mean()
+
+        def set_grad_checkpointing(self, enable: bool = True) -> None:
+            for stage in self.stages:
+                stage.grad_checkpointing = enable
+
+    model = TimmLike()
+    model.set_grad_checkpointing(True)
+    with pytest.raises(ValueError, match=r"remat.profile: timm's gradient checkpointing is on in TimmLike \(stages\.0, "
+                                         r"stages\.1\).*Call model.set_grad_checkpointing\(False\) first"):
+        profile(model, torch.randn(2, 8))
+    model.set_grad_checkpointing(False)
+    assert profile(model, torch.randn(2, 8), repeats=1).num_blocks == 4  # each stage's two layers
+
+
 @pytest.mark.parametrize("how", ["checkpoint_wrapper", "offload_wrapper", "composable"])
 def test_torchs_own_activation_checkpointing_left_on_is_refused_with_the_fix(how):
     """torchtitan wraps each block in ``checkpoint_wrapper``; the composable ``checkpoint`` marks
