@@ -128,3 +128,30 @@ def test_a_list_the_model_appends_to_after_the_call_replays_as_called(last: bool
         _loss(m(x), x).backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), applied.named_parameters()):
         assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), name
+
+
+class RexNetLike(nn.Module):
+    """timm's RexNet and DPN: one ``Sequential`` holding the body's bottlenecks between a stem and
+    a final convolution (several classes: no stack before, "no blocks found")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, C, 3, padding=1), Bottleneck(), Bottleneck(), Bottleneck(),
+                                      nn.Conv2d(C, C, 1))
+        self.head = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean((2, 3)))
+
+
+def test_a_sequential_of_repeated_bottlenecks_between_a_stem_and_a_convolution_is_a_stack() -> None:
+    torch.manual_seed(0)
+    model, x = RexNetLike(), _batch()
+    assert [name for name, _ in discover(model, None, lambda: model(x)).blocks] == [f"features.{i}" for i in range(5)]
+    prof = remat.profile(model, x, _loss)
+    ver = remat.verify(model, x, remat.plan(prof, strategy="full"), _loss, repeats=1)
+    assert ver.grads_identical and ver.measured_peak_bytes == ver.predicted_peak_bytes
+    # one layer's own pipeline (a convolution, its norm, an activation) is still no stack
+    pipeline = nn.Sequential(nn.Conv2d(3, C, 3), nn.BatchNorm2d(C), nn.ReLU(), nn.Conv2d(C, C, 3), nn.BatchNorm2d(C))
+    with pytest.raises(ValueError, match="no blocks found"):
+        discover(pipeline, None, lambda: pipeline(x))

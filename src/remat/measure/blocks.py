@@ -162,9 +162,19 @@ def mixed_stacks(model: nn.Module) -> list[str]:
     """Where a model has no stack (`stack_lists`): the outermost plain ``ModuleList``s of several
     classes in which a class with parameters repeats, whose every member is then a block: a
     codec's list of convolutions, residual units, activations and an LSTM run in turn (Encodec's
-    encoder and decoder), which was refused before, "no blocks found"."""
-    found = [name for name, _, _ in _mixed_lists(model) if type(model.get_submodule(name)) is nn.ModuleList]
+    encoder and decoder), which was refused before, "no blocks found"; and the ``Sequential``s
+    in which layers made of layers repeat (`_repeats_layers`)."""
+    found = [name for name, _, _ in _mixed_lists(model) if type(model.get_submodule(name)) is nn.ModuleList
+             or _repeats_layers(model.get_submodule(name))]
     return sorted(outermost(found), key=list(dict(model.named_modules())).index)
+
+
+def _repeats_layers(sequential: nn.Module) -> bool:
+    """A ``Sequential`` of several classes in which layers made of layers (`_composite`) of one
+    class repeat: a network's body, its stem or final convolution beside (timm's RexNet: sixteen
+    bottlenecks and a convolution; DPN's dual-path blocks), not one layer's own pipeline."""
+    weighted = [type(c) for c in sequential.children() if _composite(c)]
+    return any(weighted.count(cls) >= 2 for cls in set(weighted))
 
 
 def attribute_stacks(model: nn.Module) -> list[str]:
