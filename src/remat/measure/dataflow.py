@@ -105,6 +105,10 @@ class DataflowRecorder:
         """Per block: storage key -> bytes of its outputs alive when the next block began, not
         among that block's inputs."""
         self.storages: list[_Storage] = []
+        self.live_inputs: list[list[tuple[int, int]]] = [[] for _ in blocks]
+        """Per block: ``(earlier block, storage id)`` of the earlier blocks' arguments alive when it
+        began, not among its own."""
+        self._pending: list[tuple[int, int]] = []
         self._by_key: dict[int, int] = {}
         self._handles: list[Any] = []
 
@@ -124,14 +128,19 @@ class DataflowRecorder:
             if in_backward() or self.args[index]:
                 return
             tensors = named_tensors(args, kwargs)
+            own = {storage_key(t) for _, t in tensors}
             if index:
-                self._held_outputs(index - 1, {storage_key(t) for _, t in tensors})
+                self._held_outputs(index - 1, own)
+            self._pending = [(j, sid) for j, sid in self._pending if self.storages[sid].ref() is not None]
+            self.live_inputs[index] = [(j, sid) for j, sid in self._pending if self.storages[sid].key not in own]
             for name, tensor in tensors:
                 key = storage_key(tensor)
                 if key is not None:
                     self.args[index].append(_Arg(argument=name, storage=self._storage_id(tensor, key),
                                                  storage_bytes=storage_nbytes(tensor), activation=key not in self.excluded,
                                                  producer=self.producer_of(key)))
+                    if self.args[index][-1].activation:
+                        self._pending.append((index, self.args[index][-1].storage))
 
         return hook
 
@@ -195,6 +204,7 @@ class BlockFlow:
     between_saved_bytes: int = 0
     entry_bytes: int = 0
     output_held_bytes: int = 0
+    code_held_inputs: tuple[tuple[int, int], ...] = ()
 
 
 def block_flows(recorder: DataflowRecorder, saved: dict[int, SavedStorage], savers: dict[int, list[str]],
@@ -219,10 +229,34 @@ def block_flows(recorder: DataflowRecorder, saved: dict[int, SavedStorage], save
     for i, held in enumerate(recorder.held_outputs):
         flows[i].output_held_bytes = sum(nbytes for key, nbytes in held.items()
                                          if key in saved and saved[key].segment == names[i] and key not in handed[i])
+    for k, live in enumerate(recorder.live_inputs):
+        flows[k].code_held_inputs = _code_held_inputs(recorder, flows, index_of, k, live)
     for i, flow in enumerate(flows):
         flow.between_saved_bytes = saved_by_segment.get(between_name(i), 0) if i > 0 else 0
         flow.entry_bytes = flow.between_saved_bytes + flow.shared_entry_bytes + (flows[i - 1].handoff_bytes if i else 0)
     return flows
+
+
+def _code_held_inputs(recorder: DataflowRecorder, flows: list[BlockFlow], index_of: dict[str, int], k: int,
+                      live: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``(j, bytes)``: the inputs a checkpoint of an earlier block j holds (``held``, not saved by
+    j) that are alive as block k begins and saved by nothing before it: the model's code holds
+    them (x-transformers' list of attention scores holds those a residual-attention layer takes),
+    so block k's ``fwd_other_bytes`` counts them, and a checkpoint of j holding them adds nothing
+    to k's forward."""
+    names = [name for name, _ in recorder.blocks]
+    out: dict[int, int] = {}
+    seen: set[int] = set()
+    for j, sid in live:
+        if sid in seen:
+            continue
+        record = recorder.storages[sid]
+        held = [arg for arg in flows[j].inputs if arg.storage == sid and arg.counted == "held"]
+        if not held or names[j] in record.savers or any(segment_position(s, index_of) < 2 * k + 1 for s in record.savers):
+            continue
+        seen.add(sid)
+        out[j] = out.get(j, 0) + held[0].storage_bytes
+    return tuple(sorted(out.items()))
 
 
 def _inputs_flow(recorder: DataflowRecorder, index_of: dict[str, int], i: int, takers: dict[int, list[int]]) -> BlockFlow:

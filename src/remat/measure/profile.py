@@ -745,6 +745,7 @@ def _flow_fields(flow: BlockFlow, between_temp_bytes: int) -> dict[str, Any]:
         "handoff_bytes": flow.handoff_bytes, "handoff_next_bytes": flow.handoff_next_bytes,
         "between_saved_bytes": flow.between_saved_bytes, "between_bwd_temp_bytes": max(between_temp_bytes, 0),
         "entry_bytes": flow.entry_bytes, "output_held_bytes": flow.output_held_bytes,
+        "code_held_inputs": flow.code_held_inputs,
     }
 
 

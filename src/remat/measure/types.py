@@ -316,6 +316,10 @@ class BlockProfile:
     output_held_until: int = 0
     """The last block whose forward starts with ``output_later_held_bytes`` of this block's
     outputs still held (0: none)."""
+    code_held_inputs: tuple[tuple[int, int], ...] = ()
+    """``(j, bytes)`` per earlier block j: the inputs a checkpoint of block j holds that the
+    model's code holds too as this block begins (``fwd_other_bytes`` counts them): a
+    checkpoint of j adds nothing here (`remat.measure.dataflow`)."""
     output_later_held_calls: tuple[str, ...] = ()
     """The op calls (keys of ``ops``) whose outputs ``output_later_held_bytes`` counts: a
     selective strategy that caches one holds it already."""

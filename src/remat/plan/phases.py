@@ -19,7 +19,7 @@ __all__ = [
     "held_input_bytes", "between_phase_bytes", "working_bytes", "saved_input_bytes", "replay_base_bytes",
     "replay_working_bytes", "replay_stop", "stopped_replay_working_bytes", "stopped_replay_ms",
     "stopped_replay_flops", "forward_phase_bytes", "keep_working_bytes", "keep_forward_bytes", "unit_extra_bytes",
-    "segment_forward_bytes", "checkpointed_forward_peak", "code_held_bytes", "previous_held_bytes", "later_held_bytes",
+    "segment_forward_bytes", "checkpointed_forward_peak", "code_held_bytes", "previous_held_bytes", "later_held_bytes", "held_twice_bytes",
     "released_grad_bytes", "grad_bytes_live", "post_working_bytes",
 ]
 
@@ -217,6 +217,14 @@ def later_held_bytes(profile: Profile, block_index: int, unkept: Sequence[tuple[
         cached_held = sum(op.saved_bytes for op in block.ops if op.key in cached and op.key in block.output_later_held_calls)
         total += max(0, block.output_later_held_bytes - cached_held)
     return total
+
+
+def held_twice_bytes(profile: Profile, block_index: int, holders: Sequence[int] | set[int]) -> int:
+    """Inputs of earlier blocks in ``holders`` (their checkpoints hold them) that the model's code
+    holds too as this block begins, so that its ``fwd_other_bytes`` counts them already
+    (`BlockProfile.code_held_inputs`: x-transformers' residual attention scores, in a list and
+    in the next attention layer's checkpoint): counted twice in its forward unless taken out."""
+    return sum(nbytes for j, nbytes in profile.blocks[block_index].code_held_inputs if j in holders)
 
 
 def unit_extra_bytes(profile: Profile, start: int, stop: int) -> int:

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from remat.measure.types import Profile
 from remat.plan.chain_dp import deep_recursion
 from remat.plan.costs import cached_ops, cost_of, selective_cost
-from remat.plan.phases import (grad_bytes_live, keep_forward_bytes, later_held_bytes, post_working_bytes, previous_held_bytes,
+from remat.plan.phases import (code_held_bytes, grad_bytes_live, held_twice_bytes, keep_forward_bytes, later_held_bytes,
+                               post_working_bytes, previous_held_bytes,
                                replay_working_bytes, segment_forward_bytes, stopped_replay_working_bytes, unit_extra_bytes,
                                working_bytes)
 from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
@@ -212,15 +213,20 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
     held = 0
     previous_kept = True
     unkept: list[tuple[int, frozenset[str]]] = []  # top-level blocks before this one not kept, what they cache
+    holders: set[int] = set()  # top-level blocks before this one whose checkpoint holds their inputs
     for seg in _fill_gaps(segments, start, stop):
         unheld = dead[seg.start] if dead else 0
         later = 0 if replay else later_held_bytes(profile, seg.start, unkept)
+        twice = 0  # inputs of earlier checkpoints the code holds too, in a kept or recomputed forward: counted once
+        if not replay and holders and seg.kind in ("keep", "recompute"):
+            twice = min(min(held_twice_bytes(profile, i, holders), code_held_bytes(profile.blocks[i]))
+                        for i in range(seg.start, seg.stop))
         if seg.kind == "recompute":
             inner = layout_peak(profile, seg.children, seg.start, seg.stop, replay=True, stopped=seg.stops_early)
             unit = 0 if replay else unit_extra_bytes(profile, seg.start, seg.stop)  # ZeRO-3: one unit
             candidate = _Peak(bytes=held + inner.bytes + unit - unheld, block=inner.block,
                               working_bytes=inner.working_bytes)
-            forward = 0 if replay else segment_forward_bytes(profile, seg.start, seg.stop, previous_kept) + later
+            forward = 0 if replay else segment_forward_bytes(profile, seg.start, seg.stop, previous_kept) + later - twice
             # its forward: every output held for the model's calls, and the shared tensors no
             # checkpoint holds (``unheld``), which live to the forward's end as a kept block's forward counts
             if held + forward > candidate.bytes:
@@ -240,7 +246,7 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             elif seg.kind == "keep":  # its backward, or its forward (no gradient, the shared tensors live)
                 working = working_bytes(profile.blocks[seg.start]) - unheld
                 unheld = 0
-                working = max(working, keep_forward_bytes(profile, seg.start, previous_kept) + later)
+                working = max(working, keep_forward_bytes(profile, seg.start, previous_kept) + later - twice)
             need = held + working - unheld + grad_bytes_live(profile, seg.start)
             candidate = _Peak(bytes=need, block=seg.start, working_bytes=working)
             held += cost.retained_bytes
@@ -250,6 +256,8 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
         if (candidate.bytes, candidate.block) > (best.bytes, best.block):
             best = candidate
         previous_kept = seg.kind == "keep"
+        if seg.kind in ("recompute", "selective"):
+            holders.add(seg.start)
         if not previous_kept:
             cached = cached_ops(profile.blocks[seg.start], seg.saved_ops) if seg.kind == "selective" else frozenset()
             unkept.extend((i, cached) for i in range(seg.start, seg.stop))

@@ -196,10 +196,14 @@ class OptimalSearch:
                              ends, first)
 
     def _later_slack(self) -> int:
-        """The most the DP's need of a layout exceeds its predicted peak's by the outputs the
-        code keeps through later forwards (`remat.plan.chain_dp.ChainProblem.later_slots`,
-        counted through the backward): 0 without them."""
-        return sum(b.output_later_held_bytes for b in self.profile.blocks if b.output_held_until >= b.index + 2)
+        """The most the DP's need of a layout exceeds its predicted peak's by what the code holds
+        beside the checkpoints: the outputs it keeps through later forwards
+        (`remat.plan.chain_dp.ChainProblem.later_slots`, counted through the backward) and the
+        inputs of checkpoints it holds too (`BlockProfile.code_held_inputs`, counted twice in a
+        forward): 0 without them."""
+        blocks = self.profile.blocks
+        later = sum(b.output_later_held_bytes for b in blocks if b.output_held_until >= b.index + 2)
+        return later + max((sum(nbytes for _, nbytes in b.code_held_inputs) for b in blocks), default=0)
 
     def _slot_choice(self, budget_bytes: int, tight: bool) -> Choice | None:
         allowance = budget_bytes - self.builder.fixed.base_bytes
