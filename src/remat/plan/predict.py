@@ -214,9 +214,10 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
     previous_kept = True
     unkept: list[tuple[int, frozenset[str]]] = []  # top-level blocks before this one not kept, what they cache
     holders: set[int] = set()  # top-level blocks before this one whose checkpoint holds their inputs
+    kept_later = not replay and _keeps_later(profile)
     for seg in _fill_gaps(segments, start, stop):
         unheld = dead[seg.start] if dead else 0
-        later = 0 if replay else later_held_bytes(profile, seg.start, unkept)
+        later = later_held_bytes(profile, seg.start, unkept) if kept_later else 0
         twice = 0  # inputs of earlier checkpoints the code holds too, in a kept or recomputed forward: counted once
         if not replay and holders and seg.kind in ("keep", "recompute"):
             twice = min(min(held_twice_bytes(profile, i, holders), code_held_bytes(profile.blocks[i]))
@@ -258,10 +259,16 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
         previous_kept = seg.kind == "keep"
         if seg.kind in ("recompute", "selective"):
             holders.add(seg.start)
-        if not previous_kept:
+        if not previous_kept and kept_later:
             cached = cached_ops(profile.blocks[seg.start], seg.saved_ops) if seg.kind == "selective" else frozenset()
             unkept.extend((i, cached) for i in range(seg.start, seg.stop))
     return best
+
+
+def _keeps_later(profile: Profile) -> bool:
+    """Whether the model's code keeps any block's outputs past the block after it
+    (`BlockProfile.output_later_held_bytes`): most models' do not, and their plans skip the count."""
+    return any(b.output_later_held_bytes for b in profile.blocks)
 
 
 def dead_shared_bytes(profile: Profile, segments: tuple[Segment, ...]) -> list[int]:
