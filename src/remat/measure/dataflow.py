@@ -108,7 +108,7 @@ class DataflowRecorder:
         self.live_inputs: list[list[tuple[int, int]]] = [[] for _ in blocks]
         """Per block: ``(earlier block, storage id)`` of the earlier blocks' arguments alive when it
         began, not among its own."""
-        self._pending: list[tuple[int, int]] = []
+        self._pending: dict[int, int] = {}  # storage id -> the first block that took it (the one that may hold it)
         self._by_key: dict[int, int] = {}
         self._handles: list[Any] = []
 
@@ -131,8 +131,8 @@ class DataflowRecorder:
             own = {storage_key(t) for _, t in tensors}
             if index:
                 self._held_outputs(index - 1, own)
-            self._pending = [(j, sid) for j, sid in self._pending if self.storages[sid].ref() is not None]
-            self.live_inputs[index] = [(j, sid) for j, sid in self._pending if self.storages[sid].key not in own]
+            self._pending = {sid: j for sid, j in self._pending.items() if self.storages[sid].ref() is not None}
+            self.live_inputs[index] = [(j, sid) for sid, j in self._pending.items() if self.storages[sid].key not in own]
             for name, tensor in tensors:
                 key = storage_key(tensor)
                 if key is not None:
@@ -140,7 +140,7 @@ class DataflowRecorder:
                                                  storage_bytes=storage_nbytes(tensor), activation=key not in self.excluded,
                                                  producer=self.producer_of(key)))
                     if self.args[index][-1].activation:
-                        self._pending.append((index, self.args[index][-1].storage))
+                        self._pending.setdefault(self.args[index][-1].storage, index)
 
         return hook
 
