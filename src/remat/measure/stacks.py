@@ -192,9 +192,10 @@ def _repeated_hint(counts: dict[str, int], trace: _Trace | None = None, counted:
                  "log-probs computed before the step); an applied plan runs such calls as they are.")
     if any(n - off.get(name, 0) > 1 for name, n in repeated.items()):
         text += (" A module called more than once with gradients shares its weights across the calls: across depths "
-                 "(ALBERT's layer groups; then neither it nor any module inside it can be a block) or across inputs "
+                 "(ALBERT's layer groups; then neither it nor any module inside it can be a block), across inputs "
                  "(chosen and rejected, two views): put those inputs in one batch and call the model once (TRL's "
-                 "concatenated_forward). remat plans each block's activations once per step.")
+                 "concatenated_forward), or across chunks of one input (a video VAE that encodes its frames a chunk "
+                 "at a time, Wan's: its layers run once per chunk). remat plans each block's activations once per step.")
     return text
 
 
