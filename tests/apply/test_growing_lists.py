@@ -155,3 +155,26 @@ def test_a_sequential_of_repeated_bottlenecks_between_a_stem_and_a_convolution_i
     pipeline = nn.Sequential(nn.Conv2d(3, C, 3), nn.BatchNorm2d(C), nn.ReLU(), nn.Conv2d(C, C, 3), nn.BatchNorm2d(C))
     with pytest.raises(ValueError, match="no blocks found"):
         discover(pipeline, None, lambda: pipeline(x))
+
+
+class OneBlockStages(nn.Module):
+    """timm's resnet10t and ResNeSt-14d: four stages of one residual block each, in one-member
+    ``Sequential``s (no stack of two, "no blocks found" before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, C, 3, padding=1)
+        self.layer1, self.layer2, self.layer3 = (nn.Sequential(Bottleneck()) for _ in range(3))
+        self.head = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer3(self.layer2(self.layer1(self.stem(x)))).mean((2, 3)))
+
+
+def test_stages_of_one_block_each_are_stacks_of_one() -> None:
+    torch.manual_seed(0)
+    model, x = OneBlockStages(), _batch()
+    assert [name for name, _ in discover(model, None, lambda: model(x)).blocks] == ["layer1.0", "layer2.0", "layer3.0"]
+    prof = remat.profile(model, x, _loss)
+    ver = remat.verify(model, x, remat.plan(prof, strategy="full"), _loss, repeats=1)
+    assert ver.grads_identical and ver.measured_peak_bytes == ver.predicted_peak_bytes

@@ -197,6 +197,22 @@ def attribute_stacks(model: nn.Module) -> list[str]:
     return outermost([name for name, kind in kinds.items() if kind in stages])
 
 
+def single_stages(model: nn.Module) -> list[str]:
+    """Where a model has no stack of any kind above: the lists or sequentials of one layer made of
+    layers (`_composite`), two or more of one layer class beside each other in one module (a ResNet
+    with one block per stage: timm's resnet10t, ResNeSt-14d; each ``layer1``..``layer4`` holds one
+    block), each a stack of one, which was refused before, "no blocks found"."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        groups: dict[type, list[str]] = {}
+        for child, sub in module.named_children():
+            members = list(sub.children()) if isinstance(sub, (nn.ModuleList, nn.Sequential)) else []
+            if len(members) == 1 and _composite(members[0]):
+                groups.setdefault(type(members[0]), []).append(f"{name}.{child}" if name else child)
+        found += [stage for stages in groups.values() if len(stages) >= 2 for stage in stages]
+    return sorted(outermost(found), key=list(dict(model.named_modules())).index)
+
+
 def _composite(module: nn.Module) -> bool:
     """A layer made of layers: two or more children with parameters (a residual block, not the
     two convolutions of a residual unit's own pipeline)."""
@@ -204,7 +220,7 @@ def _composite(module: nn.Module) -> bool:
 
 
 def _auto_blocks(model: nn.Module) -> Blocks:
-    stacks = outermost(stack_lists(model)) or mixed_stacks(model) or attribute_stacks(model)
+    stacks = outermost(stack_lists(model)) or mixed_stacks(model) or attribute_stacks(model) or single_stages(model)
     if not stacks:
         raise no_stack_error(model)
     return [member for name in stacks for member in flattened(model, name) or members(model, name)]
