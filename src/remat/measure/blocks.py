@@ -54,7 +54,7 @@ def _container(module: nn.Module) -> bool:
 
 
 def candidate_lists(model: nn.Module) -> list[tuple[str, int, str]]:
-    """``(name, length, child class)`` of every ModuleList/Sequential of same-class children."""
+    """``(name, length, child class)`` of every container (`_container`) of same-class children."""
     found = []
     for name, module in model.named_modules():
         if not _container(module) or len(module) == 0 or isinstance(module, ParametrizationList):
