@@ -151,8 +151,11 @@ def test_a_sequential_of_repeated_bottlenecks_between_a_stem_and_a_convolution_i
     prof = remat.profile(model, x, _loss)
     ver = remat.verify(model, x, remat.plan(prof, strategy="full"), _loss, repeats=1)
     assert ver.grads_identical and ver.measured_peak_bytes == ver.predicted_peak_bytes
-    # one layer's own pipeline (a convolution, its norm, an activation) is still no stack
+    # a pipeline of leaf layers in which one repeats, as the whole model, is a stack of its members
+    # (`leaf_sequences`: the last resort, where nothing above is found); one without a repeat is none
     pipeline = nn.Sequential(nn.Conv2d(3, C, 3), nn.BatchNorm2d(C), nn.ReLU(), nn.Conv2d(C, C, 3), nn.BatchNorm2d(C))
+    assert [name for name, _ in discover(pipeline, None, lambda: pipeline(x)).blocks] == [str(i) for i in range(5)]
+    pipeline = nn.Sequential(nn.Conv2d(3, C, 3), nn.BatchNorm2d(C), nn.ReLU())
     with pytest.raises(ValueError, match="no blocks found"):
         discover(pipeline, None, lambda: pipeline(x))
 

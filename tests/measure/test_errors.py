@@ -58,16 +58,26 @@ def test_a_list_of_several_classes_with_a_repeated_layer_is_the_stack_where_ther
     assert [b.class_name for b in prof.blocks] == ["ParametrizedConv1d", "_Res", "ELU", "_Res", "ELU", "ParametrizedConv1d"]
 
 
-def test_no_stack_in_a_sequential_of_several_classes_names_it_and_its_layer_class():
-    """A Sequential of several classes is one layer's pipeline, not a stack: the error names it."""
+def test_a_sequential_of_several_classes_with_a_repeated_layer_is_the_stack_where_there_is_no_other():
+    """The same layers in a ``Sequential`` (a plain network written as one: ``Linear, ReLU,
+    Linear, ...``, VGG's features): each member is a block, as torch's ``checkpoint_sequential``
+    takes them (refused before, "no blocks found"; `remat.measure.blocks.leaf_sequences`)."""
     model = _Codec()
     model.layers = nn.Sequential(*model.layers)
+    prof = profile(model, torch.randn(2, 1, 8), loss_fn=lambda out, batch: out.sum())
+    assert [b.name for b in prof.blocks] == [f"layers.{i}" for i in range(6)]
+    assert [b.class_name for b in prof.blocks] == ["ParametrizedConv1d", "_Res", "ELU", "_Res", "ELU", "ParametrizedConv1d"]
+
+
+def test_no_stack_in_a_sequential_without_a_repeated_layer_names_the_fix():
+    """One layer's pipeline (a convolution, its norm, an activation) as the whole model: no
+    layer class with parameters repeats in it, and the error says how to name blocks."""
+    model = nn.Sequential(nn.Conv1d(1, 2, 3, padding=1), nn.BatchNorm1d(2), nn.ELU())
     with pytest.raises(ValueError) as error:
         profile(model, torch.randn(2, 1, 8), loss_fn=lambda out, batch: out.sum())
     message = str(error.value)
-    assert "lists of several classes, whose members are not all layers: layers (ParametrizedConv1d, _Res, ELU)" in message
-    assert message.endswith("(e.g. '_Res').")
-    assert "parametrizations" not in message  # a weight norm's list is part of one layer
+    assert message.startswith("no blocks found in Sequential: it has no nn.ModuleList or nn.Sequential of 2 or more")
+    assert message.endswith("Name the blocks with blocks='<glob over module names>' or blocks='<ClassName>' (e.g. 'layers.*').")
 
 
 def test_pattern_that_matches_nothing():

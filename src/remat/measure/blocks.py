@@ -213,6 +213,18 @@ def single_stages(model: nn.Module) -> list[str]:
     return sorted(outermost(found), key=list(dict(model.named_modules())).index)
 
 
+def leaf_sequences(model: nn.Module) -> list[str]:
+    """Where a model has no stack of any kind above: the outermost ``Sequential``s of several
+    classes in which a layer class with parameters repeats (`_mixed_lists`), layers that are no
+    layers of layers: a plain network written as one ``Sequential`` (``Linear, ReLU, Linear,
+    ReLU, ...``; VGG's features, convolutions between activations and pools), whose every member
+    is then a block, as torch's ``checkpoint_sequential`` takes them; such a model was refused
+    before, "no blocks found". Members that cannot be replayed alone (an in-place ReLU, which
+    overwrites its input) are kept and said so; a segment of several members replays them."""
+    found = [name for name, _, _ in _mixed_lists(model) if isinstance(model.get_submodule(name), nn.Sequential)]
+    return sorted(outermost(found), key=list(dict(model.named_modules())).index)
+
+
 def _composite(module: nn.Module) -> bool:
     """A layer made of layers: two or more children with parameters (a residual block, not the
     two convolutions of a residual unit's own pipeline)."""
@@ -220,7 +232,8 @@ def _composite(module: nn.Module) -> bool:
 
 
 def _auto_blocks(model: nn.Module) -> Blocks:
-    stacks = outermost(stack_lists(model)) or mixed_stacks(model) or attribute_stacks(model) or single_stages(model)
+    stacks = (outermost(stack_lists(model)) or mixed_stacks(model) or attribute_stacks(model) or single_stages(model)
+              or leaf_sequences(model))
     if not stacks:
         raise no_stack_error(model)
     return [member for name in stacks for member in flattened(model, name) or members(model, name)]

@@ -92,6 +92,9 @@ class OpRecorder(TorchDispatchMode):
         """Segment -> keys of its random calls (first run) that drew from a ``torch.Generator`` of
         their own, not a device's default one (`own_generator`)."""
         self._varied: set[str] = set()
+        self.readers: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+        """Producing segment -> storage key -> the other segments whose calls (not views) read
+        the storage while that segment's call was its last maker (first run)."""
         self.stop_calls: dict[str, int] = {}
         """Segment -> calls it had dispatched when autograd last saved a tensor in it (first
         run; `note_pack`)."""
@@ -163,6 +166,9 @@ class OpRecorder(TorchDispatchMode):
         if is_random and own_generator(args, kwargs):
             self.own_generators[segment].append(key)
         self._mark_escapes(segment, args, kwargs)
+        is_view = bool(getattr(func, "is_view", False)) or _aliases(name, args, kwargs, out)
+        if not is_view:
+            self._note_reads(segment, args, kwargs)
         self._note_writes(func, args, kwargs)
         new = new_storages(args, kwargs, out)
         for storage in new:
@@ -171,7 +177,7 @@ class OpRecorder(TorchDispatchMode):
         calls.append(_Call(
             name=name, key=key, new_storages=new, flops=op_flops(func, args, kwargs, out),
             is_random=is_random,
-            is_view=bool(getattr(func, "is_view", False)) or _aliases(name, args, kwargs, out),
+            is_view=is_view,
             storage_ids=ids, storage_bytes=nbytes,
             times_s=[elapsed_s], args=args_signature(args, kwargs),
             # the tracker is the outer mode: it adds this call's outputs after the call returns
@@ -225,6 +231,19 @@ class OpRecorder(TorchDispatchMode):
             owner = self._storage_ids.get(storage_key(t))
             if owner is not None and owner[0] != segment:
                 self._escaped.add(owner)
+
+    def _note_reads(self, segment: str, args: tuple, kwargs: dict) -> None:
+        for t in flat_tensors(args, kwargs):
+            key = storage_key(t)
+            producer = self._producer.get(key)
+            if producer is not None and producer[0] != segment:
+                self.readers[producer[0]][key].add(segment)
+
+    def read_by_others(self, segment: str, keys: set[int], allowed: set[str]) -> set[str]:
+        """The segments but ``segment`` and ``allowed`` whose calls (not views) read one of
+        ``keys``, storages ``segment`` made (first run)."""
+        made = self.readers.get(segment, {})
+        return {reader for key in keys for reader in made.get(key, ())} - allowed - {segment}
 
     def segment_flops(self, segment: str) -> int:
         """Forward FLOPs of every recorded call of ``segment``."""

@@ -76,6 +76,7 @@ from remat.measure.ops import new_storages
 from remat.measure.probes import Attempts
 from remat.measure.timing import Clock
 from remat.measure.tracker import LiveTracker
+from remat.measure.types import WRITES_INPUT
 
 __all__ = ["BlockOverheads", "BlockInputs", "capture_block_inputs", "measure_overheads", "uncacheable_share",
            "measure_checkpoint_call_ms", "checkpointed_forward_curve"]
@@ -283,6 +284,8 @@ def _unavailable(attempts: Attempts) -> tuple[tuple[str, str], ...]:
     failed = attempts.failed()
     if _ALONE in failed:
         reason = f"the block run alone on its captured inputs raised {failed[_ALONE]}"
+        if "leaf Variable that requires grad is being used in an in-place operation" in failed[_ALONE]:
+            reason = WRITES_INPUT
         return (("recompute", reason), ("selective", reason))
     return tuple(sorted(failed.items()))
 

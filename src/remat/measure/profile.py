@@ -424,6 +424,8 @@ class _Accounting:
     graph_building: set[str]
     """`remat.measure.saved.SavedAccountant`'s: the backward passes that read each segment's saved
     tensors, and the segments a graph-building backward read."""
+    read_aside: tuple[bool, ...]
+    """Per block, whether code beside the next block reads its output (`BlockProfile.output_read_aside`)."""
 
 
 class _ForwardGate:
@@ -460,6 +462,7 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
                           live_bytes=lambda: tracking.tracker.live_bytes)
     windows.storage_id = recorder.storage_id
     tracking.accountant.on_pack = recorder.note_pack
+    tracking.accountant.on_unpack = windows.note_read
     state = [*step.model.parameters(), *step.model.buffers(), *_tensor_attributes(step.model), *batch_tensors(step.batch)]
     dataflow = DataflowRecorder(block_list, recorder.producer_of, storage_keys(state))
     tracking.boundaries.listeners += [windows, _ForwardGate(recorder, dataflow, tracking.accountant)]
@@ -478,6 +481,8 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
         optimizer_state_bytes=optimizer_state_bytes(step.optimizer), flows=flows,
         call_signatures=calls.signatures, backward_tasks=accountant.backward_tasks,
         graph_building=accountant.graph_building,
+        read_aside=tuple(bool(i + 1 < len(names) and recorder.read_by_others(
+            names[i], {key for _, key, _ in dataflow.outputs[i]}, {names[i + 1]})) for i in range(len(names))),
     )
 
 
@@ -713,12 +718,12 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
                            backward=i in memory.windows.backward_blocks,
                            own_generator_calls=memory.recorder.own_generators.get(name, ()),
                            backward_reads=_backward_reads(memory, name)),
-            stack=stack_of[i], follows_previous=found.follows_previous[i],
+            stack=stack_of[i], follows_previous=found.follows_previous[i], output_read_aside=memory.read_aside[i],
             **_flow_fields(memory.flows[i], memory.windows.between_temp_bytes[i]),
             # a window that opens with fewer bytes live than the block's saved bytes it excludes
             # (some freed before its backward began) measures below zero: nothing is live beside
             # a replay then, which rebuilds them all
-            bwd_start_temp_bytes=max(memory.windows.block_bwd_start_temp_bytes[i], 0),
+            bwd_start_temp_bytes=max(memory.windows.replay_start_bytes(i), 0),
             between_grad_bytes=memory.windows.between_grad_bytes[i],
             fwd_other_bytes=memory.windows.block_fwd_start_temporaries[i]
             - sum(flow.shared_entry_bytes for flow in memory.flows[: i + 1]),

@@ -81,6 +81,9 @@ class SavedAccountant:
         self._forward_open = True
         self._handles: list = []
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self.on_unpack: Callable[[str], None] | None = None
+        """Called with the segment that saved it at every read of a saved tensor in a backward:
+        a checkpoint's replay begins at the first of its segment's (`remat.measure.windows`)."""
         self._packed_by: dict[int, tuple[weakref.ref, str]] = {}
         """id of what the pack hook returned during the forward -> (a weak reference to it, the
         segment that saved it), for `_unpack` to tell whose saved tensor the backward reads."""
@@ -156,6 +159,8 @@ class SavedAccountant:
         task = torch._C._current_graph_task_id()
         if packed is not None and packed[0]() is t and task != -1:
             self.backward_tasks.setdefault(packed[1], set()).add(task)
+            if self.on_unpack is not None:
+                self.on_unpack(packed[1])
             if torch.is_grad_enabled():  # the engine runs a backward with grad mode on only under create_graph
                 self.graph_building.add(packed[1])
         return t

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.measure.blocks import (Blocks, attribute_stacks, candidate_lists, single_stages, flattened, has_parameters, inside, members, named_blocks,
+from remat.measure.blocks import (Blocks, attribute_stacks, candidate_lists, single_stages, leaf_sequences, flattened, has_parameters, inside, members, named_blocks,
                                   mixed_stacks, no_stack_error, outermost, stack_lists)
 from remat.measure.calls import follows
 from remat.measure.types import Stack
@@ -130,7 +130,8 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
             raise ValueError(f"every block named by blocks={blocks!r} runs with gradients disabled ({_GRAD_OFF}): "
                              "there is nothing to recompute; name blocks that train.")
     else:
-        lists = stack_lists(model) or mixed_stacks(model) or attribute_stacks(model) or single_stages(model)
+        lists = (stack_lists(model) or mixed_stacks(model) or attribute_stacks(model) or single_stages(model)
+                 or leaf_sequences(model))
         every = [m for name in lists for m in members(model, name) + flattened(model, name)]
         siblings = [item for parent in dict.fromkeys(parent_name(n) for n in lists)
                     for item in _children_with_parameters(model, parent, lists)]  # for `_beside`

@@ -258,6 +258,12 @@ class BlockProfile:
     element) as its first positional argument and with that block's other arguments, in the
     same stack: a checkpointed segment may run the two together (`remat.measure.calls`). True
     in profiles recorded without it (one chain)."""
+    output_read_aside: bool = False
+    """Code other than the next block reads its output (not through views alone): a side output
+    the model computes from each layer's (Hiera's rerolled hidden states, a loss on every layer).
+    Run in one segment with the next block, the two add their gradients into the output in
+    another order, and gradients are no longer bit-identical: no segment spans the two
+    (`remat.plan.joins`)."""
     inputs: tuple[BlockInput, ...] = ()
     """Its tensor arguments and their sources (empty: not recorded)."""
     held_input_bytes: int | None = None
@@ -293,9 +299,12 @@ class BlockProfile:
     """Held from this block's entry on whatever the plan: ``between_saved_bytes`` + the
     previous block's ``handoff_bytes`` + ``shared_entry_bytes``."""
     bwd_start_temp_bytes: int | None = None
-    """What ``bwd_temp_bytes`` counts when the block's backward starts: the gradient of its
-    output and whatever else the step holds then; a replay of the block runs on top of it
-    (None: not measured; ``output_grad_bytes`` stands for it)."""
+    """What ``bwd_temp_bytes`` counts when a replay of the block would begin: at the first read
+    of a tensor it saved in its backward (at the backward's start where it read none): the
+    gradient of its output, whatever else the step holds then, and what the nodes before that
+    read made (a view's and a sum's, which need nothing saved: the gradient of an MoE's routed
+    outputs); a replay of the block runs on top of it (None: not measured;
+    ``output_grad_bytes`` stands for it)."""
     output_end_held_bytes: int = 0
     """Of ``saved_bytes``, its outputs the model's code still holds when the last block's
     forward ends, other than what it hands on (`remat.measure.dataflow`): the attention weights
@@ -366,6 +375,11 @@ BACKWARD_TWICE = ("the step runs a backward through it more than once (retain_gr
                   "checkpointing allows one backward through a region")
 """`BlockProfile.unavailable`'s reason (selective) for a block two backward passes read
 (`remat.measure.saved.SavedAccountant.backward_tasks`); recomputing it replays it once per pass."""
+
+WRITES_INPUT = ("it writes its input in place (an in-place activation, `ReLU(inplace=True)`): a replay of it alone "
+                "would read the input it overwrote")
+"""`BlockProfile.unavailable`'s reason (recompute and selective) for a block whose run alone on
+its captured inputs wrote them in place (`remat.measure.overhead`)."""
 
 OWN_GENERATOR = "its forward draws from a torch.Generator of its own"
 """How `own_generator_reason` begins."""

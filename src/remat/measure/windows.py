@@ -30,6 +30,11 @@ class BackwardWindows:
         self.block_temp_bytes = [0] * len(block_names)
         self.between_temp_bytes = [0] * len(block_names)
         self.block_bwd_start_temp_bytes = [0] * len(block_names)
+        self.block_first_read_temp_bytes: list[int | None] = [None] * len(block_names)
+        """Per block, the window's value at the first read of a tensor the block saved, in its
+        backward: where a checkpoint of it begins its replay. The nodes before need nothing
+        saved (a sum's, a view's) and what they made is live beside the replay: the gradient of
+        GPT-OSS's routed expert outputs, one routed token x hidden, made contiguous for a view."""
         self.between_grad_bytes = [0] * len(block_names)
         self._grads_at_open = 0
         self.block_free_order: list[tuple[tuple[int, int], ...]] = [()] * len(block_names)
@@ -155,6 +160,20 @@ class BackwardWindows:
             self.tracker.open_window()
         elif event.kind == "opt_end":
             self.optimizer_temp_bytes = self.tracker.close_window() - self._opt_start_bytes
+
+    def note_read(self, segment: str) -> None:
+        """A tensor ``segment`` saved is read by the backward (`SavedAccountant.on_unpack`)."""
+        if segment != self._open or segment not in self.names:
+            return
+        index = self.names.index(segment)
+        if self.block_first_read_temp_bytes[index] is None:
+            self.block_first_read_temp_bytes[index] = self.tracker.window_value()
+
+    def replay_start_bytes(self, index: int) -> int:
+        """What the block's backward window holds when a replay of it would begin: at the first
+        read of its saved tensors, at the window's start where none was read."""
+        first = self.block_first_read_temp_bytes[index]
+        return self.block_bwd_start_temp_bytes[index] if first is None else first
 
     def _saved_live(self, index: int) -> dict[int, int]:
         """The saved bytes of each block before ``index`` live now (those with none left out)."""

@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Sequence
 
 from remat.checkpointing.caches import PREFILLED_CACHE, SHARED_CACHE
-from remat.measure.types import BACKWARD_TWICE, GRADIENT_GRAPH, NO_BACKWARD, OWN_GENERATOR, Profile
+from remat.measure.types import BACKWARD_TWICE, GRADIENT_GRAPH, NO_BACKWARD, OWN_GENERATOR, WRITES_INPUT, Profile
 from remat.plan.types import Segment
 
 __all__ = ["check_available", "fall_back", "unavailable_blocks", "warn_fallen_back", "explained"]
@@ -46,7 +46,7 @@ def check_available(profile: Profile, segments: Sequence[Segment]) -> None:
 
 def explained(reason: str) -> str:
     """An unavailable strategy's reason as a clause: the profile's own words, or what a probe raised."""
-    own = reason in (NO_BACKWARD, GRADIENT_GRAPH, BACKWARD_TWICE, PREFILLED_CACHE, SHARED_CACHE) or reason.startswith(OWN_GENERATOR)
+    own = reason in (NO_BACKWARD, GRADIENT_GRAPH, BACKWARD_TWICE, PREFILLED_CACHE, SHARED_CACHE, WRITES_INPUT) or reason.startswith(OWN_GENERATOR)
     return reason if own else f"its probe raised {reason}"
 
 

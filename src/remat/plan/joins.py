@@ -7,7 +7,8 @@ A checkpointed segment of several blocks runs them as a chain (`remat.apply.runt
 the same other arguments). The cost model adds three conditions, under which what a segment
 holds is what its first block holds (`remat.plan.costs`): no code between them saves tensors,
 block ``i+1`` takes no shared tensor first, and block ``i`` hands off nothing to anything but
-block ``i+1``. A plan whose segment crosses a break is refused (`check_joins`); the planners
+block ``i+1``; and no code beside block ``i+1`` reads block ``i``'s output, whose gradient
+would sum in another order (bit-identical gradients). A plan whose segment crosses a break is refused (`check_joins`); the planners
 never make one.
 """
 
@@ -40,6 +41,9 @@ def break_reason(previous: BlockProfile, block: BlockProfile) -> str | None:
         return f"it is the first to take a shared tensor of {block.shared_entry_bytes} bytes"
     if previous.handoff_bytes != previous.handoff_next_bytes:
         return "the previous block's output is held further on (a skip connection)"
+    if previous.output_read_aside:
+        return ("code beside it reads the previous block's output (a side output): in one segment the two "
+                "would add their gradients in another order")
     return None
 
 

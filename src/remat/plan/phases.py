@@ -57,7 +57,8 @@ def saved_input_bytes(block: BlockProfile) -> int:
 
 def replay_base_bytes(block: BlockProfile) -> int:
     """What is live beside a replay of the block, before it starts: the gradient of its output
-    and what else the step holds when its backward starts (``bwd_start_temp_bytes``: 8 KiB more
+    and what else the step holds when its backward first reads a tensor it saved
+    (``bwd_start_temp_bytes``: GPT-OSS's routed outputs' gradient, made before; 8 KiB more
     than the output's gradient in BERT's backward, 4 bytes under a ``sum`` loss, whose gradient
     is a broadcast scalar); its output's bytes in profiles recorded without it."""
     return block.output_grad_bytes if block.bwd_start_temp_bytes is None else block.bwd_start_temp_bytes

@@ -185,10 +185,11 @@ def _optimal_plan(profile: Profile, heads: tuple[str, ...], budget: int | None) 
         choice = optimal_search(priced_profile(profile, head)).choose(budget)
         if choice is not None:
             plans.append(make_plan(profile, choice.segments, "optimal", budget, head=head, optimality=choice.optimality))
-        kept = predict(profile, keep, head)
-        if kept.peak_bytes <= budget:
-            plans.append(make_plan(profile, keep, "optimal", budget, head=head,
-                                   optimality=_keep_optimality(profile, kept, choice)))
+        for segments in (keep, *_recipes(profile, head)):  # what the search's bounds may price over
+            predicted = predict(profile, segments, head)
+            if predicted.peak_bytes <= budget:
+                plans.append(make_plan(profile, segments, "optimal", budget, head=head,
+                                       optimality=_candidate_optimality(profile, predicted, choice)))
     if not plans:
         space = "keep, recompute, nested segments and selective policies"
         offload = offload_strategies(profile)
@@ -200,10 +201,21 @@ def _optimal_plan(profile: Profile, heads: tuple[str, ...], budget: int | None) 
     return min(plans, key=lambda p: (p.prediction.step_ms, p.prediction.peak_bytes))
 
 
-def _keep_optimality(profile: Profile, kept: Prediction, choice: Choice | None) -> Optimality:
-    """No recomputation's optimality: nothing is faster than the search's bound (or, without a
-    choice, than keeping everything less the most fresh memory a lower peak could save)."""
-    extra = kept.step_ms - baseline_step_ms(profile)
+def _recipes(profile: Profile, head: str) -> list[tuple[Segment, ...]]:
+    """The recipes' layouts (full recomputation, sqrt(N) segments), each block that cannot run
+    its strategy on the nearest it can: candidates beside the search's, whose tables bound what
+    the code holds beside checkpoints from above (`remat.plan.search.OptimalSearch._held_slack`)
+    and may price such a layout over a budget it meets. Full recomputation of a residual-attention
+    chain was the least predicted peak of `pareto` and refused at that budget, 3,128 bytes under
+    the search's least."""
+    return [fall_back(profile, STRATEGIES[name](priced_profile(profile, head), name, None)) for name in ("full", "sqrt")]
+
+
+def _candidate_optimality(profile: Profile, predicted: Prediction, choice: Choice | None) -> Optimality:
+    """A candidate's optimality beside the search's (no recomputation, a recipe's layout):
+    nothing is faster than the search's bound (or, without a choice, than keeping everything
+    less the most fresh memory a lower peak could save)."""
+    extra = predicted.step_ms - baseline_step_ms(profile)
     if choice is not None:
         bound, quantum = choice.optimality.lower_bound_ms, choice.optimality.quantum_bytes
     else:
@@ -214,8 +226,10 @@ def _keep_optimality(profile: Profile, kept: Prediction, choice: Choice | None) 
 def min_peak_plan(profile: Profile, heads: tuple[str, ...] | None = None) -> Plan:
     """The plan with the least predicted peak over the whole plan space (every head strategy
     measured, or ``heads``)."""
+    heads = heads or head_choices(profile)
     plans = [make_plan(profile, optimal_search(priced_profile(profile, h)).min_peak_segments(), "optimal", None, head=h)
-             for h in heads or head_choices(profile)]
+             for h in heads]
+    plans += [make_plan(profile, segments, "optimal", None, head=h) for h in heads for segments in _recipes(profile, h)]
     return min(plans, key=lambda p: (p.prediction.peak_bytes, p.prediction.step_ms))
 
 
@@ -232,9 +246,7 @@ def pareto(profile: Profile) -> list[Plan]:
     plans = [make_plan(profile, segs, "optimal", None, head=head) for head in heads
              for segs in optimal_search(priced_profile(profile, head)).frontier_segments()]
     plans.append(min_peak_plan(profile, heads))
-    for name in ("full", "sqrt"):
-        plans += [make_plan(profile, fall_back(profile, STRATEGIES[name](priced_profile(profile, head), name, None)),
-                            "optimal", None, head=head) for head in heads]
+    plans += [make_plan(profile, segments, "optimal", None, head=head) for head in heads for segments in _recipes(profile, head)]
     plans.sort(key=lambda p: (p.prediction.peak_bytes, p.prediction.step_ms))
     frontier: list[Plan] = []
     for candidate in plans:
