@@ -16,6 +16,7 @@ chained input needs no gradient (the first block of a model fed with the raw bat
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from torch import nn
 
 from remat.measure.blocks import Blocks
 from remat.measure.calls import chained_input, first_output
-from remat.measure.storage import tensors_in
+from remat.measure.storage import storage_key, tensors_in
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -56,6 +57,8 @@ class StepBoundaries:
         self.optimizer = optimizer
         self.listeners = list(listeners)
         self._handles: list = []
+        self._taken: dict[int, set[int | None]] = {}
+        """Block index -> storage keys of the tensors its first call took as arguments."""
 
     def emit(self, kind: str, index: int = -1, where: str = "") -> None:
         event = Boundary(kind=kind, index=index, where=where)
@@ -83,6 +86,7 @@ class StepBoundaries:
             if in_backward():
                 return
             self.emit("fwd_start", index, name)
+            self._taken.setdefault(index, {storage_key(t) for t in tensors_in((args, kwargs))})
             chained = chained_input(args, kwargs)
             if chained is not None and chained.requires_grad:
                 chained.register_hook(lambda grad: self.emit("bwd_end", index, name))
@@ -94,7 +98,13 @@ class StepBoundaries:
             if in_backward():
                 return
             self.emit("fwd_end", index, name)
-            on_first_grad(handed_on(output), lambda: self.emit("bwd_start", index, name))
+            handed = handed_on(output)
+            # its other outputs the next block takes too (PegasusX's global-token stream beside its
+            # tokens): the backward that runs first may be theirs; what a loss alone takes (a
+            # router's logits) gets its gradient when the whole backward starts and does not count
+            others = [t for t in tensors_in(output) if t.requires_grad and not any(t is h for h in handed)]
+            on_first_grad(handed, lambda: self.emit("bwd_start", index, name), also=others,
+                          counts=lambda key: key in self._taken.get(index + 1, ()))
 
         return hook
 
@@ -123,14 +133,19 @@ def handed_on(output: object) -> list[torch.Tensor]:
     return [t for t in tensors_in(output) if t.requires_grad]
 
 
-def on_first_grad(tensors: list[torch.Tensor], callback: Callable[[], None]) -> None:
-    """Call ``callback`` when the first gradient of any of ``tensors`` is computed."""
+def on_first_grad(tensors: list[torch.Tensor], callback: Callable[[], None], also: Sequence[torch.Tensor] = (),
+                  counts: Callable[[int | None], bool] = lambda key: True) -> None:
+    """Call ``callback`` when the first gradient of any of ``tensors`` is computed, or of any of
+    ``also`` for whose storage key ``counts`` (asked then) is true. The hooks hold keys, never
+    the tensors: a tensor's hook holding it would keep it alive."""
     fired = {"done": False}
 
-    def hook(grad: torch.Tensor) -> None:
-        if not fired["done"]:
+    def hook(grad: torch.Tensor, key: int | None = None, other: bool = False) -> None:
+        if not fired["done"] and (not other or counts(key)):
             fired["done"] = True
             callback()
 
     for t in tensors:
         t.register_hook(hook)
+    for t in also:
+        t.register_hook(functools.partial(hook, key=storage_key(t), other=True))

@@ -425,7 +425,7 @@ class _Accounting:
     """`remat.measure.saved.SavedAccountant`'s: the backward passes that read each segment's saved
     tensors, and the segments a graph-building backward read."""
     read_aside: tuple[bool, ...]
-    """Per block, whether code beside the next block reads its output (`BlockProfile.output_read_aside`)."""
+    """Per block, whether the code between it and the next block reads its output (`BlockProfile.output_read_aside`)."""
 
 
 class _ForwardGate:
@@ -481,8 +481,8 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
         optimizer_state_bytes=optimizer_state_bytes(step.optimizer), flows=flows,
         call_signatures=calls.signatures, backward_tasks=accountant.backward_tasks,
         graph_building=accountant.graph_building,
-        read_aside=tuple(bool(i + 1 < len(names) and recorder.read_by_others(
-            names[i], {key for _, key, _ in dataflow.outputs[i]}, {names[i + 1]})) for i in range(len(names))),
+        read_aside=tuple(i + 1 < len(names) and between_name(i + 1) in recorder.read_by_others(
+            names[i], {key for _, key, _ in dataflow.outputs[i]}, {names[i + 1]}) for i in range(len(names))),
     )
 
 

@@ -259,11 +259,12 @@ class BlockProfile:
     same stack: a checkpointed segment may run the two together (`remat.measure.calls`). True
     in profiles recorded without it (one chain)."""
     output_read_aside: bool = False
-    """Code other than the next block reads its output (not through views alone): a side output
-    the model computes from each layer's (Hiera's rerolled hidden states, a loss on every layer).
-    Run in one segment with the next block, the two add their gradients into the output in
-    another order, and gradients are no longer bit-identical: no segment spans the two
-    (`remat.plan.joins`)."""
+    """The code between it and the next block reads its output (not through views alone): a side
+    output the model computes from each layer's before the next runs (Hiera's rerolled hidden
+    states). Run in one segment, the next block runs before that code, its gradient into the
+    output comes second instead of first, the sum rounds otherwise, and gradients are no longer
+    bit-identical: no segment spans the two (`remat.plan.joins`). Code after the next block
+    (a neck reading every layer's output: DPT's) runs after it either way."""
     inputs: tuple[BlockInput, ...] = ()
     """Its tensor arguments and their sources (empty: not recorded)."""
     held_input_bytes: int | None = None

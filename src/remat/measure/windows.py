@@ -145,7 +145,7 @@ class BackwardWindows:
         elif event.kind == "head_bwd_end" and self._open == POST:
             self.post_head_temp_bytes = self.tracker.close_window()
             self.tracker.open_window(self._labels, offset_bytes=self._offset)
-        elif event.kind == "bwd_start":
+        elif event.kind == "bwd_start" and self._open != self.names[event.index]:  # not begun on a read
             self._close()
             self._start(self.names[event.index])
         elif event.kind == "bwd_end" and self._open == self.names[event.index]:
@@ -162,10 +162,22 @@ class BackwardWindows:
             self.optimizer_temp_bytes = self.tracker.close_window() - self._opt_start_bytes
 
     def note_read(self, segment: str) -> None:
-        """A tensor ``segment`` saved is read by the backward (`SavedAccountant.on_unpack`)."""
-        if segment != self._open or segment not in self.names:
+        """A tensor ``segment`` saved is read by the backward (`SavedAccountant.on_unpack`). The
+        last block, read while the head's backward is still measured, begins its backward here:
+        the gradient of what it hands on comes later (a two-stream layer whose second stream the
+        loss takes: that stream's backward ran first and freed part of its saved tensors before
+        the window opened, and recomputing the layer measured 1.5 % above its prediction). An
+        earlier block read first is left to its own start: a stack whose last layer's output
+        reaches no loss but its keys and values do (DiffusionGemma's encoder) has no backward
+        window of its own, as before."""
+        if segment not in self.names:
             return
         index = self.names.index(segment)
+        if self._open == POST and index == len(self.names) - 1 and index not in self.backward_blocks:
+            self._close()
+            self._start(segment)
+        if segment != self._open:
+            return
         if self.block_first_read_temp_bytes[index] is None:
             self.block_first_read_temp_bytes[index] = self.tracker.window_value()
 

@@ -7,8 +7,8 @@ A checkpointed segment of several blocks runs them as a chain (`remat.apply.runt
 the same other arguments). The cost model adds three conditions, under which what a segment
 holds is what its first block holds (`remat.plan.costs`): no code between them saves tensors,
 block ``i+1`` takes no shared tensor first, and block ``i`` hands off nothing to anything but
-block ``i+1``; and no code beside block ``i+1`` reads block ``i``'s output, whose gradient
-would sum in another order (bit-identical gradients). A plan whose segment crosses a break is refused (`check_joins`); the planners
+block ``i+1``; and the code between them does not read block ``i``'s output (in one segment it
+would run after block ``i+1``, and the gradient into that output would sum in another order). A plan whose segment crosses a break is refused (`check_joins`); the planners
 never make one.
 """
 
@@ -42,8 +42,8 @@ def break_reason(previous: BlockProfile, block: BlockProfile) -> str | None:
     if previous.handoff_bytes != previous.handoff_next_bytes:
         return "the previous block's output is held further on (a skip connection)"
     if previous.output_read_aside:
-        return ("code beside it reads the previous block's output (a side output): in one segment the two "
-                "would add their gradients in another order")
+        return ("the code between them reads the previous block's output (a side output): in one segment it "
+                "would run after this block, and the two gradients into that output would sum in another order")
     return None
 
 
