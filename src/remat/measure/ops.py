@@ -158,7 +158,7 @@ class OpRecorder(TorchDispatchMode):
             index = self._index[segment].get(key)
             if index is not None:
                 calls[index].times_s.append(elapsed_s)
-            else:
+            if index is None or calls[index].args != args_signature(args, kwargs):  # another op, or other shapes
                 self._varied.add(segment)
             return
         self._index[segment][key] = len(calls)

@@ -548,9 +548,10 @@ def _warn_varied(block_list: Blocks, varied: set[str]) -> None:
         return
     shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     warnings.warn(
-        f"block {shown} ran other operations in a later profiled step than in the first (control flow on the "
-        "data or on a random draw, or shapes that change): the profile's figures are the first step's path, so "
-        "a step that takes another path may peak elsewhere than predicted. remat.verify measures a plan's step.",
+        f"block {shown} ran other operations, or the same on other shapes, in a later profiled step than in the "
+        "first (control flow on the data or on a random draw: a length drawn at random): the profile's figures "
+        "are the first step's, so a step that takes another path may peak elsewhere than predicted. "
+        "remat.verify measures a plan's step.",
         UserWarning, stacklevel=3)
 
 
