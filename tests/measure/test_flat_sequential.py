@@ -48,3 +48,29 @@ def test_in_place_activations_are_kept_and_say_why() -> None:
     full = remat.plan(prof, strategy="full")
     assert [b for b, s in enumerate(full.block_strategies()) if s == "keep"] == [2, 5, 8]
     assert_plans_exact(model, x, prof, opt, strategies=("none", "full", "sqrt"), loss_fn=_loss)
+
+
+class VGGLike(nn.Module):
+    """torchvision's layout: a ``features`` and a ``classifier`` Sequential inside a module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(8, 8, 3, padding=1),
+                                      nn.ReLU(inplace=True), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1),
+                                      nn.ReLU(inplace=True), nn.MaxPool2d(2))
+        self.classifier = nn.Sequential(nn.Linear(16 * 4 * 4, 32), nn.ReLU(inplace=True), nn.Dropout(0.1), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+def test_a_vgg_with_features_and_classifier_is_planned_member_by_member() -> None:
+    """Its two Sequentials were taken as stages registered one by one (two blocks, `features`
+    and `classifier`), and the least peak was no recomputation's: nothing to save."""
+    torch.manual_seed(0)
+    model, x = VGGLike(), torch.randn(4, 3, 16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = remat.profile(model, x, _loss, opt)
+    assert [b.name for b in prof.blocks] == [f"features.{i}" for i in range(8)] + [f"classifier.{i}" for i in range(4)]
+    assert remat.pareto(prof)[-1].prediction.peak_bytes < remat.plan(prof, strategy="none").prediction.peak_bytes
+    assert_plans_exact(model, x, prof, opt, strategies=("none", "full", "sqrt"), loss_fn=_loss)

@@ -164,6 +164,42 @@ def test_profile_leaves_model_buffers_optimizer_and_rng_unchanged():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+class _LazyCache(nn.Module):
+    """A buffer registered as None and made by the first forward (PaLM's rotary table and mask,
+    block-recurrent's frequencies), beside a BatchNorm's statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", None, persistent=False)
+        self.lin, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None or self.table.shape[0] < x.shape[1]:
+            self.register_buffer("table", torch.arange(x.shape[1] * 8.0).view(-1, 8) * 0.01, persistent=False)
+        return x + torch.tanh(self.bn(self.lin(x + self.table[: x.shape[1]])))
+
+
+def test_profile_leaves_buffers_a_forward_makes_as_they_were():
+    """Restored by position, the buffers after a cache made by the step took their neighbours'
+    values: each BatchNorm's running mean its running variance's, the cache a child's buffer,
+    and the next forward raised IndexError (PaLM-pytorch's and block-recurrent-transformer's
+    models were broken by their profile)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_LazyCache() for _ in range(3)))
+    for i, layer in enumerate(model):
+        layer.bn.running_mean.fill_(float(i))
+        layer.bn.running_var.fill_(1.0 + i)
+    x = torch.randn(2, 4, 8)
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    profile(model, x, lambda out, batch: out.square().mean(), repeats=1)
+    assert [layer.table for layer in model] == [None] * 3  # not made yet, as before
+    after = dict(model.named_buffers())
+    assert after.keys() == before.keys()
+    for name, b in before.items():
+        assert torch.equal(after[name], b), name
+    model(x)  # and the model still runs
+
+
 def test_fresh_optimizer_stays_empty():
     built = _mlp()
     profile(built.model, built.batch, built.loss_fn, built.optimizer, repeats=1)

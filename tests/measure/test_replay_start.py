@@ -65,3 +65,47 @@ def test_a_replay_runs_beside_what_the_backward_made_before_its_first_read() -> 
     # the replay's forward (the gate's 4 K copies) peaks beside it: full recomputation measured
     # 13,312 bytes and sqrt(N) segments 15,360 above their predictions before; every plan exact
     assert_plans_exact(model, x, prof, opt, strategies=("none", "full", "sqrt"), loss_fn=_loss)
+
+
+class Sage(nn.Module):
+    """GraphSAGE's layer: a weight on the aggregate and a root weight on the input, added at the
+    end: kept, the root weight's backward, which runs first, reads the input last and frees it."""
+
+    def __init__(self, width_out: int = D) -> None:
+        super().__init__()
+        self.neighbours, self.root = nn.Linear(D, width_out), nn.Linear(D, width_out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.neighbours(x * 2) + self.root(x)
+
+
+class SageNet(nn.Module):
+    """Two layers with ReLU and dropout between them in the parent's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList([Sage(), Sage(4)])
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.convs[1](self.drop(torch.relu(self.convs[0](x))))
+
+
+def test_a_checkpoint_holds_the_inputs_its_block_saves_to_the_end_of_its_backward() -> None:
+    """A checkpoint holds its inputs until the last of its saved tensors is read; kept, the
+    root weight's backward frees the layer's input early and the backward peaks after. The last
+    layer recomputed measured one input above its prediction (+18 % on this toy, +5.5 % on
+    torch_geometric's GraphSAGE)."""
+    torch.manual_seed(0)
+    model, x = SageNet(), torch.randn(N * K, D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = remat.profile(model, x, _loss, opt)
+    last = prof.blocks[1]
+    assert last.held_input_bytes == N * K * D * 4  # the dropout's output, which the root weight saves
+    assert last.held_input_bwd_temp_bytes == last.bwd_temp_bytes + N * K * D * 4
+    assert_plans_exact(model, x, prof, opt, strategies=("none",), loss_fn=_loss)
+    for strategy in ("full", "sqrt"):  # 25,584 bytes under before; now 16 over
+        plan = remat.plan(prof, strategy=strategy)
+        ver = remat.verify(model, x, plan, _loss, opt, repeats=1)
+        assert ver.grads_identical
+        assert 0 <= ver.predicted_peak_bytes - ver.measured_peak_bytes <= 16, strategy

@@ -188,7 +188,10 @@ def attribute_stacks(model: nn.Module) -> list[str]:
         if isinstance(module, (*_CONTAINERS, ParametrizationList)):
             continue
         children = list(module.children())
-        if children and len({type(c) for c in children}) == 1 and all(map(_composite, children)):
+        # plain Sequentials as children are lists of layers, not layers (torchvision's VGG: its
+        # ``features`` and ``classifier``, whose members `leaf_sequences` takes)
+        if (children and len({type(c) for c in children}) == 1 and type(children[0]) not in (nn.Sequential, nn.ModuleList)
+                and all(map(_composite, children))):
             kinds[name] = (type(module), type(children[0]))
             if len(children) >= 2:
                 found.append(name)

@@ -57,7 +57,7 @@ class StepBoundaries:
         self.optimizer = optimizer
         self.listeners = list(listeners)
         self._handles: list = []
-        self._taken: dict[int, set[int | None]] = {}
+        self.taken: dict[int, set[int | None]] = {}
         """Block index -> storage keys of the tensors its first call took as arguments."""
 
     def emit(self, kind: str, index: int = -1, where: str = "") -> None:
@@ -86,7 +86,7 @@ class StepBoundaries:
             if in_backward():
                 return
             self.emit("fwd_start", index, name)
-            self._taken.setdefault(index, {storage_key(t) for t in tensors_in((args, kwargs))})
+            self.taken.setdefault(index, {storage_key(t) for t in tensors_in((args, kwargs))})
             chained = chained_input(args, kwargs)
             if chained is not None and chained.requires_grad:
                 chained.register_hook(lambda grad: self.emit("bwd_end", index, name))
@@ -104,7 +104,7 @@ class StepBoundaries:
             # router's logits) gets its gradient when the whole backward starts and does not count
             others = [t for t in tensors_in(output) if t.requires_grad and not any(t is h for h in handed)]
             on_first_grad(handed, lambda: self.emit("bwd_start", index, name), also=others,
-                          counts=lambda key: key in self._taken.get(index + 1, ()))
+                          counts=lambda key: key in self.taken.get(index + 1, ()))
 
         return hook
 

@@ -463,6 +463,7 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
     windows.storage_id = recorder.storage_id
     tracking.accountant.on_pack = recorder.note_pack
     tracking.accountant.on_unpack = windows.note_read
+    windows.inputs_of = lambda index: tracking.boundaries.taken.get(index, set())
     state = [*step.model.parameters(), *step.model.buffers(), *_tensor_attributes(step.model), *batch_tensors(step.batch)]
     dataflow = DataflowRecorder(block_list, recorder.producer_of, storage_keys(state))
     tracking.boundaries.listeners += [windows, _ForwardGate(recorder, dataflow, tracking.accountant)]
@@ -725,6 +726,7 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
             # (some freed before its backward began) measures below zero: nothing is live beside
             # a replay then, which rebuilds them all
             bwd_start_temp_bytes=max(memory.windows.replay_start_bytes(i), 0),
+            held_input_bwd_temp_bytes=memory.windows.block_held_input_temp_bytes[i],
             between_grad_bytes=memory.windows.between_grad_bytes[i],
             fwd_other_bytes=memory.windows.block_fwd_start_temporaries[i]
             - sum(flow.shared_entry_bytes for flow in memory.flows[: i + 1]),

@@ -52,7 +52,13 @@ class StateSnapshot:
         self.generators = [(g, g.get_state()) for g in generators_in(batch) + model_generators(model)]
         with torch.no_grad():
             self.params = [_host_copy(p) for p in model.parameters()]
-            self.buffers = [_host_copy(b) for b in model.buffers()]
+            # by module and name, None included: a buffer registered as None and filled by a forward (a
+            # lazily made cache: PaLM's rotary table, block-recurrent's frequencies) appears in
+            # ``model.buffers()`` after the step and shifts every one after it; restored by position,
+            # each took its neighbour's values (BatchNorm's running statistics) and the cache a child's
+            self.buffers = [(module, name, b, None if b is None else _host_copy(b))
+                            for module in model.modules() for name, b in module._buffers.items()]
+            self._buffer_names = {id(module): set(module._buffers) for module in model.modules()}
             self.grads = [None if p.grad is None else _host_copy(p.grad) for p in model.parameters()]
         self.inputs = BatchGrads(batch)
         self.optimizer_state: dict[str, Any] | None = (
@@ -64,10 +70,15 @@ class StateSnapshot:
             for p, saved, grad in zip(self.model.parameters(), self.params, self.grads):
                 p.copy_(saved)
                 p.grad = None if grad is None else grad.to(p.device)
-            for b, saved in zip(self.model.buffers(), self.buffers):
-                if b.shape != saved.shape:  # resized in place by a forward (a QAT per-channel observer's, empty at first)
-                    b.resize_(saved.shape)
-                b.copy_(saved)
+            for module, name, b, saved in self.buffers:
+                if b is not None:
+                    if b.shape != saved.shape:  # resized in place by a forward (a QAT per-channel observer's, empty at first)
+                        b.resize_(saved.shape)
+                    b.copy_(saved)
+                module._buffers[name] = b  # the object it held (None for a cache not made yet)
+            for module in self.model.modules():  # buffers a forward registered anew
+                for name in set(module._buffers) - self._buffer_names.get(id(module), set(module._buffers)):
+                    del module._buffers[name]
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
         self.inputs.restore()

@@ -88,6 +88,9 @@ class LiveTracker(TorchDispatchMode):
         self._window_peak = 0
         self._watch: str | None = None
         self._watch_freed: list[tuple[int, int]] = []
+        self._pinned: frozenset[int] = frozenset()
+        self._pinned_freed = 0
+        self._window_pinned_peak = 0
 
     # ---- registration and labels -------------------------------------------------------
     def register(self, tensors: Iterable[torch.Tensor], label: str) -> None:
@@ -131,15 +134,27 @@ class LiveTracker(TorchDispatchMode):
 
     # ---- windows ----------------------------------------------------------------------
     def open_window(self, excluded_labels: Iterable[str] = (), offset_bytes: int = 0,
-                    watch_label: str | None = None) -> None:
+                    watch_label: str | None = None, pinned: Iterable[int] = ()) -> None:
         """Start measuring the peak of live bytes minus the bytes now under ``excluded_labels``
         minus a constant ``offset_bytes``; with ``watch_label``, also the order in which storages
-        under that label are freed (`window_freed`)."""
+        under that label are freed (`window_freed`); with ``pinned`` (storage keys), also the peak
+        were those never freed (`pinned_peak`)."""
         self._window = frozenset(excluded_labels)
         self._window_excluded = offset_bytes + sum(self.live_by_label.get(label, 0) for label in self._window)
         self._window_peak = self.live_bytes - self._window_excluded
         self._watch = watch_label
         self._watch_freed = []
+        self._pinned, self._pinned_freed = frozenset(pinned), 0
+        self._window_pinned_peak = self._window_peak
+
+    def pinned_peak(self) -> int:
+        """The open window's peak had its pinned storages lived to its end."""
+        return self._window_pinned_peak
+
+    def label_of_key(self, key: int) -> str | None:
+        """The label a tracked storage key is counted under (None: not tracked)."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.label
 
     def window_value(self) -> int:
         """The open window's value now: live bytes less its excluded labels and offset."""
@@ -207,6 +222,8 @@ class LiveTracker(TorchDispatchMode):
             if entry is not None:
                 if self._window is not None and entry.label == self._watch:
                     self._watch_freed.append((key, entry.nbytes))
+                if self._window is not None and key in self._pinned:
+                    self._pinned_freed += entry.nbytes
                 self._shift(entry.label, -entry.nbytes)
 
     def _shift(self, label: str, delta: int) -> None:
@@ -218,6 +235,7 @@ class LiveTracker(TorchDispatchMode):
                 self._window_excluded += delta
             value = self.live_bytes - self._window_excluded
             self._window_peak = max(self._window_peak, value)
+            self._window_pinned_peak = max(self._window_pinned_peak, value + self._pinned_freed)
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self.peak_by_category = dict(self._live_by_category)

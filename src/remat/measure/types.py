@@ -306,6 +306,11 @@ class BlockProfile:
     read made (a view's and a sum's, which need nothing saved: the gradient of an MoE's routed
     outputs); a replay of the block runs on top of it (None: not measured;
     ``output_grad_bytes`` stands for it)."""
+    held_input_bwd_temp_bytes: int | None = None
+    """``bwd_temp_bytes`` had the inputs it saves itself lived to its backward's end: a checkpoint
+    holds its inputs until the last of its saved tensors is read, where kept, the op that read
+    one early (GraphSAGE's root weight on the layer's input, at the layer's end) frees it then and
+    the backward peaks later without it (None: it saves none of its inputs; ``bwd_temp_bytes``)."""
     output_end_held_bytes: int = 0
     """Of ``saved_bytes``, its outputs the model's code still holds when the last block's
     forward ends, other than what it hands on (`remat.measure.dataflow`): the attention weights

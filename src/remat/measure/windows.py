@@ -30,6 +30,12 @@ class BackwardWindows:
         self.block_temp_bytes = [0] * len(block_names)
         self.between_temp_bytes = [0] * len(block_names)
         self.block_bwd_start_temp_bytes = [0] * len(block_names)
+        self.inputs_of: Callable[[int], set[int | None]] = lambda index: set()
+        """Storage keys of the tensors a block's first call took as arguments (`StepBoundaries.taken`)."""
+        self.block_held_input_temp_bytes: list[int | None] = [None] * len(block_names)
+        """Per block, its backward window's peak had the inputs it saved itself lived to the window's
+        end, as a checkpoint holding them keeps them (None: it saved none of its inputs)."""
+        self._pinned = False
         self.block_first_read_temp_bytes: list[int | None] = [None] * len(block_names)
         """Per block, the window's value at the first read of a tensor the block saved, in its
         backward: where a checkpoint of it begins its replay. The nodes before need nothing
@@ -237,13 +243,19 @@ class BackwardWindows:
         watch = ACT_PREFIX + segment if segment in self.names else None
         own = self.accountant.segment_bytes(segment) - (self.pre_saved_dead_bytes() if segment == PRE else 0)
         self._labels, self._offset = labels, own + grads_live
-        self.tracker.open_window(labels, offset_bytes=self._offset, watch_label=watch)
+        pinned = set()
+        if segment in self.names:  # the inputs it saved itself: its checkpoint holds them to the end
+            pinned = {key for key in self.inputs_of(self.names.index(segment)) if key is not None
+                      and self.tracker.label_of_key(key) == ACT_PREFIX + segment}
+        self._pinned = bool(pinned)
+        self.tracker.open_window(labels, offset_bytes=self._offset, watch_label=watch, pinned=pinned)
         if segment in self.names:
             self.block_bwd_start_temp_bytes[self.names.index(segment)] = self.tracker.window_value()
 
     def _close(self) -> None:
         if self._open is None:
             return
+        pinned_peak = self.tracker.pinned_peak() if self._pinned else None
         peak, segment = self.tracker.close_window(), self._open
         self._open = None
         if segment == POST:
@@ -254,6 +266,7 @@ class BackwardWindows:
         elif segment in self.names:
             index = self.names.index(segment)
             self.block_temp_bytes[index] = peak
+            self.block_held_input_temp_bytes[index] = pinned_peak
             self.block_free_order[index] = tuple(
                 (self.storage_id(key, segment), nbytes) for key, nbytes in self.tracker.window_freed())
         else:

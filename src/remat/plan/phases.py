@@ -81,8 +81,9 @@ def replay_working_bytes(block: BlockProfile, first: bool = True) -> int:
 
 def _replay_need(block: BlockProfile, forward: int, first: bool) -> int:
     unsaved = block.unsaved_input_bytes
-    if first:
-        replay = block.saved_bytes + max(block.bwd_temp_bytes, forward) + unsaved
+    if first:  # its checkpoint holds the inputs it saves to its backward's end
+        held = block.bwd_temp_bytes if block.held_input_bwd_temp_bytes is None else block.held_input_bwd_temp_bytes
+        replay = block.saved_bytes + max(held, forward) + unsaved
     else:
         replay = block.saved_bytes + max(block.bwd_temp_bytes, forward + unsaved)
     return max(replay + block.entry_bytes, between_phase_bytes(block))

@@ -25,7 +25,7 @@ from remat.plan.head import check_head, head_choices, priced_profile
 from remat.plan.infeasible import check_state_fits, infeasible_error
 from remat.plan.joins import chain_runs, joins
 from remat.plan.offload_cost import offload_strategies
-from remat.plan.predict import baseline_step_ms, predict
+from remat.plan.predict import baseline_step_ms, extra_ms, predict
 from remat.plan.policies import policy
 from remat.plan.search import Choice, OptimalSearch, plan_floor
 from remat.plan.types import Optimality, Plan, Prediction, Segment
@@ -186,6 +186,8 @@ def _optimal_plan(profile: Profile, heads: tuple[str, ...], budget: int | None) 
         if choice is not None:
             plans.append(make_plan(profile, choice.segments, "optimal", budget, head=head, optimality=choice.optimality))
         for segments in (keep, *_recipes(profile, head)):  # what the search's bounds may price over
+            if segments is not keep and not _may_be_faster(profile, segments, head, plans):
+                continue
             predicted = predict(profile, segments, head)
             if predicted.peak_bytes <= budget:
                 plans.append(make_plan(profile, segments, "optimal", budget, head=head,
@@ -199,6 +201,17 @@ def _optimal_plan(profile: Profile, heads: tuple[str, ...], budget: int | None) 
             space += f", the head as {' or '.join(heads)}"
         raise infeasible_error(budget, min_peak_plan(profile, heads).prediction, space)
     return min(plans, key=lambda p: (p.prediction.step_ms, p.prediction.peak_bytes))
+
+
+def _may_be_faster(profile: Profile, segments: tuple[Segment, ...], head: str, plans: list[Plan]) -> bool:
+    """Whether ``segments`` may be predicted faster than every plan found: its extra time less
+    the most fresh memory any peak saves is below theirs (its peak, what costs most to price,
+    is priced only then: 1000 blocks planned in 1.6 s instead of 1.15 s when both recipes were)."""
+    if not plans:
+        return True
+    most_saved = profile.step_fault_bytes * profile.first_touch_ms_per_byte
+    fastest = min(plan.prediction.step_ms for plan in plans)
+    return baseline_step_ms(profile) + extra_ms(profile, segments, head) - most_saved < fastest
 
 
 def _recipes(profile: Profile, head: str) -> list[tuple[Segment, ...]]:

@@ -43,7 +43,7 @@ from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
 from remat.plan.joins import check_joins
 from remat.plan.types import Plan, Prediction, Segment
 
-__all__ = ["predict", "pre_forward_phase_bytes", "optimizer_phase_bytes", "pre_backward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments"]
+__all__ = ["predict", "extra_ms", "pre_forward_phase_bytes", "optimizer_phase_bytes", "pre_backward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -312,6 +312,12 @@ def _top_retained(profile: Profile, segments: tuple[Segment, ...]) -> tuple[int,
     for seg in _fill_gaps(segments, 0, profile.num_blocks):
         out.extend(cost_of(profile, i, seg).retained_bytes for i in range(seg.start, seg.stop))
     return tuple(out)
+
+
+def extra_ms(profile: Profile, segments: tuple[Segment, ...], head: str = "keep") -> float:
+    """A layout's extra time over the baseline step before the fresh memory its peak saves
+    (`fresh_memory`): the step time `predict` gives, without pricing its peak."""
+    return _extras(profile, segments)[0] + head_extra_ms(profile, head)
 
 
 def _extras(profile: Profile, segments: tuple[Segment, ...]) -> tuple[float, int, int]:
