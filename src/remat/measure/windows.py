@@ -30,6 +30,7 @@ class BackwardWindows:
         self.block_temp_bytes = [0] * len(block_names)
         self.between_temp_bytes = [0] * len(block_names)
         self.block_bwd_start_temp_bytes = [0] * len(block_names)
+        self._index_of = {name: i for i, name in enumerate(block_names)}
         self.inputs_of: Callable[[int], set[int | None]] = lambda index: set()
         """Storage keys of the tensors a block's first call took as arguments (`StepBoundaries.taken`)."""
         self.block_held_input_temp_bytes: list[int | None] = [None] * len(block_names)
@@ -176,9 +177,9 @@ class BackwardWindows:
         earlier block read first is left to its own start: a stack whose last layer's output
         reaches no loss but its keys and values do (DiffusionGemma's encoder) has no backward
         window of its own, as before."""
-        if segment not in self.names:
+        index = self._index_of.get(segment)  # called at every read of a saved tensor
+        if index is None:
             return
-        index = self.names.index(segment)
         if self._open == POST and index == len(self.names) - 1 and index not in self.backward_blocks:
             self._close()
             self._start(segment)
