@@ -289,7 +289,9 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     rise = np.maximum(held - top, 0)
     replay = block.fwd_temp_bytes - (int(curve.max()) - top) + replay_base_bytes(block) + saved_input_bytes(block) + rise
     own = block.entry_bytes + block.unsaved_input_bytes
-    backward = block.saved_bytes + own + np.maximum(block.bwd_temp_bytes, replay)
+    # its checkpoint holds the inputs it saves to its backward's end (`held_input_bwd_temp_bytes`)
+    held = block.bwd_temp_bytes if block.held_input_bwd_temp_bytes is None else block.held_input_bwd_temp_bytes
+    backward = block.saved_bytes + own + np.maximum(held, replay)
     # the forward itself: autograd holds nothing (checkpointed), the cache holds what it caches
     # (on the built-in GPT, save-matmuls caches QK^T's 8 MiB: its last block's forward is the
     # step's peak, 3.3 % above the backward's). Two bounds at each call, the lesser kept: the
