@@ -31,7 +31,9 @@ def test_touching_fresh_memory_is_counted():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="minor page faults are counted by getrusage on Linux")
 def test_first_touch_cost_is_positive_on_the_cpu_and_zero_elsewhere():
-    assert first_touch_ms_per_byte(torch.device("cpu")) > 0.0
+    # one probe on a loaded machine can read 0 (its pages came back without faulting); of three,
+    # one reads the cost (the suite failed on a single probe in a clean clone, 2026-12-05)
+    assert max(first_touch_ms_per_byte(torch.device("cpu")) for _ in range(3)) > 0.0
     assert first_touch_ms_per_byte(torch.device("meta")) == 0.0
     assert first_touch_ms_per_byte(torch.device("cuda")) == 0.0  # a caching allocator: nothing faults in a steady state
 
