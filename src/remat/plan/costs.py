@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from remat.measure.types import BlockProfile, Profile
-from remat.plan.phases import (between_phase_bytes, held_input_bytes, keep_working_bytes, previous_held_bytes,
+from remat.plan.phases import (between_phase_bytes, held_bwd_temp_bytes, held_input_bytes, keep_working_bytes, previous_held_bytes,
                                replay_base_bytes, replay_stop, replay_working_bytes, saved_input_bytes, stopped_replay_flops, stopped_replay_ms,
                                stopped_replay_working_bytes, working_bytes)
 from remat.plan.policies import op_cacheable, op_storages
@@ -289,9 +289,7 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     rise = np.maximum(held - top, 0)
     replay = block.fwd_temp_bytes - (int(curve.max()) - top) + replay_base_bytes(block) + saved_input_bytes(block) + rise
     own = block.entry_bytes + block.unsaved_input_bytes
-    # its checkpoint holds the inputs it saves to its backward's end (`held_input_bwd_temp_bytes`)
-    held = block.bwd_temp_bytes if block.held_input_bwd_temp_bytes is None else block.held_input_bwd_temp_bytes
-    backward = block.saved_bytes + own + np.maximum(held, replay)
+    backward = block.saved_bytes + own + np.maximum(held_bwd_temp_bytes(block), replay)  # its checkpoint holds its inputs
     # the forward itself: autograd holds nothing (checkpointed), the cache holds what it caches
     # (on the built-in GPT, save-matmuls caches QK^T's 8 MiB: its last block's forward is the
     # step's peak, 3.3 % above the backward's). Two bounds at each call, the lesser kept: the

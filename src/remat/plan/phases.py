@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from remat.measure.types import BlockProfile, Profile
 
 __all__ = [
-    "held_input_bytes", "between_phase_bytes", "working_bytes", "saved_input_bytes", "replay_base_bytes",
+    "held_input_bytes", "held_bwd_temp_bytes", "between_phase_bytes", "working_bytes", "saved_input_bytes", "replay_base_bytes",
     "replay_working_bytes", "replay_stop", "stopped_replay_working_bytes", "stopped_replay_ms",
     "stopped_replay_flops", "forward_phase_bytes", "keep_working_bytes", "keep_forward_bytes", "unit_extra_bytes",
     "segment_forward_bytes", "checkpointed_forward_peak", "code_held_bytes", "previous_held_bytes", "later_held_bytes", "held_twice_bytes",
@@ -79,11 +79,16 @@ def replay_working_bytes(block: BlockProfile, first: bool = True) -> int:
     return _replay_need(block, forward, first)
 
 
+def held_bwd_temp_bytes(block: BlockProfile) -> int:
+    """The backward temporaries of a block whose checkpoint holds the inputs it saves to its
+    backward's end (`BlockProfile.held_input_bwd_temp_bytes`; ``bwd_temp_bytes`` without it)."""
+    return block.bwd_temp_bytes if block.held_input_bwd_temp_bytes is None else block.held_input_bwd_temp_bytes
+
+
 def _replay_need(block: BlockProfile, forward: int, first: bool) -> int:
     unsaved = block.unsaved_input_bytes
     if first:  # its checkpoint holds the inputs it saves to its backward's end
-        held = block.bwd_temp_bytes if block.held_input_bwd_temp_bytes is None else block.held_input_bwd_temp_bytes
-        replay = block.saved_bytes + max(held, forward) + unsaved
+        replay = block.saved_bytes + max(held_bwd_temp_bytes(block), forward) + unsaved
     else:
         replay = block.saved_bytes + max(block.bwd_temp_bytes, forward + unsaved)
     return max(replay + block.entry_bytes, between_phase_bytes(block))
