@@ -78,15 +78,25 @@ def test_search_prices_every_layout_as_predict(name):
     strategy, the layout's predicted peak is the need the search claimed and its extra time the
     search's (masks no checkpoint holds, a kept block's forward after a kept block: `remat.plan.variants`);
     every plan of `remat.pareto` is one of these layouts, or one tied with one of them in peak
-    and extra time."""
+    and extra time. One term is a stated bound: outputs the model's code keeps through later
+    forwards (Swin's stage output before its patch merging) are counted by the search through
+    the backward too where their block is not kept, so such a layout's need may exceed its
+    peak by at most `OptimalSearch.held_slack` (which the search then checks with `predict`)."""
     _, prof, frontier = profiled(name)
     claimed = {}
+    held_later = {b.index for b in prof.blocks if b.output_later_held_bytes and b.output_held_until >= b.index + 2}
+    code_held = any(b.code_held_inputs for b in prof.blocks)
     for head in head_choices(prof):
         search = optimal_search(priced_profile(prof, head))
+        slack = search.held_slack()
         for need, cost_ms, variant in search.exact_curve():
             segments = search.exact_segments(need, variant)
             prediction = predict(prof, segments, head)
-            assert prediction.peak_bytes == int(search.builder.fixed.peak_bytes(need)), (head, segments)
+            need_bytes = int(search.builder.fixed.peak_bytes(need))
+            if code_held or any(s.kind != "keep" and held_later & set(range(s.start, s.stop)) for s in segments):
+                assert need_bytes - slack <= prediction.peak_bytes <= need_bytes, (head, segments, slack)
+            else:
+                assert prediction.peak_bytes == need_bytes, (head, segments)
             assert prediction.extra_ms == pytest.approx(cost_ms + head_extra_ms(prof, head), rel=1e-9, abs=1e-9)
             claimed[(head, segments)] = prediction
     for p in frontier:

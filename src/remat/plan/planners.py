@@ -217,7 +217,7 @@ def _may_be_faster(profile: Profile, segments: tuple[Segment, ...], head: str, p
 def _recipes(profile: Profile, head: str) -> list[tuple[Segment, ...]]:
     """The recipes' layouts (full recomputation, sqrt(N) segments), each block that cannot run
     its strategy on the nearest it can: candidates beside the search's, whose tables bound what
-    the code holds beside checkpoints from above (`remat.plan.search.OptimalSearch._held_slack`)
+    the code holds beside checkpoints from above (`remat.plan.search.OptimalSearch.held_slack`)
     and may price such a layout over a budget it meets. Full recomputation of a residual-attention
     chain was the least predicted peak of `pareto` and refused at that budget, 3,128 bytes under
     the search's least."""

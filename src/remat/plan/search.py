@@ -180,7 +180,7 @@ class OptimalSearch:
         # where no point fits, the least-peak layout still may: the DP bounds some terms from above
         # (a selective block's forward beside the outputs the block before holds, as if not kept)
         best = self._points(budget_bytes, needs, variants, bounds, fits, ends=() if fits.any() else [self.min_peak_segments()])
-        slack = self._held_slack()
+        slack = self.held_slack()
         if slack:  # the DP counts kept outputs through the backward too: points a little over may fit
             best = self._points(budget_bytes, needs, variants, bounds, (needs > allowance) & (needs <= allowance + slack),
                                 ends=[self.min_peak_segments()], first=best)
@@ -195,7 +195,7 @@ class OptimalSearch:
         return self._fastest(budget_bytes, bounds[mask], lambda k: self.exact_segments(int(needs[k]), int(variants[k])),
                              ends, first)
 
-    def _held_slack(self) -> int:
+    def held_slack(self) -> int:
         """The most the DP's need of a layout exceeds its predicted peak's by what the code holds
         beside the checkpoints: the outputs it keeps through later forwards
         (`remat.plan.chain_dp.ChainProblem.later_slots`, counted through the backward) and the
