@@ -66,11 +66,30 @@ def test_ids_are_per_segment():
         z = y.t()               # b: a view of a's storage
         (z + 1).relu_()         # b: add -> storage 0 of b; relu_ writes it in place
     a, b = recorder.records("a", {}), recorder.records("b", {})
-    # a's storage 0 is read by b: it outlives block a (a's output).
-    assert [(r.key, r.storage_ids, r.storage_escapes) for r in a] == [("aten.mul.Tensor#0", (0,), (True,))]
+    # a's storage 0 is only read by b (an add saves nothing): freed after b unless a cache holds it
+    assert [(r.key, r.storage_ids, r.storage_escapes) for r in a] == [("aten.mul.Tensor#0", (0,), (False,))]
     assert [(r.key, r.storage_ids, r.storage_bytes, r.storage_escapes) for r in b] == [
         ("aten.t.default#0", (), (), ()), ("aten.add.Tensor#0", (0,), (64,), (False,)),
         ("aten.relu_.default#0", (0,), (64,), (False,))]
+
+
+def test_a_later_block_saving_a_storage_holds_it():
+    # Block b saves a's output (its first saver is a itself, a tanh saving its output): it
+    # outlives block a all the same; what b only reads does not.
+    from remat.measure.saved import SavedStorage
+
+    segment = ["a"]
+    recorder = OpRecorder(lambda: segment[0])
+    x = torch.randn(4, 4)
+    with recorder:
+        y, z = x * 2, x * 3       # a: storages 0 and 1
+        segment[0] = "b"
+        y * x, z + 1
+    key = y.untyped_storage()._cdata
+    saved = {key: SavedStorage(nbytes=64, segment="a")}
+    recorder.saved_by_call(saved, {key: ["a", "b"]})
+    a = recorder.records("a", {})
+    assert [(r.storage_ids, r.storage_escapes) for r in a] == [((0,), (True,)), ((1,), (False,))]
 
 
 def test_post_reading_is_not_holding_but_saving_is():

@@ -6,6 +6,8 @@ counts nothing more. The measured peak equals the predicted one to the byte."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -124,3 +126,81 @@ def test_a_cached_block_output_is_held_by_the_cache_through_the_replay(index, ou
     check = verify(built.model, built.batch, plan, built.loss_fn, built.optimizer, repeats=1)
     assert check.grads_identical and check.recompute_counts_match
     assert check.measured_peak_bytes == check.predicted_peak_bytes
+
+
+class BiasBlock(nn.Module):
+    """T5's layers: the first makes a bias from its table (a product with a number: it saves
+    nothing) and returns it; every layer adds it to its hidden state (an add saves nothing), so
+    no backward needs the bias and it is freed after the forward, unless a cache holds it."""
+
+    def __init__(self, makes_bias: bool) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(D, D, bias=False)
+        self.lin2 = nn.Linear(D, D, bias=False)
+        self.table = nn.Parameter(torch.randn(B, D)) if makes_bias else None
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is not None:
+            bias = self.table * 2.0
+        return torch.tanh(self.lin2(torch.tanh(self.lin1(x)) + bias)), bias
+
+
+class BiasToy(nn.Module):
+    def __init__(self, num_layers: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D, bias=False)
+        self.layers = nn.ModuleList(BiasBlock(i == 0) for i in range(num_layers))
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        x, bias = self.inp(batch), None
+        for layer in self.layers:
+            x, bias = layer(x, bias)
+        return x.sum()
+
+
+BIAS = "aten.mul.Tensor#0"
+
+
+@functools.cache
+def bias_toy(num_layers: int):
+    torch.manual_seed(0)
+    model = BiasToy(num_layers)
+    batch = torch.randn(B, D)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, batch, optimizer, profile(model, batch, optimizer=optimizer, repeats=1)
+
+
+@pytest.mark.parametrize("num_layers", [2, 3])
+def test_a_tensor_later_blocks_only_read_is_held_by_its_cache(num_layers):
+    """Block 0 caching the bias: the later layers read it but save nothing of it, so the cache
+    alone holds it from their forwards to block 0's replay: its retained bytes count it (its
+    input and the bias). Before, a storage any later block read counted as held there (0 bytes):
+    the knapsack cached T5's position bias as free, and every such plan of a 2-layer mt5 or
+    switch_transformers encoder measured 4,096 bytes above its prediction."""
+    prof = bias_toy(num_layers)[3]
+    op = next(op for op in prof.blocks[0].ops if op.key == BIAS)
+    assert op.storage_bytes == (UNIT,) and op.storage_escapes == (False,)
+    cached = Segment(start=0, stop=1, strategy="selective:bias", saved_ops=(BIAS,))
+    assert cost_of(prof, 0, cached).retained_bytes == 2 * UNIT
+
+
+@pytest.mark.parametrize("kinds", ["ckk", "crk", "ckr", "kkk", "rkk", "ck", "cr", "kk", "rk"])
+def test_a_cached_bias_is_never_under_its_measured_peak(kinds):
+    """``c``: block 0 selective, caching the bias. With one later layer (``c k``: T5's 2-layer
+    encoders) the prediction is exact. With more, the later layers share the bias and the memory
+    model counts it at the first of them through the forward already (and through the backward
+    where a checkpoint of one of them holds it): the cache's count adds at most the bias's bytes
+    more (a bound: block 0's costs cannot see the other blocks' strategies). Without the cache
+    the prediction is exact."""
+    model, batch, optimizer, prof = bias_toy(len(kinds))
+    segments = tuple(Segment(start=i, stop=i + 1, strategy="selective:bias", saved_ops=(BIAS,)) if c == "c"
+                     else Segment(start=i, stop=i + 1, strategy={"k": "keep", "r": "recompute"}[c])
+                     for i, c in enumerate(kinds))
+    plan = make_plan(prof, segments, kinds, None)
+    check = verify(model, batch, plan, optimizer=optimizer, repeats=1)
+    assert check.grads_identical and check.recompute_counts_match, kinds
+    over = plan.prediction.peak_bytes - check.measured_peak_bytes
+    if kinds[0] != "c" or kinds == "ck":
+        assert over == 0, kinds
+    else:
+        assert 0 <= over <= UNIT, kinds

@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,7 +165,6 @@ class OpRecorder(TorchDispatchMode):
         is_random = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
         if is_random and own_generator(args, kwargs):
             self.own_generators[segment].append(key)
-        self._mark_escapes(segment, args, kwargs)
         is_view = bool(getattr(func, "is_view", False)) or _aliases(name, args, kwargs, out)
         if not is_view:
             self._note_reads(segment, args, kwargs)
@@ -220,18 +219,6 @@ class OpRecorder(TorchDispatchMode):
         owner = self._storage_ids.get(key)
         return owner[1] if owner is not None and owner[0] == segment else -1
 
-    def _mark_escapes(self, segment: str, args: tuple, kwargs: dict) -> None:
-        """Storages of another segment read by a later block outlive their block: they are that
-        block's input, which the planner counts there. (``post`` and the code between two blocks
-        may read without saving: a pooling head, a patch merging that copies a block's output into
-        the next block's input; `saved_by_call` catches the storages they save.)"""
-        if segment == POST or segment.startswith(BETWEEN):
-            return
-        for t in flat_tensors(args, kwargs):
-            owner = self._storage_ids.get(storage_key(t))
-            if owner is not None and owner[0] != segment:
-                self._escaped.add(owner)
-
     def _note_reads(self, segment: str, args: tuple, kwargs: dict) -> None:
         for t in flat_tensors(args, kwargs):
             key = storage_key(t)
@@ -249,14 +236,19 @@ class OpRecorder(TorchDispatchMode):
         """Forward FLOPs of every recorded call of ``segment``."""
         return sum(call.flops for call in self.calls.get(segment, []))
 
-    def saved_by_call(self, saved: Mapping[int, SavedStorage]) -> dict[tuple[str, int], int]:
+    def saved_by_call(self, saved: Mapping[int, SavedStorage],
+                      savers: Mapping[int, Sequence[str]] | None = None) -> dict[tuple[str, int], int]:
         """Saved bytes per ``(segment, call index)``; ``saved`` is `SavedAccountant.saved` of the
-        same forward. A storage counts for its producer only when saved in the producer's segment;
-        one first saved by another segment outlives its block (noted for `records`)."""
+        same forward (``savers``: `SavedAccountant.savers`, every segment that saved each storage).
+        A storage counts for its producer only when saved in the producer's segment; one another
+        segment saves too outlives its block (noted for `records`): that
+        segment's saved bytes hold it (kept) or its checkpoint, whose input it is. A storage later
+        blocks only read (T5's position bias, which each layer adds to its scores) is not so: a
+        kept reader lets it go after its forward, and a selective cache of it is what holds it."""
         totals: dict[tuple[str, int], int] = defaultdict(int)
         for key, record in saved.items():
             owner = self._storage_ids.get(key)
-            if owner is not None and owner[0] != record.segment:
+            if owner is not None and any(who != owner[0] for who in (savers or {}).get(key, (record.segment,))):
                 self._escaped.add(owner)
             producer = self._producer.get(key)
             if producer is not None and producer[0] == record.segment:

@@ -408,6 +408,7 @@ class _Accounting:
     windows: BackwardWindows
     recorder: OpRecorder
     saved: dict
+    savers: dict
     peak_bytes: int
     peak_by_category: dict[str, int]
     timeline: tuple
@@ -476,6 +477,7 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
     return _Accounting(
         saved_bytes=accountant.bytes_by_segment(), input_bytes=accountant.input_bytes,
         output_bytes=accountant.output_bytes, windows=windows, recorder=recorder, saved=dict(accountant.saved),
+        savers={key: tuple(who) for key, who in accountant.savers.items()},
         peak_bytes=tracker.peak_bytes, peak_by_category=dict(tracker.peak_by_category),
         timeline=tuple(tracking.timeline), grad_bytes=grad_bytes(step.model),
         block_grad_bytes=_block_grad_bytes(block_list),
@@ -512,7 +514,7 @@ def _time_plain_step(step: _Step) -> float:
 
 def _groups(found: Discovery, memory: _Accounting, share: bool) -> BlockGroups:
     """Which block's timing probes each block takes (`remat.measure.sharing`)."""
-    recorder, saved_by_call = memory.recorder, memory.recorder.saved_by_call(memory.saved)
+    recorder, saved_by_call = memory.recorder, memory.recorder.saved_by_call(memory.saved, memory.savers)
     structures, traces = [], []
     for i, (name, module) in enumerate(found.blocks):
         structures.append(structure_key(module, memory.call_signatures[i]))
@@ -690,7 +692,7 @@ def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
 def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
                     overheads: tuple[BlockOverheads, ...], groups: BlockGroups) -> tuple[BlockProfile, ...]:
     block_list = found.blocks
-    saved_by_call = memory.recorder.saved_by_call(memory.saved)
+    saved_by_call = memory.recorder.saved_by_call(memory.saved, memory.savers)
     records = {name: memory.recorder.records(name, saved_by_call) for name, _ in block_list}
     ops = [_shared_times(records[name], records[block_list[groups.timing_from[i]][0]])
            for i, (name, _) in enumerate(block_list)]

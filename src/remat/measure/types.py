@@ -97,9 +97,11 @@ class OpRecord:
     storage_bytes: tuple[int, ...] = ()
     """Bytes of each storage of ``storage_ids``, in the same order."""
     storage_escapes: tuple[bool, ...] = ()
-    """Per storage of ``storage_ids``: True when it outlives the block anyway: a later block
-    reads it (the block's output is the next one's input, counted there) or a later segment's
-    autograd saves it first. Caching it adds no bytes. () in profiles recorded without it."""
+    """Per storage of ``storage_ids``: True when it outlives the block anyway: a later segment's
+    autograd saves it too (the block's output, the next block's saved input; that block's
+    checkpoint holds it where the block is not kept). Caching it adds no bytes. A storage later
+    blocks only read (T5's position bias, added to every layer's scores) does not: a kept reader
+    lets it go after its forward. () in profiles recorded without it."""
     mutated_later: bool = False
     """A later call of the step's forward writes in place into a storage its outputs live in
     (T5's ``relative_buckets += ...``): selective checkpointing cannot cache it
