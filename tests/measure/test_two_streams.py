@@ -66,3 +66,58 @@ def test_every_layout_of_two_stream_blocks_is_predicted_to_the_byte() -> None:
         ver = remat.verify(model, x, plan, _loss, opt, repeats=1)
         assert ver.grads_identical, layout
         assert ver.measured_peak_bytes == ver.predicted_peak_bytes, (layout, ver.measured_peak_bytes - ver.predicted_peak_bytes)
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(D), nn.Linear(D, F), nn.Linear(F, D)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc2(torch.relu(self.fc1(self.norm(h))))
+
+
+class DropsItsGlobalStream(nn.Module):
+    """PegasusX's encoder: two-stream layers, the last layer's global tokens never returned
+    (freed as the encoder returns, by the code between the two stacks); a decoder stack after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.glob = nn.Embedding(100, D), nn.Parameter(torch.randn(G, D))
+        self.layers = nn.ModuleList(TwoStream() for _ in range(2))
+        self.decoder = nn.ModuleList(Decoder() for _ in range(2))
+        self.out = nn.Linear(D, 100)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        h, g = self.emb(x), self.glob.expand(x.shape[0], -1, -1)
+        for layer in self.layers:
+            h, g = layer(h, g)
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.encode(x)
+        for layer in self.decoder:
+            h = layer(h)
+        return self.out(h)
+
+
+def test_a_stream_the_code_after_the_last_layer_drops_is_not_saved_to_the_backward() -> None:
+    """The last layer's global-token feed-forward saved what no backward reads: freed by the code
+    right after the layer, it counts among the layer's forward temporaries, not its saved bytes
+    (its ReLU's output and fc2's input, B x G x F fp32, and fc1's input, a slice of the attention
+    output the layer keeps anyway). Counted saved, keeping every layer was predicted above its
+    peak, and a replay of the layer, whose backward window opened below the bytes counted, below
+    it (PegasusX: +5.9 % and -3.8 %). Every layout is now predicted to the byte."""
+    torch.manual_seed(0)
+    model, x = DropsItsGlobalStream(), torch.randint(0, 100, (B, S))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    prof = remat.profile(model, x, _loss, opt)
+    first, last = prof.blocks[0], prof.blocks[1]
+    assert last.saved_bytes == first.saved_bytes - B * G * F * 4
+    for layout in itertools.product(("keep", "recompute"), repeat=4):
+        segments = tuple(Segment(start=i, stop=i + 1, strategy=s) for i, s in enumerate(layout))
+        plan = dataclasses.replace(remat.plan(prof, strategy="none"), segments=segments,
+                                   prediction=remat.predict(prof, segments))
+        ver = remat.verify(model, x, plan, _loss, opt, repeats=1)
+        assert ver.grads_identical, layout
+        assert ver.measured_peak_bytes == ver.predicted_peak_bytes, (layout, ver.measured_peak_bytes - ver.predicted_peak_bytes)

@@ -409,6 +409,7 @@ class _Accounting:
     recorder: OpRecorder
     saved: dict
     savers: dict
+    dropped_bytes: dict
     peak_bytes: int
     peak_by_category: dict[str, int]
     timeline: tuple
@@ -477,7 +478,7 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
     return _Accounting(
         saved_bytes=accountant.bytes_by_segment(), input_bytes=accountant.input_bytes,
         output_bytes=accountant.output_bytes, windows=windows, recorder=recorder, saved=dict(accountant.saved),
-        savers={key: tuple(who) for key, who in accountant.savers.items()},
+        savers={key: tuple(who) for key, who in accountant.savers.items()}, dropped_bytes=dict(accountant.dropped_bytes),
         peak_bytes=tracker.peak_bytes, peak_by_category=dict(tracker.peak_by_category),
         timeline=tuple(tracking.timeline), grad_bytes=grad_bytes(step.model),
         block_grad_bytes=_block_grad_bytes(block_list),
@@ -711,7 +712,8 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
             grad_bytes=memory.block_grad_bytes[i],
             between_fwd_peak_bytes=memory.windows.between_fwd_peak_bytes[i],
             unreached_fwd_bytes=memory.windows.unreached_live_bytes(i),
-            fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i]
+            # what the code right after it freed of its saved bytes was counted saved at its end
+            fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i] + memory.dropped_bytes.get(name, 0)
             + (0 if i in memory.windows.backward_blocks else memory.saved_bytes[name]),
             output_grad_bytes=memory.output_bytes.get(name, 0),
             bwd_free_order=memory.windows.block_free_order[i],
