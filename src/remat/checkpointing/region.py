@@ -28,6 +28,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
+from remat.checkpointing.attributes import AttributeSnapshot, put_back, snapshot
+
 __all__ = ["BufferGuard", "Body", "checkpointed", "replaying", "first_argument", "call_with_first"]
 
 Body = Callable[[Any, tuple[Any, ...]], list[Any]]
@@ -117,11 +119,13 @@ class BufferGuard:
                 if copied:
                     with _outside_modes():
                         call.before = [b.detach().clone() for b in copied]
+                    call.attributes = snapshot(self.modules)
             yield
             return
         buffers = [b for block in self.blocks for b in block.buffers()]
         with _outside_modes():
             before = [b.detach().clone() for b in buffers]
+        attributes = snapshot(self.modules) if call is not None else None
         yield
         with _outside_modes():
             self.known[key] = [b for b, v in zip(buffers, before) if id(b) in self.observed or not _same(b, v)]
@@ -129,6 +133,7 @@ class BufferGuard:
             _, copied = self._plan(key, self.known[key])
             start = {id(b): v for b, v in zip(buffers, before)}
             call.before = [start[id(b)] for b in copied]
+            call.attributes = attributes
 
     @contextlib.contextmanager
     def replay(self, call: _Call | None = None) -> Iterator[None]:
@@ -140,20 +145,26 @@ class BufferGuard:
         other buffer the forward changes may be read by it (spectral norm's power-iteration
         vectors, which the forward advances and then uses): the replay runs from the values the
         forward started from (``call.before``, copied by `forward`), and the buffers get back the
-        values they had before the replay."""
+        values they had before the replay. The modules' plain attributes go with them
+        (`remat.checkpointing.attributes`): a cache whose table is a buffer and whose filled length
+        an ``int`` (rotary_embedding_torch) is replayed empty, as the forward found it, not as
+        zeros the code believes filled (the first step's gradients were wrong)."""
         key = self._key()
         known = self.known.get(key)
         if not known:
             yield
             return
         swaps, copied = self._plan(key, known)
-        saved = []
+        saved, attributes = [], None
         if copied:
             with _outside_modes():
                 saved = [b.detach().clone() for b in copied]
                 if call is not None and call.before is not None:
                     for buf, value in zip(copied, call.before):
                         _put(buf, value)
+            if call is not None and call.attributes is not None:
+                attributes = snapshot(self.modules)
+                put_back(call.attributes)
         for module, name, _, scratch in swaps:
             module._buffers[name] = scratch
         try:
@@ -165,6 +176,8 @@ class BufferGuard:
                 with _outside_modes():
                     for buf, value in zip(copied, saved):
                         _put(buf, value)
+            if attributes is not None:
+                put_back(attributes)
 
     def _plan(self, key: tuple[Any, ...], known: list[torch.Tensor]) -> tuple[list[_Swap], list[torch.Tensor]]:
         """For the training mode ``key``: the swaps (each changed buffer of a training BatchNorm
@@ -217,10 +230,12 @@ _Swap = tuple[nn.Module, str, torch.Tensor, torch.Tensor]
 class _Call:
     """One checkpointed call's state shared by its forward and its replay."""
 
-    __slots__ = ("before",)
+    __slots__ = ("before", "attributes")
 
     def __init__(self) -> None:
         self.before: list[torch.Tensor] | None = None
+        self.attributes: AttributeSnapshot | None = None
+        """The plain attributes of the region's modules as its forward began (`BufferGuard.replay`)."""
 
 
 def checkpointed(body: Body, first: Any, extra: tuple[Any, ...], *, guard: BufferGuard,

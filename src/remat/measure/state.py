@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from remat._batch import batch_tensors
+from remat.checkpointing.attributes import put_back, snapshot
 from remat.measure.storage import distinct_bytes
 from remat.measure.tracker import optimizer_state_tensors
 
@@ -60,6 +61,10 @@ class StateSnapshot:
                             for module in model.modules() for name, b in module._buffers.items()]
             self._buffer_names = {id(module): set(module._buffers) for module in model.modules()}
             self.grads = [None if p.grad is None else _host_copy(p.grad) for p in model.parameters()]
+        # and the plain attributes beside them: a cache whose table is a buffer and whose filled length
+        # an int (rotary_embedding_torch), put back to zeros that the int still said were filled, left
+        # the model computing with an identity rotation after a profile
+        self.attributes = snapshot(model.modules())
         self.inputs = BatchGrads(batch)
         self.optimizer_state: dict[str, Any] | None = (
             _host_state(optimizer.state_dict()) if optimizer is not None else None
@@ -79,6 +84,7 @@ class StateSnapshot:
             for module in self.model.modules():  # buffers a forward registered anew
                 for name in set(module._buffers) - self._buffer_names.get(id(module), set(module._buffers)):
                     del module._buffers[name]
+        put_back(self.attributes)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
         self.inputs.restore()

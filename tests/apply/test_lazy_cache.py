@@ -1,0 +1,117 @@
+"""A cache a forward fills lazily, its table a buffer and its filled length a plain ``int``
+(rotary_embedding_torch's ``cached_freqs`` and ``cached_freqs_seq_len``, used by many models):
+putting the buffer back without the ``int`` leaves zeros the code believes filled. A profile did
+(the model's outputs changed after `remat.profile`: every rotation the identity), and so did a
+replay on the first step of a model never run (its gradients 1e-2 off, the next steps right).
+Both now put back the modules' plain attributes with the buffers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import remat
+from remat.checkpointing.attributes import put_back, snapshot
+
+D, H, S, V = 32, 4, 16, 64
+
+
+class Rotary(nn.Module):
+    """rotary_embedding_torch's caching, reduced: the table in a buffer, its length in an int."""
+
+    def __init__(self, dim: int, max_len: int = 64) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+        self.register_buffer("cached", torch.zeros(max_len, dim), persistent=False)
+        self.cached_len = 0
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[-2]
+        if n <= self.cached_len:
+            f = self.cached[:n].detach()
+        else:
+            f = torch.outer(torch.arange(n, dtype=torch.float), self.inv_freq).repeat_interleave(2, dim=-1)
+            self.cached[:n] = f.detach()
+            self.cached_len = n
+        rotated = torch.stack([-t[..., 1::2], t[..., 0::2]], dim=-1).flatten(-2)
+        return t * f.cos() + rotated * f.sin()
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.qkv, self.out = nn.LayerNorm(D), nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.rope = Rotary(D // H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, H, d // H).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
+        return x + self.out(a.transpose(1, 2).reshape(b, s, d))
+
+
+class LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.blocks, self.head = nn.Embedding(V, D), nn.ModuleList(Block() for _ in range(3)), nn.Linear(D, V)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _loss(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out[:, :-1].reshape(-1, V), batch[:, 1:].reshape(-1))
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    _loss(model(x), x).backward()
+    out = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    model, x = LM(), torch.randint(0, V, (2, S))
+    return model, x
+
+
+def test_a_profile_leaves_a_lazy_cache_as_it_found_it(setup):
+    fresh, x = setup
+    model = copy.deepcopy(fresh)
+    remat.profile(model, x, _loss, torch.optim.SGD(model.parameters(), lr=0.1), repeats=1)
+    rope = model.blocks[0].rope
+    assert rope.cached_len == 0 and not rope.cached.any()  # empty, as the model came
+    torch.testing.assert_close(model(x), fresh(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("strategy", ["full", "selective:save-matmuls"])
+def test_a_model_never_run_gets_the_plain_gradients_from_its_first_step(setup, strategy):
+    fresh, x = setup
+    plan = remat.plan(remat.profile(copy.deepcopy(fresh), x, _loss, repeats=1), strategy=strategy)
+    reference = copy.deepcopy(fresh)
+    planned = copy.deepcopy(fresh)
+    remat.apply_(planned, plan)
+    for step in range(2):  # the first fills the caches, the second reads them
+        for got, want in zip(_grads(planned, x), _grads(reference, x)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"step {step}")
+    assert planned.blocks[0].rope.cached_len == S  # the forward's fill stands after the replay
+
+
+def test_put_back_restores_scalars_and_tensor_references_and_drops_new_ones():
+    module = nn.Linear(2, 2)
+    module.count, module.table, module.cfg = 0, None, {"a": 1}
+    saved = snapshot([module])
+    module.count, module.table, module.extra = 3, torch.ones(2), 7
+    module.cfg["a"] = 2  # a mapping is no plain attribute: left as it is
+    put_back(saved)
+    assert (module.count, module.table, module.cfg, hasattr(module, "extra")) == (0, None, {"a": 2}, False)
+    assert isinstance(module.weight, nn.Parameter) and module.training
