@@ -47,10 +47,23 @@ _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 def _container(module: nn.Module) -> bool:
     """A list or sequential, or a ``ModuleDict`` of a class of its own that runs its members in
-    its forward (timm's DenseNet's dense blocks). A plain ``ModuleDict`` is a lookup by key
-    (Switch Transformers' experts, Mask2Former's norm per stage), not a chain."""
-    return isinstance(module, (nn.ModuleList, nn.Sequential)) or (
-        isinstance(module, nn.ModuleDict) and type(module) is not nn.ModuleDict)
+    its forward (timm's DenseNet's dense blocks), or a plain ``ModuleDict`` keyed by the layer
+    numbers ``"0"``, ``"1"``... in order (torchtitan's and OLMo-core's layers, a dict so that a
+    pipeline stage can drop the others and keep their names). Other plain ``ModuleDict``s are
+    lookups by key (Switch Transformers' experts, Mask2Former's norm per stage), not chains."""
+    if isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return True
+    if not isinstance(module, nn.ModuleDict):
+        return False
+    return type(module) is not nn.ModuleDict or _numbered(list(module.keys()))
+
+
+def _numbered(keys: list[str]) -> bool:
+    """Keys that are increasing layer numbers (a pipeline stage's may start past 0)."""
+    if not keys or not all(k.isdigit() for k in keys):
+        return False
+    numbers = [int(k) for k in keys]
+    return numbers == list(range(numbers[0], numbers[0] + len(numbers)))
 
 
 def candidate_lists(model: nn.Module) -> list[tuple[str, int, str]]:
