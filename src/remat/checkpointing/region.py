@@ -69,7 +69,8 @@ def _outside_modes() -> Iterator[None]:
 
 
 class BufferGuard:
-    """Undo buffer updates made by a replay (BatchNorm running statistics...).
+    """Undo buffer updates made by a replay (BatchNorm running statistics...), and parameter
+    updates a forward makes in place (EDM2's forced weight normalisation).
 
     Torch tells the forward from the replay: `checkpointed` hands `forward` and `replay` to
     the checkpoint as its (forward, recompute) contexts. Which buffers a forward changes is found
@@ -122,7 +123,9 @@ class BufferGuard:
                     call.attributes = snapshot(self.modules)
             yield
             return
-        buffers = [b for block in self.blocks for b in block.buffers()]
+        # parameters too: a forward that writes its weights (EDM2's forced weight normalisation,
+        # ``weight.copy_(normalize(weight))`` under no_grad) would write them again in the replay
+        buffers = [b for block in self.blocks for b in (*block.buffers(), *block.parameters())]
         with _outside_modes():
             before = [b.detach().clone() for b in buffers]
         attributes = snapshot(self.modules) if call is not None else None
