@@ -140,7 +140,12 @@ class BatchGrads:
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True) if t.device.type != "meta" else t.detach().clone()
+    if t.device.type == "meta":
+        return t.detach().clone()
+    try:
+        return t.detach().to("cpu", copy=True)
+    except (RuntimeError, TypeError, NotImplementedError):  # a tensor subclass whose .to takes no copy= (QLoRA's
+        return t.detach().clone()  # NF4 weights, torchao): a copy where it lives
 
 
 def _host_state(state_dict: Any) -> Any:

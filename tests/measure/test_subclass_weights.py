@@ -1,0 +1,71 @@
+"""Frozen weights held as a tensor subclass whose ``.to`` takes no ``copy=`` argument (QLoRA's NF4
+weights, torchao's ``NF4Tensor``): the profile's snapshot of the model state raised there
+(``.to() does not accept copy argument``). It copies such a tensor where it lives instead."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import remat
+from remat.apply.api import applied
+from remat.measure.state import StateSnapshot
+
+
+class NoCopyTo(torch.Tensor):
+    """A tensor whose ``.to`` refuses ``copy=``, as torchao's NF4Tensor does."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and "copy" in kwargs:
+            raise RuntimeError(".to() does not accept copy argument")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class Adapted(nn.Module):
+    """A frozen base weight (the subclass) and a trainable low-rank adapter beside it."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.base = nn.Parameter(torch.randn(d, d).as_subclass(NoCopyTo), requires_grad=False)
+        self.a, self.b = nn.Linear(d, 2, bias=False), nn.Linear(2, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.base.as_subclass(torch.Tensor).t() + self.b(self.a(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Adapted() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_a_weight_whose_to_takes_no_copy_is_snapshotted_and_restored():
+    torch.manual_seed(0)
+    model = Net()
+    before = model.layers[0].base.detach().clone()
+    snap = StateSnapshot(model, None)
+    with torch.no_grad():
+        model.layers[0].base.add_(1.0)
+    snap.restore()
+    assert torch.equal(model.layers[0].base.as_subclass(torch.Tensor), before.as_subclass(torch.Tensor))
+
+
+def test_such_a_model_is_profiled_and_planned_with_the_plain_gradients():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, 8)
+    model(x).backward()
+    plain = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad(set_to_none=True)
+    prof = remat.profile(model, x, repeats=1)
+    assert [b.name for b in prof.blocks] == ["layers.0", "layers.1", "layers.2"]
+    with applied(model, remat.plan(prof, strategy="full")):
+        model(x).backward()
+    for got, want in zip([p.grad for p in model.parameters() if p.requires_grad], plain):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
