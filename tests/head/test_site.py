@@ -276,3 +276,18 @@ def test_a_wrapped_language_model_has_its_head_planned_through_the_wrapper():
         result = remat.verify(model, built.batch, remat.plan(prof, strategy="full", head=head), repeats=1)
         assert result.ok and result.head == head
     assert find_head(_Adapted(build("mlp", depth=2, width=8, batch_size=2).model))[0] is None
+
+
+class _PassThrough(_Adapted):
+    """peft's plain ``PeftModel`` (a LoRA config without a task type): ``forward(*args, **kwargs)``."""
+
+    def forward(self, *args, **kwargs):
+        return self.base_model(*args, **kwargs)
+
+
+def test_a_wrapper_passing_every_argument_through_is_told_how_to_name_its_labels():
+    """Its labels are somewhere in ``**kwargs``: the refusal said only "takes no labels argument",
+    which read as wrong (the base model gets them and computes its loss); it names the fix."""
+    site, why = find_head(_PassThrough(tiny("hf:llama").model))
+    assert site is None
+    assert why.startswith("_PassThrough.forward takes no labels argument") and "task_type='CAUSAL_LM'" in why

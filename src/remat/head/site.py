@@ -118,6 +118,10 @@ class HFCausalLMHead(HeadKind):
                 return (f"{type(model).__name__} transforms its logits after the projection (config.{field}="
                         f"{getattr(config, field)!r}); the head is planned only as a projection followed by the loss")
         if "labels" not in inspect.signature(model.forward).parameters:
+            if callable(getattr(type(model), "get_base_model", None)):  # peft's PeftModel: forward(*args, **kwargs)
+                return (f"{type(model).__name__}.forward takes no labels argument (it hands *args and **kwargs to the "
+                        "base model, so remat cannot tell where the labels are); make the adapter with "
+                        "LoraConfig(task_type='CAUSAL_LM'), whose PeftModelForCausalLM takes labels by name")
             return f"{type(model).__name__}.forward takes no labels argument"
         loss_fn = getattr(model, "loss_function", None)
         if getattr(loss_fn, "__name__", "") != "ForCausalLMLoss":
