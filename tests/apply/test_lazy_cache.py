@@ -106,12 +106,14 @@ def test_a_model_never_run_gets_the_plain_gradients_from_its_first_step(setup, s
     assert planned.blocks[0].rope.cached_len == S  # the forward's fill stands after the replay
 
 
-def test_put_back_restores_scalars_and_tensor_references_and_drops_new_ones():
-    module = nn.Linear(2, 2)
-    module.count, module.table, module.cfg = 0, None, {"a": 1}
-    saved = snapshot([module])
-    module.count, module.table, module.extra = 3, torch.ones(2), 7
+def test_put_back_restores_the_scalars_and_tensor_references_of_the_modules_named():
+    module, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    module.count, module.table, module.cfg, other.count = 0, None, {"a": 1}, 0
+    saved = snapshot([module, other])
+    module.count, module.table, module.extra, other.count = 3, torch.ones(2), 7, 5
     module.cfg["a"] = 2  # a mapping is no plain attribute: left as it is
-    put_back(saved)
-    assert (module.count, module.table, module.cfg, hasattr(module, "extra")) == (0, None, {"a": 2}, False)
+    put_back(saved, [module])
+    # an attribute gained since stays (a flag beside hooks a first forward installed)
+    assert (module.count, module.table, module.cfg, module.extra) == (0, None, {"a": 2}, 7)
+    assert other.count == 5  # its buffers were not put back: nor are its attributes
     assert isinstance(module.weight, nn.Parameter) and module.training

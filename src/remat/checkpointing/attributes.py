@@ -3,9 +3,11 @@
 A forward may change them along with its buffers: a lazily made cache keeps its table in a
 buffer and how much of it is filled in an ``int`` (rotary_embedding_torch's ``cached_freqs`` and
 ``cached_freqs_seq_len``), a data-dependent initialisation its parameters and an ``initialized``
-flag. Whoever puts the buffers back must put these back too, or the code reads a table it
-believes filled and finds the values it started from (zeros: every rotation the identity).
-`snapshot` records them; `put_back` makes a module's attributes what the snapshot holds again.
+flag. Whoever puts a module's buffers back must put its attributes back too, or the code reads a
+table it believes filled and finds the values it started from (zeros: every rotation the
+identity). `snapshot` records them; `put_back` makes the attributes of the modules whose buffers
+were put back what the snapshot holds again (only those: a model's other attributes go with
+other state, a flag beside the hooks a first forward installs).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["AttributeSnapshot", "snapshot", "put_back"]
+__all__ = ["AttributeSnapshot", "buffer_owners", "snapshot", "put_back"]
 
 _INTERNALS = frozenset(vars(nn.Module()).keys())
 """The attributes every module has (``training``, ``_parameters``, the hook dictionaries...)."""
@@ -43,11 +45,18 @@ def snapshot(modules: Iterable[nn.Module]) -> AttributeSnapshot:
     return [(module, _attributes(module)) for module in modules]
 
 
-def put_back(saved: AttributeSnapshot) -> None:
-    """Give every module of ``saved`` its recorded plain attributes again, and remove the plain
-    attributes it has gained since (a cache made by the forward: made again by the next one)."""
+def put_back(saved: AttributeSnapshot, modules: Iterable[nn.Module] | None = None) -> None:
+    """Give the modules of ``saved`` (those of ``modules`` only, when given) their recorded plain
+    attributes again. Attributes gained since stay: a flag the forward sets beside hooks it installs
+    on its first call (Hugging Face's ``_output_capturing_hooks_installed``) must stay with them."""
+    only = None if modules is None else {id(m) for m in modules}
     for module, attributes in saved:
-        now = vars(module)
-        for name in [n for n, v in now.items() if n not in attributes and n not in _INTERNALS and _plain(v)]:
-            del now[name]
-        now.update(attributes)
+        if only is None or id(module) in only:
+            vars(module).update(attributes)
+
+
+def buffer_owners(modules: Iterable[nn.Module], buffers: Iterable[torch.Tensor]) -> list[nn.Module]:
+    """The modules among ``modules`` that hold one of ``buffers`` as their own: the attributes that
+    go with a buffer are its module's."""
+    wanted = {id(b) for b in buffers}
+    return [m for m in modules if any(id(b) in wanted for b in m._buffers.values() if b is not None)]

@@ -28,7 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
-from remat.checkpointing.attributes import AttributeSnapshot, put_back, snapshot
+from remat.checkpointing.attributes import AttributeSnapshot, buffer_owners, put_back, snapshot
 
 __all__ = ["BufferGuard", "Body", "checkpointed", "replaying", "first_argument", "call_with_first"]
 
@@ -166,8 +166,9 @@ class BufferGuard:
                     for buf, value in zip(copied, call.before):
                         _put(buf, value)
             if call is not None and call.attributes is not None:
-                attributes = snapshot(self.modules)
-                put_back(call.attributes)
+                owners = buffer_owners(self.modules, copied)
+                attributes = snapshot(owners)
+                put_back(call.attributes, owners)
         for module, name, _, scratch in swaps:
             module._buffers[name] = scratch
         try:

@@ -75,7 +75,11 @@ class StateSnapshot:
             for p, saved, grad in zip(self.model.parameters(), self.params, self.grads):
                 p.copy_(saved)
                 p.grad = None if grad is None else grad.to(p.device)
+            changed = []
             for module, name, b, saved in self.buffers:
+                if module._buffers.get(name) is not b or b is not None and (b.shape != saved.shape or (
+                        b.device.type != "meta" and not torch.equal(b.detach().to(saved.device), saved))):
+                    changed.append(module)
                 if b is not None:
                     if b.shape != saved.shape:  # resized in place by a forward (a QAT per-channel observer's, empty at first)
                         b.resize_(saved.shape)
@@ -84,7 +88,7 @@ class StateSnapshot:
             for module in self.model.modules():  # buffers a forward registered anew
                 for name in set(module._buffers) - self._buffer_names.get(id(module), set(module._buffers)):
                     del module._buffers[name]
-        put_back(self.attributes)
+        put_back(self.attributes, changed)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
         self.inputs.restore()
