@@ -209,3 +209,30 @@ def test_the_least_peak_of_the_frontier_gets_a_plan_whatever_the_times() -> None
         assert plan.prediction.peak_bytes <= least, seed
         # no plan of the frontier that fits the budget is predicted faster
         assert plan.prediction.step_ms <= front[-1].prediction.step_ms + 1e-9, seed
+
+
+@pytest.mark.parametrize("layout", ["rrrrk", "r(rrr)k", "(rr)kkk", "kkkrk"])
+def test_scores_a_list_holds_to_the_models_return_count_at_the_heads_projection(layout: str) -> None:
+    """The list of every layer's probabilities lives until the model's forward returns: through
+    the head's projection, not the loss. Recomputed layers' probabilities, saved by nothing, are
+    live there (each layer's, 8,192 bytes): the last layer kept and the others recomputed measured
+    4,096 bytes above the prediction at the head before (the list counted only to the last
+    layer's forward). ``r``: a recomputed layer, ``(..)``: one segment of several, ``k``: kept."""
+    model, x, opt = _setup(True)
+    prof = remat.profile(model, x, _loss, opt)
+    assert [b.output_post_held_bytes for b in prof.blocks] == [PROBS] * 5
+    assert [b.output_end_held_bytes for b in prof.blocks] == [0] * 5  # gone as the model returns
+    segments, i, rest = [], 0, layout
+    while rest:
+        if rest[0] == "(":
+            n = rest.index(")") - 1
+            segments.append(remat.Segment(start=i, stop=i + n, strategy="recompute"))
+            i, rest = i + n, rest[n + 2:]
+        else:
+            segments.append(remat.Segment(start=i, stop=i + 1, strategy="recompute" if rest[0] == "r" else "keep"))
+            i, rest = i + 1, rest[1:]
+    from remat.plan.planners import make_plan
+
+    plan = make_plan(prof, tuple(segments), layout, None)
+    ver = remat.verify(model, x, plan, _loss, opt, repeats=1)
+    assert ver.grads_identical and ver.measured_peak_bytes == plan.prediction.peak_bytes, layout

@@ -1,5 +1,5 @@
-"""The op calls of each block whose outputs the model's code holds to the end of its forward,
-and those it holds past the next block's forward.
+"""The op calls of each block whose outputs the model's code holds to the end of its forward
+(and as the post part's forward begins), and those it holds past the next block's forward.
 
 A block's outputs that the code keeps (``output_attentions=True``: Hugging Face's output
 recorder collects every layer's attention weights into the model's output) stay live through
@@ -45,6 +45,10 @@ class CodeHeld:
 
     end: list[frozenset[str]]
     """Per block, its calls whose storages are live when the model's forward returns."""
+    post: list[frozenset[str]]
+    """Per block, its calls whose storages are live when the post part's forward begins (the
+    first call after the last block's): a list of every layer's attention scores that the forward
+    drops only as it returns is live through the head's projection, not through the loss."""
     during: list[dict[int, frozenset[str]]]
     """Per block j, for each later block k whose forward starts with some of j's call storages
     live (not among k's arguments, not what j hands on), those calls' keys."""
@@ -62,8 +66,19 @@ class _Calls(TorchDispatchMode):
         """Per block, the storage of what it hands on (its first output): the next block's input,
         or the post part's; the model's output when it is the last block's. Where that lives is
         the next block's and the post part's to count."""
+        self.post_pending = False
+        """The last block has returned and no call has run since."""
+        self.at_post: list[frozenset[str]] | None = None
+        """`live` at the post part's first call."""
+
+    def live(self) -> list[frozenset[str]]:
+        """Per block, its calls whose storages are live now, less what it hands on."""
+        return [frozenset(key for key, ref in made if ref() is not None and not _same(ref, handed))
+                for made, handed in zip(self.made, self.handed)]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if self.post_pending and self.current is None:
+            self.at_post, self.post_pending = self.live(), False
         out = func(*args, **(kwargs or {}))
         block = self.current
         if block is not None:
@@ -106,20 +121,22 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
             first = first_output(output)
             if first is not None and calls.handed[index] is None:
                 calls.handed[index] = weakref.ref(storage_of(first))
+            calls.post_pending = index == len(block_list) - 1
 
         handles += [module.register_forward_pre_hook(enter, with_kwargs=True), module.register_forward_hook(leave)]
     try:
         with torch.no_grad(), calls:
             output = call_model(model, batch)
-            held = [frozenset(key for key, ref in made if ref() is not None and not _same(ref, handed))
-                    for made, handed in zip(calls.made, calls.handed)]
+            held = calls.live()
+            # what the post part's forward began with (it held no less than what the return holds)
+            post = held if calls.at_post is None else [now | then for now, then in zip(held, calls.at_post)]
             calls.current = None
             compute_loss(output, batch, loss_fn)
             del output
     finally:
         for handle in handles:
             handle.remove()
-    return CodeHeld(end=held, during=during)
+    return CodeHeld(end=held, post=post, during=during)
 
 
 def _held(ref: weakref.ref, handed: weakref.ref | None, arguments: set[int | None]) -> bool:

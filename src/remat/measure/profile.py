@@ -260,7 +260,10 @@ class _Step:
         if not accumulate:
             (self.optimizer or self.model).zero_grad(set_to_none=True)
         emit("fwd_begin")
-        loss = compute_loss(call_model(self.model, self.batch), self.batch, self.loss_fn)
+        output = call_model(self.model, self.batch)
+        emit("model_end")  # the post part's forward goes on in the loss
+        loss = compute_loss(output, self.batch, self.loss_fn)
+        del output
         emit("loss_ready")
         emit("bwd_begin")
         loss.backward()
@@ -616,6 +619,8 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
         fixed_pre_saved_bytes=saved[PRE] - memory.windows.pre_saved_dead_bytes(), fixed_post_saved_bytes=saved[POST],
         fixed_post_bwd_temp_bytes=max(memory.windows.post_temp_bytes, memory.windows.post_fwd_bytes
                                       + memory.windows.unreached_post_bytes() - saved[POST]),
+        fixed_post_fwd_bytes=memory.windows.post_fwd_bytes + memory.windows.unreached_post_bytes(),
+        fixed_post_model_fwd_bytes=memory.windows.post_model_fwd_bytes + memory.windows.unreached_post_bytes(),
         fixed_pre_grad_bytes=_pre_grad_bytes(memory, block_list),
         fixed_fwd_ms=times.fixed_fwd_ms, fixed_bwd_ms=times.fixed_bwd_ms,
         fixed_flops=recorder.segment_flops(PRE) + between_flops + recorder.segment_flops(POST),
@@ -675,14 +680,14 @@ def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
         return sum(op.saved_bytes for op in block.ops if op.key in keys)
 
     blocks = []
-    for b, end, during in zip(prof.blocks, held.end, held.during):
+    for b, end, post, during in zip(prof.blocks, held.end, held.post, held.during):
         later = {k: saved(b, keys) for k, keys in during.items() if k >= b.index + 2}
         later = {k: nbytes for k, nbytes in later.items() if nbytes > 0}
         calls = sorted(set().union(*(during[k] for k in later)) & {op.key for op in b.ops if op.saved_bytes})
         # the dataflow sees the outputs it can name (tensors, in tuples, lists and dicts); this
         # forward sees those inside other objects too (x-transformers' intermediates dataclass)
         following = saved(b, during.get(b.index + 1, frozenset()))
-        blocks.append(dataclasses.replace(b, output_end_held_bytes=saved(b, end),
+        blocks.append(dataclasses.replace(b, output_end_held_bytes=saved(b, end), output_post_held_bytes=saved(b, post),
                                           output_held_bytes=max(b.output_held_bytes, following),
                                           output_later_held_bytes=max(later.values(), default=0),
                                           output_held_until=max(later, default=0),

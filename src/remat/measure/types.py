@@ -319,6 +319,10 @@ class BlockProfile:
     of ``output_attentions=True``, which the model's output holds through the head and the loss.
     Live through the post part's forward whatever this block's strategy, so counted there when
     this block is not kept (`remat.plan.predict`)."""
+    output_post_held_bytes: int = 0
+    """Of ``saved_bytes``, its outputs the model's code still holds when the post part's forward
+    begins (at least ``output_end_held_bytes``): a list of every layer's attention scores the
+    forward drops only as it returns, live through the head's projection (`remat.plan.predict`)."""
     output_held_bytes: int = 0
     """Of ``saved_bytes``, its outputs the model's code still holds when the next block's forward
     begins (not that block's inputs, not handed off): live in that forward whatever this block's
@@ -681,6 +685,15 @@ class Profile(JsonDocument):
     and the pre part's saved bytes: a phase no plan changes, the peak of a convolutional network
     whose stem works at the input's resolution once recomputation has lowered the blocks' (0: not
     measured, or it ran none)."""
+    fixed_post_fwd_bytes: int = 0
+    """The peak of the post part's forward (from the last block's end to ``loss.backward()``)
+    above the model state and the bytes the blocks and the pre part saved (the figure
+    ``fixed_post_bwd_temp_bytes`` takes where it is the higher); without a head part, what a
+    plan's recomputed blocks leave held by the code to the model's return adds to it, not to the
+    post part's backward (`remat.plan.predict`; 0: not measured, counted through both, a bound)."""
+    fixed_post_model_fwd_bytes: int = 0
+    """The same peak up to the model's return (the head's projection, not the loss): what the code
+    holds only until it returns (a list of every layer's attention scores) adds to this one."""
     fixed_post_fwd_held_bytes: int = 0
     """With a head part: what the step holds through the post part's forward beyond what the
     head's own model of that forward counts (`remat.plan.head.head_need_bytes`): the graphs of

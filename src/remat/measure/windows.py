@@ -86,6 +86,10 @@ class BackwardWindows:
         so far and every other live byte (the last block's output, a loss's forward workspace: a CTC loss's
         ``ones_like`` of the input lengths)."""
         self._post_forward_open = False
+        self.post_model_fwd_bytes = 0
+        """``post_fwd_bytes`` up to the model's return (the head's projection, not the loss)."""
+        self._post_labels: list[str] = []
+        self._post_model_peak: int | None = None
         self.post_fwd_block_bytes: list[int] = [0] * len(block_names)
         """What each block saved that is still live when the post part's forward begins: the
         ``post_fwd_bytes`` window leaves it out as the block's to count; a block no backward runs
@@ -135,18 +139,26 @@ class BackwardWindows:
                 # needs counts while it lives (Chameleon's VQ tokenizer, to the forward's end)
                 labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in self.order[: self.order.index(POST)] if s != PRE)]
                 self.tracker.open_window(labels)
+                self._post_labels, self._post_model_peak = labels, None
                 self._post_forward_open = True
             else:
                 self._between_open_bytes = self.tracker.live_bytes
                 self.tracker.open_window(offset_bytes=self.tracker.live_bytes)
                 self._between_open = True
+        elif event.kind == "model_end" and self._post_forward_open and self._post_model_peak is None:
+            # the head's part of the post forward ends as the model returns; the loss's goes on
+            self._post_model_peak = self.tracker.close_window()
+            self.tracker.open_window(self._post_labels)
         elif event.kind == "bwd_begin":
             self.pre_saved_live_at_backward = self.tracker.live_by_label.get(ACT_PREFIX + PRE, 0)
             if self._between_open:  # no block followed (blocks that did not run): nothing to count
                 self.tracker.close_window()
                 self._between_open = False
             if self._post_forward_open:
-                self.post_fwd_bytes = self.tracker.close_window() - self.pre_saved_live_at_backward
+                rest = self.tracker.close_window()
+                model = rest if self._post_model_peak is None else self._post_model_peak
+                self.post_fwd_bytes = max(model, rest) - self.pre_saved_live_at_backward
+                self.post_model_fwd_bytes = model - self.pre_saved_live_at_backward
                 self._post_forward_open = False
             self._start(POST)
         elif event.kind == "head_bwd_end" and self._open == POST:

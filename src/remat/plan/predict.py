@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from remat.measure.types import Profile
+from remat.measure.types import BlockProfile, Profile
 from remat.plan.chain_dp import deep_recursion
 from remat.plan.costs import cached_ops, cost_of, selective_cost
 from remat.plan.phases import (code_held_bytes, grad_bytes_live, held_twice_bytes, keep_forward_bytes, later_held_bytes,
@@ -72,9 +72,9 @@ def _predict(profile: Profile, segments: tuple[Segment, ...], head: str) -> Pred
     # the post part's bytes under the head strategy; what the plan's recomputed blocks leave held
     # by the code goes in the head's forward where the profile has a head part, else on the post
     # phase whole (a bound: the head's backward comes after the output is let go)
-    end = end_held_bytes(profile, segments)
-    priced = priced_profile(profile, head, end)
-    _, phases, retained, inner = _peak_phases(priced, segments, 0 if profile.head is not None else end)
+    end, begin = end_held_bytes(profile, segments), end_held_bytes(profile, segments, at_post=True)
+    priced = priced_profile(profile, head, begin)
+    _, phases, retained, inner = _peak_phases(priced, segments, (0, 0) if profile.head is not None else (begin, end))
     phase = max(phases, key=lambda name: phases[name])
     extra_ms, extra_flops, offloaded = _extras(profile, segments)
     extra_ms, extra_flops = extra_ms + head_extra_ms(profile, head), extra_flops + head_extra_flops(profile, head)
@@ -97,17 +97,28 @@ def _predict(profile: Profile, segments: tuple[Segment, ...], head: str) -> Pred
 
 
 def _peak_phases(profile: Profile, segments: tuple[Segment, ...],
-                 post_extra: int = 0) -> tuple[int, dict[str, int], tuple[int, ...], _Peak]:
+                 post_extra: tuple[int, int] = (0, 0)) -> tuple[int, dict[str, int], tuple[int, ...], _Peak]:
     """(peak, bytes per phase, retained bytes per block, the block phase's peak); ``post_extra``:
-    bytes held through the post phase beyond the profile's post part."""
+    bytes the code holds beyond the profile's post part as the post part's forward begins and as
+    the model returns (`end_held_bytes`). Where the profile has the post forward's peaks (to the
+    model's return and to the loss), each is counted in its own; else through the post phase
+    whole, a bound."""
     retained = _top_retained(profile, segments)
     base = backward_base_bytes(profile)
     dead = dead_shared_bytes(profile, segments)
     inner = layout_peak(profile, segments, 0, profile.num_blocks, dead=dead)
+    held = base + grad_bytes_live(profile, profile.num_blocks) + profile.fixed_pre_saved_bytes + sum(retained) - (
+        dead[-1] if dead else 0)
+    post = held + post_working_bytes(profile)
+    begin, end = post_extra
+    if begin and profile.fixed_post_fwd_bytes:  # held by the code through the post part's forward only
+        held += profile.blocks[-1].handoff_bytes if profile.blocks else 0
+        post = max(post, held + profile.fixed_post_model_fwd_bytes + begin, held + profile.fixed_post_fwd_bytes + end)
+    else:
+        post += begin
     phases = {
         "block": base + profile.fixed_pre_saved_bytes + inner.bytes,
-        "post": base + grad_bytes_live(profile, profile.num_blocks) + profile.fixed_pre_saved_bytes
-        + sum(retained) - (dead[-1] if dead else 0) + post_working_bytes(profile) + post_extra,
+        "post": post,
         "optimizer": optimizer_phase_bytes(profile),
         "pre-forward": pre_forward_phase_bytes(profile),
         "pre-backward": pre_backward_phase_bytes(profile),
@@ -192,13 +203,24 @@ def _fixed_at(profile: Profile, phase: str) -> int:
     return profile.fixed_pre_saved_bytes if phase in ("block", "pre-backward") else 0
 
 
-def end_held_bytes(profile: Profile, segments: tuple[Segment, ...]) -> int:
-    """Outputs the model's code holds through the post part's forward (`BlockProfile.
-    output_end_held_bytes`: ``output_attentions=True``'s weights) of the blocks not kept: a kept
-    block's saved bytes hold them already. A Llama recomputing three of four layers with its
-    attention weights returned measured 10.7 % above its prediction at the head's forward before."""
-    return sum(profile.blocks[i].output_end_held_bytes for seg in _fill_gaps(segments, 0, profile.num_blocks)
-               if seg.kind != "keep" for i in range(seg.start, seg.stop))
+def end_held_bytes(profile: Profile, segments: tuple[Segment, ...], at_post: bool = False) -> int:
+    """Outputs the model's code holds to its return (`BlockProfile.output_end_held_bytes`:
+    ``output_attentions=True``'s weights), or as the post part's forward begins (``at_post``,
+    `BlockProfile.output_post_held_bytes`: also a list of every layer's attention scores the
+    forward drops as it returns), of the blocks not kept: a kept block's saved bytes hold them
+    already. A Llama recomputing three of four layers with its attention weights returned measured
+    10.7 % above its prediction at the head's forward before; a recomputed stack keeping its
+    scores in a list, 4 % at the head's projection."""
+    def held(block: BlockProfile) -> int:
+        return max(block.output_post_held_bytes, block.output_end_held_bytes) if at_post else block.output_end_held_bytes
+
+    filled = _fill_gaps(segments, 0, profile.num_blocks)
+    unkept = {i for seg in filled if seg.kind != "keep" for i in range(seg.start, seg.stop)}
+    total = sum(held(profile.blocks[i]) for i in unkept)
+    if at_post:  # what a later checkpoint holds as its input (x-transformers' residual scores) counts there
+        holders = {seg.start for seg in filled if seg.kind in ("recompute", "selective")}
+        total -= sum(nbytes for k in holders for j, nbytes in profile.blocks[k].code_held_inputs if j in unkept)
+    return max(total, 0)
 
 
 def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, stop: int, replay: bool = False,
