@@ -107,21 +107,27 @@ def members(model: nn.Module, list_name: str) -> Blocks:
     return [(f"{prefix}{child}", module) for child, module in model.get_submodule(list_name).named_children()]
 
 
+_PLAIN = (nn.ModuleList, nn.ModuleDict)
+"""Containers with no forward of their own: a list of them runs their members (a decoder level
+as ``{"upsample": ..., "blocks": ...}``, MONAI's SegResNetDS)."""
+
+
 def flattened(model: nn.Module, list_name: str) -> Blocks:
     """The members of the members of ``list_name`` when those are plain lists (an
     ``nn.ModuleList`` of ``nn.ModuleList``: Funnel's encoder, one list of layers per block of
     its pooling; the ``[attention, feed-forward]`` pairs of vit-pytorch's ViT, x-transformers'
-    layers and a diffusion U-Net's stages, iterated as ``for attn, ff in self.layers``), as
+    layers and a diffusion U-Net's stages, iterated as ``for attn, ff in self.layers``; plain
+    ``nn.ModuleDict`` levels, ``level["upsample"]`` then ``level["blocks"]``), as
     ``(qualified name, module)`` in order: those holding parameters that are no plain list
     themselves (x-transformers' ``[norms, layer, residual]``: the layer; its norms' list and a
     residual without weights are not layers that run as such), if they are two or more; else
     none. A plain list has no forward of its own, so its members are the layers that run (whether
     each runs once, in order, discovery checks)."""
     outer = members(model, list_name)
-    if not outer or not all(type(m) is nn.ModuleList for _, m in outer):
+    if not outer or not all(type(m) in _PLAIN for _, m in outer):
         return []
     inner = [(name, m) for outer_name, _ in outer for name, m in members(model, outer_name)
-             if has_parameters(m) and type(m) is not nn.ModuleList]
+             if has_parameters(m) and type(m) not in _PLAIN]
     return inner if len(inner) >= 2 else []
 
 
