@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import random
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -69,6 +70,9 @@ class StateSnapshot:
         self.optimizer_state: dict[str, Any] | None = (
             _host_state(optimizer.state_dict()) if optimizer is not None else None
         )
+        # optimizers the step reaches without being handed to remat: stepped in the parameters'
+        # post-accumulate-grad hooks (torchtune's optimizer in the backward, one per parameter)
+        self.hook_optimizers = [(o, _host_state(o.state_dict())) for o in hooked_optimizers(model) if o is not optimizer]
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -91,11 +95,24 @@ class StateSnapshot:
         put_back(self.attributes, changed)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self.optimizer_state)
+        for optimizer, state in self.hook_optimizers:
+            optimizer.load_state_dict(state)
         self.inputs.restore()
         random.setstate(self.host_rng[0])
         np.random.set_state(self.host_rng[1])
         for g, state in self.generators:
             g.set_state(state)
+
+
+def hooked_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """The optimizers of the model's parameters where a parameter has post-accumulate-grad hooks
+    (an optimizer stepped in the backward): every live ``torch.optim.Optimizer`` holding one of
+    its parameters. None without such hooks (no search of the heap)."""
+    params = {id(p) for p in model.parameters() if getattr(p, "_post_accumulate_grad_hooks", None)}
+    if not params:
+        return []
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)  # type(): no __class__ lookups
+            and any(id(p) in params for group in o.param_groups for p in group["params"])]
 
 
 def generators_in(value: Any, out: list[torch.Generator] | None = None) -> list[torch.Generator]:

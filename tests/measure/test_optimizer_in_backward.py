@@ -1,0 +1,34 @@
+"""An optimizer stepped in the backward (torchtune's ``optimizer_in_bwd``: one optimizer per
+parameter, stepped by its post-accumulate-grad hook) is not handed to remat, yet every step of a
+profile steps it: the parameters were put back, the optimizers' moments and step counts were
+not (about 60 Adam steps ahead after a profile)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import remat
+
+
+def test_a_profile_leaves_the_optimizers_its_hooks_step_as_it_found_them():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(3)])
+    x = torch.randn(4, 8)
+    per = {p: torch.optim.Adam([p], lr=1e-3) for p in model.parameters()}
+
+    def step(p: torch.Tensor) -> None:
+        per[p].step()
+        per[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    first = next(model.parameters())
+    (model(x).square().mean()).backward()  # one real step: state to keep
+    before = {k: v.clone() for k, v in per[first].state[first].items()}
+    weights = [p.detach().clone() for p in model.parameters()]
+    remat.profile(model, x, lambda out, batch: out.square().mean(), repeats=1)
+    assert per[first].state[first].keys() == before.keys()
+    for key, value in before.items():
+        torch.testing.assert_close(per[first].state[first][key], value, rtol=0, atol=0)
+    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
