@@ -521,6 +521,15 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
             "loss_fn plans no head. Plan the head as keep (remat.plan(..., head='keep')), or drop loss_fn and pass "
             "the labels in the batch."
         )
+    hooked = sum(1 for p in model.parameters() if getattr(p, "_post_accumulate_grad_hooks", None))
+    if hooked:
+        warnings.warn(
+            f"{hooked} parameter(s) of the model have post-accumulate-grad hooks (an optimizer stepped in the "
+            "backward, as torchtune's optimizer_in_bwd does); verify steps copies of the model, and a tensor's hooks "
+            "are not copied: both steps run without them, so their gradients compare as always but each gradient "
+            "stays live to the step's end and the measured peaks are above a plan's prediction, which the profile "
+            "made with the hooks. Check the peak by applying the plan (remat.apply_) and measuring a training "
+            "step.", UserWarning, stacklevel=2)
     if plan.compiled_backend:
         warnings.warn(
             f"the plan is for the model compiled with backend {plan.compiled_backend!r} (its profile was taken "

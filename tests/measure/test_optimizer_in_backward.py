@@ -32,3 +32,26 @@ def test_a_profile_leaves_the_optimizers_its_hooks_step_as_it_found_them():
     for key, value in before.items():
         torch.testing.assert_close(per[first].state[first][key], value, rtol=0, atol=0)
     assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+
+
+def test_verify_says_its_copies_run_without_the_hooks():
+    """verify's copies of the model lose a tensor's hooks: both steps keep every gradient to the
+    end, and the measured peak came out 44 % above a plan's prediction with no word why."""
+    import pytest
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(3)])
+    x = torch.randn(4, 8)
+    per = {p: torch.optim.SGD([p], lr=1e-3) for p in model.parameters()}
+
+    def step(p: torch.Tensor) -> None:
+        per[p].step()
+        per[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    loss = lambda out, batch: out.square().mean()  # noqa: E731
+    plan = remat.plan(remat.profile(model, x, loss, repeats=1), strategy="full")
+    with pytest.warns(UserWarning, match=r"12 parameter\(s\) of the model have post-accumulate-grad hooks"):
+        check = remat.verify(model, x, plan, loss, repeats=1)
+    assert check.grads_identical
