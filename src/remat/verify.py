@@ -47,7 +47,7 @@ from torch import nn
 
 from remat._batch import (LossFn, call_model, check_batch_device, check_model, check_step_inputs, compute_loss,
                           model_device)
-from remat.apply.api import apply_, check_plan_matches, is_applied, remove_
+from remat.apply.api import apply_to_copy, check_plan_matches, is_applied, remove_
 from remat.apply.head import HeadTolerance, head_tolerance
 from remat.apply.opcount import BlockOpCounter, expected_extra_calls
 from remat.checkpointing.caches import CacheOff
@@ -357,7 +357,7 @@ class _Run:
         LayerDropOff(self.model).install()  # every layer runs, as in the profile (the copy's own rates)
         self.optimizer = _copy_optimizer(optimizer, model, self.model)
         if planned:
-            apply_(self.model, plan, batch=batch, offload_dir=offload_dir)
+            apply_to_copy(self.model, plan, batch=batch, offload_dir=offload_dir)  # the model was checked
         else:  # as under the plan and in the profile: no key/value cache (remat.checkpointing.caches)
             cache_off = CacheOff(self.model).install()
             if not plan.fingerprint.shared_cache:  # else the model reads what the blocks write there

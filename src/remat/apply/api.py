@@ -164,6 +164,14 @@ def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str 
 
     ``batch`` (optional) is checked against the shapes the plan was profiled with;
     ``offload_dir`` is where ``offload:disk`` blocks write (default: the system temp directory)."""
+    return apply_to_copy(model, plan, batch=batch, offload_dir=offload_dir, matched=False)
+
+
+def apply_to_copy(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str | None = None,
+                  matched: bool = True) -> nn.Module:
+    """`apply_`; ``matched``: ``model`` is a copy of a model the plan was checked against, whose
+    structure the copy may not repeat to the hash (e3nn's compiled graphs, copied, hold their
+    constants as buffers of their own), so it is not checked again."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_ needs an nn.Module, got {type(model).__name__}.")
     check_model(model, "remat.apply_")
@@ -178,7 +186,8 @@ def apply_(model: nn.Module, plan: Plan, *, batch: Any = None, offload_dir: str 
     blocks = _resolve_blocks(model, plan)
     if batch is not None:
         check_batch_device(model, batch)
-    check_plan_matches(model, plan, batch)
+    if not matched:
+        check_plan_matches(model, plan, batch)
     head = _head_runtime(model, plan)
     # every check passed: from here on, change the model, and undo everything if a step fails
     watch = StepWatch(model, plan.fingerprint.batch_shapes, plan.prediction.peak_bytes, plan.budget_bytes,
