@@ -46,9 +46,10 @@ class CodeHeld:
     end: list[frozenset[str]]
     """Per block, its calls whose storages are live when the model's forward returns."""
     post: list[frozenset[str]]
-    """Per block, its calls whose storages are live when the post part's forward begins (the
-    first call after the last block's): a list of every layer's attention scores that the forward
-    drops only as it returns is live through the head's projection, not through the loss."""
+    """Per block, its calls whose storages are live as the model's last call after the last
+    block's begins (its head's projection): a list of every layer's attention scores that the
+    forward drops only as it returns is live there, not through the loss; what the layer around a
+    sub-layer block drops as it returns (attention weights) is not."""
     during: list[dict[int, frozenset[str]]]
     """Per block j, for each later block k whose forward starts with some of j's call storages
     live (not among k's arguments, not what j hands on), those calls' keys."""
@@ -66,10 +67,10 @@ class _Calls(TorchDispatchMode):
         """Per block, the storage of what it hands on (its first output): the next block's input,
         or the post part's; the model's output when it is the last block's. Where that lives is
         the next block's and the post part's to count."""
-        self.post_pending = False
-        """The last block has returned and no call has run since."""
+        self.in_post = False
+        """The last block has returned, the model's forward has not."""
         self.at_post: list[frozenset[str]] | None = None
-        """`live` at the post part's first call."""
+        """`live` as the model's last call after the last block began (its head's projection)."""
 
     def live(self) -> list[frozenset[str]]:
         """Per block, its calls whose storages are live now, less what it hands on."""
@@ -77,14 +78,16 @@ class _Calls(TorchDispatchMode):
                 for made, handed in zip(self.made, self.handed)]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if self.post_pending and self.current is None:
-            self.at_post, self.post_pending = self.live(), False
+        if self.in_post and self.current is None:  # what the code still holds at this call of the post part
+            self.at_post = self.live()
         out = func(*args, **(kwargs or {}))
         block = self.current
         if block is not None:
             name = str(func)
             key = f"{name}#{self.counts[block][name]}"
             self.counts[block][name] += 1
+            if _cached_cast(name, args):
+                return out
             inputs = {storage_key(t) for t in flat_tensors(args, kwargs)}
             for t in flat_tensors((out,)):
                 if storage_key(t) not in inputs and storage_nbytes(t) > 0:
@@ -121,12 +124,13 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
             first = first_output(output)
             if first is not None and calls.handed[index] is None:
                 calls.handed[index] = weakref.ref(storage_of(first))
-            calls.post_pending = index == len(block_list) - 1
+            calls.in_post = index == len(block_list) - 1
 
         handles += [module.register_forward_pre_hook(enter, with_kwargs=True), module.register_forward_hook(leave)]
     try:
         with torch.no_grad(), calls:
             output = call_model(model, batch)
+            calls.in_post = False  # the loss's calls come after the model's return
             held = calls.live()
             # what the post part's forward began with (it held no less than what the return holds)
             post = held if calls.at_post is None else [now | then for now, then in zip(held, calls.at_post)]
@@ -137,6 +141,15 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
         for handle in handles:
             handle.remove()
     return CodeHeld(end=held, post=post, during=during)
+
+
+def _cached_cast(name: str, args: tuple) -> bool:
+    """A cast of a parameter: autocast's cache holds it to the autocast's exit, the code does not
+    (a replayed block's casts are made uncached, `remat.checkpointing.region`)."""
+    if name != "aten._to_copy.default" or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    first = args[0]  # (autocast reads as off in here: a dispatch mode runs below its key)
+    return first.is_leaf and first.requires_grad
 
 
 def _held(ref: weakref.ref, handed: weakref.ref | None, arguments: set[int | None]) -> bool:
