@@ -11,11 +11,11 @@ from torch import nn
 import remat
 
 
-def test_a_profile_leaves_the_optimizers_its_hooks_step_as_it_found_them():
+def _hooked(optimizer: type[torch.optim.Optimizer]):
+    """Three MLP layers, one ``optimizer`` per parameter stepped by its post-accumulate-grad hook."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(3)])
-    x = torch.randn(4, 8)
-    per = {p: torch.optim.Adam([p], lr=1e-3) for p in model.parameters()}
+    per = {p: optimizer([p], lr=1e-3) for p in model.parameters()}
 
     def step(p: torch.Tensor) -> None:
         per[p].step()
@@ -23,6 +23,11 @@ def test_a_profile_leaves_the_optimizers_its_hooks_step_as_it_found_them():
 
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(step)
+    return model, torch.randn(4, 8), per
+
+
+def test_a_profile_leaves_the_optimizers_its_hooks_step_as_it_found_them():
+    model, x, per = _hooked(torch.optim.Adam)
     first = next(model.parameters())
     (model(x).square().mean()).backward()  # one real step: state to keep
     before = {k: v.clone() for k, v in per[first].state[first].items()}
@@ -39,17 +44,7 @@ def test_verify_says_its_copies_run_without_the_hooks():
     end, and the measured peak came out 44 % above a plan's prediction with no word why."""
     import pytest
 
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(3)])
-    x = torch.randn(4, 8)
-    per = {p: torch.optim.SGD([p], lr=1e-3) for p in model.parameters()}
-
-    def step(p: torch.Tensor) -> None:
-        per[p].step()
-        per[p].zero_grad()
-
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(step)
+    model, x, _ = _hooked(torch.optim.SGD)
     loss = lambda out, batch: out.square().mean()  # noqa: E731
     plan = remat.plan(remat.profile(model, x, loss, repeats=1), strategy="full")
     with pytest.warns(UserWarning, match=r"12 parameter\(s\) of the model have post-accumulate-grad hooks"):

@@ -35,21 +35,36 @@ class TwoStream(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, num_layers: int = 3) -> None:
         super().__init__()
         self.emb, self.glob = nn.Embedding(100, D), nn.Parameter(torch.randn(G, D))
-        self.layers = nn.ModuleList(TwoStream() for _ in range(3))
+        self.layers = nn.ModuleList(TwoStream() for _ in range(num_layers))
         self.out = nn.Linear(D, 100)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def streams(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h, g = self.emb(x), self.glob.expand(x.shape[0], -1, -1)
         for layer in self.layers:
             h, g = layer(h, g)
+        return h, g
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, g = self.streams(x)
         return self.out(h) + g.mean()
 
 
 def _loss(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.flatten(0, 1), batch.flatten())
+
+
+def _every_layout_exact(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, prof) -> None:
+    """Every keep/recompute layout of one-block segments: identical gradients, peak to the byte."""
+    for layout in itertools.product(("keep", "recompute"), repeat=prof.num_blocks):
+        segments = tuple(Segment(start=i, stop=i + 1, strategy=s) for i, s in enumerate(layout))
+        plan = dataclasses.replace(remat.plan(prof, strategy="none"), segments=segments,
+                                   prediction=remat.predict(prof, segments))
+        ver = remat.verify(model, x, plan, _loss, opt, repeats=1)
+        assert ver.grads_identical, layout
+        assert ver.measured_peak_bytes == ver.predicted_peak_bytes, (layout, ver.measured_peak_bytes - ver.predicted_peak_bytes)
 
 
 def test_every_layout_of_two_stream_blocks_is_predicted_to_the_byte() -> None:
@@ -59,13 +74,7 @@ def test_every_layout_of_two_stream_blocks_is_predicted_to_the_byte() -> None:
     prof = remat.profile(model, x, _loss, opt)
     # each layer's backward begins with both streams' gradients live (B x S x D and B x G x D)
     assert [b.bwd_start_temp_bytes for b in prof.blocks][:2] == [B * (S + G) * D * 4 + 8] * 2
-    for layout in itertools.product(("keep", "recompute"), repeat=3):
-        segments = tuple(Segment(start=i, stop=i + 1, strategy=s) for i, s in enumerate(layout))
-        plan = dataclasses.replace(remat.plan(prof, strategy="none"), segments=segments,
-                                   prediction=remat.predict(prof, segments))
-        ver = remat.verify(model, x, plan, _loss, opt, repeats=1)
-        assert ver.grads_identical, layout
-        assert ver.measured_peak_bytes == ver.predicted_peak_bytes, (layout, ver.measured_peak_bytes - ver.predicted_peak_bytes)
+    _every_layout_exact(model, x, opt, prof)
 
 
 class Decoder(nn.Module):
@@ -77,22 +86,16 @@ class Decoder(nn.Module):
         return h + self.fc2(torch.relu(self.fc1(self.norm(h))))
 
 
-class DropsItsGlobalStream(nn.Module):
+class DropsItsGlobalStream(Net):
     """PegasusX's encoder: two-stream layers, the last layer's global tokens never returned
     (freed as the encoder returns, by the code between the two stacks); a decoder stack after."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.emb, self.glob = nn.Embedding(100, D), nn.Parameter(torch.randn(G, D))
-        self.layers = nn.ModuleList(TwoStream() for _ in range(2))
+        super().__init__(num_layers=2)
         self.decoder = nn.ModuleList(Decoder() for _ in range(2))
-        self.out = nn.Linear(D, 100)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
-        h, g = self.emb(x), self.glob.expand(x.shape[0], -1, -1)
-        for layer in self.layers:
-            h, g = layer(h, g)
-        return h
+        return self.streams(x)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.encode(x)
@@ -114,10 +117,4 @@ def test_a_stream_the_code_after_the_last_layer_drops_is_not_saved_to_the_backwa
     prof = remat.profile(model, x, _loss, opt)
     first, last = prof.blocks[0], prof.blocks[1]
     assert last.saved_bytes == first.saved_bytes - B * G * F * 4
-    for layout in itertools.product(("keep", "recompute"), repeat=4):
-        segments = tuple(Segment(start=i, stop=i + 1, strategy=s) for i, s in enumerate(layout))
-        plan = dataclasses.replace(remat.plan(prof, strategy="none"), segments=segments,
-                                   prediction=remat.predict(prof, segments))
-        ver = remat.verify(model, x, plan, _loss, opt, repeats=1)
-        assert ver.grads_identical, layout
-        assert ver.measured_peak_bytes == ver.predicted_peak_bytes, (layout, ver.measured_peak_bytes - ver.predicted_peak_bytes)
+    _every_layout_exact(model, x, opt, prof)
