@@ -70,8 +70,8 @@ def predict(profile: Profile, plan_or_segments: Plan | tuple[Segment, ...] | lis
 def _predict(profile: Profile, segments: tuple[Segment, ...], head: str) -> Prediction:
     check_segments(profile, segments)
     # the post part's bytes under the head strategy; what the plan's recomputed blocks leave held
-    # by the code goes in the head's forward where the profile has a head part, else on the post
-    # phase whole (a bound: the head's backward comes after the output is let go)
+    # by the code goes in the head's forward where the profile has a head part, else in the post
+    # part's forward, split at the model's return (`_peak_phases`)
     end, begin = end_held_bytes(profile, segments), end_held_bytes(profile, segments, at_post=True)
     priced = priced_profile(profile, head, begin)
     _, phases, retained, inner = _peak_phases(priced, segments, (0, 0) if profile.head is not None else (begin, end))
