@@ -117,3 +117,53 @@ def test_put_back_restores_the_scalars_and_tensor_references_of_the_modules_name
     assert (module.count, module.table, module.cfg, module.extra) == (0, None, {"a": 2}, 7)
     assert other.count == 5  # its buffers were not put back: nor are its attributes
     assert isinstance(module.weight, nn.Parameter) and module.training
+
+
+class DictRotary(nn.Module):
+    """OLMo-core's cache: the table in a dict the layers share, filled on the first call."""
+
+    def __init__(self, dim: int, cache: dict) -> None:
+        super().__init__()
+        self.dim, self.cache = dim, cache
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.shape[-2]
+        if "sin" in self.cache and self.cache["sin"].shape[0] >= n:  # later calls: a slice of the table
+            sin, cos = self.cache["sin"][:n], self.cache["cos"][:n]
+        else:  # the first: computed, kept, used as made
+            inv = 1.0 / (10000 ** (torch.arange(0, self.dim, 2, dtype=torch.float) / self.dim))
+            freqs = torch.outer(torch.arange(n, dtype=torch.float), inv)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            sin, cos = emb.sin(), emb.cos()
+            self.cache["sin"], self.cache["cos"] = sin, cos
+        t1, t2 = t.chunk(2, dim=-1)
+        return t * cos + torch.cat([-t2, t1], dim=-1) * sin
+
+
+def _dict_lm() -> LM:
+    model, cache = LM(), {}
+    for block in model.blocks:
+        block.rope = DictRotary(D // H, cache)
+    return model
+
+
+def test_a_replay_that_runs_other_calls_than_its_forward_says_why():
+    """A selective plan on a model never run: the first forward computes the table, its replay
+    slices the cached one, and torch's replay found "aten.alias.default invocation index 2 ...
+    not found in storage". The error says what differs and what to do; after one forward without
+    gradients (the cache filled) the plan's gradients are the plain ones."""
+    torch.manual_seed(0)
+    fresh, x = _dict_lm(), torch.randint(0, V, (2, S))
+    warm = copy.deepcopy(fresh)
+    plan = remat.plan(remat.profile(warm, x, _loss, repeats=1), strategy="selective:save-matmuls")
+    planned, reference = copy.deepcopy(fresh), copy.deepcopy(fresh)
+    remat.apply_(planned, plan)
+    with pytest.raises(RuntimeError, match=r"reached op call aten\.\w+\.\w+, which its forward did not make"):
+        _loss(planned(x), x).backward()
+    planned, reference = copy.deepcopy(fresh), copy.deepcopy(fresh)
+    remat.apply_(planned, plan)
+    with torch.no_grad():
+        planned(x)
+        reference(x)
+    for got, want in zip(_grads(planned, x), _grads(reference, x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from remat.checkpointing.cacheable import cacheable
 
-__all__ = ["SavedOpsPolicy", "is_saved", "selective_context"]
+__all__ = ["REPLAY_DIFFERS", "SavedOpsPolicy", "is_saved", "selective_context"]
 
 _NATIVE_DROPOUT = "aten.native_dropout.default"
 _EAGER_CPU_DROPOUT = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar", "aten.mul.Tensor")
@@ -39,6 +39,16 @@ where ``_grouped_mm`` cannot run (traced for ``torch.compile``, float32 weights)
 _NAMES: dict[Any, str] = {}
 """Op overload -> its name: the policy is asked about every op of every checkpointed forward and
 replay, and ``str(op)`` formats the name anew each time (half of the policy's own time)."""
+
+
+REPLAY_DIFFERS = (
+    "the replay of a selectively recomputed block reached op call {call}, which its forward did not make{ran}: the "
+    "forward took another path than its replay does, as a forward does that fills a cache "
+    "on its first call (a rotary table computed, then read from the cache on later calls). Selective recomputation "
+    "needs the replay to repeat the forward's calls. Run one forward before the first training step with the plan "
+    "applied (with torch.no_grad(): model(batch)), which fills such a cache, or plan without selective strategies "
+    "(strategy='full').")
+"""The error a replay that runs other calls than its forward gets (torch's own says "not found in storage")."""
 
 
 class SavedOpsPolicy:
@@ -88,7 +98,11 @@ class SavedOpsPolicy:
         else:
             index = self._next(name, replay)
         saved = self.saved.get(name)
-        return CheckpointPolicy.MUST_SAVE if saved is not None and index in saved else CheckpointPolicy.PREFER_RECOMPUTE
+        if saved is None or index not in saved:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if replay and index >= self.counts.get(name, 0):
+            raise RuntimeError(REPLAY_DIFFERS.format(call=f"{name}#{index}", ran=f" (it made {self.counts.get(name, 0)})"))
+        return CheckpointPolicy.MUST_SAVE
 
 
 @functools.lru_cache(maxsize=1024)
@@ -121,4 +135,28 @@ def is_saved(key: str, saved_ops: frozenset[str] | set[str]) -> bool:
 
 def selective_context(saved_ops: frozenset[str]) -> tuple[Any, Any]:
     """The (forward, recompute) context pair for one checkpointed call."""
-    return create_selective_checkpoint_contexts(SavedOpsPolicy(saved_ops))
+    forward, recompute = create_selective_checkpoint_contexts(SavedOpsPolicy(saved_ops))
+    return forward, _explained(recompute)
+
+
+_EXPLAINED: dict[type, type] = {}
+
+
+def _explained(mode: Any) -> Any:
+    """``mode``, torch's replay mode, as a subclass of its own class that says why a replay found
+    no cached output (`REPLAY_DIFFERS`; torch >= 2.12 asks no policy in the replay, where
+    `SavedOpsPolicy` would, and says only "not found in storage")."""
+    base = type(mode)
+    cls = _EXPLAINED.get(base)
+    if cls is None:
+        def __torch_dispatch__(self: Any, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            try:
+                return base.__torch_dispatch__(self, func, types, args, kwargs)
+            except RuntimeError as exc:
+                if "not found in storage" not in str(exc):
+                    raise
+                raise RuntimeError(REPLAY_DIFFERS.format(call=str(func), ran="")) from exc
+
+        cls = _EXPLAINED[base] = type(f"Explained{base.__name__}", (base,), {"__torch_dispatch__": __torch_dispatch__})
+    mode.__class__ = cls
+    return mode
