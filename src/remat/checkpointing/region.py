@@ -119,7 +119,7 @@ class BufferGuard:
                 _, copied = self._plan(key, self.known[key])
                 if copied:
                     with _outside_modes():
-                        call.before = [b.detach().clone() for b in copied]
+                        call.before = [_copy(b) for b in copied]
                     call.attributes = snapshot(self.modules)
             yield
             return
@@ -127,7 +127,7 @@ class BufferGuard:
         # ``weight.copy_(normalize(weight))`` under no_grad) would write them again in the replay
         buffers = [b for block in self.blocks for b in (*block.buffers(), *block.parameters())]
         with _outside_modes():
-            before = [b.detach().clone() for b in buffers]
+            before = [_copy(b) for b in buffers]
         attributes = snapshot(self.modules) if call is not None else None
         yield
         with _outside_modes():
@@ -161,7 +161,7 @@ class BufferGuard:
         saved, attributes = [], None
         if copied:
             with _outside_modes():
-                saved = [b.detach().clone() for b in copied]
+                saved = [_copy(b) for b in copied]
                 if call is not None and call.before is not None:
                     for buf, value in zip(copied, call.before):
                         _put(buf, value)
@@ -221,10 +221,19 @@ def _put(buffer: torch.Tensor, value: torch.Tensor) -> None:
     buffer.copy_(value)
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a buffer where it lives, of a parameter in host memory: the first forward of a
+    region compares every weight of its blocks, which on an accelerator would hold a second copy
+    of a block's weights beside its forward."""
+    if isinstance(t, nn.Parameter) and t.device.type not in ("cpu", "meta"):
+        return t.detach().to("cpu", copy=True)
+    return t.detach().clone()
+
+
 def _same(after: torch.Tensor, before: torch.Tensor) -> bool:
     """Whether a buffer holds what it held (a per-channel observer's empty buffers are resized in
     place by the first forward: another shape is a change)."""
-    return after.shape == before.shape and torch.equal(after, before)
+    return after.shape == before.shape and torch.equal(after.detach().to(before.device), before)
 
 
 _Swap = tuple[nn.Module, str, torch.Tensor, torch.Tensor]
