@@ -164,28 +164,34 @@ def keep_forward_bytes(profile: Profile, block_index: int, previous_kept: bool) 
     return forward_phase_bytes(block) + previous_held_bytes(profile, block_index, previous_kept) - grad_bytes_live(profile, block_index)
 
 
-def checkpointed_forward_peak(block: BlockProfile) -> int:
+def checkpointed_forward_peak(block: BlockProfile, unheld: int = 0) -> int:
     """The most a checkpointed forward of the block holds above its start, its output included
     (`BlockProfile.checkpointed_fwd_live_bytes`; without it, its forward temporaries and output)
     with the graphs of blocks no backward runs still live (``unreached_fwd_bytes``) and what the
     code holds beside (`code_held_bytes`), or the code run before it, since the block before,
-    where that peaks higher (``between_fwd_peak_bytes``, above what is live as the block starts)."""
+    where that peaks higher (``between_fwd_peak_bytes``, above what is live as the block starts).
+    ``unheld``: the shared tensors no checkpoint holds that the blocks before count (`code_held_bytes`)."""
     curve = block.checkpointed_fwd_live_bytes
     own = max(curve) if curve else block.fwd_temp_bytes + block.output_bytes
-    return block.unreached_fwd_bytes + code_held_bytes(block) + max(own, block.between_fwd_peak_bytes)
+    return block.unreached_fwd_bytes + code_held_bytes(block, unheld) + max(own, block.between_fwd_peak_bytes)
 
 
-def code_held_bytes(block: BlockProfile) -> int:
+def code_held_bytes(block: BlockProfile, unheld: int = 0) -> int:
     """What the model's code holds as the block starts beyond the inputs a checkpoint of it holds
     (``fwd_other_bytes`` less `held_input_bytes`): a bias the code before it made and keeps in a
     variable; live beside its forward, kept (``fwd_other_bytes`` counts it) or checkpointed. 0
-    in profiles recorded without ``fwd_other_bytes``."""
+    in profiles recorded without ``fwd_other_bytes``. ``unheld``: the shared tensors no
+    checkpoint holds (`remat.plan.predict.dead_shared_bytes`), which the blocks before count as
+    held and ``fwd_other_bytes`` takes off again where the code freed them (the forward's live
+    bytes less what they count: e3nn's edge features, freed at the end of each layer's
+    convolution): counted here as the code's, for the caller to take off the held bytes, as
+    `remat.plan.variants` prices them."""
     if block.fwd_other_bytes is None:
         return 0
-    return max(0, block.fwd_other_bytes - held_input_bytes(block))
+    return max(0, block.fwd_other_bytes + unheld - held_input_bytes(block))
 
 
-def segment_forward_bytes(profile: Profile, start: int, stop: int, previous_kept: bool = False) -> int:
+def segment_forward_bytes(profile: Profile, start: int, stop: int, previous_kept: bool = False, unheld: int = 0) -> int:
     """The forward of a top-level recompute segment ``[start, stop)``: the model calls its first
     block, and the runtime runs every block of it then (`remat.apply.runtime`), each output held
     for the model's own call of the next block until it makes that call. So at block j the
@@ -193,14 +199,19 @@ def segment_forward_bytes(profile: Profile, start: int, stop: int, previous_kept
     forward. A long segment's forward, not its replays, is the peak of the least-memory plans of
     long chains: a 64-block MLP's nested least-peak plan measured 2.3x its prediction without it.
     The outputs of the block before that the code holds are live beside it unless that block is
-    kept (``previous_kept``; False: a bound wherever the segment sits)."""
+    kept (``previous_kept``; False: a bound wherever the segment sits). ``unheld``: the shared
+    tensors no checkpoint of the plan holds, first taken before the segment (`code_held_bytes`),
+    counted by the bytes held before it: taken off where the code freed them by then (a
+    segment starting e3nn's last layer measured 7 % under its prediction, which counted the
+    previous layers' edge features in its forward; a kept block's forward was exact)."""
     first = profile.blocks[start]
     best, pending = 0, 0
     for j in range(start, stop):
         block = profile.blocks[j]
-        best = max(best, pending + checkpointed_forward_peak(block))
+        best = max(best, pending + checkpointed_forward_peak(block, unheld))
         pending += block.output_bytes
-    return held_input_bytes(first) + first.entry_bytes + best + previous_held_bytes(profile, start, previous_kept)
+    return (held_input_bytes(first) + first.entry_bytes + best + previous_held_bytes(profile, start, previous_kept)
+            - unheld)
 
 
 def previous_held_bytes(profile: Profile, block_index: int, previous_kept: bool) -> int:

@@ -249,9 +249,10 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             unit = 0 if replay else unit_extra_bytes(profile, seg.start, seg.stop)  # ZeRO-3: one unit
             candidate = _Peak(bytes=held + inner.bytes + unit - unheld, block=inner.block,
                               working_bytes=inner.working_bytes)
-            forward = 0 if replay else segment_forward_bytes(profile, seg.start, seg.stop, previous_kept) + later - twice
+            forward = 0 if replay else segment_forward_bytes(profile, seg.start, seg.stop, previous_kept,
+                                                               unheld) + later - twice
             # its forward: every output held for the model's calls, and the shared tensors no
-            # checkpoint holds (``unheld``), which live to the forward's end as a kept block's forward counts
+            # checkpoint holds (``unheld``) where the code still holds them, as a kept block's forward counts
             if held + forward > candidate.bytes:
                 candidate = _Peak(bytes=held + forward, block=seg.start, working_bytes=forward)
             held += cost_of(profile, seg.start, seg).retained_bytes
