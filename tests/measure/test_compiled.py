@@ -273,3 +273,55 @@ def test_the_experts_grouped_matmul_is_one_call_eager_or_traced():
     eager_named = SavedOpsPolicy(frozenset({"transformers.grouped_mm_fallback.default#0"}))
     assert eager_named(None, torch.ops.aten._grouped_mm.default) == CheckpointPolicy.MUST_SAVE
     assert {"aten._grouped_mm", "transformers.grouped_mm_fallback"} <= MATMUL_OPS
+
+
+class _Active:
+    """Python state a forward sets and resets (Hugging Face's attention, where the kernels package
+    is installed, does so with a context variable that is a plain attribute under torch.compile)."""
+
+    value: object = None
+
+
+_ACTIVE = _Active()
+
+
+class _Writing(_Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        previous, _ACTIVE.value = _ACTIVE.value, self
+        try:
+            return super().forward(x)
+        finally:
+            _ACTIVE.value = previous
+
+
+def test_a_block_that_writes_python_state_is_profiled_and_its_plan_compiles_with_the_flag_named():
+    """torch.compile refuses a checkpoint whose forward writes Python state outside it ("HOP:
+    Unsafe side effect"); the plain block compiles. The profile refused the block as one that
+    does not compile; it measures its replays with dynamo's flag to skip the write in the replay,
+    says to set it, leaves it as it was, and the plan compiled with it has the unplanned gradients."""
+    model, x = _model()
+    model.blocks[1] = _Writing()
+    torch._dynamo.reset()
+    assert not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    with pytest.warns(UserWarning, match=r"block 'blocks.1' writes Python state outside itself.*"
+                                         r"skip_fwd_side_effects_in_bwd_under_checkpoint = True\.$"):
+        prof = remat.profile(model, x, repeats=1, compiled="aot_eager")
+    assert not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    plan = remat.plan(prof, strategy="full")
+    want = {name: p.grad for name, p in _grads_of(model, x, None).named_parameters()}
+    with pytest.raises(Exception, match="Unsafe side effect"):
+        _grads_of(model, x, plan)
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        got = {name: p.grad for name, p in _grads_of(model, x, plan).named_parameters()}
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+    assert _ACTIVE.value is None
+
+
+def _grads_of(model: nn.Module, x: torch.Tensor, plan: remat.Plan | None) -> nn.Module:
+    model = copy.deepcopy(model)
+    if plan is not None:
+        remat.apply_(model, plan)
+    torch._dynamo.reset()
+    torch.compile(model, fullgraph=True, backend="aot_eager")(x).backward()
+    return model

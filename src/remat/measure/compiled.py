@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,11 +96,19 @@ def measure_compiled(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys:
     # every group compiles the forward code of its class again (guards on the module): raise
     # dynamo's per-code limit for the probes, or alike classes past 8 would run eager
     limit = max(torch._dynamo.config.recompile_limit, 3 * len(groups) + 8)
+    writers: list[str] = []
     with torch._dynamo.config.patch(recompile_limit=limit):
         for members in groups.values():
             name, module = block_list[members[0]]
             try:
-                shared = _measure_block(module, inputs[members[0]], backend, repeats, clock)
+                try:
+                    shared = _measure_block(module, inputs[members[0]], backend, repeats, clock)
+                except Exception as exc:
+                    if not _side_effect(exc):
+                        raise
+                    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+                        shared = _measure_block(module, inputs[members[0]], backend, repeats, clock)
+                    writers.append(name)
             except Exception as exc:  # a block that cannot compile whole: the model cannot either
                 reason = failure_reason(exc)
                 raise ValueError(
@@ -107,7 +116,38 @@ def measure_compiled(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys:
                     f"{reason}. Profile with compiled=False, or make the block compile without graph breaks."
                 ) from exc
             found.update((i, shared) for i in members)
+    if writers and not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint:
+        warnings.warn(_side_effect_message(writers), UserWarning, stacklevel=3)
     return tuple(found[i] for i in range(len(block_list)))
+
+
+SIDE_EFFECT = "HOP: Unsafe side effect"
+"""What torch.compile says of a checkpoint whose forward writes Python state outside it."""
+
+
+def _side_effect(exc: BaseException) -> bool:
+    """``exc`` (or its cause) is torch.compile refusing a checkpointed region that writes Python
+    state outside it, which it cannot replay in the backward."""
+    while exc is not None:
+        if SIDE_EFFECT in str(exc):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def _side_effect_message(writers: list[str]) -> str:
+    """The warning for blocks whose compiled replays needed dynamo to skip their forward's writes."""
+    shown = ", ".join(repr(name) for name in writers[:3]) + (", ..." if len(writers) > 3 else "")
+    return (
+        f"block {shown} writes Python state outside itself in its forward (as Hugging Face's attention does "
+        "where the kernels package is installed: it sets a context variable and resets it at the end), which "
+        "torch.compile cannot replay inside a checkpoint: it refuses the checkpoint ('HOP: Unsafe side "
+        "effect'), as it refuses Hugging Face's own gradient checkpointing. remat measured the block's compiled "
+        "replays with torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True: the write "
+        "runs in the forward and not again in the replay, which changes nothing where the forward undoes its "
+        "own write (a value set, then reset). Set it before you compile the applied model, or the compile "
+        "fails the same way: torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True."
+    )
 
 
 def _measure_block(module: nn.Module, inputs: BlockInputs, backend: str, repeats: int,
