@@ -1,9 +1,13 @@
 """Frozen weights held as a tensor subclass whose ``.to`` takes no ``copy=`` argument (QLoRA's NF4
 weights, torchao's ``NF4Tensor``): the profile's snapshot of the model state raised there
-(``.to() does not accept copy argument``). It copies such a tensor where it lives instead."""
+(``.to() does not accept copy argument``). It copies such a tensor where it lives instead. NF4
+weights cannot be compared either (no ``aten.equal``): a region's first forward, which looks for
+weights the forward writes, raised, and every block of a QLoRA model was taken as unable to
+recompute (no plan saved a byte). Such a weight is unchanged where its version counter is."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -23,22 +27,38 @@ class NoCopyTo(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-class Adapted(nn.Module):
-    """A frozen base weight (the subclass) and a trainable low-rank adapter beside it."""
+class NoEqual(NoCopyTo):
+    """And that cannot be compared, as NF4Tensor cannot."""
 
-    def __init__(self, d: int = 8) -> None:
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.equal:
+            raise NotImplementedError("NF4Tensor dispatch: attempting to run aten.equal.default")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class Adapted(nn.Module):
+    """A frozen base weight (the subclass) and a trainable low-rank adapter beside it; ``writes``:
+    the forward scales the base weight in place (as EDM2's forced weight normalisation writes its
+    weights), which a replay must not do again."""
+
+    def __init__(self, d: int = 8, kind: type = NoCopyTo, writes: bool = False) -> None:
         super().__init__()
-        self.base = nn.Parameter(torch.randn(d, d).as_subclass(NoCopyTo), requires_grad=False)
+        self.base = nn.Parameter(torch.randn(d, d).as_subclass(kind), requires_grad=False)
         self.a, self.b = nn.Linear(d, 2, bias=False), nn.Linear(2, d, bias=False)
+        self.writes = writes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.writes and self.training:
+            with torch.no_grad():
+                self.base.mul_(0.5)
         return torch.tanh(x @ self.base.as_subclass(torch.Tensor).t() + self.b(self.a(x)))
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, kind: type = NoCopyTo, writes: bool = False) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Adapted() for _ in range(3))
+        self.layers = nn.ModuleList(Adapted(kind=kind, writes=writes) for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -69,3 +89,23 @@ def test_such_a_model_is_profiled_and_planned_with_the_plain_gradients():
         model(x).backward()
     for got, want in zip([p.grad for p in model.parameters() if p.requires_grad], plain):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("writes", [False, True])
+def test_weights_that_cannot_be_compared_are_watched_by_their_version(writes):
+    """Every block recomputes, with the plain step's gradients and, where the forward writes its
+    weights, the weights it leaves (a replay writing them again would halve them once more)."""
+    torch.manual_seed(0)
+    model, x = Net(NoEqual, writes), torch.randn(4, 8)
+    torch.manual_seed(0)
+    reference = Net(NoEqual, writes)  # the same weights (the subclass has no deepcopy)
+    reference(x).backward()
+    prof = remat.profile(model, x, repeats=1)
+    plan = remat.plan(prof, strategy="full")
+    assert [s.strategy for s in plan.segments] == ["recompute"] * 3
+    with applied(model, plan):
+        model(x).backward()
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.as_subclass(torch.Tensor), want.as_subclass(torch.Tensor), rtol=0, atol=0, msg=name)
+        if got.requires_grad:
+            torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0, msg=name)

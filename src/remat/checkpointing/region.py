@@ -128,10 +128,12 @@ class BufferGuard:
         buffers = [b for block in self.blocks for b in (*block.buffers(), *block.parameters())]
         with _outside_modes():
             before = [_copy(b) for b in buffers]
+        versions = [b._version for b in buffers]
         attributes = snapshot(self.modules) if call is not None else None
         yield
         with _outside_modes():
-            self.known[key] = [b for b, v in zip(buffers, before) if id(b) in self.observed or not _same(b, v)]
+            self.known[key] = [b for b, v, n in zip(buffers, before, versions)
+                               if id(b) in self.observed or not _same(b, v, n)]
         if call is not None and self.known[key]:
             _, copied = self._plan(key, self.known[key])
             start = {id(b): v for b, v in zip(buffers, before)}
@@ -230,10 +232,18 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
 
-def _same(after: torch.Tensor, before: torch.Tensor) -> bool:
+def _same(after: torch.Tensor, before: torch.Tensor, version: int) -> bool:
     """Whether a buffer holds what it held (a per-channel observer's empty buffers are resized in
-    place by the first forward: another shape is a change)."""
-    return after.shape == before.shape and torch.equal(after.detach().to(before.device), before)
+    place by the first forward: another shape is a change). A tensor subclass that cannot be
+    compared (QLoRA's NF4 weights have no ``aten.equal``: every block of a QLoRA model was taken
+    as unable to recompute) is the same where its version counter did not move: an in-place write
+    moves it."""
+    if after.shape != before.shape:
+        return False
+    try:
+        return torch.equal(after.detach().to(before.device), before)
+    except (NotImplementedError, RuntimeError, TypeError):
+        return after._version == version
 
 
 _Swap = tuple[nn.Module, str, torch.Tensor, torch.Tensor]
