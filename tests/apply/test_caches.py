@@ -191,3 +191,45 @@ def test_a_cache_the_step_reads_is_left_to_the_blocks_that_write_it(tmp_path):
             applied = [loss_fn(model(**b), b).item() for b in (batch, other_prompt)]
             remat.remove_(model)
             assert applied == plain, applied_plan.block_strategies()  # the same function, prompt and all
+
+
+def test_an_inner_model_asked_for_its_cache_by_name_keeps_it():
+    """PI0 calls its vision-language model with ``use_cache=True`` and hands the cache it returns
+    to its action expert; its outer module takes no ``use_cache``, so remat turned the cache off at
+    the inner model, which returned None, and the profile crashed ('NoneType' object has no
+    attribute 'get_seq_length'). A call inside the model that asks for the cache by name keeps it;
+    the step reads what the layers write there, so they keep (the vision tower recomputes)."""
+    from remat.checkpointing.caches import PREFILLED_CACHE, SHARED_CACHE
+    from remat.measure.types import NO_BACKWARD
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=1, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2, model_type="gemma")
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=16, patch_size=4, vision_use_head=False)
+    config = transformers.PI0Config(vlm_config=dict(model_type="paligemma", text_config=text, vision_config=vision,
+                                                    image_token_id=5, projection_dim=32, hidden_size=32),
+                                    dit_config=text, chunk_size=4, max_state_dim=8, max_action_dim=8)
+    model = transformers.PI0ForConditionalGeneration(config).train()
+    g = torch.Generator().manual_seed(16)
+    ids = torch.randint(10, 128, (2, 24), generator=g)
+    ids[:, 2:18] = 5  # the image's 16 tokens
+    batch = dict(state=torch.randn(2, 8, generator=g), noise=torch.randn(2, 4, 8, generator=g),
+                 timestep=torch.rand(2, generator=g), input_ids=ids, attention_mask=torch.ones_like(ids),
+                 pixel_values=torch.randn(2, 1, 3, 16, 16, generator=g),
+                 pixel_attention_mask=torch.ones(2, 1, dtype=torch.bool), actions=torch.randn(2, 4, 8, generator=g))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prof = remat.profile(model, batch, None, optimizer, repeats=1)
+        assert prof.fingerprint.shared_cache
+        assert [(b.name, dict(b.unavailable).get("recompute")) for b in prof.blocks] == [
+            ("model.vlm.vision_tower.encoder.layers.0", None), ("model.vlm.vision_tower.encoder.layers.1", None),
+            # the language model's last layer's output reaches no loss (its keys and values do): no backward
+            ("model.vlm.language_model.layers.0", SHARED_CACHE), ("model.vlm.language_model.layers.1", NO_BACKWARD),
+            ("model.dit.layers.0", PREFILLED_CACHE), ("model.dit.layers.1", PREFILLED_CACHE)]
+        plan = remat.plan(prof, strategy="full")
+        assert plan.block_strategies() == ("recompute", "recompute", "keep", "keep", "keep", "keep")
+        check = remat.verify(model, batch, plan, None, optimizer, repeats=1)
+    assert check.grads_identical and check.measured_peak_bytes == check.predicted_peak_bytes

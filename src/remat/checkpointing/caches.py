@@ -116,6 +116,15 @@ def _cache_off_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     return args, {**kwargs, "use_cache": False}
 
 
+def _inner_cache_off_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+    """`_cache_off_hook` for a module inside the model, which the model's own code calls: a call
+    that asks for the cache by name (``use_cache=True``) reads it (PI0 hands its vision-language
+    model's cache to its action expert, and crashed on None): left on. Its blocks are still handed
+    none where the step does not read what they write (`CacheOff.drop_in`); where it does, they keep
+    it and are never replayed (`SHARED_CACHE`)."""
+    return None if kwargs.get("use_cache") is True else _cache_off_hook(module, args, kwargs)
+
+
 def _drop_empty_cache_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
     """Block forward pre-hook: an empty cache handed to the block becomes None when gradients
     are enabled, in every step remat measures, verifies or runs, kept and replayed blocks alike:
@@ -151,7 +160,8 @@ class CacheOff:
             if any(h == "" or name.startswith(h + ".") for h in hooked) or not _takes_use_cache(module):
                 continue
             hooked.append(name)
-            self.handles.append(module.register_forward_pre_hook(_cache_off_hook, with_kwargs=True))
+            hook = _cache_off_hook if name == "" else _inner_cache_off_hook
+            self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         return self
 
     def drop_in(self, blocks: list[nn.Module]) -> CacheOff:
