@@ -56,8 +56,10 @@ def verification_table(result, title: str, *, wide: bool | None = None) -> Table
     unit, size = table_unit([b for r in result.rows
                              for b in (r.verification.predicted_peak_bytes, r.verification.measured_peak_bytes)])
     for header in WIDE_HEADERS if wide else COMPACT_HEADERS:
+        # compact, a plan's name gives way where a slow step's wide times need the room (the
+        # gradients' word was cut to 'identic…' instead)
         table.add_column(header.format(unit=unit), justify="left" if header in ("plan", "gradients") else "right",
-                         no_wrap=not wide or header == "plan")
+                         no_wrap=header != "plan" if not wide else header == "plan")
     base = _baseline_measured_peak(result)
     # compact: one decimal, none from 100 units up, so that "pred/meas" stays narrow
     digits = 2 if wide else (1 if max((r.verification.measured_peak_bytes for r in result.rows), default=0) < 100 * size else 0)
