@@ -399,7 +399,7 @@ class ReadOnly(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.ModuleList(Layer() for _ in range(2))
-        self.tables = nn.ModuleList(nn.Embedding(4, 4) for _ in range(2))
+        self.tables = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -412,6 +412,30 @@ def test_a_list_whose_members_never_run_is_named_as_such():
                                          r"nothing to plan\)") as caught:
         _run(ReadOnly())
     assert "To plan them" not in str(caught[0].message)  # no advice that cannot work
+
+
+class Lookups(nn.Module):
+    """MarkupLM's embeddings: a list of tables per xpath depth, each looked up once and summed,
+    before a stack of layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(nn.Embedding(8, 4) for _ in range(3))
+        self.layers = nn.ModuleList(Layer() for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = sum(table(ids[:, i]) for i, table in enumerate(self.tables))
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_a_list_of_embedding_tables_is_no_stack():
+    """Its tables were blocks (MarkupLM: 100 of 102), each replay a lookup saving nothing."""
+    model = Lookups()
+    ids = torch.randint(0, 8, (5, 3))
+    found = discover(model, None, lambda: model(ids))
+    assert [name for name, _ in found.blocks] == ["layers.0", "layers.1"]
 
 
 class _Res(nn.Module):

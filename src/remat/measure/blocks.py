@@ -97,9 +97,16 @@ def stack_lists(model: nn.Module) -> list[str]:
         mixed = (type(module) is nn.ModuleList and len({type(c) for c in children}) > 1
                  and all(any(True for _ in c.children()) for c in children))  # layers, not a conv and its norm
         if len(children) >= 2 and (name in same or mixed) and all(
-                has_parameters(child) for child in children) or nested_levels(model, name):
+                has_parameters(child) for child in children) and not _lookups(children) or nested_levels(model, name):
             names.append(name)
     return names
+
+
+def _lookups(children: list[nn.Module]) -> bool:
+    """Embedding tables (MarkupLM's 50 xpath tag and 50 subscript embeddings beside its
+    encoder): lookups, not layers; as blocks they were 100 of MarkupLM's 102, each replay a table
+    lookup saving nothing worth its checkpoint."""
+    return all(isinstance(child, (nn.Embedding, nn.EmbeddingBag)) for child in children)
 
 
 def nested_levels(model: nn.Module, name: str) -> Blocks:
