@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,14 +16,24 @@ from remat.measure.types import Fingerprint, block_names_hash
 
 def model_hash(model: nn.Module) -> str:
     """SHA-256 (16 hex digits) of qualified module names and classes, and of every parameter's
-    and buffer's name, shape and dtype. Weights' values do not enter: training keeps the hash."""
+    and buffer's name, shape and dtype. Weights' values do not enter: training keeps the hash.
+    Nor do a traced graph's constants (``torch.fx``'s ``_tensor_constant0``...): a copy of a
+    ``GraphModule`` registers as buffers the constants its original held as plain attributes
+    (e3nn's generated tensor products), and a plan was refused on a copy of the model it was made
+    for."""
     digest = hashlib.sha256()
     for name, module in model.named_modules():
         digest.update(f"m {name} {type(module).__qualname__}\n".encode())
     for kind, tensors in (("p", model.named_parameters()), ("b", model.named_buffers())):
         for name, t in tensors:
+            if kind == "b" and _GRAPH_CONSTANT.fullmatch(name.rpartition(".")[2]):
+                continue
             digest.update(f"{kind} {name} {tuple(t.shape)} {t.dtype}\n".encode())
     return digest.hexdigest()[:16]
+
+
+_GRAPH_CONSTANT = re.compile(r"_tensor_constant\d+")
+"""How ``torch.fx`` names the tensor constants of a traced graph."""
 
 
 def model_dtype(model: nn.Module) -> str:
