@@ -325,3 +325,50 @@ def _grads_of(model: nn.Module, x: torch.Tensor, plan: remat.Plan | None) -> nn.
     torch._dynamo.reset()
     torch.compile(model, fullgraph=True, backend="aot_eager")(x).backward()
     return model
+
+
+_SYMBOLIC: list[bool] = []
+
+
+@torch._dynamo.register_backend(name="remat_test_records_shapes")
+def _records_shapes(gm, example_inputs):
+    values = [node.meta.get("example_value") for node in gm.graph.nodes if node.op == "placeholder"]
+    _SYMBOLIC.append(any(isinstance(v, torch.SymInt) or isinstance(v, torch.Tensor)
+                         and any(isinstance(d, torch.SymInt) for d in v.shape) for v in values))
+    return gm.forward
+
+
+class _TwoWidths(nn.Module):
+    """Two groups of alike blocks, of widths 16 and 32: the probes compile the same code twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.ModuleList(_Block() for _ in range(2))
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.second = nn.ModuleList(_Wide() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.first:
+            x = block(x)
+        x = self.up(x)
+        for block in self.second:
+            x = block(x)
+        return x.square().mean()
+
+
+class _Wide(_Block):
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.fc1, self.fc2 = nn.Linear(2 * WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, 2 * WIDTH)
+
+
+def test_the_probes_compile_with_static_shapes():
+    """Every group of alike blocks compiles the probes' code again, and a recompile turned dynamo's
+    automatic dynamic shapes on: Swin's window partition under symbolic shapes kept inductor in
+    sympy for over ten minutes."""
+    torch.manual_seed(0)
+    model, x = _TwoWidths(), torch.randn(BATCH, WIDTH)
+    torch._dynamo.reset()
+    _SYMBOLIC.clear()
+    remat.profile(model, x, repeats=1, compiled="remat_test_records_shapes")
+    assert len(_SYMBOLIC) >= 6 and not any(_SYMBOLIC)

@@ -152,7 +152,11 @@ def _side_effect_message(writers: list[str]) -> str:
 
 def _measure_block(module: nn.Module, inputs: BlockInputs, backend: str, repeats: int,
                    clock: Clock) -> CompiledBlock:
-    runs = {name: torch.compile(fn, fullgraph=True, backend=backend) for name, fn in _variants(module).items()}
+    # static shapes: every group of alike blocks compiles the same closures' code again, and a
+    # recompile turns dynamo's automatic dynamic shapes on (Swin's window partition under symbolic
+    # shapes kept inductor in sympy for over ten minutes; static, its profile took two)
+    runs = {name: torch.compile(fn, fullgraph=True, backend=backend, dynamic=False)
+            for name, fn in _variants(module).items()}
     state = storage_keys([*module.parameters(), *module.buffers()])
     with inputs.autocast_context():
         out = runs["plain"](*inputs.args, **inputs.kwargs)
