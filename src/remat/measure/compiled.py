@@ -154,7 +154,7 @@ def _measure_block(module: nn.Module, inputs: BlockInputs, backend: str, repeats
                    clock: Clock) -> CompiledBlock:
     # static shapes: every group of alike blocks compiles the same closures' code again, and a
     # recompile turns dynamo's automatic dynamic shapes on (Swin's window partition under symbolic
-    # shapes kept inductor in sympy for over ten minutes; static, its profile took two)
+    # shapes kept inductor in sympy for over ten minutes; static, its profile took three, under load)
     runs = {name: torch.compile(fn, fullgraph=True, backend=backend, dynamic=False)
             for name, fn in _variants(module).items()}
     state = storage_keys([*module.parameters(), *module.buffers()])
