@@ -167,3 +167,64 @@ def test_a_replay_that_runs_other_calls_than_its_forward_says_why():
         reference(x)
     for got, want in zip(_grads(planned, x), _grads(reference, x)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class AlibiBias(nn.Module):
+    """x-transformers' ALiBi: one module the model hands every attention layer; its bias is a
+    buffer registered on the first call (None before), sliced on later calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("bias", None, persistent=False)
+
+    def forward(self, n: int) -> torch.Tensor:
+        if self.bias is not None and self.bias.shape[-1] >= n:
+            return self.bias[..., :n, :n]
+        pos = torch.arange(n, dtype=torch.float32)
+        bias = -(pos[None, :] - pos[:, None]).abs()
+        self.register_buffer("bias", bias, persistent=False)
+        return bias
+
+
+class BiasedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, rel: nn.Module) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-1, -2) / D ** 0.5 + rel(x.shape[1])
+        return x + self.out(torch.softmax(scores, dim=-1) @ v)
+
+
+class BiasedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.rel, self.head = nn.Embedding(V, D), AlibiBias(), nn.Linear(D, V)
+        self.blocks = nn.ModuleList(BiasedAttention() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h, rel=self.rel)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("strategy", ["selective:save-matmuls", "full"])
+def test_a_cache_outside_the_blocks_filled_by_the_first_forward_is_replayed_cold(strategy):
+    """The first forward of a fresh model computes the bias in the first block's call; its replay
+    found it cached and sliced it: a selective replay failed ("reached op call aten.alias.default,
+    which its forward did not make"), verify too, and the search picked such a plan as the least
+    peak's. The replay of that call finds the module outside the blocks as its forward did; the
+    first step's gradients are the plain ones, and the cache stays filled."""
+    torch.manual_seed(0)
+    fresh, x = BiasedLM(), torch.randint(0, V, (2, S))
+    plan = remat.plan(remat.profile(copy.deepcopy(fresh), x, _loss, repeats=1), strategy=strategy)
+    assert set(plan.block_strategies()) == {"recompute" if strategy == "full" else strategy}
+    planned, reference = copy.deepcopy(fresh), copy.deepcopy(fresh)
+    remat.apply_(planned, plan)
+    for got, want in zip(_grads(planned, x), _grads(reference, x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert planned.rel.bias is not None and torch.equal(planned.rel.bias, reference.rel.bias)
+    check = remat.verify(fresh, x, plan, _loss, repeats=1)
+    assert check.grads_identical and fresh.rel.bias is None

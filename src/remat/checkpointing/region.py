@@ -130,7 +130,11 @@ class BufferGuard:
             before = [_copy(b) for b in buffers]
         versions = [b._version for b in buffers]
         attributes = snapshot(self.modules) if call is not None else None
-        yield
+        guests = _Guests(self.modules) if call is not None else None
+        with guests if guests is not None else contextlib.nullcontext():
+            yield
+        if call is not None and guests is not None:
+            call.guests = guests.filled()
         with _outside_modes():
             self.known[key] = [b for b, v, n in zip(buffers, before, versions)
                                if id(b) in self.observed or not _same(b, v, n)]
@@ -142,6 +146,27 @@ class BufferGuard:
 
     @contextlib.contextmanager
     def replay(self, call: _Call | None = None) -> Iterator[None]:
+        """The region's replay (`_replay`), with the modules outside the region that its first
+        forward called and that filled a cache there (`_Guests`) as that forward found them."""
+        guests = call.guests if call is not None else []
+        if not guests:
+            with self._replay(call):
+                yield
+            return
+        warm = [(module, dict(module._buffers), snapshot([module])) for module, _, _ in guests]
+        for module, buffers, attributes in guests:
+            _set_buffers(module, buffers)
+            put_back(attributes)
+        try:
+            with self._replay(call):
+                yield
+        finally:
+            for module, buffers, attributes in warm:
+                _set_buffers(module, buffers)
+                put_back(attributes)
+
+    @contextlib.contextmanager
+    def _replay(self, call: _Call | None = None) -> Iterator[None]:
         """The region's replay: the buffers its forward changes are put back after it.
 
         A training BatchNorm's running statistics are not read by its forward (it normalizes by
@@ -253,12 +278,52 @@ _Swap = tuple[nn.Module, str, torch.Tensor, torch.Tensor]
 class _Call:
     """One checkpointed call's state shared by its forward and its replay."""
 
-    __slots__ = ("before", "attributes")
+    __slots__ = ("before", "attributes", "guests")
 
     def __init__(self) -> None:
         self.before: list[torch.Tensor] | None = None
         self.attributes: AttributeSnapshot | None = None
         """The plain attributes of the region's modules as its forward began (`BufferGuard.replay`)."""
+        self.guests: list[tuple[nn.Module, dict[str, torch.Tensor | None], AttributeSnapshot]] = []
+        """Modules outside the region that its forward called and that filled a cache then, with
+        their buffers and plain attributes as the forward found them (`_Guests`)."""
+
+
+class _Guests:
+    """While a region's first forward runs: the modules outside the region it calls that hold
+    buffers (a bias module the model hands every layer: x-transformers' ALiBi), each with its
+    buffers (the objects) and plain attributes as the forward first called it. `filled` names
+    those whose buffers the forward replaced or added: a cache filled on the first call (the bias
+    registered then). A replay of that call must find them as the forward did: else it reads the
+    cache where the forward computed it, and a selective replay, whose calls must repeat the
+    forward's, failed the first step of every fresh model."""
+
+    def __init__(self, own: Sequence[nn.Module]) -> None:
+        self.own = {id(m) for m in own}
+        self.seen: dict[int, tuple[nn.Module, dict[str, torch.Tensor | None], AttributeSnapshot]] = {}
+        self.handle: Any = None
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if id(module) in self.own or id(module) in self.seen or not module._buffers:
+            return
+        self.seen[id(module)] = (module, dict(module._buffers), snapshot([module]))
+
+    def __enter__(self) -> _Guests:
+        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._pre)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.remove()
+
+    def filled(self) -> list[tuple[nn.Module, dict[str, torch.Tensor | None], AttributeSnapshot]]:
+        return [(module, buffers, attributes) for module, buffers, attributes in self.seen.values()
+                if set(module._buffers) != set(buffers) or any(module._buffers[n] is not b for n, b in buffers.items())]
+
+
+def _set_buffers(module: nn.Module, buffers: dict[str, torch.Tensor | None]) -> None:
+    """``module``'s buffers made ``buffers`` (the objects, names gained since dropped)."""
+    module._buffers.clear()
+    module._buffers.update(buffers)
 
 
 def checkpointed(body: Body, first: Any, extra: tuple[Any, ...], *, guard: BufferGuard,
