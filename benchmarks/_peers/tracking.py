@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.measure.tracker import track_step
+from remat.measure.tracker import allocator_net_peak_bytes, track_step
 
 
 def tracked_peak_bytes(model: nn.Module, step: Callable[[], Any], batch: Any = None) -> int:
@@ -36,17 +36,4 @@ def _resident_bytes(model: nn.Module, device: torch.device) -> int:
 
 def allocator_peak_bytes(model: nn.Module, step: Callable[[], Any], device: torch.device) -> int:
     """Resident model bytes + peak net bytes the allocator handed out on ``device`` during ``step()``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, profile_memory=True) as prof:
-        step()
-    events = [
-        e for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type().name.lower() == device.type
-    ]
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return _resident_bytes(model, device) + peak
+    return _resident_bytes(model, device) + allocator_net_peak_bytes(step, device)

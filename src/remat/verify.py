@@ -59,6 +59,7 @@ from remat.measure.timing import Clock
 from remat.measure.storage import tensors_in
 from remat.measure.tracker import track_step
 from remat.plan.types import Plan
+from remat.verify_compiled import with_compiled_steps
 from remat.verify_types import OpCount, Verification
 
 __all__ = ["verify", "CUDA_TOLERANCE"]
@@ -530,12 +531,6 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
             "stays live to the step's end and the measured peaks are above a plan's prediction, which the profile "
             "made with the hooks. Check the peak by applying the plan (remat.apply_) and measuring a training "
             "step.", UserWarning, stacklevel=2)
-    if plan.compiled_backend:
-        warnings.warn(
-            f"the plan is for the model compiled with backend {plan.compiled_backend!r} (its profile was taken "
-            "compiled); verify runs both steps eagerly: the gradients compare as always, but the measured peak and "
-            "times are the eager step's against the compiled step's prediction. benchmarks/compiled.py measures "
-            "the compiled step (allocator peaks).", UserWarning, stacklevel=2)
     device = model_device(model)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             host_rng_restored(generators_in(batch)), BatchGrads(batch):
@@ -546,6 +541,9 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
         try:
             with _OriginalUntouched(model):
                 result = _compare(plan, base, planned, repeats, device)
+                if plan.compiled_backend:  # the step the plan is for: both copies compiled
+                    result = with_compiled_steps(result, (base, planned), accumulate=bool(plan.grad_accumulation),
+                                                 repeats=repeats, device=device)
         finally:
             planned.close()
         if result.ok or result.nonfinite:

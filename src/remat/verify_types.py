@@ -11,7 +11,7 @@ VERIFICATION_FORMAT = "verification"
 VERIFICATION_VERSION = 1
 VERIFICATION_RULES = Rules(
     signed=frozenset({"peak_error_pct", "step_error_pct", "overhead_pct", "predicted_overhead_pct",
-                      "paired_step_error_pct", "baseline_drift_pct"}),
+                      "paired_step_error_pct", "baseline_drift_pct", "compiled_peak_error_pct"}),
     finite=False,
 )
 """Beyond the type hints: errors in percent are signed, and differences may be infinite (counts,
@@ -110,9 +110,22 @@ class Verification(JsonDocument):
     recompute_counts_match: bool
     """True when every planned count equals the expected count."""
     compiled_backend: str = ""
-    """The plan's (`remat.plan.types.Plan.compiled_backend`): verify ran both steps eagerly, so
-    for a plan made for a compiled model the peak and times compare an eager step with the compiled
-    step's prediction (`benchmarks/compiled.py` measures the compiled step); "" for an eager plan."""
+    """The plan's (`remat.plan.types.Plan.compiled_backend`); "" for an eager plan. The fields
+    above compare the steps run eagerly; for a compiled plan verify then runs both compiled with
+    that backend, and the ``compiled_*`` fields say what they measured."""
+    compiled_baseline_peak_bytes: int = 0
+    """Peak of the baseline step compiled: the allocator's (it sees inside compiled kernels, the
+    live tracker does not), counted from the same state as ``baseline_peak_bytes`` (0: not run)."""
+    compiled_peak_bytes: int = 0
+    """Peak of the planned step compiled, likewise (0: not run)."""
+    compiled_peak_error_pct: float = 0.0
+    """100 * (compiled_peak_bytes - predicted) / predicted: the error of a compiled plan's prediction."""
+    compiled_baseline_step_ms: float = 0.0
+    """Median time of the baseline step compiled."""
+    compiled_step_ms: float = 0.0
+    """Median time of the planned step compiled."""
+    compiled_error: str = ""
+    """Why the steps could not run compiled ("" when they did, or the plan is eager)."""
     timeline: tuple[MemoryEvent, ...] = ()
     """Live bytes over the planned step, for the timeline plot."""
 

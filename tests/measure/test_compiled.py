@@ -236,21 +236,67 @@ def test_a_block_that_breaks_the_graph_is_named_in_the_error():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_a_plan_for_the_compiled_model_says_so_and_verify_says_it_ran_eagerly(aot_eager_profiles):
-    """verify runs both steps eagerly: for a plan priced on the compiled step (the compiled graph
-    saves less than eager autograd) its measured peak is the eager step's, 3-8 % above the
-    compiled prediction on Hugging Face models; the result and its summary say which they compare."""
+SCRATCH = 1 << 22
+"""Bytes the ``remat_test_scratch`` backend's compiled forward takes and frees, as a compiled
+kernel's buffer: no tensor shows it to the live tracker; the allocator sees it."""
+PARAMETER_BYTES = (WIDTH * WIDTH + WIDTH) * 5 * 4
+"""The embedding's and the two blocks' four linears' weights and biases, float32."""
+
+
+@torch._dynamo.register_backend(name="remat_test_scratch")
+def _scratch(gm, example_inputs):
+    def run(*args):
+        buffer = torch.empty(SCRATCH, dtype=torch.uint8)
+        del buffer
+        return gm.forward(*args)
+    return run
+
+
+@torch._dynamo.register_backend(name="remat_test_refuses")
+def _refuses(gm, example_inputs):
+    raise RuntimeError("this backend compiles nothing")
+
+
+def test_a_plan_for_the_compiled_model_is_verified_on_the_compiled_steps(aot_eager_profiles):
+    """verify compares the steps eagerly (gradients, op counts, the tracker's peak), then runs both
+    compiled with the plan's backend and measures their peaks with the allocator, which sees what
+    compiled kernels allocate. Here the compiled forward takes a 4 MiB buffer when only the
+    parameters are live (the last step's gradients freed, SGD without state): both compiled
+    steps peak at the parameters plus that buffer, to the byte; the eager figures stay the eager
+    steps'. The summary says both."""
     from remat.report.summary import _measured
 
     eager, compiled = aot_eager_profiles
     plan = remat.plan(compiled, strategy="full")
     assert plan.compiled_backend == "aot_eager" and remat.plan(eager, strategy="full").compiled_backend == ""
     assert remat.Plan.from_json(plan.to_json()).compiled_backend == "aot_eager"
+    plan = dataclasses.replace(plan, compiled_backend="remat_test_scratch")
     model, x = _model()
-    with pytest.warns(UserWarning, match="the plan is for the model compiled with backend 'aot_eager'"):
+    torch._dynamo.reset()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    v = remat.verify(model, x, plan, optimizer=opt, repeats=1)
+    assert v.grads_identical and v.compiled_backend == "remat_test_scratch" and v.compiled_error == ""
+    assert v.measured_peak_bytes == v.predicted_peak_bytes < PARAMETER_BYTES + 20_000  # the eager step's
+    assert v.compiled_peak_bytes == v.compiled_baseline_peak_bytes == PARAMETER_BYTES + SCRATCH
+    assert v.compiled_peak_error_pct == pytest.approx(100 * (PARAMETER_BYTES + SCRATCH - v.predicted_peak_bytes)
+                                                      / v.predicted_peak_bytes)
+    assert v.compiled_step_ms > 0 and v.compiled_baseline_step_ms > 0
+    text = _measured(v, None)
+    assert "the figures above are the eager steps'" in text and "Compiled: peak 4.0 MiB" in text
+    assert remat.Verification.from_json(v.to_json()).compiled_peak_bytes == v.compiled_peak_bytes
+
+
+def test_a_model_that_does_not_compile_keeps_the_eager_comparison_and_says_why(aot_eager_profiles):
+    plan = dataclasses.replace(remat.plan(aot_eager_profiles[1], strategy="full"), compiled_backend="remat_test_refuses")
+    model, x = _model()
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match=r"could not run the steps compiled with backend 'remat_test_refuses': "
+                                         r".*this backend compiles nothing"):
         v = remat.verify(model, x, plan, repeats=1)
-    assert v.ok and v.compiled_backend == "aot_eager"
-    assert "these steps ran eagerly" in _measured(v, None)
+    assert v.ok and v.measured_peak_bytes == v.predicted_peak_bytes
+    assert "this backend compiles nothing" in v.compiled_error and v.compiled_peak_bytes == 0
+    from remat.report.summary import _measured
+    assert "which did not run compiled" in _measured(v, None)
 
 
 def test_the_experts_grouped_matmul_is_one_call_eager_or_traced():

@@ -305,11 +305,7 @@ class StepTracking:
         self.boundaries.listeners.remove(self._on_boundary)
 
     def _register_state(self) -> None:
-        params = list(self.model.parameters())
-        self.tracker.register(params, "parameters")
-        self.tracker.register(self.model.buffers(), "buffers")
-        self.tracker.register((p.grad for p in params if p.grad is not None), "gradients")
-        self.tracker.register(optimizer_state_tensors(self.optimizer), "optimizer_state")
+        register_state(self.tracker, self.model, self.optimizer)
 
     def _on_saved(self, t: torch.Tensor, nbytes: int, segment: str) -> None:
         self.tracker.tag(t, ACT_PREFIX + segment)
@@ -328,6 +324,22 @@ class StepTracking:
         phase = event.kind.split("_", 1)[0]
         if phase in ("fwd", "bwd", "opt"):
             self.timeline.append(MemoryEvent(phase=phase, where=event.where, live_bytes=self.tracker.live_bytes))
+
+
+def register_state(tracker: LiveTracker, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Count what a step starts from: parameters, buffers, gradients, optimizer state."""
+    params = list(model.parameters())
+    tracker.register(params, "parameters")
+    tracker.register(model.buffers(), "buffers")
+    tracker.register((p.grad for p in params if p.grad is not None), "gradients")
+    tracker.register(optimizer_state_tensors(optimizer), "optimizer_state")
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device) -> int:
+    """The bytes on ``device`` a step starts from as `track_step` counts them (`register_state`)."""
+    tracker = LiveTracker(device)
+    register_state(tracker, model, optimizer)
+    return tracker.live_bytes
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
@@ -376,3 +388,51 @@ def _resolve_blocks(model: nn.Module, blocks: Any) -> Blocks:
     if isinstance(blocks, str) or all(isinstance(b, str) for b in blocks):
         return find_blocks(model, blocks)
     return list(blocks)
+
+
+# ---- the allocator's view ---------------------------------------------------------------
+
+
+MEASURED_STEP = "remat::measured_step"
+"""The profiler's label of the step `allocator_net_peak_bytes` measures."""
+
+
+def allocator_net_peak_bytes(step: Callable[[], Any], device: torch.device,
+                             before: Callable[[], Any] | None = None) -> int:
+    """The highest the bytes the allocator handed out on ``device`` rose above those out when
+    ``step()`` began (its allocation and free events, recorded by ``torch.profiler`` with
+    ``profile_memory=True``). It sees the buffers of compiled kernels, which never surface to the
+    tracker as tensors: a compiled step's peak is the tracker's peak of the step run eagerly plus
+    the difference of the two net peaks, both measured from the same state.
+
+    ``before``: run first, under the same recording but not measured. The allocator reports a free
+    only with the size it recorded at the allocation, so a step that frees what a step before it
+    made (the last step's gradients, under ``zero_grad(set_to_none=True)``) is measured after one
+    such step recorded too; a free of memory allocated before the recording is not seen."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        if before is not None:
+            before()
+        with record_function(MEASURED_STEP):
+            step()
+    events = list(prof.profiler.kineto_results.events())
+    marks = [e for e in events if e.name() == MEASURED_STEP]
+    begin = min(e.start_ns() for e in marks)
+    end = max(e.start_ns() + e.duration_ns() for e in marks)
+    memory = [e for e in events
+              if e.name() == "[memory]" and e.device_type().name.lower() == device.type
+              and (device.index is None or e.device_index() in (device.index, -1))]
+    live = 0
+    start = peak = None
+    for event in sorted(memory, key=lambda e: e.start_ns()):
+        if event.start_ns() >= begin and start is None:
+            start = peak = live
+        if event.start_ns() > end:
+            break
+        live += event.nbytes()
+        if start is not None:
+            peak = max(peak, live)
+    return 0 if start is None else peak - start

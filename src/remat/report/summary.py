@@ -146,6 +146,20 @@ def _nothing_fits(plans: Sequence[Plan], budget: int, base: StepPoint) -> str:
             "(fewer optimizer states, lower precision, a smaller batch).")
 
 
+def _compiled_measured(ver: Verification, budget: int | None) -> str:
+    """What verify measured of the compiled steps a compiled plan is for (`remat.verify_compiled`)."""
+    if ver.compiled_error:
+        return (f" The plan is for the model compiled with {ver.compiled_backend!r}, which did not run compiled "
+                f"({ver.compiled_error}): the figures above are the eager steps'.")
+    over = (f", over the {format_bytes(budget)} budget"
+            if budget is not None and ver.compiled_peak_bytes > budget else "")
+    overhead = 100.0 * (ver.compiled_step_ms / ver.compiled_baseline_step_ms - 1.0) if ver.compiled_baseline_step_ms else 0.0
+    return (f" The plan is for the model compiled with {ver.compiled_backend!r}; the figures above are the eager "
+            f"steps'. Compiled: peak {format_bytes(ver.compiled_peak_bytes)} ({format_pct(ver.compiled_peak_error_pct)} "
+            f"vs predicted{over}; the allocator's), step {ver.compiled_step_ms:.1f} ms ({format_pct(overhead)} vs the "
+            "baseline compiled).")
+
+
 def _measured(ver: Verification, budget: int | None) -> str:
     if ver.nonfinite:
         grads = f"gradients DIFFER: NaN or Inf in {len(ver.nonfinite)} tensor(s), first: {ver.nonfinite[0]}"
@@ -160,8 +174,7 @@ def _measured(ver: Verification, budget: int | None) -> str:
         grads = f"gradients DIFFER (max difference {ver.grad_max_abs_diff:.1e} > tolerance {ver.tolerance:.1e})"
     over = (f", over the {format_bytes(budget)} budget"
             if budget is not None and ver.measured_peak_bytes > budget else "")
-    eager = (f" The plan is for the model compiled with {ver.compiled_backend!r}; these steps ran eagerly, so the "
-             "peak and step compare an eager step with the compiled prediction." if ver.compiled_backend else "")
+    eager = _compiled_measured(ver, budget) if ver.compiled_backend else ""
     return (f"Measured: peak {format_bytes(ver.measured_peak_bytes)} "
             f"({format_pct(ver.peak_error_pct)} vs predicted{over}), step {ver.measured_step_ms:.1f} ms "
             f"({format_pct(ver.overhead_pct)} vs baseline), {grads}.{eager}")
