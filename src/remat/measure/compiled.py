@@ -26,7 +26,9 @@ of the compiled forward (`matmul_replay_ms`; a selective plan's replay is then p
 compiler runs it); ``recompute_overhead_ms`` is what the compiled
 replay costs beyond ``fwd_ms`` (never negative); the selective and checkpoint-call overheads are
 0 (their Python runs at trace time); ``saved_bytes`` drops by what the compiled graph saves less
-than eager autograd on the block alone. The memory terms of the step around the blocks (the
+than eager autograd on the block alone, for a kept block: a replay in the compiled backward holds
+what the eager replay holds (``replay_saved_extra_bytes`` counts the difference back). The
+memory terms of the step around the blocks (the
 backward's temporaries, the fixed part) stay the eager accounting's: the live tracker cannot see
 inside compiled kernels.
 
@@ -292,9 +294,11 @@ def with_compiled(profile: Profile, figures: Sequence[CompiledBlock], backend: s
 
 
 def _compiled_block(block: BlockProfile, fig: CompiledBlock) -> BlockProfile:
-    saved = max(block.handoff_bytes, block.saved_bytes - max(0, fig.eager_saved_bytes - fig.saved_bytes))
+    saved = min(block.saved_bytes, max(block.handoff_bytes,
+                                       block.saved_bytes - max(0, fig.eager_saved_bytes - fig.saved_bytes)))
     return dataclasses.replace(
-        block, fwd_ms=fig.fwd_ms, bwd_ms=fig.bwd_ms, saved_bytes=min(saved, block.saved_bytes),
+        block, fwd_ms=fig.fwd_ms, bwd_ms=fig.bwd_ms, saved_bytes=saved,
+        replay_saved_extra_bytes=block.replay_saved_extra_bytes + block.saved_bytes - saved,
         ops=_rescaled(block.ops, heavy_ms=matmul_replay_ms(block.ops, fig), cheap_ms=fig.cheap_replay_ms),
         recompute_overhead_ms=max(0.0, fig.replay_ms - fig.fwd_ms),
         selective_overhead_ms=0.0, selective_cache_overhead_ms=0.0,

@@ -289,7 +289,8 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     rise = np.maximum(held - top, 0)
     replay = block.fwd_temp_bytes - (int(curve.max()) - top) + replay_base_bytes(block) + saved_input_bytes(block) + rise
     own = block.entry_bytes + block.unsaved_input_bytes
-    backward = block.saved_bytes + own + np.maximum(held_bwd_temp_bytes(block), replay)  # its checkpoint holds its inputs
+    backward = (block.saved_bytes + block.replay_saved_extra_bytes + own  # its checkpoint holds its inputs
+                + np.maximum(held_bwd_temp_bytes(block), replay))
     # the forward itself: autograd holds nothing (checkpointed), the cache holds what it caches
     # (on the built-in GPT, save-matmuls caches QK^T's 8 MiB: its last block's forward is the
     # step's peak, 3.3 % above the backward's). Two bounds at each call, the lesser kept: the

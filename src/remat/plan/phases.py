@@ -87,10 +87,11 @@ def held_bwd_temp_bytes(block: BlockProfile) -> int:
 
 def _replay_need(block: BlockProfile, forward: int, first: bool) -> int:
     unsaved = block.unsaved_input_bytes
+    saved = block.saved_bytes + block.replay_saved_extra_bytes  # a compiled replay saves what the eager one does
     if first:  # its checkpoint holds the inputs it saves to its backward's end
-        replay = block.saved_bytes + max(held_bwd_temp_bytes(block), forward) + unsaved
+        replay = saved + max(held_bwd_temp_bytes(block), forward) + unsaved
     else:
-        replay = block.saved_bytes + max(block.bwd_temp_bytes, forward + unsaved)
+        replay = saved + max(block.bwd_temp_bytes, forward + unsaved)
     return max(replay + block.entry_bytes, between_phase_bytes(block))
 
 
