@@ -96,6 +96,9 @@ class BufferGuard:
         stay put in a step whose weights equal the last step's, and move after the optimizer's step:
         learned from such a forward, the guard went idle and later replays advanced the observers
         again, so the fake-quantized weights and the gradients differed from the second step on)."""
+        self.mappings = _held_mappings(self.modules)
+        """The mappings the blocks' modules hold as attributes when the plan is applied (a table
+        cache the layers share): a replay finds them as its forward did (`_MappingsAsFound`)."""
         self._plans: dict[tuple[Any, ...], tuple[list[_Swap], list[torch.Tensor], list[torch.Tensor]]] = {}
         """Per training mode: what a replay swaps and copies (`_plan`), and the ``known`` list it
         was made for."""
@@ -391,6 +394,10 @@ def _guarded(guard: BufferGuard, context_fn: Callable[[], tuple[Any, Any]] | Non
     when the region was called (`_ListsAsCalled`; torch calls this as the forward starts)."""
     inner = context_fn() if context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext())
     restored = _both(_MappingsRestored(mappings), inner[1])
+    if guard.mappings:
+        found = _MappingsAsFound(guard.mappings)
+        inner = (_both(found.recorded(), inner[0]), inner[1])
+        restored = _both(found, restored)
     if lists:
         restored = _both(_ListsAsCalled(lists), restored)
     replay = _both(_ReplayMark(), _both(_StateDetached(guard.modules), restored))
@@ -564,6 +571,63 @@ class _MappingsRestored:
                     else:
                         del mapping[key]
         return False
+
+
+def _held_mappings(modules: Sequence[nn.Module]) -> list[MutableMapping[Any, Any]]:
+    """The mutable mappings ``modules`` hold as plain attributes, each once (a cache the layers
+    share is held by each of them)."""
+    found: dict[int, MutableMapping[Any, Any]] = {}
+    for module in modules:
+        for name, value in vars(module).items():
+            if name not in _MODULE_INTERNALS and isinstance(value, MutableMapping):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()).keys())
+"""What every module holds (its parameters, buffers, submodules, hooks: mappings all)."""
+
+
+class _MappingsAsFound:
+    """The mappings the region's modules hold, as its forward found them while the replay runs.
+
+    A cache the layers share in a plain mapping, filled by the first layer's first forward and
+    read by every later call (OLMo-core's ``BufferCache`` of rotary tables, a hand-written
+    RoPE's dict): the forward of the first layer computes the table, its replay found it filled
+    and read it, and a selective replay, whose calls must repeat the forward's, failed the first
+    step of every fresh model. `recorded` notes the mappings' entries as the forward starts; the
+    replay sees those entries, and the mappings get back what they held when it began."""
+
+    __slots__ = ("mappings", "found", "held")
+
+    def __init__(self, mappings: Sequence[MutableMapping[Any, Any]]) -> None:
+        self.mappings = mappings
+        self.found: list[dict[Any, Any]] | None = None
+        self.held: list[list[tuple[MutableMapping[Any, Any], dict[Any, Any]]]] = []
+
+    @contextlib.contextmanager
+    def recorded(self) -> Iterator[None]:
+        self.found = [dict(m.items()) for m in self.mappings]
+        yield
+
+    def __enter__(self) -> None:
+        swapped = []
+        for mapping, found in zip(self.mappings, self.found or ()):
+            now = dict(mapping.items())
+            if now.keys() != found.keys() or any(now[k] is not v for k, v in found.items()):
+                _refill(mapping, found)
+                swapped.append((mapping, now))
+        self.held.append(swapped)
+
+    def __exit__(self, *exc: Any) -> bool:
+        for mapping, now in self.held.pop():
+            _refill(mapping, now)
+        return False
+
+
+def _refill(mapping: MutableMapping[Any, Any], entries: dict[Any, Any]) -> None:
+    mapping.clear()
+    mapping.update(entries)
 
 
 def _detached(value: Any) -> Any:

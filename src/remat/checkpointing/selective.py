@@ -44,7 +44,9 @@ replay, and ``str(op)`` formats the name anew each time (half of the policy's ow
 REPLAY_DIFFERS = (
     "the replay of a selectively recomputed block reached op call {call}, which its forward did not make{ran}: the "
     "forward took another path than its replay does, as a forward does that fills a cache "
-    "on its first call (a rotary table computed, then read from the cache on later calls). Selective recomputation "
+    "on its first call (a rotary table computed, then read from the cache on later calls) that no module of the "
+    "blocks holds (a module-level global; a cache the blocks' modules hold as a buffer, an attribute or a mapping "
+    "is replayed as the forward found it). Selective recomputation "
     "needs the replay to repeat the forward's calls. Run one forward before the first training step with the plan "
     "applied (with torch.no_grad(): model(batch)), which fills such a cache, or plan without selective strategies "
     "(strategy='full').")
