@@ -65,6 +65,31 @@ def test_fsdp2_gradients_bit_identical(tmp_path: Path, strategy: str) -> None:
     assert results[0]["loss"] != results[1]["loss"]
 
 
+@pytest.mark.parametrize("strategy", ["full", "sqrt"])
+def test_fsdp2_gradients_on_an_encoder_decoder(tmp_path: Path, strategy: str) -> None:
+    """Hugging Face's T5 under FSDP2, each layer of its 3-layer encoder and decoder a unit, or a
+    segment of two one unit (`fully_shard_by_plan`): the plan's gradients are plain FSDP's.
+
+    FSDP2 hands a unit's forward its tensor arguments through an identity autograd function, so
+    the encoder's output the decoder hands every layer reaches the two layers of a segment as two
+    objects over the same memory; remat's segment ran the second layer from the first one's
+    arguments and refused the model's call ("called it with different arguments") before they
+    counted as the same. The gradient into the encoder's output then sums the two layers' four
+    terms (their cross-attention keys' and values') in one buffer where plain FSDP sums each
+    layer's two first: the decoder's gradients are bit-identical, the encoder's and the shared
+    embedding's differ in the last bits."""
+    results = _spawn(workers.fsdp_grads_encoder_decoder, tmp_path, strategy)
+    for res in results:
+        assert res["blocks"] == [f"{stack}.block.{i}" for stack in ("encoder", "decoder") for i in range(3)]
+        assert res["num_params"] > 0 and res["loss_equal"], res
+        if strategy == "full":
+            assert res["mismatched"] == [], res
+        else:
+            assert res["mismatched"] and all(n == "shared.weight" or n.startswith("encoder.") for n in res["mismatched"])
+            assert res["max_rel_diff"] < 1e-6
+    assert results[0]["loss"] != results[1]["loss"]
+
+
 def test_ddp_gradients_bit_identical(tmp_path: Path) -> None:
     results = _spawn(workers.ddp_grads, tmp_path, "full")
     for res in results:

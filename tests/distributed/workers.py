@@ -108,6 +108,47 @@ def fsdp_grads(rank: int, world_size: int, port: int, out_dir: str, strategy: st
     _write(out_dir, rank, _compare(rank, *runs))
 
 
+def _t5(rank: int):
+    """A tiny Hugging Face T5 (an encoder and a decoder stack, dropout 0.1) from its config, the
+    same weights on every rank, a micro-batch per rank."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "t5", vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_heads=4, dropout_rate=0.1,
+        use_cache=False, decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config).train()
+    g = torch.Generator().manual_seed(100 + rank)
+    batch = dict(input_ids=torch.randint(3, 128, (2, 32), generator=g), labels=torch.randint(3, 128, (2, 16), generator=g))
+    return model, batch
+
+
+def fsdp_grads_encoder_decoder(rank: int, world_size: int, port: int, out_dir: str, strategy: str) -> None:
+    import remat
+    from remat.distributed import broadcast_plan, is_main_process, shard_profile
+
+    _init(rank, world_size, port)
+    model, batch = _t5(rank)
+    plan = None
+    if is_main_process():
+        profile = remat.profile(model, batch, None, torch.optim.AdamW(model.parameters()), warmup=0, repeats=1)
+        plan = remat.plan(shard_profile(profile, world_size=world_size, zero_stage=3), strategy=strategy)
+    plan = broadcast_plan(plan)
+    runs = []
+    for applied in (False, True):
+        copied = copy.deepcopy(model)
+        if applied:
+            remat.apply_(copied, plan)
+        _fully_shard(copied, plan)
+        runs.append(_step(copied, batch, None, seed=1234 + rank))
+    result = _compare(rank, *runs)
+    result["blocks"] = list(plan.block_names)
+    (_, base), (_, planned) = runs
+    result["max_rel_diff"] = max(float((planned[n] - base[n]).abs().max() / base[n].abs().max().clamp_min(1e-30))
+                                 for n in base)
+    _write(out_dir, rank, result)
+
+
 def ddp_grads(rank: int, world_size: int, port: int, out_dir: str, strategy: str) -> None:
     import remat
     from torch.nn.parallel import DistributedDataParallel

@@ -8,7 +8,7 @@ with the previous block's output (its first element for tuple outputs, as Huggin
 return) and the same extra arguments and keyword arguments (attention masks, position ids).
 The outputs of blocks ``start+1..stop-1`` wait in ``pending`` and are returned when the user's
 forward calls those blocks; the call must then carry exactly the predicted arguments (tensors
-by identity: `remat.measure.calls.same_arguments`, the rule the profile's ``follows_previous``
+by identity or as a whole alias: `remat.measure.calls.same_arguments`, the rule the profile's ``follows_previous``
 and the planners' joins use), otherwise the segment cannot be replayed faithfully and the call
 is an error.
 
@@ -31,7 +31,7 @@ from torch import nn
 from remat._batch import PER_SAMPLE
 from remat.checkpointing.caches import drop_kv_caches
 from remat.checkpointing.region import BufferGuard, first_argument, replaying
-from remat.measure.calls import first_output, same_arguments
+from remat.measure.calls import first_output, same_arguments, same_tensor
 from remat.plan.types import Segment
 
 Listener = Callable[[int, bool], None]
@@ -81,7 +81,7 @@ class _Pending:
     output: Any
 
     def matches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        if not args or args[0] is not self.expected_first:
+        if not args or not same_tensor(args[0], self.expected_first):
             return False
         return same_arguments(args[1:], kwargs, self.extra, self.kwargs)
 

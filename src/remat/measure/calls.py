@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["first_output", "chained_input", "same_value", "same_arguments", "follows"]
+__all__ = ["first_output", "chained_input", "same_value", "same_tensor", "same_arguments", "follows"]
 
 
 def first_output(output: Any) -> torch.Tensor | None:
@@ -39,13 +39,14 @@ def chained_input(args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
 
 
 def same_value(a: Any, b: Any) -> bool:
-    """Tensors are the same when they are the same object; tuples, lists and dicts when their
-    elements are the same; anything else when it is the same object or of the same type and
-    equal (an ``==`` that is not a plain bool, or raises, counts as different)."""
+    """Tensors are the same when they are the same object or alias each other whole
+    (`same_tensor`); tuples, lists and dicts when their elements are the same; anything else when
+    it is the same object or of the same type and equal (an ``==`` that is not a plain bool, or
+    raises, counts as different)."""
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return False
+        return same_tensor(a, b)
     if isinstance(a, (tuple, list)) and type(a) is type(b):
         return len(a) == len(b) and all(map(same_value, a, b))
     if isinstance(a, Mapping) and isinstance(b, Mapping) and type(a) is type(b):
@@ -54,6 +55,25 @@ def same_value(a: Any, b: Any) -> bool:
         return bool(type(a) is type(b) and a == b)
     except Exception:  # noqa: BLE001 - objects whose == is not a bool are simply not "the same"
         return False
+
+
+def same_tensor(a: Any, b: Any) -> bool:
+    """``a`` is ``b``, or both are plain tensors over the same memory with the same view of it
+    (storage, offset, shape, strides, dtype) and the same ``requires_grad``: an alias an identity
+    autograd function made. FSDP2 hands each unit's forward its tensor arguments through one
+    (``RegisterPostBackwardFunction``, for its post-backward hook), so the encoder's output that
+    a T5 decoder hands every layer reached the second layer of a unit as another object than
+    the first layer's (a segment of two decoder layers refused to run). A detached alias does not
+    count (it would stop the gradient the other one carries)."""
+    if a is b:
+        return True
+    if type(a) is not torch.Tensor or type(b) is not torch.Tensor:  # noqa: E721 - subclasses compare by identity
+        return False
+    if a.layout != torch.strided or b.layout != torch.strided or a.device.type == "meta":
+        return False  # no storage to compare (sparse), or none at all (meta)
+    return (a.requires_grad == b.requires_grad and a.device == b.device and a.dtype == b.dtype
+            and a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
 def same_arguments(extra_a: tuple[Any, ...], kwargs_a: Mapping[str, Any], extra_b: tuple[Any, ...],
