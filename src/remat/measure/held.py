@@ -19,12 +19,19 @@ The same forward says which calls' outputs the code still holds as each later bl
 (x-transformers keeps every layer's attention scores in a list to the end of its layers'
 forward, inside a dataclass the block returns): `CodeHeld.during`. Kept, the block saves them; recomputed, they are
 live in every forward they outlive.
+
+And which calls' outputs the mutable containers among a block's arguments hold as the last
+block's forward ends (Gemma 4 hands every layer the mapping ``shared_kv_states``, and its storing
+layers write their keys and values to it): `CodeHeld.stored`. A checkpoint of the block holds its
+arguments, the container with them, to the end of its backward: whatever the blocks wrote there
+is live as long, whatever their strategy, where the model's code let it go as the forward returned.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from remat._batch import LossFn, call_model, compute_loss
 from remat.measure.blocks import Blocks
 from remat.measure.calls import first_output
-from remat.measure.storage import flat_tensors, storage_key, storage_nbytes, storage_of
+from remat.measure.dataflow import named_tensors
+from remat.measure.storage import flat_tensors, storage_key, storage_nbytes, storage_of, tensors_in
 
 __all__ = ["code_held_calls", "CodeHeld"]
 
@@ -53,6 +61,10 @@ class CodeHeld:
     during: list[dict[int, frozenset[str]]]
     """Per block j, for each later block k whose forward starts with some of j's call storages
     live (not among k's arguments, not what j hands on), those calls' keys."""
+    stored: list[dict[int, frozenset[str]]]
+    """Per block j, for each block i (j itself, one before or after it) whose call storages the
+    mutable containers among j's arguments (mappings and lists, a dict's values) hold as the last
+    block's forward ends (not j's tensor arguments, not what i hands on), those calls' keys."""
 
 
 class _Calls(TorchDispatchMode):
@@ -71,6 +83,25 @@ class _Calls(TorchDispatchMode):
         """The last block has returned, the model's forward has not."""
         self.at_post: list[frozenset[str]] | None = None
         """`live` as the model's last call after the last block began (its head's projection)."""
+        self.containers: list[tuple[list[Any], list[weakref.ref]]] = [([], []) for _ in range(count)]
+        """Per block, the mutable containers among its arguments (held until the last block ends)
+        and its tensor arguments' storages (weakly: a dead one's address may be a new storage's)."""
+        self.stored: list[dict[int, frozenset[str]]] = [{} for _ in range(count)]
+        """`in_containers` as the last block's forward ended."""
+
+    def in_containers(self) -> list[dict[int, frozenset[str]]]:
+        """Per block j, the calls of each block whose storages j's containers hold now."""
+        out: list[dict[int, frozenset[str]]] = []
+        for containers, refs in self.containers:
+            held = {storage_key(t) for c in containers for t in tensors_in(_contents(c))}
+            if not held:
+                out.append({})
+                continue
+            arguments = {storage._cdata for storage in (ref() for ref in refs) if storage is not None}
+            found = {i: frozenset(key for key, ref in made if _held(ref, handed, arguments) and ref()._cdata in held)
+                     for i, (made, handed) in enumerate(zip(self.made, self.handed))}
+            out.append({i: keys for i, keys in found.items() if keys})
+        return out
 
     def live(self) -> list[frozenset[str]]:
         """Per block, its calls whose storages are live now, less what it hands on."""
@@ -113,6 +144,7 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
                 return
             started.add(index)
             arguments = {storage_key(t) for t in flat_tensors(args, kwargs)}
+            calls.containers[index] = (_containers(args, kwargs), _weak_storages(named_tensors(args, kwargs)))
             for j in range(index):
                 calls.made[j] = [(key, ref) for key, ref in calls.made[j] if ref() is not None]  # what died stays dead
                 live = frozenset(key for key, ref in calls.made[j] if _held(ref, calls.handed[j], arguments))
@@ -125,6 +157,9 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
             if first is not None and calls.handed[index] is None:
                 calls.handed[index] = weakref.ref(storage_of(first))
             calls.in_post = index == len(block_list) - 1
+            if calls.in_post:  # what the blocks wrote to containers a checkpoint of theirs would hold
+                calls.stored = calls.in_containers()
+                calls.containers = [([], []) for _ in block_list]
 
         handles += [module.register_forward_pre_hook(enter, with_kwargs=True), module.register_forward_hook(leave)]
     try:
@@ -140,7 +175,32 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
     finally:
         for handle in handles:
             handle.remove()
-    return CodeHeld(end=held, post=post, during=during)
+    return CodeHeld(end=held, post=post, during=during, stored=calls.stored)
+
+
+def _containers(args: tuple, kwargs: dict) -> list[Any]:
+    """The mutable mappings and lists among a call's arguments, and among a dict's values there."""
+    values = [*args, *kwargs.values()]
+    values += [v for value in values if isinstance(value, dict) for v in value.values()]
+    return [value for value in values if isinstance(value, (MutableMapping, list))]
+
+
+def _contents(container: Any) -> list[Any]:
+    """A mapping's values or a list's items (none where a mapping cannot list them)."""
+    try:
+        return list(container.values()) if isinstance(container, MutableMapping) else list(container)
+    except Exception:  # noqa: BLE001 - a mapping of the model's own kind
+        return []
+
+
+def _weak_storages(named: list[tuple[str, torch.Tensor]]) -> list[weakref.ref]:
+    out = []
+    for _, t in named:
+        try:
+            out.append(weakref.ref(storage_of(t)))
+        except (NotImplementedError, RuntimeError, IndexError):  # no storage (sparse, nested)
+            pass
+    return out
 
 
 def _cached_cast(name: str, args: tuple) -> bool:

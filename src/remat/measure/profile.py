@@ -665,7 +665,8 @@ def _pre_grad_bytes(memory: _Accounting, block_list: Blocks) -> int:
 def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
     """Each block's `BlockProfile.output_end_held_bytes`, ``output_later_held_bytes`` and
     ``output_held_until``: the saved bytes of its calls whose outputs the code holds to the end
-    of the forward, and past the block after it (`remat.measure.held`); its ``output_held_bytes``
+    of the forward, and past the block after it (`remat.measure.held`); its ``stored_held``: what
+    the containers among its arguments hold of every block's calls then; its ``output_held_bytes``
     where more of them are live as the next block starts than the dataflow named. One more forward,
     without gradients; not on the meta device, where no storage is freed. A forward that fails
     there leaves them 0, as before they were measured."""
@@ -679,8 +680,21 @@ def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
     def saved(block: BlockProfile, keys: frozenset[str]) -> int:
         return sum(op.saved_bytes for op in block.ops if op.key in keys)
 
+    def made(block: BlockProfile, keys: frozenset[str]) -> int:
+        return sum(op.output_bytes for op in block.ops if op.key in keys)
+
+    def stored_held(holder: dict[int, frozenset[str]]) -> tuple[tuple[int, int, int, int], ...]:
+        # of each block's, what it saves and what of that a later segment saves too (its handoff)
+        return tuple((i, made(prof.blocks[i], keys), saved(prof.blocks[i], keys),
+                      sum(op.saved_bytes for op in prof.blocks[i].ops if op.key in keys and any(op.storage_escapes)))
+                     for i, keys in sorted(holder.items()) if made(prof.blocks[i], keys))
+
+    stored_calls: dict[int, set[str]] = {}  # per block, its calls that some block's containers hold
+    for holder in held.stored:
+        for i, keys in holder.items():
+            stored_calls.setdefault(i, set()).update(keys)
     blocks = []
-    for b, end, post, during in zip(prof.blocks, held.end, held.post, held.during):
+    for b, end, post, during, stored in zip(prof.blocks, held.end, held.post, held.during, held.stored):
         later = {k: saved(b, keys) for k, keys in during.items() if k >= b.index + 2}
         later = {k: nbytes for k, nbytes in later.items() if nbytes > 0}
         calls = sorted(set().union(*(during[k] for k in later)) & {op.key for op in b.ops if op.saved_bytes})
@@ -691,7 +705,9 @@ def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
                                           output_held_bytes=max(b.output_held_bytes, following),
                                           output_later_held_bytes=max(later.values(), default=0),
                                           output_held_until=max(later, default=0),
-                                          output_later_held_calls=tuple(calls)))
+                                          output_later_held_calls=tuple(calls),
+                                          stored_held=stored_held(stored),
+                                          stored_calls=tuple(sorted(stored_calls.get(b.index, ())))))
     return dataclasses.replace(prof, blocks=tuple(blocks))
 
 

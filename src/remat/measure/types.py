@@ -348,6 +348,17 @@ class BlockProfile:
     """``(j, bytes)`` per earlier block j: the inputs a checkpoint of block j holds that the
     model's code holds too as this block begins (``fwd_other_bytes`` counts them): a
     checkpoint of j adds nothing here (`remat.measure.dataflow`)."""
+    stored_held: tuple[tuple[int, int, int, int], ...] = ()
+    """``(i, bytes, saved bytes, handed-off bytes)`` per block i (this one, one before or after it)
+    whose call outputs the mutable containers among this block's arguments hold as the last
+    block's forward ends, of them what block i saves, and of that what a later segment saves too
+    (in its ``handoff_bytes``: Gemma 4's layers that reuse keys and values save them) (`remat.measure.held`):
+    Gemma 4's storing layers write their keys and values to the mapping every layer is handed. A
+    checkpoint of this block holds the container to the end of its backward, and with it these,
+    where the code let them go as the forward returned (`remat.plan.predict.stored_held_bytes`)."""
+    stored_calls: tuple[str, ...] = ()
+    """The op calls (keys of ``ops``) whose outputs some block's ``stored_held`` counts of this
+    block: a selective strategy that caches one holds it already."""
     output_later_held_calls: tuple[str, ...] = ()
     """The op calls (keys of ``ops``) whose outputs ``output_later_held_bytes`` counts: a
     selective strategy that caches one holds it already."""

@@ -41,9 +41,10 @@ from remat.plan.phases import (code_held_bytes, grad_bytes_live, held_twice_byte
                                working_bytes)
 from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
 from remat.plan.joins import check_joins
+from remat.plan.policies import op_storages
 from remat.plan.types import Plan, Prediction, Segment
 
-__all__ = ["predict", "extra_ms", "pre_forward_phase_bytes", "optimizer_phase_bytes", "pre_backward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments"]
+__all__ = ["predict", "extra_ms", "pre_forward_phase_bytes", "optimizer_phase_bytes", "pre_backward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments", "stored_held_bytes"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -106,9 +107,10 @@ def _peak_phases(profile: Profile, segments: tuple[Segment, ...],
     retained = _top_retained(profile, segments)
     base = backward_base_bytes(profile)
     dead = dead_shared_bytes(profile, segments)
-    inner = layout_peak(profile, segments, 0, profile.num_blocks, dead=dead)
+    stored = stored_held_bytes(profile, segments)
+    inner = layout_peak(profile, segments, 0, profile.num_blocks, dead=dead, stored=stored)
     held = base + grad_bytes_live(profile, profile.num_blocks) + profile.fixed_pre_saved_bytes + sum(retained) - (
-        dead[-1] if dead else 0)
+        dead[-1] if dead else 0) + stored[-1]
     post = held + post_working_bytes(profile)
     begin, end = post_extra
     if begin and profile.fixed_post_fwd_bytes:  # held by the code through the post part's forward only
@@ -224,13 +226,13 @@ def end_held_bytes(profile: Profile, segments: tuple[Segment, ...], at_post: boo
 
 
 def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, stop: int, replay: bool = False,
-                dead: Sequence[int] | None = None, stopped: bool = False) -> _Peak:
+                dead: Sequence[int] | None = None, stopped: bool = False, stored: Sequence[int] | None = None) -> _Peak:
     """Peak of the backward of blocks ``[start, stop)`` laid out as ``segments`` (gaps: keep),
     above what was live before it (gradients accumulated by then included); ``replay``: the
     blocks are replayed in backward (inside a recompute segment); ``stopped``: that replay stops
     early (`Segment.stops_early`: its last block, kept, replays up to its last saved tensor);
     ``dead``: at the top level, `dead_shared_bytes` (counted by the costs, not live in the
-    backward)."""
+    backward); ``stored``: at the top level, `stored_held_bytes` (live in the backward only)."""
     best = _Peak(bytes=0, block=-1, working_bytes=0)
     held = 0
     previous_kept = True
@@ -239,6 +241,7 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
     kept_later = not replay and _keeps_later(profile)
     for seg in _fill_gaps(segments, start, stop):
         unheld = dead[seg.start] if dead else 0
+        container = stored[seg.start] if stored else 0  # in its backward, not its forward
         later = later_held_bytes(profile, seg.start, unkept) if kept_later else 0
         twice = 0  # inputs of earlier checkpoints the code holds too, in a kept or recomputed forward: counted once
         if not replay and holders and seg.kind in ("keep", "recompute"):
@@ -247,7 +250,7 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
         if seg.kind == "recompute":
             inner = layout_peak(profile, seg.children, seg.start, seg.stop, replay=True, stopped=seg.stops_early)
             unit = 0 if replay else unit_extra_bytes(profile, seg.start, seg.stop)  # ZeRO-3: one unit
-            candidate = _Peak(bytes=held + inner.bytes + unit - unheld, block=inner.block,
+            candidate = _Peak(bytes=held + inner.bytes + unit - unheld + container, block=inner.block,
                               working_bytes=inner.working_bytes)
             forward = 0 if replay else segment_forward_bytes(profile, seg.start, seg.stop, previous_kept,
                                                                unheld) + later - twice
@@ -268,10 +271,10 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
                 first = seg.start == start  # else its inputs come from the replay, not the checkpoint
                 working = (stopped_replay_working_bytes if last else replay_working_bytes)(profile.blocks[seg.start], first)
             elif seg.kind == "keep":  # its backward, or its forward (no gradient, the shared tensors live)
-                working = working_bytes(profile.blocks[seg.start]) - unheld
-                unheld = 0
+                working = working_bytes(profile.blocks[seg.start]) - unheld + container
+                unheld = container = 0
                 working = max(working, keep_forward_bytes(profile, seg.start, previous_kept) + later - twice)
-            need = held + working - unheld + grad_bytes_live(profile, seg.start)
+            need = held + working - unheld + container + grad_bytes_live(profile, seg.start)
             candidate = _Peak(bytes=need, block=seg.start, working_bytes=working)
             held += cost.retained_bytes
             if replay and seg.start == start:  # the checkpoint holds the region's input to its end
@@ -312,6 +315,51 @@ def dead_shared_bytes(profile: Profile, segments: tuple[Segment, ...]) -> list[i
         total += sum(nbytes for storage, nbytes in shared.items() if not takers[storage] & checkpointed)
         out.append(total)
     return out
+
+
+def stored_held_bytes(profile: Profile, segments: tuple[Segment, ...]) -> list[int]:
+    """Per block j, then the post part: the bytes the blocks wrote to mutable containers among the
+    arguments of blocks this plan checkpoints (`BlockProfile.stored_held`: Gemma 4's keys and
+    values, in the mapping every layer is handed) that are live in j's backward beyond what the
+    rest of the prediction counts. A checkpoint holds its arguments to the end of its backward, and
+    with them the container, where the model's code let it go as the forward returned: what it
+    holds is live from the head's forward on, down to the backward of the first top-level recompute
+    or selective segment that takes it. In the backward of the blocks after the writer, other terms
+    count a share: a kept writer's saved share (its saved bytes; not in its own backward, which
+    lets them go as it reads them), a selective writer's cached share (its retained bytes; in its
+    replay, the share that outlives it), and what a later segment saves too (the next block's
+    entry bytes: Gemma 4's keys and values that its last layers reuse). A replay's writes are
+    undone (`remat.checkpointing.region`): one copy. Zeros where no checkpoint takes a container,
+    as in the measured step."""
+    if not any(block.stored_held for block in profile.blocks):
+        return [0] * (profile.num_blocks + 1)
+    held: dict[int, tuple[int, int, int, int]] = {}  # block i -> (first holder's start, bytes, saved, handed off)
+    kept: set[int] = set()
+    # selective block -> what its cache holds of it: outliving the block (its replay's working set
+    # counts them), the others (its retained bytes count them)
+    cached: dict[int, tuple[int, int]] = {}
+    for seg in _fill_gaps(segments, 0, profile.num_blocks):
+        if seg.kind == "keep":
+            kept.add(seg.start)
+        elif seg.kind in ("recompute", "selective"):
+            for j in range(seg.start, seg.stop):
+                for i, nbytes, saved, handed in profile.blocks[j].stored_held:
+                    held.setdefault(i, (seg.start, nbytes, saved, handed))
+        if seg.kind == "selective":
+            block = profile.blocks[seg.start]
+            calls = cached_ops(block, seg.saved_ops) & set(block.stored_calls)
+            ops = [(k, op) for k, op in enumerate(block.ops) if op.key in calls]
+            kept_apart = sum({s: b for k, op in ops for s, b in op_storages(k, op).items()}.values())
+            cached[seg.start] = (sum(op.output_bytes for _, op in ops) - kept_apart, kept_apart)
+
+    def counted(i: int, saved: int, handed: int, j: int) -> int:  # by block j's phase and the blocks before it
+        if i >= j:
+            return cached.get(i, (0, 0))[0] if i == j else 0
+        return saved if i in kept else handed + cached.get(i, (0, 0))[1]
+
+    return [sum(nbytes - counted(i, saved, handed, j)
+                for i, (first, nbytes, saved, handed) in held.items() if first <= j)
+            for j in range(profile.num_blocks + 1)]
 
 
 def _fill_gaps(segments: tuple[Segment, ...], start: int, stop: int) -> list[Segment]:
