@@ -78,7 +78,8 @@ def with_compiled_steps(result: Verification, runs: Sequence[Any], *, accumulate
         compiled_baseline_step_ms=base_ms, compiled_step_ms=step_ms)
 
 
-def _measure(runs: Sequence[Any], backend: str, accumulate: bool, repeats: int, device: torch.device) -> tuple[list[int], list[float]]:
+def _measure(runs: Sequence[Any], backend: str, accumulate: bool, repeats: int,
+             device: torch.device) -> tuple[list[int], list[float]]:
     compiled = [_Step(torch.compile(run.model, backend=backend), run.step.batch, run.step.loss_fn, run.optimizer)
                 for run in runs]
     for run, step in zip(runs, compiled):
