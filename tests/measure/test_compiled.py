@@ -377,6 +377,15 @@ def test_a_block_that_writes_python_state_is_profiled_and_its_plan_compiles_with
     for name in want:
         torch.testing.assert_close(got[name], want[name], msg=name)
     assert _ACTIVE.value is None
+    # verify's compiled steps run as the warning says to: whole, not broken at the checkpoint
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    torch._dynamo.reset()
+    v = remat.verify(model, x, plan, repeats=1)
+    assert v.ok and v.compiled_error == "" and v.compiled_peak_bytes > 0
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
 
 
 def _grads_of(model: nn.Module, x: torch.Tensor, plan: remat.Plan | None) -> nn.Module:
