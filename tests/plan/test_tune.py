@@ -212,3 +212,17 @@ def test_tune_needs_a_tuner_the_optimal_strategy_and_a_budget(tiny):
     with pytest.raises(ValueError, match="max_seconds=0 must be a number of seconds > 0"):
         Tuner(built.model, built.batch, max_seconds=0)
     assert remat.plan(profile, budget, tune=False) == remat.plan(profile, budget)
+
+
+def test_tuning_refuses_a_compiled_profile_before_it_runs_anything(tiny):
+    """Tuning times eager steps: for a plan made for the compiled model their times and peaks
+    would pick the winner by the wrong step."""
+    built, profile, budget = tiny
+    compiled = dataclasses.replace(profile, compiled_backend="inductor")
+    before = [p.detach().clone() for p in built.model.parameters()]
+    times = ScriptedTimes({})
+    with pytest.raises(ValueError, match=r"compiled with backend 'inductor', and tuning times the candidates' eager "
+                                         r"steps.*remat.verify"):
+        remat.plan(compiled, budget, tune=Tuner(built.model, built.batch, built.loss_fn, built.optimizer,
+                                                time_step=times))
+    assert times.calls == [] and all(torch.equal(a, p) for a, p in zip(before, built.model.parameters()))

@@ -83,6 +83,13 @@ class Tuner:
 
     def tuned_plan(self, profile: Profile, budget: int, head: str | None = None) -> Plan:
         """The fastest measured of `tune_candidates` under ``budget`` (bytes), with its `Tuning`."""
+        if profile.compiled_backend:
+            raise ValueError(
+                f"the profile was taken for a model compiled with backend {profile.compiled_backend!r}, and tuning "
+                "times the candidates' eager steps, whose times and peaks are not the compiled ones (a compiled "
+                "full-recomputation step of a small Llama held 12 % more than its eager step). Plan without tune= "
+                "and check the plan on the compiled step with remat.verify, or tune from an eager profile "
+                "(remat.profile(..., compiled=False)) for a model that trains eagerly.")
         candidates = tune_candidates(profile, budget, head, self.num_optimal)
         measurements, bounds = self.measure(candidates)
         return choose(candidates, measurements, budget, bounds)
