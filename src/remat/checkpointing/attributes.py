@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["AttributeSnapshot", "buffer_owners", "snapshot", "put_back"]
+__all__ = ["AttributeSnapshot", "MODULE_INTERNALS", "buffer_owners", "snapshot", "put_back"]
 
-_INTERNALS = frozenset(vars(nn.Module()).keys())
+MODULE_INTERNALS = frozenset(vars(nn.Module()).keys())
 """The attributes every module has (``training``, ``_parameters``, the hook dictionaries...)."""
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
 
@@ -36,7 +36,7 @@ def _plain(value: Any) -> bool:
 
 
 def _attributes(module: nn.Module) -> dict[str, Any]:
-    return {name: value for name, value in vars(module).items() if name not in _INTERNALS and _plain(value)}
+    return {name: value for name, value in vars(module).items() if name not in MODULE_INTERNALS and _plain(value)}
 
 
 def snapshot(modules: Iterable[nn.Module]) -> AttributeSnapshot:

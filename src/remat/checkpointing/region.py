@@ -28,7 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
-from remat.checkpointing.attributes import AttributeSnapshot, buffer_owners, put_back, snapshot
+from remat.checkpointing.attributes import MODULE_INTERNALS, AttributeSnapshot, buffer_owners, put_back, snapshot
 
 __all__ = ["BufferGuard", "Body", "checkpointed", "replaying", "first_argument", "call_with_first"]
 
@@ -579,13 +579,9 @@ def _held_mappings(modules: Sequence[nn.Module]) -> list[MutableMapping[Any, Any
     found: dict[int, MutableMapping[Any, Any]] = {}
     for module in modules:
         for name, value in vars(module).items():
-            if name not in _MODULE_INTERNALS and isinstance(value, MutableMapping):
+            if name not in MODULE_INTERNALS and isinstance(value, MutableMapping):  # hooks, submodules: mappings all
                 found.setdefault(id(value), value)
     return list(found.values())
-
-
-_MODULE_INTERNALS = frozenset(vars(nn.Module()).keys())
-"""What every module holds (its parameters, buffers, submodules, hooks: mappings all)."""
 
 
 class _MappingsAsFound:
