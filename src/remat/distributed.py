@@ -10,8 +10,8 @@ Every rank runs the same model on its own micro-batch, so every rank's profile i
 model's: rank 0 profiles and plans, the plan is broadcast as JSON (`broadcast_plan`) or made on
 every rank and checked identical (`check_same_plan`). The planner sees one rank's memory through
 `shard_profile`: parameters, gradients and optimizer state divided as ZeRO stage 1/2/3 divides
-them, plus, under ZeRO-3/FSDP, the all-gathered weights and unsharded gradients of the largest
-unit (a block), which every rank holds while that unit runs (Rajbhandari et al. 2020, ZeRO).
+them, plus, under ZeRO-3/FSDP, what FSDP2 gathers while a unit runs: its weights, the root's, the
+next unit's prefetched and the last unit's reduce-scatter input (`fsdp2_gathered_bytes`).
 """
 
 from __future__ import annotations
@@ -122,14 +122,13 @@ def shard_profile(profile: Profile, *, world_size: int, zero_stage: int,
 
     ``zero_stage``: 0 = DDP (nothing sharded), 1 = optimizer state, 2 = + gradients,
     3 = + parameters (FSDP2 ``fully_shard`` per block). Activations are per rank and unchanged.
-    Under stage 3 the largest block's unsharded weights and gradients, and the root unit's (every
-    parameter outside the blocks: FSDP2 does not reshard the root after the forward, and its
-    gradients, the head's first, stay unsharded until the backward ends), less the rank's own
-    shard, are added as ``gathered_bytes``: the planner counts them in every phase of backward.
+    Under stage 3 what FSDP2 gathers beside the shards while a unit's backward runs is added as
+    ``gathered_bytes`` (`fsdp2_gathered_bytes`: the largest block's weights, the root unit's, which
+    FSDP2 does not reshard after the forward, the next unit's prefetched weights and the unit
+    before's reduce-scatter input); the planner counts them in every phase of backward.
     A recompute segment of several blocks is one unit (`fsdp_units`), its blocks gathered
-    together through its backward: each block's unsharded bytes (``unit_bytes``) let the planner
-    price that per segment (`remat.plan.phases.unit_extra_bytes`; sqrt's two-block segments of a
-    4-layer GPT measured 5.2 % over the prediction without it, 2.0 % under with it).
+    together through its backward: each block's unsharded weights (``unit_bytes``) let the
+    planner price that per segment (`remat.plan.phases.unit_extra_bytes`).
     Under stages 0 and 1 over several ranks (DDP, and DDP with torch's ZeroRedundancyOptimizer
     sharding the optimizer state) its gradient buckets are model state
     (``bucket_bytes``): a flat copy of every gradient, allocated with the wrapper; with
@@ -146,18 +145,15 @@ def shard_profile(profile: Profile, *, world_size: int, zero_stage: int,
         param_bytes=profile.param_bytes, grad_bytes=profile.grad_bytes, master_bytes=0,
         optimizer_state_bytes=profile.optimizer_state_bytes, buffer_bytes=profile.buffer_bytes,
     )
-    largest = max((b.grad_bytes for b in profile.blocks), default=0)
-    # the root unit (`fully_shard_by_plan`): every parameter outside the blocks, which FSDP2 keeps
-    # gathered from the forward's start and whose gradients stay unsharded until the backward ends
-    in_blocks = sum(b.grad_bytes for b in profile.blocks)
-    root_params, root_grads = max(0, profile.param_bytes - in_blocks), max(0, profile.grad_bytes - in_blocks)
-    unit = ModelState(param_bytes=largest + root_params, grad_bytes=largest + root_grads, master_bytes=0,
-                      optimizer_state_bytes=0)
-    sharded = shard_model_state(unsharded, world_size=world_size, zero_stage=zero_stage, largest_unit=unit)
+    sharded = shard_model_state(unsharded, world_size=world_size, zero_stage=zero_stage)
     units: dict[str, Any] = {}
-    if zero_stage == 3 and world_size > 1:  # a multi-block recompute segment is one unit: priced per plan
-        units = dict(unit_bytes=tuple(2 * b.grad_bytes for b in profile.blocks),
-                     unit_root_bytes=root_params + root_grads, unit_world_size=world_size)
+    if zero_stage == 3 and world_size > 1:
+        # the root unit (`fully_shard_by_plan`): every parameter outside the blocks
+        root_params = max(0, profile.param_bytes - sum(b.grad_bytes for b in profile.blocks))
+        largest = max((b.grad_bytes for b in profile.blocks), default=0)
+        sharded = dataclasses.replace(sharded, gathered_bytes=fsdp2_gathered_bytes(largest, root_params))
+        # a multi-block recompute segment is one unit: priced per plan
+        units = dict(unit_bytes=tuple(b.grad_bytes for b in profile.blocks), block_gathered_bytes=2 * largest)
     if zero_stage >= 2:  # gradients sharded: each block's and the pre part's too
         profile = dataclasses.replace(
             profile,
@@ -172,6 +168,26 @@ def shard_profile(profile: Profile, *, world_size: int, zero_stage: int,
         gathered_bytes=sharded.gathered_bytes,
         **units,
     )
+
+
+def fsdp2_gathered_bytes(unit_params: int, root_params: int) -> int:
+    """What FSDP2 holds on a rank beside its shards while a unit's backward runs, for the largest
+    unit of one block, whose weights take ``unit_params`` bytes unsharded, beside a root unit of
+    ``root_params``:
+
+    - the unit's weights, gathered into storages of their own (the shard stays where it is);
+    - the root's, gathered from the forward's start to the backward's end;
+    - the next unit's all-gather result, prefetched as this unit's backward begins and held
+      until that unit's runs, and the reduce-scatter input of the unit before, held until this
+      unit's is issued: one unit's weights each (FSDP2's ``backward_prefetch`` and
+      ``reduce_scatter_states``, one input buffer).
+
+    The head's backward holds the root's weights and the prefetched ones only
+    (``Profile.block_gathered_bytes`` is the rest). The unit's unsharded gradients are in its
+    blocks' measured backward already. Counted as the
+    ZeRO paper counts it (the gathered unit and its gradients less the shard), a 4-layer Llama's
+    per-rank peak measured 13 % over its prediction."""
+    return 3 * unit_params + root_params
 
 
 def _with_buckets(profile: Profile, as_view: bool) -> Profile:

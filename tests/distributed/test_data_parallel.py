@@ -109,22 +109,23 @@ def test_plan_broadcast_and_checked(tmp_path: Path) -> None:
 @pytest.mark.parametrize("strategy", ["none", "full", "sqrt"])
 def test_fsdp2_measured_peak_matches_sharded_prediction(tmp_path: Path, strategy: str) -> None:
     """Per-rank peak of an FSDP2 step (live-storage tracker, DTensors counted by their local
-    shards) against the prediction on `shard_profile(profile, world_size=2, zero_stage=3)`.
+    shards, FSDP2's gathered weights by the resizes of their storages) against the prediction on
+    `shard_profile(profile, world_size=2, zero_stage=3)`.
 
-    Tolerance 3%. The sharded model divides parameters, gradients and optimizer state exactly
-    and adds the largest unit's and the root unit's gathered weights and gradients less the
-    rank's shard (the ZeRO paper's accounting, with FSDP2's root kept gathered); a recompute
-    segment of several blocks is one unit (`fully_shard_by_plan`), gathered whole through its
-    backward (`remat.plan.phases.unit_extra_bytes`: sqrt's two-block segments measured +5.2 %
-    under before it). It does not model FSDP2's backward prefetch, which gathers the next unit's
-    weights while the current unit's backward runs: measured here as -1.7% (no recomputation:
-    the root's gradients counted from the backward's start, the embedding's come last), +2.4%
-    (full recomputation, peak inside a block's backward) and -2.0% (sqrt) on this model.
+    The sharded model divides parameters, gradients and optimizer state exactly and adds what
+    FSDP2 gathers while a unit's backward runs (`remat.distributed.fsdp2_gathered_bytes`): the
+    unit's weights, the root's, the next unit's prefetched and the reduce-scatter input of the
+    unit before. A block at either end of the chain holds one of those two buffers only, so the
+    prediction is safe and at most one unit's weights over: 183,296 B (none), 67,200 B (full) and
+    183,552 B (sqrt) over here, with a unit of 199,936 B. Counted as the ZeRO paper counts it,
+    the gathered unit and its gradients less the shard, without the two buffers, this model's
+    plans measured 6.5 % (none), 13.5 % (full) and 14.1 % (sqrt) over their predictions once the
+    gathered weights were seen.
     """
     results = _spawn(workers.fsdp_peak, tmp_path, strategy)
     for res in results:
-        err = abs(res["measured_peak_bytes"] - res["predicted_peak_bytes"]) / res["predicted_peak_bytes"]
-        assert err <= 0.03, res
+        over = res["predicted_peak_bytes"] - res["measured_peak_bytes"]
+        assert 0 <= over <= res["largest_unit_bytes"], res
         # sharding really shrank the model state on the rank
         assert res["sharded_state_bytes"] < res["unsharded_state_bytes"]
 

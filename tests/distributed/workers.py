@@ -216,6 +216,7 @@ def fsdp_peak(rank: int, world_size: int, port: int, out_dir: str, strategy: str
         "predicted_peak_bytes": plan.prediction.peak_bytes,
         "by_category": tracked.peak_bytes_by_category,
         "sharded_state_bytes": sharded.model_state_bytes, "unsharded_state_bytes": profile.model_state_bytes,
+        "largest_unit_bytes": max(sharded.unit_bytes),
     })
 
 

@@ -88,6 +88,34 @@ def test_freed_storage_leaves_the_count():
     assert tracker.peak_bytes == 2 * 256 * F32
 
 
+def test_storages_resized_in_place_are_counted_as_they_grow_and_shrink():
+    """FSDP2 gathers a unit's weights into storages it keeps, resizing them to their full size
+    and back to 0 (``UntypedStorage.resize_``): no op makes a tensor, so only the resize says."""
+    kept = torch.empty(256)  # made before tracking, as FSDP2's gather buffers are
+    kept.untyped_storage().resize_(0)
+    other = torch.empty(32)
+    tracker = LiveTracker(torch.device("cpu"))
+    with tracker:
+        kept.untyped_storage().resize_(256 * F32)  # gathered
+        a = torch.ones(100)
+        assert tracker.live_bytes == (256 + 100) * F32
+        kept.untyped_storage().resize_(0)  # resharded
+        assert tracker.live_bytes == 100 * F32
+        made = torch.ones(64)  # made in the step, then resized
+        made.untyped_storage().resize_(16 * F32)
+        assert tracker.live_bytes == (100 + 16) * F32
+        made.untyped_storage().resize_(128 * F32)
+        assert tracker.live_bytes == (100 + 128) * F32
+        del made
+        assert tracker.live_bytes == 100 * F32
+        other.untyped_storage().resize_(0)  # one the tracker never counted: not the step's
+        assert tracker.live_bytes == 100 * F32
+        del a
+    assert tracker.peak_bytes == (256 + 100) * F32
+    assert tracker.live_bytes == 0
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # put back on exit
+
+
 def test_window_excludes_labels_and_offset():
     tracker = LiveTracker(torch.device("cpu"))
     with tracker:

@@ -79,7 +79,7 @@ def test_segments_as_fsdp_units_the_same_in_both(seed):
     if seed >= 4:  # alike blocks: the slot DP's shared replay tables
         plain = dataclasses.replace(plain, blocks=(plain.blocks[0],) * len(plain.blocks), joins=None, replayable=None)
         unit_bytes = (unit_bytes[0],) * len(unit_bytes)
-    units = UnitSlots(unit_bytes=unit_bytes, root_bytes=rng.randint(0, 3), world_size=2, quantum=1)
+    units = UnitSlots(unit_bytes=unit_bytes, quantum=1)
     problem = dataclasses.replace(plain, units=units)
     extra = problem.unit_slots(0, [1, 2, len(plain.blocks)])
     assert extra[0] == 0 and extra[2] > 0  # one block: its own unit; the whole chain: more than the largest

@@ -108,20 +108,24 @@ def _with_rates(profile, device: str):
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_optimal_under_fsdp_where_a_segment_is_one_unit(measured, name):
     """ZeRO-3 over 2 ranks (`shard_profile`): a recompute segment of several blocks is one FSDP
-    unit, its blocks' weights and gradients gathered together through its backward
+    unit, its blocks' weights gathered together through its backward, and the units beside it,
+    whose prefetched weights and reduce-scatter input it holds, priced as large
     (`remat.plan.phases.unit_extra_bytes`), so longer segments cost more than their held input.
     The search prices that per segment as `predict` does: still the best layout at every budget."""
     from remat.distributed import shard_profile
     from remat.plan.phases import unit_extra_bytes
 
     profile = shard_profile(measured[name], world_size=2, zero_stage=3)
-    block = profile.unit_bytes[0]
+    units = profile.unit_bytes
+    block = units[0]
+    assert profile.gathered_bytes == 3 * max(units) + measured[name].param_bytes - sum(units)
     assert unit_extra_bytes(profile, 0, 1) == 0
-    # the MLP's widths vary: a two-block unit gathers the half of both blocks a rank lacks, beyond the largest's
-    pair = (profile.unit_bytes[0] + profile.unit_bytes[1] + profile.unit_root_bytes
-            - -(-(profile.unit_bytes[0] + profile.unit_bytes[1] + profile.unit_root_bytes) // 2))
-    largest = max(profile.unit_bytes) + profile.unit_root_bytes - -(-(max(profile.unit_bytes) + profile.unit_root_bytes) // 2)
-    assert unit_extra_bytes(profile, 0, 2) == max(0, pair - largest)
+    # the MLP's widths vary: a two-block unit at the chain's start gathers both blocks beyond the
+    # largest, and the unit after it (the reduce-scatter input it holds) is priced as large; one
+    # inside the chain has a unit on either side (the one before it prefetched)
+    assert unit_extra_bytes(profile, 0, 2) == 2 * max(0, units[0] + units[1] - max(units))
+    inside = 3 if profile.num_blocks > 3 else 2
+    assert unit_extra_bytes(profile, 1, 3) == inside * max(0, units[1] + units[2] - max(units))
     assert block > 0 and unit_extra_bytes(profile, 0, profile.num_blocks) > 0
     _check_every_budget(profile, enumerate_space(profile))
 

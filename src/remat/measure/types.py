@@ -681,18 +681,17 @@ class Profile(JsonDocument):
     ``gradient_as_bucket_view=True``, the gradients themselves, there from the step's start:
     model state through the whole step."""
     gathered_bytes: int = 0
-    """ZeRO-3/FSDP only: the all-gathered weights and unsharded gradients of the largest block's
-    unit and of the root unit, less this rank's shard, live on every rank while that unit runs
-    (see `remat.distributed`)."""
+    """ZeRO-3/FSDP only: what FSDP2 holds beside the rank's shards while a unit's backward runs:
+    the largest block's and the root unit's gathered weights, the next unit's prefetched ones and
+    the reduce-scatter input of the unit before (`remat.distributed.fsdp2_gathered_bytes`)."""
+    block_gathered_bytes: int = 0
+    """ZeRO-3/FSDP only: the part of ``gathered_bytes`` live only while a block's backward runs
+    (its unit's weights and the reduce-scatter input beside the prefetched next unit), not through
+    the head's, which holds the root's and the prefetched weights only."""
     unit_bytes: tuple[int, ...] = ()
-    """ZeRO-3/FSDP only: per block, its weights and gradients unsharded. A recompute segment of
-    several blocks is one unit (`remat.distributed.fsdp_units`), gathered whole through its
-    backward: beyond ``gathered_bytes`` by `remat.plan.phases.unit_extra_bytes` (() elsewhere)."""
-    unit_root_bytes: int = 0
-    """ZeRO-3/FSDP only: the root unit's weights and gradients unsharded (every parameter outside
-    the blocks), gathered beside every unit."""
-    unit_world_size: int = 1
-    """ZeRO-3/FSDP only: the ranks each unit is sharded over."""
+    """ZeRO-3/FSDP only: per block, its weights unsharded. A recompute segment of several blocks
+    is one unit (`remat.distributed.fsdp_units`), gathered whole through its backward: beyond
+    ``gathered_bytes`` by `remat.plan.phases.unit_extra_bytes` (() elsewhere)."""
     fixed_pre_fwd_bytes: int = 0
     """Peak of the forward before the first block (embeddings, a vision model's stem) above the
     model state, no gradient live yet: what a model whose early layers save nothing (a frozen

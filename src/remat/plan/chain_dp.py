@@ -165,9 +165,7 @@ class UnitSlots:
     gathered whole)."""
 
     unit_bytes: tuple[int, ...]
-    """Per block, its weights and gradients unsharded."""
-    root_bytes: int
-    world_size: int
+    """Per block, its weights unsharded."""
     quantum: int
     relax: bool = False
     """Round down (the DP's cost a lower bound), not up (a layout it accepts fits)."""
@@ -175,14 +173,9 @@ class UnitSlots:
     def slots(self, a: int, stops: np.ndarray) -> np.ndarray:
         """Extra slots of the segments ``[a, b)`` for each ``b`` of ``stops``."""
         prefix = np.concatenate([[0], np.cumsum(self.unit_bytes, dtype=np.int64)])
-        n = self.world_size
-
-        def gathered(unit: np.ndarray) -> np.ndarray:
-            return unit - (-(-unit // n))
-
         stops = np.asarray(stops, dtype=np.int64)
-        largest = gathered(np.int64(max(self.unit_bytes) + self.root_bytes))
-        extra = np.maximum(0, gathered(prefix[stops] - prefix[a] + self.root_bytes) - largest)
+        grown = np.maximum(0, prefix[stops] - prefix[a] - max(self.unit_bytes))
+        extra = grown * (1 + (a > 0) + (stops < len(self.unit_bytes)))
         extra[stops - a < 2] = 0
         return extra // self.quantum if self.relax else -(-extra // self.quantum)
 

@@ -58,7 +58,8 @@ def fixed_part(profile: Profile) -> FixedPart:
     return FixedPart(
         base_bytes=backward_base_bytes(profile) + profile.fixed_pre_saved_bytes,
         grad_bytes=grad_bytes_live(profile, 0) + first_grads,
-        head_bytes=post_working_bytes(profile) + grad_bytes_live(profile, profile.num_blocks),
+        head_bytes=(post_working_bytes(profile) + grad_bytes_live(profile, profile.num_blocks)
+                    - profile.block_gathered_bytes),  # FSDP2: not held through the head's backward
         optimizer_bytes=max(optimizer_phase_bytes(profile), pre_forward_phase_bytes(profile),
                             pre_backward_phase_bytes(profile)),
     )
@@ -146,8 +147,7 @@ class ChainBuilder:
         blocks = tuple(b if b is not None else self._chain_block(i, quantum, relax) for i, b in enumerate(chain))
         units = None
         if self.profile.unit_bytes:  # ZeRO-3: a segment's unit gathered whole (rounded down with ``relax``)
-            units = UnitSlots(unit_bytes=self.profile.unit_bytes, root_bytes=self.profile.unit_root_bytes,
-                              world_size=self.profile.unit_world_size, quantum=quantum, relax=relax)
+            units = UnitSlots(unit_bytes=self.profile.unit_bytes, quantum=quantum, relax=relax)
         blocks_ = self.profile.blocks
         forward = SegmentForward(
             # the outputs the code holds of the block before, as if it is not kept: a bound (`remat.plan.variants`)

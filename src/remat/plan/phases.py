@@ -249,17 +249,19 @@ def held_twice_bytes(profile: Profile, block_index: int, holders: Sequence[int] 
 def unit_extra_bytes(profile: Profile, start: int, stop: int) -> int:
     """What a top-level recompute segment ``[start, stop)`` adds to every phase of its backward
     under ZeRO-3/FSDP: it is one unit (`remat.distributed.fsdp_units`: its replay runs its blocks
-    together), so its blocks' weights and unsharded gradients are gathered together, where
-    ``gathered_bytes`` counts the largest block's, each beside the root unit and less the rank's
-    shard. 0 for one block, and without ZeRO-3 (``unit_bytes`` empty)."""
+    together), so its blocks' weights are gathered together, where ``gathered_bytes`` counts the
+    largest block's; and the units beside it, whose prefetched weights and reduce-scatter input
+    it holds, are priced as large as it is (one side at either end of the chain). 0 for one
+    block, and without ZeRO-3 (``unit_bytes`` empty)."""
     if stop - start < 2 or not profile.unit_bytes:
         return 0
-    n, root = profile.unit_world_size, profile.unit_root_bytes
+    return unit_extra(profile.unit_bytes, start, stop)
 
-    def gathered(unit: int) -> int:
-        return unit - (-(-unit // n))
 
-    return max(0, gathered(sum(profile.unit_bytes[start:stop]) + root) - gathered(max(profile.unit_bytes) + root))
+def unit_extra(unit_bytes: Sequence[int], start: int, stop: int) -> int:
+    """`unit_extra_bytes` of the blocks' unsharded weights ``unit_bytes``."""
+    grown = max(0, sum(unit_bytes[start:stop]) - max(unit_bytes))
+    return grown * (1 + (start > 0) + (stop < len(unit_bytes)))
 
 
 def released_grad_bytes(block: BlockProfile) -> int:

@@ -109,8 +109,9 @@ def _peak_phases(profile: Profile, segments: tuple[Segment, ...],
     dead = dead_shared_bytes(profile, segments)
     stored = stored_held_bytes(profile, segments)
     inner = layout_peak(profile, segments, 0, profile.num_blocks, dead=dead, stored=stored)
-    held = base + grad_bytes_live(profile, profile.num_blocks) + profile.fixed_pre_saved_bytes + sum(retained) - (
-        dead[-1] if dead else 0) + stored[-1]
+    held = (base - profile.block_gathered_bytes  # FSDP2: not held through the head's backward
+            + grad_bytes_live(profile, profile.num_blocks) + profile.fixed_pre_saved_bytes + sum(retained)
+            - (dead[-1] if dead else 0) + stored[-1])
     post = held + post_working_bytes(profile)
     begin, end = post_extra
     if begin and profile.fixed_post_fwd_bytes:  # held by the code through the post part's forward only
