@@ -84,7 +84,7 @@ from remat.measure.layerdrop import LayerDropOff
 from remat.measure.blocks import Blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.budget import ProbeBudget, lockstep
-from remat.measure.compiled import backend_name, measure_compiled, with_compiled
+from remat.measure.compiled import backend_name, measure_compiled, measure_pre_part, with_compiled
 from remat.measure.dataflow import BlockFlow, DataflowRecorder, block_flows
 from remat.measure.fixed import fixed_modules
 from remat.measure.faults import FaultCount, first_touch_ms_per_byte
@@ -347,7 +347,8 @@ def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
     least = min((b.recompute_overhead_ms for b in prof.blocks), default=0.0)
     prof = dataclasses.replace(prof, checkpoint_call_ms=min(call_ms, least))
     if backend:
-        prof = with_compiled(prof, _compiled_figures(step, block_list, memory.recorder, repeats, backend), backend)
+        prof = with_compiled(prof, _compiled_figures(step, block_list, memory.recorder, repeats, backend), backend,
+                             measure_pre_part(step, block_list, backend))
     return prof, memory.windows
 
 

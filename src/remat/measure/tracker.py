@@ -448,6 +448,27 @@ def allocator_net_peak_bytes(step: Callable[[], Any], device: torch.device,
     only with the size it recorded at the allocation, so a step that frees what a step before it
     made (the last step's gradients, under ``zero_grad(set_to_none=True)``) is measured after one
     such step recorded too; a free of memory allocated before the recording is not seen."""
+    return max((peak for _, _, peak in allocator_timeline(step, device, before)), default=0)
+
+
+MARK = "remat::mark:"
+"""The profiler's label prefix of an `allocator_mark`."""
+
+
+def allocator_mark(name: str) -> None:
+    """Marks the allocator's timeline that `allocator_timeline` reads (an empty profiler range)."""
+    from torch.autograd.profiler import record_function
+
+    with record_function(MARK + name):
+        pass
+
+
+def allocator_timeline(step: Callable[[], Any], device: torch.device,
+                       before: Callable[[], Any] | None = None) -> list[tuple[str, int, int]]:
+    """The allocator's net bytes on ``device`` through ``step()`` (as `allocator_net_peak_bytes`
+    measures them: above those out when it began; ``before`` likewise), at each `allocator_mark`
+    it made, in order: ``(name, bytes at the mark, the highest they rose since the mark before)``,
+    and last ``("", bytes at the end, the highest since the last mark)``."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
@@ -461,17 +482,28 @@ def allocator_net_peak_bytes(step: Callable[[], Any], device: torch.device,
     marks = [e for e in events if e.name() == MEASURED_STEP]
     begin = min(e.start_ns() for e in marks)
     end = max(e.start_ns() + e.duration_ns() for e in marks)
-    memory = [e for e in events
+    memory = [(e.start_ns(), e.nbytes()) for e in events
               if e.name() == "[memory]" and e.device_type().name.lower() == device.type
               and (device.index is None or e.device_index() in (device.index, -1))]
-    live = 0
-    start = peak = None
-    for event in sorted(memory, key=lambda e: e.start_ns()):
-        if event.start_ns() >= begin and start is None:
+    named = [(e.start_ns(), e.name()[len(MARK):]) for e in events
+             if e.name().startswith(MARK) and begin <= e.start_ns() <= end]
+    timeline: list[tuple[str, int, int]] = []
+    live = start = 0
+    peak = None
+    points = sorted([(t, 0, "", n) for t, n in memory] + [(t, 1, name, 0) for t, name in named],
+                    key=lambda point: point[:2])  # stable: events at one time in the profiler's order
+    for t, is_mark, name, nbytes in points:
+        if t >= begin and peak is None:
             start = peak = live
-        if event.start_ns() > end:
+        if t > end:
             break
-        live += event.nbytes()
-        if start is not None:
+        if is_mark:
+            timeline.append((name, live - start, peak - start))
+            peak = live
+            continue
+        live += nbytes
+        if peak is not None:
             peak = max(peak, live)
-    return 0 if start is None else peak - start
+    if peak is None:
+        return [("", 0, 0)]
+    return [*timeline, ("", live - start, peak - start)]
