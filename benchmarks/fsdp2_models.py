@@ -3,6 +3,9 @@ against the sharded prediction.
 
     python -m benchmarks.fsdp2_models [--models llama gpt2 ...] [--strategies none full sqrt]
 
+``--models`` also takes the decoders of `MORE_MODELS` (OPT, GPT-NeoX, Falcon, Phi, Qwen3, OLMo 2,
+StableLM, Gemma, Granite) and DeBERTa-v2.
+
 Two CPU ranks on gloo, tiny configs built from configs (nothing downloaded), a micro-batch per
 rank, AdamW. Rank 0 profiles the unwrapped model, plans on `shard_profile(profile, world_size=2,
 zero_stage=3)` and broadcasts the plan; each rank applies it to a copy, shards it with
@@ -91,7 +94,28 @@ def build(name: str, rank: int) -> tuple[Any, dict[str, Any]]:
     if name == "mamba":
         return T.MambaForCausalLM(cfg("mamba", vocab_size=128, hidden_size=64, num_hidden_layers=4, state_size=8,
                                       use_cache=False)), lm
-    raise KeyError(f"unknown model {name!r}; known: {', '.join(DEFAULT_MODELS)}")
+    if name in MORE_MODELS:  # decoders (and DeBERTa) of the shared tiny size
+        kind, cls, extra = MORE_MODELS[name]
+        model = getattr(T, cls)(cfg(kind, **{**tiny, **extra}))
+        if cls.endswith("ForSequenceClassification"):
+            return model, dict(input_ids=ids, labels=torch.randint(0, 2, (2,), generator=g))
+        return model, lm
+    raise KeyError(f"unknown model {name!r}; known: {', '.join((*DEFAULT_MODELS, *MORE_MODELS))}")
+
+
+MORE_MODELS = {
+    "opt": ("opt", "OPTForCausalLM", dict(ffn_dim=128, word_embed_proj_dim=64)),
+    "gpt_neox": ("gpt_neox", "GPTNeoXForCausalLM", {}),
+    "falcon": ("falcon", "FalconForCausalLM", {}),
+    "phi": ("phi", "PhiForCausalLM", {}),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", {}),
+    "olmo2": ("olmo2", "Olmo2ForCausalLM", dict(eos_token_id=2, pad_token_id=1)),
+    "stablelm": ("stablelm", "StableLmForCausalLM", {}),
+    "gemma": ("gemma", "GemmaForCausalLM", dict(head_dim=16)),
+    "granite": ("granite", "GraniteForCausalLM", {}),
+    "deberta_v2": ("deberta-v2", "DebertaV2ForSequenceClassification", {}),
+}
+"""More models for ``--models``, beyond the default table: (config type, class, config overrides)."""
 
 
 def _rank(rank: int, world: int, port: int, name: str, strategy: str, out: str) -> None:
