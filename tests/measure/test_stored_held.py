@@ -8,6 +8,8 @@ its prediction."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -28,9 +30,10 @@ class Layer(nn.Module):
         self.index, self.saves = index, saves
         self.key, self.up, self.down = nn.Linear(D, D), nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
 
-    def forward(self, x: torch.Tensor, store: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, store: dict[str, torch.Tensor] | None) -> torch.Tensor:
         k = self.key(x)  # nothing saves it, unless ``saves``; the loss reaches it, as Gemma 4's keys
-        store[f"k{self.index}"] = k
+        if store is not None:  # None: a cache took the keys (`CachedNet`)
+            store[f"k{self.index}"] = k
         h = self.down(torch.tanh(self.up(x)))
         return x + (h * k if self.saves else h + k)
 
@@ -76,3 +79,32 @@ def test_what_blocks_write_to_a_container_a_checkpoint_holds_is_predicted(saves:
     stored = tuple((i, STORED, STORED if saves else 0, 0) for i in range(3))
     assert [b.stored_held for b in prof.blocks] == [stored] * 3
     assert [b.stored_calls for b in prof.blocks] == [("aten.addmm.default#0",)] * 3
+
+
+class CachedNet(Net):
+    """`Net` as Gemma 4 is: with a key/value cache on (``config.use_cache``, True by default) the
+    layers read shared keys from the cache, without one from the mapping they are handed."""
+
+    def __init__(self) -> None:
+        super().__init__(saves=False)
+        self.config = SimpleNamespace(use_cache=True)
+
+    def forward(self, x: torch.Tensor, use_cache: bool | None = None) -> torch.Tensor:
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        h, store = self.emb(x), {}
+        for layer in self.layers:
+            h = layer(h, store=None if use_cache else store)
+        return self.head(h)
+
+
+def test_the_container_is_seen_as_the_step_fills_it_with_the_cache_on_by_default() -> None:
+    """remat turns the cache off in training (`CacheOff`), so the step fills the mapping; the forward
+    without gradients that finds what the code holds left the cache on, saw the mapping empty and
+    predicted full recomputation 3 x 2,048 bytes under its measured peak (Gemma 4's default)."""
+    torch.manual_seed(0)
+    model, x = CachedNet(), torch.randint(0, V, (B, S))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match="use_cache=True is incompatible"):
+        prof = remat.profile(model, x, _loss, opt)
+    assert [b.stored_held for b in prof.blocks] == [tuple((i, STORED, 0, 0) for i in range(3))] * 3
+    assert_plans_exact(model, x, prof, opt, strategies=("none", "full", "sqrt"), loss_fn=_loss)

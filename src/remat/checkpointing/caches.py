@@ -12,16 +12,18 @@ measured, what is predicted and what runs are the same step; blocks still handed
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CACHE_WARNING", "CacheOff", "PREFILLED_CACHE", "SHARED_CACHE", "cache_positions", "drop_kv_caches", "is_kv_cache"]
+__all__ = ["CACHE_WARNING", "CacheOff", "as_in_training", "PREFILLED_CACHE", "SHARED_CACHE", "cache_positions", "drop_kv_caches", "is_kv_cache"]
 
 CACHE_WARNING = (
     "use_cache=True is incompatible with remat's recomputation (a replayed layer would append to "
@@ -104,9 +106,32 @@ def _caches_as_decoder_only(cls: type) -> bool:
         return False
 
 
+_AS_IN_TRAINING = [False]
+"""Set by `as_in_training` (a list: dynamo reads a module global where a hook runs compiled)."""
+
+
+@contextlib.contextmanager
+def as_in_training() -> Iterator[None]:
+    """Within it, `CacheOff`'s hooks act without gradients too: a forward remat runs without
+    gradients to see what the training step holds (`remat.measure.held.code_held_calls`) then runs
+    as the step runs. Gemma 4's layers write their keys and values to the mapping every layer is
+    handed only without a cache; with it on (``use_cache`` defaults to True) that forward saw none."""
+    before = _AS_IN_TRAINING[0]
+    _AS_IN_TRAINING[0] = True
+    try:
+        yield
+    finally:
+        _AS_IN_TRAINING[0] = before
+
+
+def _training() -> bool:
+    """Whether this forward is a training step's, as `CacheOff` turns caches off for."""
+    return torch.is_grad_enabled() or _AS_IN_TRAINING[0]
+
+
 def _cache_off_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
     """Forward pre-hook: ``use_cache=False`` when gradients are enabled and the call would cache."""
-    if not torch.is_grad_enabled():
+    if not _training():
         return None  # generation: the cache is what it is for
     asked = kwargs.get("use_cache")
     if asked is False or (asked is None and not module.config.use_cache):
@@ -132,7 +157,7 @@ def _drop_empty_cache_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dic
     cache's copies of the keys and values, not bit for bit the same (Flaubert's gradients 1e-11
     apart, and verify failed the plan). A cache that holds positions is left: the block needs
     them, and is keep-only (`PREFILLED_CACHE`)."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or cache_positions(args, kwargs):
+    if torch.compiler.is_compiling() or not _training() or cache_positions(args, kwargs):
         return None  # a compiled model: its blocks run as the model calls them (the runtime drops a replayed one's)
     dropped = drop_kv_caches(args, kwargs)
     return None if dropped[0] is args and dropped[1] is kwargs else dropped

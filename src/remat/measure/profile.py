@@ -79,7 +79,7 @@ from torch import nn
 from remat._batch import (LossFn, batch_tensors, call_model, check_batch_device, check_model, check_step_inputs,
                           compute_loss, model_device)
 from remat.checkpointing.cacheable import cacheable
-from remat.checkpointing.caches import CacheOff
+from remat.checkpointing.caches import CacheOff, as_in_training
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.blocks import Blocks
 from remat.measure.boundaries import Boundary, StepBoundaries
@@ -674,7 +674,8 @@ def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
     if model_device(step.model).type == "meta":
         return prof
     try:
-        held = code_held_calls(step.model, step.batch, block_list, step.loss_fn)
+        with as_in_training():  # the caches off as in the step (`CacheOff`), though without gradients
+            held = code_held_calls(step.model, step.batch, block_list, step.loss_fn)
     except Exception:  # noqa: BLE001 - a refinement: the profile stands without it
         return prof
 
