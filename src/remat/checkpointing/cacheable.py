@@ -10,7 +10,12 @@ cached only when nothing writes into its outputs afterwards:
 - in-place calls never (their output is their input, written by them);
 - a call whose output storage a later call of the forward writes in place
   (`remat.measure.types.OpRecord.mutated_later`: T5's ``relative_buckets += ...``, Mixtral's
-  router ``top_k_weights /= ...``) never.
+  router ``top_k_weights /= ...``) never;
+- a call that draws random numbers never (`RANDOM_OPS`): the replay restores the generator as
+  the forward found it and runs the same draws in the same order; a cached draw is skipped, so
+  every draw after it in the replay takes other numbers than its forward did (SegFormer's
+  drop-path ``rand`` cached, its dropout masks and later drop-path draws differed: gradients off
+  by 1e-4).
 
 Torch-free on purpose: the planner prices selective blocks by this rule without importing torch.
 """
@@ -19,11 +24,23 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["ALLOCATION_OPS", "MATMUL_OPS", "cacheable", "is_in_place", "op_packet"]
+__all__ = ["ALLOCATION_OPS", "MATMUL_OPS", "RANDOM_OPS", "cacheable", "is_in_place", "op_packet"]
 
 ALLOCATION_OPS = frozenset({"aten.empty_like", "aten.empty", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided"})
 """Ops that only allocate: their outputs are filled in place afterwards, so a cached output would
 be mutated. They cost nothing to replay, so they are always replayed."""
+
+RANDOM_OPS = frozenset(
+    {
+        "aten.rand", "aten.rand_like", "aten.randn", "aten.randn_like", "aten.randint", "aten.randint_like",
+        "aten.randperm", "aten.bernoulli", "aten.normal", "aten.multinomial", "aten.poisson", "aten.binomial",
+        "aten._standard_gamma", "aten._sample_dirichlet", "aten.native_dropout", "aten._fused_dropout",
+        "aten.rrelu_with_noise", "aten.uniform", "aten.exponential", "aten.geometric", "aten.cauchy", "aten.log_normal",
+        "aten.random",
+    }
+)
+"""Ops that draw from a random generator, out of place (the in-place ones, ``bernoulli_`` and
+the like, are never cached anyway): never cached (module docstring)."""
 
 MATMUL_OPS = frozenset(
     {
@@ -74,4 +91,5 @@ def cacheable(name: str, mutated_later: bool = False) -> bool:
     Caching an in-place call is unsound besides: the replay of ``dropout`` fills the tensor it
     allocated (``noise.bernoulli_(); noise.div_()``), not the value an op returns, so a cached
     in-place op would leave that tensor unfilled."""
-    return not mutated_later and op_packet(name) not in ALLOCATION_OPS and not is_in_place(name)
+    packet = op_packet(name)
+    return not mutated_later and packet not in ALLOCATION_OPS and packet not in RANDOM_OPS and not is_in_place(name)
