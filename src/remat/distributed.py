@@ -184,9 +184,9 @@ def fsdp2_gathered_bytes(unit_params: int, root_params: int) -> int:
 
     The head's backward holds the root's weights and the prefetched ones only
     (``Profile.block_gathered_bytes`` is the rest). The unit's unsharded gradients are in its
-    blocks' measured backward already. Counted as the
-    ZeRO paper counts it (the gathered unit and its gradients less the shard), a 4-layer Llama's
-    per-rank peak measured 13 % over its prediction."""
+    blocks' measured backward already. Counted as the ZeRO paper counts it (the gathered unit and
+    its gradients less the shard), a 4-layer Llama's per-rank peak measured 13 % over its
+    prediction."""
     return 3 * unit_params + root_params
 
 

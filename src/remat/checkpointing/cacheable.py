@@ -11,11 +11,11 @@ cached only when nothing writes into its outputs afterwards:
 - a call whose output storage a later call of the forward writes in place
   (`remat.measure.types.OpRecord.mutated_later`: T5's ``relative_buckets += ...``, Mixtral's
   router ``top_k_weights /= ...``) never;
-- a call that draws random numbers never (`RANDOM_OPS`): the replay restores the generator as
-  the forward found it and runs the same draws in the same order; a cached draw is skipped, so
-  every draw after it in the replay takes other numbers than its forward did (SegFormer's
-  drop-path ``rand`` cached, its dropout masks and later drop-path draws differed: gradients off
-  by 1e-4).
+- a call that draws random numbers never (`RANDOM_OPS`; dropout's ``native_dropout`` aside): the
+  replay restores the generator as the forward found it and runs the same draws in the same
+  order; a cached draw is skipped, so every draw after it in the replay takes other numbers than
+  its forward did (SegFormer's drop-path ``rand`` cached, its dropout masks and later drop-path
+  draws differed: gradients off by 1e-4).
 
 Torch-free on purpose: the planner prices selective blocks by this rule without importing torch.
 """
