@@ -68,3 +68,41 @@ def test_a_selective_replay_draws_what_its_forward_drew() -> None:
     check = remat.verify(model, x, make_plan(prof, segments, "layout", None), None, opt, repeats=1)
     assert check.grads_identical and check.grad_max_abs_diff == 0.0, check.grad_max_abs_diff
     assert check.ok
+
+
+class TimmLayer(nn.Module):
+    """Dropout as one ``native_dropout`` call (its eager form on CUDA), then timm's drop path,
+    which draws in place (``new_empty(...).bernoulli_()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.native_dropout(self.a(x), 0.2, True)[0]
+        mask = x.new_empty((x.shape[0], 1, 1)).bernoulli_(0.8)
+        return x + self.b(h) * mask / 0.8
+
+
+def test_a_cached_dropout_still_draws_in_the_replay() -> None:
+    """A plan may cache ``native_dropout`` (Megatron's recipe keeps the masks after the attention
+    core); the replay then ran the drop path's draw from the generator the dropout's should have
+    advanced, another mask: gradients off by 0.09. The cached call runs in the replay now, its
+    output dropped, and the step's peak is still the prediction."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(TimmLayer(), TimmLayer(), TimmLayer()).train(), torch.randn(8, 4, D)
+
+    def loss_fn(out: torch.Tensor, _batch: torch.Tensor) -> torch.Tensor:
+        return out.square().mean()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = remat.profile(model, x, loss_fn, opt)
+    assert "aten.native_dropout.default#0" in [op.key for op in prof.blocks[1].ops]
+    assert cacheable("aten.native_dropout.default")
+    segments = tuple(Segment(start=i, stop=i + 1, strategy="keep") if i != 1 else
+                     Segment(start=1, stop=2, strategy="selective:knapsack", saved_ops=("aten.native_dropout.default#0",))
+                     for i in range(3))
+    plan = make_plan(prof, segments, "layout", None)
+    check = remat.verify(model, x, plan, loss_fn, opt, repeats=1)
+    assert check.grads_identical and check.grad_max_abs_diff == 0.0, check.grad_max_abs_diff
+    assert check.measured_peak_bytes == plan.prediction.peak_bytes

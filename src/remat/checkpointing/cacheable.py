@@ -41,9 +41,9 @@ RANDOM_OPS = frozenset(
 """Ops that draw from a random generator, out of place (the in-place ones, ``bernoulli_`` and
 the like, are never cached anyway): never cached (module docstring). Not dropout's
 ``native_dropout`` (one call for output and mask where it runs eagerly, on CUDA): Megatron's
-recipe keeps the masks of the dropouts after the attention core, whose replay draws only the
-core's, before them. A cached ``native_dropout`` before a replayed draw of its block (a drop-path
-``rand`` after an attention dropout kept) has the same flaw; the planner does not see that order."""
+recipe keeps the masks of the dropouts after the attention core. Where one is cached, the replay
+still runs it, to advance the generator, and drops its output (`remat.checkpointing.selective`),
+so the block's later draws take the forward's numbers."""
 
 MATMUL_OPS = frozenset(
     {

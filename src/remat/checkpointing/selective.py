@@ -20,9 +20,10 @@ import functools
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as tuc
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from remat.checkpointing.cacheable import cacheable
+from remat.checkpointing.cacheable import RANDOM_OPS, cacheable, op_packet
 
 __all__ = ["REPLAY_DIFFERS", "SavedOpsPolicy", "is_saved", "selective_context"]
 
@@ -143,6 +144,32 @@ def selective_context(saved_ops: frozenset[str]) -> tuple[Any, Any]:
 
 _EXPLAINED: dict[type, type] = {}
 
+_DRAWS = frozenset({*RANDOM_OPS, "aten.native_dropout"})
+"""Calls that draw random numbers (`remat.checkpointing.cacheable.RANDOM_OPS`, and dropout's one
+call where it runs eagerly, on CUDA, which a plan may cache)."""
+
+
+def _cached_draw(mode: Any, func: Any, args: tuple) -> bool:
+    """Whether the replay's call ``func`` draws random numbers and torch hands back its cached
+    output (torch >= 2.12's storage: per call key, the forward's answer per occurrence). The
+    replay restores the generator as its forward found it and runs every call it does not take
+    from the cache, so a cached draw skipped there gives every later draw of the block other
+    numbers than its forward's: a cached attention dropout, then timm's drop-path ``bernoulli_``,
+    trained on another mask. Run, it advances the generator as the forward's call did."""
+    name = _NAMES.get(func) or str(func)
+    if op_packet(name) not in _DRAWS:
+        return False
+    storage_key = getattr(tuc, "_sac_storage_key", None)
+    counter, storage = getattr(mode, "func_counter", None), getattr(mode, "storage", None)
+    if storage_key is None or counter is None or storage is None:
+        return False  # torch before 2.12 asks the policy again in the replay (`SavedOpsPolicy`)
+    key = storage_key(func, args)
+    calls = storage.get(key)
+    if not isinstance(calls, dict):
+        return False
+    entry = calls.get(counter.get(key, 0))
+    return entry is not None and entry is not getattr(tuc, "_RECOMPUTE", None) and entry is not getattr(tuc, "_CONSUMED", None)
+
 
 def _explained(mode: Any) -> Any:
     """``mode``, torch's replay mode, as a subclass of its own class that says why a replay found
@@ -152,6 +179,8 @@ def _explained(mode: Any) -> Any:
     cls = _EXPLAINED.get(base)
     if cls is None:
         def __torch_dispatch__(self: Any, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            if _cached_draw(self, func, args):
+                func(*args, **(kwargs or {}))  # advances the generator as the forward's call did; the output goes
             try:
                 return base.__torch_dispatch__(self, func, types, args, kwargs)
             except RuntimeError as exc:
