@@ -41,9 +41,13 @@ def test_zero3_gathered_unit() -> None:
     state = model_state([(800,)], optimizer="adam", precision_name="mixed")
     unit = model_state([(100,)], optimizer="adam", precision_name="mixed")
     out = shard_model_state(state, world_size=4, zero_stage=3, largest_unit=unit)
-    # unit weights 200 B + grads 200 B, of which the rank already holds 100 B
-    assert out.gathered_bytes == 300
-    assert out.total_bytes == 16 * 800 // 4 + 300
+    # FSDP2 while the unit's backward runs: its weights 200 B and gradients 200 B at full size, the
+    # next unit's weights 200 B (prefetched), the unit before's reduce-scatter input 200 B; the
+    # rank's shards stay where they are
+    assert out.gathered_bytes == 800
+    assert out.total_bytes == 16 * 800 // 4 + 800
+    # one rank gathers nothing
+    assert shard_model_state(state, world_size=1, zero_stage=3, largest_unit=unit).gathered_bytes == 0
 
 
 def test_bad_sharding_arguments() -> None:
@@ -154,10 +158,13 @@ def test_allowance_terms_and_inverse() -> None:
 def test_zero3_world_size_counts_the_gathered_unit() -> None:
     state = ModelState(param_bytes=1000, grad_bytes=1000, master_bytes=2000, optimizer_state_bytes=4000)
     unit = ModelState(param_bytes=100, grad_bytes=100, master_bytes=0, optimizer_state_bytes=0)
-    # n ranks: 8000/n + 200 - ceil(200/n) <= 1200  ->  n >= 8
-    assert min_world_size(state, zero_stage=3, budget_bytes=1200, largest_unit=unit) == 8
+    # n ranks: 8000/n + 2 x (100 + 100) <= 1200  ->  n >= 10
+    assert min_world_size(state, zero_stage=3, budget_bytes=1200, largest_unit=unit) == 10
     assert min_world_size(state, zero_stage=3, budget_bytes=1200) == 7
-    assert min_world_size(state, zero_stage=3, budget_bytes=200, largest_unit=unit) is None
+    assert min_world_size(state, zero_stage=3, budget_bytes=400, largest_unit=unit) is None
+    # each of the four shards rounds up to a byte at any world size: 404 B from 4000 ranks on
+    assert min_world_size(state, zero_stage=3, budget_bytes=404, largest_unit=unit) == 4000
+    assert min_world_size(state, zero_stage=3, budget_bytes=403, largest_unit=unit) is None
 
 
 def test_small_models_get_figures_in_the_unit_that_shows_them():

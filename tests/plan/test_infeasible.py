@@ -22,6 +22,20 @@ def test_model_state_overflow_names_remedies_with_numbers():
     assert "8-bit optimizer state" in text and "optimizer offload to host" in text
 
 
+def test_zero3_remedy_counts_what_fsdp2_gathers_per_block():
+    """ZeRO-3's world size counts FSDP2's buffers, one block per unit: the running block's weights
+    and gradients, the next block's weights, the reduce-scatter input of the block before."""
+    from dataclasses import replace
+
+    blocks = [replace(block(i, input_bytes=MIB, saved_bytes=4 * MIB), grad_bytes=2**29) for i in range(2)]
+    # AdamW: params 1 GiB, grads 1 GiB, state 2 GiB against 3 GiB; a block's weights 0.5 GiB
+    prof = profile(blocks, param_bytes=2**30, grad_bytes=2**30, optimizer_state_bytes=2**31, optimizer_name="AdamW")
+    with pytest.raises(ValueError) as info:
+        plan(prof, budget=3 * 2**30)
+    # n ranks: 4 GiB / n + 2 x (0.5 + 0.5) GiB <= 3 GiB  ->  n >= 4 (2 counting the shards alone)
+    assert "ZeRO-3 / FSDP: fits from 4 data-parallel ranks (3.00 GiB per rank)" in str(info.value)
+
+
 def test_fixed_part_floor():
     # model state fits (2 MiB) but the head's backward needs 2 + 10 MiB before any block.
     prof = chain(2, input_bytes=MIB, saved_bytes=4 * MIB, param_bytes=MIB, grad_bytes=MIB,

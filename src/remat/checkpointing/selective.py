@@ -103,8 +103,14 @@ class SavedOpsPolicy:
         saved = self.saved.get(name)
         if saved is None or index not in saved:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        if replay and index >= self.counts.get(name, 0):
-            raise RuntimeError(REPLAY_DIFFERS.format(call=f"{name}#{index}", ran=f" (it made {self.counts.get(name, 0)})"))
+        if replay:
+            if index >= self.counts.get(name, 0):
+                raise RuntimeError(REPLAY_DIFFERS.format(call=f"{name}#{index}", ran=f" (it made {self.counts.get(name, 0)})"))
+            if op_packet(name) in _DRAWS and not _tracing():
+                # torch before 2.12 takes the cached output and skips the call, which leaves the
+                # generator where the forward's draw found it (`_cached_draw`, the same on 2.12):
+                # run it, outside the replay's mode, and drop what it returns
+                op(*args, **kwargs)
         return CheckpointPolicy.MUST_SAVE
 
 
@@ -120,13 +126,17 @@ def _saved_counts(saved_ops: frozenset[str]) -> dict[str, frozenset[int]]:
     return {name: frozenset(indices) for name, indices in counts.items()}
 
 
-def _traced_on_cpu(first: Any) -> bool:
+def _tracing() -> bool:
     """Whether the call is traced for ``torch.compile`` (AOT Autograd's proxy mode is on: torch
     before 2.12 calls the policy there with ``is_compiling()`` False; torch's own
-    ``checkpoint._is_compiling`` asks the same) on a CPU tensor."""
+    ``checkpoint._is_compiling`` asks the same)."""
     proxy = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY)
-    tracing = torch.compiler.is_compiling() or proxy is not None
-    return tracing and isinstance(first, torch.Tensor) and first.device.type == "cpu"
+    return torch.compiler.is_compiling() or proxy is not None
+
+
+def _traced_on_cpu(first: Any) -> bool:
+    """Whether the call is traced (`_tracing`) on a CPU tensor."""
+    return _tracing() and isinstance(first, torch.Tensor) and first.device.type == "cpu"
 
 
 def is_saved(key: str, saved_ops: frozenset[str] | set[str]) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from remat._units import format_bytes, format_bytes_exact
-from remat.memory.model_state import ModelState, shard_model_state
+from remat.memory.model_state import ModelState, gathered_unit_bytes, shard_model_state
 from remat.memory.optimizer_state import BNB_QMAP_BYTES, adam8bit_tensor_bytes
 
 GIB = 1024**3
@@ -61,7 +61,7 @@ def min_world_size(
 
     if per_rank(1) <= budget_bytes:
         return 1
-    gathered = largest_unit.param_bytes + largest_unit.grad_bytes if largest_unit and zero_stage == 3 else 0
+    gathered = gathered_unit_bytes(largest_unit) if largest_unit and zero_stage == 3 else 0
     if unsharded_bytes(state, zero_stage=zero_stage) + gathered >= budget_bytes:
         return None
     lo, hi = 1, 1 << 40
@@ -71,15 +71,18 @@ def min_world_size(
             hi = mid
         else:
             lo = mid
-    return hi
+    return hi if per_rank(hi) <= budget_bytes else None  # shards round up: a byte each at any size
 
 
-def remedies(state: ModelState, *, budget_bytes: int, param_count: int, optimizer_name: str) -> tuple[Remedy, ...]:
-    """ZeRO-1/2/3 world sizes, 8-bit optimizer state and host offload for ``state``."""
+def remedies(state: ModelState, *, budget_bytes: int, param_count: int, optimizer_name: str,
+             largest_unit: ModelState | None = None) -> tuple[Remedy, ...]:
+    """ZeRO-1/2/3 world sizes, 8-bit optimizer state and host offload for ``state``;
+    ``largest_unit``: ZeRO-3's largest unit (see `shard_model_state`)."""
     out = []
     for stage in (1, 2, 3):
-        n = min_world_size(state, zero_stage=stage, budget_bytes=budget_bytes)
-        shard = (shard_model_state(state, world_size=n, zero_stage=stage).total_bytes if n is not None
+        unit = largest_unit if stage == 3 else None
+        n = min_world_size(state, zero_stage=stage, budget_bytes=budget_bytes, largest_unit=unit)
+        shard = (shard_model_state(state, world_size=n, zero_stage=stage, largest_unit=unit).total_bytes if n is not None
                  else unsharded_bytes(state, zero_stage=stage))
         out.append(Remedy(name=f"ZeRO-{stage}" + (" / FSDP" if stage == 3 else ""), fits=n is not None,
                           state_bytes=shard, world_size=n))
@@ -122,10 +125,12 @@ def explain_model_state_overflow(
     optimizer_name: str,
     master_bytes: int = 0,
     param_count: int | None = None,
+    largest_unit: ModelState | None = None,
 ) -> str:
     """Say in plain words, with numbers, why model state alone exceeds ``budget_bytes``, and what fits.
 
-    ``param_count`` defaults to ``param_bytes // 4`` (fp32 weights). Returns "" when model state fits.
+    ``param_count`` defaults to ``param_bytes // 4`` (fp32 weights); ``largest_unit``: what ZeRO-3
+    gathers as one unit (`shard_model_state`). Returns "" when model state fits.
     """
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}; pass the device memory in bytes.")
@@ -146,5 +151,5 @@ def explain_model_state_overflow(
         "so no checkpointing plan can fit. What would fit:",
     ]
     lines += [_remedy_line(r) for r in remedies(state, budget_bytes=budget_bytes, param_count=count,
-                                                 optimizer_name=optimizer_name)]
+                                                 optimizer_name=optimizer_name, largest_unit=largest_unit)]
     return "\n".join(lines)

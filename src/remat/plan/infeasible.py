@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from remat.measure.types import Profile
 from remat.memory.diagnose import explain_model_state_overflow
+from remat.memory.model_state import ModelState
 from remat.plan.budget import format_bytes
 from remat.plan.types import Prediction
 
@@ -21,6 +22,7 @@ def check_state_fits(profile: Profile, budget_bytes: int, floor_bytes: int, floo
         buffer_bytes=profile.buffer_bytes,
         budget_bytes=budget_bytes,
         optimizer_name=profile.optimizer_name,
+        largest_unit=largest_block(profile),
     )
     if overflow:
         raise ValueError(overflow)
@@ -33,6 +35,13 @@ def check_state_fits(profile: Profile, budget_bytes: int, floor_bytes: int, floo
             f"{floor_bytes}B or shrink model state (ZeRO/FSDP sharding, 8-bit optimizer state, "
             "optimizer offload)."
         )
+
+
+def largest_block(profile: Profile) -> ModelState | None:
+    """What ZeRO-3 would gather as its largest unit, one block per unit: the block's weights and
+    gradients, at the bytes of its gradients (None without blocks)."""
+    largest = max((b.grad_bytes for b in profile.blocks), default=0)
+    return ModelState(param_bytes=largest, grad_bytes=largest, master_bytes=0, optimizer_state_bytes=0) if largest else None
 
 
 def infeasible_error(budget_bytes: int, best: Prediction, what: str) -> ValueError:
