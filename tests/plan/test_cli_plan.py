@@ -123,3 +123,39 @@ def test_a_fixed_layout_that_lowers_no_peak_is_called_out(tmp_path):
     assert "this sqrt plan is predicted to peak at" in text and "no lower than no recomputation" in text
     result = runner.invoke(app, ["plan", str(path), "--strategy", "full"])
     assert "no lower than no recomputation" not in " ".join(result.output.split())
+
+
+def test_plan_for_one_rank_of_a_sharded_step(tmp_path):
+    """--world-size/--zero plan on `shard_profile`'s view: at ZeRO-3 over 4 ranks each rank holds a
+    quarter of the weights and gradients and the root unit gathered (these toy blocks own no
+    weights: all 1 MiB is the root's). Keep all: 0.25 + 0.25 + 1 + 5 x 4 held + 4 working."""
+    path = _profile_file(tmp_path)
+    result = runner.invoke(app, ["plan", str(path), "--strategy", "none", "--world-size", "4", "--zero", "3"])
+    assert result.exit_code == 0, result.output
+    assert "25.50" in result.output and "26.00" not in result.output
+    # a percentage budget is of the rank's predicted peak
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", str(path), "--budget", "50%", "--world-size", "4", "--zero", "3", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert Plan.load(out).budget_bytes == int(25.5 * 2**20) // 2
+    # ZeRO-1 over 2 ranks: DDP's buckets (a copy of every gradient) beside halved optimizer state
+    result = runner.invoke(app, ["plan", str(path), "--strategy", "none", "--world-size", "2", "--zero", "1"])
+    assert result.exit_code == 0, result.output
+    assert "27.00" in result.output
+
+
+def test_sharding_options_that_cannot_work_are_refused(tmp_path):
+    from remat.distributed import shard_profile
+    from remat.measure.types import Profile
+
+    path = str(_profile_file(tmp_path))
+    assert "--zero 3 shards model state over data-parallel ranks: give their number with --world-size N" in _error(
+        ["plan", path, "--zero", "3"])
+    assert "world_size must be an integer >= 1, got 0" in _error(["plan", path, "--world-size", "0"])
+    assert "zero_stage must be 0, 1, 2 or 3, got 4" in _error(["plan", path, "--world-size", "2", "--zero", "4"])
+    assert "--tune times plans on this process's model, unsharded" in _error(
+        ["plan", "--model", "mlp", "--world-size", "2", "--tune"])
+    rank = tmp_path / "rank.json"
+    shard_profile(Profile.load(path), world_size=4, zero_stage=3).save(rank)
+    assert "the profile is one rank's of a sharded step already" in _error(
+        ["plan", str(rank), "--world-size", "4", "--zero", "3"])

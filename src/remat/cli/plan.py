@@ -20,6 +20,10 @@ TUNE_HELP = ("Time the cost model's best plans and every recipe that fits side b
              "measured whose measured peak fits wins (needs --model).")
 TUNE_STEPS_HELP = "With --tune: timed steps per candidate at most (interleaved rounds, medians)."
 TUNE_SECONDS_HELP = "With --tune: no new round of timing once the rounds took this many seconds."
+WORLD_SIZE_HELP = ("Plan one rank of N data-parallel ranks (torchrun), its model state sharded by --zero "
+                   "(remat.distributed.shard_profile); apply the plan on every rank, then wrap the model.")
+ZERO_HELP = ("With --world-size: 0 = DDP (its gradient buckets counted), 1 = + optimizer state sharded, "
+             "2 = + gradients, 3 = + parameters (FSDP2 by the plan: remat.distributed.fully_shard_by_plan).")
 
 
 @app.command("plan")
@@ -42,6 +46,8 @@ def plan_command(
     tune: bool = typer.Option(False, "--tune", help=TUNE_HELP),
     tune_steps: int = typer.Option(20, "--tune-steps", help=TUNE_STEPS_HELP),
     tune_seconds: float = typer.Option(30.0, "--tune-seconds", help=TUNE_SECONDS_HELP),
+    world_size: Optional[int] = typer.Option(None, "--world-size", help=WORLD_SIZE_HELP),
+    zero: Optional[int] = typer.Option(None, "--zero", help=ZERO_HELP),
 ) -> None:
     """Plan the fastest step that fits the budget and print it per block, against the baseline."""
     from remat.plan.budget import parse_budget
@@ -56,15 +62,20 @@ def plan_command(
             raise ValueError(f"--pareto prints every optimal plan from no recomputation to the least peak, so "
                              f"{', '.join(given)} would be ignored; drop --pareto to plan one (and write it), or "
                              f"drop {', '.join(given)}.")
+    _check_sharding_options(world_size, zero, tune)
     if tune and model is None:
         raise ValueError("--tune times plans on the model, which a profile JSON does not hold: give --model NAME "
                          "(or use `remat run --tune`).")
     profile, built = _load_target(profile_path, model, sizes, seed, device)
+    if world_size is not None:
+        profile = sharded(profile, world_size, 0 if zero is None else zero)
     baseline = plan(profile, strategy="none")
     if show_pareto:
         console.print(pareto_table(pareto(profile), baseline))
         return
-    budget_bytes = None if budget is None else parse_budget(budget, baseline_peak_of(profile, baseline))
+    # a percentage of one rank's predicted peak where sharded (the profile measured the unsharded step)
+    reference = baseline.prediction.peak_bytes if world_size is not None else baseline_peak_of(profile, baseline)
+    budget_bytes = None if budget is None else parse_budget(budget, reference)
     tuner = _tuner(built, tune_steps, tune_seconds) if tune else None
     with console.status("timing candidate plans...") if tune else contextlib.nullcontext():
         result = plan(profile, budget=budget_bytes, strategy=strategy, head=head, tune=tuner)
@@ -86,6 +97,27 @@ def plan_command(
     if out is not None:
         result.save(out)
         console.print(f"plan written to {out}")
+
+
+def _check_sharding_options(world_size: Optional[int], zero: Optional[int], tune: bool) -> None:
+    if zero is not None and world_size is None:
+        raise ValueError(f"--zero {zero} shards model state over data-parallel ranks: give their number with "
+                         "--world-size N (the ranks of torchrun, each running the same model).")
+    if world_size is not None and tune:
+        raise ValueError(f"--tune times plans on this process's model, unsharded, where --world-size {world_size} plans "
+                         "one rank of a sharded step: drop --tune, or time the plan on the ranks (remat.verify "
+                         "on each rank under torchrun).")
+
+
+def sharded(profile: Profile, world_size: int, zero: int) -> Profile:
+    """One rank's view of ``profile`` over ``world_size`` data-parallel ranks under ZeRO-``zero``
+    (`remat.distributed.shard_profile`); a profile that is one rank's already is refused."""
+    from remat.distributed import shard_profile
+
+    if profile.gathered_bytes or profile.unit_bytes or profile.bucket_bytes:
+        raise ValueError("the profile is one rank's of a sharded step already (it holds what FSDP2 gathers or DDP's "
+                         "buckets): drop --world-size and --zero, or plan on the profile of the unwrapped model.")
+    return shard_profile(profile, world_size=world_size, zero_stage=zero)
 
 
 def _tuner(built, max_steps: int, max_seconds: float):
