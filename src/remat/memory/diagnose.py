@@ -54,7 +54,7 @@ def min_world_size(
 ) -> int | None:
     """Smallest number of ranks whose ZeRO-``zero_stage`` shard of ``state`` fits; None if none.
 
-    ``largest_unit``: ZeRO-3's all-gathered unit (see `shard_model_state`)."""
+    ``largest_unit``: ZeRO-3's largest unit (see `shard_model_state`)."""
 
     def per_rank(n: int) -> int:
         return shard_model_state(state, world_size=n, zero_stage=zero_stage, largest_unit=largest_unit).total_bytes
