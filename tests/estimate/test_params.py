@@ -64,3 +64,60 @@ def test_bad_sources(tmp_path) -> None:
     (tmp_path / "c.json").write_text("{}")
     with pytest.raises(ValueError, match="has no 'model_type'"):
         hf_config(ModelSource(hf_config_path=str(tmp_path / "c.json")))
+
+
+def _config_file(tmp_path, config) -> ModelSource:
+    path = tmp_path / "config.json"
+    config.to_json_file(str(path))
+    return ModelSource(hf_config_path=str(path))
+
+
+def test_a_composite_config_is_estimated_by_its_language_model(tmp_path) -> None:
+    """Gemma 3 keeps its layers in ``text_config`` beside a vision tower: the estimate crashed on
+    ``num_hidden_layers`` (so did Llama 4, Qwen3.5, Qwen2-Audio and 30 more). It prices the
+    language model and says what it leaves out."""
+    text = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=96, vocab_size=128)
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32,
+                  patch_size=8)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision)
+    source = _config_file(tmp_path, config)
+    traced = trace_source(source, seq_len=8)
+    assert traced.label == f"{source.label} (its language model, Gemma3TextConfig; vision_config left out)"
+    assert traced.num_layers == 4
+    assert traced.param_count == _hf_param_count(transformers.Gemma3TextConfig(**text))
+    assert hf_config(source).model_type == "gemma3_text"
+
+
+def test_configs_the_estimate_cannot_build_are_refused_in_one_line(tmp_path) -> None:
+    # no language model anywhere: refused with what the estimate prices
+    perceiver = transformers.PerceiverConfig(num_latents=4, d_latents=16, d_model=16, num_blocks=1,
+                                             num_self_attends_per_block=1)
+    with pytest.raises(ValueError, match=r"PerceiverConfig \(model_type 'perceiver'\) keeps no decoder layers in "
+                                         r"num_hidden_layers, nor a causal language model in a sub-config"):
+        hf_config(_config_file(tmp_path, perceiver))
+    # transformers' own failure to build it with fewer layers (ProphetNet will not take num_hidden_layers)
+    prophetnet = transformers.ProphetNetConfig(hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=2,
+                                               num_decoder_layers=2, num_encoder_attention_heads=2,
+                                               num_decoder_attention_heads=2, vocab_size=64)
+    with pytest.raises(ValueError, match=r"ProphetNetConfig cannot be built with fewer layers on the meta device, as "
+                                         r"the estimate builds it .*NotImplementedError: This model does not support"):
+        trace_source(_config_file(tmp_path, prophetnet), seq_len=8)
+
+
+def test_a_config_that_sets_each_heads_width_is_not_held_to_hidden_over_heads(tmp_path) -> None:
+    """mT5's d_kv, Gemma's and GLM-4.5's head_dim project to heads x head_dim: a hidden size that
+    is no multiple of the heads was refused."""
+    cfg = dict(model_type="qwen3", hidden_size=60, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+               head_dim=16, intermediate_size=96, vocab_size=50, tie_word_embeddings=False)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    source = ModelSource(hf_config_path=str(path))
+    traced = trace_source(source, seq_len=8)
+    # embedding and head 50 x 60, per layer q 60x128, k and v 60x32 each, o 128x60, MLP 3 x 60x96, two norms and
+    # the q and k norms of a head's width; the final norm
+    assert traced.param_count == 2 * 50 * 60 + 2 * (60 * 128 + 2 * 60 * 32 + 128 * 60 + 3 * 60 * 96 + 2 * 60 + 2 * 16) + 60
+    assert traced.param_count == _hf_param_count(hf_config(source))
+    # sizes given as flags set no head width: each head gets hidden / heads, which must divide
+    with pytest.raises(ValueError, match="hidden size 60 is not a multiple of 8 attention heads"):
+        ModelSource(hf_family="llama", sizes=dict(hidden=60, heads=8))

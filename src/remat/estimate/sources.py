@@ -119,7 +119,9 @@ def check_sizes(sizes: dict[str, Any], where: str) -> None:
         if value is not None and (type(value) is not int or value < 1):
             raise ValueError(f"{where}: {key} = {value!r} ({flag}) must be a positive integer; pass {flag} N with N >= 1.")
     hidden, heads, kv_heads = sizes.get("hidden"), sizes.get("heads"), sizes.get("kv_heads")
-    if hidden is not None and heads is not None and hidden % heads:
+    # a config that sets each head's width itself (Gemma, GLM-4.5, mT5's d_kv) projects to heads x
+    # head_dim, whatever the hidden size
+    if hidden is not None and heads is not None and hidden % heads and sizes.get("head_dim") is None:
         fits = sorted(sorted((h for h in range(1, min(hidden, 4 * heads) + 1) if hidden % h == 0), key=lambda h: abs(h - heads))[:3])
         raise ValueError(
             f"{where}: hidden size {hidden} is not a multiple of {heads} attention heads (each head gets "
@@ -140,13 +142,48 @@ def _config_sizes(config: Any) -> dict[str, Any]:
     """The sizes `check_sizes` checks, read from a transformers config (None where it has none)."""
     names = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
              "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size", "vocab": "vocab_size"}
-    return {key: getattr(config, name, None) for key, name in names.items()}
+    sizes = {key: _config_value(config, name) for key, name in names.items()}
+    sizes["head_dim"] = next((value for value in (_config_value(config, name) for name in ("head_dim", "d_kv", "kv_channels"))
+                              if isinstance(value, int)), None)
+    return sizes
+
+
+def _check_uniform(config: Any, where: str) -> None:
+    """Refuse a config whose layers take sizes of their own (transformers' per-layer attributes,
+    which it will not read as one value)."""
+    for name in ("num_attention_heads", "hidden_size", "intermediate_size"):
+        try:
+            getattr(config, name, None)
+        except Exception as exc:  # noqa: BLE001 - transformers' per-layer lookups raise errors of their own
+            said = " ".join(str(exc).split())[:160].rstrip(".")
+            raise ValueError(
+                f"{where}: {type(config).__name__} sets {name} per layer ({type(exc).__name__}: {said}): the estimate "
+                "builds two layers of each kind and copies them, so it needs layers of one size per kind. Estimate it "
+                "from a file.py:build that builds the whole model (--model path/to/file.py:build), or measure it "
+                "with `remat profile` at a size that runs here.") from None
+
+
+def _config_value(config: Any, name: str) -> Any:
+    """``config.name``, None where it has none: also where transformers refuses to give one value
+    (a per-layer attribute of a heterogeneous config raises its own error)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' per-layer lookups raise errors of their own
+        return None
 
 
 def hf_config(source: ModelSource) -> Any:
-    """The transformers config of an HF source (family + sizes, or a config.json)."""
+    """The transformers config of an HF source (family + sizes, or a config.json): of its language
+    model where the config is composite (`language_model_config`)."""
+    return hf_config_and_part(source)[0]
+
+
+def hf_config_and_part(source: ModelSource) -> tuple[Any, str]:
+    """`hf_config`, and what part of the model it is ("" for the whole model; else what
+    `language_model_config` says of it)."""
     import transformers
 
+    part = ""
     if source.hf_config_path is not None:
         path = Path(source.hf_config_path)
         if not path.is_file():
@@ -158,14 +195,43 @@ def hf_config(source: ModelSource) -> Any:
         if not isinstance(data, dict) or "model_type" not in data:
             raise ValueError(f"{str(path)!r} has no 'model_type'; a Hugging Face config.json names it (e.g. \"llama\").")
         where = f"config {str(path)!r}"
-        config = _make_config(where, data.pop("model_type"), data)
+        config, part = language_model_config(_make_config(where, data.pop("model_type"), data), where)
         check_sizes(_config_sizes(config), where)
     else:
         config = _make_config(f"--hf {source.hf_family}", source.hf_family, _family_kwargs(source))
         # a size left out takes the family's default (Mistral: 8 key/value heads), which must fit the rest
         check_sizes(_config_sizes(config), f"--hf {source.hf_family} (sizes not given are the family's defaults)")
     config._attn_implementation = source.attention
-    return config
+    return config, part
+
+
+def language_model_config(config: Any, where: str) -> tuple[Any, str]:
+    """``(config, "")`` for a config with its layers in ``num_hidden_layers``. A composite config
+    (a vision-language or speech-text model: Gemma 3, Llama 4, Qwen3.5, Qwen2-Audio) keeps its
+    layers in a sub-config: the estimate prices its language model (transformers'
+    ``get_text_config(decoder=True)``, a causal LM of its own), which holds nearly all of the
+    weights and activations at scale, and says which parts it leaves out. Refused where there is no
+    such language model."""
+    if getattr(config, "num_hidden_layers", None) is not None:
+        _check_uniform(config, where)
+        return config, ""
+    import transformers
+
+    causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    try:
+        text = config.get_text_config(decoder=True)
+    except Exception:  # noqa: BLE001 - a config class whose own lookup fails is refused below
+        text = config
+    if text is config or text.model_type not in causal or getattr(text, "num_hidden_layers", None) is None:
+        raise ValueError(
+            f"{where}: {type(config).__name__} (model_type {config.model_type!r}) keeps no decoder layers in "
+            "num_hidden_layers, nor a causal language model in a sub-config: `remat estimate` prices decoder-only "
+            "language models and the language model of a composite one. Measure this model with `remat profile "
+            "path/to/file.py:build` at a size that runs here.")
+    _check_uniform(text, where)
+    others = [name for name in getattr(config, "sub_configs", {}) if getattr(config, name, None) is not text]
+    left = f"; {', '.join(others)} left out" if others else ""
+    return text, f" (its language model, {type(text).__name__}{left})"
 
 
 def _make_config(where: str, model_type: Any, kwargs: dict[str, Any]) -> Any:

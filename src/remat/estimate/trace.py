@@ -36,7 +36,7 @@ from remat.estimate.kernels import CpuKernels, GpuKernels, no_packed_sequence_ch
 from remat.estimate.shares import Flow, Split, split_by_tokens, untokenized
 from remat.estimate.head import TracedHead, find_traced_head
 from remat.estimate.sharding import ModelParams, RoleShapes
-from remat.estimate.sources import ModelSource, build_hf_on_meta, check_num_layers, hf_batch, hf_config, num_layers
+from remat.estimate.sources import ModelSource, build_hf_on_meta, check_num_layers, hf_batch, hf_config_and_part, num_layers
 from remat.measure.blocks import find_blocks
 from remat.measure.types import Profile
 from remat.memory.optimizer_state import optimizer_name_of
@@ -241,12 +241,14 @@ def _tracer(model: nn.Module, batch_at: Callable[[int], Any], loss_fn: Any, fuse
                 profile = trace_profile(model, batch, loss_fn, gpu_kernels=fused)
                 with GpuKernels() if fused else CpuKernels():
                     classified = classify(model, batch, blocks, loss_fn=loss_fn, plan=plan)
-        except (RuntimeError, NotImplementedError, TypeError) as error:  # the model's own code on meta tensors
+        except (RuntimeError, NotImplementedError, TypeError, KeyError, IndexError) as error:  # the model's own code
+            first = (str(error).splitlines() or [""])[0][:300]
             raise ValueError(
                 f"{type(model).__name__}'s training step cannot be traced on the meta device, where the estimate runs "
-                f"it: {type(error).__name__}: {str(error).splitlines()[0][:300]} (its forward reads tensor values, which "
-                "a meta tensor has not, or calls a kernel with no meta implementation). Measure it with `remat profile "
-                "path/to/file.py:build` at a size that runs here.") from error
+                f"it: {type(error).__name__}: {first} (its forward reads tensor values, which a meta tensor has not, "
+                "calls a kernel with no meta implementation, or looks up a per-layer setting the estimate's model of "
+                "fewer layers has not). Measure it with `remat profile path/to/file.py:build` at a size that runs "
+                "here.") from error
         return profile, classified
 
     return trace
@@ -324,14 +326,14 @@ def _hf_facts(config: Any) -> tuple[ModelFacts, ModelShape]:
 
 
 def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: int, fused: bool) -> Traced:
-    config = hf_config(source)
+    config, part = hf_config_and_part(source)
     config.use_cache = False
-    traced, kinds = hf_layer_kinds(config, num_layers(config), layers)
-    types = traced_layer_types(config, num_layers(config))
-    if types is not None:  # the traced model's layers: two of each kind
-        config = copy.deepcopy(config)
-        config.layer_types = types
     try:
+        traced, kinds = hf_layer_kinds(config, num_layers(config), layers)
+        types = traced_layer_types(config, num_layers(config))
+        if types is not None:  # the traced model's layers: two of each kind
+            config = copy.deepcopy(config)
+            config.layer_types = types
         model = build_hf_on_meta(config, layers=traced, dtype=dtype)
     except ValueError as error:
         if "attn_implementation" not in str(error) or source.attention == "eager":
@@ -339,11 +341,18 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
         raise ValueError(f"{source.label}: transformers offers no SDPA attention for {type(config).__name__} (it runs "
                          "attention code of its own, or none: a state-space model), which the estimate traces by default "
                          "(as FlashAttention); pass --explicit-attention to trace its own attention code (eager).") from None
+    except Exception as error:  # noqa: BLE001 - transformers' own failures, for a model it builds its own way
+        said = " ".join(str(error).split())[:300].rstrip(".")
+        raise ValueError(
+            f"{source.label}: {type(config).__name__} cannot be built with fewer layers on the meta device, as the "
+            f"estimate builds it (two of each kind of layer, then copied): {type(error).__name__}: "
+            f"{said}. Estimate it from a file.py:build that builds the whole model "
+            "(--model path/to/file.py:build), or measure it with `remat profile` at a size that runs here.") from error
     _check_experts_dtype(model, source.label, dtype)
     batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len)  # noqa: E731
     tracer = _tracer(model, batch_at, None, fused, getattr(config, "base_model_tp_plan", None))
     facts, shape = _hf_facts(config)
-    return _describe(source.label, model, tracer, kinds, seq_len, facts=facts, shape=shape)
+    return _describe(source.label + part, model, tracer, kinds, seq_len, facts=facts, shape=shape)
 
 
 def _check_experts_dtype(model: nn.Module, label: str, dtype: torch.dtype) -> None:
