@@ -121,3 +121,24 @@ def test_a_config_that_sets_each_heads_width_is_not_held_to_hidden_over_heads(tm
     # sizes given as flags set no head width: each head gets hidden / heads, which must divide
     with pytest.raises(ValueError, match="hidden size 60 is not a multiple of 8 attention heads"):
         ModelSource(hf_family="llama", sizes=dict(hidden=60, heads=8))
+
+
+def test_a_config_transformers_wrote_with_an_infinity_is_read(tmp_path) -> None:
+    """transformers writes Mamba 2's time-step limit (0, inf) as ``{"__float__": "Infinity"}``:
+    the estimate refused Bamba, Falcon-H1, Nemotron-H and Granite 4 hybrids' own config files."""
+    config = transformers.Mamba2Config(hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, vocab_size=64,
+                                       state_size=8, n_groups=1, expand=2)
+    source = _config_file(tmp_path, config)
+    assert '"__float__": "Infinity"' in (tmp_path / "config.json").read_text()
+    assert tuple(hf_config(source).time_step_limit) == (0.0, float("inf"))
+
+
+def test_a_sequence_longer_than_the_learned_positions_is_refused(tmp_path) -> None:
+    """The meta device checks no index: GPT-2 at 2048 tokens of its 1024 positions was priced."""
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)
+    source = _config_file(tmp_path, config)
+    assert trace_source(source, seq_len=32).num_layers == 2
+    with pytest.raises(ValueError, match=r"--seq 33 is longer than the 32 learned positions of transformer\.wpe "
+                                         r"\(GPT2LMHeadModel\): a training step at that length fails on any device; "
+                                         r"pass --seq 32 or less"):
+        trace_source(source, seq_len=33)

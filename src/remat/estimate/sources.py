@@ -143,9 +143,18 @@ def _config_sizes(config: Any) -> dict[str, Any]:
     names = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
              "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size", "vocab": "vocab_size"}
     sizes = {key: _config_value(config, name) for key, name in names.items()}
-    sizes["head_dim"] = next((value for value in (_config_value(config, name) for name in ("head_dim", "d_kv", "kv_channels"))
+    sizes["head_dim"] = next((value for value in (_config_value(config, name)
+                                                  for name in ("head_dim", "d_kv", "kv_channels", "attention_head_size"))
                               if isinstance(value, int)), None)
     return sizes
+
+
+def _json_float(value: dict) -> Any:
+    """transformers writes a float JSON cannot hold (``inf``: Mamba 2's time-step limit) as
+    ``{"__float__": "Infinity"}`` and reads it back so."""
+    if len(value) == 1 and isinstance(value.get("__float__"), str):
+        return float(value["__float__"])
+    return value
 
 
 def _check_uniform(config: Any, where: str) -> None:
@@ -189,7 +198,7 @@ def hf_config_and_part(source: ModelSource) -> tuple[Any, str]:
         if not path.is_file():
             raise ValueError(f"config file {str(path)!r} does not exist; pass a Hugging Face config.json.")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(), object_hook=_json_float)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"config file {str(path)!r} is not JSON ({exc}); pass a Hugging Face config.json.") from None
         if not isinstance(data, dict) or "model_type" not in data:

@@ -340,7 +340,9 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
             raise
         raise ValueError(f"{source.label}: transformers offers no SDPA attention for {type(config).__name__} (it runs "
                          "attention code of its own, or none: a state-space model), which the estimate traces by default "
-                         "(as FlashAttention); pass --explicit-attention to trace its own attention code (eager).") from None
+                         "(as FlashAttention); pass --explicit-attention to trace its own attention code (eager). A "
+                         "state-space or recurrent model (Mamba, RWKV, xLSTM) has no attention to trace that way: measure "
+                         "it with `remat profile path/to/file.py:build` at a size that runs here.") from None
     except Exception as error:  # noqa: BLE001 - transformers' own failures, for a model it builds its own way
         said = " ".join(str(error).split())[:300].rstrip(".")
         raise ValueError(
@@ -349,10 +351,29 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
             f"{said}. Estimate it from a file.py:build that builds the whole model "
             "(--model path/to/file.py:build), or measure it with `remat profile` at a size that runs here.") from error
     _check_experts_dtype(model, source.label, dtype)
+    _check_positions(model, source.label, seq_len)
     batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len)  # noqa: E731
     tracer = _tracer(model, batch_at, None, fused, getattr(config, "base_model_tp_plan", None))
     facts, shape = _hf_facts(config)
     return _describe(source.label + part, model, tracer, kinds, seq_len, facts=facts, shape=shape)
+
+
+def _check_positions(model: nn.Module, label: str, seq_len: int | None) -> None:
+    """Refuse a sequence longer than a learned position table (GPT-2's ``wpe``, BERT's and
+    RoBERTa's ``position_embeddings``): the step fails there on a GPU, where the meta device,
+    which checks no index, traced it."""
+    if not seq_len:
+        return
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and ("position" in leaf or leaf == "wpe"):
+            # RoBERTa's positions start after its padding index
+            usable = module.num_embeddings - (module.padding_idx + 1 if module.padding_idx is not None else 0)
+            if seq_len > usable:
+                raise ValueError(
+                    f"{label}: --seq {seq_len} is longer than the {usable} learned positions of {name} "
+                    f"({type(model).__name__}): a training step at that length fails on any device; pass --seq "
+                    f"{usable} or less, or a config with more positions (max_position_embeddings, n_positions).")
 
 
 def _check_experts_dtype(model: nn.Module, label: str, dtype: torch.dtype) -> None:
