@@ -1,0 +1,1 @@
+"""The Hugging Face sweep's parts: tiny models built from any config class (`build`)."""

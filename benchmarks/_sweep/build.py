@@ -1,0 +1,529 @@
+"""Tiny Hugging Face models of any model type: the config class's defaults shrunk by generic
+rules (`shrink`), a model class picked by task, a batch made from its forward signature, random
+weights, fixed seeds, nothing downloaded.
+
+`build(model_type)` returns a `Built` or raises; the sweep records what it raises as ``unbuilt``
+(the harness's limit at this size, not remat's)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+BATCH = 2
+SEQ = 16
+HIDDEN = 32
+HEADS = 2
+HEAD_DIM = HIDDEN // HEADS
+FFN = 64
+VOCAB = 99
+LAYERS = 2
+IMAGE = 32
+PATCH = 4
+NUM_LABELS = 3
+AUDIO_SAMPLES = 4000
+MAX_POSITIONS = 128
+
+LAYER_KEYS = frozenset({
+    "num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
+    "num_encoder_layers", "num_decoder_layers", "decoder_num_hidden_layers", "num_text_layers",
+    "num_vision_layers", "text_layers", "vision_layers", "num_self_attends_per_block", "depth",
+    "num_blocks", "encoder_num_hidden_layers", "num_cross_layers", "cross_attention_layers_count",
+})
+HIDDEN_KEYS = frozenset({
+    "hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "hidden_dim", "dim", "d_embed", "model_dim",
+    "encoder_hidden_size", "decoder_hidden_size", "text_hidden_size", "vision_hidden_size", "embedding_size",
+    "word_embed_proj_dim", "encoder_embed_dim", "decoder_embed_dim", "d_latents", "codebook_dim", "adapter_in_dim",
+    "adapter_input_size",
+})
+HEAD_KEYS = frozenset({
+    "num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
+    "attention_heads", "decoder_num_attention_heads", "encoder_num_attention_heads", "num_self_attention_heads",
+    "num_cross_attention_heads", "mamba_n_heads", "mamba_num_heads", "linear_num_value_heads", "linear_num_key_heads",
+})
+KV_HEAD_KEYS = frozenset({"num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num"})
+HEAD_DIM_KEYS = frozenset({"head_dim", "d_kv", "d_head", "attention_head_size", "kv_channels", "attention_head_dim"})
+FFN_KEYS = frozenset({
+    "intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff", "n_inner", "d_inner",
+    "ffn_hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size", "mlp_dim",
+    "decoder_intermediate_size",
+    "encoder_intermediate_size", "expert_intermediate_size", "ffn_config_hidden_size",
+})
+POSITION_KEYS = frozenset({
+    "max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
+    "max_target_positions", "max_text_positions", "seq_length", "max_length", "max_seq_length",
+})
+EXPERT_KEYS = frozenset({"num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts", "n_experts"})
+TOP_K_KEYS = frozenset({"num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k", "top_k_experts"})
+SUBCONFIG_KEYS = frozenset({"encoder", "decoder", "encoder_config", "decoder_config"})
+MLA = {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+       "n_group": 1, "topk_group": 1, "n_shared_experts": 1}
+
+
+def _pick_layers(values: list, keep: int) -> list:
+    """``keep`` entries of a per-layer list: the first, then the first unlike it (a hybrid keeps
+    one layer of each kind), then the next ones."""
+    picked = [0]
+    other = next((i for i, v in enumerate(values) if v != values[0]), None)
+    if other is not None:
+        picked.append(other)
+    picked += [i for i in range(len(values)) if i not in picked]
+    return [values[i] for i in sorted(picked[:keep])]
+
+
+def _shrink_rope(value: Any) -> Any:
+    """A rope dict whose sections (M-RoPE) sum to half the shrunk head dimension."""
+    if not isinstance(value, dict):
+        return value
+    out = dict(value)
+    for key in ("mrope_section", "mrope_sections"):
+        sections = out.get(key)
+        if isinstance(sections, list) and sections and all(isinstance(s, int) for s in sections):
+            half = HEAD_DIM // 2
+            scaled = [max(1, s * half // sum(sections)) for s in sections]
+            scaled[0] += half - sum(scaled)
+            out[key] = scaled
+    return out
+
+
+def shrink(config: dict[str, Any]) -> dict[str, Any]:
+    """A config's dict (``to_dict()``) shrunk to the sweep's tiny size, sub-configs recursively.
+
+    Layers 2, hidden 32, 2 heads of 16 (key/value heads 1 where fewer than the heads, else 2),
+    feed-forward 64, vocabulary 99 (special token ids outside it moved to its top), positions at
+    most 128, images 32 with patches 4, 4 experts of which 2 are picked, per-layer lists cut to
+    the kept layers."""
+    out = dict(config)
+    layers_before = None
+    for key in LAYER_KEYS:
+        if isinstance(out.get(key), int) and not isinstance(out[key], bool) and out[key] > LAYERS:
+            layers_before = layers_before or out[key]
+            out[key] = LAYERS
+    if any(k in config for k in EXPERT_KEYS) and any(k in config for k in TOP_K_KEYS):
+        # a mixture of experts whose defaults leave it unset (DeepSeek-V2, dots1): 4 experts, 2 picked
+        for key in EXPERT_KEYS | TOP_K_KEYS | {"moe_intermediate_size"}:
+            if key in config and config[key] is None:
+                out[key] = 4 if key in EXPERT_KEYS else 2 if key in TOP_K_KEYS else FFN
+    heads_before = next((config[k] for k in HEAD_KEYS if isinstance(config.get(k), int)), None)
+    for key, value in config.items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, dict) and "model_type" in value:
+            out[key] = shrink(value)
+        elif key in ("rope_scaling", "rope_parameters"):
+            out[key] = _shrink_rope(value)
+        elif isinstance(value, int):
+            if key in HIDDEN_KEYS and value > HIDDEN:
+                out[key] = HIDDEN
+            elif key in HEAD_KEYS and value > HEADS:
+                out[key] = HEADS
+            elif key in KV_HEAD_KEYS:
+                out[key] = HEADS if heads_before is None or value >= heads_before else 1
+            elif key in HEAD_DIM_KEYS and value > HEAD_DIM:
+                out[key] = HEAD_DIM
+            elif key in FFN_KEYS and value > FFN:
+                out[key] = FFN
+            elif key == "vocab_size" and value > VOCAB:
+                out[key] = VOCAB
+            elif key in POSITION_KEYS and value > MAX_POSITIONS:
+                out[key] = MAX_POSITIONS
+            elif key == "image_size" and value > IMAGE:
+                out[key] = IMAGE
+            elif key == "patch_size" and value > PATCH:
+                out[key] = PATCH
+            elif key in EXPERT_KEYS and value > 4:
+                out[key] = 4
+            elif key in TOP_K_KEYS and value > 2:
+                out[key] = 2
+            elif key in MLA and value > MLA[key]:
+                out[key] = MLA[key]
+            elif key in ("projection_dim", "num_mel_bins", "feature_size", "input_feat_per_channel") and value > 16:
+                out[key] = 16
+            elif key in ("mask_time_length", "mask_feature_length") and value > 2:
+                out[key] = 2
+            elif key in ("block_size", "chunk_size") and value > MAX_POSITIONS:
+                out[key] = MAX_POSITIONS
+            elif key == "rotary_dim" and value > HEAD_DIM // 2:
+                out[key] = HEAD_DIM // 2
+            elif key == "sliding_window" and value > SEQ // 2:
+                out[key] = SEQ // 2
+        elif isinstance(value, float) and key in ("width_coefficient", "depth_coefficient") and value > 0.25:
+            out[key] = 0.25  # EfficientNet's scaling of its channels and repeats
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and not isinstance(v, bool)
+                                                              for v in value):
+            if key in ("depths", "layers_per_stage", "num_layers_per_stage", "stage_depths", "num_block_repeats"):
+                out[key] = [min(v, 1) for v in value]
+            elif key in ("hidden_sizes", "embed_dims", "embedding_sizes", "channels", "stage_dims", "dims"):
+                out[key] = [min(v, 16 * (i + 1)) for i, v in enumerate(value)]
+            elif key in HEAD_KEYS:
+                out[key] = [min(v, HEADS) for v in value]
+            elif key == "conv_dim":
+                out[key] = [min(v, 16) for v in value]
+            elif layers_before is not None and len(value) == layers_before:
+                out[key] = _pick_layers(list(value), LAYERS)
+        elif isinstance(value, list) and layers_before is not None and len(value) == layers_before:
+            out[key] = _pick_layers(value, LAYERS)
+    # special token ids outside the vocabulary: moved to its top, each its own
+    vocab = out.get("vocab_size")
+    if isinstance(vocab, int):
+        top = vocab - 1
+        moved: dict[int, int] = {}
+        for key, value in config.items():
+            if not key.endswith(("_token_id", "_token_index", "_token_ids")):
+                continue
+            if isinstance(value, int) and not isinstance(value, bool) and value >= vocab:
+                if value not in moved:
+                    moved[value], top = top, top - 1
+                out[key] = moved[value]
+            elif isinstance(value, list) and all(isinstance(v, int) for v in value):
+                fixed = []
+                for v in value:
+                    if v >= vocab and v not in moved:
+                        moved[v], top = top, top - 1
+                    fixed.append(moved.get(v, v))
+                out[key] = fixed
+    if "width_coefficient" in config and "hidden_dim" in config:  # EfficientNet's: its top convolution's width
+        out["hidden_dim"] = int(1280 * out["width_coefficient"] / 8 + 0.5) * 8
+    if isinstance(out.get("mamba_d_head"), int) and isinstance(out.get("mamba_n_heads"), int):  # Bamba's
+        out["mamba_d_head"] = out.get("mamba_expand", 2) * out.get("hidden_size", HIDDEN) // out["mamba_n_heads"]
+    if isinstance(out.get("qk_rope_head_dim"), int) and "head_dim" in out:  # multi-head latent attention
+        out["head_dim"] = out["qk_rope_head_dim"]
+    if "qk_head_dim" in out and isinstance(out.get("qk_nope_head_dim"), int):
+        out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    if isinstance(out.get("backbone_config"), dict) and out["backbone_config"].get("model_type") == "timm_backbone":
+        out["backbone_config"] = dict(TINY_RESNET)  # DETR's family: transformers' own ResNet, tiny, not timm's
+    if "use_cache" in out:
+        out["use_cache"] = False
+    return out
+
+
+def special_ids(config: Any) -> set[int]:
+    """Every special token id of ``config`` and its sub-configs (the batch's ids avoid them)."""
+    found: set[int] = set()
+
+    def walk(d: dict[str, Any]) -> None:
+        for key, value in d.items():
+            if not isinstance(key, str):
+                continue
+            if isinstance(value, dict):
+                walk(value)
+            elif key.endswith(("_token_id", "_token_index", "_token_ids", "_id")) and not isinstance(value, bool):
+                if isinstance(value, int):
+                    found.add(value)
+                elif isinstance(value, list):
+                    found.update(v for v in value if isinstance(v, int))
+
+    walk(config.to_dict())
+    return found
+
+
+# --- model classes -------------------------------------------------------------------------------
+
+TASKS = (
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+    "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+    "MODEL_FOR_CTC_MAPPING_NAMES",
+    "MODEL_MAPPING_NAMES",
+)
+
+
+def model_classes(model_type: str) -> list[tuple[str, type]]:
+    """(task, class) candidates for ``model_type`` in the sweep's order; a type no task maps
+    (a sub-model's config: ``clip_text_model``) takes the classes of its modeling module whose
+    ``config_class`` is its config class."""
+    import importlib
+
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    out = []
+    for task in TASKS:
+        names = getattr(modeling_auto, task).get(model_type)
+        for name in (names,) if isinstance(names, str) else names or ():
+            cls = getattr(transformers, name, None)
+            if cls is not None:
+                out.append((task.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES").lower() or "base", cls))
+    if not out:
+        config_cls = transformers.CONFIG_MAPPING[model_type]
+        module_name = config_cls.__module__.replace(".configuration_", ".modeling_")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            return out
+        found = [obj for obj in vars(module).values() if isinstance(obj, type) and issubclass(obj, nn.Module)
+                 and getattr(obj, "config_class", None) is config_cls and "PreTrained" not in obj.__name__]
+        found.sort(key=lambda c: (not c.__name__.endswith("Model"), len(c.__name__), c.__name__))
+        out = [("model", c) for c in found]
+    return out
+
+
+# --- overrides: where a generic rule fails ------------------------------------------------------------
+
+TINY_RESNET = {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32, 48, 64], "depths": [1, 1, 1, 1],
+               "out_features": ["stage2", "stage3", "stage4"], "layer_type": "basic"}
+SWIN = {"image_size": IMAGE, "patch_size": 2, "embed_dim": 16, "depths": [2, 2], "num_heads": [2, 2], "window_size": 2}
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "whisper": {"max_source_positions": SEQ},
+    "qwen2_vl": {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}},
+    "qwen2_5_vl": {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}},
+    "audio-spectrogram-transformer": {"max_length": 32, "num_mel_bins": 16},
+    "speech_to_text": {"max_source_positions": 64},
+    "bark": {"block_size": MAX_POSITIONS},
+    "funnel": {"block_sizes": [1, 1], "num_decoder_layers": 2},
+    "big_bird": {"attention_type": "original_full"},
+    "bigbird_pegasus": {"attention_type": "original_full"},
+    "longformer": {"attention_window": 4},
+    "led": {"attention_window": 4},
+    "reformer": {"axial_pos_shape": [4, 4], "axial_pos_embds_dim": [16, 16], "attn_layers": ["local", "lsh"],
+                 "local_attn_chunk_length": 4, "lsh_attn_chunk_length": 4},
+    "swin": SWIN,
+    "swinv2": SWIN,
+    "donut-swin": SWIN,
+    "maskformer-swin": SWIN,
+}
+"""model type -> config values set after the generic shrink (top level)."""
+
+BATCH_OVERRIDES: dict[str, Callable[[Any, torch.Generator], dict[str, Any]]] = {
+    "whisper": lambda c, g: {"input_features": torch.randn((BATCH, c.num_mel_bins, 2 * c.max_source_positions),
+                                                           generator=g)},
+    "audio-spectrogram-transformer": lambda c, g: {"input_values": torch.randn((BATCH, c.max_length, c.num_mel_bins),
+                                                                               generator=g)},
+}
+"""model type -> the batch's main inputs (labels are added as for any model)."""
+
+
+# --- batches ------------------------------------------------------------------------------------
+
+def _sub(config: Any, name: str) -> Any:
+    for key in ("vision_config", "audio_config", "encoder_config", "encoder"):
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, name):
+            return getattr(sub, name)
+    return getattr(config, name, None)
+
+
+def _first(config: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = _sub(config, name)
+        if value is not None:
+            return value
+    return default
+
+
+def _ids(config: Any, generator: torch.Generator, length: int = SEQ) -> torch.Tensor:
+    vocab = _first(config, "vocab_size", default=VOCAB)
+    text = getattr(config, "text_config", None)
+    if text is not None and getattr(text, "vocab_size", None):
+        vocab = text.vocab_size
+    allowed = torch.tensor([i for i in range(3, vocab) if i not in special_ids(config)] or [0])
+    return allowed[torch.randint(0, len(allowed), (BATCH, length), generator=generator)]
+
+
+def make_batch(model_type: str, model: nn.Module, config: Any, task: str, generator: torch.Generator,
+               *, towers: bool = True) -> dict[str, Any]:
+    """The batch from the model's main input name and forward signature; ``towers``: a model
+    that takes token ids and images (CLIP's two towers) gets both."""
+    params = inspect.signature(model.forward).parameters
+    main = getattr(model, "main_input_name", "input_ids")
+    batch: dict[str, Any] = {}
+
+    def images() -> torch.Tensor:
+        size = _first(config, "image_size", default=IMAGE)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        channels = _first(config, "num_channels", default=3)
+        return torch.randn((BATCH, channels, size, size), generator=generator)
+
+    if model_type in BATCH_OVERRIDES:
+        batch.update(BATCH_OVERRIDES[model_type](config, generator))
+    elif main == "pixel_values" or ("pixel_values" in params and "input_ids" not in params):
+        batch["pixel_values"] = images()
+    elif main == "input_values":
+        batch["input_values"] = torch.randn((BATCH, AUDIO_SAMPLES), generator=generator)
+    elif main == "input_features":
+        bins = _first(config, "num_mel_bins", "feature_size", "input_feat_per_channel", default=16)
+        batch["input_features"] = torch.randn((BATCH, 4 * SEQ, bins), generator=generator)
+    else:
+        ids = _ids(config, generator)
+        batch["input_ids"] = ids
+        if "attention_mask" in params:
+            mask = torch.ones_like(ids)
+            mask[-1, -1] = 0  # one padded token: models build a mask tensor every layer takes
+            batch["attention_mask"] = mask
+        if towers and "pixel_values" in params:
+            batch["pixel_values"] = images()
+        if "return_loss" in params:
+            batch["return_loss"] = True
+    required = {n for n, p in params.items() if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if "input_ids" in required and "input_ids" not in batch:  # BLIP-2: images and the text they answer
+        batch["input_ids"] = _ids(config, generator)
+    if "pixel_values" in required and "pixel_values" not in batch:
+        batch["pixel_values"] = images()
+    if "decoder_input_ids" in params and task not in ("seq_to_seq_causal_lm", "speech_seq_2_seq"):
+        batch["decoder_input_ids"] = _ids(config, generator)
+    if "labels" in params:
+        if task in ("causal_lm", "masked_lm") and "input_ids" in batch:
+            batch["labels"] = batch["input_ids"].clone()
+        elif task in ("seq_to_seq_causal_lm", "speech_seq_2_seq", "causal_lm"):
+            batch["labels"] = _ids(config, generator)
+        elif task in ("image_classification", "audio_classification"):
+            batch["labels"] = torch.randint(0, NUM_LABELS, (BATCH,), generator=generator)
+        elif task == "ctc":
+            vocab = _first(config, "vocab_size", default=VOCAB)
+            batch["labels"] = torch.randint(1, vocab, (BATCH, 4), generator=generator)
+    return batch
+
+
+def _floats(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _floats(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _floats(v)]
+    return []
+
+
+MAIN_OUTPUTS = ("last_hidden_state", "logits", "logits_per_image", "prediction_logits", "audio_values",
+                "reconstruction", "predicted_depth", "pooler_output")
+"""Outputs the loss is made of first, where the model returns one: the first floating output may be
+a side one no layer feeds (Deformable DETR's reference points come before its hidden states)."""
+
+
+def loss_fn(output: Any, batch: Any) -> torch.Tensor:
+    """The output's ``.loss`` where labels were given and it is a scalar; else the mean of squares
+    of its main output (`MAIN_OUTPUTS`), or of the first floating output a gradient flows from."""
+    loss = getattr(output, "loss", None) if not isinstance(output, dict) else output.get("loss")
+    if isinstance(batch, dict) and "labels" in batch and isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss.reshape(())
+    if isinstance(output, dict):
+        main = [output[k] for k in MAIN_OUTPUTS if isinstance(output.get(k), torch.Tensor)
+                and output[k].is_floating_point() and output[k].requires_grad]
+        if main:
+            return main[0].float().pow(2).mean()
+    tensors = [t for t in _floats(output) if t.requires_grad] or _floats(output)
+    if not tensors:
+        raise TypeError(f"no floating output to make a loss of: {type(output).__name__}")
+    return tensors[0].float().pow(2).mean()
+
+
+@dataclass(kw_only=True)
+class Built:
+    model_type: str
+    task: str
+    class_name: str
+    model: nn.Module
+    batch: dict[str, Any]
+    config: Any
+
+
+def seed(value: int = 0) -> None:
+    random.seed(value)
+    torch.manual_seed(value)
+    try:
+        import numpy
+
+        numpy.random.seed(value)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+BASE_KEYS = frozenset({"transformers_version", "architectures", "output_hidden_states", "return_dict", "dtype",
+                       "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type"})
+
+
+def _init_keys(config_cls: type) -> set[str] | None:
+    """The keyword arguments ``config_cls`` takes by name; None where it takes them all as ``**kwargs``."""
+    names = {n for n, p in inspect.signature(config_cls.__init__).parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+    return names if names - BASE_KEYS else None
+
+
+def as_kwargs(config_cls: type, shrunk: dict[str, Any]) -> dict[str, Any]:
+    """``shrunk`` cut to what ``config_cls`` takes as arguments (values it derives in its
+    ``__init__``, such as Swin's ``num_layers`` from its depths, are derived again), sub-configs alike."""
+    import transformers
+
+    keys = _init_keys(config_cls)
+    out = {}
+    for key, value in shrunk.items():
+        if keys is not None and key not in keys:
+            continue
+        if key in ("id2label", "label2id", "transformers_version", "architectures"):
+            continue
+        if isinstance(value, dict) and value.get("model_type") in transformers.CONFIG_MAPPING:
+            value = {"model_type": value["model_type"],
+                     **as_kwargs(transformers.CONFIG_MAPPING[value["model_type"]], value)}
+        out[key] = value
+    return out
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def tiny_config(model_type: str) -> Any:
+    """The default config of ``model_type`` shrunk (`shrink`), with the type's `OVERRIDES`."""
+    import transformers
+
+    config_cls = transformers.CONFIG_MAPPING[model_type]
+    shrunk = _merge(shrink(config_cls().to_dict()), OVERRIDES.get(model_type, {}))
+    config = config_cls(**as_kwargs(config_cls, shrunk))
+    config.num_labels = NUM_LABELS
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+        pad = getattr(config, "pad_token_id", None)
+        config.decoder_start_token_id = pad if isinstance(pad, int) else 0
+    return config
+
+
+def build(model_type: str) -> Built:
+    """A tiny model of ``model_type`` that ran a plain forward and backward, with its batch;
+    raises (the last candidate class's error) when none does."""
+    config = tiny_config(model_type)
+    candidates = model_classes(model_type)
+    if not candidates:
+        raise LookupError(f"no model class for {model_type!r} in the task mappings")
+    error: BaseException | None = None
+    for task, cls in candidates:
+        for towers, channel in ((True, False), (False, False), (False, True)):
+            try:
+                seed(0)
+                try:
+                    model = cls._from_config(copy.deepcopy(config), attn_implementation="eager")
+                except (ValueError, TypeError):
+                    model = cls._from_config(copy.deepcopy(config))
+                model.train()
+                batch = make_batch(model_type, model, model.config, task, torch.Generator().manual_seed(0),
+                                   towers=towers)
+                if channel:  # a codec's waveform: (batch, channels, samples)
+                    if "input_values" not in batch or batch["input_values"].dim() != 2:
+                        continue
+                    batch["input_values"] = batch["input_values"].unsqueeze(1)
+                seed(0)
+                loss = loss_fn(model(**batch), batch)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"the plain step's loss is {loss.item()}")
+                loss.backward()
+                if not any(p.grad is not None for p in model.parameters()):
+                    raise RuntimeError("no parameter gets a gradient")
+                model.zero_grad(set_to_none=True)
+                return Built(model_type=model_type, task=task, class_name=cls.__name__, model=model, batch=batch,
+                             config=model.config)
+            except Exception as e:  # noqa: BLE001 - the next class may run
+                error = error if error is not None and not towers else e
+    assert error is not None
+    raise error

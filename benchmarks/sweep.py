@@ -1,0 +1,306 @@
+"""The Hugging Face sweep: every model type of transformers, tiny, through remat's whole pipeline.
+
+    .venv/bin/python -m benchmarks.sweep [--models TYPE ...] [--limit N] [--skip N] [--timeout-s 300]
+                                         [--json out.json] [--markdown out.md] [--compare earlier.json]
+
+The models are every type in ``transformers.CONFIG_MAPPING`` (sorted), or ``--models``, each built
+by `benchmarks._sweep.build` from its config class's defaults shrunk to 2 layers of width 32
+(random weights, a batch made in code, fixed seeds; nothing is downloaded). Each model runs in a
+subprocess of its own (``--one TYPE --json-line``) under a wall-clock timeout, so a crash, hang
+or OOM of one model never stops the sweep, and the JSON is rewritten after each model, so a
+killed sweep keeps what it measured. Per model, with SGD (lr 1e-3):
+
+- `remat.profile` (one timed step), `remat.pareto`;
+- three plans, each checked by `remat.verify` (one timed step): the least peak (the frontier's
+  last plan), the plan half-way from there to no recomputation (as `benchmarks.zoo` picks it),
+  and full recomputation (every block its own recompute segment: the ``full`` strategy);
+  predicted and measured peak, the error, gradients, blocks recomputed;
+- three SGD steps of a copy of the model under the least plan (`remat.apply_`) against a copy
+  without remat, the same batch and seeds before each step: parameters bit-identical or not.
+
+Statuses: ``ok``; ``unbuilt`` (the harness could not build the model or run a plain step at the
+tiny size: its limit, not remat's); ``refused`` (remat's own clear error: a ValueError or
+TypeError raised in remat); ``crash`` (any other exception: the traceback's tail);
+``timeout``; ``verify-failed`` (a verification not ``ok``, gradients that differ, or 3 trained
+steps that differ from training without remat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+RESULT_MARK = "SWEEP-RESULT "
+STATUSES = ("ok", "verify-failed", "refused", "crash", "timeout", "unbuilt")
+PLANS = ("least", "half", "full")
+ERROR_MOVE = 0.05
+"""Points of peak error by which a model must move for `compare` to report it."""
+
+
+def _last_line(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[-1] if lines else type(error).__name__)[:400]
+
+
+def _raised_in_remat(error: BaseException) -> bool:
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and f"{os.sep}remat{os.sep}" in frames[-1].filename
+
+
+def _recomputed(plan: Any) -> int:
+    """Blocks whose activations the plan does not keep (recomputed, selectively or whole)."""
+    return sum(seg.stop - seg.start for seg in plan.segments if seg.strategy != "keep")
+
+
+def _max_abs_diff(a: Any, b: Any) -> float:
+    import torch
+
+    diffs = [(p.detach().double() - q.detach().double()).abs().max().item()
+             for p, q in zip(a.parameters(), b.parameters(), strict=True) if p.numel()]
+    return max(diffs, default=0.0) if all(torch.isfinite(torch.tensor(d)) for d in diffs) else float("nan")
+
+
+def _train(model: Any, batch: dict[str, Any], steps: int) -> None:
+    import torch
+
+    from benchmarks._sweep.build import loss_fn, seed
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model.train()
+    for i in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        seed(i)
+        loss_fn(model(**batch), batch).backward()
+        optimizer.step()
+
+
+def run_one(model_type: str) -> dict[str, Any]:
+    """One model through the pipeline: its row of the sweep (never raises)."""
+    start = time.perf_counter()
+    row: dict[str, Any] = {"model": model_type, "status": "crash"}
+    stage = "build"
+    try:
+        import torch
+
+        import remat
+        from benchmarks._sweep.build import build, loss_fn, seed
+        from remat.plan.available import explained, unavailable_blocks
+        from remat.plan.planners import pareto, plan
+        from remat.plan.types import Segment
+
+        torch.use_deterministic_algorithms(False)
+        try:
+            built = build(model_type)
+        except Exception as e:  # noqa: BLE001 - the harness's limit, recorded
+            row.update(status="unbuilt", reason=_last_line(e))
+            return row
+        row.update(task=built.task, class_name=built.class_name,
+                   params=sum(p.numel() for p in built.model.parameters()))
+        pristine = copy.deepcopy(built.model)
+        model, batch = built.model, built.batch
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        stage = "profile"
+        seed(0)
+        prof = remat.profile(model, batch, loss_fn, optimizer, repeats=1)
+        row.update(stacks=[[s.name, s.stop - s.start] for s in prof.stacks], blocks=prof.num_blocks)
+        stage = "plan"
+        frontier = pareto(prof)
+        least, most = frontier[-1], frontier[0]
+        middle = (least.prediction.peak_bytes + most.prediction.peak_bytes) / 2
+        half = min(frontier, key=lambda p: abs(p.prediction.peak_bytes - middle))
+        full = plan(prof, strategy="full")
+        row["frontier"] = len(frontier)
+        reasons = Counter(explained(reason) for i in range(prof.num_blocks)
+                          for _, reason in unavailable_blocks(prof, Segment(start=i, stop=i + 1, strategy="recompute")))
+        row["keep_only"] = {reason[:160]: count for reason, count in sorted(reasons.items())}
+        ok = True
+        for label, chosen in (("least", least), ("half", half), ("full", full)):
+            stage = f"verify {label}"
+            seed(0)
+            check = remat.verify(model, batch, chosen, loss_fn, optimizer, repeats=1)
+            row[label] = {
+                "predicted_bytes": check.predicted_peak_bytes,
+                "measured_bytes": check.measured_peak_bytes,
+                "error_pct": round(check.peak_error_pct, 4),
+                "ok": check.ok,
+                "grads_identical": check.grads_identical,
+                "grad_max_abs_diff": check.grad_max_abs_diff,
+                "recomputed": _recomputed(chosen),
+                "head": chosen.head,
+            }
+            ok = ok and check.ok and check.grads_identical
+        stage = "apply"
+        reference, planned = copy.deepcopy(pristine), copy.deepcopy(pristine)
+        remat.apply_(planned, least)
+        stage = "train"
+        _train(reference, batch, 3)
+        _train(planned, batch, 3)
+        remat.remove_(planned)
+        same = all(torch.equal(p, q) for p, q in zip(reference.parameters(), planned.parameters(), strict=True))
+        row["three_steps"] = {"bit_identical": same, "max_abs_diff": _max_abs_diff(reference, planned)}
+        row["status"] = "ok" if ok and same else "verify-failed"
+    except Exception as e:  # noqa: BLE001 - every failure is a row
+        refused = isinstance(e, (ValueError, TypeError)) and _raised_in_remat(e)
+        row.update(status="refused" if refused else "crash", stage=stage, reason=_last_line(e))
+        if not refused:
+            row["traceback"] = "".join(traceback.format_exception(e)).strip().splitlines()[-12:]
+    finally:
+        row["seconds"] = round(time.perf_counter() - start, 2)
+    return row
+
+
+def run_isolated(model_type: str, timeout_s: float) -> dict[str, Any]:
+    """`run_one` in a subprocess of its own under ``timeout_s``: a crash, hang or OOM is a row."""
+    command = [sys.executable, "-m", "benchmarks.sweep", "--one", model_type, "--json-line"]
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, str(Path(root) / "src"), env.get("PYTHONPATH")) if p)
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        return {"model": model_type, "status": "timeout", "reason": f"over {timeout_s:g} s",
+                "seconds": round(time.perf_counter() - start, 2)}
+    for line in reversed(out.splitlines()):
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):])
+    tail = [line for line in err.strip().splitlines() if line.strip()][-12:]
+    return {"model": model_type, "status": "crash", "stage": "process",
+            "reason": f"exit code {proc.returncode}" + (f": {tail[-1][:300]}" if tail else ""),
+            "traceback": tail, "seconds": round(time.perf_counter() - start, 2)}
+
+
+# --- tables ---------------------------------------------------------------------------------------
+
+def _pct(row: dict[str, Any], label: str) -> str:
+    return f"{row[label]['error_pct']:+.2f}%" if isinstance(row.get(label), dict) else ""
+
+
+def _grads(row: dict[str, Any]) -> str:
+    checks = [row[label] for label in PLANS if isinstance(row.get(label), dict)]
+    if not checks:
+        return ""
+    if all(c["grads_identical"] for c in checks):
+        return "identical"
+    return f"DIFFER (max {max(c['grad_max_abs_diff'] for c in checks):.2g})"
+
+
+def _three(row: dict[str, Any]) -> str:
+    steps = row.get("three_steps")
+    if not steps:
+        return ""
+    return "yes" if steps["bit_identical"] else f"NO (max {steps['max_abs_diff']:.2g})"
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    counts = Counter(r["status"] for r in rows)
+    return ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s]) + f" ({len(rows)} models)"
+
+
+def markdown(rows: list[dict[str, Any]], changes: list[str] | None = None) -> str:
+    header = ("| model | status | blocks | least / half / full recomputed | peak error: least / half / full | "
+              "gradients | 3 steps bit-identical | seconds |")
+    lines = [header, "| --- | --- | ---: | --- | --- | --- | --- | ---: |"]
+    for r in rows:
+        recomputed = " / ".join(str(r[p]["recomputed"]) for p in PLANS) if isinstance(r.get("full"), dict) else ""
+        status = r["status"] if r["status"] in ("ok",) else f"{r['status']}: {r.get('reason', '')}".replace("|", "\\|")
+        lines.append(f"| {r['model']} | {status} | {r.get('blocks', '')} | {recomputed} | "
+                     f"{' / '.join(_pct(r, p) for p in PLANS) if 'full' in r else ''} | {_grads(r)} | {_three(r)} | "
+                     f"{r.get('seconds', 0):.1f} |")
+    lines += ["", f"Summary: {summary(rows)}."]
+    if changes is not None:
+        lines += ["", "Changes against the earlier sweep:", ""]
+        lines += [f"- {c}" for c in changes] or ["- none"]
+    return "\n".join(lines)
+
+
+def compare(rows: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> list[str]:
+    """Per model of both sweeps, what changed: status, peak error moved by more than
+    `ERROR_MOVE` points, blocks recomputed, number of blocks; models in one sweep only."""
+    before = {r["model"]: r for r in earlier}
+    now = {r["model"]: r for r in rows}
+    out = []
+    for name in sorted(before.keys() | now.keys()):
+        a, b = before.get(name), now.get(name)
+        if a is None or b is None:
+            out.append(f"{name}: only in the {'earlier' if b is None else 'new'} sweep")
+            continue
+        if a["status"] != b["status"]:
+            reason = f" ({b['reason']})" if b.get("reason") else ""
+            out.append(f"{name}: status {a['status']} -> {b['status']}{reason}")
+        if a.get("blocks") != b.get("blocks") and a.get("blocks") is not None and b.get("blocks") is not None:
+            out.append(f"{name}: blocks {a['blocks']} -> {b['blocks']}")
+        for label in PLANS:
+            pa, pb = a.get(label), b.get(label)
+            if not (isinstance(pa, dict) and isinstance(pb, dict)):
+                continue
+            if abs(pa["error_pct"] - pb["error_pct"]) > ERROR_MOVE:
+                out.append(f"{name}: {label} peak error {pa['error_pct']:+.2f}% -> {pb['error_pct']:+.2f}%")
+            if pa["recomputed"] != pb["recomputed"]:
+                out.append(f"{name}: {label} recomputed {pa['recomputed']} -> {pb['recomputed']}")
+    return out
+
+
+def model_types(models: list[str] | None, skip: int, limit: int | None) -> list[str]:
+    if models:
+        names = list(models)
+    else:
+        import transformers
+
+        names = sorted(transformers.CONFIG_MAPPING.keys())
+    names = names[skip:]
+    return names if limit is None else names[:limit]
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", metavar="TYPE")
+    parser.add_argument("--limit", type=int)
+    parser.add_argument("--skip", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--compare", type=Path, metavar="EARLIER_JSON")
+    parser.add_argument("--one", metavar="TYPE", help=argparse.SUPPRESS)
+    parser.add_argument("--json-line", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    from remat._files import write_atomic
+
+    if args.one:
+        warnings.filterwarnings("ignore")
+        row = run_one(args.one)
+        print(RESULT_MARK + json.dumps(row) if args.json_line else json.dumps(row, indent=2), flush=True)
+        return [row]
+    rows: list[dict[str, Any]] = []
+    for name in model_types(args.models, args.skip, args.limit):
+        rows.append(run_isolated(name, args.timeout_s))
+        r = rows[-1]
+        print(f"{name}: {r['status']}" + (f" ({r['reason']})" if r.get("reason") else "")
+              + f" {r.get('seconds', 0):.1f} s", file=sys.stderr, flush=True)
+        if args.json:
+            write_atomic(args.json, json.dumps(rows, indent=1) + "\n")
+    changes = compare(rows, json.loads(args.compare.read_text())) if args.compare else None
+    text = markdown(rows, changes)
+    print(text)
+    if args.markdown:
+        write_atomic(args.markdown, text + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

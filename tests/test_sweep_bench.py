@@ -1,0 +1,112 @@
+"""benchmarks/sweep.py keeps working: two tiny types through the whole harness (each in its own
+subprocess), `--compare` and the table on hand-written rows, and the shrinker's exact values."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import sweep
+from benchmarks._sweep.build import model_classes, shrink, tiny_config
+
+transformers = pytest.importorskip("transformers")
+
+PEAK_TOLERANCE_PCT = 2.0
+"""The zoo's bound on measured against predicted peak (`tests/zoo/test_zoo.py`)."""
+
+
+def test_gpt2_and_bert_through_the_sweep(tmp_path, capsys):
+    out, md = tmp_path / "sweep.json", tmp_path / "sweep.md"
+    sweep.main(["--models", "gpt2", "bert", "--timeout-s", "120", "--json", str(out), "--markdown", str(md)])
+    rows = {r["model"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["gpt2", "bert"]
+    assert rows["gpt2"]["class_name"] == "GPT2LMHeadModel" and rows["gpt2"]["stacks"] == [["transformer.h", 2]]
+    assert rows["bert"]["class_name"] == "BertLMHeadModel" and rows["bert"]["stacks"] == [["bert.encoder.layer", 2]]
+    for row in rows.values():
+        assert (row["status"], row["task"], row["blocks"]) == ("ok", "causal_lm", 2), row
+        for label in sweep.PLANS:
+            check = row[label]
+            assert check["ok"] and check["grads_identical"] and check["grad_max_abs_diff"] == 0.0
+            assert abs(check["error_pct"]) <= PEAK_TOLERANCE_PCT, (label, check)
+        assert row["full"]["recomputed"] == 2
+        assert 1 <= row["least"]["recomputed"] <= 2
+        assert row["least"]["predicted_bytes"] <= row["half"]["predicted_bytes"]
+        assert row["three_steps"] == {"bit_identical": True, "max_abs_diff": 0.0}
+    table = md.read_text().splitlines()
+    assert table[2].startswith("| gpt2 | ok | 2 | ") and "| identical | yes |" in table[2]
+    assert table[-1] == "Summary: 2 ok (2 models)."
+
+
+def _row(model, status, blocks=None, errors=None, recomputed=None, **extra):
+    row = {"model": model, "status": status, **extra}
+    if blocks is not None:
+        row["blocks"] = blocks
+    for label, error, count in zip(sweep.PLANS, errors or (), recomputed or (), strict=False):
+        row[label] = {"error_pct": error, "recomputed": count, "grads_identical": True, "grad_max_abs_diff": 0.0}
+    return row
+
+
+EARLIER = [
+    _row("bert", "ok", 2, (0.0, -0.04, 0.0), (1, 1, 2), three_steps={"bit_identical": True, "max_abs_diff": 0.0}),
+    _row("gpt2", "ok", 2, (0.0, 0.0, 0.0), (1, 0, 2)),
+    _row("llama", "ok", 2, (1.0, 0.5, 1.0), (2, 1, 2)),
+    _row("t5", "crash", reason="RuntimeError: boom"),
+]
+NOW = [
+    _row("bert", "ok", 2, (0.05, -0.1, 0.0), (1, 1, 2), three_steps={"bit_identical": True, "max_abs_diff": 0.0}),
+    _row("gpt2", "verify-failed", 3, (0.0, 0.0, 0.0), (1, 0, 3), reason="3 steps differ"),
+    _row("t5", "ok", 4, (0.2, 0.0, 0.0), (2, 1, 4)),
+    _row("vit", "unbuilt", reason="ValueError: no"),
+]
+
+
+def test_compare_by_hand(tmp_path, capsys):
+    assert sweep.compare(NOW, EARLIER) == [
+        "bert: half peak error -0.04% -> -0.10%",
+        "gpt2: status ok -> verify-failed (3 steps differ)",
+        "gpt2: blocks 2 -> 3",
+        "gpt2: full recomputed 2 -> 3",
+        "llama: only in the earlier sweep",
+        "t5: status crash -> ok",
+        "vit: only in the new sweep",
+    ]
+
+
+def test_markdown_by_hand():
+    lines = sweep.markdown(NOW[:1] + NOW[3:], changes=["bert: half peak error -0.04% -> -0.10%"]).splitlines()
+    assert lines[2] == ("| bert | ok | 2 | 1 / 1 / 2 | +0.05% / -0.10% / +0.00% | identical | yes | 0.0 |")
+    assert lines[3] == "| vit | unbuilt: ValueError: no |  |  |  |  |  | 0.0 |"
+    assert lines[5:] == ["Summary: 1 ok, 1 unbuilt (2 models).", "", "Changes against the earlier sweep:", "",
+                         "- bert: half peak error -0.04% -> -0.10%"]
+
+
+def test_shrinker_exact_values():
+    def changed(model_type):
+        before = transformers.CONFIG_MAPPING[model_type]().to_dict()
+        after = shrink(before)
+        return {k: after[k] for k in before if after[k] != before[k]}
+
+    assert changed("gpt2") == {"vocab_size": 99, "n_positions": 128, "n_embd": 32, "n_layer": 2, "n_head": 2,
+                               "use_cache": False, "bos_token_id": 98, "eos_token_id": 98}
+    assert changed("llama") == {"vocab_size": 99, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 128,
+                                "use_cache": False, "head_dim": 16}
+    assert changed("t5") == {"vocab_size": 99, "d_model": 32, "d_kv": 16, "d_ff": 64, "num_layers": 2,
+                             "num_decoder_layers": 2, "num_heads": 2, "use_cache": False}
+    mixtral = tiny_config("mixtral")  # fewer key/value heads than heads stay fewer; experts 4, 2 picked
+    assert (mixtral.num_attention_heads, mixtral.num_key_value_heads) == (2, 1)
+    assert (mixtral.num_local_experts, mixtral.num_experts_per_tok) == (4, 2)
+    swin = tiny_config("swin")  # derived values are derived again from the shrunk arguments
+    assert (swin.depths, swin.num_heads, swin.num_layers) == ([2, 2], [2, 2], 2)
+    assert (swin.embed_dim, swin.hidden_size) == (16, 32)
+
+
+def test_sub_model_types_find_their_class():
+    assert model_classes("clip_text_model")[0][1].__name__ == "CLIPTextModel"
+    assert model_classes("t5")[0][0] == "seq_to_seq_causal_lm"
+
+
+def test_a_model_over_its_time_is_a_timeout_row():
+    row = sweep.run_isolated("gpt2", 0.5)
+    assert row["model"] == "gpt2" and row["status"] == "timeout" and row["reason"] == "over 0.5 s"
