@@ -142,3 +142,26 @@ def test_a_sequence_longer_than_the_learned_positions_is_refused(tmp_path) -> No
                                          r"\(GPT2LMHeadModel\): a training step at that length fails on any device; "
                                          r"pass --seq 32 or less"):
         trace_source(source, seq_len=33)
+
+
+def test_layers_named_dense_and_sparse_are_traced_each(tmp_path) -> None:
+    """transformers 5 names each layer's feed-forward in ``mlp_layer_types`` (29 configs: EXAONE-MoE,
+    Kimi Linear, Hunyuan 3...), beside ``layer_types``: the estimate traced layers of one kind and
+    refused ("traced layers run different ops"). A kind is now a layer's entry in every list."""
+    from remat.estimate.trace import hf_layer_kinds, traced_layer_values
+
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    mlp_types = ["dense", "sparse", "sparse", "sparse", "sparse"]
+    config = transformers.AutoConfig.for_model(
+        "exaone_moe", hidden_size=32, num_hidden_layers=5, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+        intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, vocab_size=64,
+        layer_types=layer_types, mlp_layer_types=mlp_types, first_k_dense_replace=1, sliding_window=8)
+    # kinds in the order they come: (sliding, dense), (sliding, sparse), (full, sparse)
+    assert hf_layer_kinds(config, 5, 2) == (6, (1, 3, 5, 3, 5))
+    assert traced_layer_values(config, 5) == {
+        "layer_types": ["sliding_attention"] * 4 + ["full_attention"] * 2,
+        "mlp_layer_types": ["dense"] * 2 + ["sparse"] * 4}
+    source = _config_file(tmp_path, config)
+    traced = trace_source(source, seq_len=8, dtype="bf16")
+    assert traced.num_layers == 5
+    assert traced.param_count == _hf_param_count(hf_config(source))

@@ -284,35 +284,66 @@ def trace_source(
 
 def hf_layer_kinds(config: Any, full: int, layers: int) -> tuple[int, tuple[int, ...]]:
     """(layers to trace, traced layer per full-model layer): the first ``first_k_dense_replace``
-    layers of DeepSeek-style models are dense, the rest MoE; a model whose ``layer_types`` mix
-    kinds (Gemma 3's five sliding-window layers to one global, Qwen3-Next's linear and full
-    attention) traces two layers of each kind, in the order they first come (`traced_layer_types`),
-    and copies the second of each; other models are uniform."""
+    layers of DeepSeek-style models are dense, the rest MoE; a model whose per-layer lists mix
+    kinds (``layer_types``: Gemma 3's five sliding-window layers to one global, Qwen3-Next's linear
+    and full attention; ``mlp_layer_types``: the dense and sparse layers of EXAONE-MoE, Kimi Linear,
+    Hunyuan 3) traces two layers of each kind, a kind being the layer's entry in every list, in
+    the order they first come (`traced_layer_values`), and copies the second of each; other models
+    are uniform."""
+    kinds, per_layer = _layer_kinds(config, full)
+    if kinds:
+        return 2 * len(kinds), tuple(2 * kinds.index(k) + 1 for k in per_layer)
     dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
     if 0 < dense < full:
         traced = min(full, dense + 2)
         return traced, (dense - 1,) * dense + (traced - 1,) * (full - dense)
-    kinds = _mixed_layer_types(config, full)
-    if kinds:
-        return 2 * len(kinds), tuple(2 * kinds.index(t) + 1 for t in list(config.layer_types)[:full])
     traced = min(layers, full)
     return traced, (traced - 1,) * full
 
 
-def _mixed_layer_types(config: Any, full: int) -> list[str]:
-    """The distinct ``layer_types`` of the model's layers in the order they first come, when
-    there are several ([] otherwise)."""
-    types = getattr(config, "layer_types", None)
-    if not isinstance(types, (list, tuple)) or len(types) < full:
-        return []
-    kinds = list(dict.fromkeys(types[:full]))
-    return kinds if len(kinds) > 1 else []
+_KIND_LISTS = ("layer_types", "mlp_layer_types")
+"""Per-layer lists of transformers configs that name each layer's kind."""
 
 
-def traced_layer_types(config: Any, full: int) -> list[str] | None:
-    """The ``layer_types`` of the traced model (two of each kind, `hf_layer_kinds`), or None."""
-    kinds = _mixed_layer_types(config, full)
-    return [t for t in kinds for _ in range(2)] if kinds else None
+def _kind_lists(config: Any, full: int) -> dict[str, list]:
+    """The per-layer lists of ``config`` (`_KIND_LISTS`) that cover its ``full`` layers; with
+    ``mlp_layer_types`` absent, ``first_k_dense_replace`` as one more where another list is there."""
+    lists = {}
+    for name in _KIND_LISTS:
+        try:
+            value = getattr(config, name, None)
+        except Exception:  # noqa: BLE001 - transformers' per-layer lookups raise errors of their own
+            value = None
+        if isinstance(value, (list, tuple)) and len(value) >= full:
+            lists[name] = list(value[:full])
+    dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
+    if lists and "mlp_layer_types" not in lists and 0 < dense < full:
+        lists["first_k_dense_replace"] = [i < dense for i in range(full)]
+    return lists
+
+
+def _layer_kinds(config: Any, full: int) -> tuple[list[tuple], list[tuple]]:
+    """(the distinct kinds in the order they first come, each layer's kind) where the lists mix
+    several kinds (([], []) otherwise)."""
+    lists = _kind_lists(config, full)
+    per_layer = [tuple(values[i] for values in lists.values()) for i in range(full)] if lists else []
+    kinds = list(dict.fromkeys(per_layer))
+    return (kinds, per_layer) if len(kinds) > 1 else ([], [])
+
+
+def traced_layer_values(config: Any, full: int) -> dict[str, Any]:
+    """What the traced model's config sets per layer (two layers of each kind, `hf_layer_kinds`):
+    each list of `_KIND_LISTS`, and ``first_k_dense_replace`` as the traced dense layers ({} for a
+    uniform model)."""
+    kinds, _ = _layer_kinds(config, full)
+    if not kinds:
+        return {}
+    names = list(_kind_lists(config, full))
+    out: dict[str, Any] = {name: [kind[j] for kind in kinds for _ in range(2)] for j, name in enumerate(names)}
+    if "first_k_dense_replace" in out:
+        flags = out.pop("first_k_dense_replace")
+        out["first_k_dense_replace"] = sum(flags)  # the dense kinds come first: the dense layers do
+    return out
 
 
 def _hf_facts(config: Any) -> tuple[ModelFacts, ModelShape]:
@@ -330,10 +361,11 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
     config.use_cache = False
     try:
         traced, kinds = hf_layer_kinds(config, num_layers(config), layers)
-        types = traced_layer_types(config, num_layers(config))
-        if types is not None:  # the traced model's layers: two of each kind
+        values = traced_layer_values(config, num_layers(config))
+        if values:  # the traced model's layers: two of each kind
             config = copy.deepcopy(config)
-            config.layer_types = types
+            for name, value in values.items():
+                setattr(config, name, value)
         model = build_hf_on_meta(config, layers=traced, dtype=dtype)
     except ValueError as error:
         if "attn_implementation" not in str(error) or source.attention == "eager":
@@ -448,4 +480,4 @@ def _trace_file(source: ModelSource, dtype: torch.dtype, fused: bool) -> Traced:
 
 
 __all__ = ["DTYPES", "ModelShape", "TRACED_MICRO_BATCHES", "Traced", "check_alike", "dtype_of", "hf_layer_kinds",
-           "trace_profile", "trace_source", "traced_layer_types"]
+           "trace_profile", "trace_source", "traced_layer_values"]
