@@ -165,3 +165,21 @@ def test_layers_named_dense_and_sparse_are_traced_each(tmp_path) -> None:
     traced = trace_source(source, seq_len=8, dtype="bf16")
     assert traced.num_layers == 5
     assert traced.param_count == _hf_param_count(hf_config(source))
+
+
+def test_llama4s_moe_and_no_rope_layers_are_kinds(tmp_path) -> None:
+    """Llama 4 names its MoE layers by index (``moe_layers``) and its layers without rotary
+    embeddings per layer (``no_rope_layers``): refused before as layers that run different ops."""
+    from remat.estimate.trace import traced_layer_values
+
+    config = transformers.Llama4TextConfig(
+        hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1, vocab_size=64,
+        moe_layers=[1, 3], no_rope_layers=[1, 1, 1, 0], attention_chunk_size=8)
+    values = traced_layer_values(config, 4)
+    # kinds: (rope, dense), (rope, MoE), (no rope, MoE), two layers each
+    assert values["no_rope_layers"] == [1, 1, 1, 1, 0, 0] and values["moe_layers"] == [2, 3, 4, 5]
+    source = _config_file(tmp_path, config)
+    traced = trace_source(source, seq_len=8, dtype="bf16")
+    assert traced.num_layers == 4
+    assert traced.param_count == _hf_param_count(hf_config(source))

@@ -301,8 +301,9 @@ def hf_layer_kinds(config: Any, full: int, layers: int) -> tuple[int, tuple[int,
     return traced, (traced - 1,) * full
 
 
-_KIND_LISTS = ("layer_types", "mlp_layer_types")
-"""Per-layer lists of transformers configs that name each layer's kind."""
+_KIND_LISTS = ("layer_types", "mlp_layer_types", "no_rope_layers")
+"""Per-layer lists of transformers configs that name each layer's kind (Llama 4's
+``no_rope_layers``: 0 where a layer runs without rotary embeddings)."""
 
 
 def _kind_lists(config: Any, full: int) -> dict[str, list]:
@@ -319,6 +320,9 @@ def _kind_lists(config: Any, full: int) -> dict[str, list]:
     dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
     if lists and "mlp_layer_types" not in lists and 0 < dense < full:
         lists["first_k_dense_replace"] = [i < dense for i in range(full)]
+    moe = getattr(config, "moe_layers", None)  # Llama 4: the indices of its MoE layers
+    if isinstance(moe, (list, tuple)) and all(isinstance(i, int) for i in moe):
+        lists["moe_layers"] = [i in set(moe) for i in range(full)]
     return lists
 
 
@@ -343,6 +347,8 @@ def traced_layer_values(config: Any, full: int) -> dict[str, Any]:
     if "first_k_dense_replace" in out:
         flags = out.pop("first_k_dense_replace")
         out["first_k_dense_replace"] = sum(flags)  # the dense kinds come first: the dense layers do
+    if "moe_layers" in out:
+        out["moe_layers"] = [i for i, moe in enumerate(out["moe_layers"]) if moe]
     return out
 
 
