@@ -183,3 +183,21 @@ def test_llama4s_moe_and_no_rope_layers_are_kinds(tmp_path) -> None:
     traced = trace_source(source, seq_len=8, dtype="bf16")
     assert traced.num_layers == 4
     assert traced.param_count == _hf_param_count(hf_config(source))
+
+
+@pytest.mark.parametrize("model_type, kinds", [
+    ("afmoe", dict(num_dense_layers=1, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8,
+                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)),
+    ("ernie4_5_moe", dict(moe_layer_start_index=1, moe_layer_end_index=3, moe_layer_interval=1, moe_num_experts=4,
+                          moe_k=2, moe_intermediate_size=16)),
+])
+def test_moe_layers_named_by_count_or_range_are_a_kind(tmp_path, model_type: str, kinds: dict) -> None:
+    """AFMoE names its first dense layers by count (``num_dense_layers``), ERNIE 4.5 its MoE layers by
+    range and step: refused before as layers that run different ops."""
+    config = transformers.AutoConfig.for_model(
+        model_type, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+        intermediate_size=64, vocab_size=64, **kinds)
+    source = _config_file(tmp_path, config)
+    traced = trace_source(source, seq_len=8, dtype="bf16")
+    assert traced.num_layers == 4
+    assert traced.param_count == _hf_param_count(hf_config(source))

@@ -320,6 +320,13 @@ def _kind_lists(config: Any, full: int) -> dict[str, list]:
     dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
     if lists and "mlp_layer_types" not in lists and 0 < dense < full:
         lists["first_k_dense_replace"] = [i < dense for i in range(full)]
+    first = int(getattr(config, "num_dense_layers", 0) or 0)  # AFMoE: its first layers dense
+    if 0 < first < full:
+        lists["num_dense_layers"] = [i < first for i in range(full)]
+    start, end = getattr(config, "moe_layer_start_index", None), getattr(config, "moe_layer_end_index", None)
+    interval = getattr(config, "moe_layer_interval", None)  # ERNIE 4.5: its MoE layers by range and step
+    if all(isinstance(v, int) for v in (start, end, interval)) and interval > 0:
+        lists["moe_layer_range"] = [(i + 1) % interval == 0 and start <= i <= end for i in range(full)]
     moe = getattr(config, "moe_layers", None)  # Llama 4: the indices of its MoE layers
     if isinstance(moe, (list, tuple)) and all(isinstance(i, int) for i in moe):
         lists["moe_layers"] = [i in set(moe) for i in range(full)]
@@ -349,6 +356,16 @@ def traced_layer_values(config: Any, full: int) -> dict[str, Any]:
         out["first_k_dense_replace"] = sum(flags)  # the dense kinds come first: the dense layers do
     if "moe_layers" in out:
         out["moe_layers"] = [i for i, moe in enumerate(out["moe_layers"]) if moe]
+    if "num_dense_layers" in out:
+        out["num_dense_layers"] = sum(out["num_dense_layers"])  # the dense kinds come first here too
+    if "moe_layer_range" in out:
+        moe = [i for i, flag in enumerate(out.pop("moe_layer_range")) if flag]
+        # one step of 1 from the first MoE layer to the last: the traced MoE layers must be those
+        if moe and moe != list(range(moe[0], moe[-1] + 1)):
+            raise ValueError("the traced model's MoE layers are not one run of layers, which ERNIE's "
+                             "moe_layer_start_index / moe_layer_end_index can name")
+        out.update(moe_layer_start_index=moe[0] if moe else 2 * len(kinds), moe_layer_end_index=moe[-1] if moe else -1,
+                   moe_layer_interval=1)
     return out
 
 
