@@ -201,3 +201,15 @@ def test_moe_layers_named_by_count_or_range_are_a_kind(tmp_path, model_type: str
     traced = trace_source(source, seq_len=8, dtype="bf16")
     assert traced.num_layers == 4
     assert traced.param_count == _hf_param_count(hf_config(source))
+
+
+def test_embeddings_sized_by_the_layer_count_are_refused(tmp_path) -> None:
+    """Gemma 4's per-layer inputs come from an embedding of layers x hidden_size_per_layer_input
+    columns: built with fewer layers, the default text model counted 3.25 B of its 5.08 B
+    parameters."""
+    config = transformers.AutoConfig.for_model("gemma4_text", hidden_size=32, num_hidden_layers=4,
+                                               num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                               intermediate_size=64, vocab_size=64, hidden_size_per_layer_input=8)
+    with pytest.raises(ValueError, match=r"Gemma4TextConfig gives every layer an input of its own, from embeddings "
+                                         r"and a projection sized by the number of layers \(hidden_size_per_layer_input = 8\)"):
+        hf_config(_config_file(tmp_path, config))

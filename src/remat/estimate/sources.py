@@ -159,7 +159,18 @@ def _json_float(value: dict) -> Any:
 
 def _check_uniform(config: Any, where: str) -> None:
     """Refuse a config whose layers take sizes of their own (transformers' per-layer attributes,
-    which it will not read as one value)."""
+    which it will not read as one value), or whose parts outside the layers grow with their number
+    (Gemma 3n's and Gemma 4's per-layer input embeddings), which a model of fewer layers has
+    smaller."""
+    per_layer_input = _config_value(config, "hidden_size_per_layer_input")
+    if per_layer_input:
+        raise ValueError(
+            f"{where}: {type(config).__name__} gives every layer an input of its own, from embeddings and a "
+            f"projection sized by the number of layers (hidden_size_per_layer_input = {per_layer_input}), which "
+            "the estimate, building two layers of each kind and copying them, would count at that depth "
+            "(Gemma 4's default text model: 3.25 B of its 5.08 B parameters). Estimate it from a file.py:build "
+            "that builds the whole model (--model path/to/file.py:build), or measure it with `remat profile` at a "
+            "size that runs here.")
     for name in ("num_attention_heads", "hidden_size", "intermediate_size"):
         try:
             getattr(config, name, None)
