@@ -17,7 +17,6 @@ A layout is ``start:stop:strategy`` segments joined by ``,``: ``0:3:recompute,3:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import socket
@@ -51,13 +50,10 @@ def segments(layout: str) -> tuple:
 
 
 def rank_main(rank: int, world_size: int, port: int, out_dir: str, layouts: list[str], heavy: bool) -> None:
-    import torch
     import workers
 
     import remat
-    from remat._batch import call_model, compute_loss
     from remat.distributed import shard_profile
-    from remat.measure.tracker import track_step
     from remat.plan.planners import make_plan
 
     if heavy:
@@ -69,18 +65,7 @@ def rank_main(rank: int, world_size: int, port: int, out_dir: str, layouts: list
     result: dict = {"unit_bytes": list(sharded.unit_bytes), "layouts": {}}
     for layout in layouts:
         plan = make_plan(sharded, segments(layout), layout, None)
-        model = copy.deepcopy(weights.model)
-        remat.apply_(model, plan)
-        workers._fully_shard(model, plan)
-        optimizer = torch.optim.AdamW(model.parameters())
-
-        def step() -> None:
-            compute_loss(call_model(model, batch), batch, weights.loss_fn).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        step()  # optimizer state exists from here on, as in the profile
-        tracked = track_step(step, model=model, optimizer=optimizer, batch=batch)
+        tracked = workers.fsdp2_step_peak(weights, batch, plan)
         result["layouts"][layout] = {"predicted": plan.prediction.peak_bytes, "measured": tracked.peak_bytes}
     workers._write(out_dir, rank, result)
 

@@ -190,15 +190,31 @@ def broadcast_check(rank: int, world_size: int, port: int, out_dir: str) -> None
 
 def fsdp_peak(rank: int, world_size: int, port: int, out_dir: str, strategy: str) -> None:
     import remat
-    from remat._batch import call_model, compute_loss
     from remat.distributed import shard_profile
-    from remat.measure.tracker import track_step
 
     _init(rank, world_size, port)
     weights, batch = _built(rank)
     profile = remat.profile(weights.model, batch, weights.loss_fn, weights.optimizer, warmup=0, repeats=1)
     sharded = shard_profile(profile, world_size=world_size, zero_stage=3)
     plan = remat.plan(sharded, strategy=strategy)
+    tracked = fsdp2_step_peak(weights, batch, plan)
+    _write(out_dir, rank, {
+        "rank": rank, "measured_peak_bytes": tracked.peak_bytes,
+        "predicted_peak_bytes": plan.prediction.peak_bytes,
+        "by_category": tracked.peak_bytes_by_category,
+        "sharded_state_bytes": sharded.model_state_bytes, "unsharded_state_bytes": profile.model_state_bytes,
+        "largest_unit_bytes": max(sharded.unit_bytes),
+    })
+
+
+def fsdp2_step_peak(weights, batch, plan):
+    """The tracked step of a copy of ``weights.model`` with ``plan`` applied and sharded by it
+    (`fully_shard_by_plan`), AdamW, after one step that creates the optimizer state, as in the
+    profile."""
+    import remat
+    from remat._batch import call_model, compute_loss
+    from remat.measure.tracker import track_step
+
     model = copy.deepcopy(weights.model)
     remat.apply_(model, plan)
     _fully_shard(model, plan)
@@ -209,15 +225,8 @@ def fsdp_peak(rank: int, world_size: int, port: int, out_dir: str, strategy: str
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()  # optimizer state exists from here on, as in the profile
-    tracked = track_step(step, model=model, optimizer=optimizer, batch=batch)
-    _write(out_dir, rank, {
-        "rank": rank, "measured_peak_bytes": tracked.peak_bytes,
-        "predicted_peak_bytes": plan.prediction.peak_bytes,
-        "by_category": tracked.peak_bytes_by_category,
-        "sharded_state_bytes": sharded.model_state_bytes, "unsharded_state_bytes": profile.model_state_bytes,
-        "largest_unit_bytes": max(sharded.unit_bytes),
-    })
+    step()
+    return track_step(step, model=model, optimizer=optimizer, batch=batch)
 
 
 def ddp_view_peak(rank: int, world_size: int, port: int, out_dir: str, strategy: str) -> None:
