@@ -385,16 +385,6 @@ def make_batch(model_type: str, model: nn.Module, config: Any, task: str, genera
     return batch
 
 
-def _floats(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _floats(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _floats(v)]
-    return []
-
-
 MAIN_OUTPUTS = ("last_hidden_state", "logits", "logits_per_image", "prediction_logits", "audio_values",
                 "reconstruction", "predicted_depth", "pooler_output")
 """Outputs the loss is made of first, where the model returns one: the first floating output may be
@@ -412,7 +402,9 @@ def loss_fn(output: Any, batch: Any) -> torch.Tensor:
                 and output[k].is_floating_point() and output[k].requires_grad]
         if main:
             return main[0].float().pow(2).mean()
-    tensors = [t for t in _floats(output) if t.requires_grad] or _floats(output)
+    from remat.verify import _float_tensors  # the floating tensors of an output, nested as verify reads them
+
+    tensors = [t for t in _float_tensors(output) if t.requires_grad] or _float_tensors(output)
     if not tensors:
         raise TypeError(f"no floating output to make a loss of: {type(output).__name__}")
     return tensors[0].float().pow(2).mean()
