@@ -83,39 +83,46 @@ def test_head_option() -> None:
 
 
 def test_a_config_without_a_causal_lm_is_told_what_estimate_prices(tmp_path) -> None:
-    """A T5 config.json printed transformers' list of 300-odd configuration classes."""
+    """A T5 config.json printed transformers' list of 300-odd configuration classes (T5 is
+    estimated now, `tests/estimate/test_encoder_decoder.py`; an encoder alone is not)."""
     pytest.importorskip("transformers")
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 4, "d_ff": 128,
-                                "vocab_size": 256}))
+    path.write_text(json.dumps({"model_type": "vit", "hidden_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "intermediate_size": 128}))
     result = runner.invoke(app, ["estimate", "--config", str(path), "--device", "H100-80GB"], env={"COLUMNS": "400"})
     assert result.exit_code == 2
     text = " ".join(result.output.split())
-    assert "T5Config (model_type 't5') has no causal language model in transformers" in text
-    assert "prices decoder-only language models" in text and "GPT2Config" not in text
+    assert "ViTConfig (model_type 'vit') has no causal language model in transformers" in text
+    assert "prices decoder-only language models" in text and "text-to-text encoder-decoders" in text
+    assert "GPT2Config" not in text
 
 
-@pytest.mark.parametrize("cfg, dtype, said", [
+@pytest.mark.parametrize("cfg, args, said", [
     (dict(model_type="mixtral", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-          intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, vocab_size=96), "fp32",
+          intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, vocab_size=96), ["--dtype", "fp32"],
      "runs its routed experts (model.layers.0.mlp.experts) with grouped_mm, whose kernel takes bfloat16 only, and the "
      "estimate is asked for float32: estimate it with --dtype bf16"),
-    (dict(model_type="bart", d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-          decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=96), "bf16",
-     "BartForCausalLM's training step cannot be traced on the meta device, where the estimate runs it: RuntimeError: "
-     "Tensor.item() cannot be called on meta tensors"),
+    (dict(model_type="roformer", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+          vocab_size=96), ["--explicit-attention"],
+     "RoFormerForCausalLM's training step cannot be traced on the meta device, where the estimate runs it: "
+     "RuntimeError: Tensor.item() cannot be called on meta tensors"),
+    (dict(model_type="git", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+          vocab_size=96), ["--explicit-attention"],
+     "GitForCausalLM's training step cannot be traced on the meta device, where the estimate runs it: ValueError: "
+     "Expected input batch_size (0) to match target batch_size"),
     (dict(model_type="gemma2", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-          intermediate_size=64, head_dim=8, vocab_size=96), "bf16",
+          intermediate_size=64, head_dim=8, vocab_size=96), [],
      "transformers offers no SDPA attention for Gemma2Config (it runs attention code of its own, or none: a "
      "state-space model), which the estimate traces by default (as FlashAttention); pass --explicit-attention"),
-], ids=["moe-fp32", "bart", "gemma2"])
-def test_configs_the_trace_cannot_take_get_one_line_naming_the_way(tmp_path, cfg, dtype, said) -> None:
+], ids=["moe-fp32", "roformer", "git", "gemma2"])
+def test_configs_the_trace_cannot_take_get_one_line_naming_the_way(tmp_path, cfg, args, said) -> None:
     """Each was a traceback of 46 to 62 frames from inside transformers (or transformers' own
-    text, naming an argument the CLI has not)."""
+    text, naming an argument the CLI has not); GIT's was torch's one line, which named neither the
+    model nor the way."""
     pytest.importorskip("transformers")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    result = runner.invoke(app, ["estimate", "--config", str(path), "--seq", "32", "--micro-batch", "2",
-                                 "--dtype", dtype], env={"COLUMNS": "400"})
+    result = runner.invoke(app, ["estimate", "--config", str(path), "--seq", "32", "--micro-batch", "2", *args],
+                           env={"COLUMNS": "400"})
     assert result.exit_code == 2, result.output
     assert said in " ".join(result.output.split())

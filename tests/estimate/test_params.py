@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -96,13 +97,23 @@ def test_configs_the_estimate_cannot_build_are_refused_in_one_line(tmp_path) -> 
     with pytest.raises(ValueError, match=r"PerceiverConfig \(model_type 'perceiver'\) keeps no decoder layers in "
                                          r"num_hidden_layers, nor a causal language model in a sub-config"):
         hf_config(_config_file(tmp_path, perceiver))
-    # transformers' own failure to build it with fewer layers (ProphetNet will not take num_hidden_layers)
+    # transformers' own failure to build it with fewer layers (DBRX's default config)
+    (tmp_path / "dbrx").mkdir()
+    with pytest.raises(ValueError, match=r"DbrxConfig cannot be built with fewer layers on the meta device, as "
+                                         r"the estimate builds it \(two of each kind of layer, then copied\): "
+                                         r"AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_theta'"):
+        trace_source(_config_file(tmp_path / "dbrx", transformers.DbrxConfig()), seq_len=8)
+    # ProphetNet (an encoder-decoder, estimated as one now: `test_encoder_decoder.py`): no SDPA attention,
+    # and with its own, a forward that reads tensor values
     prophetnet = transformers.ProphetNetConfig(hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=2,
                                                num_decoder_layers=2, num_encoder_attention_heads=2,
                                                num_decoder_attention_heads=2, vocab_size=64)
-    with pytest.raises(ValueError, match=r"ProphetNetConfig cannot be built with fewer layers on the meta device, as "
-                                         r"the estimate builds it .*NotImplementedError: This model does not support"):
-        trace_source(_config_file(tmp_path, prophetnet), seq_len=8)
+    path = _config_file(tmp_path, prophetnet)
+    with pytest.raises(ValueError, match=r"no SDPA attention for ProphetNetConfig .*pass --explicit-attention"):
+        trace_source(path, seq_len=8)
+    with pytest.raises(ValueError, match=r"ProphetNetForConditionalGeneration's training step cannot be traced on the "
+                                         r"meta device.*Tensor.item\(\) cannot be called on meta tensors"):
+        trace_source(dataclasses.replace(path, attention="eager"), seq_len=8).profile(1)
 
 
 def test_a_config_that_sets_each_heads_width_is_not_held_to_hidden_over_heads(tmp_path) -> None:

@@ -195,6 +195,13 @@ def _layout(parallelism: Parallelism | None, world_size: int, micro_batches: int
 def check_layout(traced: Traced, par: Parallelism, seq_len: int) -> None:
     """Refuse a layout the model cannot be split by (with what would fit)."""
     check_layers(traced.num_layers, par)
+    if traced.encoder_layers and (par.pipeline > 1 or par.context > 1):
+        what = "pipeline" if par.pipeline > 1 else "context"
+        size = par.pipeline if par.pipeline > 1 else par.context
+        raise ValueError(f"{what}-parallel size {size}: {traced.label} is an encoder-decoder, whose {what} "
+                         "parallelism the estimate does not price (every decoder layer reads the whole encoder "
+                         f"output); pass --{what}-parallel 1 and split it with data, tensor and sequence parallelism "
+                         "and ZeRO.")
     shape, t = traced.shape, par.tensor
     for name, value in (("attention heads", shape.heads), ("key/value heads", shape.kv_heads)):
         if value and value % t:

@@ -256,7 +256,8 @@ def is_experts_module(name: str, module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _hooks(model: nn.Module, blocks: list[tuple[str, nn.Module]], state: _State) -> Iterator[None]:
+def _hooks(model: nn.Module, blocks: list[tuple[str, nn.Module]], state: _State,
+           stack_ends: frozenset[int] = frozenset()) -> Iterator[None]:
     handles = []
     last = len(blocks) - 1
 
@@ -273,6 +274,8 @@ def _hooks(model: nn.Module, blocks: list[tuple[str, nn.Module]], state: _State)
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if i == last:
                 state.segment = POST
+            elif i in stack_ends:  # between an encoder's layers and its decoder's: once, with what comes before
+                state.segment = PRE
         return hook
 
     def expert(delta: int):
@@ -293,8 +296,11 @@ def _hooks(model: nn.Module, blocks: list[tuple[str, nn.Module]], state: _State)
 
 
 def classify(model: nn.Module, batch: Any, blocks: list[tuple[str, nn.Module]], *, loss_fn: Any = None,
-             plan: Mapping[str, str] | None = None) -> Classified:
-    """One forward and loss of ``model`` on ``batch`` (meta device), classified (module docstring)."""
+             plan: Mapping[str, str] | None = None, stack_ends: frozenset[int] = frozenset()) -> Classified:
+    """One forward and loss of ``model`` on ``batch`` (meta device), classified (module docstring).
+    ``stack_ends``: blocks that end a stack of layers another stack follows (an encoder's last):
+    what runs after such a block and before the next (the encoder's final norm, the decoder's
+    embedding) counts once, before the layers, not as a part of the layer it follows."""
     state = _State()
     params = {storage_key(p): n for n, p in model.named_parameters()}
     excluded = {storage_key(t) for t in [*model.parameters(), *model.buffers(), *tensors_in(batch)]}
@@ -305,9 +311,14 @@ def classify(model: nn.Module, batch: Any, blocks: list[tuple[str, nn.Module]], 
             state.saved[state.ids[key]] = state.segment
         return t
 
-    with _hooks(model, blocks, state), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with _hooks(model, blocks, state, stack_ends), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with _Tracer(state, params, excluded, plan or {}):
             compute_loss(call_model(model, batch), batch, loss_fn)
+    skipped = [name for i, (name, _) in enumerate(blocks) if f"layer:{i}" not in state.inputs]
+    if skipped:
+        raise ValueError(f"{type(model).__name__}'s traced step did not run its layer(s) {', '.join(skipped)} (skipped "
+                         "as a LayerDrop rate or a branch of its own code decides), so no layer of the model can be "
+                         "copied from them. Estimate it from a file.py:build that builds the whole model.")
     for name, module in model.named_modules():
         if is_experts_module(name, module):
             for p, _ in module.named_parameters(prefix=name):

@@ -140,17 +140,25 @@ def no_packed_sequence_check() -> Iterator[None]:
     whether the position ids pack several sequences per row
     (``masking_utils.find_packed_sequence_indices``) by reading their values, which a meta
     tensor has not. The traced batch is one sequence per row, numbered 0..s-1, for which that
-    function answers None: this gives that answer without reading values."""
+    function answers None: this gives that answer without reading values, and answers True to
+    ``fast_all`` of a meta padding mask (no token of the traced batch is padding)."""
     masking = sys.modules.get("transformers.masking_utils")
     original = getattr(masking, "find_packed_sequence_indices", None)
     if original is None:
         yield
         return
+    all_set = getattr(masking, "fast_all", None)
     masking.find_packed_sequence_indices = lambda position_ids: None
+    if all_set is not None:
+        # a padding mask the model makes itself (BART's decoder: ones) asks whether every token is
+        # real; the traced batch pads none, and a meta tensor has no values to answer
+        masking.fast_all = lambda tensor: True if tensor.is_meta else all_set(tensor)
     try:
         yield
     finally:
         masking.find_packed_sequence_indices = original
+        if all_set is not None:
+            masking.fast_all = all_set
 
 
 __all__ = ["CpuKernels", "GpuKernels", "no_packed_sequence_check"]

@@ -278,24 +278,75 @@ def _family_kwargs(source: ModelSource) -> dict[str, Any]:
     return kwargs
 
 
+_STACK_KEYS = (("num_layers", "num_decoder_layers"), ("encoder_layers", "decoder_layers"),
+               ("num_encoder_layers", "num_decoder_layers"))
+"""Where an encoder-decoder config keeps its two layer counts: T5's family (mT5, UMT5, LongT5,
+Switch Transformers), BART's (mBART, Pegasus, Marian, Blenderbot, PLBart, LED, M2M-100, NLLB...),
+ProphetNet's."""
+
+
+def is_encoder_decoder(config: Any) -> bool:
+    """True for a text-to-text encoder-decoder (transformers' seq2seq LM of ``input_ids``), which the
+    estimate builds as such, not as the causal LM some of them also have (BART's decoder alone)."""
+    import transformers
+
+    seq2seq = transformers.models.auto.modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+    return bool(getattr(config, "is_encoder_decoder", False)) and config.model_type in seq2seq
+
+
+def stack_layers(config: Any) -> tuple[int, int]:
+    """(encoder layers, decoder layers) of an encoder-decoder config (`is_encoder_decoder`)."""
+    for enc, dec in _STACK_KEYS:
+        encoder, decoder = _config_value(config, enc), _config_value(config, dec)
+        if isinstance(encoder, int) and encoder >= 1:
+            decoder = decoder if isinstance(decoder, int) and decoder >= 1 else encoder  # T5: None means as many
+            return encoder, decoder
+    raise ValueError(
+        f"{type(config).__name__} (model_type {config.model_type!r}) is an encoder-decoder whose layer counts the "
+        f"estimate does not find (it reads {', '.join(f'{e} / {d}' for e, d in _STACK_KEYS)}): estimate it from a "
+        "file.py:build that builds the whole model (--model path/to/file.py:build).")
+
+
 def num_layers(config: Any) -> int:
-    """Number of decoder layers of an HF config."""
+    """Layers of an HF config: its decoder layers, or an encoder-decoder's encoder and decoder layers."""
+    if is_encoder_decoder(config):
+        return sum(stack_layers(config))
     return int(config.num_hidden_layers)
 
 
+def _set_stacks(config: Any, encoder: int, decoder: int) -> None:
+    for enc, dec in _STACK_KEYS:
+        if isinstance(_config_value(config, enc), int):
+            setattr(config, enc, encoder)
+            setattr(config, dec, decoder)
+            return
+
+
 def build_hf_on_meta(config: Any, *, layers: int, dtype: torch.dtype) -> nn.Module:
-    """The HF causal LM with ``layers`` decoder layers, on the meta device, in ``dtype``."""
+    """The HF causal LM with ``layers`` decoder layers, on the meta device, in ``dtype``; an
+    encoder-decoder (`is_encoder_decoder`) as its seq2seq LM with ``layers`` layers in each stack
+    (fewer where the model has fewer)."""
     import copy
 
     import transformers
 
+    if is_encoder_decoder(config):
+        config = copy.deepcopy(config)
+        encoder, decoder = stack_layers(config)
+        _set_stacks(config, min(layers, encoder), min(layers, decoder))
+        if getattr(config, "decoder_start_token_id", None) is None:  # T5's default config names none; its checkpoints 0
+            config.decoder_start_token_id = config.pad_token_id or 0
+        with torch.device("meta"):
+            model = transformers.AutoModelForSeq2SeqLM.from_config(config, dtype=dtype)
+        model.train()
+        return model
     causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if config.model_type not in causal:
         raise ValueError(
             f"{type(config).__name__} (model_type {config.model_type!r}) has no causal language model in transformers: "
             "`remat estimate --config` prices decoder-only language models (a causal LM's config, its layers in "
-            "num_hidden_layers). For an encoder-decoder or an encoder, measure it with `remat profile path/to/file.py:build` "
-            "at a size that runs here, or estimate its decoder as a causal LM of the same sizes (--hf llama ...).")
+            "num_hidden_layers) and text-to-text encoder-decoders (T5's and BART's families). For an encoder alone, "
+            "measure it with `remat profile path/to/file.py:build` at a size that runs here.")
     config = copy.deepcopy(config)
     config.num_hidden_layers = layers
     with torch.device("meta"):
@@ -305,6 +356,7 @@ def build_hf_on_meta(config: Any, *, layers: int, dtype: torch.dtype) -> nn.Modu
 
 
 def hf_batch(config: Any, *, micro_batch: int, seq_len: int, device: str | torch.device = "meta") -> dict[str, torch.Tensor]:
-    """``input_ids`` and ``labels`` of shape (micro_batch, seq_len); transformers shifts the labels."""
+    """``input_ids`` and ``labels`` of shape (micro_batch, seq_len); transformers shifts the labels
+    (an encoder-decoder's into its decoder's input: both stacks run ``seq_len`` tokens)."""
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
     return {"input_ids": ids, "labels": ids.clone()}

@@ -22,6 +22,8 @@ A ``file.py:build`` model is built under ``torch.device("meta")`` as its functio
 from __future__ import annotations
 
 import copy
+import os
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -36,8 +38,10 @@ from remat.estimate.kernels import CpuKernels, GpuKernels, no_packed_sequence_ch
 from remat.estimate.shares import Flow, Split, split_by_tokens, untokenized
 from remat.estimate.head import TracedHead, find_traced_head
 from remat.estimate.sharding import ModelParams, RoleShapes
-from remat.estimate.sources import ModelSource, build_hf_on_meta, check_num_layers, hf_batch, hf_config_and_part, num_layers
+from remat.estimate.sources import (ModelSource, build_hf_on_meta, check_num_layers, hf_batch, hf_config_and_part,
+                                    is_encoder_decoder, num_layers, stack_layers)
 from remat.measure.blocks import find_blocks
+from remat.measure.layerdrop import LayerDropOff
 from remat.measure.types import Profile
 from remat.memory.optimizer_state import optimizer_name_of
 from remat.plan.costs import replay_working_bytes, working_bytes
@@ -95,6 +99,13 @@ class Traced:
     None: the part after the layers is priced as traced."""
     head_note: str = ""
     """Why the model has no head part to price (when ``head`` is None)."""
+    encoder_layers: int = 0
+    """Layers of an encoder-decoder's encoder, the first ``encoder_layers`` of ``layer_kinds`` (0: one
+    stack of layers)."""
+    checked: tuple[int, ...] | None = None
+    """The traced layers checked against the traced layer before them, their twin (None: every
+    traced layer that is copied, but the first). An encoder-decoder's stacks each trace their first
+    layer apart (T5's computes the position bias the others reuse), which is checked against none."""
     _traces: dict[int, tuple[Profile, Classified]] = field(default_factory=dict, repr=False, compare=False)
 
     def _trace(self, micro_batch: int) -> tuple[Profile, Classified]:
@@ -117,7 +128,7 @@ class Traced:
         """The shares at micro-batch 1, 2 or 3, with each layer's working set from the profile."""
         profile, classified = self._trace(micro_batch)
         if not self.whole:
-            _check_kinds(profile, self.layer_kinds)
+            _check_kinds(profile, self.layer_kinds if self.checked is None else self.checked)
         flow = classified.flow
         layers = tuple(replace(seg, working_bytes=working_bytes(b), replay_working_bytes=replay_working_bytes(b))
                        for seg, b in zip(flow.layers, profile.blocks))
@@ -231,7 +242,8 @@ def trace_profile(model: nn.Module, batch: Any, loss_fn: Any = None, *, gpu_kern
 
 
 def _tracer(model: nn.Module, batch_at: Callable[[int], Any], loss_fn: Any, fused: bool,
-            plan: Mapping[str, str] | None) -> Callable[[int], tuple[Profile, Classified]]:
+            plan: Mapping[str, str] | None, stack_ends: frozenset[int] = frozenset()
+            ) -> Callable[[int], tuple[Profile, Classified]]:
     blocks = find_blocks(model)
 
     def trace(micro_batch: int) -> tuple[Profile, Classified]:
@@ -239,19 +251,30 @@ def _tracer(model: nn.Module, batch_at: Callable[[int], Any], loss_fn: Any, fuse
         try:
             with no_packed_sequence_check():
                 profile = trace_profile(model, batch, loss_fn, gpu_kernels=fused)
-                with GpuKernels() if fused else CpuKernels():
-                    classified = classify(model, batch, blocks, loss_fn=loss_fn, plan=plan)
-        except (RuntimeError, NotImplementedError, TypeError, KeyError, IndexError) as error:  # the model's own code
+                with GpuKernels() if fused else CpuKernels(), LayerDropOff(model):  # every layer runs, as profiled
+                    classified = classify(model, batch, blocks, loss_fn=loss_fn, plan=plan, stack_ends=stack_ends)
+        except (RuntimeError, NotImplementedError, TypeError, KeyError, IndexError, ValueError) as error:
+            if isinstance(error, ValueError) and _raised_in_remat(error):
+                raise  # remat's own refusal, already in words
             first = (str(error).splitlines() or [""])[0][:300]
             raise ValueError(
                 f"{type(model).__name__}'s training step cannot be traced on the meta device, where the estimate runs "
                 f"it: {type(error).__name__}: {first} (its forward reads tensor values, which a meta tensor has not, "
-                "calls a kernel with no meta implementation, or looks up a per-layer setting the estimate's model of "
-                "fewer layers has not). Measure it with `remat profile path/to/file.py:build` at a size that runs "
+                "calls a kernel with no meta implementation, needs inputs besides token ids (an image), or looks up a "
+                "per-layer setting the estimate's model of fewer layers has not). Measure it with `remat profile path/to/file.py:build` at a size that runs "
                 "here.") from error
         return profile, classified
 
     return trace
+
+
+def _raised_in_remat(error: BaseException) -> bool:
+    """True when the innermost frame of ``error`` is remat's code (its own refusal), not the model's
+    or torch's (GIT's loss raises a ValueError of torch's on logits it sliced to nothing)."""
+    import remat
+
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(os.path.dirname(os.path.abspath(remat.__file__)) + os.sep)
 
 
 def _describe(label: str, model: nn.Module, tracer: Callable[[int], tuple[Profile, Classified]],
@@ -379,38 +402,108 @@ def _hf_facts(config: Any) -> tuple[ModelFacts, ModelShape]:
     return facts, ModelShape(heads=heads, kv_heads=kv, experts=experts)
 
 
+def encoder_decoder_kinds(encoder: int, decoder: int, layers: int = 3) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """(layers traced per stack, traced layer per full-model layer, traced layers to check against
+    the one before them) for an encoder-decoder of ``encoder`` + ``decoder`` layers: each stack traces
+    up to ``layers`` layers; its first layer is its own (T5's first layers compute the position
+    bias the others reuse), every later layer a copy of the stack's last traced layer, which is
+    checked against the one before it where it is copied."""
+    per_stack = max(min(layers, max(encoder, decoder)), 1)
+    te, td = min(per_stack, encoder), min(per_stack, decoder)
+    kinds = (0,) + (te - 1,) * (encoder - 1) + (te,) + (te + td - 1,) * (decoder - 1)
+    copied = tuple(k for k in dict.fromkeys(kinds) if kinds.count(k) > 1)
+    return per_stack, kinds, copied
+
+
 def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: int, fused: bool) -> Traced:
     config, part = hf_config_and_part(source)
     config.use_cache = False
-    try:
-        traced, kinds = hf_layer_kinds(config, num_layers(config), layers)
-        values = traced_layer_values(config, num_layers(config))
-        if values:  # the traced model's layers: two of each kind
-            config = copy.deepcopy(config)
-            for name, value in values.items():
-                setattr(config, name, value)
-        model = build_hf_on_meta(config, layers=traced, dtype=dtype)
-    except ValueError as error:
-        if "attn_implementation" not in str(error) or source.attention == "eager":
-            raise
-        raise ValueError(f"{source.label}: transformers offers no SDPA attention for {type(config).__name__} (it runs "
-                         "attention code of its own, or none: a state-space model), which the estimate traces by default "
-                         "(as FlashAttention); pass --explicit-attention to trace its own attention code (eager). A "
-                         "state-space or recurrent model (Mamba, RWKV, xLSTM) has no attention to trace that way: measure "
-                         "it with `remat profile path/to/file.py:build` at a size that runs here.") from None
-    except Exception as error:  # noqa: BLE001 - transformers' own failures, for a model it builds its own way
-        said = " ".join(str(error).split())[:300].rstrip(".")
-        raise ValueError(
-            f"{source.label}: {type(config).__name__} cannot be built with fewer layers on the meta device, as the "
-            f"estimate builds it (two of each kind of layer, then copied): {type(error).__name__}: "
-            f"{said}. Estimate it from a file.py:build that builds the whole model "
-            "(--model path/to/file.py:build), or measure it with `remat profile` at a size that runs here.") from error
+    if is_encoder_decoder(config):
+        return _trace_encoder_decoder(source, config, seq_len=seq_len, dtype=dtype, fused=fused)
+    traced, kinds = hf_layer_kinds(config, num_layers(config), layers)
+    values = traced_layer_values(config, num_layers(config))
+    if values:  # the traced model's layers: two of each kind
+        config = copy.deepcopy(config)
+        for name, value in values.items():
+            setattr(config, name, value)
+    model = _build(source, config, traced, dtype, "two of each kind of layer, then copied")
     _check_experts_dtype(model, source.label, dtype)
     _check_positions(model, source.label, seq_len)
     batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len)  # noqa: E731
     tracer = _tracer(model, batch_at, None, fused, getattr(config, "base_model_tp_plan", None))
     facts, shape = _hf_facts(config)
     return _describe(source.label + part, model, tracer, kinds, seq_len, facts=facts, shape=shape)
+
+
+def _build(source: ModelSource, config: Any, layers: int, dtype: torch.dtype, how: str) -> nn.Module:
+    """`build_hf_on_meta`, transformers' failures to build it in one line: no SDPA attention for
+    the model (the way: --explicit-attention), or any other (the way: a file.py:build)."""
+    try:
+        return build_hf_on_meta(config, layers=layers, dtype=dtype)
+    except Exception as error:  # noqa: BLE001 - transformers' own failures, for a model it builds its own way
+        said = " ".join(str(error).split())
+        if isinstance(error, ValueError) and source.attention != "eager" and (
+                "attn_implementation" in said or "scaled_dot_product_attention" in said):
+            raise ValueError(
+                f"{source.label}: transformers offers no SDPA attention for {type(config).__name__} (it runs attention "
+                "code of its own, or none: a state-space model), which the estimate traces by default (as "
+                "FlashAttention); pass --explicit-attention to trace its own attention code (eager). A state-space or "
+                "recurrent model (Mamba, RWKV, xLSTM) has no attention to trace that way: measure it with `remat "
+                "profile path/to/file.py:build` at a size that runs here.") from None
+        if isinstance(error, ValueError) and _raised_in_remat(error):
+            raise  # remat's own refusal (a causal LM the config has not), already in words
+        raise ValueError(
+            f"{source.label}: {type(config).__name__} cannot be built with fewer layers on the meta device, as the "
+            f"estimate builds it ({how}): {type(error).__name__}: {said[:300].rstrip('.')}. Estimate it from a "
+            "file.py:build that builds the whole model (--model path/to/file.py:build), or measure it with `remat "
+            "profile` at a size that runs here.") from error
+
+
+def _trace_encoder_decoder(source: ModelSource, config: Any, *, seq_len: int, dtype: torch.dtype,
+                           fused: bool) -> Traced:
+    """An encoder-decoder (`is_encoder_decoder`): its seq2seq LM with three layers per stack
+    (`encoder_decoder_kinds`), both stacks at ``seq_len`` tokens; what runs between the stacks counts
+    once, before the layers (`remat.estimate.dataflow.classify`'s ``stack_ends``), and so does the
+    encoder's output, which every decoder layer reads."""
+    encoder, decoder = stack_layers(config)
+    check_num_layers(encoder + decoder, source.label)
+    if traced_layer_values(config, encoder) or traced_layer_values(config, decoder):
+        raise ValueError(f"{source.label}: {type(config).__name__} is an encoder-decoder whose layers are of several "
+                         "kinds; the estimate copies one layer per stack. Estimate it from a file.py:build that builds "
+                         "the whole model (--model path/to/file.py:build).")
+    per_stack, kinds, checked = encoder_decoder_kinds(encoder, decoder)
+    model = _build(source, config, per_stack, dtype, f"{per_stack} layers per stack, then copied")
+    blocks = find_blocks(model)
+    te = min(per_stack, encoder)
+    if len(blocks) != te + min(per_stack, decoder):
+        raise ValueError(
+            f"{source.label}: remat finds {len(blocks)} blocks in {type(model).__name__} built with {te} encoder and "
+            f"{min(per_stack, decoder)} decoder layers ({', '.join(n for n, _ in blocks[:8])}); the estimate copies "
+            "each stack's layers and needs them found as its blocks. Estimate it from a file.py:build that builds the "
+            "whole model (--model path/to/file.py:build).")
+    _check_positions(model, source.label, seq_len)
+    batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len)  # noqa: E731
+    tracer = _tracer(model, batch_at, None, fused, getattr(config, "base_model_tp_plan", None),
+                     stack_ends=frozenset({te - 1}))
+    facts, shape = _hf_facts(config)
+    label = f"{source.label} (encoder-decoder: {encoder} encoder and {decoder} decoder layers, each of --seq tokens)"
+    traced = _describe(label, model, tracer, kinds, seq_len, facts=facts, shape=shape, encoder_layers=encoder,
+                       checked=checked)
+    _check_copies(traced, _build(source, config, max(encoder, decoder), dtype, "whole, to count its parameters"))
+    return traced
+
+
+def _check_copies(traced: Traced, whole: nn.Module) -> None:
+    """Refuse a model whose copied layers do not add up to its own parameters (built whole on the
+    meta device, which costs no memory): its later layers differ from the traced ones in a way no
+    config list names (NLLB-MoE's and Switch Transformers' experts every ``sparse_step`` layers)."""
+    count = sum(p.numel() for p in whole.parameters())
+    if traced.param_count != count:
+        raise ValueError(
+            f"{traced.label}: copying its traced layers counts {traced.param_count:,} parameters and the model has "
+            f"{count:,}: its layers differ beyond the ones traced (a mixture of experts every few layers, as "
+            "NLLB-MoE's sparse_step). Estimate it from a file.py:build that builds the whole model "
+            "(--model path/to/file.py:build).")
 
 
 def _check_positions(model: nn.Module, label: str, seq_len: int | None) -> None:
@@ -502,5 +595,5 @@ def _trace_file(source: ModelSource, dtype: torch.dtype, fused: bool) -> Traced:
     return _describe(source.file, built.model, tracer, tuple(range(count)), None, whole=True, optimizer_name=optimizer)
 
 
-__all__ = ["DTYPES", "ModelShape", "TRACED_MICRO_BATCHES", "Traced", "check_alike", "dtype_of", "hf_layer_kinds",
-           "trace_profile", "trace_source", "traced_layer_values"]
+__all__ = ["DTYPES", "ModelShape", "TRACED_MICRO_BATCHES", "Traced", "check_alike", "dtype_of", "encoder_decoder_kinds",
+           "hf_layer_kinds", "trace_profile", "trace_source", "traced_layer_values"]
