@@ -174,6 +174,16 @@ class DataflowRecorder:
             if record.ref() is not None:
                 record.savers = tuple(savers.get(record.key, ()))
 
+    def live_arguments(self) -> dict[int, int]:
+        """Storage key -> id of the blocks' activation arguments whose storages are alive now."""
+        out: dict[int, int] = {}
+        for args in self.args:
+            for arg in args:
+                record = self.storages[arg.storage]
+                if arg.activation and record.ref() is not None:
+                    out[record.key] = arg.storage
+        return out
+
     def key_ids(self) -> dict[int, int]:
         """Storage key -> id, for the storages alive when `finish` ran (saved ones among them)."""
         return {r.key: i for i, r in enumerate(self.storages) if r.savers}

@@ -472,6 +472,7 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
     windows.inputs_of = lambda index: tracking.boundaries.taken.get(index, set())
     state = [*step.model.parameters(), *step.model.buffers(), *_tensor_attributes(step.model), *batch_tensors(step.batch)]
     dataflow = DataflowRecorder(block_list, recorder.producer_of, storage_keys(state))
+    windows.post_arguments = dataflow.live_arguments
     tracking.boundaries.listeners += [windows, _ForwardGate(recorder, dataflow, tracking.accountant)]
     head = contextlib.nullcontext() if step.site is None else HeadBoundary(
         step.model.get_submodule(step.site.projection), tracking.boundaries.emit)
@@ -622,6 +623,7 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
                                       + memory.windows.unreached_post_bytes() - saved[POST]),
         fixed_post_fwd_bytes=memory.windows.post_fwd_bytes + memory.windows.unreached_post_bytes(),
         fixed_post_model_fwd_bytes=memory.windows.post_model_fwd_bytes + memory.windows.unreached_post_bytes(),
+        **_post_code_held(memory.windows, saved[POST]),
         fixed_pre_grad_bytes=_pre_grad_bytes(memory, block_list),
         fixed_fwd_ms=times.fixed_fwd_ms, fixed_bwd_ms=times.fixed_bwd_ms,
         fixed_flops=recorder.segment_flops(PRE) + between_flops + recorder.segment_flops(POST),
@@ -630,6 +632,19 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
         step_fault_bytes=times.fault_bytes,
         first_touch_ms_per_byte=touch_ms_per_byte,
     )
+
+
+def _post_code_held(windows: BackwardWindows, post_saved: int) -> dict[str, Any]:
+    """`Profile.post_code_held` and `Profile.post_code_held_saving_bytes`: the post part's need,
+    ``max(its saved bytes + its backward's peak, its forward's peak)``, less the same with the
+    forward's peak measured without the arguments the code holds (empty and 0 where it is no lower)."""
+    unreached = windows.unreached_post_bytes()
+    need = max(post_saved + windows.post_temp_bytes, windows.post_fwd_bytes + unreached)
+    apart = max(post_saved + windows.post_temp_bytes, windows.post_fwd_apart_bytes + unreached)
+    saving = max(0, need - apart)
+    if not saving:
+        return {"post_code_held": (), "post_code_held_saving_bytes": 0}
+    return {"post_code_held": tuple(sorted(windows.post_code_held.items())), "post_code_held_saving_bytes": saving}
 
 
 def _block_grad_bytes(block_list: Blocks) -> list[int]:

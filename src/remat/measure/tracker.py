@@ -110,6 +110,9 @@ class LiveTracker(TorchDispatchMode):
         self._pinned: frozenset[int] = frozenset()
         self._pinned_freed = 0
         self._window_pinned_peak = 0
+        self._apart: frozenset[int] = frozenset()
+        self._apart_live = 0
+        self._window_apart_peak = 0
 
     # ---- registration and labels -------------------------------------------------------
     def register(self, tensors: Iterable[torch.Tensor], label: str) -> None:
@@ -153,11 +156,12 @@ class LiveTracker(TorchDispatchMode):
 
     # ---- windows ----------------------------------------------------------------------
     def open_window(self, excluded_labels: Iterable[str] = (), offset_bytes: int = 0,
-                    watch_label: str | None = None, pinned: Iterable[int] = ()) -> None:
+                    watch_label: str | None = None, pinned: Iterable[int] = (), apart: Iterable[int] = ()) -> None:
         """Start measuring the peak of live bytes minus the bytes now under ``excluded_labels``
         minus a constant ``offset_bytes``; with ``watch_label``, also the order in which storages
         under that label are freed (`window_freed`); with ``pinned`` (storage keys), also the peak
-        were those never freed (`pinned_peak`)."""
+        were those never freed (`pinned_peak`); with ``apart`` (storage keys), also the peak
+        without those storages while they live (`apart_peak`)."""
         self._window = frozenset(excluded_labels)
         self._window_excluded = offset_bytes + sum(self.live_by_label.get(label, 0) for label in self._window)
         self._window_peak = self.live_bytes - self._window_excluded
@@ -165,6 +169,19 @@ class LiveTracker(TorchDispatchMode):
         self._watch_freed = []
         self._pinned, self._pinned_freed = frozenset(pinned), 0
         self._window_pinned_peak = self._window_peak
+        self._apart = frozenset(k for k in apart if k in self._entries)
+        self._apart_live = sum(self._entries[k].nbytes for k in self._apart)
+        self._window_apart_peak = self._window_peak - self._apart_live
+
+    def apart_peak(self) -> int:
+        """The open window's peak without its ``apart`` storages while they live: what it peaks at
+        where something counted apart holds them throughout."""
+        return self._window_apart_peak
+
+    def bytes_of_key(self, key: int) -> int:
+        """Bytes of a tracked storage (0: not tracked)."""
+        entry = self._entries.get(key)
+        return 0 if entry is None else entry.nbytes
 
     def pinned_peak(self) -> int:
         """The open window's peak had its pinned storages lived to its end."""
@@ -182,6 +199,7 @@ class LiveTracker(TorchDispatchMode):
     def close_window(self) -> int:
         """End the window; its peak."""
         self._window = None
+        self._apart, self._apart_live = frozenset(), 0
         return self._window_peak
 
     def window_freed(self) -> tuple[tuple[int, int], ...]:
@@ -253,6 +271,8 @@ class LiveTracker(TorchDispatchMode):
             entry = self._entries[key] = _Entry(nbytes=0, label="temporaries", finalizer=finalizer)
         delta = max(delta, -entry.nbytes)
         entry.nbytes += delta
+        if key in self._apart:
+            self._apart_live += delta
         self._shift(entry.label, delta)
 
     def _free(self, key: int) -> None:
@@ -263,6 +283,8 @@ class LiveTracker(TorchDispatchMode):
                     self._watch_freed.append((key, entry.nbytes))
                 if self._window is not None and key in self._pinned:
                     self._pinned_freed += entry.nbytes
+                if key in self._apart:
+                    self._apart_live -= entry.nbytes
                 self._shift(entry.label, -entry.nbytes)
 
     def _shift(self, label: str, delta: int) -> None:
@@ -275,6 +297,7 @@ class LiveTracker(TorchDispatchMode):
             value = self.live_bytes - self._window_excluded
             self._window_peak = max(self._window_peak, value)
             self._window_pinned_peak = max(self._window_pinned_peak, value + self._pinned_freed)
+            self._window_apart_peak = max(self._window_apart_peak, value - self._apart_live)
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self.peak_by_category = dict(self._live_by_category)

@@ -719,6 +719,17 @@ class Profile(JsonDocument):
     (so the unreached last vision layer's graph), and its image features: 3.5 % under the
     measured peak of every plan peaking at the head before. Without a head part the post part's
     measured forward counts them (``fixed_post_bwd_temp_bytes``)."""
+    post_code_held: tuple[tuple[int, int], ...] = ()
+    """``(storage, bytes)`` per block argument (`BlockInput.storage`) the model's code still holds
+    as the post part's forward begins and nothing saved: EoMT's attention mask of its last layer,
+    a local of its forward to the return, or a mask every layer takes. The post part's measured
+    forward (``fixed_post_fwd_bytes``) counts them while they live; a checkpoint that holds one is
+    counted in the blocks' retained bytes, which the post part's need sits on: counted twice
+    (`remat.plan.predict.post_code_held_saving`). Empty where ``post_code_held_saving_bytes`` is 0."""
+    post_code_held_saving_bytes: int = 0
+    """How much lower ``fixed_post_saved_bytes + fixed_post_bwd_temp_bytes`` (the post part's need)
+    is when checkpoints hold every storage of ``post_code_held``: its forward's peak measured
+    without them while they live, against its backward's (0: none, or not measured)."""
     step_held_bytes: int = 0
     """What a step leaves live on the model beyond its state, measured when the optimizer steps:
     tensors its code keeps between steps (RecurrentGemma's RG-LRU stores its recurrent state as

@@ -90,6 +90,18 @@ class BackwardWindows:
         """``post_fwd_bytes`` up to the model's return (the head's projection, not the loss)."""
         self._post_labels: list[str] = []
         self._post_model_peak: int | None = None
+        self.post_arguments: Callable[[], dict[int, int]] = dict
+        """Storage key -> dataflow id of the blocks' arguments alive now (`remat.measure.dataflow
+        .DataflowRecorder.live_arguments`)."""
+        self.post_code_held: dict[int, int] = {}
+        """Dataflow id -> bytes of the blocks' arguments alive as the post part's forward begins
+        that nothing saved: the model's code holds them (EoMT's attention mask of its last layer,
+        a local of its forward to its return). ``post_fwd_bytes`` counts them while they live; a
+        checkpoint holding them is counted in the blocks' retained bytes."""
+        self.post_fwd_apart_bytes = 0
+        """``post_fwd_bytes`` without the storages of ``post_code_held`` while they live."""
+        self._post_apart: tuple[int, ...] = ()
+        self._post_model_apart: int | None = None
         self.post_fwd_block_bytes: list[int] = [0] * len(block_names)
         """What each block saved that is still live when the post part's forward begins: the
         ``post_fwd_bytes`` window leaves it out as the block's to count; a block no backward runs
@@ -138,8 +150,12 @@ class BackwardWindows:
                 # (`pre_saved_live_at_backward`, at its close): a graph of its that no backward
                 # needs counts while it lives (Chameleon's VQ tokenizer, to the forward's end)
                 labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in self.order[: self.order.index(POST)] if s != PRE)]
-                self.tracker.open_window(labels)
-                self._post_labels, self._post_model_peak = labels, None
+                held = {key: sid for key, sid in self.post_arguments().items()
+                        if self.tracker.label_of_key(key) == "temporaries"}
+                self.post_code_held = {sid: self.tracker.bytes_of_key(key) for key, sid in held.items()}
+                self._post_apart = tuple(held)
+                self.tracker.open_window(labels, apart=self._post_apart)
+                self._post_labels, self._post_model_peak, self._post_model_apart = labels, None, None
                 self._post_forward_open = True
             else:
                 self._between_open_bytes = self.tracker.live_bytes
@@ -147,17 +163,21 @@ class BackwardWindows:
                 self._between_open = True
         elif event.kind == "model_end" and self._post_forward_open and self._post_model_peak is None:
             # the head's part of the post forward ends as the model returns; the loss's goes on
+            self._post_model_apart = self.tracker.apart_peak()
             self._post_model_peak = self.tracker.close_window()
-            self.tracker.open_window(self._post_labels)
+            self.tracker.open_window(self._post_labels, apart=self._post_apart)
         elif event.kind == "bwd_begin":
             self.pre_saved_live_at_backward = self.tracker.live_by_label.get(ACT_PREFIX + PRE, 0)
             if self._between_open:  # no block followed (blocks that did not run): nothing to count
                 self.tracker.close_window()
                 self._between_open = False
             if self._post_forward_open:
+                rest_apart = self.tracker.apart_peak()
                 rest = self.tracker.close_window()
                 model = rest if self._post_model_peak is None else self._post_model_peak
+                model_apart = rest_apart if self._post_model_apart is None else self._post_model_apart
                 self.post_fwd_bytes = max(model, rest) - self.pre_saved_live_at_backward
+                self.post_fwd_apart_bytes = max(model_apart, rest_apart) - self.pre_saved_live_at_backward
                 self.post_model_fwd_bytes = model - self.pre_saved_live_at_backward
                 self._post_forward_open = False
             self._start(POST)

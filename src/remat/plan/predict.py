@@ -44,7 +44,7 @@ from remat.plan.joins import check_joins
 from remat.plan.policies import op_storages
 from remat.plan.types import Plan, Prediction, Segment
 
-__all__ = ["predict", "extra_ms", "pre_forward_phase_bytes", "optimizer_phase_bytes", "pre_backward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments", "stored_held_bytes"]
+__all__ = ["predict", "extra_ms", "pre_forward_phase_bytes", "optimizer_phase_bytes", "pre_backward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments", "stored_held_bytes", "post_code_held_saving"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -75,7 +75,8 @@ def _predict(profile: Profile, segments: tuple[Segment, ...], head: str) -> Pred
     # part's forward, split at the model's return (`_peak_phases`)
     end, begin = end_held_bytes(profile, segments), end_held_bytes(profile, segments, at_post=True)
     priced = priced_profile(profile, head, begin)
-    _, phases, retained, inner = _peak_phases(priced, segments, (0, 0) if profile.head is not None else (begin, end))
+    _, phases, retained, inner = _peak_phases(priced, segments, (0, 0) if profile.head is not None else (begin, end),
+                                              post_code_held_saving(profile, segments))
     phase = max(phases, key=lambda name: phases[name])
     extra_ms, extra_flops, offloaded = _extras(profile, segments)
     extra_ms, extra_flops = extra_ms + head_extra_ms(profile, head), extra_flops + head_extra_flops(profile, head)
@@ -98,12 +99,13 @@ def _predict(profile: Profile, segments: tuple[Segment, ...], head: str) -> Pred
 
 
 def _peak_phases(profile: Profile, segments: tuple[Segment, ...],
-                 post_extra: tuple[int, int] = (0, 0)) -> tuple[int, dict[str, int], tuple[int, ...], _Peak]:
+                 post_extra: tuple[int, int] = (0, 0), post_saving: int = 0) -> tuple[int, dict[str, int], tuple[int, ...], _Peak]:
     """(peak, bytes per phase, retained bytes per block, the block phase's peak); ``post_extra``:
     bytes the code holds beyond the profile's post part as the post part's forward begins and as
     the model returns (`end_held_bytes`). Where the profile has the post forward's peaks (to the
     model's return and to the loss), each is counted in its own; else through the post phase
-    whole, a bound."""
+    whole, a bound. ``post_saving``: what the post part's need counts of the arguments this
+    plan's checkpoints hold (`post_code_held_saving`), left out of it."""
     retained = _top_retained(profile, segments)
     base = backward_base_bytes(profile)
     dead = dead_shared_bytes(profile, segments)
@@ -112,7 +114,7 @@ def _peak_phases(profile: Profile, segments: tuple[Segment, ...],
     held = (base - profile.block_gathered_bytes  # FSDP2: not held through the head's backward
             + grad_bytes_live(profile, profile.num_blocks) + profile.fixed_pre_saved_bytes + sum(retained)
             - (dead[-1] if dead else 0) + stored[-1])
-    post = held + post_working_bytes(profile)
+    post = held + post_working_bytes(profile) - post_saving
     begin, end = post_extra
     if begin and profile.fixed_post_fwd_bytes:  # held by the code through the post part's forward only
         held += profile.blocks[-1].handoff_bytes if profile.blocks else 0
@@ -315,6 +317,47 @@ def dead_shared_bytes(profile: Profile, segments: tuple[Segment, ...]) -> list[i
         shared = {arg.storage: arg.storage_bytes for arg in block.inputs if arg.counted == "shared"}
         total += sum(nbytes for storage, nbytes in shared.items() if not takers[storage] & checkpointed)
         out.append(total)
+    return out
+
+
+def post_code_held_saving(profile: Profile, segments: tuple[Segment, ...]) -> int:
+    """What the post part's need (`remat.plan.phases.post_working_bytes`) counts twice under this
+    plan: block arguments the model's code holds through the post part's forward
+    (`Profile.post_code_held`: EoMT's attention mask of its last layer, a local of its forward to
+    the return), which its measured forward counts while they live, that a checkpoint of this
+    plan holds too, counted in the blocks' retained bytes (`_retained_arguments`). With all of
+    them so held, the post part's need is its forward measured without them against its
+    backward (`Profile.post_code_held_saving_bytes` lower; EoMT's 2-layer full recomputation
+    measured 8.2 % under its prediction before); with some, that need plus the bytes of the others
+    bounds it (each counted as if live at the peak). 0 with a head part: its need is priced from
+    the head's own measurements (`remat.plan.head.head_need_bytes`)."""
+    if not profile.post_code_held_saving_bytes or profile.head is not None:
+        return 0
+    retained = _retained_arguments(profile, segments)
+    others = sum(nbytes for storage, nbytes in profile.post_code_held if storage not in retained)
+    return max(0, profile.post_code_held_saving_bytes - others)
+
+
+def _retained_arguments(profile: Profile, segments: tuple[Segment, ...]) -> set[int]:
+    """Storages of block arguments that nothing saves and the plan's retained bytes count: a held
+    input (`BlockInput.counted`) of the first block of a top-level recompute or selective segment,
+    which its checkpoint holds, and a shared one (counted from its first taker on,
+    `BlockProfile.shared_entry_bytes`) that a checkpoint holds (`dead_shared_bytes`) where its
+    first taker's retained bytes count its entry (not a later block of a recompute segment)."""
+    filled = _fill_gaps(segments, 0, profile.num_blocks)
+    holders = {seg.start for seg in filled if seg.kind in ("recompute", "selective")}
+    inside = {i for seg in filled if seg.kind == "recompute" for i in range(seg.start + 1, seg.stop)}
+    checkpointed = {i for seg in filled if seg.kind in ("recompute", "selective") for i in range(seg.start, seg.stop)}
+    takers: dict[int, set[int]] = {}
+    for block in profile.blocks:
+        for arg in block.inputs:
+            takers.setdefault(arg.storage, set()).add(block.index)
+    out: set[int] = set()
+    for block in profile.blocks:
+        for arg in block.inputs:
+            if (arg.counted == "held" and block.index in holders) or (
+                    arg.counted == "shared" and block.index not in inside and takers[arg.storage] & checkpointed):
+                out.add(arg.storage)
     return out
 
 

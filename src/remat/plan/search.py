@@ -208,10 +208,12 @@ class OptimalSearch:
         beside the checkpoints: the outputs it keeps through later forwards
         (`remat.plan.chain_dp.ChainProblem.later_slots`, counted through the backward) and the
         inputs of checkpoints it holds too (`BlockProfile.code_held_inputs`, counted twice in a
-        forward): 0 without them."""
+        forward; `Profile.post_code_held`, twice in the post part's need, which the DP takes
+        whole): 0 without them."""
         blocks = self.profile.blocks
         later = sum(b.output_later_held_bytes for b in blocks if b.output_held_until >= b.index + 2)
-        return later + max((sum(nbytes for _, nbytes in b.code_held_inputs) for b in blocks), default=0)
+        post = self.profile.post_code_held_saving_bytes if self.profile.head is None else 0
+        return later + max((sum(nbytes for _, nbytes in b.code_held_inputs) for b in blocks), default=0) + post
 
     def _slot_choice(self, budget_bytes: int, tight: bool) -> Choice | None:
         allowance = budget_bytes - self.builder.fixed.base_bytes
