@@ -3,8 +3,8 @@
     .venv/bin/python -m benchmarks.lm_head [--shapes small large] [--repeats 5] [--device cuda]
                                            [--json lm-head.json] [--markdown lm-head.md]
 
-Per shape, a Hugging Face Llama built from a config (random weights, AdamW, labels = the input
-ids, the first 16 of each sequence labelled -100), every row a whole training step (gradients
+Per shape, a Hugging Face Llama (shape ``t5``: T5, an encoder-decoder) built from a config (random
+weights, AdamW, labels = the input ids, the first 16 of each sequence labelled -100), every row a whole training step (gradients
 to None, forward, loss, backward, optimizer step) from the same weights and batch:
 
 - ``none``: the model as it is;
@@ -53,7 +53,12 @@ SHAPES: dict[str, dict[str, int]] = {
     "small": dict(vocab_size=32000, d_model=64, num_heads=4, num_layers=2, seq_len=256, batch_size=2),
     # wider and longer: the layers weigh more, the logits still most
     "large": dict(vocab_size=32000, d_model=256, num_heads=8, num_layers=4, seq_len=1024, batch_size=2),
+    # an encoder-decoder, T5 v1.1's vocabulary and form (2 layers in each stack): its loss over the
+    # labels as given, the head planned as `remat.head.site.HFSeq2SeqLMHead`
+    "t5": dict(vocab_size=32128, d_model=64, num_heads=4, num_layers=2, seq_len=256, batch_size=2),
 }
+MODELS = {"t5": "hf:t5"}
+"""The built-in model of a shape (default ``hf:llama``)."""
 IGNORED_PREFIX = 16
 """Labels set to -100 at the start of each sequence (a prompt the loss leaves out)."""
 BUDGET_SHARE = 0.6
@@ -84,7 +89,7 @@ class _Variant:
 
 
 def _built(shape: str, device: str | None) -> Any:
-    built = load_target("hf:llama", seed=0, device=device, **SHAPES[shape])
+    built = load_target(MODELS.get(shape, "hf:llama"), seed=0, device=device, **SHAPES[shape])
     built.batch["labels"][:, :IGNORED_PREFIX] = -100
     return built
 
@@ -202,7 +207,7 @@ def markdown(results: list[dict]) -> str:
              f"load average {os.getloadavg()[0]:.2f} at the end."]
     for result in results:
         sizes = ", ".join(f"{k} {v}" for k, v in result["sizes"].items())
-        lines += ["", f"### {result['shape']}: Llama, {sizes} ({result['repeats']} rounds, {result['wall_s']:.0f} s)", "",
+        lines += ["", f"### {result['shape']}: {MODELS.get(result['shape'], 'hf:llama')}, {sizes} ({result['repeats']} rounds, {result['wall_s']:.0f} s)", "",
                   "| row | peak MiB | x HF peak | step ms | x HF time | head | gradients | plan |",
                   "| --- | ---: | ---: | ---: | ---: | --- | --- | --- |"]
         for row in result["rows"]:

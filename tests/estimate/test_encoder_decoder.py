@@ -100,15 +100,26 @@ def test_pipeline_and_context_parallel_are_refused_and_never_searched(tmp_path) 
     assert found == {(1, 1)}
 
 
-def test_head_is_priced_as_traced(tmp_path) -> None:
-    """An encoder-decoder's loss is not the causal LM's (no shift: the decoder's input is the
-    shifted labels): the head byte model does not stand in for it, and a head strategy other than
-    keep is refused with the reason."""
+def test_the_head_is_the_seq2seq_loss(tmp_path) -> None:
+    """T5's head is priced as an encoder-decoder computes its loss (`remat.head.site.HFSeq2SeqLMHead`:
+    the labels as given, logits not upcast), its chunked head against `remat.plan`'s prediction
+    from the CPU profile; BART adds ``final_logits_bias`` after the projection, so its head is
+    priced as traced, and saying why."""
     source = ModelSource(hf_config_path=_path(tmp_path, T5))
-    result = estimate(source, seq_len=S)
-    assert result.head_bytes == () and "encoder-decoder's loss is its own" in result.head_note
-    with pytest.raises(ValueError, match="encoder-decoder's loss is its own"):
-        estimate(source, seq_len=S, head="chunked")
+    traced = trace_source(source, seq_len=S, dtype="fp32", gpu_kernels=False)
+    assert (traced.head.traced.shift, traced.head.traced.upcast) == (False, False)
+    model = _real(T5)
+    ids = torch.randint(3, 96, (B, S), generator=torch.Generator().manual_seed(0))
+    prof = profile(model, {"input_ids": ids, "labels": ids.clone()}, None,
+                   torch.optim.AdamW(model.parameters(), fused=True), repeats=1, head_chunks=(16,))
+    assert prof.head.kind == "hf-seq2seq-lm"
+    result = estimate(source, seq_len=S, micro_batch=B, dtype="fp32", gpu_kernels=False, head="chunked:16")
+    peak = {s.strategy: s.peak_bytes for s in result.devices[0].strategies}["none"]
+    assert 0.0 <= peak / plan(prof, strategy="none", head="chunked:16").prediction.peak_bytes - 1 < 0.007
+    bart = estimate(ModelSource(hf_config_path=_path(tmp_path, BART)), seq_len=S)
+    assert bart.head_bytes == () and "does not return the output projection's own output" in bart.head_note
+    with pytest.raises(ValueError, match="needs an LM head remat can price"):
+        estimate(ModelSource(hf_config_path=_path(tmp_path, BART)), seq_len=S, head="chunked")
 
 
 NLLB_MOE = dict(model_type="nllb-moe", d_model=H, encoder_layers=4, decoder_layers=3, encoder_attention_heads=4,

@@ -15,6 +15,7 @@ SMALL = {
     "unet": dict(depth=2, channels=4, image_size=8, batch_size=2),
     "hf:gpt2": dict(num_layers=2, d_model=16, num_heads=2, seq_len=8, batch_size=2, vocab_size=32),
     "hf:llama": dict(num_layers=2, d_model=16, num_heads=2, seq_len=8, batch_size=2, vocab_size=32),
+    "hf:t5": dict(num_layers=2, d_model=16, num_heads=2, seq_len=8, batch_size=2, vocab_size=32),
 }
 
 
@@ -22,7 +23,7 @@ def test_model_names():
     assert MODEL_NAMES[:3] == ("gpt", "mlp", "convnet")
     try:
         import transformers  # noqa: F401
-        assert HF == ["hf:gpt2", "hf:llama"]
+        assert HF == ["hf:gpt2", "hf:llama", "hf:t5"]
     except ImportError:
         assert HF == []
 
@@ -96,6 +97,23 @@ def test_hf_batch_and_loss(name):
     assert sorted(built.batch) == ["attention_mask", "input_ids", "labels"]
     assert built.loss_fn is None
     assert call_model(built.model, built.batch).loss.dim() == 0
+
+
+def test_hf_t5_is_an_encoder_decoder_with_layers_in_each_stack():
+    """Its loss: cross-entropy of the decoder's logits against the labels as given (the decoder
+    reads them shifted right, starting from the pad token); remat finds both stacks' layers."""
+    from remat.measure.blocks import find_blocks
+
+    built = build("hf:t5", dropout=0.0, **SMALL["hf:t5"])
+    model, batch = built.model, built.batch
+    assert [name for name, _ in find_blocks(model)] == [f"{s}.block.{i}" for s in ("encoder", "decoder") for i in (0, 1)]
+    output = call_model(model, batch)
+    assert output.logits.shape == (2, 8, 32)
+    torch.testing.assert_close(output.loss, F.cross_entropy(output.logits.reshape(-1, 32), batch["labels"].reshape(-1)),
+                               rtol=0, atol=0)
+    shifted = model(input_ids=batch["input_ids"], decoder_input_ids=torch.cat(
+        [torch.zeros(2, 1, dtype=torch.long), batch["labels"][:, :-1]], dim=1)).logits
+    assert torch.equal(shifted, output.logits)
 
 
 def test_optimizer_choices():

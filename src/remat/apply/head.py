@@ -61,7 +61,7 @@ class HeadRuntime:
             return self._original(*args, **kwargs)
         self._check_projection()
         inputs, extra = self.kind.loss_inputs(bound.arguments), self.kind.loss_extra(bound.arguments)
-        bound.arguments[self.site.labels_arg] = None
+        self.kind.without_labels(self.model, bound.arguments)
         with capture_projection(self.projection, run=False) as captured:
             output = self._original(*bound.args, **bound.kwargs)
         self._check(captured, output)

@@ -106,7 +106,7 @@ app = _GuardedTyper(
 DEVICE_HELP = ("Device the model and batch run on: cpu, cuda, cuda:N (default: where they are built, the "
                "CPU for built-in models).")
 
-TARGET_HELP = ("A built-in model (gpt, mlp, convnet, unet, hf:gpt2, hf:llama) or path/to/file.py:build where "
+TARGET_HELP = ("A built-in model (gpt, mlp, convnet, unet, hf:gpt2, hf:llama, hf:t5) or path/to/file.py:build where "
                "build() returns model, batch[, loss_fn[, optimizer]]. A file target is imported and its code "
                "runs with your permissions: name only files you trust.")
 

@@ -147,9 +147,6 @@ def find_traced_head(model: Any, seq_len: int | None) -> tuple[TracedHead | None
     site, note = find_head(model)
     if site is None:
         return None, note
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return None, ("an encoder-decoder's loss is its own (cross-entropy of its decoder's logits, not the causal "
-                      "LM's shifted one): its head stays as traced")
     if seq_len is None:
         return None, "the model's batch is its own (a file model): its head stays as traced"
     why = _logits_transformed(model, site, seq_len)

@@ -8,6 +8,9 @@ convention (`remat.head.loss.TokenLoss`) and how to return the loss without the 
 - Hugging Face causal LMs (``PreTrainedModel`` with ``get_output_embeddings()`` and a
   ``labels`` argument): ``labels`` (plus ``num_items_in_batch``, ``shift_labels``), the
   output embeddings, ``ForCausalLMLoss``; the output comes back with ``logits=None``.
+- Hugging Face encoder-decoders (``config.is_encoder_decoder``: T5, mT5, UMT5, M2M-100):
+  ``labels`` (the decoder's input made of them where a call has none), the output embeddings,
+  ``CrossEntropyLoss`` of the logits against the labels as given (`HFSeq2SeqLMHead`);
 - the built-in GPT (`remat.models.gpt.GPT`): ``targets``, ``head``, plain cross-entropy; the
   loss is the output, as without a plan.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +47,7 @@ class HeadSite:
     """A model's head, found: what runs it and what it computes (no tensors, no modules)."""
 
     kind: str
-    """Registry key of the `HeadKind`: ``"hf-causal-lm"`` or ``"remat-gpt"``."""
+    """Registry key of the `HeadKind`: ``"hf-causal-lm"``, ``"hf-seq2seq-lm"`` or ``"remat-gpt"``."""
     projection: str
     """Qualified name of the output projection (an ``nn.Linear``), e.g. ``"lm_head"``."""
     labels_arg: str
@@ -80,6 +84,11 @@ class HeadKind:
     def model_loss(self, model: nn.Module, logits: torch.Tensor, inputs: LossInputs, extra: dict[str, Any]) -> torch.Tensor:
         """The loss exactly as the model computes it from ``logits``."""
         return reference_loss(logits, inputs, self.token_loss)
+
+    def without_labels(self, model: nn.Module, arguments: dict[str, Any]) -> None:
+        """Make the bound ``arguments`` of a call with labels those of the same call without them
+        (in place): the model then computes its logits and no loss."""
+        arguments[self.labels_arg] = None
 
     def output(self, output: Any, loss: torch.Tensor) -> Any:
         """The output of a call made without labels, turned into that of the call with them
@@ -153,11 +162,79 @@ class HFCausalLMHead(HeadKind):
         return getattr(output, "logits", None)
 
 
+class HFSeq2SeqLMHead(HFCausalLMHead):
+    """Hugging Face encoder-decoders (``*ForConditionalGeneration`` with ``config.is_encoder_decoder``:
+    T5, mT5, UMT5, M2M-100): the decoder's input is the labels shifted right
+    (``prepare_decoder_input_ids_from_labels``), and the loss is ``CrossEntropyLoss`` of the
+    logits as they are against the labels as given: no shift, no fp32 upcast, the mean over the
+    labels not ``-100``. A call without labels gets the decoder's input the model would have made
+    of them."""
+
+    name = "hf-seq2seq-lm"
+    token_loss = TokenLoss(shift=False, upcast=False)
+
+    def refusal(self, model: nn.Module) -> str:
+        config = getattr(model, "config", None)
+        for field in LOGIT_TRANSFORMS:
+            if getattr(config, field, None) not in (None, 1, 1.0):
+                return (f"{type(model).__name__} transforms its logits after the projection (config.{field}="
+                        f"{getattr(config, field)!r}); the head is planned only as a projection followed by the loss")
+        parameters = inspect.signature(model.forward).parameters
+        if "labels" not in parameters or "decoder_input_ids" not in parameters:
+            return f"{type(model).__name__}.forward takes no labels and decoder_input_ids arguments"
+        if _decoder_input_maker(model) is None:
+            return (f"{type(model).__name__} makes its decoder's input from its labels in a way remat does not know "
+                    "(no prepare_decoder_input_ids_from_labels, nor its module's shift_tokens_right(input_ids, "
+                    "pad_token_id, decoder_start_token_id))")
+        return ""
+
+    def loss_inputs(self, arguments: dict[str, Any]) -> LossInputs:
+        return LossInputs(labels=arguments["labels"])  # the model's loss takes no num_items_in_batch
+
+    def loss_extra(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def model_loss(self, model: nn.Module, logits: torch.Tensor, inputs: LossInputs, extra: dict[str, Any]) -> torch.Tensor:
+        return reference_loss(logits, inputs, self.token_loss)
+
+    def without_labels(self, model: nn.Module, arguments: dict[str, Any]) -> None:
+        labels = arguments.get(self.labels_arg)
+        if labels is not None and arguments.get("decoder_input_ids") is None and \
+                arguments.get("decoder_inputs_embeds") is None:
+            arguments["decoder_input_ids"] = _decoder_input_maker(model)(labels)
+        arguments[self.labels_arg] = None
+
+
+def _decoder_input_maker(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How ``model`` makes its decoder's input of its labels: its ``prepare_decoder_input_ids_from_labels``
+    (T5, BART), else its modeling module's ``shift_tokens_right(input_ids, pad_token_id,
+    decoder_start_token_id)`` on its config's tokens (M2M-100, NLLB), else None. `remat.profile`
+    checks that the call made so gives the projection the same hidden states as the model's own
+    call with labels (`remat.measure.head.logits_returned`)."""
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return lambda labels: prepare(labels=labels)
+    shift = getattr(sys.modules.get(type(model).__module__), "shift_tokens_right", None)
+    config = getattr(model, "config", None)
+    if not callable(shift) or config is None:
+        return None
+    try:
+        names = list(inspect.signature(shift).parameters)
+    except (TypeError, ValueError):
+        return None
+    if names != ["input_ids", "pad_token_id", "decoder_start_token_id"]:
+        return None
+    return lambda labels: shift(labels, config.pad_token_id, config.decoder_start_token_id)
+
+
 KINDS: dict[str, HeadKind] = {
     "remat.models.gpt.GPT": GPTHead(),
     "transformers.modeling_utils.PreTrainedModel": HFCausalLMHead(),
 }
-"""Head kinds keyed by the qualified name of a model class (the first match along the MRO)."""
+"""Head kinds keyed by the qualified name of a model class (the first match along the MRO); a
+Hugging Face encoder-decoder takes `HFSeq2SeqLMHead` instead (`_kind_of`)."""
+
+SEQ2SEQ = HFSeq2SeqLMHead()
 
 
 def _kind_of(model: nn.Module) -> HeadKind | None:
@@ -167,6 +244,8 @@ def _kind_of(model: nn.Module) -> HeadKind | None:
     for cls in type(model).__mro__:
         kind = KINDS.get(f"{cls.__module__}.{cls.__qualname__}")
         if kind is not None:
+            if isinstance(kind, HFCausalLMHead) and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+                return SEQ2SEQ
             return kind
     base = getattr(type(model), "get_base_model", None)
     inner = base(model) if callable(base) else None
@@ -175,10 +254,11 @@ def _kind_of(model: nn.Module) -> HeadKind | None:
 
 def kind_named(name: str) -> HeadKind:
     """The `HeadKind` registered under ``name`` (`HeadSite.kind`)."""
-    for kind in KINDS.values():
+    known = [*KINDS.values(), SEQ2SEQ]
+    for kind in known:
         if kind.name == name:
             return kind
-    raise ValueError(f"unknown head kind {name!r}; known: {', '.join(k.name for k in KINDS.values())}.")
+    raise ValueError(f"unknown head kind {name!r}; known: {', '.join(k.name for k in known)}.")
 
 
 def find_head(model: nn.Module) -> tuple[HeadSite | None, str]:

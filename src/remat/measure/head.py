@@ -99,6 +99,7 @@ def capture_head(model: nn.Module, batch: Any, site: HeadSite) -> tuple[HeadCapt
     bound = bind_call(model, *call_arguments(batch)).arguments
     if bound.get(site.labels_arg) is None:
         return None, f"the batch passes no {site.labels_arg!r}, so the model computes no loss of its own"
+    rng = _rng_state(model)
     with torch.no_grad(), capture_projection(projection, run=True) as captured:
         model_loss = compute_loss(call_model(model, batch), batch).detach()
     inputs = kind.loss_inputs(bound)
@@ -117,7 +118,7 @@ def capture_head(model: nn.Module, batch: Any, site: HeadSite) -> tuple[HeadCapt
                           f"projection's output ({float(ours):.9g}) that remat's head computes (next-token, labels "
                           "shifted): the model computes it another way (an encoder-decoder's unshifted labels, "
                           "an auxiliary term, a scaling), so the head stays in the fixed part, measured as it is")
-    why = logits_returned(model, batch, site, kind, projection)
+    why = logits_returned(model, batch, site, kind, projection, rng=rng, hidden=captured.hidden)
     if why:
         return None, why
     call = HeadCall(kind=kind, site=site, model=model, projection=projection, inputs=inputs,
@@ -125,20 +126,44 @@ def capture_head(model: nn.Module, batch: Any, site: HeadSite) -> tuple[HeadCapt
     return HeadCapture(hidden=captured.hidden.detach(), call=call), ""
 
 
-def logits_returned(model: nn.Module, batch: Any, site: HeadSite, kind: Any, projection: nn.Module) -> str:
+def logits_returned(model: nn.Module, batch: Any, site: HeadSite, kind: Any, projection: nn.Module, *,
+                    rng: tuple | None = None, hidden: torch.Tensor | None = None) -> str:
     """'' when a call without labels returns the projection's own output as its logits, as a
     planned head needs (`remat.apply.head`: it computes the loss from the projection's input and
     never makes those logits); else why not. A model that rescales its logits by a factor that
     leaves them equal (Granite's ``logits_scaling`` of 1.0 divides anyway) returns a new tensor:
-    its loss is the projection's, but a planned head could not stand in for its logits."""
+    its loss is the projection's, but a planned head could not stand in for its logits.
+    ``hidden``: what the projection received in the call with labels, from the random state
+    ``rng`` (`_rng_state`): the call without them, from the same state, must give it the very
+    same (an encoder-decoder's decoder input, made of the labels by the model or by the head kind)."""
     bound = bind_call(model, *call_arguments(batch))
-    bound.arguments[site.labels_arg] = None
+    kind.without_labels(model, bound.arguments)
+    if rng is not None:
+        _set_rng_state(rng)
     with torch.no_grad(), capture_projection(projection, run=True) as captured:
         output = model(*bound.args, **bound.kwargs)
+    if hidden is not None and captured.calls == 1 and not (
+            captured.hidden.shape == hidden.shape and torch.equal(captured.hidden, hidden)):
+        return (f"a call without {site.labels_arg!r} gives the output projection other hidden states than the call "
+                "with them (the model makes something of its labels that remat's call does not)")
     if captured.calls == 1 and kind.logits_of(output) is captured.output:
         return ""
     return (f"a call without {site.labels_arg!r} does not return the output projection's own output as its logits "
             "(the model transforms them after the projection, even if by a factor that leaves them equal)")
+
+
+def _rng_state(model: nn.Module) -> tuple:
+    """The CPU's random state and the model's accelerator's, to run a second call from (dropout)."""
+    device = model_device(model)
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), device, cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, device, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def measure_head(capture: HeadCapture, *, post_head_bytes: int, post_rest_bytes: int,

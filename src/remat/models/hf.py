@@ -1,6 +1,9 @@
-"""Hugging Face causal LMs (GPT-2, Llama) built from a small config dict: random weights, no download.
+"""Hugging Face models built from a small config dict, random weights, no download: the causal LMs
+GPT-2 and Llama, and the encoder-decoder T5 (its v1.1 / mT5 form: gated-GELU feed-forward, an
+untied head; ``num_layers`` in each stack).
 
-The batch is ``dict(input_ids, labels, attention_mask)`` and the loss is ``output.loss``.
+The batch is ``dict(input_ids, labels, attention_mask)`` and the loss is ``output.loss`` (T5's
+decoder reads the labels shifted right, and predicts the labels as given).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-HF_FAMILIES = ("gpt2", "llama")
+HF_FAMILIES = ("gpt2", "llama", "t5")
 HF_ATTENTION_KINDS = ("eager", "sdpa")
 
 
@@ -20,7 +23,7 @@ class HFConfig:
     """Sizes of a built-in Hugging Face model."""
 
     num_layers: int = 2
-    """Decoder layers."""
+    """Decoder layers (T5: layers of the encoder, and as many of the decoder)."""
     d_model: int = 128
     """Hidden size."""
     num_heads: int = 4
@@ -32,7 +35,7 @@ class HFConfig:
     vocab_size: int = 512
     """Vocabulary size."""
     dropout: float = 0.1
-    """Dropout probability (GPT-2 only; Llama has no dropout by default)."""
+    """Dropout probability (GPT-2 and T5; Llama has no dropout by default)."""
     attention: str = "eager"
     """transformers attention implementation: ``"eager"`` (every op visible) or ``"sdpa"``."""
 
@@ -70,10 +73,26 @@ def llama_config(sizes: HFConfig) -> dict:
     )
 
 
+def t5_config(sizes: HFConfig) -> dict:
+    """transformers T5Config keyword arguments (T5 v1.1 / mT5: gated GELU, head not tied)."""
+    return dict(
+        num_layers=sizes.num_layers, num_decoder_layers=sizes.num_layers, d_model=sizes.d_model,
+        num_heads=sizes.num_heads, d_kv=sizes.d_model // sizes.num_heads, d_ff=4 * sizes.d_model,
+        vocab_size=sizes.vocab_size, dropout_rate=sizes.dropout, feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+        use_cache=False,  # training: no key/value cache, as under Hugging Face's own checkpointing
+    )
+
+
 def build_hf_model(family: str, sizes: HFConfig) -> nn.Module:
-    """A randomly initialised GPT2LMHeadModel or LlamaForCausalLM (uses the global RNG)."""
+    """A randomly initialised GPT2LMHeadModel, LlamaForCausalLM or T5ForConditionalGeneration
+    (uses the global RNG)."""
     import transformers
 
+    if family == "t5":
+        config = transformers.T5Config(**t5_config(sizes))
+        config._attn_implementation = sizes.attention
+        return transformers.T5ForConditionalGeneration(config)
     if family == "gpt2":
         config = transformers.GPT2Config(**gpt2_config(sizes))
         model_cls = transformers.GPT2LMHeadModel

@@ -74,7 +74,7 @@ def _entry(name: str) -> _Entry:
             hint = " (hf:* models need `pip install remat[hf]`)"
         elif name.startswith("hf:"):
             hint = (" (remat builds Hugging Face models from a config with random weights and never downloads one: "
-                    "name hf:gpt2 or hf:llama, or build yours in a file and pass path/to/file.py:build)")
+                    "name hf:gpt2, hf:llama or hf:t5, or build yours in a file and pass path/to/file.py:build)")
         raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODEL_NAMES)}{hint}.")
     return _REGISTRY[name]
 
