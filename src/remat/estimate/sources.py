@@ -287,11 +287,27 @@ ProphetNet's."""
 
 def is_encoder_decoder(config: Any) -> bool:
     """True for a text-to-text encoder-decoder (transformers' seq2seq LM of ``input_ids``), which the
-    estimate builds as such, not as the causal LM some of them also have (BART's decoder alone)."""
+    estimate builds as such, not as the causal LM some of them also have (BART's decoder alone), or
+    a speech-to-text one whose input is a log-mel spectrogram of a fixed length (`speech_features`:
+    Whisper)."""
     import transformers
 
     seq2seq = transformers.models.auto.modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
-    return bool(getattr(config, "is_encoder_decoder", False)) and config.model_type in seq2seq
+    return bool(getattr(config, "is_encoder_decoder", False)) and (
+        config.model_type in seq2seq or speech_features(config) is not None)
+
+
+def speech_features(config: Any) -> tuple[int, int] | None:
+    """(mel bins, frames) of a speech-to-text encoder-decoder's input features: Whisper's
+    ``num_mel_bins`` by twice ``max_source_positions`` (its convolutional stem halves the frames
+    into the encoder's positions; 80 x 3000, 30 s of audio); None for any other config."""
+    import transformers
+
+    speech = transformers.models.auto.modeling_auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+    bins, positions = _config_value(config, "num_mel_bins"), _config_value(config, "max_source_positions")
+    if config.model_type not in speech or not all(isinstance(v, int) and v > 0 for v in (bins, positions)):
+        return None
+    return bins, 2 * positions
 
 
 def stack_layers(config: Any) -> tuple[int, int]:
@@ -336,8 +352,9 @@ def build_hf_on_meta(config: Any, *, layers: int, dtype: torch.dtype) -> nn.Modu
         _set_stacks(config, min(layers, encoder), min(layers, decoder))
         if getattr(config, "decoder_start_token_id", None) is None:  # T5's default config names none; its checkpoints 0
             config.decoder_start_token_id = config.pad_token_id or 0
+        auto = transformers.AutoModelForSpeechSeq2Seq if speech_features(config) else transformers.AutoModelForSeq2SeqLM
         with torch.device("meta"):
-            model = transformers.AutoModelForSeq2SeqLM.from_config(config, dtype=dtype)
+            model = auto.from_config(config, dtype=dtype)
         model.train()
         return model
     causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -355,8 +372,13 @@ def build_hf_on_meta(config: Any, *, layers: int, dtype: torch.dtype) -> nn.Modu
     return model
 
 
-def hf_batch(config: Any, *, micro_batch: int, seq_len: int, device: str | torch.device = "meta") -> dict[str, torch.Tensor]:
+def hf_batch(config: Any, *, micro_batch: int, seq_len: int, device: str | torch.device = "meta",
+             dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """``input_ids`` and ``labels`` of shape (micro_batch, seq_len); transformers shifts the labels
-    (an encoder-decoder's into its decoder's input: both stacks run ``seq_len`` tokens)."""
+    (an encoder-decoder's into its decoder's input: both stacks run ``seq_len`` tokens). A speech
+    encoder-decoder (`speech_features`) takes its spectrogram (in ``dtype``) instead of the ids."""
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
+    features = speech_features(config)
+    if features is not None:
+        return {"input_features": torch.zeros(micro_batch, *features, dtype=dtype, device=device), "labels": ids}
     return {"input_ids": ids, "labels": ids.clone()}

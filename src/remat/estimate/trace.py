@@ -39,7 +39,7 @@ from remat.estimate.shares import Flow, Split, split_by_tokens, untokenized
 from remat.estimate.head import TracedHead, find_traced_head
 from remat.estimate.sharding import ModelParams, RoleShapes
 from remat.estimate.sources import (ModelSource, build_hf_on_meta, check_num_layers, hf_batch, hf_config_and_part,
-                                    is_encoder_decoder, num_layers, stack_layers)
+                                    is_encoder_decoder, num_layers, speech_features, stack_layers)
 from remat.measure.blocks import find_blocks
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.types import Profile
@@ -481,12 +481,15 @@ def _trace_encoder_decoder(source: ModelSource, config: Any, *, seq_len: int, dt
             f"{min(per_stack, decoder)} decoder layers ({', '.join(n for n, _ in blocks[:8])}); the estimate copies "
             "each stack's layers and needs them found as its blocks. Estimate it from a file.py:build that builds the "
             "whole model (--model path/to/file.py:build).")
-    _check_positions(model, source.label, seq_len)
-    batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len)  # noqa: E731
+    _check_positions(model, source.label, seq_len, skip=model.get_encoder() if speech_features(config) else None)
+    batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len, dtype=dtype)  # noqa: E731
     tracer = _tracer(model, batch_at, None, fused, getattr(config, "base_model_tp_plan", None),
                      stack_ends=frozenset({te - 1}))
     facts, shape = _hf_facts(config)
-    label = f"{source.label} (encoder-decoder: {encoder} encoder and {decoder} decoder layers, each of --seq tokens)"
+    features = speech_features(config)
+    over = (f"the encoder over {features[1]} frames of {features[0]} mel bins, the decoder over --seq tokens"
+            if features else "each of --seq tokens")
+    label = f"{source.label} (encoder-decoder: {encoder} encoder and {decoder} decoder layers, {over})"
     traced = _describe(label, model, tracer, kinds, seq_len, facts=facts, shape=shape, encoder_layers=encoder,
                        checked=checked)
     _check_copies(traced, _build(source, config, max(encoder, decoder), dtype, "whole, to count its parameters"))
@@ -506,13 +509,17 @@ def _check_copies(traced: Traced, whole: nn.Module) -> None:
             "(--model path/to/file.py:build).")
 
 
-def _check_positions(model: nn.Module, label: str, seq_len: int | None) -> None:
+def _check_positions(model: nn.Module, label: str, seq_len: int | None, skip: nn.Module | None = None) -> None:
     """Refuse a sequence longer than a learned position table (GPT-2's ``wpe``, BERT's and
     RoBERTa's ``position_embeddings``): the step fails there on a GPU, where the meta device,
-    which checks no index, traced it."""
+    which checks no index, traced it. ``skip``: a part whose positions are not the tokens' (a
+    speech encoder's, over its frames)."""
     if not seq_len:
         return
+    skipped = set(skip.modules()) if skip is not None else set()
     for name, module in model.named_modules():
+        if module in skipped:
+            continue
         leaf = name.rsplit(".", 1)[-1]
         if isinstance(module, nn.Embedding) and ("position" in leaf or leaf == "wpe"):
             # RoBERTa's positions start after its padding index
