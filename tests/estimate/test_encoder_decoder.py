@@ -51,10 +51,12 @@ def test_parameters_and_peaks_against_the_measured_step(tmp_path, cfg) -> None:
     """Every parameter counted once (T5's position-bias tables in each stack's first layer, the
     shared embedding); the step's peak with no recomputation and with every layer recomputed,
     the CPU's kernels traced on the meta device, against `remat.plan`'s prediction from a CPU
-    profile of the whole model (equal to the measured peak): BART's to the byte without
-    recomputation and 0.33 % over with it; T5's (eager attention, a position bias every layer
-    adds) 0.68 % and 2.65 % over, on the safe side: the biases a stack passes to its later layers
-    are counted held to the backward, which without recomputation they are not."""
+    profile of the whole model (equal to the measured peak): to the byte without recomputation,
+    0.33 % (BART) and 1.99 % (T5) over with it, on the safe side (what runs between the stacks
+    counts for the whole step; the measured step frees some of it before the encoder's
+    backward). T5's position biases, which each stack's first layer makes and every later layer
+    adds, were counted held to the backward (+0.68 % without recomputation): they are held by
+    the checkpoints that keep them, not by autograd."""
     path = _path(tmp_path, cfg)
     result = estimate(ModelSource(hf_config_path=path), seq_len=S, micro_batch=B, dtype="fp32", gpu_kernels=False)
     model = _real(cfg)
@@ -67,12 +69,8 @@ def test_parameters_and_peaks_against_the_measured_step(tmp_path, cfg) -> None:
         [prof.blocks[-1].name.rsplit(".", 2)[0]] * 3
     strategies = {s.strategy: s.peak_bytes for s in result.devices[0].strategies}
     over = {s: strategies[s] / plan(prof, strategy=s).prediction.peak_bytes - 1 for s in ("none", "full")}
-    if cfg is BART:
-        assert over["none"] == 0.0
-        assert 0.0 <= over["full"] < 0.004
-    else:
-        assert 0.0 <= over["none"] < 0.007
-        assert 0.0 <= over["full"] < 0.027
+    assert over["none"] == 0.0
+    assert 0.0 <= over["full"] < (0.004 if cfg is BART else 0.02)
 
 
 def test_what_runs_between_the_stacks_counts_once(tmp_path) -> None:

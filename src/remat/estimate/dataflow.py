@@ -42,6 +42,8 @@ from remat.measure.flops import op_flops
 from remat.measure.storage import flat_tensors, storage_key, storage_nbytes, tensors_in
 
 PRE, POST = "pre", "post"
+GAP = "gap:"
+"""Segment of what runs between two stacks of layers, named for the next stack's first layer."""
 LINEAR_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm", "aten.matmul",
                         "aten.linear", "aten.convolution", "aten._convolution"})
 SCORE_OPS = frozenset({"aten.mm", "aten.bmm", "aten.baddbmm", "aten.matmul"})
@@ -274,8 +276,8 @@ def _hooks(model: nn.Module, blocks: list[tuple[str, nn.Module]], state: _State,
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if i == last:
                 state.segment = POST
-            elif i in stack_ends:  # between an encoder's layers and its decoder's: once, with what comes before
-                state.segment = PRE
+            elif i in stack_ends:  # between an encoder's layers and its decoder's (`_flow`: the next stack's)
+                state.segment = f"{GAP}{i + 1}"
         return hook
 
     def expert(delta: int):
@@ -300,7 +302,9 @@ def classify(model: nn.Module, batch: Any, blocks: list[tuple[str, nn.Module]], 
     """One forward and loss of ``model`` on ``batch`` (meta device), classified (module docstring).
     ``stack_ends``: blocks that end a stack of layers another stack follows (an encoder's last):
     what runs after such a block and before the next (the encoder's final norm, the decoder's
-    embedding) counts once, before the layers, not as a part of the layer it follows."""
+    embedding) is not a part of the layer it follows; what it saves, and what the later layers
+    save of it (the encoder's output every decoder layer reads), is held by the next stack's first
+    layer, kept or recomputed (`_flow`)."""
     state = _State()
     params = {storage_key(p): n for n, p in model.named_parameters()}
     excluded = {storage_key(t) for t in [*model.parameters(), *model.buffers(), *tensors_in(batch)]}
@@ -325,7 +329,7 @@ def classify(model: nn.Module, batch: Any, blocks: list[tuple[str, nn.Module]], 
                 state.roles[p] = "expert"
     _one_vocabulary_table(state, dict(model.named_parameters()))
     roles = {n: state.roles.get(n, "whole") for n, _ in model.named_parameters()}
-    flow = _flow(state, len(blocks))
+    flow = _flow(state, len(blocks), frozenset({0} | {e + 1 for e in stack_ends}) if stack_ends else frozenset())
     return Classified(flow=flow, roles=roles, used_in={k: frozenset(v) for k, v in state.used_in.items()},
                       split_widths=dict(state.widths))
 
@@ -381,29 +385,58 @@ def _add(totals: dict[str, dict[str, float]], segment: str, bucket: str, amount:
     totals[segment][bucket] += amount
 
 
-def _flow(state: _State, num_layers: int) -> Flow:
+def _held_by(made: str, saver: str, starts: frozenset[int]) -> str | None:
+    """With several stacks (``starts``: their first layers), the layer that holds a storage made in
+    segment ``made`` and saved first by ``saver`` ("": never saved) for the later layers of its
+    stack: the stack's first layer, where it makes it (T5's position bias, which every layer of
+    the stack adds); None: counted before the layers, held for the whole step (so is what runs
+    between two stacks and the encoder's output: the measured step holds part of it to the end)."""
+    if not starts or not made.startswith("layer:") or made == saver or saver.startswith(GAP):
+        return None
+    return made if int(made.removeprefix("layer:")) in starts else None
+
+
+def _flow(state: _State, num_layers: int, starts: frozenset[int] = frozenset()) -> Flow:
+    """Saved bytes, FLOPs and inputs per segment. A tensor made before a layer, or by an earlier
+    layer, and passed to the layers (rotary tables, a mask) counts once, before the layers; so does
+    what runs between two stacks. Several stacks (``starts``: the first layer of each, an
+    encoder-decoder's): a tensor a stack's first layer makes for the later ones is held by that
+    layer (`_held_by`), in its saved bytes where autograd saves it and in what its checkpoint
+    keeps (``extra`` input bytes); one autograd never saves (T5's position bias) is kept only by
+    the checkpoints: input bytes, not saved ones."""
     core_calls, core_storages = _core(state.calls, state)
     saved: dict[str, dict[str, float]] = {}
+    extra: dict[str, float] = {}
     own_input = {seg: hidden for seg, (hidden, _) in state.inputs.items()}
     for ident, segment in state.saved.items():
         s = state.storages[ident]
-        if segment.startswith("layer:") and s.segment != segment and own_input.get(segment) != ident:
+        holder = _held_by(s.segment, segment, starts) if segment != POST else None
+        if holder is not None and own_input.get(segment) != ident:
+            segment = holder
+            extra[holder] = extra.get(holder, 0.0) + s.nbytes
+        elif segment.startswith(GAP) or (segment.startswith("layer:") and s.segment != segment
+                                         and own_input.get(segment) != ident):
             segment = PRE  # made before this layer and not its own input: shared by the layers
         _add(saved, segment, _bucket(ident in core_storages, s.split, s.expert, s.unsharded), s.nbytes)
     shared = {i for _, others in state.inputs.values() for i in others if i not in state.saved}
     for ident in shared:
-        _add(saved, PRE, "whole", state.storages[ident].nbytes)
+        holder = _held_by(state.storages[ident].segment, "", starts)
+        if holder is None:
+            _add(saved, PRE, "whole", state.storages[ident].nbytes)
+        else:
+            extra[holder] = extra.get(holder, 0.0) + state.storages[ident].nbytes
     flops: dict[str, dict[str, float]] = {}
     moved: dict[str, float] = {}
     for c in state.calls:
-        _add(flops, c.segment, _bucket(c.index in core_calls, c.split, c.expert), c.flops)
+        where = PRE if c.segment.startswith(GAP) else c.segment
+        _add(flops, where, _bucket(c.index in core_calls, c.split, c.expert), c.flops)
         if c.index in core_calls:
-            moved[c.segment] = moved.get(c.segment, 0.0) + sum(state.storages[s].nbytes for s in c.made)
+            moved[where] = moved.get(where, 0.0) + sum(state.storages[s].nbytes for s in c.made)
 
     def segment(name: str) -> Segment:
         hidden = own_input.get(name)
         return Segment(saved=Share(**saved.get(name, {})), flops=Share(**flops.get(name, {})),
-                       input_bytes=state.storages[hidden].nbytes if hidden is not None else 0,
-                       core_moved_bytes=moved.get(name, 0.0))
+                       input_bytes=(state.storages[hidden].nbytes if hidden is not None else 0) + extra.get(name, 0.0),
+                       kept_bytes=extra.get(name, 0.0), core_moved_bytes=moved.get(name, 0.0))
 
     return Flow(pre=segment(PRE), layers=tuple(segment(f"layer:{i}") for i in range(num_layers)), post=segment(POST))

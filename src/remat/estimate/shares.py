@@ -79,7 +79,13 @@ class Segment:
     flops: Share
     """Forward FLOPs."""
     input_bytes: float = 0
-    """A layer's own input (the hidden states it is called with; shared tensors excluded)."""
+    """A layer's own input (the hidden states it is called with; shared tensors excluded), and
+    ``kept_bytes``."""
+    kept_bytes: float = 0
+    """What a stack's first layer holds for the layers after it, in its saved bytes (where autograd
+    saves it) and in its input (what its checkpoint keeps), alive through its own backward: an
+    encoder's output and what runs between two stacks, a position bias every layer of a stack
+    adds (`remat.estimate.dataflow`)."""
     core_moved_bytes: float = 0
     """Bytes the attention core's ops write in forward (what replaying it moves at least)."""
     working_bytes: float = 0

@@ -130,7 +130,9 @@ class Traced:
         if not self.whole:
             _check_kinds(profile, self.layer_kinds if self.checked is None else self.checked)
         flow = classified.flow
-        layers = tuple(replace(seg, working_bytes=working_bytes(b), replay_working_bytes=replay_working_bytes(b))
+        # what a layer keeps for the layers after it is alive through its own backward too
+        layers = tuple(replace(seg, working_bytes=working_bytes(b) + seg.kept_bytes,
+                               replay_working_bytes=replay_working_bytes(b) + seg.kept_bytes)
                        for seg, b in zip(flow.layers, profile.blocks))
         return replace(flow, layers=layers, post=replace(flow.post, working_bytes=profile.fixed_post_bwd_temp_bytes))
 
