@@ -177,3 +177,18 @@ def test_a_speech_encoder_decoder_reads_its_spectrogram(tmp_path) -> None:
     assert 0.0 <= over["none"] < 0.003 and 0.0 <= over["full"] < 0.001, over  # +0.22 % and +0.018 %
     with pytest.raises(ValueError, match=r"--seq 49 is longer than the 48 learned positions of model.decoder.embed_positions"):
         estimate(ModelSource(hf_config_path=path), seq_len=49)
+
+
+def test_hf_t5_from_sizes() -> None:
+    """``--hf t5``: T5 v1.1's form from sizes, --layers in each stack, each head hidden / heads wide."""
+    source = ModelSource(hf_family="t5", sizes=dict(hidden=H, layers=3, heads=4, intermediate=128, vocab=96, seq=S))
+    traced = trace_source(source, seq_len=S)
+    config = transformers.T5Config(d_model=H, num_layers=3, num_heads=4, d_kv=16, d_ff=128, vocab_size=96,
+                                   feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0)
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(config)
+    assert traced.num_layers == 6 and traced.encoder_layers == 3
+    assert traced.param_count == sum(p.numel() for p in model.parameters())
+    assert traced.label.startswith("hf:t5 (encoder-decoder: 3 encoder and 3 decoder layers")
+    with pytest.raises(ValueError, match=r"unknown size\(s\) \['kv_heads'\] for --hf t5"):
+        trace_source(ModelSource(hf_family="t5", sizes=dict(kv_heads=2)), seq_len=S)

@@ -18,7 +18,7 @@ MIB = 2**20
 @app.command("estimate")
 def estimate_command(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=TARGET_HELP),
-    hf: Optional[str] = typer.Option(None, "--hf", help="Hugging Face family built from sizes: gpt2, llama, mistral."),
+    hf: Optional[str] = typer.Option(None, "--hf", help="Hugging Face family built from sizes: gpt2, llama, mistral, t5 (an encoder-decoder: --layers in each stack)."),
     config: Optional[Path] = typer.Option(None, "--config", help="A Hugging Face config.json (no download)."),
     hidden: Optional[int] = typer.Option(None, help="Hidden size (--hf; d_model of a built-in model)."),
     layers: Optional[int] = typer.Option(None, help="Number of layers."),

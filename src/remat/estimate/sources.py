@@ -5,8 +5,9 @@ layers, so a 70B-parameter configuration is traced with a few layers and the lay
 multiplied afterwards (`remat.estimate.trace.Traced.layer_kinds`).
 
 Hugging Face families and the sizes they take (``HF_SIZE_KEYS``): ``gpt2`` (GPT2Config),
-``llama`` (LlamaConfig), ``mistral`` (MistralConfig); or any ``config.json`` with a
-``model_type`` that ``transformers.AutoConfig.for_model`` knows.
+``llama`` (LlamaConfig), ``mistral`` (MistralConfig), ``t5`` (T5Config, T5 v1.1's form, an
+encoder-decoder with ``--layers`` in each stack); or any ``config.json`` with a ``model_type``
+that ``transformers.AutoConfig.for_model`` knows.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-HF_FAMILIES = ("gpt2", "llama", "mistral")
+HF_FAMILIES = ("gpt2", "llama", "mistral", "t5")
 
 MAX_LAYERS = 1024
 """Most layers an estimate takes. The deepest published decoder stacks have 96 to 200 layers; the
@@ -38,6 +39,9 @@ HF_SIZE_KEYS: dict[str, dict[str, str]] = {
               "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size", "vocab": "vocab_size"},
     "mistral": {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
                 "kv_heads": "num_key_value_heads", "intermediate": "intermediate_size", "vocab": "vocab_size"},
+    # an encoder-decoder: --layers in each stack (T5 v1.1's form, as Flan-T5 and mT5 are)
+    "t5": {"hidden": "d_model", "layers": "num_layers", "heads": "num_heads", "intermediate": "d_ff",
+           "vocab": "vocab_size"},
 }
 
 
@@ -52,7 +56,8 @@ class ModelSource:
     builtin: str | None = None
     """A `remat.models` name (``"gpt"``...); sizes go to `remat.models.build`."""
     hf_family: str | None = None
-    """``gpt2``, ``llama`` or ``mistral``; sizes: hidden, layers, heads, kv_heads, intermediate, vocab."""
+    """``gpt2``, ``llama``, ``mistral`` or ``t5``; sizes: hidden, layers, heads, kv_heads (not t5),
+    intermediate, vocab."""
     hf_config_path: str | None = None
     """A Hugging Face ``config.json`` (needs ``model_type``)."""
     file: str | None = None
@@ -273,6 +278,10 @@ def _family_kwargs(source: ModelSource) -> dict[str, Any]:
     kwargs = {keys[k]: v for k, v in source.sizes.items() if k in keys and v is not None}
     if source.hf_family == "gpt2":
         kwargs["n_positions"] = max(1024, int(source.sizes.get("seq") or 0))
+    elif source.hf_family == "t5":  # relative positions: no table to size; each head hidden / heads wide
+        hidden, heads = kwargs.get("d_model", 512), kwargs.get("num_heads", 8)
+        kwargs.update(d_kv=max(hidden // heads, 1), feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                      decoder_start_token_id=0)
     else:
         kwargs["max_position_embeddings"] = max(4096, int(source.sizes.get("seq") or 0))
     return kwargs

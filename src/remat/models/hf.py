@@ -1,6 +1,6 @@
 """Hugging Face models built from a small config dict, random weights, no download: the causal LMs
-GPT-2 and Llama, and the encoder-decoder T5 (its v1.1 / mT5 form: gated-GELU feed-forward, an
-untied head; ``num_layers`` in each stack).
+GPT-2 and Llama, and the encoder-decoder T5 (its v1.1 / mT5 form: gated-GELU feed-forward, the
+decoder's output not rescaled before the head; ``num_layers`` in each stack).
 
 The batch is ``dict(input_ids, labels, attention_mask)`` and the loss is ``output.loss`` (T5's
 decoder reads the labels shifted right, and predicts the labels as given).
@@ -74,7 +74,9 @@ def llama_config(sizes: HFConfig) -> dict:
 
 
 def t5_config(sizes: HFConfig) -> dict:
-    """transformers T5Config keyword arguments (T5 v1.1 / mT5: gated GELU, head not tied)."""
+    """transformers T5Config keyword arguments (T5 v1.1 / mT5: gated GELU; ``tie_word_embeddings``
+    False, as their configs write it, which transformers 5 reads as "the decoder's output is not
+    rescaled" and ties the head to the embedding all the same)."""
     return dict(
         num_layers=sizes.num_layers, num_decoder_layers=sizes.num_layers, d_model=sizes.d_model,
         num_heads=sizes.num_heads, d_kv=sizes.d_model // sizes.num_heads, d_ff=4 * sizes.d_model,
