@@ -275,5 +275,5 @@ def test_a_hub_model_name_is_told_remat_never_downloads():
     """``hf:meta-llama/Llama-2-7b-hf`` was told to ``pip install remat[hf]`` with transformers installed."""
     pytest.importorskip("transformers")
     message = _one_line_error(runner.invoke(app, ["profile", "hf:meta-llama/Llama-2-7b-hf"]))
-    assert "never downloads one: name hf:gpt2 or hf:llama, or build yours in a file" in message
+    assert "never downloads one: name hf:gpt2, hf:llama or hf:t5, or build yours in a file" in message
     assert "pip install" not in message
