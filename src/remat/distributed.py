@@ -159,6 +159,7 @@ def shard_profile(profile: Profile, *, world_size: int, zero_stage: int,
             profile,
             blocks=tuple(dataclasses.replace(b, grad_bytes=-(-b.grad_bytes // world_size)) for b in profile.blocks),
             fixed_pre_grad_bytes=-(-profile.fixed_pre_grad_bytes // world_size),
+            fixed_pre_early_grad_bytes=-(-profile.fixed_pre_early_grad_bytes // world_size),
         )
     return dataclasses.replace(
         profile,
@@ -194,7 +195,7 @@ def _with_buckets(profile: Profile, as_view: bool) -> Profile:
     """``profile`` beside DDP's gradient buckets (`shard_profile`)."""
     if as_view:  # the buckets are the gradients: live from the start, none allocated in the backward
         blocks = tuple(dataclasses.replace(b, grad_bytes=0, between_grad_bytes=0) for b in profile.blocks)
-        return dataclasses.replace(profile, blocks=blocks, grad_bytes=0, fixed_pre_grad_bytes=0,
+        return dataclasses.replace(profile, blocks=blocks, grad_bytes=0, fixed_pre_grad_bytes=0, fixed_pre_early_grad_bytes=0,
                                    bucket_bytes=profile.grad_bytes)
     return dataclasses.replace(profile, bucket_bytes=profile.grad_bytes)
 

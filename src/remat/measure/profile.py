@@ -625,6 +625,7 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
         fixed_post_model_fwd_bytes=memory.windows.post_model_fwd_bytes + memory.windows.unreached_post_bytes(),
         **_post_code_held(memory.windows, saved[POST]),
         fixed_pre_grad_bytes=_pre_grad_bytes(memory, block_list),
+        fixed_pre_early_grad_bytes=_pre_early_grad_bytes(memory, block_list),
         fixed_fwd_ms=times.fixed_fwd_ms, fixed_bwd_ms=times.fixed_bwd_ms,
         fixed_flops=recorder.segment_flops(PRE) + between_flops + recorder.segment_flops(POST),
         step_ms=times.step_ms, peak_bytes=memory.peak_bytes, peak_bytes_by_category=memory.peak_by_category,
@@ -676,6 +677,17 @@ def _pre_grad_bytes(memory: _Accounting, block_list: Blocks) -> int:
     first = windows.first_backward_block or 0
     released = sum(memory.block_grad_bytes[i] + windows.between_grad_bytes[i] for i in range(first + 1))
     return memory.grad_bytes - released - windows.grads_at_first_block_bytes
+
+
+def _pre_early_grad_bytes(memory: _Accounting, block_list: Blocks) -> int:
+    """Of `_pre_grad_bytes`, the gradients live as the pre part's backward begins: made in the
+    first block's backward window but not its own (a weight outside the blocks whose every use is
+    in them, whole once that block's backward has run). 0 where the pre part ran no backward."""
+    windows = memory.windows
+    if windows.grads_at_pre_bytes is None or windows.first_backward_block != 0:
+        return 0
+    pre = _pre_grad_bytes(memory, block_list)
+    return min(pre, max(0, windows.grads_at_pre_bytes - (memory.grad_bytes - pre)))
 
 
 def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:

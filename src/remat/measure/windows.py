@@ -72,6 +72,8 @@ class BackwardWindows:
         self.optimizer_temp_bytes = 0
         self.grads_at_first_block_bytes = 0
         """Gradients live when the backward of `first_backward_block` starts."""
+        self.grads_at_pre_bytes: int | None = None
+        """Gradients live when the pre part's backward starts (None: it has none)."""
         self.backward_blocks: set[int] = set()
         """The blocks whose backward ran: a block no gradient reaches (frozen with its inputs, or
         whose output never reaches the loss) has none."""
@@ -268,6 +270,8 @@ class BackwardWindows:
         labels = [*STATE_LABELS, *(ACT_PREFIX + s for s in earlier)]
         grads_live = self.tracker.live_by_label.get("gradients", 0)
         self._grads_at_open = grads_live
+        if segment == PRE:
+            self.grads_at_pre_bytes = grads_live
         if segment in self.names:
             index = self.names.index(segment)
             self.backward_blocks.add(index)

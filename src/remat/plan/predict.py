@@ -194,12 +194,13 @@ def pre_forward_phase_bytes(profile: Profile) -> int:
 
 def pre_backward_phase_bytes(profile: Profile) -> int:
     """The backward of the part before the first block (a stem), after every block's: model
-    state, every gradient but the pre part's own, its saved bytes and its backward's peak; no
-    plan changes it (0 where it was not measured)."""
+    state, every gradient but the pre part's own (less those already whole as it begins,
+    `Profile.fixed_pre_early_grad_bytes`), its saved bytes and its backward's peak; no plan
+    changes it (0 where it was not measured)."""
     if not profile.fixed_pre_bwd_temp_bytes:
         return 0
     return (backward_base_bytes(profile) + profile.grad_bytes - profile.fixed_pre_grad_bytes
-            + profile.fixed_pre_saved_bytes + profile.fixed_pre_bwd_temp_bytes)
+            + profile.fixed_pre_early_grad_bytes + profile.fixed_pre_saved_bytes + profile.fixed_pre_bwd_temp_bytes)
 
 
 def _fixed_at(profile: Profile, phase: str) -> int:
