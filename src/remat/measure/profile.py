@@ -780,6 +780,8 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
             # (some freed before its backward began) measures below zero: nothing is live beside
             # a replay then, which rebuilds them all
             bwd_start_temp_bytes=max(memory.windows.replay_start_bytes(i), 0),
+            saved_dead_bytes=min(memory.saved_bytes[name], memory.windows.saved_dead_at_backward[i])
+            if i in memory.windows.backward_blocks else 0,
             held_input_bwd_temp_bytes=memory.windows.block_held_input_temp_bytes[i],
             between_grad_bytes=memory.windows.between_grad_bytes[i],
             fwd_other_bytes=memory.windows.block_fwd_start_temporaries[i]

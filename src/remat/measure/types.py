@@ -308,6 +308,15 @@ class BlockProfile:
     entry_bytes: int = 0
     """Held from this block's entry on whatever the plan: ``between_saved_bytes`` + the
     previous block's ``handoff_bytes`` + ``shared_entry_bytes``."""
+    saved_dead_bytes: int = 0
+    """Of ``saved_bytes``, what is no longer live as the step's backward begins: a storage a graph
+    of the block's saved that its forward dropped, which the model's code held past the block and
+    freed before the loss's backward (MRA's layer input, which query, key and value projections
+    whose outputs its attention never reads saved, held by the model to the encoder's return).
+    It lives through the forward after the block, where the saved bytes count it; the block's
+    backward windows measure that much lower (``bwd_temp_bytes`` + ``saved_bytes`` is exact), and
+    kept, the blocks' backwards after it and the post part's do not hold it
+    (`remat.plan.predict.layout_peak`; 0: none, or not measured)."""
     bwd_start_temp_bytes: int | None = None
     """What ``bwd_temp_bytes`` counts when a replay of the block would begin: at the first read
     of a tensor it saved in its backward (at the backward's start where it read none): the

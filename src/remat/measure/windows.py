@@ -54,6 +54,14 @@ class BackwardWindows:
         self._between_open = False
         self._between_open_bytes = 0
         self.pre_saved_live_at_fwd_start = [0] * len(block_names)
+        self.saved_dead_at_backward = [0] * len(block_names)
+        """Per block, what its saved bytes count that is no longer live as the backward begins: a
+        storage a graph of the block's saved that its forward dropped, which the model's code held
+        past the block and freed before the loss's backward (MRA's layer input, which query, key
+        and value projections whose outputs its attention never reads saved, held by the model to
+        the encoder's return). The accountant counts it saved, as held to the backward (it lives
+        through the forward after the block); the block's backward windows, which exclude its
+        saved bytes as counted, measure that much lower (`BlockProfile.saved_dead_bytes`)."""
         self.pre_saved_live_at_backward: int | None = None
         """What the pre part saved still live when each block's forward began and when the
         backward began: a graph it built off the loss path (Chameleon's trainable VQ tokenizer,
@@ -170,6 +178,7 @@ class BackwardWindows:
             self.tracker.open_window(self._post_labels, apart=self._post_apart)
         elif event.kind == "bwd_begin":
             self.pre_saved_live_at_backward = self.tracker.live_by_label.get(ACT_PREFIX + PRE, 0)
+            self.saved_dead_at_backward = [self._saved_dead(name) for name in self.names]
             if self._between_open:  # no block followed (blocks that did not run): nothing to count
                 self.tracker.close_window()
                 self._between_open = False
@@ -220,11 +229,23 @@ class BackwardWindows:
         if segment != self._open:
             return
         if self.block_first_read_temp_bytes[index] is None:
-            self.block_first_read_temp_bytes[index] = self.tracker.window_value()
+            self.block_first_read_temp_bytes[index] = self._beside_replay(segment)
+
+    def _saved_dead(self, segment: str) -> int:
+        """What the accountant counts as ``segment``'s saved bytes that is no longer live now."""
+        live = self.tracker.live_by_label.get(ACT_PREFIX + segment, 0)
+        return max(0, self.accountant.segment_bytes(segment) - live)
+
+    def _beside_replay(self, segment: str) -> int:
+        """The open window's value now, with what it excludes as the block's saved bytes that is
+        no longer live added back (`saved_dead_at_backward`): a replay adds the block's saved
+        bytes to its forward's temporaries, measured without them too, so beside a replay they
+        were left out twice."""
+        return self.tracker.window_value() + self._saved_dead(segment)
 
     def replay_start_bytes(self, index: int) -> int:
         """What the block's backward window holds when a replay of it would begin: at the first
-        read of its saved tensors, at the window's start where none was read."""
+        read of its saved tensors, at the window's start where none was read (`_beside_replay`)."""
         first = self.block_first_read_temp_bytes[index]
         return self.block_bwd_start_temp_bytes[index] if first is None else first
 
@@ -287,7 +308,7 @@ class BackwardWindows:
         self._pinned = bool(pinned)
         self.tracker.open_window(labels, offset_bytes=self._offset, watch_label=watch, pinned=pinned)
         if segment in self.names:
-            self.block_bwd_start_temp_bytes[self.names.index(segment)] = self.tracker.window_value()
+            self.block_bwd_start_temp_bytes[self.names.index(segment)] = self._beside_replay(segment)
 
     def _close(self) -> None:
         if self._open is None:

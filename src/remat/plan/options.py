@@ -92,7 +92,8 @@ def _structure_key(block: BlockProfile) -> tuple:
                  o.storage_bytes, o.storage_escapes, o.mutated_later) for o in block.ops)
     flow = (block.held_input_bytes, block.unsaved_input_bytes, block.entry_bytes, block.handoff_bytes,
             block.between_bwd_temp_bytes, block.between_grad_bytes, block.bwd_start_temp_bytes, block.fwd_other_bytes,
-            block.between_fwd_peak_bytes, block.unreached_fwd_bytes, block.held_input_bwd_temp_bytes)
+            block.between_fwd_peak_bytes, block.unreached_fwd_bytes, block.held_input_bwd_temp_bytes,
+            block.saved_dead_bytes)
     return (block.class_name, flow, block.input_bytes, block.output_bytes, block.saved_bytes, block.bwd_temp_bytes,
             block.fwd_temp_bytes, block.grad_bytes, block.fwd_flops, block.output_grad_bytes, block.bwd_free_order,
             block.fwd_live_bytes, block.checkpointed_fwd_live_bytes, block.checkpointed_fwd_freed_at, ops,

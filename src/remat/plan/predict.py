@@ -114,7 +114,7 @@ def _peak_phases(profile: Profile, segments: tuple[Segment, ...],
     held = (base - profile.block_gathered_bytes  # FSDP2: not held through the head's backward
             + grad_bytes_live(profile, profile.num_blocks) + profile.fixed_pre_saved_bytes + sum(retained)
             - (dead[-1] if dead else 0) + stored[-1])
-    post = held + post_working_bytes(profile) - post_saving
+    post = held + post_working_bytes(profile) - post_saving - _post_gone_bytes(profile, segments)
     begin, end = post_extra
     if begin and profile.fixed_post_fwd_bytes:  # held by the code through the post part's forward only
         held += profile.blocks[-1].handoff_bytes if profile.blocks else 0
@@ -129,6 +129,20 @@ def _peak_phases(profile: Profile, segments: tuple[Segment, ...],
         "pre-backward": pre_backward_phase_bytes(profile),
     }
     return max(phases.values()), phases, retained, inner
+
+
+def _post_gone_bytes(profile: Profile, segments: tuple[Segment, ...]) -> int:
+    """What the kept blocks' retained bytes count that the post part's backward does not hold
+    (`BlockProfile.saved_dead_bytes`): live through its forward, whose measured peak leaves the
+    blocks' saved bytes out, so counted off only as far as its backward's need exceeds its
+    forward's. 0 with a head part (its need is priced from the head's own measurements) or where
+    the post part's forward was not measured."""
+    if profile.head is not None or not profile.fixed_post_fwd_bytes:
+        return 0
+    gone = sum(profile.blocks[seg.start].saved_dead_bytes for seg in _fill_gaps(segments, 0, profile.num_blocks)
+               if seg.kind == "keep")
+    backward = profile.fixed_post_saved_bytes + profile.fixed_post_bwd_temp_bytes
+    return min(gone, max(0, backward - profile.fixed_post_fwd_bytes))
 
 
 def fresh_memory(profile: Profile, peak_bytes: int, offloaded_bytes: int = 0) -> tuple[int, float]:
@@ -239,6 +253,7 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
     backward); ``stored``: at the top level, `stored_held_bytes` (live in the backward only)."""
     best = _Peak(bytes=0, block=-1, working_bytes=0)
     held = 0
+    gone = 0  # of ``held``, what the kept blocks before this one saved and no backward holds (top level)
     previous_kept = True
     unkept: list[tuple[int, frozenset[str]]] = []  # top-level blocks before this one not kept, what they cache
     holders: set[int] = set()  # top-level blocks before this one whose checkpoint holds their inputs
@@ -254,7 +269,7 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
         if seg.kind == "recompute":
             inner = layout_peak(profile, seg.children, seg.start, seg.stop, replay=True, stopped=seg.stops_early)
             unit = 0 if replay else unit_extra_bytes(profile, seg.start, seg.stop)  # ZeRO-3: one unit
-            candidate = _Peak(bytes=held + inner.bytes + unit - unheld + container, block=inner.block,
+            candidate = _Peak(bytes=held + inner.bytes + unit - unheld + container - gone, block=inner.block,
                               working_bytes=inner.working_bytes)
             forward = 0 if replay else segment_forward_bytes(profile, seg.start, seg.stop, previous_kept,
                                                                unheld) + later - twice
@@ -275,12 +290,14 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
                 first = seg.start == start  # else its inputs come from the replay, not the checkpoint
                 working = (stopped_replay_working_bytes if last else replay_working_bytes)(profile.blocks[seg.start], first)
             elif seg.kind == "keep":  # its backward, or its forward (no gradient, the shared tensors live)
-                working = working_bytes(profile.blocks[seg.start]) - unheld + container
+                working = working_bytes(profile.blocks[seg.start]) - unheld + container - gone
                 unheld = container = 0
                 working = max(working, keep_forward_bytes(profile, seg.start, previous_kept) + later - twice)
             need = held + working - unheld + container + grad_bytes_live(profile, seg.start)
             candidate = _Peak(bytes=need, block=seg.start, working_bytes=working)
             held += cost.retained_bytes
+            if seg.kind == "keep" and not replay:
+                gone += profile.blocks[seg.start].saved_dead_bytes
             if replay and seg.start == start:  # the checkpoint holds the region's input to its end
                 held += profile.blocks[seg.start].unsaved_input_bytes
         # backward runs in reverse: on a tie the later block reaches the peak first
