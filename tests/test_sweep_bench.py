@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import sweep
-from benchmarks._sweep.build import model_classes, shrink, tiny_config
+from benchmarks._sweep.build import SEQ, grid_patches, make_batch, model_classes, shrink, tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -100,6 +101,34 @@ def test_shrinker_exact_values():
     swin = tiny_config("swin")  # derived values are derived again from the shrunk arguments
     assert (swin.depths, swin.num_heads, swin.num_layers) == ([2, 2], [2, 2], 2)
     assert (swin.embed_dim, swin.hidden_size) == (16, 32)
+
+
+def test_shrinker_follows_the_configs_own_fields():
+    # M-RoPE sections sum to half the shrunk rotary dimension: those the modeling code holds (2:3:3)...
+    assert tiny_config("qwen2_vl_text").rope_parameters["mrope_section"] == [2, 3, 3]
+    assert tiny_config("paddleocr_vl_text").rope_parameters["mrope_section"] == [2, 3, 3]
+    # ...those of the config scaled to the rope part of the heads (multi-head latent attention's 8)...
+    hy = tiny_config("hy_v4_vl_text")
+    assert (hy.qk_rope_head_dim, hy.rope_parameters["mrope_section"]) == (8, [2, 1, 1])
+    # ...and none added where the sections are interleaved, not split
+    assert "mrope_section" not in tiny_config("qwen3_vl_text").rope_parameters
+    assert tiny_config("ministral").head_dim == 16  # a head dimension left None: hidden over heads
+    audio = tiny_config("qwen2_audio_encoder")  # a Whisper-like encoder: its positions shrunk, frames twice them
+    assert audio.max_source_positions == SEQ
+
+
+def test_batches_follow_the_configs_own_fields():
+    config = tiny_config("qwen2_vl_vision")
+    patches, grid = grid_patches(config, torch.Generator().manual_seed(0))
+    assert grid.tolist() == [[1, 8, 8], [1, 8, 8]]  # 32 pixels in patches of 4, merged 2 by 2
+    assert patches.shape == (128, 3 * 2 * 4 * 4)  # channels x temporal patch x patch x patch
+    cls = model_classes("qwen2_vl_vision")[0][1]
+    batch = make_batch("qwen2_vl_vision", cls._from_config(config), config, "base", torch.Generator().manual_seed(0))
+    assert sorted(batch) == ["grid_thw", "hidden_states"]
+    audio = tiny_config("qwen2_audio_encoder")
+    cls = model_classes("qwen2_audio_encoder")[0][1]
+    batch = make_batch("qwen2_audio_encoder", cls._from_config(audio), audio, "base", torch.Generator().manual_seed(0))
+    assert batch["input_features"].shape == (2, audio.num_mel_bins, 2 * SEQ)
 
 
 def test_sub_model_types_find_their_class():

@@ -41,7 +41,7 @@ HIDDEN_KEYS = frozenset({
     "hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "hidden_dim", "dim", "d_embed", "model_dim",
     "encoder_hidden_size", "decoder_hidden_size", "text_hidden_size", "vision_hidden_size", "embedding_size",
     "word_embed_proj_dim", "encoder_embed_dim", "decoder_embed_dim", "d_latents", "codebook_dim", "adapter_in_dim",
-    "adapter_input_size",
+    "adapter_input_size", "out_hidden_size", "audio_hidden_size",
 })
 HEAD_KEYS = frozenset({
     "num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
@@ -78,19 +78,67 @@ def _pick_layers(values: list, keep: int) -> list:
     return [values[i] for i in sorted(picked[:keep])]
 
 
-def _shrink_rope(value: Any) -> Any:
-    """A rope dict whose sections (M-RoPE) sum to half the shrunk head dimension."""
+MROPE_SECTION = (2, 3, 3)
+"""The proportions of the M-RoPE sections (time, height, width) a config gets where its modeling code,
+not the config, holds them (Qwen2-VL's 16, 24, 24; GLM's 8, 12, 12)."""
+
+
+def _rotary_half(config: dict[str, Any]) -> int:
+    """Half the rotary dimension of a shrunk config: the rope part of its heads (``qk_rope_head_dim``),
+    else its head dimension (hidden over heads where it has none), times its ``partial_rotary_factor``."""
+    head = config.get("qk_rope_head_dim")
+    if not isinstance(head, int):
+        head = config.get("head_dim")
+    if not isinstance(head, int):
+        hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+        head = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else HEAD_DIM
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    factor = config.get("partial_rotary_factor")
+    if isinstance(rope, dict) and isinstance(rope.get("partial_rotary_factor"), (int, float)):
+        factor = rope["partial_rotary_factor"]
+    return max(1, int(head * (factor if isinstance(factor, (int, float)) else 1.0)) // 2)
+
+
+def _shrink_rope(value: Any, half: int, default_sections: bool = False) -> Any:
+    """A rope dict whose sections (M-RoPE) sum to ``half`` (half the shrunk rotary dimension), scaled
+    in proportion; ``default_sections``: a config whose modeling code holds its sections gets
+    `MROPE_SECTION`'s."""
     if not isinstance(value, dict):
         return value
     out = dict(value)
+    if default_sections and not any(key in out for key in ("mrope_section", "mrope_sections")):
+        out["mrope_section"] = list(MROPE_SECTION)
     for key in ("mrope_section", "mrope_sections"):
         sections = out.get(key)
         if isinstance(sections, list) and sections and all(isinstance(s, int) for s in sections):
-            half = HEAD_DIM // 2
             scaled = [max(1, s * half // sum(sections)) for s in sections]
             scaled[0] += half - sum(scaled)
             out[key] = scaled
     return out
+
+
+def _splits_mrope(model_type: Any) -> bool:
+    """Whether the config class of ``model_type`` takes M-RoPE sections its config may leave out (it
+    ignores them at rope validation, or its modeling code reads them with a default of its own) and
+    its model splits the rotary frequencies by them (not interleaved): they must then sum to half
+    the rotary dimension."""
+    import importlib.util
+
+    import transformers
+
+    if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
+        return False
+    config_cls = transformers.CONFIG_MAPPING[model_type]
+    ignored = getattr(config_cls, "ignore_keys_at_rope_validation", None) or ()
+    if "mrope_interleaved" in ignored:
+        return False
+    if "mrope_section" in ignored:
+        return True
+    spec = importlib.util.find_spec(config_cls.__module__.replace(".configuration_", ".modeling_"))
+    if spec is None or not spec.origin:
+        return False
+    with open(spec.origin, encoding="utf-8") as f:
+        return 'rope_parameters.get("mrope_section", [' in f.read()  # PaddleOCR-VL's text model
 
 
 def shrink(config: dict[str, Any]) -> dict[str, Any]:
@@ -99,7 +147,8 @@ def shrink(config: dict[str, Any]) -> dict[str, Any]:
     Layers 2, hidden 32, 2 heads of 16 (key/value heads 1 where fewer than the heads, else 2),
     feed-forward 64, vocabulary 99 (special token ids outside it moved to its top), positions at
     most 128, images 32 with patches 4, 4 experts of which 2 are picked, per-layer lists cut to
-    the kept layers."""
+    the kept layers; what the config derives from these follows them (M-RoPE sections summing to
+    half the rotary dimension, a head dimension left None, a Mamba-2 head's width, SSM groups)."""
     out = dict(config)
     layers_before = None
     for key in LAYER_KEYS:
@@ -117,8 +166,6 @@ def shrink(config: dict[str, Any]) -> dict[str, Any]:
             continue
         if isinstance(value, dict) and "model_type" in value:
             out[key] = shrink(value)
-        elif key in ("rope_scaling", "rope_parameters"):
-            out[key] = _shrink_rope(value)
         elif isinstance(value, int):
             if key in HIDDEN_KEYS and value > HIDDEN:
                 out[key] = HIDDEN
@@ -193,12 +240,27 @@ def shrink(config: dict[str, Any]) -> dict[str, Any]:
         out["hidden_dim"] = int(1280 * out["width_coefficient"] / 8 + 0.5) * 8
     if isinstance(out.get("mamba_d_head"), int) and isinstance(out.get("mamba_n_heads"), int):  # Bamba's
         out["mamba_d_head"] = out.get("mamba_expand", 2) * out.get("hidden_size", HIDDEN) // out["mamba_n_heads"]
+    if all(isinstance(out.get(k), int) for k in ("num_heads", "head_dim", "expand", "n_groups")):  # Mamba-2's heads
+        out["head_dim"] = out["expand"] * out.get("hidden_size", HIDDEN) // out["num_heads"]  # span expand x hidden
+    heads = [out[k] for k in HEAD_KEYS if isinstance(out.get(k), int) and not isinstance(out[k], bool)]
+    for key in ("n_groups", "mamba_n_groups", "mamba_ngroups"):  # SSM groups: as many as the heads at most
+        if heads and isinstance(out.get(key), int) and out[key] > min(heads):
+            out[key] = 1
     if isinstance(out.get("qk_rope_head_dim"), int) and "head_dim" in out:  # multi-head latent attention
         out["head_dim"] = out["qk_rope_head_dim"]
     if "qk_head_dim" in out and isinstance(out.get("qk_nope_head_dim"), int):
         out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
     if isinstance(out.get("backbone_config"), dict) and out["backbone_config"].get("model_type") == "timm_backbone":
         out["backbone_config"] = dict(TINY_RESNET)  # DETR's family: transformers' own ResNet, tiny, not timm's
+    if "head_dim" in config and config["head_dim"] is None and isinstance(out.get("hidden_size"), int) \
+            and isinstance(out.get("num_attention_heads"), int):  # a head dimension left None (HunYuan, Ministral)
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]  # that its attention reads as None
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(out.get(key), dict):
+            out[key] = _shrink_rope(out[key], _rotary_half(out), key == "rope_parameters"
+                                    and _splits_mrope(config.get("model_type")))
+    if "max_source_positions" in config and "num_mel_bins" in config and "vocab_size" not in config:
+        out["max_source_positions"] = SEQ  # a Whisper-like audio encoder: its frames are twice its positions
     if "use_cache" in out:
         out["use_cache"] = False
     return out
@@ -275,8 +337,6 @@ TINY_RESNET = {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16
 SWIN = {"image_size": IMAGE, "patch_size": 2, "embed_dim": 16, "depths": [2, 2], "num_heads": [2, 2], "window_size": 2}
 OVERRIDES: dict[str, dict[str, Any]] = {
     "whisper": {"max_source_positions": SEQ},
-    "qwen2_vl": {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}},
-    "qwen2_5_vl": {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}},
     "audio-spectrogram-transformer": {"max_length": 32, "num_mel_bins": 16},
     "speech_to_text": {"max_source_positions": 64},
     "bark": {"block_size": MAX_POSITIONS},
@@ -295,8 +355,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 """model type -> config values set after the generic shrink (top level)."""
 
 BATCH_OVERRIDES: dict[str, Callable[[Any, torch.Generator], dict[str, Any]]] = {
-    "whisper": lambda c, g: {"input_features": torch.randn((BATCH, c.num_mel_bins, 2 * c.max_source_positions),
-                                                           generator=g)},
     "audio-spectrogram-transformer": lambda c, g: {"input_values": torch.randn((BATCH, c.max_length, c.num_mel_bins),
                                                                                generator=g)},
 }
@@ -330,6 +388,24 @@ def _ids(config: Any, generator: torch.Generator, length: int = SEQ) -> torch.Te
     return allowed[torch.randint(0, len(allowed), (BATCH, length), generator=generator)]
 
 
+def _int(value: Any) -> Any:
+    return value[0] if isinstance(value, (list, tuple)) and value else value
+
+
+def grid_patches(config: Any, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A vision tower's flattened patches and their grid (Qwen2-VL's and its kin's): ``BATCH``
+    images, each one frame of `IMAGE` square cut in patches of the config's size (a side of whole
+    merges where it merges patches), as (images, 3) rows of t, h, w and (patches, channels x
+    temporal patch x patch x patch) values."""
+    patch = _int(_first(config, "patch_size", default=PATCH))
+    temporal = _int(_first(config, "temporal_patch_size", "patch_temporal", default=1))
+    channels = _first(config, "in_channels", "num_channels", "in_chans", default=3)
+    merge = _int(_first(config, "spatial_merge_size", "merge_size", "merge_kernel_size", default=1)) or 1
+    side = max(merge, IMAGE // patch // merge * merge)
+    grid = torch.tensor([[1, side, side]] * BATCH)
+    return torch.randn((BATCH * side * side, channels * temporal * patch * patch), generator=generator), grid
+
+
 def make_batch(model_type: str, model: nn.Module, config: Any, task: str, generator: torch.Generator,
                *, towers: bool = True) -> dict[str, Any]:
     """The batch from the model's main input name and forward signature; ``towers``: a model
@@ -344,12 +420,21 @@ def make_batch(model_type: str, model: nn.Module, config: Any, task: str, genera
         channels = _first(config, "num_channels", default=3)
         return torch.randn((BATCH, channels, size, size), generator=generator)
 
+    grid = next((n for n in ("grid_thw", "image_grid_thw") if n in params
+                 and params[n].default is inspect.Parameter.empty), None)
     if model_type in BATCH_OVERRIDES:
         batch.update(BATCH_OVERRIDES[model_type](config, generator))
+    elif grid is not None:  # a vision tower of flattened patches: they are its hidden states or its pixels
+        patches, batch[grid] = grid_patches(config, generator)
+        batch["hidden_states" if "hidden_states" in params else "pixel_values"] = patches
     elif main == "pixel_values" or ("pixel_values" in params and "input_ids" not in params):
         batch["pixel_values"] = images()
     elif main == "input_values":
         batch["input_values"] = torch.randn((BATCH, AUDIO_SAMPLES), generator=generator)
+    elif main == "input_features" and _first(config, "num_mel_bins") and _first(config, "max_source_positions"):
+        # a Whisper-like encoder: mel bins as channels, twice its positions of frames (its two convolutions)
+        frames = 2 * _first(config, "max_source_positions")
+        batch["input_features"] = torch.randn((BATCH, _first(config, "num_mel_bins"), frames), generator=generator)
     elif main == "input_features":
         bins = _first(config, "num_mel_bins", "feature_size", "input_feat_per_channel", default=16)
         batch["input_features"] = torch.randn((BATCH, 4 * SEQ, bins), generator=generator)
@@ -364,6 +449,11 @@ def make_batch(model_type: str, model: nn.Module, config: Any, task: str, genera
             batch["pixel_values"] = images()
         if "return_loss" in params:
             batch["return_loss"] = True
+    features = batch.get("input_features")
+    if "feature_lens" in params and isinstance(features, torch.Tensor) and features.dim() == 3:
+        # packed audio (Qwen2.5-Omni's encoder): the clips' frames end to end, and each clip's length
+        batch["input_features"] = features.transpose(0, 1).reshape(features.shape[1], -1)
+        batch["feature_lens"] = torch.full((BATCH,), features.shape[2], dtype=torch.long)
     required = {n for n, p in params.items() if p.default is inspect.Parameter.empty
                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     if "input_ids" in required and "input_ids" not in batch:  # BLIP-2: images and the text they answer
@@ -501,10 +591,15 @@ def build(model_type: str) -> Built:
                 model.train()
                 batch = make_batch(model_type, model, model.config, task, torch.Generator().manual_seed(0),
                                    towers=towers)
-                if channel:  # a codec's waveform: (batch, channels, samples)
-                    if "input_values" not in batch or batch["input_values"].dim() != 2:
+                if channel:  # a codec's waveform: (batch, channels, samples); patches as images (Kimi's)
+                    if "input_values" in batch and batch["input_values"].dim() == 2:
+                        batch["input_values"] = batch["input_values"].unsqueeze(1)
+                    elif any(k in batch for k in ("grid_thw", "image_grid_thw")) and "pixel_values" in batch:
+                        channels = _first(model.config, "in_channels", "num_channels", "in_chans", default=3)
+                        patch = _int(_first(model.config, "patch_size", default=PATCH))
+                        batch["pixel_values"] = batch["pixel_values"].reshape(-1, channels, patch, patch)
+                    else:
                         continue
-                    batch["input_values"] = batch["input_values"].unsqueeze(1)
                 seed(0)
                 loss = loss_fn(model(**batch), batch)
                 if not torch.isfinite(loss):
