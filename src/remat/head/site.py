@@ -121,11 +121,9 @@ class HFCausalLMHead(HeadKind):
         return get() if callable(get) else None
 
     def refusal(self, model: nn.Module) -> str:
-        config = getattr(model, "config", None)
-        for field in LOGIT_TRANSFORMS:
-            if getattr(config, field, None) not in (None, 1, 1.0):
-                return (f"{type(model).__name__} transforms its logits after the projection (config.{field}="
-                        f"{getattr(config, field)!r}); the head is planned only as a projection followed by the loss")
+        transformed = _logits_transformed(model)
+        if transformed:
+            return transformed
         if "labels" not in inspect.signature(model.forward).parameters:
             if callable(getattr(type(model), "get_base_model", None)):  # peft's PeftModel: forward(*args, **kwargs)
                 return (f"{type(model).__name__}.forward takes no labels argument (it hands *args and **kwargs to the "
@@ -174,11 +172,9 @@ class HFSeq2SeqLMHead(HFCausalLMHead):
     token_loss = TokenLoss(shift=False, upcast=False)
 
     def refusal(self, model: nn.Module) -> str:
-        config = getattr(model, "config", None)
-        for field in LOGIT_TRANSFORMS:
-            if getattr(config, field, None) not in (None, 1, 1.0):
-                return (f"{type(model).__name__} transforms its logits after the projection (config.{field}="
-                        f"{getattr(config, field)!r}); the head is planned only as a projection followed by the loss")
+        transformed = _logits_transformed(model)
+        if transformed:
+            return transformed
         parameters = inspect.signature(model.forward).parameters
         if "labels" not in parameters or "decoder_input_ids" not in parameters:
             return f"{type(model).__name__}.forward takes no labels and decoder_input_ids arguments"
@@ -203,6 +199,17 @@ class HFSeq2SeqLMHead(HFCausalLMHead):
                 arguments.get("decoder_inputs_embeds") is None:
             arguments["decoder_input_ids"] = _decoder_input_maker(model)(labels)
         arguments[self.labels_arg] = None
+
+
+def _logits_transformed(model: nn.Module) -> str:
+    """Why a Hugging Face model's logits are not its projection's output, by its config
+    (`LOGIT_TRANSFORMS`); "" where nothing says so."""
+    config = getattr(model, "config", None)
+    for field in LOGIT_TRANSFORMS:
+        if getattr(config, field, None) not in (None, 1, 1.0):
+            return (f"{type(model).__name__} transforms its logits after the projection (config.{field}="
+                    f"{getattr(config, field)!r}); the head is planned only as a projection followed by the loss")
+    return ""
 
 
 def _decoder_input_maker(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
