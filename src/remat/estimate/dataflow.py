@@ -302,9 +302,9 @@ def classify(model: nn.Module, batch: Any, blocks: list[tuple[str, nn.Module]], 
     """One forward and loss of ``model`` on ``batch`` (meta device), classified (module docstring).
     ``stack_ends``: blocks that end a stack of layers another stack follows (an encoder's last):
     what runs after such a block and before the next (the encoder's final norm, the decoder's
-    embedding) is not a part of the layer it follows; what it saves, and what the later layers
-    save of it (the encoder's output every decoder layer reads), is held by the next stack's first
-    layer, kept or recomputed (`_flow`)."""
+    embedding) is not a part of the layer it follows: it counts once, before the layers, with the
+    encoder's output every decoder layer reads; what a stack's first layer makes for the later
+    ones is held by that layer (`_flow`)."""
     state = _State()
     params = {storage_key(p): n for n, p in model.named_parameters()}
     excluded = {storage_key(t) for t in [*model.parameters(), *model.buffers(), *tensors_in(batch)]}
