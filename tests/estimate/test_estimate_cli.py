@@ -92,7 +92,7 @@ def test_a_config_without_a_causal_lm_is_told_what_estimate_prices(tmp_path) -> 
     result = runner.invoke(app, ["estimate", "--config", str(path), "--device", "H100-80GB"], env={"COLUMNS": "400"})
     assert result.exit_code == 2
     text = " ".join(result.output.split())
-    assert "ViTConfig (model_type 'vit') has no causal language model in transformers" in text
+    assert "ViTConfig (model_type 'vit') has no causal or masked language model in transformers" in text
     assert "prices decoder-only language models" in text and "text-to-text encoder-decoders" in text
     assert "GPT2Config" not in text
 
@@ -102,9 +102,8 @@ def test_a_config_without_a_causal_lm_is_told_what_estimate_prices(tmp_path) -> 
           intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, vocab_size=96), ["--dtype", "fp32"],
      "runs its routed experts (model.layers.0.mlp.experts) with grouped_mm, whose kernel takes bfloat16 only, and the "
      "estimate is asked for float32: estimate it with --dtype bf16"),
-    (dict(model_type="roformer", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-          vocab_size=96), ["--explicit-attention"],
-     "RoFormerForCausalLM's training step cannot be traced on the meta device, where the estimate runs it: "
+    (dict(model_type="xlm", emb_dim=32, n_layers=2, n_heads=4, vocab_size=96), ["--explicit-attention"],
+     "XLMWithLMHeadModel's training step cannot be traced on the meta device, where the estimate runs it: "
      "RuntimeError: Tensor.item() cannot be called on meta tensors"),
     (dict(model_type="git", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
           vocab_size=96), ["--explicit-attention"],
@@ -114,7 +113,7 @@ def test_a_config_without_a_causal_lm_is_told_what_estimate_prices(tmp_path) -> 
           intermediate_size=64, head_dim=8, vocab_size=96), [],
      "transformers offers no SDPA attention for Gemma2Config (it runs attention code of its own, or none: a "
      "state-space model), which the estimate traces by default (as FlashAttention); pass --explicit-attention"),
-], ids=["moe-fp32", "roformer", "git", "gemma2"])
+], ids=["moe-fp32", "xlm", "git", "gemma2"])
 def test_configs_the_trace_cannot_take_get_one_line_naming_the_way(tmp_path, cfg, args, said) -> None:
     """Each was a traceback of 46 to 62 frames from inside transformers (or transformers' own
     text, naming an argument the CLI has not); GIT's was torch's one line, which named neither the

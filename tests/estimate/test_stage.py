@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -38,6 +39,25 @@ def test_peak_by_hand() -> None:
     # a pipeline's first stage holds 4 micro-batches: 4 x (7 + 300) - 100 + 130
     first = stage_peak(_stage(in_flight=4.0, last=False), [layer_cost(LAYER, "none")] * 3)
     assert first.peak_bytes == 4000 + 4 * 307 - 100 + 130
+
+
+def test_the_part_before_the_layers_has_a_forward_and_a_backward_moment() -> None:
+    """TAPAS's embeddings peak in their forward (cell positions over the table), ConvBERT's in their
+    backward: the first stage prices both. Forward, every gradient live (several micro-batches):
+    state 4000 + pre forward peak 900 = 4900. With 4 micro-batches in flight, the 3 before it hold
+    3 x (7 + 300): 4000 + 921 + 900. Backward, after every layer's, with the gradients made as
+    the backward goes (one per layer of 100, the pre part's 300): state less gradients 3000 + the
+    700 made + pre 7 + its working 800 = 4507."""
+    flat = replace(_stage(), pre_forward_peak_bytes=900.0)
+    assert (stage_peak(flat, [layer_cost(LAYER, "full")] * 3).peak_bytes, stage_peak(
+        flat, [layer_cost(LAYER, "full")] * 3).phase) == (4900.0, "pre-forward")
+    deep = replace(flat, in_flight=4.0, last=False)
+    assert stage_peak(deep, [layer_cost(LAYER, "none")] * 3).peak_bytes == 4000 + 3 * 307 + 900
+    grads = replace(_stage(), pre_working_bytes=800.0, layer_grad_bytes=(100.0,) * 3, pre_grad_bytes=300.0)
+    back = stage_peak(grads, [layer_cost(LAYER, "full")] * 3)
+    assert (back.peak_bytes, back.phase, back.held_bytes, back.working_bytes) == (4507.0, "pre-backward", 7.0, 800.0)
+    # without them (a causal LM's embeddings: nothing beyond what they save) no such moment is priced
+    assert stage_peak(_stage(), [layer_cost(LAYER, "full")] * 3).phase == "layers"
 
 
 def test_time_by_hand() -> None:

@@ -141,12 +141,29 @@ def no_packed_sequence_check() -> Iterator[None]:
     (``masking_utils.find_packed_sequence_indices``) by reading their values, which a meta
     tensor has not. The traced batch is one sequence per row, numbered 0..s-1, for which that
     function answers None: this gives that answer without reading values, and answers True to
-    ``fast_all`` of a meta padding mask (no token of the traced batch is padding)."""
+    ``fast_all`` of a meta padding mask (no token of the traced batch is padding). A model called
+    without an attention mask (BERT's older copies: Megatron-BERT, RemBERT, RoFormer, XLM) looks
+    for padding in its ids to warn of it (``warn_if_padding_and_no_attention_mask``), which reads
+    values too: on meta ids it looks for none."""
     masking = sys.modules.get("transformers.masking_utils")
     original = getattr(masking, "find_packed_sequence_indices", None)
     if original is None:
         yield
         return
+    pretrained = sys.modules["transformers.modeling_utils"].PreTrainedModel
+    warn = pretrained.warn_if_padding_and_no_attention_mask
+
+    def warn_unless_meta(self: Any, input_ids: Any, attention_mask: Any) -> None:
+        if not getattr(input_ids, "is_meta", False):
+            warn(self, input_ids, attention_mask)
+
+    pretrained.warn_if_padding_and_no_attention_mask = warn_unless_meta
+    # an encoder that makes its own mask of ones (Megatron-BERT, RemBERT) asks whether the
+    # bidirectional mask can be left out, as it can where no token is padding
+    skip = getattr(masking, "_ignore_bidirectional_mask_sdpa", None)
+    if skip is not None:
+        masking._ignore_bidirectional_mask_sdpa = lambda padding_mask, *args, **kwargs: skip(
+            None if getattr(padding_mask, "is_meta", False) else padding_mask, *args, **kwargs)
     all_set = getattr(masking, "fast_all", None)
     masking.find_packed_sequence_indices = lambda position_ids: None
     if all_set is not None:
@@ -157,6 +174,9 @@ def no_packed_sequence_check() -> Iterator[None]:
         yield
     finally:
         masking.find_packed_sequence_indices = original
+        pretrained.warn_if_padding_and_no_attention_mask = warn
+        if skip is not None:
+            masking._ignore_bidirectional_mask_sdpa = skip
         if all_set is not None:
             masking.fast_all = all_set
 

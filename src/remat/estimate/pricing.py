@@ -116,10 +116,13 @@ class Pricing:
         by_kind = {k: self.layer(micro_batch, k) for k in set(kinds)}
         first, last = index == 0, index == par.pipeline - 1
         post = self._post(micro_batch) if last else (0.0, 0.0, 0.0, 0.0, 0.0)
+        pre = _divided(split.per_token.pre, split.constant.pre, par) if first else (0.0, 0.0, 0.0)
+        pre_forward = _scaled_like_saved(split.per_token.pre, split.constant.pre, par,
+                                         "forward_peak_bytes") if first else 0.0
         layers = tuple(by_kind[k] for k in kinds)
         return Stage(
             index=index, first=first, last=last, state=self.state(index), layers=layers,
-            pre_bytes=_divided(split.per_token.pre, split.constant.pre, par)[0] if first else 0.0,
+            pre_bytes=pre[0], pre_working_bytes=pre[1], pre_forward_peak_bytes=pre_forward,
             post_saved_bytes=post[0] if last else 0.0, post_working_bytes=post[1] if last else 0.0,
             post_flops=post[2] if last else 0.0, post_replay_flops=post[3], post_moved_bytes=post[4],
             in_flight=par.in_flight(self.micro_batches) if first else 1.0,
@@ -339,9 +342,16 @@ class Priced:
 def _divided(per_token: Segment, constant: Segment, par: Parallelism) -> tuple[float, float, float]:
     """(saved bytes, working bytes, FLOPs) of the part before or after the layers on one GPU."""
     saved = per_gpu(per_token.saved, constant.saved, par)
-    traced = per_token.saved.total + constant.saved.total
-    working = (per_token.working_bytes + constant.working_bytes) * (saved / traced if traced else 1.0)
+    working = _scaled_like_saved(per_token, constant, par, "working_bytes")
     return saved, working, per_gpu(per_token.flops, constant.flops, par)
+
+
+def _scaled_like_saved(per_token: Segment, constant: Segment, par: Parallelism, name: str) -> float:
+    """A byte figure of the part before or after the layers on one GPU, divided by the layout as
+    its saved bytes are."""
+    saved = per_gpu(per_token.saved, constant.saved, par)
+    traced = per_token.saved.total + constant.saved.total
+    return (getattr(per_token, name) + getattr(constant, name)) * (saved / traced if traced else 1.0)
 
 
 def _mean(values) -> float:

@@ -93,6 +93,10 @@ class Segment:
     temporaries (`remat.plan.costs.working_bytes`; after the layers, the head's temporaries)."""
     replay_working_bytes: float = 0
     """The same when its forward is replayed in backward (`remat.plan.costs.replay_working_bytes`)."""
+    forward_peak_bytes: float = 0
+    """The part before the layers: the peak of its forward above the model state
+    (`remat.measure.types.Profile.fixed_pre_fwd_bytes`: what it saves and its temporaries, such as
+    TAPAS's table-cell positions)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -332,6 +332,17 @@ def stack_layers(config: Any) -> tuple[int, int]:
         "file.py:build that builds the whole model (--model path/to/file.py:build).")
 
 
+def is_masked_lm(config: Any) -> bool:
+    """True for a text encoder the estimate builds as transformers' masked LM (BERT, RoBERTa,
+    DeBERTa, ModernBERT, ESM, ALBERT...): a config of such a type that is not a decoder
+    (``is_decoder``, which BERT's family sets for the causal LM it also has)."""
+    import transformers
+
+    masked = transformers.models.auto.modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    return (config.model_type in masked and not getattr(config, "is_decoder", False)
+            and not getattr(config, "is_encoder_decoder", False))
+
+
 def num_layers(config: Any) -> int:
     """Layers of an HF config: its decoder layers, or an encoder-decoder's encoder and decoder layers."""
     if is_encoder_decoder(config):
@@ -348,7 +359,8 @@ def _set_stacks(config: Any, encoder: int, decoder: int) -> None:
 
 
 def build_hf_on_meta(config: Any, *, layers: int, dtype: torch.dtype) -> nn.Module:
-    """The HF causal LM with ``layers`` decoder layers, on the meta device, in ``dtype``; an
+    """The HF causal LM with ``layers`` decoder layers, on the meta device, in ``dtype``; a text
+    encoder (`is_masked_lm`) as its masked LM with ``layers`` layers; an
     encoder-decoder (`is_encoder_decoder`) as its seq2seq LM with ``layers`` layers in each stack
     (fewer where the model has fewer)."""
     import copy
@@ -367,16 +379,18 @@ def build_hf_on_meta(config: Any, *, layers: int, dtype: torch.dtype) -> nn.Modu
         model.train()
         return model
     causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    if config.model_type not in causal:
+    if config.model_type not in causal and not is_masked_lm(config):
         raise ValueError(
-            f"{type(config).__name__} (model_type {config.model_type!r}) has no causal language model in transformers: "
-            "`remat estimate --config` prices decoder-only language models (a causal LM's config, its layers in "
-            "num_hidden_layers) and text-to-text encoder-decoders (T5's and BART's families). For an encoder alone, "
-            "measure it with `remat profile path/to/file.py:build` at a size that runs here.")
+            f"{type(config).__name__} (model_type {config.model_type!r}) has no causal or masked language model in "
+            "transformers: `remat estimate --config` prices decoder-only language models (a causal LM's config, its "
+            "layers in num_hidden_layers), text encoders trained as masked language models (BERT's family, DeBERTa, "
+            "ModernBERT, ESM) and text-to-text encoder-decoders (T5's and BART's families). Measure this model with "
+            "`remat profile path/to/file.py:build` at a size that runs here.")
     config = copy.deepcopy(config)
     config.num_hidden_layers = layers
+    auto = transformers.AutoModelForMaskedLM if is_masked_lm(config) else transformers.AutoModelForCausalLM
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
     model.train()
     return model
 

@@ -6,6 +6,8 @@ Memory, with ``n`` the micro-batches in flight (`Parallelism.in_flight`):
                (the backward of layer i of the first micro-batch in flight, i from the last)
     head     = state_head + n pre + sum_i retained_i + post saved + post working   (last stage)
     optimizer= state + optimizer step temporaries
+    pre fwd  = state without gradients + (n - 1) (pre + sum_i retained_i) + pre forward peak   (first stage)
+    pre bwd  = state_pre + pre + pre working   (first stage, after every layer's backward)
     peak     = the largest
 
 as `remat.plan.predict` prices a chain (../docs/memory-model.md), with shared tensors made
@@ -51,6 +53,10 @@ class Stage:
     """The stage's layers in forward order."""
     pre_bytes: float
     """Held per micro-batch before the layers (first stage): embedding outputs and masks."""
+    pre_forward_peak_bytes: float = 0.0
+    """The peak of the forward before the layers, above the model state (first stage)."""
+    pre_working_bytes: float = 0.0
+    """The backward temporaries of the part before the layers (first stage)."""
     post_saved_bytes: float
     """Saved by the head and loss (last stage)."""
     post_working_bytes: float
@@ -111,6 +117,16 @@ def stage_peak(stage: Stage, costs: Sequence[LayerCost]) -> StagePeak:
         on_top = costs[i].working_bytes + stage.buffer_bytes
         moments.append(StagePeak(peak_bytes=base + stage.grads_live(i) + held - freed + on_top, phase="layers",
                                  held_bytes=held - freed, working_bytes=on_top))
+    if stage.first and (stage.pre_forward_peak_bytes or stage.pre_working_bytes):
+        # the forward before the layers, the micro-batches in flight before this one held: gradients
+        # none yet where the backward makes them, else all of them
+        earlier = (n - 1) * (stage.pre_bytes + retained)
+        grads = 0.0 if stage.layer_grad_bytes else float(stage.state.grad_bytes)
+        moments.append(StagePeak(peak_bytes=base + grads + earlier + stage.pre_forward_peak_bytes,
+                                 phase="pre-forward", held_bytes=earlier, working_bytes=stage.pre_forward_peak_bytes))
+        # its backward, after every layer's: every gradient but its own, what it saved
+        moments.append(StagePeak(peak_bytes=base + stage.grads_live(-1) + stage.pre_bytes + stage.pre_working_bytes,
+                                 phase="pre-backward", held_bytes=stage.pre_bytes, working_bytes=stage.pre_working_bytes))
     if stage.last:
         head = stage.post_saved_bytes + stage.post_working_bytes
         moments.append(StagePeak(peak_bytes=base + stage.grads_live(None) + held + head, phase="head", held_bytes=held,

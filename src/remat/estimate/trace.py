@@ -39,7 +39,7 @@ from remat.estimate.shares import Flow, Split, split_by_tokens, untokenized
 from remat.estimate.head import TracedHead, find_traced_head
 from remat.estimate.sharding import ModelParams, RoleShapes
 from remat.estimate.sources import (ModelSource, build_hf_on_meta, check_num_layers, hf_batch, hf_config_and_part,
-                                    is_encoder_decoder, num_layers, speech_features, stack_layers)
+                                    is_encoder_decoder, is_masked_lm, num_layers, speech_features, stack_layers)
 from remat.measure.blocks import find_blocks
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.types import Profile
@@ -134,7 +134,9 @@ class Traced:
         layers = tuple(replace(seg, working_bytes=working_bytes(b) + seg.kept_bytes,
                                replay_working_bytes=replay_working_bytes(b) + seg.kept_bytes)
                        for seg, b in zip(flow.layers, profile.blocks))
-        return replace(flow, layers=layers, post=replace(flow.post, working_bytes=profile.fixed_post_bwd_temp_bytes))
+        pre = replace(flow.pre, working_bytes=profile.fixed_pre_bwd_temp_bytes,
+                      forward_peak_bytes=profile.fixed_pre_fwd_bytes)
+        return replace(flow, pre=pre, layers=layers, post=replace(flow.post, working_bytes=profile.fixed_post_bwd_temp_bytes))
 
     def split(self, micro_batch: int) -> Split:
         """The shares at any micro-batch, as per-token and constant parts."""
@@ -307,15 +309,21 @@ def trace_source(
     return _trace_hf(source, seq_len=seq_len, dtype=torch_dtype, layers=trace_layers, fused=gpu_kernels)
 
 
-def hf_layer_kinds(config: Any, full: int, layers: int) -> tuple[int, tuple[int, ...]]:
+def hf_layer_kinds(config: Any, full: int, layers: int, first_apart: bool = False) -> tuple[int, tuple[int, ...]]:
     """(layers to trace, traced layer per full-model layer): the first ``first_k_dense_replace``
     layers of DeepSeek-style models are dense, the rest MoE; a model whose per-layer lists mix
     kinds (``layer_types``: Gemma 3's five sliding-window layers to one global, Qwen3-Next's linear
     and full attention; ``mlp_layer_types``: the dense and sparse layers of EXAONE-MoE, Kimi Linear,
     Hunyuan 3) traces two layers of each kind, a kind being the layer's entry in every list, in
     the order they first come (`traced_layer_values`), and copies the second of each; other models
-    are uniform."""
+    are uniform. ``first_apart``: the first layer is traced as itself and copied nowhere, before
+    the two of each kind (a text encoder's: ModernBERT's first layer has no attention norm)."""
     kinds, per_layer = _layer_kinds(config, full)
+    if first_apart:
+        if kinds:
+            return 1 + 2 * len(kinds), (0,) + tuple(2 * kinds.index(k) + 2 for k in per_layer[1:])
+        traced = min(layers + 1, full)
+        return traced, (0,) + (traced - 1,) * (full - 1)
     if kinds:
         return 2 * len(kinds), tuple(2 * kinds.index(k) + 1 for k in per_layer)
     dense = int(getattr(config, "first_k_dense_replace", 0) or 0)
@@ -367,15 +375,17 @@ def _layer_kinds(config: Any, full: int) -> tuple[list[tuple], list[tuple]]:
     return (kinds, per_layer) if len(kinds) > 1 else ([], [])
 
 
-def traced_layer_values(config: Any, full: int) -> dict[str, Any]:
-    """What the traced model's config sets per layer (two layers of each kind, `hf_layer_kinds`):
-    each list of `_KIND_LISTS`, and ``first_k_dense_replace`` as the traced dense layers ({} for a
-    uniform model)."""
+def traced_layer_values(config: Any, full: int, first_apart: bool = False) -> dict[str, Any]:
+    """What the traced model's config sets per layer (two layers of each kind, `hf_layer_kinds`,
+    after the first layer with ``first_apart``): each list of `_KIND_LISTS`, and
+    ``first_k_dense_replace`` as the traced dense layers ({} for a uniform model)."""
     kinds, _ = _layer_kinds(config, full)
     if not kinds:
         return {}
     names = list(_kind_lists(config, full))
-    out: dict[str, Any] = {name: [kind[j] for kind in kinds for _ in range(2)] for j, name in enumerate(names)}
+    first = [kinds[0]] if first_apart else []
+    out: dict[str, Any] = {name: [kind[j] for kind in first + [k for k in kinds for _ in range(2)]]
+                           for j, name in enumerate(names)}
     if "first_k_dense_replace" in out:
         flags = out.pop("first_k_dense_replace")
         out["first_k_dense_replace"] = sum(flags)  # the dense kinds come first: the dense layers do
@@ -422,19 +432,81 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
     config.use_cache = False
     if is_encoder_decoder(config):
         return _trace_encoder_decoder(source, config, seq_len=seq_len, dtype=dtype, fused=fused)
-    traced, kinds = hf_layer_kinds(config, num_layers(config), layers)
-    values = traced_layer_values(config, num_layers(config))
+    encoder, whole_config = is_masked_lm(config), config
+    traced, kinds = hf_layer_kinds(config, num_layers(config), layers, first_apart=encoder)
+    values = traced_layer_values(config, num_layers(config), first_apart=encoder)
     if values:  # the traced model's layers: two of each kind
         config = copy.deepcopy(config)
         for name, value in values.items():
             setattr(config, name, value)
-    model = _build(source, config, traced, dtype, "two of each kind of layer, then copied")
+    how = "its first layer, then two of each kind of layer, copied" if encoder else "two of each kind of layer, then copied"
+    model = _build(source, _per_layer_lists_cut(config, traced), traced, dtype, how)
+    _check_layers_found(model, source.label)
     _check_experts_dtype(model, source.label, dtype)
     _check_positions(model, source.label, seq_len)
     batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len)  # noqa: E731
     tracer = _tracer(model, batch_at, None, fused, getattr(config, "base_model_tp_plan", None))
     facts, shape = _hf_facts(config)
-    return _describe(source.label + part, model, tracer, kinds, seq_len, facts=facts, shape=shape)
+    label = source.label + part + (" (a text encoder, trained as a masked language model over --seq tokens)"
+                                   if encoder else "")
+    if not encoder:
+        return _describe(label, model, tracer, kinds, seq_len, facts=facts, shape=shape)
+    checked = tuple(k for k in dict.fromkeys(kinds) if k >= 1 and kinds.count(k) > 1)
+    described = _describe(label, model, tracer, kinds, seq_len, facts=facts, shape=shape, checked=checked)
+    whole = _build(source, whole_config, num_layers(whole_config), dtype, "whole, to count its parameters")
+    described = replace(described, param_shapes=_outside_from(described, whole))
+    _check_copies(described, whole)
+    return described
+
+
+def _outside_from(traced: Traced, whole: nn.Module) -> dict[str, Shape]:
+    """The traced layers' parameter shapes and, outside the layers, the whole model's: a part whose
+    size follows the layer count (ESM's contact head, a weight per layer and head) is counted as
+    the full model has it."""
+    stacks = {name.rsplit(".", 1)[0] + "." for name in traced.layer_names}
+    inside = {n: s for n, s in traced.param_shapes.items() if any(n.startswith(p) for p in stacks)}
+    outside = {n: s for n, s in _unique_shapes(whole).items() if not any(n.startswith(p) for p in stacks)}
+    return {**inside, **outside}
+
+
+def _check_layers_found(model: nn.Module, label: str) -> None:
+    """Refuse a model in which remat finds no stack of layers to copy (ALBERT, whose one layer
+    runs as every layer, its weights shared), in the estimate's words."""
+    try:
+        find_blocks(model)
+    except ValueError as error:
+        said = " ".join(str(error).split(". Name the blocks")[0].split())
+        raise ValueError(
+            f"{label}: the estimate copies a traced layer to every layer of the model, and {said}. A model that "
+            "runs one layer's weights as every layer (ALBERT) has no layers to copy: measure it with `remat profile "
+            "path/to/file.py:build` at a size that runs here, naming its blocks.") from None
+
+
+_UNIFORM_LISTS = ("attention_window",)
+"""Per-layer settings of transformers configs that must list exactly as many layers as the model
+has (Longformer's attention windows); the estimate's model of fewer layers takes the first ones
+(one kind of layer: every entry alike, else refused)."""
+
+
+def _per_layer_lists_cut(config: Any, traced: int) -> Any:
+    """``config`` with each per-layer list of `_UNIFORM_LISTS` cut to the ``traced`` layers; a list
+    whose entries differ is refused (its layers are not copies of one)."""
+    cut = {}
+    for name in _UNIFORM_LISTS:
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)) and len(value) > traced:
+            if len(set(value)) > 1:
+                raise ValueError(
+                    f"{type(config).__name__}'s {name} differs between layers ({list(value)[:8]}...); the estimate "
+                    "copies one traced layer to every other. Estimate it from a file.py:build that builds the whole "
+                    "model (--model path/to/file.py:build).")
+            cut[name] = list(value[:traced])
+    if not cut:
+        return config
+    config = copy.deepcopy(config)
+    for name, value in cut.items():
+        setattr(config, name, value)
+    return config
 
 
 def _build(source: ModelSource, config: Any, layers: int, dtype: torch.dtype, how: str) -> nn.Module:
