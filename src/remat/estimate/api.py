@@ -168,7 +168,7 @@ def _answer(setup: Pricing, specs: Sequence, *, seq_len: int, dtype: str) -> Est
     whole = gpu_state(traced.params, Parallelism(), 0, dataclasses.replace(recipe, zero_stage=0))
     return Estimate(
         model=traced.label, param_count=traced.param_count, num_layers=traced.num_layers,
-        micro_batch=setup.micro_batch, seq_len=seq_len, dtype=dtype, precision=recipe.precision,
+        micro_batch=setup.micro_batch, seq_len=traced.tokens or seq_len, dtype=dtype, precision=recipe.precision,
         optimizer=recipe.optimizer, world_size=par.data, zero_stage=recipe.zero_stage, fp32_grads=recipe.fp32_grads,
         parallelism=par, gpus=par.gpus, grad_accumulation_steps=setup.micro_batches, mfu=setup.mfu,
         allowance=setup.allowance, model_state=whole,
@@ -202,6 +202,10 @@ def check_layout(traced: Traced, par: Parallelism, seq_len: int) -> None:
                          "parallelism the estimate does not price (every decoder layer reads the whole encoder "
                          f"output); pass --{what}-parallel 1 and split it with data, tensor and sequence parallelism "
                          "and ZeRO.")
+    if traced.tokens and par.context > 1:
+        raise ValueError(f"context-parallel size {par.context}: {traced.label} runs {traced.tokens} tokens a layer, set "
+                         "by the model, not --seq; the estimate prices context parallelism over --seq. Pass "
+                         "--context-parallel 1.")
     shape, t = traced.shape, par.tensor
     for name, value in (("attention heads", shape.heads), ("key/value heads", shape.kv_heads)):
         if value and value % t:

@@ -104,7 +104,7 @@ def layouts(space: SearchSpace, traced: Traced, gpus_per_node: int) -> Iterator[
         if t > gpus_per_node or not _divides_heads(traced, t):
             continue
         for c in space.context:
-            if t * c > gpus_per_node or space.seq_len % c or space.gpus % (t * c) or (c > 1 and traced.encoder_layers):
+            if t * c > gpus_per_node or space.seq_len % c or space.gpus % (t * c) or (c > 1 and (traced.encoder_layers or traced.tokens)):
                 continue
             for p in range(1, min(space.max_pipeline, layers) + 1):
                 if layers % p or space.gpus % (t * c * p) or (p > 1 and traced.encoder_layers):

@@ -332,6 +332,18 @@ def stack_layers(config: Any) -> tuple[int, int]:
         "file.py:build that builds the whole model (--model path/to/file.py:build).")
 
 
+def _causal_types() -> Any:
+    import transformers
+
+    return transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def is_image_encoder(config: Any) -> bool:
+    """True for an image encoder the estimate builds as transformers' image classifier
+    (`image_input`), not a causal LM (ImageGPT has both: a causal LM of pixels)."""
+    return image_input(config) is not None and config.model_type not in _causal_types() and not is_masked_lm(config)
+
+
 def is_masked_lm(config: Any) -> bool:
     """True for a text encoder the estimate builds as transformers' masked LM (BERT, RoBERTa,
     DeBERTa, ModernBERT, ESM, ALBERT...): a config of such a type that is not a decoder
@@ -341,6 +353,23 @@ def is_masked_lm(config: Any) -> bool:
     masked = transformers.models.auto.modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
     return (config.model_type in masked and not getattr(config, "is_decoder", False)
             and not getattr(config, "is_encoder_decoder", False))
+
+
+def image_input(config: Any) -> tuple[int, int, int] | None:
+    """(channels, height, width) of an image encoder's input: a config of a type transformers has
+    an image classifier for (ViT, DeiT, BEiT, DINOv2, I-JEPA...), with its layers in
+    ``num_hidden_layers`` and its ``image_size``; None for any other config."""
+    import transformers
+
+    classifiers = transformers.models.auto.modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+    size, layers = _config_value(config, "image_size"), _config_value(config, "num_hidden_layers")
+    if config.model_type not in classifiers or not isinstance(layers, int):
+        return None
+    height, width = (size, size) if isinstance(size, int) else tuple(size) if isinstance(size, (list, tuple)) else (0, 0)
+    channels = _config_value(config, "num_channels") or 3
+    if not all(isinstance(v, int) and v > 0 for v in (height, width, channels)):
+        return None
+    return channels, height, width
 
 
 def num_layers(config: Any) -> int:
@@ -379,16 +408,21 @@ def build_hf_on_meta(config: Any, *, layers: int, dtype: torch.dtype) -> nn.Modu
         model.train()
         return model
     causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    if config.model_type not in causal and not is_masked_lm(config):
+    if config.model_type not in causal and not is_masked_lm(config) and not is_image_encoder(config):
         raise ValueError(
             f"{type(config).__name__} (model_type {config.model_type!r}) has no causal or masked language model in "
-            "transformers: `remat estimate --config` prices decoder-only language models (a causal LM's config, its "
-            "layers in num_hidden_layers), text encoders trained as masked language models (BERT's family, DeBERTa, "
-            "ModernBERT, ESM) and text-to-text encoder-decoders (T5's and BART's families). Measure this model with "
-            "`remat profile path/to/file.py:build` at a size that runs here.")
+            "transformers, nor an image classifier with its layers in num_hidden_layers: `remat estimate --config` "
+            "prices decoder-only language models (a causal LM's config, its layers in num_hidden_layers), text "
+            "encoders trained as masked language models (BERT's family, DeBERTa, ModernBERT, ESM), image encoders "
+            "trained as classifiers (ViT, DeiT, BEiT, DINOv2) and text-to-text encoder-decoders (T5's and BART's "
+            "families). Measure this model with `remat profile path/to/file.py:build` at a size that runs here.")
     config = copy.deepcopy(config)
     config.num_hidden_layers = layers
-    auto = transformers.AutoModelForMaskedLM if is_masked_lm(config) else transformers.AutoModelForCausalLM
+    named = transformers.models.auto.modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type)
+    if is_image_encoder(config) and isinstance(named, (list, tuple)) and not getattr(config, "architectures", None):
+        config.architectures = [named[0]]  # DeiT's classifier with and without its teacher: the plain one
+    auto = (transformers.AutoModelForImageClassification if is_image_encoder(config) else
+            transformers.AutoModelForMaskedLM if is_masked_lm(config) else transformers.AutoModelForCausalLM)
     with torch.device("meta"):
         model = auto.from_config(config, dtype=dtype)
     model.train()
@@ -399,7 +433,11 @@ def hf_batch(config: Any, *, micro_batch: int, seq_len: int, device: str | torch
              dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """``input_ids`` and ``labels`` of shape (micro_batch, seq_len); transformers shifts the labels
     (an encoder-decoder's into its decoder's input: both stacks run ``seq_len`` tokens). A speech
-    encoder-decoder (`speech_features`) takes its spectrogram (in ``dtype``) instead of the ids."""
+    encoder-decoder (`speech_features`) takes its spectrogram (in ``dtype``) instead of the ids, an
+    image encoder (`is_image_encoder`) its images at the config's size and a class per image."""
+    if is_image_encoder(config):
+        return {"pixel_values": torch.zeros(micro_batch, *image_input(config), dtype=dtype, device=device),
+                "labels": torch.zeros(micro_batch, dtype=torch.long, device=device)}
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device)
     features = speech_features(config)
     if features is not None:

@@ -22,6 +22,7 @@ A ``file.py:build`` model is built under ``torch.device("meta")`` as its functio
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +40,8 @@ from remat.estimate.shares import Flow, Split, split_by_tokens, untokenized
 from remat.estimate.head import TracedHead, find_traced_head
 from remat.estimate.sharding import ModelParams, RoleShapes
 from remat.estimate.sources import (ModelSource, build_hf_on_meta, check_num_layers, hf_batch, hf_config_and_part,
-                                    is_encoder_decoder, is_masked_lm, num_layers, speech_features, stack_layers)
+                                    image_input, is_encoder_decoder, is_image_encoder, is_masked_lm, num_layers,
+                                    speech_features, stack_layers)
 from remat.measure.blocks import find_blocks
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.types import Profile
@@ -102,6 +104,8 @@ class Traced:
     encoder_layers: int = 0
     """Layers of an encoder-decoder's encoder, the first ``encoder_layers`` of ``layer_kinds`` (0: one
     stack of layers)."""
+    tokens: int | None = None
+    """The tokens a layer runs over where the model sets them, not --seq (an image encoder's patches)."""
     checked: tuple[int, ...] | None = None
     """The traced layers checked against the traced layer before them, their twin (None: every
     traced layer that is copied, but the first). An encoder-decoder's stacks each trace their first
@@ -257,19 +261,32 @@ def _tracer(model: nn.Module, batch_at: Callable[[int], Any], loss_fn: Any, fuse
                 profile = trace_profile(model, batch, loss_fn, gpu_kernels=fused)
                 with GpuKernels() if fused else CpuKernels(), LayerDropOff(model):  # every layer runs, as profiled
                     classified = classify(model, batch, blocks, loss_fn=loss_fn, plan=plan, stack_ends=stack_ends)
-        except (RuntimeError, NotImplementedError, TypeError, KeyError, IndexError, ValueError) as error:
-            if isinstance(error, ValueError) and _raised_in_remat(error):
-                raise  # remat's own refusal, already in words
-            first = (str(error).splitlines() or [""])[0][:300]
-            raise ValueError(
-                f"{type(model).__name__}'s training step cannot be traced on the meta device, where the estimate runs "
-                f"it: {type(error).__name__}: {first} (its forward reads tensor values, which a meta tensor has not, "
-                "calls a kernel with no meta implementation, needs inputs besides token ids (an image), or looks up a "
-                "per-layer setting the estimate's model of fewer layers has not). Measure it with `remat profile path/to/file.py:build` at a size that runs "
-                "here.") from error
+        except _MODEL_ERRORS as error:
+            raised = _untraceable(model, error)
+            if raised is error:
+                raise
+            raise raised from error
         return profile, classified
 
     return trace
+
+
+_MODEL_ERRORS = (RuntimeError, NotImplementedError, TypeError, KeyError, IndexError, ValueError)
+"""What a model's own code raises on the meta device (`_untraceable`)."""
+
+
+def _untraceable(model: nn.Module, error: Exception) -> Exception:
+    """``error``, raised by ``model``'s step on the meta device, as one line naming the way that
+    works; remat's own refusal (already in words) as it is."""
+    if isinstance(error, ValueError) and _raised_in_remat(error):
+        return error
+    first = (str(error).splitlines() or [""])[0][:300]
+    return ValueError(
+        f"{type(model).__name__}'s training step cannot be traced on the meta device, where the estimate runs "
+        f"it: {type(error).__name__}: {first} (its forward reads tensor values, which a meta tensor has not, "
+        "calls a kernel with no meta implementation, needs inputs besides token ids (an image), or looks up a "
+        "per-layer setting the estimate's model of fewer layers has not). Measure it with `remat profile "
+        "path/to/file.py:build` at a size that runs here.")
 
 
 def _raised_in_remat(error: BaseException) -> bool:
@@ -432,7 +449,16 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
     config.use_cache = False
     if is_encoder_decoder(config):
         return _trace_encoder_decoder(source, config, seq_len=seq_len, dtype=dtype, fused=fused)
-    encoder, whole_config = is_masked_lm(config), config
+    image = image_input(config) if is_image_encoder(config) else None
+    stages = next((name for name in ("depths", "hidden_sizes", "embed_dim_multipliers")
+                   if isinstance(getattr(config, name, None), (list, tuple))), None)
+    if image is not None and stages:
+        raise ValueError(
+            f"{source.label}: {type(config).__name__} is an image model of stages that differ ({stages} "
+            f"{list(getattr(config, stages))}: Swin, ConvNeXt, ResNet...); the estimate copies one traced layer to "
+            "every layer, which a plain vision transformer (ViT, DeiT, BEiT, DINOv2) has. Measure it with `remat "
+            "profile path/to/file.py:build` at a size that runs here.")
+    encoder, whole_config = is_masked_lm(config) or image is not None, config
     traced, kinds = hf_layer_kinds(config, num_layers(config), layers, first_apart=encoder)
     values = traced_layer_values(config, num_layers(config), first_apart=encoder)
     if values:  # the traced model's layers: two of each kind
@@ -442,17 +468,25 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
     how = "its first layer, then two of each kind of layer, copied" if encoder else "two of each kind of layer, then copied"
     model = _build(source, _per_layer_lists_cut(config, traced), traced, dtype, how)
     _check_layers_found(model, source.label)
+    if image is not None and "pixel_values" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"{source.label}: {type(model).__name__} takes no pixel_values (ImageGPT's pixels are token "
+                         "ids of colour clusters); the estimate prices image classifiers of pixel values. Measure it "
+                         "with `remat profile path/to/file.py:build` at a size that runs here.")
     _check_experts_dtype(model, source.label, dtype)
     _check_positions(model, source.label, seq_len)
-    batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len)  # noqa: E731
+    batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len, dtype=dtype)  # noqa: E731
     tracer = _tracer(model, batch_at, None, fused, getattr(config, "base_model_tp_plan", None))
     facts, shape = _hf_facts(config)
-    label = source.label + part + (" (a text encoder, trained as a masked language model over --seq tokens)"
-                                   if encoder else "")
+    tokens = _layer_tokens(model, batch_at(1)) if image else None
+    label = source.label + part + (
+        f" (an image encoder, trained as an image classifier over {image[1]} x {image[2]} images: {tokens} tokens "
+        "a layer, --seq unused)" if image else
+        " (a text encoder, trained as a masked language model over --seq tokens)" if encoder else "")
     if not encoder:
         return _describe(label, model, tracer, kinds, seq_len, facts=facts, shape=shape)
     checked = tuple(k for k in dict.fromkeys(kinds) if k >= 1 and kinds.count(k) > 1)
-    described = _describe(label, model, tracer, kinds, seq_len, facts=facts, shape=shape, checked=checked)
+    described = _describe(label, model, tracer, kinds, None if image else seq_len, facts=facts, shape=shape,
+                          checked=checked, tokens=tokens)
     whole = _build(source, whole_config, num_layers(whole_config), dtype, "whole, to count its parameters")
     described = replace(described, param_shapes=_outside_from(described, whole))
     _check_copies(described, whole)
@@ -467,6 +501,35 @@ def _outside_from(traced: Traced, whole: nn.Module) -> dict[str, Shape]:
     inside = {n: s for n, s in traced.param_shapes.items() if any(n.startswith(p) for p in stacks)}
     outside = {n: s for n, s in _unique_shapes(whole).items() if not any(n.startswith(p) for p in stacks)}
     return {**inside, **outside}
+
+
+def _layer_tokens(model: nn.Module, batch: Mapping[str, Any]) -> int:
+    """The tokens each layer of an image encoder runs over (its patches, a class token, registers):
+    the second dimension of the first layer's input, in a forward on the meta device."""
+    first = find_blocks(model)[0][1]
+    seen: list[int] = []
+
+    def look(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and not seen:
+            seen.append(int(hidden.shape[1]))
+
+    handle = first.register_forward_pre_hook(look, with_kwargs=True)
+    try:
+        with torch.no_grad(), no_packed_sequence_check():
+            model(**batch)
+    except _MODEL_ERRORS as error:
+        raised = _untraceable(model, error)
+        if raised is error:
+            raise
+        raise raised from error
+    finally:
+        handle.remove()
+    if not seen:
+        raise ValueError(f"{type(model).__name__}'s first layer is not called with (batch, tokens, hidden) states; the "
+                         "estimate copies the layers of a transformer encoder. Measure it with `remat profile "
+                         "path/to/file.py:build` at a size that runs here.")
+    return seen[0]
 
 
 def _check_layers_found(model: nn.Module, label: str) -> None:
