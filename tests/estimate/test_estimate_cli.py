@@ -85,15 +85,16 @@ def test_head_option() -> None:
 def test_a_config_without_a_causal_lm_is_told_what_estimate_prices(tmp_path) -> None:
     """A T5 config.json printed transformers' list of 300-odd configuration classes (T5 is
     estimated now, `tests/estimate/test_encoder_decoder.py`, and so are text and image encoders:
-    `test_text_encoders.py`, `test_image_encoders.py`; a speech encoder alone is not)."""
+    `test_text_encoders.py`, `test_image_encoders.py`, and speech encoders trained with CTC; a CLIP
+    vision tower alone is not)."""
     pytest.importorskip("transformers")
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "hubert", "hidden_size": 64, "num_hidden_layers": 2,
+    path.write_text(json.dumps({"model_type": "clip_vision_model", "hidden_size": 64, "num_hidden_layers": 2,
                                 "num_attention_heads": 4, "intermediate_size": 128}))
     result = runner.invoke(app, ["estimate", "--config", str(path), "--device", "H100-80GB"], env={"COLUMNS": "400"})
     assert result.exit_code == 2
     text = " ".join(result.output.split())
-    assert "HubertConfig (model_type 'hubert') has no causal or masked language model in transformers, nor an image " \
+    assert "CLIPVisionConfig (model_type 'clip_vision_model') has no causal or masked language model in transformers, nor an image " \
         "classifier with its layers in num_hidden_layers" in text
     assert "prices decoder-only language models" in text and "text-to-text encoder-decoders" in text
     assert "GPT2Config" not in text

@@ -158,6 +158,12 @@ def no_packed_sequence_check() -> Iterator[None]:
             warn(self, input_ids, attention_mask)
 
     pretrained.warn_if_padding_and_no_attention_mask = warn_unless_meta
+    # a boolean mask indexing on meta (wav2vec 2.0's SpecAugment writes a learned vector into the
+    # masked frames) takes every element as selected: the indices it saves are counted at most
+    import torch.fx.experimental._config as fx_config
+
+    every = fx_config.meta_nonzero_assume_all_nonzero
+    fx_config.meta_nonzero_assume_all_nonzero = True
     # an encoder that makes its own mask of ones (Megatron-BERT, RemBERT) asks whether the
     # bidirectional mask can be left out, as it can where no token is padding
     skip = getattr(masking, "_ignore_bidirectional_mask_sdpa", None)
@@ -175,10 +181,60 @@ def no_packed_sequence_check() -> Iterator[None]:
     finally:
         masking.find_packed_sequence_indices = original
         pretrained.warn_if_padding_and_no_attention_mask = warn
+        fx_config.meta_nonzero_assume_all_nonzero = every
         if skip is not None:
             masking._ignore_bidirectional_mask_sdpa = skip
         if all_set is not None:
             masking.fast_all = all_set
 
 
-__all__ = ["CpuKernels", "GpuKernels", "no_packed_sequence_check"]
+_META_LIBRARY: list = []
+
+
+def register_meta_ctc_backward() -> None:
+    """Give ``aten::_ctc_loss_backward`` a meta kernel where torch has none (2.13): the gradient of
+    the log-probabilities, their shape and dtype, as the CPU and CUDA kernels return it; and
+    ``aten::masked_select`` one (`_masked_select_all`). A speech encoder's CTC loss
+    (`remat.estimate.sources.ctc_loss_fn`) then runs on the meta device, forward and backward.
+    Registered once per process, only where the operator has no meta kernel."""
+    name = "aten::_ctc_loss_backward"
+    if _META_LIBRARY or torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
+        return
+    library = torch.library.Library("aten", "IMPL", "Meta")
+
+    def grad_of_log_probs(grad: torch.Tensor, log_probs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.empty_like(log_probs)
+
+    library.impl("_ctc_loss_backward", grad_of_log_probs)
+    library.impl("_ctc_loss_backward.Tensor", grad_of_log_probs)
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_ctc_loss.Tensor", "Meta"):
+        library.impl("_ctc_loss.Tensor", _ctc_loss_equal_targets)
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::masked_select", "Meta"):
+        library.impl("masked_select", _masked_select_all)
+    _META_LIBRARY.append(library)  # a library unregisters its kernels when collected
+
+
+def _ctc_loss_equal_targets(log_probs: torch.Tensor, targets: torch.Tensor, input_lengths: Any, target_lengths: Any,
+                            blank: int = 0, zero_infinity: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_ctc_loss`` with lengths as tensors, on meta tensors: the loss per sequence and
+    ``log_alpha`` (batch, frames, 2 x targets + 1), as the CPU and CUDA kernels return them, every
+    sequence's targets taken as long as the others' (the traced batch's are; the lengths' values
+    are not there to read)."""
+    frames, batch = log_probs.shape[:2]
+    per_sequence = targets.shape[1] if targets.dim() == 2 else targets.numel() // max(batch, 1)
+    return log_probs.new_empty((batch,)), log_probs.new_empty((batch, frames, 2 * per_sequence + 1))
+
+
+def _masked_select_all(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``masked_select`` on meta tensors where every element is taken as selected, as
+    ``meta_nonzero_assume_all_nonzero`` takes them (set while the estimate traces,
+    `no_packed_sequence_check`; a CTC loss selects its targets, every one real in the traced batch);
+    unimplemented otherwise, as without this kernel."""
+    import torch.fx.experimental._config as fx_config
+
+    if not fx_config.meta_nonzero_assume_all_nonzero:
+        raise NotImplementedError("aten::masked_select has no meta kernel: its size depends on the mask's values.")
+    return tensor.new_empty((torch.broadcast_shapes(tensor.shape, mask.shape).numel(),))
+
+
+__all__ = ["CpuKernels", "GpuKernels", "no_packed_sequence_check", "register_meta_ctc_backward"]

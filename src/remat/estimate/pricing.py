@@ -206,8 +206,13 @@ class Pricing:
     def _grad_bytes(self, index: int) -> dict:
         params, par = self.traced.params, self.parallelism
         layers = [params.layers[i] for i in stage_layers(self.traced.num_layers, par.pipeline, index)]
-        return dict(layer_grad_bytes=tuple(float(part_grad_bytes(x, par, self.recipe)) for x in layers),
-                    pre_grad_bytes=float(sum(part_grad_bytes(x, par, self.recipe) for x in (params.pre, params.tied))))
+        grads = [float(part_grad_bytes(x, par, self.recipe)) for x in layers]
+        pre = float(sum(part_grad_bytes(x, par, self.recipe) for x in (params.pre, params.tied)))
+        for layer, shapes in self.traced.between_grads:  # made after that layer's backward, not the pre part's
+            between = float(part_grad_bytes(shapes, par, self.recipe))
+            grads[layer] += between
+            pre -= between
+        return dict(layer_grad_bytes=tuple(grads), pre_grad_bytes=pre)
 
     def state(self, index: int, zero_stage: int | None = None) -> ModelState:
         """Model state on one GPU of stage ``index`` (at ``zero_stage``, default the recipe's)."""

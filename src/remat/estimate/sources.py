@@ -13,6 +13,7 @@ that ``transformers.AutoConfig.for_model`` knows.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -332,6 +333,70 @@ def stack_layers(config: Any) -> tuple[int, int]:
         "file.py:build that builds the whole model (--model path/to/file.py:build).")
 
 
+def speech_ctc(config: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(kernels, strides) of the convolutional feature encoder of a speech encoder trained with CTC
+    (wav2vec 2.0, HuBERT, WavLM, Data2Vec-audio, UniSpeech...: a type transformers has a CTC model
+    for, its layers in ``num_hidden_layers``); None for any other config."""
+    import transformers
+
+    ctc = transformers.models.auto.modeling_auto.MODEL_FOR_CTC_MAPPING_NAMES
+    kernels, strides = _config_value(config, "conv_kernel"), _config_value(config, "conv_stride")
+    if (config.model_type not in ctc or not isinstance(_config_value(config, "num_hidden_layers"), int)
+            or not isinstance(kernels, (list, tuple)) or not isinstance(strides, (list, tuple))
+            or len(kernels) != len(strides) or not kernels):
+        return None
+    return tuple(int(k) for k in kernels), tuple(int(v) for v in strides)
+
+
+def audio_samples(config: Any, frames: int) -> int:
+    """The fewest audio samples from which a speech encoder's feature encoder (`speech_ctc`) makes
+    ``frames`` frames: each convolution, last to first, needs ``(out - 1) x stride + kernel``
+    inputs (wav2vec 2.0: 320 samples a frame, 400 for the first)."""
+    kernels, strides = speech_ctc(config)
+    length = frames
+    for kernel, stride in zip(reversed(kernels), reversed(strides)):
+        length = (length - 1) * stride + kernel
+    return length
+
+
+CTC_FRAMES_PER_TARGET = 4
+"""A speech encoder's CTC targets: one token every 4 frames (80 ms at wav2vec 2.0's 20 ms frames,
+12.5 characters a second, about a reader's pace)."""
+
+
+def ctc_loss_fn(config: Any, model: nn.Module) -> Callable[[Any, Any], torch.Tensor]:
+    """transformers' CTC loss of a speech encoder, as its ``*ForCTC.forward`` computes it from
+    ``labels``: the lengths from a mask of ones over the audio, then the model's own loss function
+    (``ForCTCLoss``: the targets selected by a mask of the labels, log-softmax in fp32, ``ctc_loss``
+    with the pad token as blank, the config's reduction and ``ctc_zero_infinity``); against targets of one token every
+    `CTC_FRAMES_PER_TARGET` frames. transformers first checks the labels' values against the
+    vocabulary, which a meta tensor has not: the estimate calls the model without labels and takes
+    this loss of its logits, with the encoder's output held while it runs, as the forward holds it
+    (its ``outputs``: the input of the dropout before the projection)."""
+    blank = config.pad_token_id if isinstance(config.pad_token_id, int) else 0
+    reduction, zero_infinity = config.ctc_loss_reduction, bool(config.ctc_zero_infinity)
+    encoder_outputs: list[torch.Tensor] = []
+    before_head = getattr(model, "dropout", None)
+    (before_head if isinstance(before_head, nn.Module) else model.lm_head).register_forward_pre_hook(
+        lambda _module, args: encoder_outputs.append(args[0]))
+
+    def loss(output: Any, batch: Any) -> torch.Tensor:
+        held = encoder_outputs.pop() if encoder_outputs else None
+        encoder_outputs.clear()
+        logits, audio = output.logits, batch["input_values"]
+        b, t = logits.shape[:2]
+        labels = torch.full((b, max(1, t // CTC_FRAMES_PER_TARGET)), 1 if blank != 1 else 2, dtype=torch.long,
+                            device=logits.device)
+        mask = torch.ones_like(audio, dtype=torch.long)
+        input_lengths = model._get_feat_extract_output_lengths(mask.sum(-1)).to(torch.long)
+        value = model.loss_function(logits=logits, labels=labels, logit_lengths=input_lengths, blank_token_id=blank,
+                                    reduction=reduction, zero_infinity=zero_infinity)
+        del held  # the forward returns: its outputs go
+        return value
+
+    return loss
+
+
 def _causal_types() -> Any:
     import transformers
 
@@ -408,6 +473,15 @@ def build_hf_on_meta(config: Any, *, layers: int, dtype: torch.dtype) -> nn.Modu
         model.train()
         return model
     causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if speech_ctc(config) is not None:
+        config = copy.deepcopy(config)
+        config.num_hidden_layers = layers
+        with torch.device("meta"):
+            model = transformers.AutoModelForCTC.from_config(config, dtype=dtype)
+        if any(not t.is_meta for t in (*model.parameters(), *model.buffers())):
+            model.to("meta")  # a weight made with torch.Tensor(n), which takes no device (UniSpeech-SAT's mask embedding)
+        model.train()
+        return model
     if config.model_type not in causal and not is_masked_lm(config) and not is_image_encoder(config):
         raise ValueError(
             f"{type(config).__name__} (model_type {config.model_type!r}) has no causal or masked language model in "
@@ -435,6 +509,8 @@ def hf_batch(config: Any, *, micro_batch: int, seq_len: int, device: str | torch
     (an encoder-decoder's into its decoder's input: both stacks run ``seq_len`` tokens). A speech
     encoder-decoder (`speech_features`) takes its spectrogram (in ``dtype``) instead of the ids, an
     image encoder (`is_image_encoder`) its images at the config's size and a class per image."""
+    if speech_ctc(config) is not None:  # the loss is `ctc_loss_fn`'s
+        return {"input_values": torch.zeros(micro_batch, audio_samples(config, seq_len), dtype=dtype, device=device)}
     if is_image_encoder(config):
         return {"pixel_values": torch.zeros(micro_batch, *image_input(config), dtype=dtype, device=device),
                 "labels": torch.zeros(micro_batch, dtype=torch.long, device=device)}

@@ -35,13 +35,14 @@ from torch import nn
 
 from remat.estimate.comms import ModelFacts
 from remat.estimate.dataflow import Classified, classify
-from remat.estimate.kernels import CpuKernels, GpuKernels, no_packed_sequence_check
+from remat.estimate.kernels import CpuKernels, GpuKernels, no_packed_sequence_check, register_meta_ctc_backward
 from remat.estimate.shares import Flow, Split, split_by_tokens, untokenized
 from remat.estimate.head import TracedHead, find_traced_head
 from remat.estimate.sharding import ModelParams, RoleShapes
-from remat.estimate.sources import (ModelSource, build_hf_on_meta, check_num_layers, hf_batch, hf_config_and_part,
+from remat.estimate.sources import (CTC_FRAMES_PER_TARGET, ModelSource, audio_samples, build_hf_on_meta,
+                                    check_num_layers, ctc_loss_fn, hf_batch, hf_config_and_part,
                                     image_input, is_encoder_decoder, is_image_encoder, is_masked_lm, num_layers,
-                                    speech_features, stack_layers)
+                                    speech_ctc, speech_features, stack_layers)
 from remat.measure.blocks import find_blocks
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.types import Profile
@@ -106,6 +107,11 @@ class Traced:
     stack of layers)."""
     tokens: int | None = None
     """The tokens a layer runs over where the model sets them, not --seq (an image encoder's patches)."""
+    outside_grads_between: bool = False
+    """True where parameters outside the layers run between them (a speech encoder's feature
+    projection and positional convolution, between its convolutions and its transformer layers):
+    their gradients are made after the backward of the layer that follows them (`between_grads`),
+    not after every layer's."""
     checked: tuple[int, ...] | None = None
     """The traced layers checked against the traced layer before them, their twin (None: every
     traced layer that is copied, but the first). An encoder-decoder's stacks each trace their first
@@ -167,6 +173,25 @@ class Traced:
 
         return ModelParams(pre=part({"pre"}), post=part({"post"}), tied=part({"pre", "post"}),
                            layers=tuple(traced[k] for k in self.layer_kinds))
+
+    @cached_property
+    def between_grads(self) -> tuple[tuple[int, RoleShapes], ...]:
+        """(full-model layer, parameters) for the parameters outside the layers that run after a
+        traced layer's forward and before the next one's (`outside_grads_between`): their gradients
+        are made once that next layer's backward is over. Empty unless ``outside_grads_between``."""
+        if not self.outside_grads_between:
+            return ()
+        classified = self.classified(1)
+        outside = [n for n in self.param_shapes if not any(n.startswith(b + ".") for b in self.layer_names)]
+        after: dict[int, list[str]] = {}
+        for name in outside:
+            segments = classified.used_in.get(name, frozenset())
+            if segments and all(s.startswith("layer:") for s in segments):
+                traced = max(int(s.split(":", 1)[1]) for s in segments) + 1
+                if traced in self.layer_kinds:
+                    after.setdefault(self.layer_kinds.index(traced), []).append(name)
+        return tuple((layer, _role_shapes(names, self.param_shapes, classified.roles))
+                     for layer, names in sorted(after.items()))
 
     def _names_in(self, block: str) -> list[str]:
         return [n for n in self.param_shapes if n.startswith(block + ".")]
@@ -449,6 +474,8 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
     config.use_cache = False
     if is_encoder_decoder(config):
         return _trace_encoder_decoder(source, config, seq_len=seq_len, dtype=dtype, fused=fused)
+    if speech_ctc(config) is not None:
+        return _trace_speech_encoder(source, config, seq_len=seq_len, dtype=dtype, fused=fused)
     image = image_input(config) if is_image_encoder(config) else None
     stages = next((name for name in ("depths", "hidden_sizes", "embed_dim_multipliers")
                    if isinstance(getattr(config, name, None), (list, tuple))), None)
@@ -631,6 +658,54 @@ def _trace_encoder_decoder(source: ModelSource, config: Any, *, seq_len: int, dt
                        checked=checked)
     _check_copies(traced, _build(source, config, max(encoder, decoder), dtype, "whole, to count its parameters"))
     return traced
+
+
+def _trace_speech_encoder(source: ModelSource, config: Any, *, seq_len: int, dtype: torch.dtype,
+                          fused: bool) -> Traced:
+    """A speech encoder trained with CTC (`remat.estimate.sources.speech_ctc`): transformers' CTC model
+    over the audio samples that make ``seq_len`` frames (`audio_samples`), its CTC loss priced by
+    `ctc_loss_fn`. Each layer of the convolutional feature encoder is traced as itself (their
+    kernels, strides and norms differ), then the first transformer layer, then two more, the
+    second of them copied to the rest."""
+    full = num_layers(config)
+    check_num_layers(full, source.label)
+    if traced_layer_values(config, full):
+        raise ValueError(f"{source.label}: {type(config).__name__} is a speech encoder whose layers are of several "
+                         "kinds; the estimate copies one layer. Estimate it from a file.py:build that builds the "
+                         "whole model (--model path/to/file.py:build).")
+    traced = min(3, full)
+    model = _build(source, config, traced, dtype, f"its feature encoder and {traced} layers, copied")
+    if "input_values" not in inspect.signature(model.forward).parameters:
+        raise ValueError(f"{source.label}: {type(model).__name__} takes no input_values (raw audio); the estimate "
+                         "prices CTC encoders of raw audio (wav2vec 2.0, HuBERT, WavLM). Measure it with `remat profile "
+                         "path/to/file.py:build` at a size that runs here.")
+    blocks = find_blocks(model)
+    stack = blocks[-1][0].rsplit(".", 1)[0]
+    layers = [i for i, (name, _) in enumerate(blocks) if name.rsplit(".", 1)[0] == stack]
+    others = len(blocks) - traced
+    if layers != list(range(others, len(blocks))):
+        raise ValueError(
+            f"{source.label}: remat finds {len(blocks)} blocks in {type(model).__name__} built with {traced} layers, "
+            f"the last {len(layers)} of them in {stack} ({', '.join(n for n, _ in blocks[:10])}); the estimate copies "
+            "the layers and needs them found as the last blocks. Estimate it from a file.py:build that builds the "
+            "whole model (--model path/to/file.py:build).")
+    # the feature encoder's convolutions (and a positional convolution's, Data2Vec-audio's) each as itself
+    kinds = tuple(range(others)) + (others,) + (others + traced - 1,) * (full - 1)
+    checked = (others + traced - 1,) if traced == 3 else ()
+    register_meta_ctc_backward()
+    batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len, dtype=dtype)  # noqa: E731
+    tracer = _tracer(model, batch_at, ctc_loss_fn(config, model), fused, getattr(config, "base_model_tp_plan", None))
+    facts, shape = _hf_facts(config)
+    samples = audio_samples(config, seq_len)
+    label = (f"{source.label} (a speech encoder, trained with CTC over {samples} audio samples: {seq_len} frames a "
+             f"layer (--seq), a target every {CTC_FRAMES_PER_TARGET} frames; its {others} convolutional blocks "
+             "counted as layers)")
+    described = _describe(label, model, tracer, kinds, None, facts=facts, shape=shape, checked=checked,
+                          outside_grads_between=True)
+    whole = _build(source, config, full, dtype, "whole, to count its parameters")
+    described = replace(described, param_shapes=_outside_from(described, whole))
+    _check_copies(described, whole)
+    return described
 
 
 def _check_copies(traced: Traced, whole: nn.Module) -> None:
