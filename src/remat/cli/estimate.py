@@ -40,7 +40,7 @@ def estimate_command(
     expert_parallel: int = typer.Option(1, "--expert-parallel", "--ep", help="Expert-parallel size (MoE models)."),
     expert_tensor_parallel: Optional[int] = typer.Option(None, "--expert-tensor-parallel", help="Tensor-parallel size of the routed experts (default: --tensor-parallel)."),
     expert_load: float = typer.Option(1.0, "--expert-load", help="Tokens the busiest expert rank gets over the mean (1.0: balanced router)."),
-    seq: int = typer.Option(2048, "--seq", help="Sequence length."),
+    seq: int = typer.Option(2048, "--seq", help="Sequence length: tokens (a speech encoder's: frames a layer, its audio made to fit; an image encoder's come from its image_size)."),
     micro_batch: int = typer.Option(1, "--micro-batch", help="Sequences per micro-batch."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step (per pipeline)."),
     dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32 (weights and activations)."),
