@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from remat.estimate import ModelSource, estimate
+from remat.estimate.parallel import Parallelism
 from remat.estimate.trace import hf_layer_kinds, trace_source, traced_layer_values
 from remat.measure.profile import profile
 from remat.plan.planners import plan
@@ -108,3 +109,32 @@ def test_encoders_the_estimate_cannot_copy_are_refused_in_one_line(tmp_path) -> 
     with pytest.raises(ValueError, match=r"LongformerConfig's attention_window differs between layers \(\[8, 16, 8, 16\]"):
         estimate(ModelSource(hf_config_path=_path(tmp_path, "longformer", attention_window=[8, 16, 8, 16])),
                  seq_len=S, micro_batch=B)
+
+
+@pytest.mark.parametrize("model_type, kind", [("bert", "hf-masked-lm-ce"), ("modernbert", "hf-masked-lm"),
+                                              ("esm", "hf-masked-lm-ce")])
+def test_the_masked_lm_head_is_priced_by_strategy(tmp_path, model_type, kind) -> None:
+    """The masked LM's head (`remat.head.site.HFMaskedLMHead`: labels as given, ModernBERT's
+    ForMaskedLMLoss upcasting, the inline CrossEntropyLoss() not; a bias on the logits, ESM's
+    added after the projection) priced by the byte model: every strategy's held bytes and peaks
+    equal to the ones `remat.profile` measures on the CPU, and the step with the chunked head
+    never under `remat.plan`'s prediction (0.2 % over at most)."""
+    source = ModelSource(hf_config_path=_path(tmp_path, model_type), attention="sdpa")
+    traced = trace_source(source, seq_len=S, dtype="fp32", gpu_kernels=False).head
+    assert traced is not None and (traced.traced.shift, traced.traced.upcast, traced.traced.bias) == (
+        False, model_type == "modernbert", True)
+    model = _real(model_type, "sdpa")
+    ids = torch.randint(3, 90, (B, S), generator=torch.Generator().manual_seed(0))
+    labels = torch.where(torch.rand(B, S, generator=torch.Generator().manual_seed(1)) < 0.15, ids, -100)
+    prof = profile(model, {"input_ids": ids, "labels": labels}, None, torch.optim.AdamW(model.parameters(), fused=True),
+                   repeats=1, head_chunks=(16,))
+    assert prof.head is not None and prof.head.kind == kind, prof.head_note
+    for option in prof.head.options:
+        priced = traced.on_gpu(option.strategy, B, Parallelism())
+        assert (priced.held_bytes, priced.fwd_peak_bytes, priced.bwd_peak_bytes) == (
+            option.held_bytes, option.fwd_peak_bytes, option.bwd_peak_bytes), option.strategy
+    result = estimate(source, seq_len=S, micro_batch=B, dtype="fp32", gpu_kernels=False, head="chunked:16")
+    peak = {s.strategy: s.peak_bytes for s in result.devices[0].strategies}["none"]
+    assert 0.0 <= peak / plan(prof, strategy="none", head="chunked:16").prediction.peak_bytes - 1 <= 0.002
+    assert [h.strategy for h in estimate(source, seq_len=S, micro_batch=B, dtype="fp32", gpu_kernels=False).head_bytes] \
+        == ["keep", "recompute", "chunked:32"]

@@ -40,7 +40,7 @@ def test_a_model_that_names_no_projection_is_told_so():
     model.head = None
     site, why = find_head(model)
     assert site is None and why == ("GPT names no output projection: not a language model head remat plans "
-                                    "(Hugging Face *ForCausalLM, the built-in GPT)")
+                                    "(Hugging Face *ForCausalLM, *ForMaskedLM, encoder-decoders, the built-in GPT)")
 
 
 def test_a_hugging_face_model_with_another_loss_is_refused():

@@ -62,7 +62,8 @@ class HeadRuntime:
         self._check_projection()
         inputs, extra = self.kind.loss_inputs(bound.arguments), self.kind.loss_extra(bound.arguments)
         self.kind.without_labels(self.model, bound.arguments)
-        with capture_projection(self.projection, run=False) as captured:
+        width = self.projection.out_features if self.site.logit_bias else 0  # the model adds its bias to it
+        with capture_projection(self.projection, run=False, width=width) as captured:
             output = self._original(*bound.args, **bound.kwargs)
         self._check(captured, output)
         self._check_no_auxiliary_loss(output)
@@ -103,8 +104,14 @@ class HeadRuntime:
 
     def _check(self, captured: Any, output: Any) -> None:
         """The forward must have called the projection once and returned its output as the
-        logits: otherwise the loss would not be the model's."""
-        if captured.calls != 1 or self.kind.logits_of(output) is not captured.output:
+        logits (plus the site's `logit_bias`, as the empty output broadcast with it): otherwise
+        the loss would not be the model's."""
+        logits = self.kind.logits_of(output)
+        if self.site.logit_bias:
+            returned = isinstance(logits, torch.Tensor) and logits.shape == captured.output.shape
+        else:
+            returned = logits is captured.output
+        if captured.calls != 1 or not returned:
             raise ValueError(
                 f"{type(self.model).__name__} called its output projection {self.site.projection!r} "
                 f"{captured.calls} time(s) and returned {'other logits' if captured.calls else 'no logits'}; "

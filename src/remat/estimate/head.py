@@ -1,7 +1,8 @@
 """The LM head and its loss on one GPU, priced with the planner's byte model of the head.
 
 The bytes are those of `remat.memory.head` (the formulas `remat.profile` measures to the byte
-on the built-in GPT and Hugging Face Llama and GPT-2), taken at one rank's share of the head.
+on the built-in GPT, Hugging Face Llama and GPT-2, and the masked LMs of BERT, ModernBERT and
+ESM), taken at one rank's share of the head.
 Per GPU of the last pipeline stage, with micro-batch ``b``, sequence ``s``, vocabulary ``V``,
 hidden size ``H``, tensor-parallel size ``t`` and context-parallel size ``c``:
 
@@ -152,10 +153,11 @@ def find_traced_head(model: Any, seq_len: int | None) -> tuple[TracedHead | None
     why = _logits_transformed(model, site, seq_len)
     if why:
         return None, why
-    weight = model.get_submodule(site.projection).weight
-    vocab, hidden = weight.shape
+    projection = model.get_submodule(site.projection)
+    vocab, hidden = projection.weight.shape
     traced = HeadShape(batch_size=1, seq_len=seq_len, hidden_size=int(hidden), vocab_size=int(vocab),
-                       dtype_bytes=weight.element_size(), upcast=site.loss.upcast, shift=site.loss.shift, tied=site.tied)
+                       dtype_bytes=projection.weight.element_size(), upcast=site.loss.upcast, shift=site.loss.shift,
+                       tied=site.tied, bias=projection.bias is not None or bool(site.logit_bias))
     return TracedHead(projection=site.projection, traced=traced), ""
 
 

@@ -11,6 +11,12 @@ convention (`remat.head.loss.TokenLoss`) and how to return the loss without the 
 - Hugging Face encoder-decoders (``config.is_encoder_decoder``: T5, mT5, UMT5, M2M-100):
   ``labels`` (the decoder's input made of them where a call has none), the output embeddings,
   ``CrossEntropyLoss`` of the logits against the labels as given (`HFSeq2SeqLMHead`);
+- Hugging Face masked LMs (``*ForMaskedLM``: BERT's family, ModernBERT, ESM, DistilBERT):
+  ``labels``, the output embeddings (what runs before them, BERT's transform, stays in the rest
+  of the post part), the labels as given with ``-100`` left out, and either transformers'
+  ``ForMaskedLMLoss`` (`HFMaskedLMHead`: fp32 upcast, ``num_items_in_batch``) or
+  ``CrossEntropyLoss()`` of the logits as they are (`HFMaskedLMCrossEntropyHead`); a bias the
+  model adds after a projection without one (ESM's ``lm_head.bias``) is the site's `logit_bias`;
 - the built-in GPT (`remat.models.gpt.GPT`): ``targets``, ``head``, plain cross-entropy; the
   loss is the output, as without a plan.
 
@@ -57,6 +63,9 @@ class HeadSite:
     tied: bool
     """The projection's weight is also another module's (input embedding): its gradient waits
     for that module's backward before it is accumulated."""
+    logit_bias: str = ""
+    """Qualified name of a parameter the model adds to the projection's output before the loss
+    (ESM's ``lm_head.bias``: its projection has no bias of its own); "" for none."""
 
 
 class HeadKind:
@@ -71,6 +80,10 @@ class HeadKind:
 
     def refusal(self, model: nn.Module) -> str:
         """Why this model's head cannot be planned, from its structure ('' when it can)."""
+        return ""
+
+    def logit_bias(self, model: nn.Module, projection: nn.Linear) -> str:
+        """Qualified name of the parameter the model adds to the projection's output ("" for none)."""
         return ""
 
     def loss_inputs(self, arguments: dict[str, Any]) -> LossInputs:
@@ -201,6 +214,117 @@ class HFSeq2SeqLMHead(HFCausalLMHead):
         arguments[self.labels_arg] = None
 
 
+class HFMaskedLMHead(HFCausalLMHead):
+    """Hugging Face ``*ForMaskedLM`` whose forward calls ``self.loss_function``, transformers'
+    ``ForMaskedLMLoss`` (ModernBERT, EuroBERT): the logits upcast to fp32, the labels as given
+    (no shift), ``-100`` left out, the mean over the others or the sum over
+    ``num_items_in_batch``. The projection is ``get_output_embeddings()``; what runs before it
+    (a dense layer, an activation, a norm) stays in the rest of the post part."""
+
+    name = "hf-masked-lm"
+    token_loss = TokenLoss(shift=False, upcast=True)
+
+    def refusal(self, model: nn.Module) -> str:
+        return _masked_lm_refusal(model, self.projection(model)) or self._loss_refusal(model)
+
+    def _loss_refusal(self, model: nn.Module) -> str:
+        loss_fn = getattr(model, "loss_function", None)
+        if getattr(loss_fn, "__name__", "") != "ForMaskedLMLoss":
+            return (f"{type(model).__name__}'s loss is {getattr(loss_fn, '__name__', type(loss_fn).__name__)}, "
+                    "not transformers' ForMaskedLMLoss")
+        return ""
+
+    def logit_bias(self, model: nn.Module, projection: nn.Linear) -> str:
+        """A projection without a bias whose parent module holds one of the vocabulary's size
+        (ESM's ``lm_head``: ``decoder(x) + bias``); `remat.measure.head` checks on the real batch
+        that the model's logits are the projection's output plus it."""
+        if projection.bias is not None:
+            return ""
+        name = next(n for n, m in model.named_modules() if m is projection)
+        parent_name = name.rpartition(".")[0]
+        parent = model.get_submodule(parent_name)
+        bias = parent._parameters.get("bias")
+        if isinstance(bias, torch.Tensor) and tuple(bias.shape) == (projection.out_features,):
+            return f"{parent_name}.bias" if parent_name else "bias"
+        return ""
+
+    def loss_inputs(self, arguments: dict[str, Any]) -> LossInputs:
+        extra = arguments.get("kwargs", {})  # ForMaskedLMLoss reads num_items_in_batch, no shift_labels
+        return LossInputs(labels=arguments["labels"], num_items_in_batch=extra.get("num_items_in_batch"))
+
+
+class HFMaskedLMCrossEntropyHead(HFMaskedLMHead):
+    """Hugging Face ``*ForMaskedLM`` that computes its loss inline, as BERT's copies do
+    (BERT, RoBERTa, ESM, DeBERTa's legacy head, ALBERT, ELECTRA: ``CrossEntropyLoss()(logits.view(-1,
+    V), labels.view(-1))``; DistilBERT: the same module kept as ``self.mlm_loss_fct``): the logits
+    as they are (no upcast), the labels as given, ``-100`` left out, the mean over the others;
+    the forward's keyword arguments do not reach the loss."""
+
+    name = "hf-masked-lm-ce"
+    token_loss = TokenLoss(shift=False, upcast=False)
+
+    def _loss_refusal(self, model: nn.Module) -> str:
+        if _inline_cross_entropy(model):
+            return ""
+        return (f"{type(model).__name__}.forward computes its masked LM loss neither by transformers' ForMaskedLMLoss "
+                "(self.loss_function) nor by a default CrossEntropyLoss() of the logits as they are, so remat cannot "
+                "tell its loss; its head stays in the fixed part")
+
+    def loss_inputs(self, arguments: dict[str, Any]) -> LossInputs:
+        return LossInputs(labels=arguments["labels"])
+
+    def loss_extra(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def model_loss(self, model: nn.Module, logits: torch.Tensor, inputs: LossInputs, extra: dict[str, Any]) -> torch.Tensor:
+        return reference_loss(logits, inputs, self.token_loss)
+
+
+def _is_masked_lm(model: nn.Module) -> bool:
+    """A Hugging Face masked LM: its class (or one it derives from) is a ``*ForMaskedLM``."""
+    return getattr(model, "loss_type", None) == "ForMaskedLM" or any(
+        c.__name__.endswith("ForMaskedLM") for c in type(model).__mro__)
+
+
+def _forward_source(model: nn.Module) -> str:
+    """The source of the model class's ``forward`` ("" where Python cannot read it)."""
+    try:
+        return inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def _inline_cross_entropy(model: nn.Module) -> bool:
+    """The forward calls a default ``CrossEntropyLoss()`` (mean, ``ignore_index=-100``, no
+    weight, no label smoothing), made in place or kept as one of the model's attributes."""
+    source = _forward_source(model)
+    if "CrossEntropyLoss()" in source:
+        return True
+    return any(f"self.{name}(" in source and type(module) is nn.CrossEntropyLoss and module.weight is None
+               and module.ignore_index == -100 and module.reduction == "mean" and module.label_smoothing == 0.0
+               for name, module in model.named_children())
+
+
+def _masked_lm_refusal(model: nn.Module, projection: nn.Module) -> str:
+    """Why a masked LM's head cannot be planned, by its structure ("" where nothing says so)."""
+    transformed = _logits_transformed(model)
+    if transformed:
+        return transformed
+    name = type(model).__name__
+    if "labels" not in inspect.signature(model.forward).parameters:
+        return f"{name}.forward takes no labels argument"
+    vocab = getattr(_text_config(model), "vocab_size", None)
+    if projection.out_features != vocab:
+        return (f"{name}'s get_output_embeddings() makes {projection.out_features} outputs, not the vocabulary's "
+                f"{vocab} (DeBERTa's non-legacy head multiplies by the word embeddings itself): its logits come from "
+                "elsewhere, so the head stays in the fixed part")
+    if getattr(getattr(model, "config", None), "sparse_prediction", False):
+        return (f"{name} projects only the labelled rows (config.sparse_prediction=True), which already keeps the "
+                "logits of the masked tokens alone; the head is planned over every row only with "
+                "sparse_prediction=False")
+    return ""
+
+
 def _logits_transformed(model: nn.Module) -> str:
     """Why a Hugging Face model's logits are not its projection's output, by its config
     (`LOGIT_TRANSFORMS`); "" where nothing says so."""
@@ -239,13 +363,17 @@ KINDS: dict[str, HeadKind] = {
     "transformers.modeling_utils.PreTrainedModel": HFCausalLMHead(),
 }
 """Head kinds keyed by the qualified name of a model class (the first match along the MRO); a
-Hugging Face encoder-decoder takes `HFSeq2SeqLMHead` instead (`_kind_of`)."""
+Hugging Face encoder-decoder takes `HFSeq2SeqLMHead` instead, a masked LM `HFMaskedLMHead` or
+`HFMaskedLMCrossEntropyHead` (`_kind_of`)."""
 
 SEQ2SEQ = HFSeq2SeqLMHead()
+MASKED_LM = HFMaskedLMHead()
+MASKED_LM_CE = HFMaskedLMCrossEntropyHead()
 
 
 def _kind_of(model: nn.Module) -> HeadKind | None:
-    """The head kind of ``model``'s class, or of the model a wrapper forwards its calls and
+    """The head kind of ``model``'s class (a masked LM's by how its forward computes the loss),
+    or of the model a wrapper forwards its calls and
     attributes to (peft's ``PeftModelForCausalLM``: ``get_base_model()``, a Hugging Face
     ``*ForCausalLM`` whose LoRA layers sit inside), or None."""
     for cls in type(model).__mro__:
@@ -253,6 +381,8 @@ def _kind_of(model: nn.Module) -> HeadKind | None:
         if kind is not None:
             if isinstance(kind, HFCausalLMHead) and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
                 return SEQ2SEQ
+            if isinstance(kind, HFCausalLMHead) and _is_masked_lm(model):
+                return MASKED_LM if "self.loss_function(" in _forward_source(model) else MASKED_LM_CE
             return kind
     base = getattr(type(model), "get_base_model", None)
     inner = base(model) if callable(base) else None
@@ -261,7 +391,7 @@ def _kind_of(model: nn.Module) -> HeadKind | None:
 
 def kind_named(name: str) -> HeadKind:
     """The `HeadKind` registered under ``name`` (`HeadSite.kind`)."""
-    known = [*KINDS.values(), SEQ2SEQ]
+    known = [*KINDS.values(), SEQ2SEQ, MASKED_LM, MASKED_LM_CE]
     for kind in known:
         if kind.name == name:
             return kind
@@ -272,12 +402,13 @@ def find_head(model: nn.Module) -> tuple[HeadSite | None, str]:
     """``(site, "")`` for a model whose head can be planned, else ``(None, why not)``."""
     kind = _kind_of(model)
     if kind is None:
-        return None, f"{type(model).__name__} is not a language model remat knows the head of (Hugging Face *ForCausalLM, the built-in GPT)"
+        return None, (f"{type(model).__name__} is not a language model remat knows the head of (Hugging Face "
+                      "*ForCausalLM, *ForMaskedLM, encoder-decoders, the built-in GPT)")
     projection = kind.projection(model)
     if projection is None:
         how = " (get_output_embeddings() returns None)" if isinstance(kind, HFCausalLMHead) else ""
         return None, (f"{type(model).__name__} names no output projection{how}: not a language model head remat "
-                      "plans (Hugging Face *ForCausalLM, the built-in GPT)")
+                      "plans (Hugging Face *ForCausalLM, *ForMaskedLM, encoder-decoders, the built-in GPT)")
     if type(projection) is not nn.Linear:
         return None, f"the output projection of {type(model).__name__} is {type(projection).__name__}, not a plain nn.Linear"
     reason = kind.refusal(model)
@@ -285,7 +416,7 @@ def find_head(model: nn.Module) -> tuple[HeadSite | None, str]:
         return None, reason
     name = next(n for n, m in model.named_modules() if m is projection)
     site = HeadSite(kind=kind.name, projection=name, labels_arg=kind.labels_arg, loss=kind.token_loss,
-                    tied=_is_tied(model, projection))
+                    tied=_is_tied(model, projection), logit_bias=kind.logit_bias(model, projection))
     return site, ""
 
 
@@ -314,16 +445,17 @@ class Captured:
 
 
 @contextlib.contextmanager
-def capture_projection(projection: nn.Module, *, run: bool) -> Iterator[Captured]:
+def capture_projection(projection: nn.Module, *, run: bool, width: int = 0) -> Iterator[Captured]:
     """While open, the projection records its input; ``run``: it computes its output as usual,
-    else it returns an empty tensor instead of the logits (which then never exist)."""
+    else it returns an empty tensor instead of the logits (which then never exist): of no rows
+    and ``width`` columns where given (a bias of that size added to it then broadcasts)."""
     captured = Captured()
     previous = projection.__dict__.get("forward")
     own = functools.partial(type(projection).forward, projection) if previous is None else previous
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         captured.hidden, captured.calls = hidden, captured.calls + 1
-        captured.output = own(hidden) if run else hidden.new_empty(0)
+        captured.output = own(hidden) if run else hidden.new_empty((0, width) if width else 0)
         return captured.output
 
     projection.forward = forward

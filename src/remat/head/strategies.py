@@ -56,9 +56,20 @@ class HeadCall:
     extra: dict[str, Any]
     """The forward's other keyword arguments, passed on to the model's loss as the model does."""
 
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The bias of the logits: the projection's, or the parameter the model adds to its
+        output (`HeadSite.logit_bias`: ESM's ``lm_head.bias``)."""
+        return self.model.get_parameter(self.site.logit_bias) if self.site.logit_bias else self.projection.bias
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits exactly as the model makes them: the projection, then the bias it adds."""
+        logits = self.projection(hidden)
+        return logits + self.model.get_parameter(self.site.logit_bias) if self.site.logit_bias else logits
+
     def model_loss(self, hidden: torch.Tensor) -> torch.Tensor:
         """The projection and the loss exactly as the model runs them."""
-        return self.kind.model_loss(self.model, self.projection(hidden), self.inputs, self.extra)
+        return self.kind.model_loss(self.model, self.logits(hidden), self.inputs, self.extra)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -120,8 +131,7 @@ class HeadChunked(HeadStrategy):
         return f"chunked:{self.chunk_tokens}"
 
     def loss(self, call: HeadCall, hidden: torch.Tensor) -> torch.Tensor:
-        weight, bias = call.projection.weight, call.projection.bias
-        return chunked_cross_entropy(hidden, weight, bias, call.inputs, call.site.loss, self.chunk_tokens)
+        return chunked_cross_entropy(hidden, call.projection.weight, call.bias, call.inputs, call.site.loss, self.chunk_tokens)
 
     def relative_tolerance(self, dtype: torch.dtype, num_tokens: int) -> float:
         """Chunking reorders the sums over tokens and reshapes the matrix products. In fp32

@@ -2,8 +2,9 @@
 
 `capture_head` runs one more forward of the model (no gradients) with the projection
 recording its input, and checks that the model's loss is bit for bit the token cross-entropy
-of the projection's output (`remat.head.loss.reference_loss`): a head that transforms its
-logits or computes another loss has no head part. `measure_head` then runs each strategy
+of the projection's output (`remat.head.loss.reference_loss`; plus the bias the model adds
+after it, `remat.head.site.HeadSite.logit_bias`): a head that transforms its logits or
+computes another loss has no head part. `measure_head` then runs each strategy
 (``keep``, ``recompute``, ``chunked:<tokens>`` for each chunk size) alone on those hidden
 states, under the live-storage tracker, forward then backward, and times them in interleaved
 rounds. The backward treats the projection's gradients as the step does: accumulated into
@@ -112,12 +113,14 @@ def capture_head(model: nn.Module, batch: Any, site: HeadSite) -> tuple[HeadCapt
                       "before the labels it was given, peft's prompt tuning's virtual tokens): the loss is not one "
                       "row's cross-entropy per label given, and the head stays in the fixed part")
     if model_device(model).type != "meta":
-        ours = reference_loss(captured.output, inputs, site.loss).detach()
+        ours = reference_loss(_biased(model, site, captured.output), inputs, site.loss).detach()
         if not torch.equal(ours, model_loss):
+            how = "next-token, labels shifted" if site.loss.shift else "the labels as given"
+            how += ", logits upcast to fp32" if site.loss.upcast else ", logits as they are"
             return None, (f"the model's loss ({float(model_loss):.9g}) is not the token cross-entropy of its "
-                          f"projection's output ({float(ours):.9g}) that remat's head computes (next-token, labels "
-                          "shifted): the model computes it another way (an encoder-decoder's unshifted labels, "
-                          "an auxiliary term, a scaling), so the head stays in the fixed part, measured as it is")
+                          f"projection's output ({float(ours):.9g}) that remat's head computes ({how}): the model "
+                          "computes it another way (an encoder-decoder's unshifted labels, an auxiliary term, a "
+                          "scaling), so the head stays in the fixed part, measured as it is")
     why = logits_returned(model, batch, site, kind, projection, rng=rng, hidden=captured.hidden)
     if why:
         return None, why
@@ -146,10 +149,22 @@ def logits_returned(model: nn.Module, batch: Any, site: HeadSite, kind: Any, pro
             captured.hidden.shape == hidden.shape and torch.equal(captured.hidden, hidden)):
         return (f"a call without {site.labels_arg!r} gives the output projection other hidden states than the call "
                 "with them (the model makes something of its labels that remat's call does not)")
-    if captured.calls == 1 and kind.logits_of(output) is captured.output:
+    logits = kind.logits_of(output)
+    if captured.calls == 1 and site.logit_bias and isinstance(logits, torch.Tensor):
+        if logits.shape == captured.output.shape and (
+                logits.device.type == "meta" or torch.equal(logits, _biased(model, site, captured.output))):
+            return ""
+        return (f"a call without {site.labels_arg!r} does not return the output projection's output plus "
+                f"{site.logit_bias} as its logits (the model transforms them otherwise)")
+    if captured.calls == 1 and logits is captured.output:
         return ""
     return (f"a call without {site.labels_arg!r} does not return the output projection's own output as its logits "
             "(the model transforms them after the projection, even if by a factor that leaves them equal)")
+
+
+def _biased(model: nn.Module, site: HeadSite, output: torch.Tensor) -> torch.Tensor:
+    """The projection's ``output`` as the model's logits: plus the site's `logit_bias`, if any."""
+    return output + model.get_parameter(site.logit_bias) if site.logit_bias else output
 
 
 def _rng_state(model: nn.Module) -> tuple:
@@ -190,7 +205,7 @@ def measure_head(capture: HeadCapture, *, post_head_bytes: int, post_rest_bytes:
 
 
 def _params(call: HeadCall) -> list[torch.Tensor]:
-    return [p for p in (call.projection.weight, call.projection.bias) if p is not None and p.requires_grad]
+    return [p for p in (call.projection.weight, call.bias) if p is not None and p.requires_grad]
 
 
 def _backward(loss: torch.Tensor, hidden: torch.Tensor, call: HeadCall) -> Any:
@@ -212,7 +227,7 @@ def _option_bytes(strategy: HeadStrategy, capture: HeadCapture) -> dict[str, int
     """Saved, held and peak bytes of one strategy's forward and backward, the hidden states counted."""
     hidden = capture.hidden.detach().requires_grad_()
     projection = capture.call.projection  # its parameters are model state, frozen or not
-    excluded = storage_keys([t for t in (projection.weight, projection.bias, capture.call.inputs.labels) if t is not None])
+    excluded = storage_keys([t for t in (projection.weight, capture.call.bias, capture.call.inputs.labels) if t is not None])
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

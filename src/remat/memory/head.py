@@ -3,8 +3,11 @@
 The same quantities `remat.measure.head` measures (`remat.measure.types.HeadOption`), as
 formulas of the head's shape, for models that do not run here (`remat.estimate`) and to check
 the measurement (``tests/head``: equal to the byte on the built-in GPT and on Hugging Face
-Llama and GPT-2). Bytes count from the head's input on: the hidden states ``T x H`` in the
-model's dtype, and every storage the head allocates; mean reduction, no projection bias.
+Llama and GPT-2; ``tests/estimate/test_text_encoders.py``: on BERT's, ModernBERT's and ESM's
+masked LMs, with their bias). Bytes count from the head's input on: the hidden states ``T x H`` in the
+model's dtype, and every storage the head allocates; mean reduction. A bias of the logits
+(a masked LM's: the projection's, or ESM's added after it) adds its gradient ``V p`` from the
+projection's backward on (``+ bias`` below, 0 without one).
 
 Symbols: ``T`` tokens (batch x sequence), ``H`` hidden size, ``V`` vocabulary, ``p`` bytes of
 the model's dtype, ``r`` bytes of the dtype the loss runs in (4 when the logits are upcast to
@@ -19,9 +22,14 @@ keep (the model's own head)::
     held          = T H p + shifted + L r + 2 r                      what nll_loss and log_softmax keep
     backward peak = T H p + 2 r + max(3 L r,                          log-probs, their gradient
                                       L r + L p  (upcast copy),       and the logits' gradient
-                                      L p + T H p + H V p,            the projection's backward
-                                      2 T H p + 2 H V p  (untied))    an untied weight's gradient
+                                      L p + T H p + H V p + bias,     the projection's backward
+                                      2 T H p + 2 H V p  (untied),    an untied weight's gradient
                                                                       copied to its own layout
+                                      L p + T H p + H V p + 2 bias)   untied with a bias: addmm's
+                                                                      backward makes the weight's
+                                                                      gradient in its layout (no
+                                                                      copy); the bias's twice
+                                                                      (RemBERT's peak holds both)
 recompute: the same forward, holding ``T H p + r``; its backward replays the forward first::
 
     backward peak = max(keep forward peak + 2 r, keep backward peak)
@@ -32,7 +40,7 @@ chunked:<c> (`remat.head.chunked`, chunks of ``c`` rows, ``C = c V``)::
                                                  the count's mask and sum; count, total, one chunk
     chunk forward = max(C p + up_c, 2 C r) + 2 r                      (up_c = C 4 when p != 4)
     held          = T H p + shifted + 4 + r                           hidden, targets, count, loss
-    backward peak = T H p + shifted + 4 + 2 r + T H p + H V p + max(C p + up_c, 2 C r, 3 C r + w, C r + C p + w)
+    backward peak = T H p + shifted + 4 + 2 r + T H p + H V p + bias + max(C p + up_c, 2 C r, 3 C r + w, C r + C p + w)
 
 (the hidden states' and the weight's gradients, written chunk by chunk; ``w = r`` when the
 mean's fp32 count is cast to a 16-bit loss dtype, else 0).
@@ -59,7 +67,7 @@ FP32_BYTES = 4
 
 @dataclass(kw_only=True, frozen=True)
 class HeadShape:
-    """The head's sizes and conventions (no projection bias; mean over the non-ignored labels)."""
+    """The head's sizes and conventions (mean over the non-ignored labels)."""
 
     batch_size: int
     """Sequences per batch."""
@@ -77,6 +85,8 @@ class HeadShape:
     """The loss shifts the labels itself (Hugging Face): padded and shifted int64 copies."""
     tied: bool
     """The weight is tied to the input embedding (its gradient is not copied at once)."""
+    bias: bool = False
+    """The logits have a bias (``V`` elements in the model's dtype), whose gradient the backward makes."""
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +117,11 @@ class HeadShape:
     def weight_bytes(self) -> int:
         return self.vocab_size * self.hidden_size * self.dtype_bytes
 
+    @property
+    def bias_bytes(self) -> int:
+        """The bias's gradient (0 without a bias)."""
+        return self.vocab_size * self.dtype_bytes if self.bias else 0
+
 
 @dataclass(kw_only=True, frozen=True)
 class HeadBytes:
@@ -131,11 +146,13 @@ def keep_bytes(shape: HeadShape) -> HeadBytes:
     logits = s.num_tokens * s.vocab_size
     forward = s.hidden_bytes + logits * s.dtype_bytes + s.upcast_copy(s.num_tokens) + s.padded_bytes \
         + s.shifted_bytes + logits * r + 2 * r
-    moments = [3 * logits * r, logits * s.dtype_bytes + s.hidden_bytes + s.weight_bytes]
+    moments = [3 * logits * r, logits * s.dtype_bytes + s.hidden_bytes + s.weight_bytes + s.bias_bytes]
     if s.upcast_copy(s.num_tokens):
         moments.append(logits * r + logits * s.dtype_bytes)
-    if not s.tied:
+    if not s.tied and not s.bias:
         moments.append(s.hidden_bytes + 2 * s.weight_bytes)
+    elif not s.tied:  # addmm's backward makes the weight's gradient in its layout: no copy (docstring)
+        moments.append(logits * s.dtype_bytes + s.hidden_bytes + s.weight_bytes + 2 * s.bias_bytes)
     return HeadBytes(held_bytes=s.hidden_bytes + s.shifted_bytes + logits * r + 2 * r, fwd_peak_bytes=forward,
                      bwd_peak_bytes=s.hidden_bytes + 2 * r + max(moments))
 
@@ -165,7 +182,7 @@ def chunked_bytes(shape: HeadShape, chunk_tokens: int) -> HeadBytes:
     forward = targets + max(s.padded_bytes, s.num_tokens + COUNT_BYTES, 2 * FP32_BYTES + chunk_fwd)
     weight = r if r != FP32_BYTES else 0  # the mean's count cast to a 16-bit loss dtype
     chunk_bwd = max(first, 2 * rows * r, 3 * rows * r + weight, rows * r + rows * s.dtype_bytes + weight)
-    backward = targets + FP32_BYTES + 2 * r + s.hidden_bytes + s.weight_bytes + chunk_bwd
+    backward = targets + FP32_BYTES + 2 * r + s.hidden_bytes + s.weight_bytes + s.bias_bytes + chunk_bwd
     return HeadBytes(held_bytes=targets + FP32_BYTES + r, fwd_peak_bytes=forward, bwd_peak_bytes=backward)
 
 
