@@ -3,7 +3,8 @@
     .venv/bin/python -m benchmarks.lm_head [--shapes small large] [--repeats 5] [--device cuda]
                                            [--json lm-head.json] [--markdown lm-head.md]
 
-Per shape, a Hugging Face Llama (shape ``t5``: T5, an encoder-decoder) built from a config (random
+Per shape, a Hugging Face Llama (shape ``t5``: T5, an encoder-decoder; shape ``modernbert``:
+ModernBERT's masked LM, 15 % of the positions labelled, the others -100) built from a config (random
 weights, AdamW, labels = the input ids, the first 16 of each sequence labelled -100), every row a whole training step (gradients
 to None, forward, loss, backward, optimizer step) from the same weights and batch:
 
@@ -46,6 +47,8 @@ from remat._files import write_atomic
 from remat.measure.profile import _Step
 from remat.measure.tracker import track_step
 from remat.models import load_target
+from remat.models.loading import move_to, resolve_device
+from remat.models.registry import BuiltModel
 from remat.plan.planners import min_peak_plan
 
 SHAPES: dict[str, dict[str, int]] = {
@@ -56,9 +59,15 @@ SHAPES: dict[str, dict[str, int]] = {
     # an encoder-decoder, T5 v1.1's vocabulary and form (2 layers in each stack): its loss over the
     # labels as given, the head planned as `remat.head.site.HFSeq2SeqLMHead`
     "t5": dict(vocab_size=32128, d_model=64, num_heads=4, num_layers=2, seq_len=256, batch_size=2),
+    # a masked LM, ModernBERT's vocabulary and form (a global attention layer every third, the others
+    # a 128-token window): its loss transformers' ForMaskedLMLoss over the masked positions, the
+    # head planned as `remat.head.site.HFMaskedLMHead`
+    "modernbert": dict(vocab_size=50368, d_model=64, num_heads=4, num_layers=3, seq_len=512, batch_size=2),
 }
-MODELS = {"t5": "hf:t5"}
-"""The built-in model of a shape (default ``hf:llama``)."""
+MODELS = {"t5": "hf:t5", "modernbert": "ModernBertForMaskedLM"}
+"""The built-in model of a shape (default ``hf:llama``; ``ModernBertForMaskedLM`` is built here, `_masked_lm`)."""
+MASKED_SHARE = 0.15
+"""Masked LM shapes: the share of positions labelled (BERT's masking); the others are -100."""
 IGNORED_PREFIX = 16
 """Labels set to -100 at the start of each sequence (a prompt the loss leaves out)."""
 BUDGET_SHARE = 0.6
@@ -89,9 +98,32 @@ class _Variant:
 
 
 def _built(shape: str, device: str | None) -> Any:
+    if MODELS.get(shape) == "ModernBertForMaskedLM":
+        return _masked_lm(shape, device)
     built = load_target(MODELS.get(shape, "hf:llama"), seed=0, device=device, **SHAPES[shape])
     built.batch["labels"][:, :IGNORED_PREFIX] = -100
     return built
+
+
+def _masked_lm(shape: str, device: str | None) -> BuiltModel:
+    """ModernBERT's masked LM at ``shape`` (ModernBERT-large's tokens and attention pattern, its
+    feed-forward 2.56x the width), random weights from seed 0; `MASKED_SHARE` of the labels kept."""
+    import transformers
+
+    sizes = SHAPES[shape]
+    config = transformers.ModernBertConfig(
+        vocab_size=sizes["vocab_size"], hidden_size=sizes["d_model"], num_hidden_layers=sizes["num_layers"],
+        num_attention_heads=sizes["num_heads"], intermediate_size=int(2.5625 * sizes["d_model"]),
+        max_position_embeddings=max(8192, sizes["seq_len"]), global_attn_every_n_layers=3, local_attention=128,
+        pad_token_id=50283, bos_token_id=50281, eos_token_id=50282, cls_token_id=50281, sep_token_id=50282)
+    torch.manual_seed(0)
+    model = transformers.ModernBertForMaskedLM(config).train()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50280, (sizes["batch_size"], sizes["seq_len"]), generator=g)
+    labels = torch.where(torch.rand(ids.shape, generator=g) < MASKED_SHARE, ids, -100)
+    built = BuiltModel(model=model, batch={"input_ids": ids, "labels": labels}, loss_fn=None,
+                       optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), name="ModernBertForMaskedLM")
+    return built if device is None else move_to(built, resolve_device(device))
 
 
 def _variant(shape: str, device: str | None, name: str, prepare: Callable[[Any], str]) -> _Variant:
