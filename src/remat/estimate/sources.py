@@ -221,8 +221,14 @@ def hf_config_and_part(source: ModelSource) -> tuple[Any, str]:
         if not isinstance(data, dict) or "model_type" not in data:
             raise ValueError(f"{str(path)!r} has no 'model_type'; a Hugging Face config.json names it (e.g. \"llama\").")
         where = f"config {str(path)!r}"
-        config, part = language_model_config(_make_config(where, data.pop("model_type"), data), where)
-        check_sizes(_config_sizes(config), where)
+        made = _make_config(where, data.pop("model_type"), data)
+        if two_towers(made) is not None:  # CLIP, SigLIP: each tower checked by its own sizes
+            config = made
+            for tower in two_towers(made):
+                check_sizes(_config_sizes(getattr(made, tower)), f"{where} ({tower})")
+        else:
+            config, part = language_model_config(made, where)
+            check_sizes(_config_sizes(config), where)
     else:
         config = _make_config(f"--hf {source.hf_family}", source.hf_family, _family_kwargs(source))
         # a size left out takes the family's default (Mistral: 8 key/value heads), which must fit the rest
@@ -331,6 +337,21 @@ def stack_layers(config: Any) -> tuple[int, int]:
         f"{type(config).__name__} (model_type {config.model_type!r}) is an encoder-decoder whose layer counts the "
         f"estimate does not find (it reads {', '.join(f'{e} / {d}' for e, d in _STACK_KEYS)}): estimate it from a "
         "file.py:build that builds the whole model (--model path/to/file.py:build).")
+
+
+def two_towers(config: Any) -> tuple[str, str] | None:
+    """The sub-configs of a two-tower model trained contrastively (CLIP, SigLIP, AltCLIP, Chinese
+    CLIP: a type with a zero-shot image classifier, a ``vision_config`` and a ``text_config`` each
+    with its layers in ``num_hidden_layers``), as ``("vision_config", "text_config")``; None for any
+    other config."""
+    import transformers
+
+    zero_shot = transformers.models.auto.modeling_auto.MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES
+    towers = ("vision_config", "text_config")
+    if config.model_type not in zero_shot or not all(
+            isinstance(_config_value(_config_value(config, t), "num_hidden_layers"), int) for t in towers):
+        return None
+    return towers
 
 
 def speech_ctc(config: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -473,6 +494,15 @@ def build_hf_on_meta(config: Any, *, layers: int, dtype: torch.dtype) -> nn.Modu
         model.train()
         return model
     causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if two_towers(config) is not None:  # ``layers`` in each tower (fewer where it has fewer)
+        config = copy.deepcopy(config)
+        for tower in two_towers(config):
+            sub = getattr(config, tower)
+            sub.num_hidden_layers = min(layers, sub.num_hidden_layers)
+        with torch.device("meta"):
+            model = transformers.AutoModel.from_config(config, dtype=dtype)
+        model.train()
+        return model
     if speech_ctc(config) is not None:
         config = copy.deepcopy(config)
         config.num_hidden_layers = layers
@@ -509,6 +539,12 @@ def hf_batch(config: Any, *, micro_batch: int, seq_len: int, device: str | torch
     (an encoder-decoder's into its decoder's input: both stacks run ``seq_len`` tokens). A speech
     encoder-decoder (`speech_features`) takes its spectrogram (in ``dtype``) instead of the ids, an
     image encoder (`is_image_encoder`) its images at the config's size and a class per image."""
+    if two_towers(config) is not None:  # the contrastive loss over the batch's image-text pairs
+        channels = _config_value(config.vision_config, "num_channels") or 3
+        size = config.vision_config.image_size
+        return {"input_ids": torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device),
+                "pixel_values": torch.zeros(micro_batch, channels, size, size, dtype=dtype, device=device),
+                "return_loss": True}
     if speech_ctc(config) is not None:  # the loss is `ctc_loss_fn`'s
         return {"input_values": torch.zeros(micro_batch, audio_samples(config, seq_len), dtype=dtype, device=device)}
     if is_image_encoder(config):

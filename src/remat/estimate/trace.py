@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import os
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from remat.estimate.comms import ModelFacts
-from remat.estimate.dataflow import Classified, classify
+from remat.estimate.dataflow import GAP, Classified, classify
 from remat.estimate.kernels import CpuKernels, GpuKernels, no_packed_sequence_check, register_meta_ctc_backward
 from remat.estimate.shares import Flow, Split, split_by_tokens, untokenized
 from remat.estimate.head import TracedHead, find_traced_head
@@ -42,7 +43,7 @@ from remat.estimate.sharding import ModelParams, RoleShapes
 from remat.estimate.sources import (CTC_FRAMES_PER_TARGET, ModelSource, audio_samples, build_hf_on_meta,
                                     check_num_layers, ctc_loss_fn, hf_batch, hf_config_and_part,
                                     image_input, is_encoder_decoder, is_image_encoder, is_masked_lm, num_layers,
-                                    speech_ctc, speech_features, stack_layers)
+                                    speech_ctc, speech_features, stack_layers, two_towers)
 from remat.measure.blocks import find_blocks
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.types import Profile
@@ -186,8 +187,9 @@ class Traced:
         after: dict[int, list[str]] = {}
         for name in outside:
             segments = classified.used_in.get(name, frozenset())
-            if segments and all(s.startswith("layer:") for s in segments):
-                traced = max(int(s.split(":", 1)[1]) for s in segments) + 1
+            # run after layer k's forward ("layer:k") or before layer k's, between two stacks ("gap:k")
+            if segments and all(s.startswith(("layer:", GAP)) for s in segments):
+                traced = max(int(s.split(":", 1)[1]) + (1 if s.startswith("layer:") else 0) for s in segments)
                 if traced in self.layer_kinds:
                     after.setdefault(self.layer_kinds.index(traced), []).append(name)
         return tuple((layer, _role_shapes(names, self.param_shapes, classified.roles))
@@ -275,9 +277,11 @@ def trace_profile(model: nn.Module, batch: Any, loss_fn: Any = None, *, gpu_kern
 
 
 def _tracer(model: nn.Module, batch_at: Callable[[int], Any], loss_fn: Any, fused: bool,
-            plan: Mapping[str, str] | None, stack_ends: frozenset[int] = frozenset()
-            ) -> Callable[[int], tuple[Profile, Classified]]:
-    blocks = find_blocks(model)
+            plan: Mapping[str, str] | None, stack_ends: frozenset[int] = frozenset(),
+            blocks: list[tuple[str, nn.Module]] | None = None) -> Callable[[int], tuple[Profile, Classified]]:
+    """The tracer of ``model``; ``blocks``: its blocks in the order its forward runs them (default
+    `find_blocks`'s, the modules' order, which is the running order but for two towers)."""
+    blocks = blocks if blocks is not None else find_blocks(model)
 
     def trace(micro_batch: int) -> tuple[Profile, Classified]:
         batch = batch_at(micro_batch)
@@ -324,8 +328,9 @@ def _raised_in_remat(error: BaseException) -> bool:
 
 
 def _describe(label: str, model: nn.Module, tracer: Callable[[int], tuple[Profile, Classified]],
-              kinds: tuple[int, ...], seq_len: int | None, **extra: Any) -> Traced:
-    blocks = find_blocks(model)
+              kinds: tuple[int, ...], seq_len: int | None, blocks: list[tuple[str, nn.Module]] | None = None,
+              **extra: Any) -> Traced:
+    blocks = blocks if blocks is not None else find_blocks(model)
     head, note = find_traced_head(model, seq_len)
     last = blocks[-1][1]
     return Traced(
@@ -476,6 +481,8 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
         return _trace_encoder_decoder(source, config, seq_len=seq_len, dtype=dtype, fused=fused)
     if speech_ctc(config) is not None:
         return _trace_speech_encoder(source, config, seq_len=seq_len, dtype=dtype, fused=fused)
+    if two_towers(config) is not None:
+        return _trace_two_towers(source, config, seq_len=seq_len, dtype=dtype, fused=fused)
     image = image_input(config) if is_image_encoder(config) else None
     stages = next((name for name in ("depths", "hidden_sizes", "embed_dim_multipliers")
                    if isinstance(getattr(config, name, None), (list, tuple))), None)
@@ -706,6 +713,71 @@ def _trace_speech_encoder(source: ModelSource, config: Any, *, seq_len: int, dty
     described = replace(described, param_shapes=_outside_from(described, whole))
     _check_copies(described, whole)
     return described
+
+
+def _run_order(model: nn.Module, batch: Mapping[str, Any]) -> list[tuple[str, nn.Module]]:
+    """The model's blocks in the order a forward on the meta device first calls them (CLIP runs its
+    vision tower first, though its text tower comes first among its modules)."""
+    blocks = find_blocks(model)
+    called: list[int] = []
+    handles = [module.register_forward_pre_hook(lambda *_, i=i: called.append(i)) for i, (_, module) in enumerate(blocks)]
+    try:
+        with torch.no_grad(), no_packed_sequence_check():
+            model(**batch)
+    except _MODEL_ERRORS as error:
+        raised = _untraceable(model, error)
+        if raised is error:
+            raise
+        raise raised from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    order = list(dict.fromkeys(called))
+    return [blocks[i] for i in order] + [b for i, b in enumerate(blocks) if i not in set(order)]
+
+
+def _trace_two_towers(source: ModelSource, config: Any, *, seq_len: int, dtype: torch.dtype, fused: bool) -> Traced:
+    """A two-tower model trained contrastively (`remat.estimate.sources.two_towers`: CLIP, SigLIP):
+    transformers' model with its contrastive loss (``return_loss``) over a batch of images at the
+    vision config's size and texts of ``seq_len`` tokens, three layers per tower traced as an
+    encoder-decoder's stacks are (`encoder_decoder_kinds`), the towers in the order the forward runs
+    them; what runs between them counts once, before the layers."""
+    towers = {name: getattr(config, name) for name in two_towers(config)}
+    counts = {name: sub.num_hidden_layers for name, sub in towers.items()}
+    for name, sub in towers.items():
+        check_num_layers(counts[name], f"{source.label} ({name})")
+        if traced_layer_values(sub, counts[name]):
+            raise ValueError(f"{source.label}: the {name} tower's layers are of several kinds; the estimate copies one "
+                             "layer per tower. Estimate it from a file.py:build that builds the whole model "
+                             "(--model path/to/file.py:build).")
+    per_tower = max(min(3, max(counts.values())), 1)
+    model = _build(source, config, per_tower, dtype, f"{per_tower} layers per tower, then copied")
+    batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len, dtype=dtype)  # noqa: E731
+    vision = model.vision_model if isinstance(getattr(model, "vision_model", None), nn.Module) else None
+    _check_positions(model, source.label, seq_len, skip=vision)
+    blocks = _run_order(model, batch_at(1))
+    vision_blocks = {id(m) for m in vision.modules()} if vision is not None else set()
+    first_is_vision = id(blocks[0][1]) in vision_blocks
+    first, second = (("vision_config", "text_config") if first_is_vision else ("text_config", "vision_config"))
+    traced_first = sum(1 for _, m in blocks if (id(m) in vision_blocks) == first_is_vision)
+    if traced_first != min(per_tower, counts[first]) or len(blocks) != traced_first + min(per_tower, counts[second]):
+        raise ValueError(
+            f"{source.label}: remat finds {len(blocks)} blocks in {type(model).__name__} built with {per_tower} layers "
+            f"per tower ({', '.join(n for n, _ in blocks[:8])}); the estimate copies each tower's layers and needs them "
+            "found as its blocks. Estimate it from a file.py:build that builds the whole model "
+            "(--model path/to/file.py:build).")
+    _, kinds, checked = encoder_decoder_kinds(counts[first], counts[second], per_tower)
+    tracer = _tracer(model, batch_at, None, fused, None, stack_ends=frozenset({traced_first - 1}), blocks=blocks)
+    text, image = towers["text_config"], towers["vision_config"]
+    heads = math.gcd(int(getattr(text, "num_attention_heads", 0) or 0), int(getattr(image, "num_attention_heads", 0) or 0))
+    size = image.image_size
+    label = (f"{source.label} (two towers, trained contrastively: {counts['vision_config']} vision layers over "
+             f"{size} x {size} images and {counts['text_config']} text layers over --seq tokens, the "
+             f"{first.split('_')[0]} tower first)")
+    traced = _describe(label, model, tracer, kinds, seq_len, blocks=blocks, shape=ModelShape(heads=heads, kv_heads=heads),
+                       encoder_layers=counts[first], checked=checked, outside_grads_between=True)
+    _check_copies(traced, _build(source, config, max(counts.values()), dtype, "whole, to count its parameters"))
+    return traced
 
 
 def _check_copies(traced: Traced, whole: nn.Module) -> None:
