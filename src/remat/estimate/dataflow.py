@@ -85,6 +85,10 @@ class _Call:
     split: bool
     expert: bool
     linear: bool
+    outs: tuple[int, ...] = ()
+    """Ids of every storage among its outputs, made or written in place."""
+    params: tuple[str, ...] = ()
+    """The parameters it reads."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -100,6 +104,11 @@ class Classified:
     split_widths: Mapping[str, int]
     """Linear weight name -> the width tensor parallelism divides (a column-parallel output's,
     a row-parallel input's features)."""
+    gradless: frozenset[str] = frozenset()
+    """Parameters the step gives no gradient: frozen ones (``requires_grad=False``: RoFormer's
+    sinusoidal position table), those no op reads (NeoMME's image patch embeddings, in a step over
+    text) and those whose reading ops' outputs the loss is not computed from (BERT's pooler, in a
+    masked LM's step): `_reaching_loss`."""
 
 
 @dataclass
@@ -145,13 +154,15 @@ class _Tracer(TorchDispatchMode):
             st.used_in.setdefault(p, set()).add(st.segment)
         out_split = self._out_split(name, inputs, params, in_split, out)
         made = self._made(inputs, out, out_split)
+        outs = tuple(i for i in (self._id(t) for t in flat_tensors((out,))) if i is not None)
         index = len(st.calls)
         for i in reads:
             if i in st.storages:
                 st.storages[i].last_read = index
         st.calls.append(_Call(index=index, name=name, segment=st.segment, reads=reads, made=made,
                               flops=op_flops(func, args, kwargs, out), split=out_split or in_split,
-                              expert=st.expert_depth > 0, linear=bool(params) and name in LINEAR_OPS))
+                              expert=st.expert_depth > 0, linear=bool(params) and name in LINEAR_OPS,
+                              outs=outs, params=tuple(params)))
 
     def _out_split(self, name: str, inputs: list, params: list[str], in_split: bool, out: Any) -> bool:
         st = self.state
@@ -316,8 +327,9 @@ def classify(model: nn.Module, batch: Any, blocks: list[tuple[str, nn.Module]], 
         return t
 
     with _hooks(model, blocks, state, stack_ends), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with _Tracer(state, params, excluded, plan or {}):
-            compute_loss(call_model(model, batch), batch, loss_fn)
+        with _Tracer(state, params, excluded, plan or {}) as tracer:
+            loss = compute_loss(call_model(model, batch), batch, loss_fn)
+            loss_id = tracer._id(loss) if isinstance(loss, torch.Tensor) else None
     skipped = [name for i, (name, _) in enumerate(blocks) if f"layer:{i}" not in state.inputs]
     if skipped:
         raise ValueError(f"{type(model).__name__}'s traced step did not run its layer(s) {', '.join(skipped)} (skipped "
@@ -329,9 +341,31 @@ def classify(model: nn.Module, batch: Any, blocks: list[tuple[str, nn.Module]], 
                 state.roles[p] = "expert"
     _one_vocabulary_table(state, dict(model.named_parameters()))
     roles = {n: state.roles.get(n, "whole") for n, _ in model.named_parameters()}
+    if loss_id is not None:
+        reached, live = _reaching_loss(state, loss_id)
+        # what only ops the loss is not computed from save dies with their graph, as the forward drops
+        # their outputs (BERT's pooler, in a masked LM's step): no backward holds it
+        state.saved = {i: segment for i, segment in state.saved.items() if i in live}
+    else:
+        reached = set(roles)
+    gradless = frozenset(n for n, p in model.named_parameters() if not p.requires_grad or n not in reached)
     flow = _flow(state, len(blocks), frozenset({0} | {e + 1 for e in stack_ends}) if stack_ends else frozenset())
     return Classified(flow=flow, roles=roles, used_in={k: frozenset(v) for k, v in state.used_in.items()},
-                      split_widths=dict(state.widths))
+                      split_widths=dict(state.widths), gradless=gradless)
+
+
+def _reaching_loss(state: _State, loss: int) -> tuple[set[str], set[int]]:
+    """(the parameters read by an op the loss is computed from, the storages such an op reads or
+    outputs), through the ops' outputs back to their inputs (an op writing in place into a storage
+    that is needed counts). An op that reads a tensor without passing its gradient (``zeros_like``,
+    an index) counts too: a bound."""
+    needed, reached, live = {loss}, set(), {loss}
+    for call in reversed(state.calls):
+        if needed.intersection(call.outs):
+            needed.update(call.reads)
+            reached.update(call.params)
+            live.update(call.reads, call.outs)
+    return reached, live
 
 
 __all__ = ["Classified", "FUSED_ATTENTION_OPS", "ROLES", "classify", "is_experts_module", "plan_role"]
@@ -403,28 +437,51 @@ def _flow(state: _State, num_layers: int, starts: frozenset[int] = frozenset()) 
     encoder-decoder's): a tensor a stack's first layer makes for the later ones is held by that
     layer (`_held_by`), in its saved bytes where autograd saves it and in what its checkpoint
     keeps (``extra`` input bytes); one autograd never saves (T5's position bias) is kept only by
-    the checkpoints: input bytes, not saved ones."""
+    the checkpoints: input bytes, not saved ones.
+
+    What the part before the layers counts for the layers is told apart by the layer whose backward
+    frees it (``released``: the first to save it or take it, the one after the code between two
+    stacks; ``released_unsaved``: what no op saves, which nothing but a checkpoint holds past the
+    forward), and so is what of it each layer's own measured working set counts too (it saves it
+    first, or takes it first: ``first_saved_bytes``, ``first_entry_bytes``, ``first_alone_bytes``)."""
     core_calls, core_storages = _core(state.calls, state)
     saved: dict[str, dict[str, float]] = {}
     extra: dict[str, float] = {}
+    released: dict[str, dict[str, float]] = {}  # of PRE's saved bytes, what each layer's backward frees, by bucket
+    unsaved: dict[str, dict[str, float]] = {}  # of those, what no op saves
+    first: dict[str, dict[str, float]] = {}  # per layer, what PRE counts of its measured working set, by where
     own_input = {seg: hidden for seg, (hidden, _) in state.inputs.items()}
     for ident, segment in state.saved.items():
         s = state.storages[ident]
         holder = _held_by(s.segment, segment, starts) if segment != POST else None
+        bucket = _bucket(ident in core_storages, s.split, s.expert, s.unsharded)
         if holder is not None and own_input.get(segment) != ident:
             segment = holder
             extra[holder] = extra.get(holder, 0.0) + s.nbytes
         elif segment.startswith(GAP) or (segment.startswith("layer:") and s.segment != segment
                                          and own_input.get(segment) != ident):
+            if segment.startswith("layer:"):
+                _add(first, segment, "saved", s.nbytes)
+            # freed by the backward of the first layer saving it, or of the one after the code between two stacks
+            _add(released, segment.replace(GAP, "layer:"), bucket, s.nbytes)
             segment = PRE  # made before this layer and not its own input: shared by the layers
-        _add(saved, segment, _bucket(ident in core_storages, s.split, s.expert, s.unsharded), s.nbytes)
-    shared = {i for _, others in state.inputs.values() for i in others if i not in state.saved}
-    for ident in shared:
+        _add(saved, segment, bucket, s.nbytes)
+    order = sorted(state.inputs, key=lambda name: int(name.removeprefix("layer:")))
+    takers: dict[int, list[str]] = {}
+    for name in order:
+        for ident in state.inputs[name][1]:
+            if ident not in state.saved:
+                takers.setdefault(ident, []).append(name)
+    for ident, names in takers.items():
+        nbytes = state.storages[ident].nbytes
         holder = _held_by(state.storages[ident].segment, "", starts)
         if holder is None:
-            _add(saved, PRE, "whole", state.storages[ident].nbytes)
+            _add(saved, PRE, "whole", nbytes)
+            _add(released, names[0], "whole", nbytes)
+            _add(unsaved, names[0], "whole", nbytes)
+            _add(first, names[0], "entry" if len(names) > 1 else "alone", nbytes)
         else:
-            extra[holder] = extra.get(holder, 0.0) + state.storages[ident].nbytes
+            extra[holder] = extra.get(holder, 0.0) + nbytes
     flops: dict[str, dict[str, float]] = {}
     moved: dict[str, float] = {}
     for c in state.calls:
@@ -437,6 +494,10 @@ def _flow(state: _State, num_layers: int, starts: frozenset[int] = frozenset()) 
         hidden = own_input.get(name)
         return Segment(saved=Share(**saved.get(name, {})), flops=Share(**flops.get(name, {})),
                        input_bytes=(state.storages[hidden].nbytes if hidden is not None else 0) + extra.get(name, 0.0),
-                       kept_bytes=extra.get(name, 0.0), core_moved_bytes=moved.get(name, 0.0))
+                       kept_bytes=extra.get(name, 0.0), core_moved_bytes=moved.get(name, 0.0),
+                       first_saved_bytes=first.get(name, {}).get("saved", 0.0),
+                       first_entry_bytes=first.get(name, {}).get("entry", 0.0),
+                       first_alone_bytes=first.get(name, {}).get("alone", 0.0),
+                       released=Share(**released.get(name, {})), released_unsaved=Share(**unsaved.get(name, {})))
 
     return Flow(pre=segment(PRE), layers=tuple(segment(f"layer:{i}") for i in range(num_layers)), post=segment(POST))

@@ -15,7 +15,8 @@ The strategies (`LAYER_STRATEGIES`, a registry keyed by name):
   FLOPs, and at least writing its outputs at memory bandwidth); with a fused attention kernel
   the internals are its log-sum-exp only;
 - ``full``: only the layer's own input (split along the sequence under sequence parallelism,
-  as Megatron-LM stores it), its whole forward replayed in backward;
+  as Megatron-LM stores it), its whole forward replayed in backward (its working set as a replay
+  that stops at its last saved tensor needs, torch's ``early_stop``);
 - ``offload``: nothing stays on the device between the forward and the backward; the saved
   bytes go to host memory and back over the host link, none of the transfer hidden.
 """
@@ -106,6 +107,9 @@ class LayerCost:
     """Bytes sent to host memory and fetched back."""
     replays_forward: bool = False
     """The whole forward runs again in backward (its collectives too)."""
+    holds_inputs: bool = False
+    """A checkpoint holds the layer's arguments to its backward, the shared tensors made before
+    the layers that no op saves (a mask) among them (`remat.estimate.stage`)."""
 
 
 def _none(layer: LayerOnGpu) -> LayerCost:
@@ -114,12 +118,13 @@ def _none(layer: LayerOnGpu) -> LayerCost:
 
 def _selective(layer: LayerOnGpu) -> LayerCost:
     return LayerCost(retained_bytes=layer.saved_bytes - layer.core_bytes, working_bytes=layer.working_bytes,
-                     extra_flops=layer.core_flops, extra_moved_bytes=layer.core_moved_bytes)
+                     extra_flops=layer.core_flops, extra_moved_bytes=layer.core_moved_bytes,
+                     holds_inputs=bool(layer.core_bytes or layer.core_flops))
 
 
 def _full(layer: LayerOnGpu) -> LayerCost:
     return LayerCost(retained_bytes=layer.input_bytes, working_bytes=layer.replay_working_bytes,
-                     extra_flops=layer.fwd_flops, replays_forward=True)
+                     extra_flops=layer.fwd_flops, replays_forward=True, holds_inputs=True)
 
 
 def _offload(layer: LayerOnGpu) -> LayerCost:

@@ -123,12 +123,26 @@ class Pricing:
         return Stage(
             index=index, first=first, last=last, state=self.state(index), layers=layers,
             pre_bytes=pre[0], pre_working_bytes=pre[1], pre_forward_peak_bytes=pre_forward,
+            pre_released=self._released(micro_batch, kinds) if first else (),
             post_saved_bytes=post[0] if last else 0.0, post_working_bytes=post[1] if last else 0.0,
             post_flops=post[2] if last else 0.0, post_replay_flops=post[3], post_moved_bytes=post[4],
             in_flight=par.in_flight(self.micro_batches) if first else 1.0,
             buffer_bytes=2 * layers[-1].hidden_bytes / par.sequence_divisor if par.pipeline > 1 and layers else 0.0,
             optimizer_temp_bytes=self._step_temp_bytes(self.state(index)), **self._grads(index),
         )
+
+    def _released(self, micro_batch: int, kinds: list[int]) -> tuple[tuple[float, float], ...]:
+        """Per layer of the first stage, (bytes, of them no op saves) of the part before the layers
+        that its backward frees (`remat.estimate.shares.Segment.released`): what a traced layer
+        frees, the first layer copying it (or its twin, the traced layer after it) frees; what a
+        traced layer no layer of the stage copies frees, the stage's first layer (a bound)."""
+        split, par = self.split(micro_batch), self.parallelism
+        out = [[0.0, 0.0] for _ in kinds]
+        for traced, (per, const) in enumerate(zip(split.per_token.layers, split.constant.layers)):
+            where = next((kinds.index(k) for k in (traced, traced + 1) if k in kinds), 0)
+            out[where][0] += per_gpu(per.released, const.released, par)
+            out[where][1] += per_gpu(per.released_unsaved, const.released_unsaved, par)
+        return tuple((a, b) for a, b in out)
 
     def _post(self, micro_batch: int) -> tuple[float, float, float, float, float]:
         """(saved bytes, working bytes, FLOPs, replayed FLOPs, moved bytes) of the part after the layers on one
@@ -208,7 +222,7 @@ class Pricing:
         layers = [params.layers[i] for i in stage_layers(self.traced.num_layers, par.pipeline, index)]
         grads = [float(part_grad_bytes(x, par, self.recipe)) for x in layers]
         pre = float(sum(part_grad_bytes(x, par, self.recipe) for x in (params.pre, params.tied)))
-        for layer, shapes in self.traced.between_grads:  # made after that layer's backward, not the pre part's
+        for layer, shapes in self.traced.gap_grads + self.traced.between_grads:  # made after that layer's backward
             between = float(part_grad_bytes(shapes, par, self.recipe))
             grads[layer] += between
             pre -= between

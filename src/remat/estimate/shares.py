@@ -97,6 +97,28 @@ class Segment:
     """The part before the layers: the peak of its forward above the model state
     (`remat.measure.types.Profile.fixed_pre_fwd_bytes`: what it saves and its temporaries, such as
     TAPAS's table-cell positions)."""
+    released: Share = Share()
+    """A layer: of the part before the layers' saved bytes, what this layer's backward frees: the
+    tensors made before it that it is the first layer to save or to take (a mask, an encoder's
+    output its cross-attention saves), and what the code between two stacks that runs before it
+    saved (a decoder's embeddings). Live from the forward to the end of that backward; the part's
+    own backward, after every layer's, holds none of it."""
+    released_unsaved: Share = Share()
+    """Of ``released``, the tensors no op saves (a mask the attention kernel reads): nothing holds
+    them past the forward but a layer's checkpoint (`remat.plan.predict.dead_shared_bytes`)."""
+    first_saved_bytes: float = 0
+    """A layer: of the saved bytes its trace measured (`remat.measure.types.BlockProfile.saved_bytes`,
+    in its working sets), the shared tensors it is the first layer to save, counted in the part
+    before the layers (in ``released``): a mask every layer saves, in a text encoder's first layer,
+    traced apart."""
+    first_entry_bytes: float = 0
+    """A layer: the shared tensors no op saves that it takes first and a later layer takes too,
+    counted in the part before the layers and in its measured entry bytes (in its working sets,
+    `remat.measure.types.BlockProfile.shared_entry_bytes`)."""
+    first_alone_bytes: float = 0
+    """A layer: the shared tensors no op saves that it alone takes, counted in the part before the
+    layers and in what its checkpoint holds as measured (in its replay's working set,
+    `remat.measure.types.BlockProfile.unsaved_input_bytes`)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -7,12 +7,14 @@ Memory, with ``n`` the micro-batches in flight (`Parallelism.in_flight`):
     head     = state_head + n pre + sum_i retained_i + post saved + post working   (last stage)
     optimizer= state + optimizer step temporaries
     pre fwd  = state without gradients + (n - 1) (pre + sum_i retained_i) + pre forward peak   (first stage)
-    pre bwd  = state_pre + pre + pre working   (first stage, after every layer's backward)
+    pre bwd  = state_pre + pre own + pre working   (first stage, after every layer's backward)
     peak     = the largest
 
 as `remat.plan.predict` prices a chain (../docs/memory-model.md), with shared tensors made
-before the layers counted once in ``pre``. ``buffers``: the pipeline's send and receive buffers
-(one output activation each way). Gradients: with one micro-batch per step and no pipeline,
+before the layers counted once in ``pre``: each until the backward of the first layer that saves
+or takes it is over (``pre own``: what the part saved itself), one no op saves (a mask) past the
+forward only while a layer's checkpoint holds it (`Stage.pre_released`). ``buffers``: the
+pipeline's send and receive buffers (one output activation each way). Gradients: with one micro-batch per step and no pipeline,
 PyTorch's gradients (set to None between steps) appear as the backward makes them, as the
 planner counts them (`remat.plan.predict.grad_bytes_live`): none at the head's backward, at
 layer i's those of the layers after it (its own are among its working bytes); with several
@@ -57,6 +59,10 @@ class Stage:
     """The peak of the forward before the layers, above the model state (first stage)."""
     pre_working_bytes: float = 0.0
     """The backward temporaries of the part before the layers (first stage)."""
+    pre_released: tuple[tuple[float, float], ...] = ()
+    """Per layer (first stage), what of ``pre_bytes`` its backward frees, and of that what no op
+    saves, which only a layer's checkpoint holds past the forward (`remat.estimate.shares.Segment.released`;
+    empty: all of it held to the part's own backward)."""
     post_saved_bytes: float
     """Saved by the head and loss (last stage)."""
     post_working_bytes: float
@@ -108,25 +114,39 @@ def stage_peak(stage: Stage, costs: Sequence[LayerCost]) -> StagePeak:
     base = state - stage.state.grad_bytes
     n = stage.in_flight
     retained = sum(c.retained_bytes for c in costs)
-    held = n * (stage.pre_bytes + retained)
+    # what the part before the layers holds for the layers (`Stage.pre_released`): of what no op
+    # saves, past the forward, only what a checkpoint of a layer from its first taker on holds; in the
+    # backward of layer i, none of what the layers after i freed, and of what no op saves, what a
+    # checkpoint of a layer from its first taker to i holds
+    released = [(f, b, u) for f, (b, u) in enumerate(stage.pre_released) if b or u]
+    latest, last_holder = [], -1  # per layer i, the last layer up to i whose checkpoint holds its arguments
+    for i, cost in enumerate(costs):
+        last_holder = i if cost.holds_inputs else last_holder
+        latest.append(last_holder)
+    idle = sum(u for f, _, u in released if not latest or latest[-1] < f)
+    held = n * (stage.pre_bytes - idle + retained)
     moments = [StagePeak(peak_bytes=state + stage.optimizer_temp_bytes, phase="optimizer", held_bytes=0.0,
                          working_bytes=stage.optimizer_temp_bytes)]
     freed = 0.0
     for i in range(len(costs) - 1, -1, -1):
         freed += costs[i].retained_bytes
+        gone = sum(b if f > i else u if latest[i] < f else 0.0 for f, b, u in released)
+        now = held + idle - gone - freed
         on_top = costs[i].working_bytes + stage.buffer_bytes
-        moments.append(StagePeak(peak_bytes=base + stage.grads_live(i) + held - freed + on_top, phase="layers",
-                                 held_bytes=held - freed, working_bytes=on_top))
+        moments.append(StagePeak(peak_bytes=base + stage.grads_live(i) + now + on_top, phase="layers",
+                                 held_bytes=now, working_bytes=on_top))
     if stage.first and (stage.pre_forward_peak_bytes or stage.pre_working_bytes):
         # the forward before the layers, the micro-batches in flight before this one held: gradients
         # none yet where the backward makes them, else all of them
-        earlier = (n - 1) * (stage.pre_bytes + retained)
+        earlier = (n - 1) * (stage.pre_bytes - idle + retained)
         grads = 0.0 if stage.layer_grad_bytes else float(stage.state.grad_bytes)
         moments.append(StagePeak(peak_bytes=base + grads + earlier + stage.pre_forward_peak_bytes,
                                  phase="pre-forward", held_bytes=earlier, working_bytes=stage.pre_forward_peak_bytes))
-        # its backward, after every layer's: every gradient but its own, what it saved
-        moments.append(StagePeak(peak_bytes=base + stage.grads_live(-1) + stage.pre_bytes + stage.pre_working_bytes,
-                                 phase="pre-backward", held_bytes=stage.pre_bytes, working_bytes=stage.pre_working_bytes))
+        # its backward, after every layer's: every gradient but its own, what it saved (not what the
+        # layers' backwards freed)
+        own = stage.pre_bytes - sum(b for _, b, _ in released)
+        moments.append(StagePeak(peak_bytes=base + stage.grads_live(-1) + own + stage.pre_working_bytes,
+                                 phase="pre-backward", held_bytes=own, working_bytes=stage.pre_working_bytes))
     if stage.last:
         head = stage.post_saved_bytes + stage.post_working_bytes
         moments.append(StagePeak(peak_bytes=base + stage.grads_live(None) + held + head, phase="head", held_bytes=held,
