@@ -1,11 +1,12 @@
 """`remat estimate` on encoders against the measured step: text encoders (masked LMs), plain vision
-transformers (image classifiers) and speech encoders trained with CTC, each type of transformers
+transformers (image classifiers), two-tower models trained contrastively (CLIP, SigLIP) and speech
+encoders trained with CTC, each type of transformers
 built from a tiny config (hidden 64, 4 layers, random weights), estimated on the meta device with
 the CPU's kernels in fp32, and profiled whole on the CPU with AdamW; the table gives the estimate's
 peak over `remat.plan`'s prediction from that profile (equal to the measured peak) for no
 recomputation and for every block recomputed, or the estimate's refusal.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python -m benchmarks.estimate_encoders [--kinds text image speech]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python -m benchmarks.estimate_encoders [--kinds text image towers speech]
         [--types bert vit ...]
 """
 
@@ -34,6 +35,10 @@ IMAGE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, interme
 SPEECH = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, vocab_size=32,
               conv_dim=[32, 32, 32], conv_kernel=[10, 3, 2], conv_stride=[5, 2, 2], num_conv_pos_embeddings=16,
               num_conv_pos_embedding_groups=4, layerdrop=0.0, mask_time_prob=0.05)
+TOWERS = dict(text_config=dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128,
+                               vocab_size=96, max_position_embeddings=64),
+              vision_config=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+                                 image_size=32, patch_size=8))
 EXTRA = {"squeezebert": dict(embedding_size=64), "albert": dict(embedding_size=32),
          "beit": dict(use_relative_position_bias=True, drop_path_rate=0.1),
          "data2vec-vision": dict(use_relative_position_bias=True)}
@@ -47,6 +52,7 @@ KINDS = {
                                   "squeezebert", "funnel"]),
     "image": ("image", IMAGE, 64, ["vit", "deit", "beit", "dinov2", "dinov2_with_registers", "data2vec-vision", "ijepa",
                                    "vit_msn", "convnext", "swin", "imagegpt"]),
+    "towers": ("towers", TOWERS, 16, ["clip", "metaclip_2", "altclip", "chinese_clip", "siglip", "blip", "siglip2"]),
     "speech": ("ctc", SPEECH, 60, ["wav2vec2", "hubert", "wavlm", "unispeech", "unispeech-sat", "data2vec-audio", "sew",
                                    "wav2vec2-conformer", "sew-d"]),
 }
@@ -64,6 +70,10 @@ def _real(kind: str, model_type: str, cfg: dict, attention: str) -> tuple[torch.
     if kind == "masked":
         ids = torch.randint(3, 90, (B, 32), generator=gen)
         return transformers.AutoModelForMaskedLM.from_config(config).train(), {"input_ids": ids, "labels": ids.clone()}
+    if kind == "towers":
+        batch = {"input_ids": torch.randint(3, 90, (B, 16), generator=gen),
+                 "pixel_values": torch.randn(B, 3, 32, 32, generator=gen), "return_loss": True}
+        return transformers.AutoModel.from_config(config).train(), batch
     if kind == "image":
         config.architectures = ["DeiTForImageClassification"] if model_type == "deit" else None
         images = torch.randn(B, 3, 32, 32, generator=gen)

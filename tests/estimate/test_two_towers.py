@@ -41,14 +41,17 @@ def test_the_towers_are_traced_in_the_order_the_forward_runs_them(tmp_path) -> N
         traced.label
 
 
-@pytest.mark.parametrize("model_type, bound", [("clip", 0.0033), ("siglip", 0.013)])
-@pytest.mark.parametrize("micro_batch", [2, 3])
-def test_parameters_and_peaks_against_the_measured_step(tmp_path, model_type, bound, micro_batch) -> None:
+@pytest.mark.parametrize("model_type", ["clip", "siglip"])
+@pytest.mark.parametrize("micro_batch", [2, 3, 4])
+def test_parameters_and_peaks_against_the_measured_step(tmp_path, model_type, micro_batch) -> None:
     """Every parameter counted once; the peak with no recomputation and with every layer recomputed
     against `remat.plan`'s prediction from a CPU profile (equal to the measured peak), never under
-    and at most ``bound`` over. What runs between the towers (the vision tower's final norm and
-    SigLIP's attention-pooling head, the text embeddings) makes its gradients after the first text
-    layer's backward: counted last, CLIP was 0.71 % under with every layer recomputed."""
+    and within 2 bytes in a million over (SigLIP at micro-batch 3, traced there, 1.19 % over: not
+    traced further). What runs between the towers (the vision tower's final
+    norm and SigLIP's attention-pooling head, the text embeddings) makes its gradients after the
+    first text layer's backward: counted last, CLIP was 0.71 % under with every layer recomputed.
+    SigLIP's layers' backward temporaries at micro-batch 2 are off the line through 3 and 4: on the
+    line through 2 and 3, SigLIP was 1.19 % over at 3, 0.39 % under at 4 and 2.4 % under at 8."""
     result = estimate(ModelSource(hf_config_path=_path(tmp_path, model_type)), seq_len=S, micro_batch=micro_batch,
                       dtype="fp32", gpu_kernels=False)
     config = transformers.AutoConfig.for_model(model_type, text_config=TEXT, vision_config=VISION)
@@ -63,6 +66,7 @@ def test_parameters_and_peaks_against_the_measured_step(tmp_path, model_type, bo
     rows = {s.strategy: s for s in result.devices[0].strategies}
     for strategy in ("none", "full"):
         over = rows[strategy].peak_bytes / plan(prof, strategy=strategy).prediction.peak_bytes - 1
+        bound = 0.012 if (model_type, micro_batch) == ("siglip", 3) else 2e-6  # traced at 3: the step there holds less
         assert 0.0 <= over <= bound, (strategy, over)
 
 
@@ -72,3 +76,14 @@ def test_a_text_longer_than_the_text_positions_is_refused_not_the_image(tmp_path
     with pytest.raises(ValueError, match=r"--seq 65 is longer than the 64 learned positions of "
                                          r"text_model\.embeddings\.position_embedding"):
         estimate(ModelSource(hf_config_path=_path(tmp_path, "clip")), seq_len=65, micro_batch=2)
+
+
+def test_the_line_through_the_traced_micro_batches_starts_where_they_are_on_it(tmp_path) -> None:
+    """Micro-batches 2, 3 and 4 are traced; a tiny Llama's figures lie on one line, SigLIP's at 2
+    do not, and its line starts at 3 (micro-batch 2 its own trace)."""
+    siglip = trace_source(ModelSource(hf_config_path=_path(tmp_path, "siglip")), seq_len=S, dtype="fp32",
+                          gpu_kernels=False)
+    llama = trace_source(ModelSource(hf_family="llama", sizes={"hidden": 64, "layers": 2, "heads": 4,
+                                                               "intermediate": 128, "vocab": 96}),
+                         seq_len=32, dtype="fp32")
+    assert (siglip.line_starts, llama.line_starts) == (3, 2)

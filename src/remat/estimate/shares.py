@@ -159,20 +159,31 @@ def scale(a: T, k: float) -> T:
     return combine(a, a, lambda x, _: x * k)
 
 
-def split_by_tokens(one: Flow | None, two: Flow, three: Flow, micro_batch: int) -> Split:
-    """The flow at ``micro_batch`` from flows traced at micro-batch 2 and 3 (and 1, needed only
-    when ``micro_batch`` is 1): the line through 2 and 3 gives the constant part (its value at
-    0) and every micro-batch from 2 on. Micro-batch 1 is traced on its own: with a batch dimension
-    of 1, PyTorch's ``reshape`` of a transposed tensor is a view instead of a copy, so other ops
-    run and the bytes per op are not on the line."""
-    constant = combine(two, three, lambda f2, f3: 3 * f2 - 2 * f3)
-    if micro_batch == 1:
+def split_by_tokens(one: Flow | None, two: Flow, three: Flow, micro_batch: int, *, first: int = 2) -> Split:
+    """The flow at ``micro_batch`` from flows traced at micro-batch ``first`` and ``first + 1``
+    (``two``, ``three``; and ``one``, traced at a micro-batch below the line, needed only when
+    ``micro_batch`` is below ``first``): the line through the two gives the constant part (its
+    value at 0) and every micro-batch from ``first`` on. Micro-batch 1 is traced on its own: with
+    a batch dimension of 1, PyTorch's ``reshape`` of a transposed tensor is a view instead of a
+    copy, so other ops run and the bytes per op are not on the line. Where micro-batch 2 is off
+    the line through 3 and 4 too (SigLIP's layers' backward), the line starts at 3 (``first=3``)
+    and micro-batch 2 is its own trace (`line_starts`)."""
+    constant = combine(two, three, lambda a, b: (first + 1) * a - first * b)
+    if micro_batch < first:
         if one is None:
-            raise ValueError("micro-batch 1 needs its own trace; pass the flow traced at micro-batch 1.")
+            raise ValueError(f"micro-batch {micro_batch} needs its own trace; pass the flow traced at it.")
         at = one
     else:
-        at = combine(two, three, lambda f2, f3: f2 + (f3 - f2) * (micro_batch - 2))
+        at = combine(two, three, lambda a, b: a + (b - a) * (micro_batch - first))
     return Split(per_token=combine(at, constant, lambda x, k: x - k), constant=constant)
+
+
+def on_one_line(two: Flow, three: Flow, four: Flow) -> bool:
+    """True when every number of the flows traced at micro-batches 2, 3 and 4 lies on one line."""
+    flat: list[float] = []
+    combine(combine(two, three, lambda a, b: b - a), combine(three, four, lambda a, b: b - a),
+            lambda x, y: flat.append(x - y) or 0.0)
+    return all(abs(d) < 1e-6 for d in flat)
 
 
 def untokenized(flow: Flow) -> Split:
@@ -180,4 +191,5 @@ def untokenized(flow: Flow) -> Split:
     return Split(per_token=flow, constant=scale(flow, 0.0))
 
 
-__all__ = ["BUCKETS", "Flow", "Segment", "Share", "Split", "combine", "scale", "split_by_tokens", "untokenized"]
+__all__ = ["BUCKETS", "Flow", "Segment", "Share", "Split", "combine", "on_one_line", "scale", "split_by_tokens",
+           "untokenized"]
