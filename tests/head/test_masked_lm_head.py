@@ -11,7 +11,6 @@ import transformers
 from torch import nn
 
 import remat
-from remat._batch import call_model, compute_loss
 from remat.apply.head import head_tolerance
 from remat.head.chunked import chunked_cross_entropy
 from remat.head.loss import LossInputs, TokenLoss
@@ -19,6 +18,7 @@ from remat.head.site import find_head
 from remat.measure.profile import profile
 from remat.memory.head import HeadShape, head_bytes
 from remat.plan.planners import plan
+from head_models import assert_heads_verified, planned_step, relative_error as _rel, seeded_step as _step
 
 V, S, B, H = 300, 32, 2, 64
 """64 tokens of 300-way logits: the head outweighs a layer's activations."""
@@ -59,19 +59,6 @@ def _built(model_type: str, cls=None, dtype: torch.dtype | None = None, **overri
     return model, {"input_ids": ids, "labels": labels}
 
 
-def _step(model, batch):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(2)
-    output = call_model(model, batch)
-    loss = compute_loss(output, batch)
-    loss.backward()
-    return output, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
-
-
 def test_the_batch_is_a_masked_lm_batch() -> None:
     """What every test below trains on: 11 of the 64 labels are kept (83 % are -100)."""
     _, batch = _built("bert")
@@ -104,11 +91,7 @@ def test_head_strategies_against_the_model_without_a_plan(model_type) -> None:
     _, loss, grads = _step(model, batch)
     assert len(grads) == len([n for n, _ in model.named_parameters() if "contact_head" not in n])  # ESM's is unused
     for head in ("recompute", "chunked:7"):
-        remat.apply_(model, plan(prof, strategy="none", head=head))
-        try:
-            output, planned_loss, planned = _step(model, batch)
-        finally:
-            remat.remove_(model)
+        output, planned_loss, planned = planned_step(model, batch, plan(prof, strategy="none", head=head))
         assert output.logits is None and planned.keys() == grads.keys()
         if head == "recompute":
             assert torch.equal(loss, planned_loss) and all(torch.equal(grads[n], planned[n]) for n in grads)
@@ -121,14 +104,7 @@ def test_head_strategies_against_the_model_without_a_plan(model_type) -> None:
 
 @pytest.mark.parametrize("model_type", ["bert", "modernbert", "esm", "distilbert"])
 def test_planned_heads_are_verified_to_the_byte(model_type) -> None:
-    model, batch = _built(model_type)
-    optimizer = torch.optim.AdamW(model.parameters())
-    prof = profile(model, batch, None, optimizer, repeats=1, head_chunks=(16,))
-    for strategy in ("none", "full"):
-        for head in ("recompute", "chunked:16"):
-            result = remat.verify(model, batch, plan(prof, strategy=strategy, head=head), optimizer=optimizer, repeats=1)
-            assert result.ok and result.head == head
-            assert result.measured_peak_bytes == result.predicted_peak_bytes
+    assert_heads_verified(*_built(model_type), chunk=16)
 
 
 @pytest.mark.parametrize("model_type", ["bert", "modernbert"])
@@ -160,11 +136,7 @@ def test_num_items_in_batch_reaches_the_loss_as_the_model_passes_it() -> None:
     _, mean_loss, _ = _step(model, {k: v for k, v in batch.items() if k != "num_items_in_batch"})
     torch.testing.assert_close(loss, mean_loss * 11 / 20)
     for head in ("recompute", "chunked:16"):
-        remat.apply_(model, plan(prof, strategy="none", head=head))
-        try:
-            _, planned_loss, planned = _step(model, batch)
-        finally:
-            remat.remove_(model)
+        _, planned_loss, planned = planned_step(model, batch, plan(prof, strategy="none", head=head))
         rtol = 0.0 if head == "recompute" else 1e-5
         assert _rel(planned_loss, loss) <= rtol and max(_rel(planned[n], grads[n]) for n in grads) <= rtol
 

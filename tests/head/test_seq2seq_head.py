@@ -9,10 +9,10 @@ import torch
 import transformers
 
 import remat
-from remat._batch import call_model, compute_loss
 from remat.head.strategies import FP32_REASSOCIATION_RTOL
 from remat.measure.profile import profile
 from remat.plan.planners import plan
+from head_models import assert_heads_verified, planned_step, relative_error as _rel, seeded_step as _step
 
 V, S, B = 300, 16, 2
 """32 tokens of 300-way logits: the head outweighs a layer's activations."""
@@ -40,19 +40,6 @@ def _built(model_type: str, cls=None, **overrides):
     return model, batch
 
 
-def _step(model, batch):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(2)
-    output = call_model(model, batch)
-    loss = compute_loss(output, batch)
-    loss.backward()
-    return output, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
-
-
 @pytest.mark.parametrize("model_type, overrides", [("t5", {}), ("t5", {"dropout_rate": 0.1}), ("m2m_100", {})],
                          ids=["t5", "t5-dropout", "m2m_100"])
 def test_head_strategies_against_the_model_without_a_plan(model_type, overrides) -> None:
@@ -67,11 +54,7 @@ def test_head_strategies_against_the_model_without_a_plan(model_type, overrides)
     _, loss, grads = _step(model, batch)
     assert len(grads) == len(list(model.parameters()))
     for head in ("recompute", "chunked:7"):
-        remat.apply_(model, plan(prof, strategy="none", head=head))
-        try:
-            output, planned_loss, planned = _step(model, batch)
-        finally:
-            remat.remove_(model)
+        output, planned_loss, planned = planned_step(model, batch, plan(prof, strategy="none", head=head))
         assert output.logits is None and planned.keys() == grads.keys()
         if head == "recompute":
             assert torch.equal(loss, planned_loss) and all(torch.equal(grads[n], planned[n]) for n in grads)
@@ -82,14 +65,7 @@ def test_head_strategies_against_the_model_without_a_plan(model_type, overrides)
 
 @pytest.mark.parametrize("model_type", ["t5", "m2m_100"])
 def test_planned_heads_are_verified_to_the_byte(model_type) -> None:
-    model, batch = _built(model_type)
-    optimizer = torch.optim.AdamW(model.parameters())
-    prof = profile(model, batch, None, optimizer, repeats=1, head_chunks=(7,))
-    for strategy in ("none", "full"):
-        for head in ("recompute", "chunked:7"):
-            result = remat.verify(model, batch, plan(prof, strategy=strategy, head=head), optimizer=optimizer, repeats=1)
-            assert result.ok and result.head == head
-            assert result.measured_peak_bytes == result.predicted_peak_bytes
+    assert_heads_verified(*_built(model_type), chunk=7)
 
 
 def test_a_head_the_model_transforms_stays_in_the_fixed_part() -> None:

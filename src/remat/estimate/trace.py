@@ -603,6 +603,19 @@ def _outside_from(traced: Traced, whole: nn.Module) -> dict[str, Shape]:
     return {**inside, **outside}
 
 
+def _meta_forward(model: nn.Module, batch: Mapping[str, Any]) -> None:
+    """A forward of ``model`` on the meta device without gradients, for what its hooks see; the
+    model's own failure as one line (`_untraceable`)."""
+    try:
+        with torch.no_grad(), no_packed_sequence_check():
+            model(**batch)
+    except _MODEL_ERRORS as error:
+        raised = _untraceable(model, error)
+        if raised is error:
+            raise
+        raise raised from error
+
+
 def _layer_tokens(model: nn.Module, batch: Mapping[str, Any]) -> int:
     """The tokens each layer of an image encoder runs over (its patches, a class token, registers):
     the second dimension of the first layer's input, in a forward on the meta device."""
@@ -616,13 +629,7 @@ def _layer_tokens(model: nn.Module, batch: Mapping[str, Any]) -> int:
 
     handle = first.register_forward_pre_hook(look, with_kwargs=True)
     try:
-        with torch.no_grad(), no_packed_sequence_check():
-            model(**batch)
-    except _MODEL_ERRORS as error:
-        raised = _untraceable(model, error)
-        if raised is error:
-            raise
-        raise raised from error
+        _meta_forward(model, batch)
     finally:
         handle.remove()
     if not seen:
@@ -788,13 +795,7 @@ def _run_order(model: nn.Module, batch: Mapping[str, Any]) -> list[tuple[str, nn
     called: list[int] = []
     handles = [module.register_forward_pre_hook(lambda *_, i=i: called.append(i)) for i, (_, module) in enumerate(blocks)]
     try:
-        with torch.no_grad(), no_packed_sequence_check():
-            model(**batch)
-    except _MODEL_ERRORS as error:
-        raised = _untraceable(model, error)
-        if raised is error:
-            raise
-        raise raised from error
+        _meta_forward(model, batch)
     finally:
         for handle in handles:
             handle.remove()
