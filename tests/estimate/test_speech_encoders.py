@@ -83,9 +83,9 @@ def test_parameters_and_peaks_against_the_measured_step(tmp_path, model_type, at
 def test_the_meta_kernels_leave_other_value_reads_refused() -> None:
     """``masked_select`` on meta takes every element as selected only while the estimate traces
     (then boolean indexing does too); outside it, it is refused as torch refuses it."""
-    from remat.estimate.kernels import no_packed_sequence_check, register_meta_ctc_backward
+    from remat.estimate.kernels import no_packed_sequence_check, register_meta_ctc_kernels
 
-    register_meta_ctc_backward()
+    register_meta_ctc_kernels()
     x = torch.zeros(2, 3, device="meta")
     with pytest.raises(NotImplementedError, match="masked_select has no meta kernel"):
         x.masked_select(x > 0)

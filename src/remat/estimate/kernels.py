@@ -191,7 +191,7 @@ def no_packed_sequence_check() -> Iterator[None]:
 _META_LIBRARY: list = []
 
 
-def register_meta_ctc_backward() -> None:
+def register_meta_ctc_kernels() -> None:
     """Give ``aten::_ctc_loss_backward`` a meta kernel where torch has none (2.13): the gradient of
     the log-probabilities, their shape and dtype, as the CPU and CUDA kernels return it; and
     ``aten::masked_select`` one (`_masked_select_all`). A speech encoder's CTC loss
@@ -237,4 +237,4 @@ def _masked_select_all(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return tensor.new_empty((torch.broadcast_shapes(tensor.shape, mask.shape).numel(),))
 
 
-__all__ = ["CpuKernels", "GpuKernels", "no_packed_sequence_check", "register_meta_ctc_backward"]
+__all__ = ["CpuKernels", "GpuKernels", "no_packed_sequence_check", "register_meta_ctc_kernels"]

@@ -36,7 +36,7 @@ from torch import nn
 
 from remat.estimate.comms import ModelFacts
 from remat.estimate.dataflow import GAP, Classified, classify
-from remat.estimate.kernels import CpuKernels, GpuKernels, no_packed_sequence_check, register_meta_ctc_backward
+from remat.estimate.kernels import CpuKernels, GpuKernels, no_packed_sequence_check, register_meta_ctc_kernels
 from remat.estimate.shares import Flow, Segment, Split, on_one_line, split_by_tokens, untokenized
 from remat.estimate.head import TracedHead, find_traced_head
 from remat.estimate.sharding import ModelParams, RoleShapes
@@ -772,7 +772,7 @@ def _trace_speech_encoder(source: ModelSource, config: Any, *, seq_len: int, dty
     # the feature encoder's convolutions (and a positional convolution's, Data2Vec-audio's) each as itself
     kinds = tuple(range(others)) + (others,) + (others + traced - 1,) * (full - 1)
     checked = (others + traced - 1,) if traced == 3 else ()
-    register_meta_ctc_backward()
+    register_meta_ctc_kernels()
     batch_at = lambda b: hf_batch(config, micro_batch=b, seq_len=seq_len, dtype=dtype)  # noqa: E731
     tracer = _tracer(model, batch_at, ctc_loss_fn(config, model), fused, getattr(config, "base_model_tp_plan", None))
     facts, shape = _hf_facts(config)
