@@ -87,3 +87,14 @@ def test_the_line_through_the_traced_micro_batches_starts_where_they_are_on_it(t
                                                                "intermediate": 128, "vocab": 96}),
                          seq_len=32, dtype="fp32")
     assert (siglip.line_starts, llama.line_starts) == (3, 2)
+
+
+def test_the_search_keeps_a_contrastive_batch_whole(tmp_path) -> None:
+    """A contrastive loss couples the samples of its batch: two micro-batches of 64 are not one
+    batch of 128. The search gives every layout one micro-batch per step, the rank's whole share."""
+    from remat.estimate.fastest import SearchSpace, layouts
+
+    traced = trace_source(ModelSource(hf_config_path=_path(tmp_path, "clip")), seq_len=S, dtype="fp32")
+    assert traced.whole_batch_loss
+    found = list(layouts(SearchSpace(gpus=8, global_batch=1024, seq_len=S), traced, gpus_per_node=8))
+    assert found and {(par.data * b, m) for par, b, m in found} == {(1024, 1)}

@@ -114,7 +114,7 @@ def layouts(space: SearchSpace, traced: Traced, gpus_per_node: int) -> Iterator[
                 # parallelism is the layers'): e must divide c x d (`Parallelism.check_experts`)
                 for e in _expert_sizes(experts, c * d):
                     yield from _batches(space, Parallelism(data=d, tensor=t, sequence_parallel=t > 1, pipeline=p,
-                                                           context=c, expert=e), layers)
+                                                           context=c, expert=e), layers, traced.whole_batch_loss)
 
 
 def _divides_heads(traced: Traced, t: int) -> bool:
@@ -128,7 +128,12 @@ def _expert_sizes(experts: int, ranks: int) -> list[int]:
     return [e for e in (1, 2, 4, 8, 16, 32, 64) if experts % e == 0 and ranks % e == 0]
 
 
-def _batches(space: SearchSpace, par: Parallelism, layers: int) -> Iterator[tuple[Parallelism, int, int]]:
+def _batches(space: SearchSpace, par: Parallelism, layers: int,
+             one_per_step: bool = False) -> Iterator[tuple[Parallelism, int, int]]:
+    if one_per_step:  # the loss couples the batch (CLIP's): the rank's whole share in one micro-batch
+        if space.global_batch % par.data == 0:
+            yield par, space.global_batch // par.data, 1
+        return
     for b in space.micro_batch:
         if space.global_batch % (par.data * b):
             continue

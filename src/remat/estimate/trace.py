@@ -110,6 +110,10 @@ class Traced:
     stack of layers)."""
     tokens: int | None = None
     """The tokens a layer runs over where the model sets them, not --seq (an image encoder's patches)."""
+    whole_batch_loss: bool = False
+    """True where the loss couples the micro-batch's samples (a contrastive loss over its image-text
+    pairs): micro-batches accumulated into a step train another objective than one batch, so
+    `remat.estimate.fastest.search` keeps one micro-batch per step."""
     outside_grads_between: bool = False
     """True where parameters outside the layers run between two layers of one stack (a speech
     encoder's feature projection and positional convolution, between its convolutions and its
@@ -842,7 +846,7 @@ def _trace_two_towers(source: ModelSource, config: Any, *, seq_len: int, dtype: 
              f"{size} x {size} images and {counts['text_config']} text layers over --seq tokens, the "
              f"{first.split('_')[0]} tower first)")
     traced = _describe(label, model, tracer, kinds, seq_len, blocks=blocks, shape=ModelShape(heads=heads, kv_heads=heads),
-                       encoder_layers=counts[first], checked=checked)
+                       encoder_layers=counts[first], checked=checked, whole_batch_loss=True)
     _check_copies(traced, _build(source, config, max(counts.values()), dtype, "whole, to count its parameters"))
     return traced
 
