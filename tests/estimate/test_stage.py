@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 
 import pytest
@@ -111,3 +112,116 @@ def test_optimal_labels_and_nothing_fits() -> None:
     assert cheapest_mix(stage, [[layer_cost(LAYER, "none")]] * 4, [[0.0]] * 4, 10.0) is None
     with pytest.raises(ValueError, match="unknown strategy 'sqrt'; allowed: none, full, selective, optimal"):
         choose(stage, "sqrt", 1.0, rates=RATES, par=Parallelism(), net=NET)
+
+
+WIDE = LayerOnGpu(saved_bytes=300.0, core_bytes=200.0, input_bytes=30.0, working_bytes=360.0, replay_working_bytes=330.0,
+                  fwd_flops=3e6, core_flops=1e5, core_moved_bytes=500.0, expert_flops=0.0, hidden_bytes=30.0)
+"""A layer of another stack: an image tower's, retaining three times a text layer's."""
+NAMES = ("none", "selective", "full", "offload")
+
+
+def _towers(order: str, *, in_flight: float = 1.0, grads: bool = False) -> Stage:
+    """Five layers of two kinds in ``order`` (``w``: `WIDE`, ``t``: `LAYER`), gradients made as
+    the backward goes (``grads``) or live the whole step."""
+    layers = tuple(WIDE if c == "w" else LAYER for c in order)
+    extra = dict(layer_grad_bytes=tuple(180.0 if x is WIDE else 60.0 for x in layers), pre_grad_bytes=100.0) if grads else {}
+    state = ModelState(param_bytes=1000, grad_bytes=int(100 + sum(extra.get("layer_grad_bytes", (0.0,)))) if grads else 1000,
+                       master_bytes=0, optimizer_state_bytes=2000)
+    return Stage(index=0, first=True, last=True, state=state, layers=layers, pre_bytes=7.0, post_saved_bytes=50.0,
+                 post_working_bytes=20.0, post_flops=3e5, in_flight=in_flight, buffer_bytes=0.0, **extra)
+
+
+def _every_assignment(stage: Stage) -> list[tuple[float, float]]:
+    """(peak, seconds) of each of the 4^5 assignments in forward order, none reordered."""
+    out = []
+    for combo in itertools.product(NAMES, repeat=len(stage.layers)):
+        costs = [layer_cost(x, n) for x, n in zip(stage.layers, combo)]
+        seconds = sum(option_seconds(x, c, RATES, Parallelism(), NET) for x, c in zip(stage.layers, costs))
+        out.append((stage_peak(stage, costs).peak_bytes, seconds))
+    return out
+
+
+def _chosen(stage: Stage, budget: float):
+    choice = choose(stage, "optimal", budget, rates=RATES, par=Parallelism(), net=NET)
+    seconds = sum(option_seconds(x, c, RATES, Parallelism(), NET) for x, c in zip(stage.layers, choice.costs))
+    return choice, stage_peak(stage, choice.costs).peak_bytes, seconds
+
+
+@pytest.mark.parametrize("order", ["wwttt", "tttww", "twtwt"])
+@pytest.mark.parametrize("grads", [False, True])
+def test_optimal_on_two_stacks_equals_every_assignment(order: str, grads: bool) -> None:
+    """Layers of two stacks (two towers; an encoder and a decoder) retain and work with different
+    bytes, and with gradients made as the backward goes each layer's moment has its own gradients
+    live. At every assignment's own peak and one byte under it, the mix chosen fits and is exactly
+    as fast as the fastest of the 4^5 assignments in forward order that fit: one micro-batch in
+    flight, sizes of whole bytes, so the table's slots are bytes and nothing is rounded."""
+    stage = _towers(order, grads=grads)
+    every = _every_assignment(stage)
+    for budget in sorted({peak + d for peak, _ in every for d in (0.0, -1.0)}):
+        fastest = min((s for p, s in every if p <= budget), default=None)
+        choice, peak, seconds = _chosen(stage, budget)
+        if fastest is None:
+            assert choice.label.startswith("lowest peak"), budget
+            continue
+        assert peak <= budget and seconds == pytest.approx(fastest, rel=1e-12), (budget, choice.label)
+
+
+def test_the_wide_tower_first_is_not_limited_to_what_the_last_layer_retains() -> None:
+    """Two wide layers then three text layers, room for everything but one wide layer's
+    selective savings: the fastest mix keeps the text layers and both wide layers but for the
+    attention core of one (selective: 100 of 300 retained). Taking the last layer (a text layer,
+    100 bytes kept) as the one holding the most would allow a wide layer no more than 100 bytes:
+    both recomputed in full."""
+    stage = _towers("wwttt")
+    keep = [layer_cost(x, "none") for x in stage.layers]
+    one_selective = [layer_cost(WIDE, "selective")] + keep[1:]
+    budget = stage_peak(stage, one_selective).peak_bytes
+    assert stage_peak(stage, keep).peak_bytes > budget
+    choice, peak, _ = _chosen(stage, budget)
+    assert choice.label == "optimal: 4 none, 1 selective" and peak <= budget
+
+
+@pytest.mark.parametrize("order", ["wwttt", "tttww"])
+@pytest.mark.parametrize("in_flight", [2.0, 3.5])
+def test_optimal_with_micro_batches_in_flight_within_its_bound(order: str, in_flight: float) -> None:
+    """With several micro-batches in flight the retained bytes ``R`` of every layer enter each
+    layer's moment (``(n - 1) R``), held by targets: at every assignment's own peak the mix chosen
+    fits and is never slower than the fastest assignment fitting ``bound_bytes`` under the budget.
+    Here it is as fast as the fastest fitting the budget itself at every one of them (108 to 195
+    budgets a case): each slot's prefix carries the least room it left, so an entry counts by its
+    own ``R``, not its row's target."""
+    from remat.estimate.optimal import bound_bytes
+
+    stage = _towers(order, in_flight=in_flight)
+    every = _every_assignment(stage)
+    options = [[layer_cost(x, n) for n in NAMES] for x in stage.layers]
+    for budget in sorted({peak for peak, _ in every}):
+        fastest = min(s for p, s in every if p <= budget)
+        choice, peak, seconds = _chosen(stage, budget)
+        slack = bound_bytes(stage, options, budget)
+        within = min((s for p, s in every if p <= budget - slack), default=math.inf)
+        assert peak <= budget and seconds <= within + 1e-15, (budget, choice.label)
+        assert seconds == pytest.approx(fastest, rel=1e-12), (budget, choice.label)
+
+
+@pytest.mark.parametrize("in_flight", [1.0, 3.5])
+def test_a_coarse_table_keeps_its_bound(monkeypatch, in_flight: float) -> None:
+    """With 16 slots and 2 targets (sizes rounded to tens of bytes, the grid of targets half the
+    retained bytes apart) the mix chosen still fits every budget, and no assignment fitting
+    ``bound_bytes`` under it is faster: the bound a long stack's table keeps at its real sizes."""
+    from remat.estimate import optimal
+
+    monkeypatch.setattr(optimal, "SLOTS", 16)
+    monkeypatch.setattr(optimal, "PIPELINE_SLOTS", 16)
+    monkeypatch.setattr(optimal, "TARGETS", 2)
+    stage = _towers("wwttt", in_flight=in_flight)
+    every = _every_assignment(stage)
+    options = [[layer_cost(x, n) for n in NAMES] for x in stage.layers]
+    rounded = 0
+    for budget in sorted({peak for peak, _ in every}):
+        choice, peak, seconds = _chosen(stage, budget)
+        slack = optimal.bound_bytes(stage, options, budget)
+        within = min((s for p, s in every if p <= budget - slack), default=math.inf)
+        assert peak <= budget and min(s for p, s in every if p <= budget) - 1e-15 <= seconds <= within + 1e-15
+        rounded += slack > 100.0
+    assert rounded > 0  # the slots are coarse here: the bound is more than a layer's bytes
