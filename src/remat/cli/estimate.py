@@ -36,6 +36,8 @@ def estimate_command(
     sequence_parallel: bool = typer.Option(False, "--sequence-parallel", "--sp", help="Sequence parallelism (with --tensor-parallel above 1)."),
     pipeline_parallel: int = typer.Option(1, "--pipeline-parallel", "--pp", help="Pipeline stages (1F1B)."),
     virtual_stages: int = typer.Option(1, "--virtual-stages", help="Model chunks per stage: the interleaved 1F1B schedule when above 1."),
+    first_stage_layers: Optional[int] = typer.Option(None, "--first-stage-layers", help="Layers on the first pipeline stage (default: as many as the stages between; Megatron-LM's --decoder-first-pipeline-num-layers)."),
+    last_stage_layers: Optional[int] = typer.Option(None, "--last-stage-layers", help="Layers on the last pipeline stage (default: as many as the stages between; Megatron-LM's --decoder-last-pipeline-num-layers)."),
     context_parallel: int = typer.Option(1, "--context-parallel", "--cp", help="Context-parallel size."),
     expert_parallel: int = typer.Option(1, "--expert-parallel", "--ep", help="Expert-parallel size (MoE models)."),
     expert_tensor_parallel: Optional[int] = typer.Option(None, "--expert-tensor-parallel", help="Tensor-parallel size of the routed experts (default: --tensor-parallel)."),
@@ -83,7 +85,8 @@ def estimate_command(
     from remat.estimate import Parallelism, estimate
 
     layout = Parallelism(tensor=tensor_parallel, sequence_parallel=sequence_parallel, pipeline=pipeline_parallel,
-                         virtual_stages=virtual_stages, context=context_parallel, expert=expert_parallel,
+                         virtual_stages=virtual_stages, first_stage_layers=first_stage_layers,
+                         last_stage_layers=last_stage_layers, context=context_parallel, expert=expert_parallel,
                          expert_tensor=expert_tensor_parallel, expert_load=expert_load, data=world_size)
     with console.status("tracing one training step on the meta device..."):
         result = estimate(source, devices=device, devices_file=str(devices_file) if devices_file else None,

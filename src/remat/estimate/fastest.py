@@ -3,7 +3,9 @@
 `search` traces the model once (`remat.estimate.trace`) and prices every layout of the space
 (`SearchSpace`): tensor parallelism t (with sequence parallelism when t > 1: it moves the same
 bytes as t's all-reduces and holds less, Korthikanti et al. 2022, section 4.2.2), pipeline
-parallelism p (1F1B, and interleaved with v = 2 where the micro-batches allow), context
+parallelism p (1F1B, and interleaved with v = 2 where the micro-batches allow; where p does not
+divide the layers, an uneven split with the first and last stages lighter,
+`remat.estimate.parallel.uneven_split`), context
 parallelism c, expert parallelism e (MoE models), data parallelism d = N / (t p c), ZeRO stage
 (1 = Megatron-LM's distributed optimizer, 3 = FSDP), micro-batch b with ``m = G / (d b)``
 micro-batches per step for a global batch of G sequences; and per layout every recomputation
@@ -28,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from remat.estimate.devices import DeviceSpec, resolve_devices
 from remat.estimate.head import check_head, head_candidates
-from remat.estimate.parallel import Parallelism
+from remat.estimate.parallel import Parallelism, uneven_split
 from remat.estimate.pricing import Pricing
 from remat.estimate.sharding import StateRecipe
 from remat.estimate.api import precision_name
@@ -107,14 +109,28 @@ def layouts(space: SearchSpace, traced: Traced, gpus_per_node: int) -> Iterator[
             if t * c > gpus_per_node or space.seq_len % c or space.gpus % (t * c) or (c > 1 and (traced.encoder_layers or traced.tokens)):
                 continue
             for p in range(1, min(space.max_pipeline, layers) + 1):
-                if layers % p or space.gpus % (t * c * p) or (p > 1 and traced.encoder_layers):
+                if space.gpus % (t * c * p) or (p > 1 and traced.encoder_layers):
                     continue
                 d = space.gpus // (t * c * p)
-                # the experts fold into a stage's t x c x d ranks split t ways (their tensor
-                # parallelism is the layers'): e must divide c x d (`Parallelism.check_experts`)
-                for e in _expert_sizes(experts, c * d):
-                    yield from _batches(space, Parallelism(data=d, tensor=t, sequence_parallel=t > 1, pipeline=p,
-                                                           context=c, expert=e), layers, traced.whole_batch_loss)
+                for ends in _stage_ends(layers, p):
+                    # the experts fold into a stage's t x c x d ranks split t ways (their tensor
+                    # parallelism is the layers'): e must divide c x d (`Parallelism.check_experts`)
+                    for e in _expert_sizes(experts, c * d):
+                        par = Parallelism(data=d, tensor=t, sequence_parallel=t > 1, pipeline=p, context=c, expert=e,
+                                          first_stage_layers=ends[0], last_stage_layers=ends[1])
+                        yield from _batches(space, par, layers, traced.whole_batch_loss)
+
+
+def _stage_ends(layers: int, p: int) -> list[tuple[int | None, int | None]]:
+    """(first, last) stage layers to try with ``p`` stages: even where ``p`` divides the layers;
+    else `remat.estimate.parallel.uneven_split` (the stages between at ``ceil(L/p)``), each way
+    round when the first and the last differ; none when no split exists."""
+    if layers % p == 0:
+        return [(None, None)]
+    split = uneven_split(layers, p)
+    if split is None:
+        return []
+    return list(dict.fromkeys([split, split[::-1]]))
 
 
 def _divides_heads(traced: Traced, t: int) -> bool:
@@ -194,16 +210,20 @@ def _fastest(pricing: Pricing, spec: DeviceSpec, budget: int, bound: float):
             return None
         peak = max(p.peak_bytes for p in priced.peaks)
         if peak <= budget and (best is None or priced.time.total_s < best[2]):
-            best = (_label(priced.choices), int(peak), priced.time.total_s, name)
+            best = (_label(priced), int(peak), priced.time.total_s, name)
             if name == "none":
                 return best
     return best
 
 
-def _label(choices) -> str:
-    """The strategy of every stage, once when they agree (``first: ...; last: ...`` otherwise)."""
-    labels = [c.label for c in choices]
-    return labels[0] if len(set(labels)) == 1 else f"first: {labels[0]}; last: {labels[-1]}"
+def _label(priced) -> str:
+    """The strategy of every stage priced, once when they agree (``first: ...; last: ...``
+    otherwise, with ``between: ...`` for the stages between of an uneven split)."""
+    labels = [c.label for c in priced.choices]
+    if len(set(labels)) == 1:
+        return labels[0]
+    names = ["first" if s.first else "last" if s.last else "between" for s in priced.stages]
+    return "; ".join(f"{n}: {label}" for n, label in zip(names, labels))
 
 
 def _candidate(pricing: Pricing, spec: DeviceSpec, space: SearchSpace, label: str, peak: int, step_s: float) -> Candidate:

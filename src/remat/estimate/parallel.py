@@ -15,9 +15,13 @@ in Large Transformer Models", Table 2 and section 4):
   inputs stay whole: per layer ``sbh(10 + 24/t + 5as/(ht))`` bytes for a GPT layer;
 - sequence parallelism (with t > 1): the whole activations along the sequence too:
   ``sbh(34/t + 5as/(ht))``;
-- pipeline p: the layers, ``L/p`` per stage; with 1F1B the first stage holds the activations of
-  ``min(m, p)`` micro-batches (section 4.2.3), with the interleaved schedule of ``v`` chunks per
-  stage ``p (1 + (p - 1)/(p v))`` (Megatron-LM's ``interleaved_schedule_memory_penalty``);
+- pipeline p: the layers, ``L/p`` per stage, or an uneven split where ``p`` does not divide
+  ``L`` (Megatron-LM's ``--decoder-first-pipeline-num-layers`` and ``--decoder-last-pipeline-num-layers``:
+  the first and last stages' counts given, the rest even over the stages between; Llama 3 405B's
+  126 layers over 16 stages put 7 on the first and the last, 8 on each other, `Parallelism.stage_sizes`);
+  with 1F1B stage ``k`` holds the activations of ``min(m, p - k)`` micro-batches (section 4.2.3),
+  with the interleaved schedule of ``v`` chunks per stage the first
+  ``p (1 + (p - 1)/(p v))`` (Megatron-LM's ``interleaved_schedule_memory_penalty``);
 - context c: every token-indexed activation along the sequence (each rank holds ``s/c`` tokens);
 - expert e: the routed experts' weights; their activations follow the tokens a rank receives,
   the mean share times ``expert_load`` (1: a balanced router, the default assumption).
@@ -42,6 +46,10 @@ class Parallelism:
     """Pipeline stages p."""
     virtual_stages: int = 1
     """Model chunks per stage v: the interleaved 1F1B schedule when above 1 (needs p > 1)."""
+    first_stage_layers: int | None = None
+    """Layers on the first pipeline stage; None: as many as on the stages between (`stage_sizes`)."""
+    last_stage_layers: int | None = None
+    """Layers on the last pipeline stage; None: as many as on the stages between (`stage_sizes`)."""
     context: int = 1
     """Context-parallel size c."""
     expert: int = 1
@@ -64,6 +72,19 @@ class Parallelism:
         if self.virtual_stages > 1 and self.pipeline == 1:
             raise ValueError(f"virtual_stages={self.virtual_stages} interleaves pipeline stages: it needs "
                              "pipeline parallelism above 1; pass --pipeline-parallel P with P > 1.")
+        for name in ("first_stage_layers", "last_stage_layers"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            flag = "--" + name.replace("_", "-")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1 or None (as many as the stages between), got {value!r}.")
+            if self.pipeline == 1:
+                raise ValueError(f"{name}={value} sets a pipeline stage's layers: it needs pipeline parallelism above 1; "
+                                 f"pass --pipeline-parallel P with P > 1 or drop {flag}.")
+            if self.virtual_stages > 1:
+                raise ValueError(f"{name}={value} with virtual_stages={self.virtual_stages}: uneven stages are priced with "
+                                 f"the 1F1B schedule only; drop --virtual-stages or {flag}.")
         if not self.expert_load >= 1.0:
             raise ValueError(f"expert_load must be >= 1.0 (the busiest expert rank's tokens over the mean), "
                              f"got {self.expert_load}; 1.0 is a balanced router.")
@@ -87,6 +108,48 @@ class Parallelism:
         """What divides the activations outside the tensor-parallel region: t under sequence
         parallelism, else 1."""
         return self.tensor if self.sequence_parallel else 1
+
+    @property
+    def uneven(self) -> bool:
+        """The first or the last stage has its own layer count."""
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
+
+    def stage_sizes(self, num_layers: int) -> tuple[int, ...]:
+        """Layers per pipeline stage, first to last: ``L/p`` each, or the first and the last as
+        given and the rest evenly over the stages between (Megatron-LM's uneven split). Raises
+        ValueError, with counts that would split, when the layers do not."""
+        p, v = self.pipeline, self.virtual_stages
+        if not self.uneven:
+            if num_layers % (p * v):
+                raise ValueError(f"{num_layers} layers do not split evenly over {p} pipeline stage(s) x {v} chunk(s) = "
+                                 f"{p * v}; pick --pipeline-parallel (and --virtual-stages) dividing the layer count"
+                                 + (f", or give the first and last stages their own: {uneven_hint(num_layers, p)}"
+                                    if v == 1 and uneven_hint(num_layers, p) else "") + ".")
+            return (num_layers // p,) * p
+        ends = [n for n in (self.first_stage_layers, self.last_stage_layers) if n is not None]
+        between = p - len(ends)
+        rest = num_layers - sum(ends)
+        if rest < 0 or (between == 0 and rest) or (between and (rest == 0 or rest % between)):
+            given = ", ".join(f"{n} on the {w} stage" for n, w in zip((self.first_stage_layers, self.last_stage_layers),
+                                                                        ("first", "last")) if n is not None)
+            hint = uneven_hint(num_layers, p)
+            raise ValueError(f"{num_layers} layers over {p} pipeline stages with {given}: the other {rest} do not split "
+                             f"evenly over the {between} stage(s) left" + (f"; for example {hint}" if hint else "")
+                             + ".")
+        middle = rest // between if between else 0
+        first = self.first_stage_layers if self.first_stage_layers is not None else middle
+        last = self.last_stage_layers if self.last_stage_layers is not None else middle
+        return (first,) + (middle,) * (p - 2) + (last,) if p > 1 else (num_layers,)
+
+    def in_flight_at(self, stage: int, micro_batches: int) -> float:
+        """Micro-batches whose activations stage ``stage`` holds at its peak: `in_flight` on the
+        first; ``min(m, p - stage)`` on the others with 1F1B (Korthikanti et al. 2022, section
+        4.2.3); one on the last."""
+        if stage == 0:
+            return self.in_flight(micro_batches)
+        if stage == self.pipeline - 1 or self.interleaved:
+            return 1.0
+        return float(min(micro_batches, self.pipeline - stage))
 
     @property
     def interleaved(self) -> bool:
@@ -127,7 +190,9 @@ class Parallelism:
         if self.tensor > 1:
             parts.append(f"tp{self.tensor}" + ("+sp" if self.sequence_parallel else ""))
         if self.pipeline > 1:
-            parts.append(f"pp{self.pipeline}" + (f" (v{self.virtual_stages})" if self.interleaved else ""))
+            parts.append(f"pp{self.pipeline}" + (f" (v{self.virtual_stages})" if self.interleaved else "")
+                         + (f" ({'/'.join(str(n) if n is not None else '*' for n in (self.first_stage_layers, self.last_stage_layers))})"
+                            if self.uneven else ""))
         if self.context > 1:
             parts.append(f"cp{self.context}")
         if self.expert > 1:
@@ -135,4 +200,30 @@ class Parallelism:
         return " ".join(parts)
 
 
-__all__ = ["Parallelism"]
+def uneven_hint(num_layers: int, pipeline: int) -> str:
+    """Options giving ``num_layers`` an uneven split over ``pipeline`` stages, ``ceil(L/p)`` on
+    each stage between and the rest shared by the first and the last (the first one more when
+    odd); empty when there is none."""
+    split = uneven_split(num_layers, pipeline)
+    if split is None:
+        return ""
+    first, last = split
+    middle = (num_layers - first - last) // (pipeline - 2) if pipeline > 2 else 0
+    between = "" if pipeline == 2 else f", {middle} on the stage between" if pipeline == 3 else \
+        f", {middle} on each of the {pipeline - 2} between"
+    return f"--first-stage-layers {first} --last-stage-layers {last} ({first} + {last} layers{between})"
+
+
+def uneven_split(num_layers: int, pipeline: int) -> tuple[int, int] | None:
+    """(first, last) stage layers with ``ceil(L/p)`` on each stage between, the first and last
+    at most that and at least one; None when ``p`` divides ``L`` or no such split exists."""
+    if pipeline < 2 or num_layers % pipeline == 0:
+        return None
+    middle = -(-num_layers // pipeline)
+    rest = num_layers - (pipeline - 2) * middle
+    if rest < 2 or rest > 2 * middle:
+        return None
+    return -(-rest // 2), rest // 2
+
+
+__all__ = ["Parallelism", "uneven_hint", "uneven_split"]

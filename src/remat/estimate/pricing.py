@@ -101,8 +101,11 @@ class Pricing:
         return on_gpu(split.per_token.layers[kind], split.constant.layers[kind], self.parallelism)
 
     def stage_indices(self) -> tuple[int, ...]:
-        """The stages priced: the first and the last (one without a pipeline)."""
-        return tuple(sorted({0, self.parallelism.pipeline - 1}))
+        """The stages priced: the first and the last (one without a pipeline); with an uneven
+        split also the second, which holds the most micro-batches of the stages between (their
+        layers alike, the others hold no more and run as long)."""
+        p = self.parallelism.pipeline
+        return tuple(sorted({0, p - 1} | ({1} if self.parallelism.uneven and p > 2 else set())))
 
     def stages(self, micro_batch: int) -> tuple[Stage, ...]:
         key = ("stages", micro_batch)
@@ -112,7 +115,7 @@ class Pricing:
 
     def _stage(self, micro_batch: int, index: int) -> Stage:
         par, split = self.parallelism, self.split(micro_batch)
-        kinds = [self.traced.layer_kinds[i] for i in stage_layers(self.traced.num_layers, par.pipeline, index)]
+        kinds = [self.traced.layer_kinds[i] for i in stage_layers(self.traced.num_layers, par, index)]
         by_kind = {k: self.layer(micro_batch, k) for k in set(kinds)}
         first, last = index == 0, index == par.pipeline - 1
         post = self._post(micro_batch) if last else (0.0, 0.0, 0.0, 0.0, 0.0)
@@ -126,7 +129,7 @@ class Pricing:
             pre_released=self._released(micro_batch, kinds) if first else (),
             post_saved_bytes=post[0] if last else 0.0, post_working_bytes=post[1] if last else 0.0,
             post_flops=post[2] if last else 0.0, post_replay_flops=post[3], post_moved_bytes=post[4],
-            in_flight=par.in_flight(self.micro_batches) if first else 1.0,
+            in_flight=par.in_flight_at(index, self.micro_batches),
             buffer_bytes=2 * layers[-1].hidden_bytes / par.sequence_divisor if par.pipeline > 1 and layers else 0.0,
             optimizer_temp_bytes=self._step_temp_bytes(self.state(index)), **self._grads(index),
         )
@@ -227,7 +230,7 @@ class Pricing:
 
     def _grad_bytes(self, index: int) -> dict:
         params, par = self.traced.params, self.parallelism
-        layers = [params.layers[i] for i in stage_layers(self.traced.num_layers, par.pipeline, index)]
+        layers = [params.layers[i] for i in stage_layers(self.traced.num_layers, par, index)]
         grads = [float(part_grad_bytes(x, par, self.recipe)) for x in layers]
         pre = float(sum(part_grad_bytes(x, par, self.recipe) for x in (params.pre, params.tied)))
         for layer, shapes in self.traced.gap_grads + self.traced.between_grads:  # made after that layer's backward
@@ -242,7 +245,7 @@ class Pricing:
         if key not in self._cache:
             recipe = self.recipe if zero_stage is None else replace(self.recipe, zero_stage=zero_stage)
             t, par = self.traced, self.parallelism
-            count = len(stage_layers(t.num_layers, par.pipeline, index))
+            count = len(stage_layers(t.num_layers, par, index))
             buffers = count * t.block_buffer_bytes + (t.fixed_buffer_bytes if index == 0 else 0)
             self._cache[key] = gpu_state(t.params, par, index, recipe, buffer_bytes=buffers)
         return self._cache[key]

@@ -8,7 +8,8 @@ stage ``k`` holds
   ones divided by expert_tensor x expert (``megatron/training/theoretical_memory_usage.py``,
   ``compute_weight_and_optimizer_memory``: ``tp_sharded``, ``replicated`` and
   ``expert_sharded`` parameters on the most loaded shard);
-- with a pipeline, the layers ``[k L/p, (k + 1) L/p)``; a head tied to the embedding is held by
+- with a pipeline, the layers of stage k (``[k L/p, (k + 1) L/p)``, or the uneven split
+  of `Parallelism.stage_sizes`); a head tied to the embedding is held by
   the first stage and, as a copy, by the last (Megatron-LM keeps the word embeddings on the
   last stage for its output layer);
 - its optimizer state sharded over the data-parallel ranks by ZeRO (stage 1 is Megatron-LM's
@@ -90,24 +91,22 @@ class StateRecipe:
     """Gradients in fp32 whatever the weights' dtype (Megatron-LM's ``main_grad``)."""
 
 
-def stage_layers(num_layers: int, pipeline: int, stage: int) -> range:
-    """The layers stage ``stage`` of ``pipeline`` runs (the stages hold equal counts)."""
-    per = num_layers // pipeline
-    return range(stage * per, (stage + 1) * per)
+def stage_layers(num_layers: int, par: Parallelism, stage: int) -> range:
+    """The layers stage ``stage`` of ``par``'s pipeline runs (`Parallelism.stage_sizes`)."""
+    sizes = par.stage_sizes(num_layers)
+    start = sum(sizes[:stage])
+    return range(start, start + sizes[stage])
 
 
 def check_layers(num_layers: int, par: Parallelism) -> None:
-    """Every stage (and every interleaved chunk) holds the same number of layers."""
-    chunks = par.pipeline * par.virtual_stages
-    if num_layers % chunks:
-        raise ValueError(
-            f"{num_layers} layers do not split evenly over {par.pipeline} pipeline stage(s) x {par.virtual_stages} "
-            f"chunk(s) = {chunks}; pick --pipeline-parallel (and --virtual-stages) dividing the layer count.")
+    """Every stage (and every interleaved chunk) holds the same number of layers, or the first
+    and last stages the counts given and the others the same (`Parallelism.stage_sizes`)."""
+    par.stage_sizes(num_layers)
 
 
 def _stage_parts(params: ModelParams, par: Parallelism, stage: int) -> list[RoleShapes]:
     first, last = stage == 0, stage == par.pipeline - 1
-    parts = [params.layers[i] for i in stage_layers(len(params.layers), par.pipeline, stage)]
+    parts = [params.layers[i] for i in stage_layers(len(params.layers), par, stage)]
     if first:
         parts += [params.pre, params.tied]
     if last:
