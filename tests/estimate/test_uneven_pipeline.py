@@ -61,10 +61,17 @@ def test_stage_sizes_by_hand() -> None:
 
 
 def test_micro_batches_in_flight_per_stage() -> None:
-    """1F1B: stage k holds min(m, p - k) micro-batches (Korthikanti et al. 2022, section 4.2.3)."""
+    """1F1B: stage k holds min(m, p - k) micro-batches (Korthikanti et al. 2022, section 4.2.3).
+    Interleaved, v = 2 chunks a stage, p = 4, m = 8: stage k runs 2 (4 - k - 1) + 4 chunk forwards
+    before its first backward and one more, 11, 9, 7 and 5 halves of its layers (the first's 5.5 is
+    Megatron-LM's p (1 + (p - 1)/(p v))); with m = p = 4 every forward runs first: 4 on each."""
     par = Parallelism(pipeline=4)
     assert [par.in_flight_at(k, 8) for k in range(4)] == [4.0, 3.0, 2.0, 1.0]
     assert [par.in_flight_at(k, 2) for k in range(4)] == [2.0, 2.0, 2.0, 1.0]
+    interleaved = Parallelism(pipeline=4, virtual_stages=2)
+    assert [interleaved.in_flight_at(k, 8) for k in range(4)] == [5.5, 4.5, 3.5, 2.5]
+    assert interleaved.in_flight(8) == 4 * (1 + 3 / 8)
+    assert [interleaved.in_flight_at(k, 4) for k in range(4)] == [4.0] * 4
 
 
 def test_bad_splits_are_refused_with_one_that_works() -> None:
@@ -83,9 +90,11 @@ def test_bad_splits_are_refused_with_one_that_works() -> None:
     with pytest.raises(ValueError, match="needs pipeline parallelism above 1; pass --pipeline-parallel P with P > 1 or "
                                          "drop --last-stage-layers"):
         Parallelism(last_stage_layers=3)
-    with pytest.raises(ValueError, match="uneven stages are priced with the 1F1B schedule only; drop --virtual-stages "
-                                         "or --first-stage-layers"):
-        Parallelism(pipeline=2, virtual_stages=2, first_stage_layers=3)
+    with pytest.raises(ValueError, match=r"7 layers as 3/4 a stage over 2 chunks each: every stage's layers must split "
+                                         r"into the 2 chunks of the interleaved schedule; pick --first-stage-layers and "
+                                         r"--last-stage-layers that 2 divides, or drop --virtual-stages\."):
+        check_layers(7, Parallelism(pipeline=2, virtual_stages=2, first_stage_layers=3))
+    assert Parallelism(pipeline=3, virtual_stages=2, first_stage_layers=2, last_stage_layers=2).stage_sizes(8) == (2, 4, 2)
 
 
 def test_an_uneven_split_equal_to_the_even_one_prices_the_same(eight) -> None:
@@ -157,3 +166,25 @@ def test_command_line() -> None:
     assert ok.exit_code == 0, ok.output
     assert '"first_stage_layers": 1' in ok.output and '"last_stage_layers": 2' in ok.output
     assert '"peak_stage": 1' in ok.output
+
+
+def test_the_interleaved_last_stage_holds_its_warm_up(eight) -> None:
+    """8 layers on 4 stages of 2 chunks, 8 micro-batches: the last stage runs 4 chunk forwards
+    (half its layers each) before its first backward and one more, 2.5 micro-batches of its layers,
+    where it was priced at one."""
+    pricing = _pricing(eight, Parallelism(pipeline=4, virtual_stages=2))
+    first, last = pricing.stages(2)
+    assert (first.in_flight, last.in_flight) == (5.5, 2.5)
+    one = _pricing(eight, Parallelism(pipeline=4)).stages(2)[-1]
+    assert one.in_flight == 1.0 and last.layers == one.layers and last.post_saved_bytes == one.post_saved_bytes
+    interleaved = pricing.price(DEVICE, "none", 2, DEVICE.memory_bytes)
+    plain = _pricing(eight, Parallelism(pipeline=4)).price(DEVICE, "none", 2, DEVICE.memory_bytes)
+    r = interleaved.choices[-1].costs[-1].retained_bytes
+    w = interleaved.choices[-1].costs[-1].working_bytes
+    state = pricing.state(3).total_bytes  # every gradient live: several micro-batches
+    # its last layer's backward: 1 (1F1B) or 2.5 (interleaved) x 2 layers held but its own, its
+    # working set and the send and receive buffers on top
+    assert (plain.peaks[-1].phase, plain.peaks[-1].peak_bytes) == (
+        "layers", pytest.approx(state + 2 * r - r + w + last.buffer_bytes, rel=1e-12))
+    assert (interleaved.peaks[-1].phase, interleaved.peaks[-1].peak_bytes) == (
+        "layers", pytest.approx(state + 2.5 * 2 * r - r + w + last.buffer_bytes, rel=1e-12))

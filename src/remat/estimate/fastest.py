@@ -155,7 +155,7 @@ def _batches(space: SearchSpace, par: Parallelism, layers: int,
             continue
         m = space.global_batch // (par.data * b)
         yield par, b, m
-        if par.pipeline > 1 and m % par.pipeline == 0 and layers % (2 * par.pipeline) == 0:
+        if par.pipeline > 1 and m % par.pipeline == 0 and all(n % 2 == 0 for n in par.stage_sizes(layers)):
             yield replace(par, virtual_stages=2), b, m
 
 

@@ -21,7 +21,8 @@ in Large Transformer Models", Table 2 and section 4):
   126 layers over 16 stages put 7 on the first and the last, 8 on each other, `Parallelism.stage_sizes`);
   with 1F1B stage ``k`` holds the activations of ``min(m, p - k)`` micro-batches (section 4.2.3),
   with the interleaved schedule of ``v`` chunks per stage the first
-  ``p (1 + (p - 1)/(p v))`` (Megatron-LM's ``interleaved_schedule_memory_penalty``);
+  ``p (1 + (p - 1)/(p v))`` (Megatron-LM's ``interleaved_schedule_memory_penalty``) and the last
+  ``((v - 1) p + 1)/v``, as the schedule's warm-up runs them (`Parallelism.in_flight_at`);
 - context c: every token-indexed activation along the sequence (each rank holds ``s/c`` tokens);
 - expert e: the routed experts' weights; their activations follow the tokens a rank receives,
   the mean share times ``expert_load`` (1: a balanced router, the default assumption).
@@ -82,9 +83,6 @@ class Parallelism:
             if self.pipeline == 1:
                 raise ValueError(f"{name}={value} sets a pipeline stage's layers: it needs pipeline parallelism above 1; "
                                  f"pass --pipeline-parallel P with P > 1 or drop {flag}.")
-            if self.virtual_stages > 1:
-                raise ValueError(f"{name}={value} with virtual_stages={self.virtual_stages}: uneven stages are priced with "
-                                 f"the 1F1B schedule only; drop --virtual-stages or {flag}.")
         if not self.expert_load >= 1.0:
             raise ValueError(f"expert_load must be >= 1.0 (the busiest expert rank's tokens over the mean), "
                              f"got {self.expert_load}; 1.0 is a balanced router.")
@@ -139,17 +137,29 @@ class Parallelism:
         middle = rest // between if between else 0
         first = self.first_stage_layers if self.first_stage_layers is not None else middle
         last = self.last_stage_layers if self.last_stage_layers is not None else middle
-        return (first,) + (middle,) * (p - 2) + (last,) if p > 1 else (num_layers,)
+        sizes = (first,) + (middle,) * (p - 2) + (last,)
+        if any(n % v for n in sizes):
+            raise ValueError(f"{num_layers} layers as {'/'.join(map(str, dict.fromkeys(sizes)))} a stage over {v} "
+                             f"chunks each: every stage's layers must split into the {v} chunks of the interleaved "
+                             f"schedule; pick --first-stage-layers and --last-stage-layers that {v} divides, or drop "
+                             "--virtual-stages.")
+        return sizes
 
     def in_flight_at(self, stage: int, micro_batches: int) -> float:
-        """Micro-batches whose activations stage ``stage`` holds at its peak: `in_flight` on the
-        first; ``min(m, p - stage)`` on the others with 1F1B (Korthikanti et al. 2022, section
-        4.2.3); one on the last."""
-        if stage == 0:
-            return self.in_flight(micro_batches)
-        if stage == self.pipeline - 1 or self.interleaved:
+        """Micro-batches whose activations stage ``stage`` holds at its peak, as Megatron-LM's
+        schedules run them (``megatron/core/pipeline_parallel/schedules.py``): with 1F1B
+        ``min(m, p - stage)`` (Korthikanti et al. 2022, section 4.2.3); interleaved, a stage runs
+        ``2 (p - stage - 1) + (v - 1) p`` chunk forwards before its first backward, and one more,
+        each a ``1/v`` of its layers (the first stage: ``p (1 + (p - 1)/(p v))``, `in_flight`; the
+        last ``((v - 1) p + 1)/v``); with ``m = p`` every forward runs first, ``m`` on every stage."""
+        p, v, m = self.pipeline, self.virtual_stages, micro_batches
+        if p == 1:
             return 1.0
-        return float(min(micro_batches, self.pipeline - stage))
+        if v == 1:
+            return float(min(m, p - stage))
+        if m == p:
+            return float(m)
+        return min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v) / v
 
     @property
     def interleaved(self) -> bool:
@@ -159,13 +169,9 @@ class Parallelism:
         """Micro-batches whose activations the first pipeline stage holds at its peak (the
         start of its first backward): 1 without a pipeline; ``min(m, p)`` with 1F1B;
         ``p (1 + (p - 1)/(p v))`` interleaved (Korthikanti et al. 2022, section 4.2.3;
-        ``megatron/training/theoretical_memory_usage.py``, ``compute_activation_memory``)."""
-        p, v = self.pipeline, self.virtual_stages
-        if p == 1:
-            return 1.0
-        if v == 1:
-            return float(min(micro_batches, p))
-        return p * (1 + (p - 1) / (p * v))
+        ``megatron/training/theoretical_memory_usage.py``, ``compute_activation_memory``), ``m``
+        where ``m = p`` (`in_flight_at`)."""
+        return self.in_flight_at(0, micro_batches)
 
     def check_experts(self) -> None:
         """The routed experts fold into the tensor x context x data ranks of a stage."""
