@@ -150,8 +150,8 @@ def test_search_tries_uneven_splits(seven) -> None:
     assert found == {(1, None, None), (2, 4, 3), (2, 3, 4)}
     best = search_traced(seven, DEVICE, space, recipe=RECIPE, mfu=0.5, allowance=NO_ALLOWANCE, top=10)
     steps = {c.parallelism.describe(): c.step_s for c in best if c.zero_stage == 1}
-    assert set(steps) == {"dp2", "dp1 pp2 (4/3)", "dp1 pp2 (3/4)"}
-    assert steps["dp1 pp2 (4/3)"] < steps["dp1 pp2 (3/4)"]
+    assert set(steps) == {"dp2", "dp1 pp2 (first 4, last 3)", "dp1 pp2 (first 3, last 4)"}
+    assert steps["dp1 pp2 (first 4, last 3)"] < steps["dp1 pp2 (first 3, last 4)"]
 
 
 def test_command_line() -> None:

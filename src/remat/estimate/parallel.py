@@ -191,14 +191,15 @@ class Parallelism:
                 "pass --grad-accum (micro-batches per step) as a multiple of --pipeline-parallel.")
 
     def describe(self) -> str:
-        """A short label, e.g. ``"dp8 tp8+sp pp4 (v2)"``."""
+        """A short label, e.g. ``"dp8 tp8+sp pp4 (v2)"``, ``"dp128 tp8+sp pp16 (first 7, last 7)"``."""
         parts = [f"dp{self.data}"]
         if self.tensor > 1:
             parts.append(f"tp{self.tensor}" + ("+sp" if self.sequence_parallel else ""))
         if self.pipeline > 1:
             parts.append(f"pp{self.pipeline}" + (f" (v{self.virtual_stages})" if self.interleaved else "")
-                         + (f" ({'/'.join(str(n) if n is not None else '*' for n in (self.first_stage_layers, self.last_stage_layers))})"
-                            if self.uneven else ""))
+                         + (" (" + ", ".join(f"{w} {n}" for w, n in (("first", self.first_stage_layers),
+                                                                        ("last", self.last_stage_layers)) if n is not None)
+                            + ")" if self.uneven else ""))
         if self.context > 1:
             parts.append(f"cp{self.context}")
         if self.expert > 1:
