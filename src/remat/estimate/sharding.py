@@ -70,11 +70,16 @@ class ModelParams:
     and never make its state). NeoMME's image patch embeddings, in a masked LM's step over text,
     priced 30 % above the measured peak as trained."""
 
+    layer_gradless: tuple[RoleShapes, ...] = ()
+    """Per layer of the full model (empty: none), its parameters the step gives no gradient, held
+    as ``gradless`` is, on the layer's stage: BLIP's text layers' cross-attention, which its
+    contrastive step never runs (11 % above the measured peak priced as trained)."""
+
     @property
     def count(self) -> int:
         """Parameters of the whole model, a tied one once."""
         return (self.pre.count + self.post.count + self.tied.count + self.gradless.count
-                + sum(layer.count for layer in self.layers))
+                + sum(layer.count for layer in self.layers) + sum(layer.count for layer in self.layer_gradless))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -129,13 +134,25 @@ def gpu_state(params: ModelParams, par: Parallelism, stage: int, recipe: StateRe
     experts = [s for p in parts for s in _shard(p.expert, par.expert_tensor_size * par.expert)]
     unit = largest_unit(params, par, stage, recipe) if recipe.zero_stage == 3 else None
     state = add_states(_sharded(dense, par.data, recipe, unit), _sharded(experts, par.expert_data, recipe, None))
-    if stage == 0 and params.gradless.count:
-        gradless = params.gradless
-        weights = add_states(_sharded(_dense(gradless, par), par.data, recipe, None),
-                             _sharded(_shard(gradless.expert, par.expert_tensor_size * par.expert), par.expert_data,
-                                      recipe, None))
-        state = add_states(state, replace(weights, grad_bytes=0, optimizer_state_bytes=0))
+    for gradless in _stage_gradless(params, par, stage):
+        state = add_states(state, _weights_only(gradless, par, recipe))
     return replace(state, buffer_bytes=buffer_bytes)
+
+
+def _stage_gradless(params: ModelParams, par: Parallelism, stage: int) -> list[RoleShapes]:
+    """The parameters without a gradient that ``stage`` holds: those outside the layers on the
+    first stage, its layers' own."""
+    layers = [params.layer_gradless[i] for i in stage_layers(len(params.layers), par, stage)] \
+        if params.layer_gradless else []
+    return [p for p in ([params.gradless] if stage == 0 else []) + layers if p.count]
+
+
+def _weights_only(part: RoleShapes, par: Parallelism, recipe: StateRecipe) -> ModelState:
+    """``part`` sharded as trained parameters are, less gradients and optimizer state."""
+    weights = add_states(_sharded(_dense(part, par), par.data, recipe, None),
+                         _sharded(_shard(part.expert, par.expert_tensor_size * par.expert), par.expert_data, recipe,
+                                  None))
+    return replace(weights, grad_bytes=0, optimizer_state_bytes=0)
 
 
 def _dense(part: RoleShapes, par: Parallelism) -> list[Shape]:
@@ -151,9 +168,18 @@ def part_grad_bytes(part: RoleShapes, par: Parallelism, recipe: StateRecipe) -> 
 
 def largest_unit(params: ModelParams, par: Parallelism, stage: int, recipe: StateRecipe) -> ModelState:
     """What ZeRO-3 all-gathers at once on ``stage``: the largest dense shard of one layer (or of
-    the embedding and head), unsharded over the data-parallel ranks."""
-    units = [_dense(p, par) for p in _stage_parts(params, par, stage)]
-    return _state(max(units, key=lambda shapes: sum(math.prod(s) for s in shapes), default=[]), recipe)
+    the embedding and head), unsharded over the data-parallel ranks; a layer's parameters without
+    a gradient among its weights (FSDP2 gathers them), not its gradients."""
+    parts = _stage_parts(params, par, stage)
+    layers = list(stage_layers(len(params.layers), par, stage))
+    units = []
+    for k, part in enumerate(parts):
+        unit = _state(_dense(part, par), recipe)
+        if k < len(layers) and params.layer_gradless and params.layer_gradless[layers[k]].count:
+            frozen = _state(_dense(params.layer_gradless[layers[k]], par), recipe)
+            unit = add_states(unit, replace(frozen, grad_bytes=0, master_bytes=0, optimizer_state_bytes=0))
+        units.append(unit)
+    return max(units, key=lambda u: (u.param_bytes, u.grad_bytes), default=_state([], recipe))
 
 
 def _sharded(shapes: list[Shape], ranks: int, recipe: StateRecipe, unit: ModelState | None) -> ModelState:

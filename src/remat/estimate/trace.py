@@ -179,7 +179,10 @@ class Traced:
     def params(self) -> ModelParams:
         """Every parameter of the full model by part and role (`remat.estimate.sharding`)."""
         classified = self.classified(1)
-        traced = [_role_shapes(self._names_in(name), self.param_shapes, classified.roles) for name in self.layer_names]
+        traced = [_role_shapes([n for n in self._names_in(name) if n not in classified.gradless], self.param_shapes,
+                               classified.roles) for name in self.layer_names]
+        frozen = [_role_shapes([n for n in self._names_in(name) if n in classified.gradless], self.param_shapes,
+                               classified.roles) for name in self.layer_names]
         outside = [n for n in self.param_shapes if not any(n.startswith(b + ".") for b in self.layer_names)]
 
         trained = [n for n in outside if n not in classified.gradless]
@@ -191,7 +194,9 @@ class Traced:
         gradless = [n for n in outside if n in classified.gradless]
         return ModelParams(pre=part({"pre"}), post=part({"post"}), tied=part({"pre", "post"}),
                            layers=tuple(traced[k] for k in self.layer_kinds),
-                           gradless=_role_shapes(gradless, self.param_shapes, classified.roles))
+                           gradless=_role_shapes(gradless, self.param_shapes, classified.roles),
+                           layer_gradless=tuple(frozen[k] for k in self.layer_kinds) if any(f.count for f in frozen)
+                           else ())
 
     @cached_property
     def gap_grads(self) -> tuple[tuple[int, RoleShapes], ...]:
