@@ -48,3 +48,39 @@ def test_fault_count_around_a_region():
     with FaultCount(enabled=False) as off:
         torch.empty(PROBE_BYTES // 4).fill_(1.0)
     assert off.bytes is None
+
+
+def test_a_profile_prices_the_faults_of_its_least_faulting_step(monkeypatch):
+    """The profile keeps the fresh memory of its least faulting timed step (what the settled
+    allocator needs: `steady_fault_bytes`), and a plan is credited only with faults below it
+    (`remat.plan.predict.fresh_memory`): with one step that faulted nothing, no plan is."""
+    import dataclasses
+
+    import remat.measure.profile as measure_profile
+    from remat.models import load_target
+    from remat.plan.predict import keep_peak_bytes, predict
+    from remat.plan.types import Segment
+
+    scripted = iter([3 * 2**20, 2**20, 2 * 2**20] * 3)
+    real = measure_profile._time_step
+
+    def faulting(step, block_list):
+        return dataclasses.replace(real(step, block_list), fault_bytes=next(scripted))
+
+    monkeypatch.setattr(measure_profile, "_time_step", faulting)
+    monkeypatch.setattr(measure_profile, "settled", lambda plain, timed: False)  # every repeat runs
+    monkeypatch.setattr(measure_profile, "first_touch_ms_per_byte", lambda device, repeats=1, discard=0: 0.25 / 2**20)
+    torch.manual_seed(0)
+    built = load_target("mlp", seed=0, depth=4, width=64, batch_size=256)
+    prof = measure_profile.profile(built.model, built.batch, built.loss_fn, None, repeats=3)
+    assert prof.step_fault_bytes == 2**20  # the least of 3, 1 and 2 MiB (their median: 2)
+    assert prof.first_touch_ms_per_byte == 0.25 / 2**20
+    full = tuple(Segment(start=i, stop=i + 1, strategy="recompute") for i in range(prof.num_blocks))
+    pred = predict(prof, full)
+    avoided = min(2**20, keep_peak_bytes(prof) - pred.peak_bytes)
+    assert avoided > 0
+    assert pred.fault_saving_ms == avoided * 0.25 / 2**20 and pred.fault_bytes == 2**20 - avoided
+    monkeypatch.setattr(measure_profile, "_time_step",
+                        lambda step, block_list: dataclasses.replace(real(step, block_list), fault_bytes=0))
+    none_faulted = measure_profile.profile(built.model, built.batch, built.loss_fn, None, repeats=3)
+    assert none_faulted.step_fault_bytes == 0 and predict(none_faulted, full).fault_saving_ms == 0.0

@@ -336,7 +336,8 @@ def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
         report("op timing forward")
     _warn_varied(block_list, memory.recorder.varied_segments())
     steps = without_instrumentation(median_times(times), statistics.median(plain))
-    touch = statistics.median(probes) if steps.fault_bytes and probes else 0.0
+    touch = statistics.median(probes) if probes else 0.0  # probed where a timed step faulted: the probes of
+    # the blocks alone subtract their own faults at that cost, whatever the settled step faults in
     budget = ProbeBudget(step_ms=statistics.median(plain), steps=OVERHEAD_STEPS, floor_ms=OVERHEAD_FLOOR_MS,
                          min_repeats=min(repeats, OVERHEAD_MIN_REPEATS))
     overheads = _overheads(step, block_list, memory.recorder, repeats, touch, groups, budget, shared_caches)

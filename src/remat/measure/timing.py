@@ -62,7 +62,8 @@ class StepTimes:
     optimizer_step_ms: float
     step_ms: float
     fault_bytes: int = 0
-    """Host memory faulted in fresh during the step (`remat.measure.faults`; 0 when not counted)."""
+    """Host memory faulted in fresh during the step (`remat.measure.faults`; 0 when not counted;
+    over several steps, the least: `steady_fault_bytes`)."""
 
 
 class StepTimer:
@@ -121,12 +122,35 @@ def without_instrumentation(times: StepTimes, plain_step_ms: float) -> StepTimes
 
 
 def median_times(steps: Sequence[StepTimes]) -> StepTimes:
-    """Element-wise medians of several steps."""
+    """Element-wise medians of several steps; of the fresh memory they faulted in, the least
+    (`steady_fault_bytes`)."""
     med = statistics.median
     return StepTimes(
         block_fwd_ms=tuple(med(col) for col in zip(*(s.block_fwd_ms for s in steps))),
         block_bwd_ms=tuple(med(col) for col in zip(*(s.block_bwd_ms for s in steps))),
         fixed_fwd_ms=med(s.fixed_fwd_ms for s in steps), fixed_bwd_ms=med(s.fixed_bwd_ms for s in steps),
         optimizer_step_ms=med(s.optimizer_step_ms for s in steps), step_ms=med(s.step_ms for s in steps),
-        fault_bytes=int(med(s.fault_bytes for s in steps)),
+        fault_bytes=steady_fault_bytes([s.fault_bytes for s in steps]),
     )
+
+
+def steady_fault_bytes(faulted: Sequence[int]) -> int:
+    """What a step faults in once the host allocator has settled: the least any of the timed
+    steps ``faulted`` (0 for none).
+
+    A profile's first steps fault in more than the steps of a training loop that follows, and
+    each by a different amount: glibc raises its mmap and trim thresholds as it frees larger
+    blocks, and returns the top of its heap to the kernel or not depending on what sits above
+    it, so the fresh memory a step needs is set by the allocator's state as much as by the step
+    (`remat.measure.faults`); the settling only adds faults. The built-in ConvNet in stages
+    (13.4 MiB peak, 2026-12-06): the five timed steps of one profile faulted in 8.0, 5.8, 12.8,
+    9.9 and 4.1 MiB, of another 3.6, 0.6, 3.4, 4.0 and 0 (medians 8.0 and 3.4), where the same
+    steps timed beside other plans afterwards (`benchmarks.peers`) faulted in 0.36 MiB on average
+    and loops of its steps alone 0 to 4.6 (medians of four loops). A recomputing plan's lower
+    peak was credited as faults avoided (`remat.plan.predict.fresh_memory`: up to 1.9 ms) that
+    its steps did not show: two units recomputed measured 5.76 ms of CPU time over the step
+    without recomputation, predicted 4.73 with the median (0.47 ms of credit, the mean over
+    four profiles) and 5.20 with the least. On the built-in GPT (149 MiB peak) the five faulted
+    in 91, 48, 48, 56 and 56 MiB and a loop of its steps 44 MiB (median of ten): there the least
+    is close to what the loop faults in too."""
+    return int(min(faulted, default=0))

@@ -757,7 +757,8 @@ class Profile(JsonDocument):
     (``fixed_pre_bwd_temp_bytes``, above the gradients live when it opens) leaves out: 1 % under
     the peak of every plan where that backward peaks (0: none, or not measured)."""
     step_fault_bytes: int = 0
-    """Host memory a baseline step faults in fresh (median over the timed steps; 0 on CUDA, where
+    """Host memory a baseline step faults in fresh (the least over the timed steps, what the
+    settled allocator needs: `remat.measure.timing.steady_fault_bytes`; 0 on CUDA, where
     the caching allocator keeps memory, and where the platform does not count page faults):
     `remat.measure.faults`."""
     first_touch_ms_per_byte: float = 0.0

@@ -149,7 +149,8 @@ def fresh_memory(profile: Profile, peak_bytes: int, offloaded_bytes: int = 0) ->
     """(bytes a step with this peak faults in fresh, ms it saves against the baseline).
 
     The baseline step faults in ``profile.step_fault_bytes`` (measured: the part of its
-    high-water mark the host allocator had returned to the kernel); a plan whose peak is lower
+    high-water mark the host allocator had returned to the kernel, in the least faulting of the
+    profile's timed steps, `remat.measure.timing.steady_fault_bytes`); a plan whose peak is lower
     by D reaches D bytes less far and faults in D fewer (never fewer than none), each saving
     ``profile.first_touch_ms_per_byte`` (`remat.measure.faults`). The replayed forwards reuse
     memory the backward has just freed and fault nothing; offloaded tensors come back into new
