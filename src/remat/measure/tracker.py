@@ -16,6 +16,10 @@ between categories: `tag` (saved tensors, gradients after accumulation, new opti
 A *window* measures the peak of ``live - (live bytes of some labels)`` between two
 moments; `remat.measure.profile` uses it for the backward temporaries of each block.
 
+A storage key is an address, and the allocator hands a freed storage's address to the next
+storage it makes: a window's pinned and apart storages are storages, not keys, so each leaves
+its set as it is freed, and a later storage at its address counts as any other.
+
 `track_step(step, model=..., optimizer=..., blocks=...)` runs a whole step under the
 tracker and returns its peak, the categories at the peak and a block-boundary timeline.
 """
@@ -107,10 +111,10 @@ class LiveTracker(TorchDispatchMode):
         self._window_peak = 0
         self._watch: str | None = None
         self._watch_freed: list[tuple[int, int]] = []
-        self._pinned: frozenset[int] = frozenset()
+        self._pinned: set[int] = set()
         self._pinned_freed = 0
         self._window_pinned_peak = 0
-        self._apart: frozenset[int] = frozenset()
+        self._apart: set[int] = set()
         self._apart_live = 0
         self._window_apart_peak = 0
 
@@ -167,9 +171,9 @@ class LiveTracker(TorchDispatchMode):
         self._window_peak = self.live_bytes - self._window_excluded
         self._watch = watch_label
         self._watch_freed = []
-        self._pinned, self._pinned_freed = frozenset(pinned), 0
+        self._pinned, self._pinned_freed = {k for k in pinned if k in self._entries}, 0
         self._window_pinned_peak = self._window_peak
-        self._apart = frozenset(k for k in apart if k in self._entries)
+        self._apart = {k for k in apart if k in self._entries}
         self._apart_live = sum(self._entries[k].nbytes for k in self._apart)
         self._window_apart_peak = self._window_peak - self._apart_live
 
@@ -177,6 +181,12 @@ class LiveTracker(TorchDispatchMode):
         """The open window's peak without its ``apart`` storages while they live: what it peaks at
         where something counted apart holds them throughout."""
         return self._window_apart_peak
+
+    def apart_keys(self) -> frozenset[int]:
+        """The keys of the open window's ``apart`` storages still live: what a window opened after
+        it sets apart of them. The keys it was opened with may name other storages by now (a
+        freed storage's address comes back to the next one made)."""
+        return frozenset(self._apart)
 
     def bytes_of_key(self, key: int) -> int:
         """Bytes of a tracked storage (0: not tracked)."""
@@ -199,7 +209,7 @@ class LiveTracker(TorchDispatchMode):
     def close_window(self) -> int:
         """End the window; its peak."""
         self._window = None
-        self._apart, self._apart_live = frozenset(), 0
+        self._pinned, self._apart, self._apart_live = set(), set(), 0
         return self._window_peak
 
     def window_freed(self) -> tuple[tuple[int, int], ...]:
@@ -281,9 +291,12 @@ class LiveTracker(TorchDispatchMode):
             if entry is not None:
                 if self._window is not None and entry.label == self._watch:
                     self._watch_freed.append((key, entry.nbytes))
+                # the pinned or apart storage is gone: the next storage at its address is not it
                 if self._window is not None and key in self._pinned:
+                    self._pinned.discard(key)
                     self._pinned_freed += entry.nbytes
                 if key in self._apart:
+                    self._apart.discard(key)
                     self._apart_live -= entry.nbytes
                 self._shift(entry.label, -entry.nbytes)
 

@@ -173,7 +173,10 @@ class BackwardWindows:
                 self._between_open = True
         elif event.kind == "model_end" and self._post_forward_open and self._post_model_peak is None:
             # the head's part of the post forward ends as the model returns; the loss's goes on
+            # what is set apart goes on only while it lives: a key freed by now may name a storage
+            # the loss made (the allocator hands a freed storage's address on), not to set apart
             self._post_model_apart = self.tracker.apart_peak()
+            self._post_apart = tuple(self.tracker.apart_keys())
             self._post_model_peak = self.tracker.close_window()
             self.tracker.open_window(self._post_labels, apart=self._post_apart)
         elif event.kind == "bwd_begin":
