@@ -156,3 +156,29 @@ def test_writes_through_a_view_and_into_out_mark_every_holder_of_the_storage():
     marked = {k for k, r in table.items() if r.mutated_later}
     assert marked == {"aten.mul.Tensor#0", "aten.view.default#0", "aten._softmax.default#0"}
 
+
+
+def test_a_storage_at_the_address_of_a_freed_block_storage_takes_nothing_of_it(monkeypatch):
+    """A storage key is an address, which the allocator hands on once the storage is freed. A
+    lifted empty constant of DiffusionGemma's (``torch.tensor`` makes it outside the dispatch)
+    came at the address of one of its block's freed storages or not, as the allocator gave
+    addresses back: its call named that storage's id (one of four) or none, and the op table
+    varied from run to run. What was noted of a key holds of a live tensor while the storage
+    noted there lives. The allocator's reuse is forced here: the block's 28-byte storage and the
+    20-byte tensor from before the block share a key."""
+    import remat.measure.ops as ops_module
+
+    real = ops_module.storage_key
+    monkeypatch.setattr(ops_module, "storage_key",
+                        lambda t: 1 if t.untyped_storage().nbytes() in (20, 28) else real(t))
+    x = torch.zeros(5)  # 20 bytes, from before the block
+    recorder = OpRecorder(lambda: "blk")
+    with recorder:
+        made = torch.empty(7)  # storage 0 of the block, 28 bytes, at key 1
+        del made
+        x.view(5).add_(1)  # at key 1 now: no storage the block made, and nothing of it written
+    records = {r.key: r for r in recorder.records("blk", {})}
+    assert records["aten.empty.memory_format#0"].storage_ids == (0,)
+    assert not records["aten.empty.memory_format#0"].mutated_later
+    assert records["aten.view.default#0"].storage_ids == ()
+    assert recorder.producer_of(1) is None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from remat.measure.boundaries import in_backward
 from remat.measure.flops import op_flops
 from remat.measure.saved import BETWEEN, POST, SavedStorage
 from remat.measure.sharing import args_signature
-from remat.measure.storage import flat_tensors, storage_key, storage_nbytes
+from remat.measure.storage import flat_tensors, storage_key, storage_nbytes, storage_of
 from remat.measure.types import OpRecord
 
 
@@ -77,6 +78,11 @@ class OpRecorder(TorchDispatchMode):
         self._sync = sync
         self.calls: dict[str, list[_Call]] = defaultdict(list)
         self._producer: dict[int, tuple[str, int]] = {}
+        self._made: dict[int, weakref.ref] = {}
+        """Storage key -> the storage a call of the first run made there (weakly): a key is an
+        address, which the allocator hands on once the storage is freed, so what `_producer`
+        and `_storage_ids` say of a key holds of a live tensor's storage only while that storage
+        lives (`_made_live`)."""
         self._counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._index: dict[str, dict[str, int]] = defaultdict(dict)
         self._storage_ids: dict[int, tuple[str, int]] = {}
@@ -110,8 +116,23 @@ class OpRecorder(TorchDispatchMode):
     def producer_of(self, key: int) -> str | None:
         """The segment whose op call last made the storage ``key`` in the first run (None: made
         before it, or outside the recorded forward)."""
-        found = self._producer.get(key)
+        found = self._producer.get(key) if self._made_live(key) else None
         return None if found is None else found[0]
+
+    def _made_live(self, key: int | None) -> bool:
+        """Whether the storage a recorded call made at ``key`` still lives: asked of a live
+        tensor's storage key, whether the call made that storage. Else it is one made where no
+        recorded call runs (``torch.tensor`` lifts its constant made outside the dispatch) at the
+        address of one freed before: a lifted empty constant of DiffusionGemma's took the id of
+        one of four storages of its block, or none, as the allocator gave addresses back."""
+        ref = self._made.get(key)
+        return ref is not None and ref() is not None
+
+    def _stale(self, key: int | None) -> bool:
+        """Whether the storage a recorded call made at ``key`` is freed: what was noted of the
+        key was of that storage, not of the live tensor asked about."""
+        ref = self._made.get(key)
+        return ref is not None and ref() is None
 
     def next_run(self) -> None:
         """Start another run of the same forward (its times add to the first run's calls)."""
@@ -172,6 +193,9 @@ class OpRecorder(TorchDispatchMode):
         new = new_storages(args, kwargs, out)
         for storage in new:
             self._producer[storage] = (segment, len(calls))
+        for t in flat_tensors((out,)):
+            if storage_key(t) in new:
+                self._made[storage_key(t)] = weakref.ref(storage_of(t))
         ids, nbytes = self._output_storages(segment, new, out)
         calls.append(_Call(
             name=name, key=key, new_storages=new, flops=op_flops(func, args, kwargs, out),
@@ -187,7 +211,8 @@ class OpRecorder(TorchDispatchMode):
     def _note_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Mark every earlier call whose outputs live in a storage this call writes into."""
         for t in written_tensors(func, args, kwargs):
-            for call in self._holders.get(storage_key(t), ()):
+            key = storage_key(t)
+            for call in self._holders.get(key, ()) if not self._stale(key) else ():
                 call.mutated_later = True
 
     def _hold(self, call: _Call, new: dict[int, int], out: Any) -> None:
@@ -196,6 +221,8 @@ class OpRecorder(TorchDispatchMode):
         for key in new:
             self._holders[key] = []
         for key in {storage_key(t) for t in flat_tensors((out,))} - {None}:
+            if self._stale(key):  # an unrecorded storage at a freed one's address
+                self._holders[key] = []
             self._holders.setdefault(key, []).append(call)
 
     def _output_storages(self, segment: str, new: dict[int, int], out: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -208,7 +235,7 @@ class OpRecorder(TorchDispatchMode):
         found: dict[int, int] = {}
         for t in flat_tensors((out,)):
             key = storage_key(t)
-            owner = self._storage_ids.get(key)
+            owner = self._storage_ids.get(key) if key in new or self._made_live(key) else None
             if owner is not None and owner[0] == segment:
                 found.setdefault(owner[1], storage_nbytes(t))
         return tuple(found), tuple(found.values())
@@ -222,7 +249,7 @@ class OpRecorder(TorchDispatchMode):
     def _note_reads(self, segment: str, args: tuple, kwargs: dict) -> None:
         for t in flat_tensors(args, kwargs):
             key = storage_key(t)
-            producer = self._producer.get(key)
+            producer = self._producer.get(key) if self._made_live(key) else None
             if producer is not None and producer[0] != segment:
                 self.readers[producer[0]][key].add(segment)
 
