@@ -164,3 +164,16 @@ def test_the_masked_lm_head_is_priced_by_strategy(tmp_path, model_type, kind) ->
     assert 0.0 <= peak / plan(prof, strategy="none", head="chunked:16").prediction.peak_bytes - 1 <= 0.002
     assert [h.strategy for h in estimate(source, seq_len=S, micro_batch=B, dtype="fp32", gpu_kernels=False).head_bytes] \
         == ["keep", "recompute", "chunked:32"]
+
+
+def test_layer_parameters_read_off_the_loss_stay_trained(tmp_path) -> None:
+    """MRA's attention without its CUDA kernel returns zeros: its keys and values are computed and
+    never reach the loss, so the traced step gives them no gradient. Where the kernel
+    runs they have one: counted as trained (on the safe side), where BLIP's cross-attention, which
+    no op reads, counts as weights (`tests/estimate/test_two_towers.py`)."""
+    traced = trace_source(ModelSource(hf_config_path=_path(tmp_path, "mra"), attention="eager"), seq_len=S,
+                          dtype="fp32", gpu_kernels=False)
+    classified = traced.classified(1)
+    qkv = {n for n in classified.unreached if n.startswith(traced.layer_names[0] + ".")}
+    assert {n.rsplit(".", 2)[-2] for n in qkv} == {"key", "value"}  # the zeros are made like the queries
+    assert traced.params.layer_gradless == ()

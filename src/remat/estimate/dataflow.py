@@ -109,6 +109,10 @@ class Classified:
     sinusoidal position table), those no op reads (NeoMME's image patch embeddings, in a step over
     text) and those whose reading ops' outputs the loss is not computed from (BERT's pooler, in a
     masked LM's step): `_reaching_loss`."""
+    unreached: frozenset[str] = frozenset()
+    """Of ``gradless``, the trainable ones that ops read without the loss being computed from them
+    (BERT's pooler in a masked LM's step; MRA's queries, keys and values, whose attention without
+    its CUDA kernel returns zeros)."""
 
 
 @dataclass
@@ -349,9 +353,11 @@ def classify(model: nn.Module, batch: Any, blocks: list[tuple[str, nn.Module]], 
     else:
         reached = set(roles)
     gradless = frozenset(n for n, p in model.named_parameters() if not p.requires_grad or n not in reached)
+    unreached = frozenset(n for n, p in model.named_parameters()
+                          if p.requires_grad and n not in reached and state.used_in.get(n))
     flow = _flow(state, len(blocks), frozenset({0} | {e + 1 for e in stack_ends}) if stack_ends else frozenset())
     return Classified(flow=flow, roles=roles, used_in={k: frozenset(v) for k, v in state.used_in.items()},
-                      split_widths=dict(state.widths), gradless=gradless)
+                      split_widths=dict(state.widths), gradless=gradless, unreached=unreached)
 
 
 def _reaching_loss(state: _State, loss: int) -> tuple[set[str], set[int]]:

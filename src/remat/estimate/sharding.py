@@ -71,9 +71,10 @@ class ModelParams:
     priced 30 % above the measured peak as trained."""
 
     layer_gradless: tuple[RoleShapes, ...] = ()
-    """Per layer of the full model (empty: none), its parameters the step gives no gradient, held
-    as ``gradless`` is, on the layer's stage: BLIP's text layers' cross-attention, which its
-    contrastive step never runs (11 % above the measured peak priced as trained)."""
+    """Per layer of the full model (empty: none), its parameters frozen or read by no op, held as
+    ``gradless`` is, on the layer's stage: BLIP's text layers' cross-attention, which its
+    contrastive step never runs (11 % above the measured peak priced as trained). Those ops read
+    without reaching the loss count as trained (`remat.estimate.dataflow.Classified.unreached`)."""
 
     @property
     def count(self) -> int:

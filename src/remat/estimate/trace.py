@@ -179,9 +179,13 @@ class Traced:
     def params(self) -> ModelParams:
         """Every parameter of the full model by part and role (`remat.estimate.sharding`)."""
         classified = self.classified(1)
-        traced = [_role_shapes([n for n in self._names_in(name) if n not in classified.gradless], self.param_shapes,
+        # a layer's parameters frozen or read by no op hold no gradient; those ops read without the
+        # loss reaching them count as trained, on the safe side: the traced step may take a path
+        # the device does not (MRA's attention without its CUDA kernel returns zeros)
+        weights = classified.gradless - classified.unreached
+        traced = [_role_shapes([n for n in self._names_in(name) if n not in weights], self.param_shapes,
                                classified.roles) for name in self.layer_names]
-        frozen = [_role_shapes([n for n in self._names_in(name) if n in classified.gradless], self.param_shapes,
+        frozen = [_role_shapes([n for n in self._names_in(name) if n in weights], self.param_shapes,
                                classified.roles) for name in self.layer_names]
         outside = [n for n in self.param_shapes if not any(n.startswith(b + ".") for b in self.layer_names)]
 
