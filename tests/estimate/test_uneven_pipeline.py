@@ -188,3 +188,15 @@ def test_the_interleaved_last_stage_holds_its_warm_up(eight) -> None:
         "layers", pytest.approx(state + 2 * r - r + w + last.buffer_bytes, rel=1e-12))
     assert (interleaved.peaks[-1].phase, interleaved.peaks[-1].peak_bytes) == (
         "layers", pytest.approx(state + 2.5 * 2 * r - r + w + last.buffer_bytes, rel=1e-12))
+
+
+def test_search_refuses_a_layout_it_would_ignore() -> None:
+    """`--search` picks the layout; a layout given beside it was silently dropped."""
+    runner = CliRunner()
+    out = runner.invoke(app, ["estimate", "--model", "gpt", "--layers", "7", "--hidden", "32", "--heads", "2",
+                              "--vocab", "64", "--seq", str(SEQ), "--search", "--gpus", "2", "--global-batch", "8",
+                              "--pp", "2", "--first-stage-layers", "4"])
+    assert out.exit_code != 0
+    assert ("--search chooses the layout itself (data, tensor, pipeline, context and expert parallel sizes, the stages' "
+            "layers, the micro-batches per step); --pipeline-parallel, --first-stage-layers would be ignored. Drop them "
+            "to search, or drop --search to estimate that layout.") in " ".join(out.output.split())

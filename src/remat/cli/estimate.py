@@ -79,6 +79,17 @@ def estimate_command(
                    network_bytes_per_s=network_gbps * 1e9 / 8 if network_gbps else None,
                    zero_stage=_zero(zero, distributed_optimizer))
     if search:
+        layout = {"--tensor-parallel": tensor_parallel != 1, "--sequence-parallel": sequence_parallel,
+                  "--pipeline-parallel": pipeline_parallel != 1, "--virtual-stages": virtual_stages != 1,
+                  "--first-stage-layers": first_stage_layers is not None,
+                  "--last-stage-layers": last_stage_layers is not None, "--context-parallel": context_parallel != 1,
+                  "--expert-parallel": expert_parallel != 1, "--expert-tensor-parallel": expert_tensor_parallel is not None,
+                  "--world-size": world_size != 1, "--grad-accum": grad_accum != 1}
+        given = [flag for flag, set_ in layout.items() if set_]
+        if given:
+            raise ValueError(f"--search chooses the layout itself (data, tensor, pipeline, context and expert parallel "
+                             f"sizes, the stages' layers, the micro-batches per step); {', '.join(given)} would be "
+                             "ignored. Drop them to search, or drop --search to estimate that layout.")
         _search(source, device, devices_file, seq=seq, gpus=gpus, global_batch=global_batch, top=top,
                 as_json=as_json, head=head, **options)
         return
