@@ -90,6 +90,25 @@ def test_tied_embedding_is_copied_to_the_last_stage_and_zero3_gathers_a_unit() -
     assert zero3.gathered_bytes == 2 * unit  # FSDP2: this unit's, the next's weights, the last reduce-scatter
 
 
+def test_parameters_without_a_gradient_hold_their_weights_alone() -> None:
+    """Under mixed precision a trained parameter holds 2 (bf16) + 2 (gradient) + 4 (fp32 master)
+    + 8 (AdamW's moments) bytes; one the step gives no gradient, outside the layers or in a layer,
+    its 2 bytes of weights alone: the master copy is the optimizer's, of what it updates. On the
+    stage that holds it: the layer's on the second stage."""
+    layer = RoleShapes(whole=((100,),))
+    params = ModelParams(pre=RoleShapes(whole=((10,),)), post=RoleShapes(), tied=RoleShapes(), layers=(layer,) * 2,
+                         gradless=RoleShapes(whole=((1000,),)),
+                         layer_gradless=(RoleShapes(), RoleShapes(whole=((50,),))))
+    recipe = StateRecipe(optimizer="adamw", precision="mixed", zero_stage=0)
+    par = Parallelism(pipeline=2)
+    first, second = gpu_state(params, par, 0, recipe), gpu_state(params, par, 1, recipe)
+    assert (first.param_bytes, first.grad_bytes, first.master_bytes, first.optimizer_state_bytes) == (
+        2 * (110 + 1000), 2 * 110, 4 * 110, 8 * 110)
+    assert (second.param_bytes, second.grad_bytes, second.master_bytes, second.optimizer_state_bytes) == (
+        2 * (100 + 50), 2 * 100, 4 * 100, 8 * 100)
+    assert params.count == 10 + 2 * 100 + 1000 + 50
+
+
 def test_ring_collectives_and_links() -> None:
     """Thakur et al. 2005 ring algorithms: all-reduce 2(g-1)/g, all-gather (g-1)/g of the buffer."""
     net = Network(intra_node_bytes_per_s=400e9, inter_node_bytes_per_s=50e9, gpus_per_node=8)

@@ -65,9 +65,9 @@ class ModelParams:
     gradless: RoleShapes = RoleShapes()
     """Outside the layers, those the training step gives no gradient
     (`remat.estimate.dataflow.Classified.gradless`: frozen, read by no op, or not reaching the
-    loss): held by the first stage as weights (and master weights), with no gradient (``.grad``
-    stays None) and no optimizer state (PyTorch's optimizers skip a parameter without a gradient
-    and never make its state). NeoMME's image patch embeddings, in a masked LM's step over text,
+    loss): held by the first stage as weights, with no gradient (``.grad`` stays None), no
+    optimizer state (PyTorch's optimizers skip a parameter without a gradient and never make its
+    state) and no fp32 master copy under mixed precision. NeoMME's image patch embeddings, in a masked LM's step over text,
     priced 30 % above the measured peak as trained."""
 
     layer_gradless: tuple[RoleShapes, ...] = ()
@@ -149,11 +149,13 @@ def _stage_gradless(params: ModelParams, par: Parallelism, stage: int) -> list[R
 
 
 def _weights_only(part: RoleShapes, par: Parallelism, recipe: StateRecipe) -> ModelState:
-    """``part`` sharded as trained parameters are, less gradients and optimizer state."""
+    """``part`` sharded as trained parameters are, its weights alone: no gradient, no optimizer
+    state and no fp32 master copy (under mixed precision the master weights are the optimizer's,
+    of the parameters it updates: Megatron-LM's ``main_param`` of those that require grad)."""
     weights = add_states(_sharded(_dense(part, par), par.data, recipe, None),
                          _sharded(_shard(part.expert, par.expert_tensor_size * par.expert), par.expert_data, recipe,
                                   None))
-    return replace(weights, grad_bytes=0, optimizer_state_bytes=0)
+    return replace(weights, grad_bytes=0, master_bytes=0, optimizer_state_bytes=0)
 
 
 def _dense(part: RoleShapes, par: Parallelism) -> list[Shape]:
