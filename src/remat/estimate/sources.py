@@ -67,6 +67,9 @@ class ModelSource:
     """Size keywords of the built-in model or the HF family."""
     attention: str = "sdpa"
     """HF attention implementation: ``sdpa`` (fused kernel) or ``eager`` (explicit ops)."""
+    lora_rank: int | None = None
+    """Train LoRA adapters of this rank on every linear layer but the LM head, every other weight
+    frozen (`remat.models.lora.add_lora`); None: every weight trained. Hugging Face models only."""
 
     def __post_init__(self) -> None:
         given = [k for k in ("builtin", "hf_family", "hf_config_path", "file") if getattr(self, k)]
@@ -80,6 +83,13 @@ class ModelSource:
             raise ValueError(f"unknown Hugging Face family {self.hf_family!r}; allowed: {', '.join(HF_FAMILIES)}.")
         if self.attention not in ("sdpa", "eager"):
             raise ValueError(f"attention={self.attention!r} is not supported; allowed: sdpa, eager.")
+        if self.lora_rank is not None:
+            if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1:
+                raise ValueError(f"LoRA rank must be an integer >= 1, got {self.lora_rank!r} (--lora R).")
+            if not (self.hf_family or self.hf_config_path):
+                raise ValueError(f"--lora {self.lora_rank} adapts a Hugging Face model the estimate builds (--hf, "
+                                 "--config); add adapters to your own model in its file.py:build instead, for example "
+                                 "with remat.models.lora.add_lora(model, rank).")
         if self.hf_family:
             check_sizes(self.sizes, f"--hf {self.hf_family}")
         if self.builtin:
@@ -94,7 +104,8 @@ class ModelSource:
     @property
     def label(self) -> str:
         """A short human name."""
-        return self.builtin or self.file or self.hf_config_path or f"hf:{self.hf_family}"
+        name = self.builtin or self.file or self.hf_config_path or f"hf:{self.hf_family}"
+        return name + (f" with LoRA of rank {self.lora_rank}" if self.lora_rank else "")
 
 
 def as_source(source: ModelSource | str) -> ModelSource:

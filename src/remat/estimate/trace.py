@@ -696,7 +696,7 @@ def _build(source: ModelSource, config: Any, layers: int, dtype: torch.dtype, ho
     """`build_hf_on_meta`, transformers' failures to build it in one line: no SDPA attention for
     the model (the way: --explicit-attention), or any other (the way: a file.py:build)."""
     try:
-        return build_hf_on_meta(config, layers=layers, dtype=dtype)
+        model = build_hf_on_meta(config, layers=layers, dtype=dtype)
     except Exception as error:  # noqa: BLE001 - transformers' own failures, for a model it builds its own way
         said = " ".join(str(error).split())
         if isinstance(error, ValueError) and source.attention != "eager" and (
@@ -714,6 +714,11 @@ def _build(source: ModelSource, config: Any, layers: int, dtype: torch.dtype, ho
             f"estimate builds it ({how}): {type(error).__name__}: {said[:300].rstrip('.')}. Estimate it from a "
             "file.py:build that builds the whole model (--model path/to/file.py:build), or measure it with `remat "
             "profile` at a size that runs here.") from error
+    if source.lora_rank:
+        from remat.models.lora import add_lora
+
+        add_lora(model, source.lora_rank)
+    return model
 
 
 def _trace_encoder_decoder(source: ModelSource, config: Any, *, seq_len: int, dtype: torch.dtype,
