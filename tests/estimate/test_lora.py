@@ -57,8 +57,8 @@ def test_adapters_by_hand() -> None:
 def test_estimate_against_the_measured_step(tmp_path) -> None:
     """fp32, AdamW over the adapters: model state exact (every weight 4 bytes; gradients and two
     moments for the 16,384 adapter parameters alone); with every layer recomputed the peak is exact;
-    without, 0.86 % over: the LM head is priced as trained (its byte model holds the hidden states
-    its weight's gradient would need, which a frozen head does not)."""
+    without, 0.86 % over at the head's moment (16,640 bytes: a hidden state and its norm's
+    statistics; not traced further)."""
     path = tmp_path / "llama.json"
     path.write_text(json.dumps(CFG))
     result = estimate(ModelSource(hf_config_path=str(path), lora_rank=R), seq_len=S, micro_batch=B, dtype="fp32",
