@@ -56,9 +56,10 @@ def test_adapters_by_hand() -> None:
 
 def test_estimate_against_the_measured_step(tmp_path) -> None:
     """fp32, AdamW over the adapters: model state exact (every weight 4 bytes; gradients and two
-    moments for the 16,384 adapter parameters alone); with every layer recomputed the peak is exact;
-    without, 0.86 % over at the head's moment (16,640 bytes: a hidden state and its norm's
-    statistics; not traced further)."""
+    moments for the 16,384 adapter parameters alone); the peak with every layer recomputed exact,
+    without recomputation 4 bytes over. The embeddings are frozen, so the first layer's input takes
+    no gradient and it saves less than the layers after it: traced apart (copied from the second,
+    16,640 bytes over, a hidden state and its norm's statistics)."""
     path = tmp_path / "llama.json"
     path.write_text(json.dumps(CFG))
     result = estimate(ModelSource(hf_config_path=str(path), lora_rank=R), seq_len=S, micro_batch=B, dtype="fp32",
@@ -74,8 +75,7 @@ def test_estimate_against_the_measured_step(tmp_path) -> None:
                    torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True), repeats=1)
     rows = {s.strategy: s for s in result.devices[0].strategies}
     assert rows["full"].peak_bytes == plan(prof, strategy="full").prediction.peak_bytes
-    over = rows["none"].peak_bytes / plan(prof, strategy="none").prediction.peak_bytes - 1
-    assert 0.0 < over < 0.009 and rows["none"].peak_phase == "head"
+    assert 0 <= rows["none"].peak_bytes - plan(prof, strategy="none").prediction.peak_bytes <= 4
 
 
 def test_llama_3_8b_lora_16_on_the_command_line() -> None:
