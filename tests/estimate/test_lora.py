@@ -96,3 +96,25 @@ def test_llama_3_8b_lora_16_on_the_command_line() -> None:
     assert (state["grad_bytes"], state["master_bytes"], state["optimizer_state_bytes"]) == (
         2 * adapters, 4 * adapters, 8 * adapters)
     assert "with LoRA of rank 16" in found["model"]
+
+
+def test_adapters_on_named_layers() -> None:
+    """peft's default for Llama, the queries and values only: per layer r x (64 + 64) + r x (64 + 32);
+    a name no linear has is refused with the names there are. Llama-3-8B at rank 8 on q_proj and
+    v_proj: 3,407,872 adapter parameters, peft's count."""
+    model = add_lora(_model(None), R, targets=("q_proj", "v_proj"))
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 4 * R * ((64 + 64) + (64 + 32))
+    assert type(model.model.layers[0].self_attn.k_proj) is nn.Linear
+    with pytest.raises(ValueError, match=r"LoRA targets \['qkv'\] name no linear layer of LlamaForCausalLM; its linear "
+                                         r"layers are named down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"):
+        add_lora(_model(None), R, targets=("q_proj", "qkv"))
+    with pytest.raises(ValueError, match="--lora-targets q_proj names where LoRA adapters go; pass their rank with --lora R"):
+        ModelSource(hf_family="llama", lora_targets=("q_proj",))
+    out = CliRunner().invoke(app, ["estimate", "--hf", "llama", "--hidden", "4096", "--layers", "32", "--heads", "32",
+                                   "--kv-heads", "8", "--intermediate", "14336", "--vocab", "128256", "--seq", "1024",
+                                   "--lora", "8", "--lora-targets", "q_proj,v_proj", "--json"])
+    assert out.exit_code == 0, out.output
+    found = json.loads(out.output)
+    assert found["param_count"] == 8_030_261_248 + 3_407_872
+    assert found["devices"][0]["model_state"]["optimizer_state_bytes"] == 8 * 3_407_872
+    assert "with LoRA of rank 8 on q_proj, v_proj" in found["model"]

@@ -70,6 +70,8 @@ class ModelSource:
     lora_rank: int | None = None
     """Train LoRA adapters of this rank on every linear layer but the LM head, every other weight
     frozen (`remat.models.lora.add_lora`); None: every weight trained. Hugging Face models only."""
+    lora_targets: tuple[str, ...] | None = None
+    """With ``lora_rank``: only the linear layers of these names (``("q_proj", "v_proj")``)."""
 
     def __post_init__(self) -> None:
         given = [k for k in ("builtin", "hf_family", "hf_config_path", "file") if getattr(self, k)]
@@ -86,10 +88,16 @@ class ModelSource:
         if self.lora_rank is not None:
             if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1:
                 raise ValueError(f"LoRA rank must be an integer >= 1, got {self.lora_rank!r} (--lora R).")
+            if self.lora_targets is not None and not self.lora_targets:
+                raise ValueError("--lora-targets names no layer; pass names such as q_proj,v_proj, or leave it out "
+                                 "for every linear layer.")
             if not (self.hf_family or self.hf_config_path):
                 raise ValueError(f"--lora {self.lora_rank} adapts a Hugging Face model the estimate builds (--hf, "
                                  "--config); add adapters to your own model in its file.py:build instead, for example "
                                  "with remat.models.lora.add_lora(model, rank).")
+        if self.lora_targets is not None and self.lora_rank is None:
+            raise ValueError(f"--lora-targets {','.join(self.lora_targets)} names where LoRA adapters go; pass their "
+                             "rank with --lora R too.")
         if self.hf_family:
             check_sizes(self.sizes, f"--hf {self.hf_family}")
         if self.builtin:
@@ -105,7 +113,8 @@ class ModelSource:
     def label(self) -> str:
         """A short human name."""
         name = self.builtin or self.file or self.hf_config_path or f"hf:{self.hf_family}"
-        return name + (f" with LoRA of rank {self.lora_rank}" if self.lora_rank else "")
+        on = f" on {', '.join(self.lora_targets)}" if self.lora_targets else ""
+        return name + (f" with LoRA of rank {self.lora_rank}{on}" if self.lora_rank else "")
 
 
 def as_source(source: ModelSource | str) -> ModelSource:

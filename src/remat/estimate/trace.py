@@ -720,7 +720,7 @@ def _build(source: ModelSource, config: Any, layers: int, dtype: torch.dtype, ho
     if source.lora_rank:
         from remat.models.lora import add_lora
 
-        add_lora(model, source.lora_rank)
+        add_lora(model, source.lora_rank, targets=source.lora_targets)
     return model
 
 
