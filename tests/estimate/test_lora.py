@@ -57,7 +57,10 @@ def test_adapters_by_hand() -> None:
 def test_estimate_against_the_measured_step(tmp_path) -> None:
     """fp32, AdamW over the adapters: model state exact (every weight 4 bytes; gradients and two
     moments for the 16,384 adapter parameters alone); the peak with every layer recomputed exact,
-    without recomputation 4 bytes over. The embeddings are frozen, so the first layer's input takes
+    without recomputation 4 bytes over; the frozen head's bytes under keep, recompute and chunked
+    exact (priced as a trained head's, keep held 16,384 bytes more, the hidden states the projection
+    does not save, and chunked's backward 24,576 more, the weight's gradient; the step's peak came
+    out the same: the rest after the layers, the traced part less keep's saved bytes, was as much under). The embeddings are frozen, so the first layer's input takes
     no gradient and it saves less than the layers after it: traced apart (copied from the second,
     16,640 bytes over, a hidden state and its norm's statistics)."""
     path = tmp_path / "llama.json"
@@ -72,10 +75,15 @@ def test_estimate_against_the_measured_step(tmp_path) -> None:
         4 * total, 4 * 16_384, 0, 8 * 16_384)
     ids = torch.randint(3, 90, (B, S), generator=torch.Generator().manual_seed(0))
     prof = profile(model, {"input_ids": ids, "labels": ids.clone()}, None,
-                   torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True), repeats=1)
+                   torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True), repeats=1,
+                   head_chunks=(32,))
     rows = {s.strategy: s for s in result.devices[0].strategies}
     assert rows["full"].peak_bytes == plan(prof, strategy="full").prediction.peak_bytes
     assert 0 <= rows["none"].peak_bytes - plan(prof, strategy="none").prediction.peak_bytes <= 4
+    # the frozen head (no weight gradient, its input unsaved) under every strategy, as measured
+    assert [(h.strategy, h.held_bytes, h.fwd_peak_bytes, h.bwd_peak_bytes) for h in result.head_bytes] == [
+        (o.strategy, o.held_bytes, o.fwd_peak_bytes, o.bwd_peak_bytes) for o in prof.head.options] == [
+        ("keep", 25096, 66584, 73736), ("recompute", 16388, 66584, 90120), ("chunked:32", 16904, 41488, 70156)]
 
 
 def test_llama_3_8b_lora_16_on_the_command_line() -> None:

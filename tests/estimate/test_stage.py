@@ -17,7 +17,7 @@ from remat.estimate.strategies import choose, option_seconds
 from remat.memory.model_state import ModelState
 
 LAYER = LayerOnGpu(saved_bytes=100.0, core_bytes=40.0, input_bytes=10.0, working_bytes=130.0, replay_working_bytes=140.0,
-                   fwd_flops=1e6, core_flops=2e5, core_moved_bytes=1000.0, expert_flops=0.0, hidden_bytes=10.0)
+                   fwd_flops=1e6, bwd_flops=2e6, core_flops=2e5, core_moved_bytes=1000.0, expert_flops=0.0, hidden_bytes=10.0)
 STATE = ModelState(param_bytes=1000, grad_bytes=1000, master_bytes=0, optimizer_state_bytes=2000)
 RATES = Rates(flops_per_s=1e9, memory_bytes_per_s=1e6, host_link_bytes_per_s=1e4)
 NET = Network(intra_node_bytes_per_s=1e3, inter_node_bytes_per_s=1e2, gpus_per_node=8)
@@ -25,7 +25,7 @@ NET = Network(intra_node_bytes_per_s=1e3, inter_node_bytes_per_s=1e2, gpus_per_n
 
 def _stage(n: int = 3, *, in_flight: float = 1.0, first: bool = True, last: bool = True) -> Stage:
     return Stage(index=0, first=first, last=last, state=STATE, layers=(LAYER,) * n, pre_bytes=7.0,
-                 post_saved_bytes=50.0 if last else 0.0, post_working_bytes=20.0 if last else 0.0, post_flops=3e5,
+                 post_saved_bytes=50.0 if last else 0.0, post_working_bytes=20.0 if last else 0.0, post_flops=3e5, post_bwd_flops=6e5,
                  in_flight=in_flight, buffer_bytes=0.0)
 
 
@@ -115,7 +115,7 @@ def test_optimal_labels_and_nothing_fits() -> None:
 
 
 WIDE = LayerOnGpu(saved_bytes=300.0, core_bytes=200.0, input_bytes=30.0, working_bytes=360.0, replay_working_bytes=330.0,
-                  fwd_flops=3e6, core_flops=1e5, core_moved_bytes=500.0, expert_flops=0.0, hidden_bytes=30.0)
+                  fwd_flops=3e6, bwd_flops=6e6, core_flops=1e5, core_moved_bytes=500.0, expert_flops=0.0, hidden_bytes=30.0)
 """A layer of another stack: an image tower's, retaining three times a text layer's."""
 NAMES = ("none", "selective", "full", "offload")
 
@@ -128,7 +128,7 @@ def _towers(order: str, *, in_flight: float = 1.0, grads: bool = False) -> Stage
     state = ModelState(param_bytes=1000, grad_bytes=int(100 + sum(extra.get("layer_grad_bytes", (0.0,)))) if grads else 1000,
                        master_bytes=0, optimizer_state_bytes=2000)
     return Stage(index=0, first=True, last=True, state=state, layers=layers, pre_bytes=7.0, post_saved_bytes=50.0,
-                 post_working_bytes=20.0, post_flops=3e5, in_flight=in_flight, buffer_bytes=0.0, **extra)
+                 post_working_bytes=20.0, post_flops=3e5, post_bwd_flops=6e5, in_flight=in_flight, buffer_bytes=0.0, **extra)
 
 
 def _every_assignment(stage: Stage) -> list[tuple[float, float]]:

@@ -41,6 +41,19 @@ def test_the_toy_head_by_hand():
     assert logits_bytes(shape) == LOGITS and projection_flops(32, 32, 300) == 2 * 32 * 32 * 300
 
 
+def test_the_toy_head_frozen_by_hand():
+    """A frozen projection (LoRA's head) saves its weight alone: keep holds no hidden states to the
+    backward, and no strategy makes the weight's gradient (38400 bytes); recompute's checkpoint
+    still holds the hidden states through its backward."""
+    shape = HeadShape(batch_size=2, seq_len=16, hidden_size=32, vocab_size=300, dtype_bytes=4, upcast=False,
+                      shift=False, tied=False, trained=False)
+    keep = keep_bytes(shape)
+    assert (keep.held_bytes, keep.fwd_peak_bytes, keep.bwd_peak_bytes) == (LOGITS + 2 * SCALAR, 80904, 3 * LOGITS + 2 * SCALAR)
+    recompute = recompute_bytes(shape)
+    assert (recompute.held_bytes, recompute.bwd_peak_bytes) == (HIDDEN + SCALAR, HIDDEN + 3 * LOGITS + 2 * SCALAR)
+    assert chunked_bytes(shape, 8).bwd_peak_bytes == 75404 - 38400
+
+
 @pytest.fixture(scope="module")
 def measured():
     """Profiles of the toy heads, with chunks of 7 (uneven), 8 and 64 (more than every row)."""
@@ -49,6 +62,22 @@ def measured():
     out = {}
     for label, (name, dtype) in cases.items():
         built = tiny(name, optimizer="none", dtype=dtype)
+        out[label] = profile(built.model, built.batch, built.loss_fn, None, repeats=1, head_chunks=(7, 8, 64))
+    return out
+
+
+FROZEN = {"llama-frozen": ("hf:llama", None, "lm_head"), "llama-bf16-frozen": ("hf:llama", torch.bfloat16, "lm_head"),
+          "gpt2-tied-frozen": ("hf:gpt2", None, "transformer.wte"), "gpt-frozen": ("gpt", None, "head")}
+"""Heads whose projection is frozen (LoRA's), the layers trained: (model, dtype, module frozen; the
+tied GPT-2's head is its token embedding)."""
+
+
+@pytest.fixture(scope="module")
+def measured_frozen():
+    out = {}
+    for label, (name, dtype, frozen) in FROZEN.items():
+        built = tiny(name, optimizer="none", dtype=dtype)
+        built.model.get_submodule(frozen).requires_grad_(False)
         out[label] = profile(built.model, built.batch, built.loss_fn, None, repeats=1, head_chunks=(7, 8, 64))
     return out
 
@@ -64,10 +93,24 @@ def test_the_measured_toy_head_is_the_hand_count(measured):
 @pytest.mark.slow
 @pytest.mark.parametrize("label", ["gpt", "llama", "gpt2-tied", "llama-bf16", "gpt-bf16"])
 def test_every_strategy_measured_is_its_formula(measured, label):
-    head = measured[label].head
+    _check_formulas(measured[label].head, trained=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", list(FROZEN))
+def test_a_frozen_head_measured_is_its_formula(measured_frozen, label):
+    """The head's bytes with its projection frozen, every strategy, equal to the byte; the head
+    inside the step is still the rest plus keep's head alone."""
+    prof = measured_frozen[label]
+    _check_formulas(prof.head, trained=False)
+    keep = prof.head.option("keep")
+    assert prof.head.post_head_bytes == prof.fixed_post_saved_bytes - keep.saved_bytes + keep.bwd_peak_bytes
+
+
+def _check_formulas(head, *, trained: bool) -> None:
     shape = HeadShape(batch_size=2, seq_len=16, hidden_size=head.hidden_size, vocab_size=head.vocab_size,
                       dtype_bytes=torch.finfo(getattr(torch, head.dtype)).bits // 8, upcast=head.upcast,
-                      shift=head.kind == "hf-causal-lm", tied=head.tied)
+                      shift=head.kind == "hf-causal-lm", tied=head.tied, trained=trained)
     assert [o.strategy for o in head.options] == ["keep", "recompute", "chunked:7", "chunked:8", "chunked:64"]
     for option in head.options:
         formula = head_bytes(shape, option.strategy)

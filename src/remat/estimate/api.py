@@ -174,7 +174,7 @@ def _answer(setup: Pricing, specs: Sequence, *, seq_len: int, dtype: str) -> Est
         allowance=setup.allowance, model_state=whole,
         layer_saved_bytes=int(layer.saved_bytes), layer_input_bytes=int(layer.input_bytes),
         fixed_saved_bytes=int(stages[0].pre_bytes + stages[-1].post_saved_bytes),
-        train_flops=int(max(3 * (sum(x.fwd_flops for x in s.layers) + s.post_flops) for s in stages)),
+        train_flops=int(max(s.fwd_flops + s.bwd_flops for s in stages)),
         devices=tuple(setup.on_device(spec) for spec in specs),
         head=setup.head_name, head_bytes=setup.head_estimates(("keep", "recompute", "chunked", setup.head)),
         head_note=traced.head_note,

@@ -127,6 +127,8 @@ class _State:
     widths: dict[str, int] = field(default_factory=dict)
     segment: str = PRE
     expert_depth: int = 0
+    bwd_flops: dict[int, float] = field(default_factory=dict)
+    """Call index -> FLOPs of its backward (`_backward_flops`)."""
 
 
 class _Tracer(TorchDispatchMode):
@@ -353,11 +355,49 @@ def classify(model: nn.Module, batch: Any, blocks: list[tuple[str, nn.Module]], 
     else:
         reached = set(roles)
     gradless = frozenset(n for n, p in model.named_parameters() if not p.requires_grad or n not in reached)
+    named = dict(model.named_parameters())
+    state.bwd_flops = _backward_flops(state, {n for n, p in named.items() if p.requires_grad},
+                                      {n for n, p in named.items() if p.dim() >= 2}, loss_id)
     unreached = frozenset(n for n, p in model.named_parameters()
                           if p.requires_grad and n not in reached and state.used_in.get(n))
     flow = _flow(state, len(blocks), frozenset({0} | {e + 1 for e in stack_ends}) if stack_ends else frozenset())
     return Classified(flow=flow, roles=roles, used_in={k: frozenset(v) for k, v in state.used_in.items()},
                       split_widths=dict(state.widths), gradless=gradless, unreached=unreached)
+
+
+def _backward_flops(state: _State, trainable: set[str], matrices: set[str], loss: int | None) -> dict[int, float]:
+    """Call index -> the FLOPs its backward runs, as autograd runs it (and as
+    ``torch.utils.flop_counter`` counts it). An op has a backward only when the loss is computed
+    from its output (every op when there is no loss) and that output needs a gradient: it reads a
+    trainable parameter or a tensor computed from one. A linear's backward is one product per
+    gradient it gives: its input's, when the input needs one (not the batch's pixels, nor the
+    output of frozen embeddings: the first layer of a LoRA model), and its weight's, when the
+    weight is trained (not a frozen base weight under LoRA). Other ops with FLOPs (a product of
+    two activations, a fused attention kernel) give their inputs' gradients: twice their forward,
+    the convention of model-FLOPs counts (a fused kernel's backward replays its scores too:
+    ``torch.utils.flop_counter`` counts 2.5 times)."""
+    grads: set[int] = set()
+    reads_grad: dict[int, bool] = {}
+    for c in state.calls:  # forward: which ops' outputs need a gradient, and whether their inputs do
+        reads = bool(grads.intersection(c.reads))
+        if reads or trainable.intersection(c.params):
+            grads.update(c.outs)
+            reads_grad[c.index] = reads
+    needed = {loss} if loss is not None else None
+    out: dict[int, float] = {}
+    for c in reversed(state.calls):
+        if needed is not None:
+            if not needed.intersection(c.outs):
+                continue
+            needed.update(c.reads)
+        if c.index not in reads_grad or not c.flops:
+            continue
+        if c.linear:
+            weight = any(p in trainable and p in matrices for p in c.params)
+            out[c.index] = c.flops * (int(reads_grad[c.index]) + int(weight))
+        else:
+            out[c.index] = 2.0 * c.flops
+    return out
 
 
 def _reaching_loss(state: _State, loss: int) -> tuple[set[str], set[int]]:
@@ -489,16 +529,19 @@ def _flow(state: _State, num_layers: int, starts: frozenset[int] = frozenset()) 
         else:
             extra[holder] = extra.get(holder, 0.0) + nbytes
     flops: dict[str, dict[str, float]] = {}
+    bwd_flops: dict[str, dict[str, float]] = {}
     moved: dict[str, float] = {}
     for c in state.calls:
         where = PRE if c.segment.startswith(GAP) else c.segment
         _add(flops, where, _bucket(c.index in core_calls, c.split, c.expert), c.flops)
+        _add(bwd_flops, where, _bucket(c.index in core_calls, c.split, c.expert), state.bwd_flops.get(c.index, 0.0))
         if c.index in core_calls:
             moved[where] = moved.get(where, 0.0) + sum(state.storages[s].nbytes for s in c.made)
 
     def segment(name: str) -> Segment:
         hidden = own_input.get(name)
         return Segment(saved=Share(**saved.get(name, {})), flops=Share(**flops.get(name, {})),
+                       bwd_flops=Share(**bwd_flops.get(name, {})),
                        input_bytes=(state.storages[hidden].nbytes if hidden is not None else 0) + extra.get(name, 0.0),
                        kept_bytes=extra.get(name, 0.0), core_moved_bytes=moved.get(name, 0.0),
                        first_saved_bytes=first.get(name, {}).get("saved", 0.0),

@@ -237,11 +237,11 @@ def _candidate(pricing: Pricing, spec: DeviceSpec, space: SearchSpace, label: st
 
 
 def model_flops(traced: Traced) -> float:
-    """Forward + backward FLOPs of one sequence through the whole model (3 x forward), from the
-    per-token part of the trace at micro-batch 2."""
+    """Forward + backward FLOPs of one sequence through the whole model, from the per-token part of
+    the trace at micro-batch 2."""
     flow = traced.split(2).per_token
-    layers = sum(flow.layers[k].flops.total for k in traced.layer_kinds)
-    return 3 * (layers + flow.pre.flops.total + flow.post.flops.total) / 2
+    segments = [flow.pre, flow.post, *(flow.layers[k] for k in traced.layer_kinds)]
+    return sum(s.flops.total + s.bwd_flops.total for s in segments) / 2
 
 
 def search_source(source: ModelSource | str, device: str | DeviceSpec, *, gpus: int, global_batch: int, seq_len: int,

@@ -82,7 +82,7 @@ class TracedHead:
         gathered = shape.hidden_bytes - shard if par.sequence_parallel else 0.0  # gathered again in backward
         replay = 0 if name == KEEP else projection_flops(shape.num_tokens, shape.hidden_size, shape.vocab_size)
         kind, _, chunk = name.partition(":")
-        moved = 2 * math.ceil(shape.num_tokens / int(chunk)) * shape.weight_bytes if kind == "chunked" else 0
+        moved = 2 * math.ceil(shape.num_tokens / int(chunk)) * shape.weight_grad_bytes if kind == "chunked" else 0
         return HeadOnGpu(strategy=name, logits_bytes=logits_bytes(shape), held_bytes=formula.held_bytes - gathered,
                          fwd_peak_bytes=formula.fwd_peak_bytes + shard, bwd_peak_bytes=formula.bwd_peak_bytes + shard,
                          replay_flops=replay, moved_bytes=moved)
@@ -105,7 +105,8 @@ class HeadOnGpu:
     replay_flops: int
     """FLOPs run again in the backward: one more projection for ``recompute`` and ``chunked``."""
     moved_bytes: int = 0
-    """Bytes the chunks' updates of the weight's gradient read and write (``chunked``; module docstring)."""
+    """Bytes the chunks' updates of the weight's gradient read and write (``chunked``, a trained head;
+    module docstring)."""
 
     @property
     def peak_bytes(self) -> float:
@@ -157,7 +158,8 @@ def find_traced_head(model: Any, seq_len: int | None) -> tuple[TracedHead | None
     vocab, hidden = projection.weight.shape
     traced = HeadShape(batch_size=1, seq_len=seq_len, hidden_size=int(hidden), vocab_size=int(vocab),
                        dtype_bytes=projection.weight.element_size(), upcast=site.loss.upcast, shift=site.loss.shift,
-                       tied=site.tied, bias=projection.bias is not None or bool(site.logit_bias))
+                       tied=site.tied, bias=projection.bias is not None or bool(site.logit_bias),
+                       trained=projection.weight.requires_grad)
     return TracedHead(projection=site.projection, traced=traced), ""
 
 

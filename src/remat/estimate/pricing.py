@@ -118,17 +118,18 @@ class Pricing:
         kinds = [self.traced.layer_kinds[i] for i in stage_layers(self.traced.num_layers, par, index)]
         by_kind = {k: self.layer(micro_batch, k) for k in set(kinds)}
         first, last = index == 0, index == par.pipeline - 1
-        post = self._post(micro_batch) if last else (0.0, 0.0, 0.0, 0.0, 0.0)
-        pre = _divided(split.per_token.pre, split.constant.pre, par) if first else (0.0, 0.0, 0.0)
+        post = self._post(micro_batch) if last else (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        pre = _divided(split.per_token.pre, split.constant.pre, par) if first else (0.0, 0.0, 0.0, 0.0)
         pre_forward = _scaled_like_saved(split.per_token.pre, split.constant.pre, par,
                                          "forward_peak_bytes") if first else 0.0
         layers = tuple(by_kind[k] for k in kinds)
         return Stage(
             index=index, first=first, last=last, state=self.state(index), layers=layers,
-            pre_bytes=pre[0], pre_working_bytes=pre[1], pre_forward_peak_bytes=pre_forward,
+            pre_bytes=pre[0], pre_working_bytes=pre[1], pre_forward_peak_bytes=pre_forward, pre_flops=pre[2],
+            pre_bwd_flops=pre[3],
             pre_released=self._released(micro_batch, kinds) if first else (),
             post_saved_bytes=post[0] if last else 0.0, post_working_bytes=post[1] if last else 0.0,
-            post_flops=post[2] if last else 0.0, post_replay_flops=post[3], post_moved_bytes=post[4],
+            post_flops=post[2], post_bwd_flops=post[5], post_replay_flops=post[3], post_moved_bytes=post[4],
             in_flight=par.in_flight_at(index, self.micro_batches),
             buffer_bytes=2 * layers[-1].hidden_bytes / par.sequence_divisor if par.pipeline > 1 and layers else 0.0,
             optimizer_temp_bytes=self._step_temp_bytes(self.state(index)), **self._grads(index),
@@ -147,15 +148,15 @@ class Pricing:
             out[where][1] += per_gpu(per.released_unsaved, const.released_unsaved, par)
         return tuple((a, b) for a, b in out)
 
-    def _post(self, micro_batch: int) -> tuple[float, float, float, float, float]:
-        """(saved bytes, working bytes, FLOPs, replayed FLOPs, moved bytes) of the part after the layers on one
+    def _post(self, micro_batch: int) -> tuple[float, float, float, float, float, float]:
+        """(saved bytes, working bytes, FLOPs, replayed FLOPs, moved bytes, backward FLOPs) of the part after the layers on one
         GPU: the traced part divided by the layout, with the head priced by its byte model under
         ``self.head`` (`remat.estimate.head`: rest + held, and rest + the head's peak)."""
         split, par = self.split(micro_batch), self.parallelism
-        saved, working, flops = _divided(split.per_token.post, split.constant.post, par)
+        saved, working, flops, bwd_flops = _divided(split.per_token.post, split.constant.post, par)
         on = self.head_on_gpu(micro_batch)
         if on is None:
-            return saved, working, flops, 0.0, 0.0
+            return saved, working, flops, 0.0, 0.0, bwd_flops
         rest = self.rest_on_gpu(micro_batch)
         # what the rest's own backward needs beyond the head's (UltraBERT's two-layer prediction MLP
         # before its projection, 1280 wide: 6.1 % under without it): the traced working set less the
@@ -165,7 +166,7 @@ class Pricing:
         head_working = keep.peak_bytes - keep.held_bytes
         rest_working = working - head_working if working > REST_WORKING_FLOOR * head_working else 0.0
         return (rest + on.held_bytes, on.peak_bytes - on.held_bytes + rest_working, flops, float(on.replay_flops),
-                float(on.moved_bytes))
+                float(on.moved_bytes), bwd_flops)
 
     def rest_on_gpu(self, micro_batch: int) -> float:
         """The rest of the part after the layers (a final norm) on one GPU: whole, per token."""
@@ -375,11 +376,13 @@ than this factor only where what runs before the projection has a backward of it
 (`Pricing._post`); below it, by a few bytes, the loss's scalars."""
 
 
-def _divided(per_token: Segment, constant: Segment, par: Parallelism) -> tuple[float, float, float]:
-    """(saved bytes, working bytes, FLOPs) of the part before or after the layers on one GPU."""
+def _divided(per_token: Segment, constant: Segment, par: Parallelism) -> tuple[float, float, float, float]:
+    """(saved bytes, working bytes, forward FLOPs, backward FLOPs) of the part before or after the
+    layers on one GPU."""
     saved = per_gpu(per_token.saved, constant.saved, par)
     working = _scaled_like_saved(per_token, constant, par, "working_bytes")
-    return saved, working, per_gpu(per_token.flops, constant.flops, par)
+    return saved, working, per_gpu(per_token.flops, constant.flops, par), per_gpu(per_token.bwd_flops,
+                                                                                  constant.bwd_flops, par)
 
 
 def _scaled_like_saved(per_token: Segment, constant: Segment, par: Parallelism, name: str) -> float:

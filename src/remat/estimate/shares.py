@@ -78,6 +78,9 @@ class Segment:
     """Bytes of the storages autograd saves first in this segment."""
     flops: Share
     """Forward FLOPs."""
+    bwd_flops: Share = Share()
+    """Backward FLOPs: one product per gradient a linear gives, none where no gradient is needed
+    (`remat.estimate.dataflow._backward_flops`)."""
     input_bytes: float = 0
     """A layer's own input (the hidden states it is called with; shared tensors excluded), and
     ``kept_bytes``."""

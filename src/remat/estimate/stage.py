@@ -21,9 +21,11 @@ layer i's those of the layers after it (its own are among its working bytes); wi
 micro-batches every gradient persists across them, so every one is live the whole step (as in
 Megatron-LM's contiguous gradient buffers).
 
-Time per micro-batch: forward + backward FLOPs (backward = 2 x forward, the usual count for
-matmuls: one product for the input gradient, one for the weight gradient) and the replayed
-FLOPs at ``MFU x peak FLOP/s``; a replayed op at least writes its outputs at memory bandwidth;
+Time per micro-batch: forward + backward FLOPs and the replayed FLOPs at ``MFU x peak FLOP/s``.
+The backward runs one product per gradient a linear gives: its input's where the input needs
+one, its weight's where the weight is trained (twice the forward in a model trained whole; once
+for a frozen linear under LoRA; none for one that reads the batch or frozen embeddings' output),
+as traced (`remat.estimate.dataflow`) and as ``torch.utils.flop_counter`` counts the real step; a replayed op at least writes its outputs at memory bandwidth;
 offloaded bytes go to host memory and back over the host link; communication as
 `remat.estimate.comms` times it.
 """
@@ -59,6 +61,10 @@ class Stage:
     """The peak of the forward before the layers, above the model state (first stage)."""
     pre_working_bytes: float = 0.0
     """The backward temporaries of the part before the layers (first stage)."""
+    pre_flops: float = 0.0
+    """Forward FLOPs of the part before the layers (first stage: a vision model's patch embedding)."""
+    pre_bwd_flops: float = 0.0
+    """Their backward FLOPs (none for the input's gradient: the batch takes none)."""
     pre_released: tuple[tuple[float, float], ...] = ()
     """Per layer (first stage), what of ``pre_bytes`` its backward frees, and of that what no op
     saves, which only a layer's checkpoint holds past the forward (`remat.estimate.shares.Segment.released`;
@@ -69,6 +75,8 @@ class Stage:
     """The head's backward temporaries (last stage)."""
     post_flops: float
     """Forward FLOPs of the head and loss (last stage)."""
+    post_bwd_flops: float
+    """Their backward FLOPs (last stage)."""
     in_flight: float
     """Micro-batches whose activations the stage holds at its peak."""
     buffer_bytes: float
@@ -83,6 +91,19 @@ class Stage:
     """FLOPs the head strategy runs again in the backward (last stage; `remat.estimate.head`)."""
     post_moved_bytes: float = 0.0
     """Bytes the chunked head's updates of the weight's gradient read and write (last stage)."""
+
+    @property
+    def fwd_flops(self) -> float:
+        """Forward FLOPs of one micro-batch: the layers, and the parts before and after them on the
+        first and last stage."""
+        return (sum(x.fwd_flops for x in self.layers) + (self.pre_flops if self.first else 0.0)
+                + (self.post_flops if self.last else 0.0))
+
+    @property
+    def bwd_flops(self) -> float:
+        """Backward FLOPs of one micro-batch."""
+        return (sum(x.bwd_flops for x in self.layers) + (self.pre_bwd_flops if self.first else 0.0)
+                + (self.post_bwd_flops if self.last else 0.0))
 
     def grads_live(self, layer: int | None) -> float:
         """Gradient bytes live when the backward of ``layer`` starts (None: the head's)."""
@@ -204,12 +225,12 @@ class StageTime:
 def stage_time(stage: Stage, costs: Sequence[LayerCost], rates: Rates, *, par: Parallelism, net: Network,
                facts: ModelFacts) -> StageTime:
     """One micro-batch through ``stage`` with layer ``i`` under ``costs[i]`` (module docstring)."""
-    flops = sum(layer.fwd_flops for layer in stage.layers) + (stage.post_flops if stage.last else 0.0)
-    forward = flops / rates.flops_per_s
+    forward = stage.fwd_flops / rates.flops_per_s
+    backward = stage.bwd_flops / rates.flops_per_s
     extra = sum(extra_s(c, rates) for c in costs) + (head_extra_s(stage, rates) if stage.last else 0.0)
     core = 3 * sum(layer.core_flops for layer in stage.layers) / rates.flops_per_s
     comm = micro_batch_comm_s(stage.layers, costs, par, net, facts, core)
-    return StageTime(compute_s=3 * forward + extra, comm_s=comm, backward_s=2 * forward + extra)
+    return StageTime(compute_s=forward + backward + extra, comm_s=comm, backward_s=backward + extra)
 
 
 __all__ = ["Rates", "Stage", "StagePeak", "StageTime", "extra_s", "head_extra_s", "stage_peak", "stage_time"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 
 def attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
@@ -56,3 +56,40 @@ def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     if formula is None:
         return 0
     return int(formula(*args, **kwargs, out_val=out))
+
+
+def _cpu_attention_shapes(query: Any, key: Any, value: Any, *_: Any, **__: Any) -> int:
+    batch_heads = 1
+    for n in query[:-2]:
+        batch_heads *= n
+    return 2 * batch_heads * query[-2] * key[-2] * (query[-1] + value[-1])
+
+
+def _cpu_attention_backward_shapes(grad_out: Any, query: Any, key: Any, value: Any, *_: Any, **__: Any) -> int:
+    return 2 * _cpu_attention_shapes(query, key, value)
+
+
+def _grouped_mm_shapes(mat_a: Any, mat_b: Any, *_: Any, out_shape: Any, **__: Any) -> int:
+    """`_grouped_mm` from shapes."""
+    if len(mat_a) == 2 and len(mat_b) == 2:
+        return 2 * mat_a[0] * mat_a[1] * mat_b[1]
+    elements = 1
+    for n in out_shape:
+        elements *= n
+    return 2 * elements * mat_a[-1]
+
+
+def step_flop_counter() -> FlopCounterMode:
+    """``torch.utils.flop_counter.FlopCounterMode`` counting a training step as `remat.estimate`
+    prices it: with the CPU attention kernel its table lacks, forward as `op_flops` counts it and
+    backward twice that (the model-FLOPs convention; torch counts a fused GPU kernel's backward as
+    2.5 forwards, for the scores it replays). Every other op, backward ones included, by torch's own
+    table, which counts the products a backward runs: the input's gradient only where the input
+    needs one, the weight's only where the weight is trained."""
+    mapping: dict[Any, Any] = {}
+    if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        mapping[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_attention_shapes
+        mapping[torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_attention_backward_shapes
+    if hasattr(torch.ops.aten, "_grouped_mm") and torch.ops.aten._grouped_mm not in flop_registry:
+        mapping[torch.ops.aten._grouped_mm] = _grouped_mm_shapes
+    return FlopCounterMode(display=False, custom_mapping=mapping)

@@ -44,6 +44,11 @@ chunked:<c> (`remat.head.chunked`, chunks of ``c`` rows, ``C = c V``)::
 
 (the hidden states' and the weight's gradients, written chunk by chunk; ``w = r`` when the
 mean's fp32 count is cast to a 16-bit loss dtype, else 0).
+
+A frozen projection (``trained=False``: LoRA's head) saves only its weight: keep holds no ``T H p``
+from the forward to the backward, and no strategy makes the weight's or the bias's gradient (``H V p``
+and ``bias`` are 0 above, and so is the untied weight's copy); recompute's checkpoint still holds
+the hidden states, so its backward peak is keep's plus ``T H p``.
 A long head peaks at about ``3 L r`` under keep against ``H V p + 2 T H p + 3 C r`` chunked: at
 Llama-3-8B sizes (V = 128256, H = 4096, bf16, one sequence of T = 8192) the fp32 logits alone
 are 3.9 GiB; keep's backward peaks at 11.8 GiB, chunked:1024 at 2.6 GiB (of which 1.0 GiB is
@@ -87,6 +92,10 @@ class HeadShape:
     """The weight is tied to the input embedding (its gradient is not copied at once)."""
     bias: bool = False
     """The logits have a bias (``V`` elements in the model's dtype), whose gradient the backward makes."""
+    trained: bool = True
+    """The projection's weight (and bias) take gradients. Frozen (LoRA leaves the head so): the
+    projection saves only its weight, not its input, and the backward makes the hidden states'
+    gradient alone."""
 
     @property
     def num_tokens(self) -> int:
@@ -119,8 +128,18 @@ class HeadShape:
 
     @property
     def bias_bytes(self) -> int:
-        """The bias's gradient (0 without a bias)."""
-        return self.vocab_size * self.dtype_bytes if self.bias else 0
+        """The bias's gradient (0 without a bias, or frozen)."""
+        return self.vocab_size * self.dtype_bytes if self.bias and self.trained else 0
+
+    @property
+    def weight_grad_bytes(self) -> int:
+        """The weight's gradient (0 when frozen)."""
+        return self.weight_bytes if self.trained else 0
+
+    @property
+    def saved_hidden_bytes(self) -> int:
+        """The hidden states the projection saves for its weight's gradient (0 when frozen)."""
+        return self.hidden_bytes if self.trained else 0
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -146,15 +165,17 @@ def keep_bytes(shape: HeadShape) -> HeadBytes:
     logits = s.num_tokens * s.vocab_size
     forward = s.hidden_bytes + logits * s.dtype_bytes + s.upcast_copy(s.num_tokens) + s.padded_bytes \
         + s.shifted_bytes + logits * r + 2 * r
-    moments = [3 * logits * r, logits * s.dtype_bytes + s.hidden_bytes + s.weight_bytes + s.bias_bytes]
+    moments = [3 * logits * r, logits * s.dtype_bytes + s.hidden_bytes + s.weight_grad_bytes + s.bias_bytes]
     if s.upcast_copy(s.num_tokens):
         moments.append(logits * r + logits * s.dtype_bytes)
-    if not s.tied and not s.bias:
+    if not s.trained:
+        pass  # no weight gradient, no copy of it
+    elif not s.tied and not s.bias:
         moments.append(s.hidden_bytes + 2 * s.weight_bytes)
     elif not s.tied:  # addmm's backward makes the weight's gradient in its layout: no copy (docstring)
         moments.append(logits * s.dtype_bytes + s.hidden_bytes + s.weight_bytes + 2 * s.bias_bytes)
-    return HeadBytes(held_bytes=s.hidden_bytes + s.shifted_bytes + logits * r + 2 * r, fwd_peak_bytes=forward,
-                     bwd_peak_bytes=s.hidden_bytes + 2 * r + max(moments))
+    return HeadBytes(held_bytes=s.saved_hidden_bytes + s.shifted_bytes + logits * r + 2 * r, fwd_peak_bytes=forward,
+                     bwd_peak_bytes=s.saved_hidden_bytes + 2 * r + max(moments))
 
 
 def keep_saved_bytes(shape: HeadShape) -> int:
@@ -167,8 +188,9 @@ def recompute_bytes(shape: HeadShape) -> HeadBytes:
     """The model's own head in a checkpoint: held is the hidden states and the loss."""
     keep = keep_bytes(shape)
     r = shape.loss_bytes
+    held_input = shape.hidden_bytes - shape.saved_hidden_bytes  # what the checkpoint holds that keep's backward does not
     return HeadBytes(held_bytes=shape.hidden_bytes + r, fwd_peak_bytes=keep.fwd_peak_bytes,
-                     bwd_peak_bytes=max(keep.fwd_peak_bytes + 2 * r, keep.bwd_peak_bytes))
+                     bwd_peak_bytes=max(keep.fwd_peak_bytes + 2 * r, keep.bwd_peak_bytes + held_input))
 
 
 def chunked_bytes(shape: HeadShape, chunk_tokens: int) -> HeadBytes:
@@ -182,7 +204,7 @@ def chunked_bytes(shape: HeadShape, chunk_tokens: int) -> HeadBytes:
     forward = targets + max(s.padded_bytes, s.num_tokens + COUNT_BYTES, 2 * FP32_BYTES + chunk_fwd)
     weight = r if r != FP32_BYTES else 0  # the mean's count cast to a 16-bit loss dtype
     chunk_bwd = max(first, 2 * rows * r, 3 * rows * r + weight, rows * r + rows * s.dtype_bytes + weight)
-    backward = targets + FP32_BYTES + 2 * r + s.hidden_bytes + s.weight_bytes + s.bias_bytes + chunk_bwd
+    backward = targets + FP32_BYTES + 2 * r + s.hidden_bytes + s.weight_grad_bytes + s.bias_bytes + chunk_bwd
     return HeadBytes(held_bytes=targets + FP32_BYTES + r, fwd_peak_bytes=forward, bwd_peak_bytes=backward)
 
 
