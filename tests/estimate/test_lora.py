@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from remat.cli import app
 from remat.estimate import ModelSource, estimate
+from remat.measure.flops import step_flop_counter
 from remat.measure.profile import profile
 from remat.models.lora import LoRALinear, add_lora
 from remat.plan.planners import plan
@@ -48,7 +49,7 @@ def test_adapters_by_hand() -> None:
     torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=0, atol=0)
     with pytest.raises(ValueError, match="LoRA rank must be an integer >= 1, got 0"):
         add_lora(_model(None), 0)
-    with pytest.raises(ValueError, match="has no nn.Linear besides its output embeddings for LoRA to adapt"):
+    with pytest.raises(ValueError, match=r"has no nn.Linear \(nor transformers. Conv1D\) besides its output embeddings for LoRA to adapt"):
         add_lora(nn.Sequential(nn.ReLU()), 2)
     with pytest.raises(ValueError, match=r"--lora 4 adapts a Hugging Face model the estimate builds \(--hf, --config\)"):
         ModelSource(builtin="gpt", lora_rank=4)
@@ -84,6 +85,45 @@ def test_estimate_against_the_measured_step(tmp_path) -> None:
     assert [(h.strategy, h.held_bytes, h.fwd_peak_bytes, h.bwd_peak_bytes) for h in result.head_bytes] == [
         (o.strategy, o.held_bytes, o.fwd_peak_bytes, o.bwd_peak_bytes) for o in prof.head.options] == [
         ("keep", 25096, 66584, 73736), ("recompute", 16388, 66584, 90120), ("chunked:32", 16904, 41488, 70156)]
+
+
+GPT2 = dict(model_type="gpt2", n_embd=64, n_layer=4, n_head=4, vocab_size=96, n_positions=64, bos_token_id=0,
+            eos_token_id=0)
+
+
+def test_gpt2_conv1d_layers_take_adapters(tmp_path) -> None:
+    """GPT-2's linear layers are transformers' ``Conv1D`` (weight in x out), which peft adapts too
+    (refused before: "no nn.Linear"). Per layer at rank 4: c_attn 64 -> 192, the attention's c_proj
+    64 -> 64, c_fc 64 -> 256, the MLP's c_proj 256 -> 64: 4 x (256 + 128 + 320 + 320) = 4,096. The
+    output at the start is the frozen model's; against the measured step the peaks are exact with
+    and without recomputation, and the FLOPs are what torch counts."""
+    config = transformers.AutoConfig.for_model(**GPT2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForCausalLM.from_config(config).train()
+    torch.manual_seed(0)
+    model = add_lora(transformers.AutoModelForCausalLM.from_config(config).train(), R)
+    assert type(model.transformer.h[0].attn.c_attn).__name__ == "LoRAConv1D"
+    assert model.transformer.h[0].attn.c_attn.lora_A.weight.shape == (R, 64)
+    assert model.transformer.h[0].attn.c_attn.lora_B.weight.shape == (192, R)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 4 * 4_096
+    ids = torch.randint(3, 90, (B, S), generator=torch.Generator().manual_seed(0))
+    plain.eval(), model.eval()
+    torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=0, atol=0)
+    model.train()
+    path = tmp_path / "gpt2.json"
+    path.write_text(json.dumps(GPT2))
+    result = estimate(ModelSource(hf_config_path=str(path), lora_rank=R), seq_len=S, micro_batch=B, dtype="fp32",
+                      gpu_kernels=False)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    with step_flop_counter() as counter:
+        model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    assert result.train_flops == counter.get_total_flops()
+    prof = profile(model, batch, None, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]), repeats=1)
+    rows = {s.strategy: s for s in result.devices[0].strategies}
+    for strategy in ("none", "full"):
+        assert rows[strategy].peak_bytes == plan(prof, strategy=strategy).prediction.peak_bytes, strategy
 
 
 def test_llama_3_8b_lora_16_on_the_command_line() -> None:

@@ -1,14 +1,18 @@
 """Low-rank adapters (LoRA, Hu et al. 2021) on a model's linear layers, every other weight frozen.
 
 `add_lora` turns each ``nn.Linear`` of a model but its output embeddings (the LM head) into a
-`LoRALinear` (or only those named in ``targets``): the same module, its weight and bias frozen, with two trained matrices beside it,
-``lora_A`` (rank x in) and ``lora_B`` (out x rank), whose product is added to its output, scaled
-by ``alpha / rank``; every other parameter (embeddings, norms, the head, experts kept as 3-D
-tensors) is frozen. This is peft's ``LoraConfig(target_modules="all-linear", lora_dropout=0)``
-(its default ``init_lora_weights``: ``lora_B`` starts at zero), with the parameter names of the
-linear kept (``q_proj.weight``, ``q_proj.lora_A.weight``), so what names a linear (tensor
-parallel plans) names it still. `remat.estimate` applies it with ``--lora R``; a model built here
-with it and profiled measures the same step.
+`LoRALinear`, and each of transformers' ``Conv1D`` (GPT-2's linear layers, their weight stored in
+x out) into a ``LoRAConv1D``, as peft adapts both (or only those named in ``targets``): the same
+module, its weight and bias frozen, with two trained matrices beside it, ``lora_A`` (rank x in)
+and ``lora_B`` (out x rank), whose product is added to its output, scaled by ``alpha / rank``
+(``alpha`` 8 unless given, peft's default); every other parameter (embeddings, norms, the head,
+experts kept as 3-D tensors) is frozen. This is peft's ``LoraConfig(target_modules="all-linear",
+lora_dropout=0)`` (its default ``init_lora_weights``: ``lora_B`` starts at zero), with the
+parameter names of the linear kept (``q_proj.weight``, ``q_proj.lora_A.weight``), so what names a
+linear (tensor parallel plans) names it still. With peft's weights loaded (its names less
+``base_model.model.``, ``.base_layer`` and ``.default``), a step's loss and every gradient are
+bit-identical to peft's (0.21.2, Llama and GPT-2). `remat.estimate` applies it with
+``--lora R``; a model built here with it and profiled measures the same step.
 """
 
 from __future__ import annotations
@@ -32,7 +36,40 @@ class LoRALinear(nn.Linear):
         return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
 
 
-def add_lora(model: nn.Module, rank: int, *, alpha: float | None = None,
+def _conv1d_class() -> type | None:
+    """transformers' ``Conv1D`` (``x @ weight + bias``, weight in x out), or None without transformers."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    return Conv1D
+
+
+_LORA_CONV1D: dict[type, type] = {}
+
+
+def _lora_class(base: type) -> type:
+    """The LoRA subclass of ``nn.Linear`` or of transformers' ``Conv1D``: its own output plus the
+    scaled update."""
+    if base is nn.Linear:
+        return LoRALinear
+    if base not in _LORA_CONV1D:
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return base.forward(self, x) + self.lora_B(self.lora_A(x)) * self.scaling
+
+        _LORA_CONV1D[base] = type("LoRAConv1D", (base,), {"forward": forward, "__module__": __name__, "__doc__": (
+            "transformers' Conv1D with a frozen weight and a trained low-rank update (module docstring).")})
+    return _LORA_CONV1D[base]
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a linear layer: ``nn.Linear``'s weight is out x in, ``Conv1D``'s in x out."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.weight.shape[0], module.weight.shape[1]
+
+
+def add_lora(model: nn.Module, rank: int, *, alpha: float = 8,
              targets: Sequence[str] | None = None) -> nn.Module:
     """``model`` with LoRA of ``rank`` on every linear layer but its output embeddings, in place
     (module docstring), or on those whose name ends in one of ``targets`` (peft's
@@ -41,10 +78,11 @@ def add_lora(model: nn.Module, rank: int, *, alpha: float | None = None,
         raise ValueError(f"LoRA rank must be an integer >= 1, got {rank!r}.")
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and m is not head]
+    kinds = (nn.Linear,) + ((_conv1d_class(),) if _conv1d_class() is not None else ())
+    linears = [(n, m) for n, m in model.named_modules() if type(m) in kinds and m is not head]
     if not linears:
-        raise ValueError(f"{type(model).__name__} has no nn.Linear besides its output embeddings for LoRA to adapt; "
-                         "drop --lora.")
+        raise ValueError(f"{type(model).__name__} has no nn.Linear (nor transformers' Conv1D) besides its output "
+                         "embeddings for LoRA to adapt; drop --lora.")
     if targets is not None:
         wanted = set(targets)
         found = [(n, m) for n, m in linears if n.rsplit(".", 1)[-1] in wanted]
@@ -60,13 +98,14 @@ def add_lora(model: nn.Module, rank: int, *, alpha: float | None = None,
         p.requires_grad_(False)
     for linear in targets:
         w = linear.weight
-        linear.__class__ = LoRALinear
-        linear.lora_A = nn.Linear(linear.in_features, rank, bias=False, device=w.device, dtype=w.dtype)
-        linear.lora_B = nn.Linear(rank, linear.out_features, bias=False, device=w.device, dtype=w.dtype)
+        features_in, features_out = _features(linear)
+        linear.__class__ = _lora_class(type(linear))
+        linear.lora_A = nn.Linear(features_in, rank, bias=False, device=w.device, dtype=w.dtype)
+        linear.lora_B = nn.Linear(rank, features_out, bias=False, device=w.device, dtype=w.dtype)
         if w.device.type != "meta":
             nn.init.kaiming_uniform_(linear.lora_A.weight, a=math.sqrt(5))
             nn.init.zeros_(linear.lora_B.weight)
-        linear.scaling = (alpha if alpha is not None else rank) / rank
+        linear.scaling = alpha / rank
     return model
 
 
