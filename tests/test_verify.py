@@ -669,3 +669,47 @@ def test_infinities_an_output_holds_by_design_in_both_runs_pass():
     assert _max_abs_diff([a], [a.clone()]) == inf  # gradients and the loss: never
     nan = torch.tensor([float("nan"), -inf])
     assert _max_abs_diff([nan], [nan.clone()], infinities=True) == inf
+
+
+def test_a_gradient_zero_but_for_rounding_is_measured_against_the_steps_largest():
+    """A chunked head's plan is verified within a relative tolerance per tensor. An attention key's
+    bias has a gradient that is zero but for rounding (softmax does not change when a row's scores
+    move alike): BERT's, 5.6e-12 against the step's largest 0.53, came out 57 % apart when the
+    summation order changed (two CPU threads), and verify said the plan failed. Below sqrt(eps) of
+    the largest gradient a tensor is measured against that floor; above it, against itself."""
+    from remat.verify import max_rel_diff
+
+    big, key_bias = torch.tensor([0.53, -0.2]), torch.tensor([5.57e-12, -3e-12])
+    noisy = key_bias + torch.tensor([3.18e-12, 1e-12])
+    assert max_rel_diff([noisy], [key_bias]) == pytest.approx(3.18e-12 / 5.57e-12)  # alone: its own scale
+    floor = 0.53 * torch.finfo(torch.float32).eps ** 0.5
+    assert max_rel_diff([big, noisy], [big, key_bias]) == pytest.approx(float(torch.tensor(3.18e-12)) / floor, rel=1e-6)
+    assert max_rel_diff([big, noisy], [big, key_bias]) < 1e-7
+    small = torch.tensor([1e-5, 2e-5])  # a small gradient 10 % wrong: 1.1 %, a thousand times a tolerance
+    assert max_rel_diff([big, small * 1.1], [big, small]) == pytest.approx(float(small[1] * 0.1) / floor, rel=1e-5)
+    assert max_rel_diff([big, small * 1.1], [big, small]) > 0.01
+    large = torch.tensor([0.01, -0.02])  # above the floor: against itself
+    assert max_rel_diff([big, large * 1.001], [big, large]) == pytest.approx(0.001, rel=1e-4)
+    assert max_rel_diff([big, None], [big, key_bias]) == float("inf")
+
+
+def test_a_chunked_head_on_bert_verifies_with_several_threads():
+    """The model the test above is about, end to end: BERT's masked LM with a chunked head under
+    `remat.verify`, with two intra-op threads (CPU's default here), as a user runs it."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "head"))
+    from test_masked_lm_head import _built
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model, batch = _built("bert")
+        prof = remat.profile(model, batch, None, torch.optim.AdamW(model.parameters()), repeats=1, head_chunks=(7,))
+        result = remat.verify(model, batch, make_plan(prof, strategy="none", head="chunked:7"), None,
+                              torch.optim.AdamW(model.parameters()), repeats=1)
+    finally:
+        torch.set_num_threads(threads)
+    assert result.ok and result.relative_tolerance == 1e-5 and result.grad_max_rel_diff < 1e-5
