@@ -1,12 +1,16 @@
 """`remat estimate --lora` against the measured step: models of several families built from tiny
-configs (hidden 64, 4 layers, random weights), trained whole and with LoRA adapters of rank 4 on
-every linear layer (`remat.models.lora.add_lora`). For each: the estimate's forward + backward
+configs (hidden 64, 4 layers, random weights), trained whole, with LoRA adapters of rank 4 on
+every linear layer (`remat.models.lora.add_lora`) and with those layers' base weights in NF4
+(QLoRA, `remat.models.qlora.quantize_base`; not GPT-2, whose linear layers are ``Conv1D``). For each: the estimate's forward + backward
 FLOPs of a micro-batch against ``torch.utils.flop_counter`` over the real step on the CPU
 (`remat.measure.flops.step_flop_counter`), and its peak with no recomputation and with every layer
 recomputed over `remat.plan`'s prediction from a profile of the whole model (equal to the measured
 peak) with fused AdamW over the trained parameters, the optimizer step the estimate prices.
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python -m benchmarks.estimate_lora [--types llama gpt2 ...] [--rank 4]
+
+The model state (parameters, gradients, optimizer state and buffers, NF4 weights among them) is
+checked against the model's own tensors first.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from remat.estimate import ModelSource, estimate
 from remat.measure.flops import step_flop_counter
 from remat.measure.profile import profile
 from remat.models.lora import add_lora
+from remat.models.qlora import NF4LoRALinear, quantize_base
 from remat.plan.planners import plan
 
 B, S, H = 2, 32, 64
@@ -54,26 +59,37 @@ def _batch(name: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _model(cfg: dict[str, Any], cls: Any, rank: int | None) -> torch.nn.Module:
+def _model(cfg: dict[str, Any], cls: Any, rank: int | None, quantize: str | None = None) -> torch.nn.Module:
     config = transformers.AutoConfig.for_model(**cfg)
     config._attn_implementation = "sdpa"
     if getattr(config, "is_encoder_decoder", False):
         config.use_cache = False
     torch.manual_seed(0)
     model = cls.from_config(config).train()
-    return add_lora(model, rank) if rank else model
+    model = add_lora(model, rank) if rank else model
+    return quantize_base(model) if quantize else model
 
 
-def row(name: str, rank: int | None, workdir: Path) -> dict[str, Any]:
-    """One model, trained whole (``rank`` None) or with LoRA: the estimate against the measured step."""
+def row(name: str, rank: int | None, workdir: Path, quantize: str | None = None) -> dict[str, Any]:
+    """One model, trained whole (``rank`` None), with LoRA, or with LoRA over NF4 weights
+    (``quantize="nf4"``): the estimate against the measured step."""
     cfg, cls = MODELS[name]
     path = workdir / f"{name}.json"
     path.write_text(json.dumps(cfg))
     start = time.perf_counter()
-    result = estimate(ModelSource(hf_config_path=str(path), lora_rank=rank), seq_len=S, micro_batch=B, dtype="fp32",
-                      gpu_kernels=False)
+    result = estimate(ModelSource(hf_config_path=str(path), lora_rank=rank, quantize=quantize), seq_len=S,
+                      micro_batch=B, dtype="fp32", gpu_kernels=False)
     estimate_s = time.perf_counter() - start
-    model, batch = _model(cfg, cls, rank), _batch(name)
+    model, batch = _model(cfg, cls, rank, quantize), _batch(name)
+    state = result.devices[0].model_state
+    trained_count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    held = (4 * sum(p.numel() for p in model.parameters()), 4 * trained_count, 8 * trained_count,
+            sum(b.numel() * b.element_size() for b in model.buffers()))
+    quantized = sum(m.out_features * m.in_features for m in model.modules() if isinstance(m, NF4LoRALinear))
+    if (state.param_bytes, state.grad_bytes, state.optimizer_state_bytes, state.buffer_bytes) != held or \
+            result.param_count != sum(p.numel() for p in model.parameters()) + quantized:
+        raise AssertionError(f"{name}: model state {state} and {result.param_count:,} parameters are not the model's "
+                             f"own {held}")
     with step_flop_counter() as counter:
         model(**batch).loss.backward()
     model.zero_grad(set_to_none=True)
@@ -81,8 +97,8 @@ def row(name: str, rank: int | None, workdir: Path) -> dict[str, Any]:
     prof = profile(model, batch, None, torch.optim.AdamW(trained, fused=True), repeats=1)  # the estimate prices a fused step
     rows = {s.strategy: s for s in result.devices[0].strategies}
     over = {s: rows[s].peak_bytes / plan(prof, strategy=s).prediction.peak_bytes - 1 for s in ("none", "full")}
-    return dict(model=name, lora=rank or 0, trained=sum(p.numel() for p in trained),
-                params=sum(p.numel() for p in model.parameters()), estimated_flops=result.train_flops,
+    return dict(model=name, lora=rank or 0, nf4=bool(quantize), trained=sum(p.numel() for p in trained),
+                params=result.param_count, estimated_flops=result.train_flops,
                 counted_flops=counter.get_total_flops(), none_over=over["none"], full_over=over["full"],
                 estimate_s=estimate_s)
 
@@ -91,7 +107,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     out = ["| model | LoRA rank | trained / all parameters | FLOPs estimated | FLOPs counted | estimated / counted | "
            "peak over, none | peak over, full |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['model']} | {r['lora'] or '-'} | {r['trained']:,} / {r['params']:,} | "
+        rank = f"{r['lora']}{', NF4' if r.get('nf4') else ''}" if r['lora'] else "-"
+        out.append(f"| {r['model']} | {rank} | {r['trained']:,} / {r['params']:,} | "
                    f"{r['estimated_flops']:,} | {r['counted_flops']:,} | "
                    f"{r['estimated_flops'] / r['counted_flops']:.4f} | {100 * r['none_over']:+.4f} % | "
                    f"{100 * r['full_over']:+.4f} % |")
@@ -106,8 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.types:
-            for rank in (None, args.rank):
-                rows.append(row(name, rank, Path(tmp)))
+            for rank, quantize in ((None, None), (args.rank, None), (args.rank, "nf4")):
+                if quantize and name == "gpt2":
+                    continue  # its Conv1D layers are not bitsandbytes' 4-bit linear
+                rows.append(row(name, rank, Path(tmp), quantize))
     print(markdown(rows))
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from remat.cli import app
-from remat.estimate import ModelSource, estimate
+from remat.estimate import ModelSource, Parallelism, estimate
 from remat.measure.flops import step_flop_counter
 from remat.measure.profile import profile
 from remat.models.lora import LoRALinear, add_lora
@@ -85,6 +85,55 @@ def test_estimate_against_the_measured_step(tmp_path) -> None:
     assert [(h.strategy, h.held_bytes, h.fwd_peak_bytes, h.bwd_peak_bytes) for h in result.head_bytes] == [
         (o.strategy, o.held_bytes, o.fwd_peak_bytes, o.bwd_peak_bytes) for o in prof.head.options] == [
         ("keep", 25096, 66584, 73736), ("recompute", 16388, 66584, 90120), ("chunked:32", 16904, 41488, 70156)]
+
+
+def test_qlora_against_the_measured_step(tmp_path) -> None:
+    """--quantize nf4: the adapted linears' frozen weights in bitsandbytes' NF4 layout
+    (`remat.models.qlora`), buffers of their layers. Per layer 2 x 2184 (q, o: 64 x 64) + 2 x 1128
+    (k, v: 32 x 64) + 3 x 4296 (gate, up, down: 64 x 128) = 19,512 bytes, against 147,456 / 4 x 4
+    = 147,456 in fp32; 147,456 elements of them in all, counted among the parameters. Against the
+    real model with the same buffers, profiled on the CPU in fp32: model state exact, the peak
+    with every layer recomputed exact and without recomputation 4 bytes over (as with LoRA alone:
+    the dequantized weight, 32,768 bytes at most, is the backward's temporary either way), the
+    FLOPs what torch counts (one product for a frozen weight's input gradient, as without NF4)."""
+    from remat.models.qlora import quantize_base
+
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(CFG))
+    result = estimate(ModelSource(hf_config_path=str(path), lora_rank=R, quantize="nf4"), seq_len=S, micro_batch=B,
+                      dtype="fp32", gpu_kernels=False)
+    assert "with LoRA of rank 4, NF4 base weights" in result.model
+    model = quantize_base(_model(R))
+    assert result.param_count == sum(p.numel() for p in model.parameters()) + 147_456 == 176_704
+    state = result.devices[0].model_state
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert state.buffer_bytes == buffers == 4 * 19_512 + 64  # and Llama's rotary frequencies and their copy
+    assert (state.param_bytes, state.grad_bytes, state.optimizer_state_bytes) == (4 * 29_248, 4 * 16_384, 8 * 16_384)
+    ids = torch.randint(3, 90, (B, S), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    with step_flop_counter() as counter:
+        model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    assert result.train_flops == counter.get_total_flops() == 50_757_632
+    prof = profile(model, batch, None, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True),
+                   repeats=1)
+    rows = {s.strategy: s for s in result.devices[0].strategies}
+    assert rows["full"].peak_bytes == plan(prof, strategy="full").prediction.peak_bytes
+    assert 0 <= rows["none"].peak_bytes - plan(prof, strategy="none").prediction.peak_bytes <= 4
+
+
+def test_qlora_refusals(tmp_path) -> None:
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(CFG))
+    with pytest.raises(ValueError, match=r"--quantize nf4 stores the frozen base weights of LoRA layers \(QLoRA\); "
+                                         r"pass the adapters' rank with --lora R too"):
+        ModelSource(hf_config_path=str(path), quantize="nf4")
+    with pytest.raises(ValueError, match=r"--quantize 'int3' is not a weight format the estimate knows; allowed: nf4"):
+        ModelSource(hf_config_path=str(path), lora_rank=4, quantize="int3")
+    with pytest.raises(ValueError, match="tensor-parallel size 2: .* holds its base weights in NF4, which the estimate "
+                                         "prices whole on every GPU"):
+        estimate(ModelSource(hf_config_path=str(path), lora_rank=4, quantize="nf4"), seq_len=S, micro_batch=B,
+                 parallelism=Parallelism(tensor=2))
 
 
 GPT2 = dict(model_type="gpt2", n_embd=64, n_layer=4, n_head=4, vocab_size=96, n_positions=64, bos_token_id=0,

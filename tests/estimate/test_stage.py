@@ -74,6 +74,26 @@ def test_time_by_hand() -> None:
     assert tp.comm_s == pytest.approx(3 * 6 * (2 * 1 / 2 * 10.0 / 1e3))
 
 
+def test_frozen_and_quantized_layers_by_hand() -> None:
+    """A frozen linear's layer under LoRA runs one backward product where a trained one runs two:
+    backward 1e6 FLOPs, not 2e6. NF4 base weights (1000 bytes dequantized a pass, at 1e6 B/s) add
+    1 ms in the forward and 1 ms in the backward, and 1 ms more when the layer is replayed."""
+    par, lora = Parallelism(), replace(LAYER, bwd_flops=1e6)
+    plain = stage_time(_stage(), [layer_cost(LAYER, "none")] * 3, RATES, par=par, net=NET, facts=ModelFacts())
+    frozen = stage_time(replace(_stage(), layers=(lora,) * 3), [layer_cost(lora, "none")] * 3, RATES, par=par,
+                        net=NET, facts=ModelFacts())
+    assert plain.compute_s - frozen.compute_s == pytest.approx(3 * 1e6 / 1e9)
+    assert plain.backward_s - frozen.backward_s == pytest.approx(3 * 1e6 / 1e9)
+    nf4 = replace(lora, dequant_bytes=1000.0)
+    for strategy, passes in (("none", 2), ("full", 3)):
+        base = stage_time(replace(_stage(), layers=(lora,) * 3), [layer_cost(lora, strategy)] * 3, RATES, par=par,
+                          net=NET, facts=ModelFacts())
+        quantized = stage_time(replace(_stage(), layers=(nf4,) * 3), [layer_cost(nf4, strategy)] * 3, RATES, par=par,
+                               net=NET, facts=ModelFacts())
+        assert quantized.compute_s - base.compute_s == pytest.approx(3 * passes * 1e-3)
+        assert quantized.backward_s - base.backward_s == pytest.approx(3 * (passes - 1) * 1e-3)
+
+
 def _brute(stage: Stage, budget: float, names=("none", "selective", "full", "offload")):
     best = None
     for combo in itertools.product(names, repeat=len(stage.layers)):

@@ -195,6 +195,10 @@ def _layout(parallelism: Parallelism | None, world_size: int, micro_batches: int
 def check_layout(traced: Traced, par: Parallelism, seq_len: int) -> None:
     """Refuse a layout the model cannot be split by (with what would fit)."""
     check_layers(traced.num_layers, par)
+    if traced.quantized and par.tensor > 1:
+        raise ValueError(f"tensor-parallel size {par.tensor}: {traced.label} holds its base weights in "
+                         f"{traced.quantized.upper()}, which the estimate prices whole on every GPU (as QLoRA runs: one "
+                         "GPU, or data parallel); pass --tensor-parallel 1.")
     if traced.encoder_layers and (par.pipeline > 1 or par.context > 1):
         what = "pipeline" if par.pipeline > 1 else "context"
         size = par.pipeline if par.pipeline > 1 else par.context

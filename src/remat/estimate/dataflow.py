@@ -46,6 +46,9 @@ GAP = "gap:"
 """Segment of what runs between two stacks of layers, named for the next stack's first layer."""
 LINEAR_OPS = frozenset({"aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten._grouped_mm", "aten.matmul",
                         "aten.linear", "aten.convolution", "aten._convolution"})
+DEQUANTIZE_OPS = frozenset({"remat.dequantize_nf4"})
+"""Operators that make a weight in the model's dtype from its quantized buffers (`remat.models.qlora`):
+no FLOPs, their bytes at memory bandwidth."""
 SCORE_OPS = frozenset({"aten.mm", "aten.bmm", "aten.baddbmm", "aten.matmul"})
 SOFTMAX_OPS = frozenset({"aten._softmax", "aten.softmax", "aten._safe_softmax"})
 FUSED_ATTENTION_OPS = frozenset({
@@ -89,6 +92,8 @@ class _Call:
     """Ids of every storage among its outputs, made or written in place."""
     params: tuple[str, ...] = ()
     """The parameters it reads."""
+    dequant_bytes: int = 0
+    """Bytes a weight's dequantization reads and writes (`DEQUANTIZE_OPS`)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -168,7 +173,9 @@ class _Tracer(TorchDispatchMode):
         st.calls.append(_Call(index=index, name=name, segment=st.segment, reads=reads, made=made,
                               flops=op_flops(func, args, kwargs, out), split=out_split or in_split,
                               expert=st.expert_depth > 0, linear=bool(params) and name in LINEAR_OPS,
-                              outs=outs, params=tuple(params)))
+                              outs=outs, params=tuple(params),
+                              dequant_bytes=sum(t.numel() * t.element_size() for t in [*inputs, *flat_tensors((out,))])
+                              if name in DEQUANTIZE_OPS else 0))
 
     def _out_split(self, name: str, inputs: list, params: list[str], in_split: bool, out: Any) -> bool:
         st = self.state
@@ -372,15 +379,20 @@ def _backward_flops(state: _State, trainable: set[str], matrices: set[str], loss
     trainable parameter or a tensor computed from one. A linear's backward is one product per
     gradient it gives: its input's, when the input needs one (not the batch's pixels, nor the
     output of frozen embeddings: the first layer of a LoRA model), and its weight's, when the
-    weight is trained (not a frozen base weight under LoRA). Other ops with FLOPs (a product of
-    two activations, a fused attention kernel) give their inputs' gradients: twice their forward,
-    the convention of model-FLOPs counts (a fused kernel's backward replays its scores too:
-    ``torch.utils.flop_counter`` counts 2.5 times)."""
+    weight is trained (not a frozen base weight under LoRA). A product of two tensors neither of
+    which is a parameter runs one product per operand that needs a gradient: two for attention's
+    scores, one for a weight dequantized from NF4 (`remat.models.qlora`). Other ops with FLOPs (a
+    fused attention kernel) give their inputs' gradients: twice their forward, the convention of
+    model-FLOPs counts (a fused kernel's backward replays its scores too: ``torch.utils.flop_counter``
+    counts 2.5 times)."""
     grads: set[int] = set()
     reads_grad: dict[int, bool] = {}
+    grads_at: dict[int, frozenset[int]] = {}
     for c in state.calls:  # forward: which ops' outputs need a gradient, and whether their inputs do
         reads = bool(grads.intersection(c.reads))
         if reads or trainable.intersection(c.params):
+            if c.name in LINEAR_OPS and not c.linear:
+                grads_at[c.index] = frozenset(grads.intersection(c.reads))
             grads.update(c.outs)
             reads_grad[c.index] = reads
     needed = {loss} if loss is not None else None
@@ -395,6 +407,8 @@ def _backward_flops(state: _State, trainable: set[str], matrices: set[str], loss
         if c.linear:
             weight = any(p in trainable and p in matrices for p in c.params)
             out[c.index] = c.flops * (int(reads_grad[c.index]) + int(weight))
+        elif c.name in LINEAR_OPS:  # a product of two tensors: one per operand that needs a gradient
+            out[c.index] = c.flops * min(2, sum(1 for r in c.reads if r in grads_at[c.index]))
         else:
             out[c.index] = 2.0 * c.flops
     return out
@@ -531,17 +545,19 @@ def _flow(state: _State, num_layers: int, starts: frozenset[int] = frozenset()) 
     flops: dict[str, dict[str, float]] = {}
     bwd_flops: dict[str, dict[str, float]] = {}
     moved: dict[str, float] = {}
+    dequant: dict[str, float] = {}
     for c in state.calls:
         where = PRE if c.segment.startswith(GAP) else c.segment
         _add(flops, where, _bucket(c.index in core_calls, c.split, c.expert), c.flops)
         _add(bwd_flops, where, _bucket(c.index in core_calls, c.split, c.expert), state.bwd_flops.get(c.index, 0.0))
+        dequant[where] = dequant.get(where, 0.0) + c.dequant_bytes
         if c.index in core_calls:
             moved[where] = moved.get(where, 0.0) + sum(state.storages[s].nbytes for s in c.made)
 
     def segment(name: str) -> Segment:
         hidden = own_input.get(name)
         return Segment(saved=Share(**saved.get(name, {})), flops=Share(**flops.get(name, {})),
-                       bwd_flops=Share(**bwd_flops.get(name, {})),
+                       bwd_flops=Share(**bwd_flops.get(name, {})), dequant_bytes=dequant.get(name, 0.0),
                        input_bytes=(state.storages[hidden].nbytes if hidden is not None else 0) + extra.get(name, 0.0),
                        kept_bytes=extra.get(name, 0.0), core_moved_bytes=moved.get(name, 0.0),
                        first_saved_bytes=first.get(name, {}).get("saved", 0.0),

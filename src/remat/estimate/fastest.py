@@ -103,7 +103,7 @@ def layouts(space: SearchSpace, traced: Traced, gpus_per_node: int) -> Iterator[
     """Every (layout, micro-batch, micro-batches per step) of ``space`` the model can be split by."""
     layers, experts = traced.num_layers, traced.shape.experts
     for t in space.tensor:
-        if t > gpus_per_node or not _divides_heads(traced, t):
+        if t > gpus_per_node or not _divides_heads(traced, t) or (t > 1 and traced.quantized):
             continue
         for c in space.context:
             if t * c > gpus_per_node or space.seq_len % c or space.gpus % (t * c) or (c > 1 and (traced.encoder_layers or traced.tokens)):

@@ -48,6 +48,8 @@ class LayerOnGpu:
     """Forward FLOPs."""
     bwd_flops: float
     """Backward FLOPs (`remat.estimate.shares.Segment.bwd_flops`)."""
+    dequant_bytes: float = 0.0
+    """Bytes its forward's weight dequantizations move (`remat.estimate.shares.Segment.dequant_bytes`)."""
     core_flops: float
     """Forward FLOPs of the attention core."""
     core_moved_bytes: float
@@ -86,6 +88,7 @@ def on_gpu(per_token: Segment, constant: Segment, par: Parallelism) -> LayerOnGp
         replay_working_bytes=(per_token.replay_working_bytes + constant.replay_working_bytes) * ratio + gathered,
         fwd_flops=share(per_token.flops, constant.flops),
         bwd_flops=share(per_token.bwd_flops, constant.bwd_flops),
+        dequant_bytes=per_token.dequant_bytes + constant.dequant_bytes,
         core_flops=share(Share(core=per_token.flops.core), Share(core=constant.flops.core)),
         core_moved_bytes=(per_token.core_moved_bytes / par.context + constant.core_moved_bytes) / par.tensor,
         expert_flops=share(Share(expert_split=per_token.flops.expert_split, expert_whole=per_token.flops.expert_whole),

@@ -81,6 +81,10 @@ class Segment:
     bwd_flops: Share = Share()
     """Backward FLOPs: one product per gradient a linear gives, none where no gradient is needed
     (`remat.estimate.dataflow._backward_flops`)."""
+    dequant_bytes: float = 0
+    """Bytes the forward's dequantizations of weights read and write (NF4 base weights,
+    `remat.models.qlora`): memory-bound, once in the forward, once in the backward, once more in a
+    replay."""
     input_bytes: float = 0
     """A layer's own input (the hidden states it is called with; shared tensors excluded), and
     ``kept_bytes``."""

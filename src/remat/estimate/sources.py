@@ -50,6 +50,10 @@ _STEP_ARGUMENTS = {"batch_size": "micro_batch", "seq_len": "seq_len", "optimizer
 """A built-in model's size keywords that the estimate sets from its own arguments."""
 
 
+QUANTIZATIONS = ("nf4",)
+"""Formats of the frozen base weights under LoRA (`ModelSource.quantize`)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ModelSource:
     """A model to estimate: exactly one of ``builtin``, ``hf_family``, ``hf_config_path``, ``file``."""
@@ -72,6 +76,10 @@ class ModelSource:
     frozen (`remat.models.lora.add_lora`); None: every weight trained. Hugging Face models only."""
     lora_targets: tuple[str, ...] | None = None
     """With ``lora_rank``: only the linear layers of these names (``("q_proj", "v_proj")``)."""
+    quantize: str | None = None
+    """With ``lora_rank``: ``"nf4"`` stores the adapted linears' frozen weights in 4-bit NormalFloat
+    with double quantization, as bitsandbytes does for QLoRA (`remat.models.qlora`); None: in the
+    model's dtype."""
 
     def __post_init__(self) -> None:
         given = [k for k in ("builtin", "hf_family", "hf_config_path", "file") if getattr(self, k)]
@@ -95,6 +103,13 @@ class ModelSource:
                 raise ValueError(f"--lora {self.lora_rank} adapts a Hugging Face model the estimate builds (--hf, "
                                  "--config); add adapters to your own model in its file.py:build instead, for example "
                                  "with remat.models.lora.add_lora(model, rank).")
+        if self.quantize is not None:
+            if self.quantize not in QUANTIZATIONS:
+                raise ValueError(f"--quantize {self.quantize!r} is not a weight format the estimate knows; allowed: "
+                                 f"{', '.join(QUANTIZATIONS)}.")
+            if self.lora_rank is None:
+                raise ValueError(f"--quantize {self.quantize} stores the frozen base weights of LoRA layers (QLoRA); "
+                                 "pass the adapters' rank with --lora R too.")
         if self.lora_targets is not None and self.lora_rank is None:
             raise ValueError(f"--lora-targets {','.join(self.lora_targets)} names where LoRA adapters go; pass their "
                              "rank with --lora R too.")
@@ -114,7 +129,8 @@ class ModelSource:
         """A short human name."""
         name = self.builtin or self.file or self.hf_config_path or f"hf:{self.hf_family}"
         on = f" on {', '.join(self.lora_targets)}" if self.lora_targets else ""
-        return name + (f" with LoRA of rank {self.lora_rank}{on}" if self.lora_rank else "")
+        base = f", {self.quantize.upper()} base weights" if self.quantize else ""
+        return name + (f" with LoRA of rank {self.lora_rank}{on}{base}" if self.lora_rank else "")
 
 
 def as_source(source: ModelSource | str) -> ModelSource:

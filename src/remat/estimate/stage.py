@@ -25,9 +25,10 @@ Time per micro-batch: forward + backward FLOPs and the replayed FLOPs at ``MFU x
 The backward runs one product per gradient a linear gives: its input's where the input needs
 one, its weight's where the weight is trained (twice the forward in a model trained whole; once
 for a frozen linear under LoRA; none for one that reads the batch or frozen embeddings' output),
-as traced (`remat.estimate.dataflow`) and as ``torch.utils.flop_counter`` counts the real step; a replayed op at least writes its outputs at memory bandwidth;
-offloaded bytes go to host memory and back over the host link; communication as
-`remat.estimate.comms` times it.
+as traced (`remat.estimate.dataflow`) and as ``torch.utils.flop_counter`` counts the real step. A
+replayed op at least writes its outputs at memory bandwidth; NF4 base weights are dequantized at
+memory bandwidth in the forward, the backward and a replay; offloaded bytes go to host memory and
+back over the host link; communication as `remat.estimate.comms` times it.
 """
 
 from __future__ import annotations
@@ -227,6 +228,10 @@ def stage_time(stage: Stage, costs: Sequence[LayerCost], rates: Rates, *, par: P
     """One micro-batch through ``stage`` with layer ``i`` under ``costs[i]`` (module docstring)."""
     forward = stage.fwd_flops / rates.flops_per_s
     backward = stage.bwd_flops / rates.flops_per_s
+    if rates.memory_bytes_per_s:  # NF4 weights dequantized in the forward, the backward and a replay
+        forward += sum(x.dequant_bytes for x in stage.layers) / rates.memory_bytes_per_s
+        backward += sum(x.dequant_bytes * (2 if c.replays_forward else 1)
+                        for x, c in zip(stage.layers, costs)) / rates.memory_bytes_per_s
     extra = sum(extra_s(c, rates) for c in costs) + (head_extra_s(stage, rates) if stage.last else 0.0)
     core = 3 * sum(layer.core_flops for layer in stage.layers) / rates.flops_per_s
     comm = micro_batch_comm_s(stage.layers, costs, par, net, facts, core)

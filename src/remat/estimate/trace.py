@@ -90,8 +90,9 @@ class Traced:
     """Shape of every parameter of the traced model."""
     fixed_buffer_bytes: int
     """Buffers outside the layers."""
-    block_buffer_bytes: int
-    """Buffers of one layer."""
+    layer_buffer_bytes: tuple[int, ...]
+    """Buffers of each traced layer (NF4 base weights among them: an encoder-decoder's decoder layers
+    hold more than its encoder layers)."""
     facts: ModelFacts = ModelFacts()
     """Experts per token and key/value width, for the communication terms."""
     shape: ModelShape = ModelShape()
@@ -119,6 +120,11 @@ class Traced:
     encoder's feature projection and positional convolution, between its convolutions and its
     transformer layers): their gradients are made after the backward of the layer that follows
     them (`between_grads`), not after every layer's. Between two stacks: `gap_grads`, always."""
+    quantized: str | None = None
+    """The format of the LoRA layers' frozen base weights (`remat.estimate.sources.ModelSource.quantize`):
+    held as the layers' buffers, whole on every GPU that holds the layer."""
+    quantized_params: int = 0
+    """Elements of the full model's base weights held quantized (buffers, not parameters)."""
     checked: tuple[int, ...] | None = None
     """The traced layers checked against the traced layer before them, their twin (None: every
     traced layer that is copied, but the first). An encoder-decoder's stacks each trace their first
@@ -250,8 +256,8 @@ class Traced:
 
     @property
     def param_count(self) -> int:
-        """Parameters of the full model (a shared one once)."""
-        return self.params.count
+        """Parameters of the full model (a shared one once), the quantized base weights among them."""
+        return self.params.count + self.quantized_params
 
 
 def _working_sets(seg: Segment, block: BlockProfile) -> Segment:
@@ -340,6 +346,13 @@ def _unique_shapes(module: nn.Module) -> dict[str, Shape]:
     return out
 
 
+def _quantized_elements(module: nn.Module) -> int:
+    """Elements of the base weights ``module`` holds quantized (`remat.models.qlora.NF4LoRALinear`)."""
+    from remat.models.qlora import NF4LoRALinear
+
+    return sum(m.out_features * m.in_features for m in module.modules() if isinstance(m, NF4LoRALinear))
+
+
 def _buffer_bytes(module: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers())
 
@@ -411,12 +424,14 @@ def _describe(label: str, model: nn.Module, tracer: Callable[[int], tuple[Profil
               **extra: Any) -> Traced:
     blocks = blocks if blocks is not None else find_blocks(model)
     head, note = find_traced_head(model, seq_len)
-    last = blocks[-1][1]
+    per_block = [_quantized_elements(block) for _, block in blocks]
+    if any(per_block) or _quantized_elements(model):
+        extra["quantized_params"] = _quantized_elements(model) - sum(per_block) + sum(per_block[k] for k in kinds)
     return Traced(
         label=label, tracer=tracer, num_layers=len(kinds), layer_kinds=kinds,
         layer_names=tuple(name for name, _ in blocks), param_shapes=_unique_shapes(model),
-        fixed_buffer_bytes=_buffer_bytes(model) - len(blocks) * _buffer_bytes(last),
-        block_buffer_bytes=_buffer_bytes(last), head=head, head_note=note, **extra,
+        fixed_buffer_bytes=_buffer_bytes(model) - sum(_buffer_bytes(block) for _, block in blocks),
+        layer_buffer_bytes=tuple(_buffer_bytes(block) for _, block in blocks), head=head, head_note=note, **extra,
     )
 
 
@@ -432,7 +447,8 @@ def trace_source(
         return _trace_file(source, torch_dtype, gpu_kernels)
     if source.builtin is not None:
         return _trace_builtin(source, seq_len=seq_len, dtype=torch_dtype, layers=trace_layers, fused=gpu_kernels)
-    return _trace_hf(source, seq_len=seq_len, dtype=torch_dtype, layers=trace_layers, fused=gpu_kernels)
+    traced = _trace_hf(source, seq_len=seq_len, dtype=torch_dtype, layers=trace_layers, fused=gpu_kernels)
+    return replace(traced, quantized=source.quantize) if source.quantize else traced
 
 
 def hf_layer_kinds(config: Any, full: int, layers: int, first_apart: bool = False) -> tuple[int, tuple[int, ...]]:
@@ -721,6 +737,10 @@ def _build(source: ModelSource, config: Any, layers: int, dtype: torch.dtype, ho
         from remat.models.lora import add_lora
 
         add_lora(model, source.lora_rank, targets=source.lora_targets)
+        if source.quantize:
+            from remat.models.qlora import quantize_base
+
+            quantize_base(model)
     return model
 
 
@@ -872,7 +892,7 @@ def _check_copies(traced: Traced, whole: nn.Module) -> None:
     """Refuse a model whose copied layers do not add up to its own parameters (built whole on the
     meta device, which costs no memory): its later layers differ from the traced ones in a way no
     config list names (NLLB-MoE's and Switch Transformers' experts every ``sparse_step`` layers)."""
-    count = sum(p.numel() for p in whole.parameters())
+    count = sum(p.numel() for p in whole.parameters()) + _quantized_elements(whole)
     if traced.param_count != count:
         raise ValueError(
             f"{traced.label}: copying its traced layers counts {traced.param_count:,} parameters and the model has "

@@ -1,0 +1,113 @@
+"""NF4 base weights under LoRA (`remat.models.qlora`): bitsandbytes' layout by hand, values
+within NF4's rounding, a step bit-identical to LoRA over the dequantized weights, and what the
+tracker sees of the dequantization (its output only, as of a GPU kernel)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from remat.measure.tracker import LiveTracker
+from remat.models.lora import LoRALinear, add_lora
+from remat.models.qlora import (DYNAMIC_MAP, NF4_VALUES, NF4LoRALinear, dequantize_nf4, nf4_bytes, quantize_base,
+                                quantize_nf4)
+
+CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=96)
+
+
+def test_the_layout_by_hand() -> None:
+    """A 64 x 64 weight: 4096 codes two to a byte (2048), 64 absmax codes (one per 64 elements), one
+    nested fp32 absmax (64 absmax values make one block of 256), the fp32 offset and the 16 fp32
+    NF4 values: 2048 + 64 + 4 + 4 + 64 = 2184 bytes, bitsandbytes' `quantize_4bit` with
+    `compress_statistics=True` to the byte. Llama-3-70B's MLP weight (28672 x 8192): 0.5159 bytes
+    an element."""
+    buffers = quantize_nf4(torch.randn(64, 64))
+    sizes = {k: v.numel() * v.element_size() for k, v in buffers.items()}
+    assert sizes == {"weight": 2048, "absmax": 64, "nested_absmax": 4, "offset": 4, "quant_map": 64}
+    assert buffers["weight"].shape == (2048, 1) and buffers["weight"].dtype == torch.uint8
+    assert nf4_bytes(64 * 64) == 2184 == sum(sizes.values())
+    assert nf4_bytes(28672 * 8192) == 117_440_512 + 3_670_016 + 4 * 14_336 + 68
+    meta = quantize_nf4(torch.empty(28672, 8192, device="meta"))
+    assert sum(v.numel() * v.element_size() for v in meta.values()) == nf4_bytes(28672 * 8192)
+    # bitsandbytes' signed dynamic map: 127 negative values from -0.99297, one zero, 127 positive, 1
+    assert len(DYNAMIC_MAP) == 256 and float(DYNAMIC_MAP[0]) == pytest.approx(-0.99297, abs=1e-5)
+    assert DYNAMIC_MAP[-1] == 1 and int((DYNAMIC_MAP == 0).sum()) == 1 and int((DYNAMIC_MAP < 0).sum()) == 127 and len(NF4_VALUES) == 16
+
+
+def test_values_round_to_the_nearest_code() -> None:
+    """Every element dequantizes to an NF4 value times its block's absmax, the nearest one up to
+    the absmax's own 8-bit rounding: off by at most half the widest gap of the NF4 values (0.1604
+    of the block's largest magnitude) plus that rounding."""
+    weight = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
+    b = quantize_nf4(weight)
+    back = dequantize_nf4(b["weight"], b["absmax"], b["nested_absmax"], b["offset"], b["quant_map"], 256, 128,
+                          torch.float32)
+    blocks = weight.view(-1, 64)
+    error = (back.view(-1, 64) - blocks).abs().amax(dim=1) / blocks.abs().amax(dim=1)
+    gap = max(b - a for a, b in zip(NF4_VALUES, NF4_VALUES[1:])) / 2
+    assert float(error.max()) <= gap + 0.02 and float(error.max()) > 0.01
+    exact = torch.tensor(NF4_VALUES).repeat(4)  # a weight whose blocks' absmax is 1: codes exact
+    b = quantize_nf4(exact.view(1, 64))
+    assert torch.equal(b["weight"].flatten(), torch.tensor([(2 * i) << 4 | (2 * i + 1) for i in range(8)] * 4,
+                                                           dtype=torch.uint8))
+
+
+def _llama(rank: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    model = add_lora(transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG)), rank)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    return model
+
+
+def test_a_step_is_lora_over_the_dequantized_weights() -> None:
+    """The quantized model's loss and every adapter gradient are bit-identical to LoRA whose base
+    weights are the dequantized ones; the base weights are buffers (no parameter, no gradient)."""
+    quantized = _llama()
+    reference = copy.deepcopy(quantized)
+    quantize_base(quantized)
+    linears = [m for m in quantized.modules() if isinstance(m, NF4LoRALinear)]
+    assert len(linears) == 2 * 7 and not any(isinstance(m, LoRALinear) and not isinstance(m, NF4LoRALinear)
+                                             for m in quantized.modules())
+    with torch.no_grad():
+        for a, b in zip(quantized.modules(), reference.modules()):
+            if isinstance(a, NF4LoRALinear):
+                b.weight.copy_(a.dequantized(torch.float32))
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss_q, loss_r = (m(input_ids=ids, labels=ids).loss for m in (quantized, reference))
+    loss_q.backward()
+    loss_r.backward()
+    grads_q = {n: p.grad for n, p in quantized.named_parameters() if p.grad is not None}
+    grads_r = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert torch.equal(loss_q, loss_r) and grads_q.keys() == grads_r.keys() and len(grads_q) == 28
+    assert all(torch.equal(grads_q[n], grads_r[n]) for n in grads_q)
+    assert "model.layers.0.self_attn.q_proj.weight" not in dict(quantized.named_parameters())
+    assert quantized.model.layers[0].self_attn.q_proj.weight.dtype == torch.uint8
+
+
+def test_the_tracker_sees_the_dequantized_weight_alone() -> None:
+    """Dequantizing a 128 x 64 weight in fp32 makes one 32,768-byte tensor: what the operator
+    computes on the way (the codes unpacked to int64, the absmax in fp32) never surfaces, as in
+    bitsandbytes' kernel."""
+    b = quantize_nf4(torch.randn(128, 64))
+    with LiveTracker(torch.device("cpu")) as tracker:
+        out = dequantize_nf4(b["weight"], b["absmax"], b["nested_absmax"], b["offset"], b["quant_map"], 128, 64,
+                             torch.float32)
+    assert out.shape == (128, 64) and tracker.peak_bytes == 128 * 64 * 4
+
+
+def test_refusals() -> None:
+    with pytest.raises(ValueError, match="has no LoRA linear layer whose base weight to quantize; add LoRA first"):
+        quantize_base(nn.Sequential(nn.Linear(4, 4)))
+    model = quantize_base(_llama())
+    layer = model.model.layers[0].self_attn.q_proj
+    layer.bias = nn.Parameter(torch.zeros(64))
+    with pytest.raises(ValueError, match="an NF4 base layer's bias must stay frozen"):
+        layer(torch.randn(2, 64))
