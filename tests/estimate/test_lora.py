@@ -215,3 +215,28 @@ def test_adapters_on_named_layers() -> None:
     assert found["param_count"] == 8_030_261_248 + 3_407_872
     assert found["devices"][0]["model_state"]["optimizer_state_bytes"] == 8 * 3_407_872
     assert "with LoRA of rank 8 on q_proj, v_proj" in found["model"]
+
+
+def test_a_frozen_base_too_large_names_qlora() -> None:
+    """Llama-2-13B sizes with LoRA on a 24 GB GPU: the bf16 weights alone (24.2 GiB) do not fit.
+    The diagnosis prices 8-bit optimizer state for the adapters the optimizer updates (it priced
+    it for all 13 B weights, 24 GiB more than the state it replaced) and names --quantize nf4,
+    with which the model state is 7.64 GiB (6.10 of it NF4) and every layer recomputed fits."""
+    sizes = ["--hf", "llama", "--hidden", "5120", "--layers", "40", "--heads", "40", "--intermediate", "13824",
+             "--vocab", "32000", "--seq", "1024", "--device", "RTX4090-24GB", "--lora", "16", "--json"]
+    runner = CliRunner()
+    out = runner.invoke(app, ["estimate", *sizes])
+    assert out.exit_code == 0, out.output
+    found = json.loads(out.output)["devices"][0]
+    state = found["model_state"]
+    none = next(s for s in found["strategies"] if s["strategy"] == "none")
+    assert not none["fits"] and "--quantize nf4 holds the adapted layers' weights in 4-bit NormalFloat" in none["diagnosis"]
+    eight = float(none["diagnosis"].split("Adam8bit) at this setup: ")[1].split(" GiB")[0])
+    adam = state["optimizer_state_bytes"] / 2**30
+    assert eight == pytest.approx((state["param_bytes"] + state["grad_bytes"] + state["master_bytes"]
+                                   + state["buffer_bytes"]) / 2**30 + adam / 4, abs=0.01)
+    out = runner.invoke(app, ["estimate", *sizes, "--quantize", "nf4"])
+    assert out.exit_code == 0, out.output
+    found = json.loads(out.output)["devices"][0]
+    assert found["model_state"]["buffer_bytes"] > 5 * 2**30
+    assert next(s for s in found["strategies"] if s["strategy"] == "full")["fits"]

@@ -36,15 +36,15 @@ def explain_state_overflow(
 
 def state_parts(state: ModelState) -> list[tuple[str, int]]:
     """(name, bytes) of each kind of model state a GPU holds, as diagnoses and tables print them
-    (the fp32 master copy, what FSDP2 gathers and buffers, such as NF4 base weights, only when
-    there are some)."""
+    (the fp32 master copy and what FSDP2 gathers only when there are some; buffers, such as NF4
+    base weights, from 1 MiB)."""
     parts = [("parameters", state.param_bytes), ("gradients", state.grad_bytes)]
     if state.master_bytes:
         parts.append(("fp32 master weights", state.master_bytes))
     parts.append(("optimizer state", state.optimizer_state_bytes))
     if state.gathered_bytes:
         parts.append(("FSDP2 gathered units", state.gathered_bytes))
-    if state.buffer_bytes:
+    if state.buffer_bytes >= 1 << 20:  # NF4 base weights; not a rotary table's few bytes
         parts.append(("buffers", state.buffer_bytes))
     return parts
 

@@ -269,10 +269,15 @@ class Pricing:
         updates, their gradients, master copy and state, each read and written once. Weights without
         a gradient are not updated: LoRA's frozen base (2 x 15 GiB of Llama-3-8B's bf16 weights were
         counted, 10 ms a step on an H100; 2 x 131 GiB of Llama-3-70B's, 82 ms)."""
-        trained = replace(self.traced.params, gradless=RoleShapes(), layer_gradless=())
         heaviest = max(self.stage_indices(), key=lambda k: self.state(k).total_bytes)
-        state = gpu_state(trained, self.parallelism, heaviest, self.recipe)
+        state = self.trained_state(heaviest)
         return 2 * (state.param_bytes + state.grad_bytes + state.master_bytes + state.optimizer_state_bytes)
+
+    def trained_state(self, index: int, zero_stage: int | None = None) -> ModelState:
+        """`state` of the parameters with a gradient alone (what the optimizer updates)."""
+        recipe = self.recipe if zero_stage is None else replace(self.recipe, zero_stage=zero_stage)
+        trained = replace(self.traced.params, gradless=RoleShapes(), layer_gradless=())
+        return gpu_state(trained, self.parallelism, index, recipe)
 
     # -- pricing on a device -----------------------------------------------------------------
     def network(self, spec: DeviceSpec) -> Network:
@@ -347,10 +352,20 @@ class Pricing:
             return explain_state_overflow(
                 self.state(index, zero_stage=0), rank, budget_bytes=budget, device=spec, optimizer=self.recipe.optimizer,
                 world_size=self.parallelism.data, zero_stage=self.recipe.zero_stage,
-                param_count=_param_count(self.state(index, zero_stage=0), self.recipe), unit_state=unit,
-            )
+                param_count=_param_count(self.trained_state(index, zero_stage=0), self.recipe), unit_state=unit,
+            ) + self._frozen_hint(index)
         text = explain_activation_overflow(row, rank, budget_bytes=budget, device=spec, micro_batch=self.micro_batch)
         return text + self._head_hint(row, budget)
+
+    def _frozen_hint(self, index: int) -> str:
+        """Where most of the weights take no gradient (LoRA's frozen base in the model's dtype), what
+        QLoRA would hold them in ("" otherwise)."""
+        frozen = self.state(index, zero_stage=0).param_bytes - self.trained_state(index, zero_stage=0).param_bytes
+        if not self.traced.lora or self.traced.quantized or frozen < self.state(index).total_bytes / 2:
+            return ""
+        return (f"\nOf the parameters, {format_gib(frozen)} take no gradient (LoRA's frozen base weights): "
+                "--quantize nf4 holds the adapted layers' weights in 4-bit NormalFloat, about 0.52 bytes an "
+                "element (QLoRA).")
 
     def _head_hint(self, row: StrategyEstimate, budget: int) -> str:
         """What the chunked head would save when the peak is in the head's phase ("" otherwise):

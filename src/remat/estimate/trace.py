@@ -125,6 +125,8 @@ class Traced:
     held as the layers' buffers, whole on every GPU that holds the layer."""
     quantized_params: int = 0
     """Elements of the full model's base weights held quantized (buffers, not parameters)."""
+    lora: bool = False
+    """LoRA adapters were added (`remat.estimate.sources.ModelSource.lora_rank`)."""
     checked: tuple[int, ...] | None = None
     """The traced layers checked against the traced layer before them, their twin (None: every
     traced layer that is copied, but the first). An encoder-decoder's stacks each trace their first
@@ -448,7 +450,7 @@ def trace_source(
     if source.builtin is not None:
         return _trace_builtin(source, seq_len=seq_len, dtype=torch_dtype, layers=trace_layers, fused=gpu_kernels)
     traced = _trace_hf(source, seq_len=seq_len, dtype=torch_dtype, layers=trace_layers, fused=gpu_kernels)
-    return replace(traced, quantized=source.quantize) if source.quantize else traced
+    return replace(traced, quantized=source.quantize, lora=bool(source.lora_rank)) if source.lora_rank else traced
 
 
 def hf_layer_kinds(config: Any, full: int, layers: int, first_apart: bool = False) -> tuple[int, tuple[int, ...]]:
