@@ -240,3 +240,19 @@ def test_a_frozen_base_too_large_names_qlora() -> None:
     found = json.loads(out.output)["devices"][0]
     assert found["model_state"]["buffer_bytes"] > 5 * 2**30
     assert next(s for s in found["strategies"] if s["strategy"] == "full")["fits"]
+
+
+def test_qlora_under_fsdp_shards_the_nf4_weights(tmp_path) -> None:
+    """ZeRO-3 over 2 ranks (FSDP-QLoRA): the layers' NF4 bytes (4 x 19,512) are sharded like their
+    other weights and gathered with their unit, this layer's and the next one's (2 x 19,512 beside
+    the adapters' gathered state); the rotary tables stay whole."""
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(CFG))
+    source = ModelSource(hf_config_path=str(path), lora_rank=R, quantize="nf4")
+    one = estimate(source, seq_len=S, micro_batch=B, dtype="fp32", gpu_kernels=False, world_size=2, zero_stage=2)
+    three = estimate(source, seq_len=S, micro_batch=B, dtype="fp32", gpu_kernels=False, world_size=2, zero_stage=3)
+    assert one.devices[0].model_state.buffer_bytes == 4 * 19_512 + 64
+    assert three.devices[0].model_state.buffer_bytes == 2 * 19_512 + 64
+    # a layer's unit, twice: its 4,096 adapter weights, their gradients and its two frozen norms' 128
+    # weights in fp32, 2 x 4 x (4,096 + 4,096 + 128) = 66,560
+    assert three.devices[0].model_state.gathered_bytes == 2 * 19_512 + 66_560

@@ -246,9 +246,17 @@ class Pricing:
         if key not in self._cache:
             recipe = self.recipe if zero_stage is None else replace(self.recipe, zero_stage=zero_stage)
             t, par = self.traced, self.parallelism
-            buffers = (sum(t.layer_buffer_bytes[t.layer_kinds[i]] for i in stage_layers(t.num_layers, par, index))
+            layers = stage_layers(t.num_layers, par, index)
+            buffers = (sum(t.layer_buffer_bytes[t.layer_kinds[i]] for i in layers)
                        + (t.fixed_buffer_bytes if index == 0 else 0))
-            self._cache[key] = gpu_state(t.params, par, index, recipe, buffer_bytes=buffers)
+            state = gpu_state(t.params, par, index, recipe, buffer_bytes=buffers)
+            if t.layer_quantized_bytes and recipe.zero_stage == 3 and par.data > 1:
+                # FSDP-QLoRA: the NF4 weights are sharded as the layers' other weights are and gathered
+                # with their unit (this layer's and, prefetched, the next one's: `gathered_unit_bytes`)
+                nf4 = [t.layer_quantized_bytes[t.layer_kinds[i]] for i in layers]
+                state = replace(state, buffer_bytes=buffers - sum(nf4) + -(-sum(nf4) // par.data),
+                                gathered_bytes=state.gathered_bytes + 2 * max(nf4, default=0))
+            self._cache[key] = state
         return self._cache[key]
 
     def _step_temp_bytes(self, state: ModelState) -> int:

@@ -125,6 +125,8 @@ class Traced:
     held as the layers' buffers, whole on every GPU that holds the layer."""
     quantized_params: int = 0
     """Elements of the full model's base weights held quantized (buffers, not parameters)."""
+    layer_quantized_bytes: tuple[int, ...] = ()
+    """Of ``layer_buffer_bytes``, each traced layer's quantized base weights (empty: none)."""
     lora: bool = False
     """LoRA adapters were added (`remat.estimate.sources.ModelSource.lora_rank`)."""
     checked: tuple[int, ...] | None = None
@@ -355,6 +357,13 @@ def _quantized_elements(module: nn.Module) -> int:
     return sum(m.out_features * m.in_features for m in module.modules() if isinstance(m, NF4LoRALinear))
 
 
+def _quantized_bytes(module: nn.Module) -> int:
+    """Bytes of the base weights ``module`` holds quantized (their buffers)."""
+    from remat.models.qlora import NF4LoRALinear
+
+    return sum(_buffer_bytes(m) for m in module.modules() if isinstance(m, NF4LoRALinear))
+
+
 def _buffer_bytes(module: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers())
 
@@ -429,6 +438,7 @@ def _describe(label: str, model: nn.Module, tracer: Callable[[int], tuple[Profil
     per_block = [_quantized_elements(block) for _, block in blocks]
     if any(per_block) or _quantized_elements(model):
         extra["quantized_params"] = _quantized_elements(model) - sum(per_block) + sum(per_block[k] for k in kinds)
+        extra["layer_quantized_bytes"] = tuple(_quantized_bytes(block) for _, block in blocks)
     return Traced(
         label=label, tracer=tracer, num_layers=len(kinds), layer_kinds=kinds,
         layer_names=tuple(name for name, _ in blocks), param_shapes=_unique_shapes(model),
