@@ -27,11 +27,11 @@ def compare(shape: tuple[int, int], functional: Any) -> dict[str, Any]:
     theirs = (codes.numel() * codes.element_size() + state.absmax.numel() + 4 * state.state2.absmax.numel() + 4
               + 4 * state.code.numel())
     ours = quantize_nf4(weight)
-    back = dequantize_nf4(ours["weight"], ours["absmax"], ours["nested_absmax"], ours["offset"], ours["quant_map"],
+    back = dequantize_nf4(ours["weight_nf4"], ours["absmax"], ours["nested_absmax"], ours["offset"], ours["quant_map"],
                           *shape, torch.bfloat16)
     reference = functional.dequantize_4bit(codes, state)
     return dict(shape=shape, bnb_bytes=theirs, remat_bytes=sum(t.numel() * t.element_size() for t in ours.values()),
-                formula=nf4_bytes(weight.numel()), codes_equal=torch.equal(codes.flatten(), ours["weight"].flatten()),
+                formula=nf4_bytes(weight.numel()), codes_equal=torch.equal(codes.flatten(), ours["weight_nf4"].flatten()),
                 absmax_differ=int((state.absmax != ours["absmax"]).sum()), absmax_codes=state.absmax.numel(),
                 values_differ=int((back != reference).sum()),
                 max_diff=float((back.float() - reference.float()).abs().max()),

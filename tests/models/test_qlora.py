@@ -28,8 +28,8 @@ def test_the_layout_by_hand() -> None:
     an element."""
     buffers = quantize_nf4(torch.randn(64, 64))
     sizes = {k: v.numel() * v.element_size() for k, v in buffers.items()}
-    assert sizes == {"weight": 2048, "absmax": 64, "nested_absmax": 4, "offset": 4, "quant_map": 64}
-    assert buffers["weight"].shape == (2048, 1) and buffers["weight"].dtype == torch.uint8
+    assert sizes == {"weight_nf4": 2048, "absmax": 64, "nested_absmax": 4, "offset": 4, "quant_map": 64}
+    assert buffers["weight_nf4"].shape == (2048, 1) and buffers["weight_nf4"].dtype == torch.uint8
     assert nf4_bytes(64 * 64) == 2184 == sum(sizes.values())
     assert nf4_bytes(28672 * 8192) == 117_440_512 + 3_670_016 + 4 * 14_336 + 68
     meta = quantize_nf4(torch.empty(28672, 8192, device="meta"))
@@ -45,7 +45,7 @@ def test_values_round_to_the_nearest_code() -> None:
     of the block's largest magnitude) plus that rounding."""
     weight = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
     b = quantize_nf4(weight)
-    back = dequantize_nf4(b["weight"], b["absmax"], b["nested_absmax"], b["offset"], b["quant_map"], 256, 128,
+    back = dequantize_nf4(b["weight_nf4"], b["absmax"], b["nested_absmax"], b["offset"], b["quant_map"], 256, 128,
                           torch.float32)
     blocks = weight.view(-1, 64)
     error = (back.view(-1, 64) - blocks).abs().amax(dim=1) / blocks.abs().amax(dim=1)
@@ -53,7 +53,7 @@ def test_values_round_to_the_nearest_code() -> None:
     assert float(error.max()) <= gap + 0.02 and float(error.max()) > 0.01
     exact = torch.tensor(NF4_VALUES).repeat(4)  # a weight whose blocks' absmax is 1: codes exact
     b = quantize_nf4(exact.view(1, 64))
-    assert torch.equal(b["weight"].flatten(), torch.tensor([(2 * i) << 4 | (2 * i + 1) for i in range(8)] * 4,
+    assert torch.equal(b["weight_nf4"].flatten(), torch.tensor([(2 * i) << 4 | (2 * i + 1) for i in range(8)] * 4,
                                                            dtype=torch.uint8))
 
 
@@ -88,8 +88,11 @@ def test_a_step_is_lora_over_the_dequantized_weights() -> None:
     grads_r = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     assert torch.equal(loss_q, loss_r) and grads_q.keys() == grads_r.keys() and len(grads_q) == 28
     assert all(torch.equal(grads_q[n], grads_r[n]) for n in grads_q)
+    q = quantized.model.layers[0].self_attn.q_proj
     assert "model.layers.0.self_attn.q_proj.weight" not in dict(quantized.named_parameters())
-    assert quantized.model.layers[0].self_attn.q_proj.weight.dtype == torch.uint8
+    assert q.weight_nf4.dtype == torch.uint8 and "model.layers.0.self_attn.q_proj.weight_nf4" in dict(quantized.named_buffers())
+    # the weight read from the module is the dequantized one, in the model's dtype (Ergo reads o_proj.weight.dtype)
+    assert q.weight.dtype == torch.float32 and torch.equal(q.weight, reference.model.layers[0].self_attn.q_proj.weight)
 
 
 def test_the_tracker_sees_the_dequantized_weight_alone() -> None:
@@ -98,7 +101,7 @@ def test_the_tracker_sees_the_dequantized_weight_alone() -> None:
     bitsandbytes' kernel."""
     b = quantize_nf4(torch.randn(128, 64))
     with LiveTracker(torch.device("cpu")) as tracker:
-        out = dequantize_nf4(b["weight"], b["absmax"], b["nested_absmax"], b["offset"], b["quant_map"], 128, 64,
+        out = dequantize_nf4(b["weight_nf4"], b["absmax"], b["nested_absmax"], b["offset"], b["quant_map"], 128, 64,
                              torch.float32)
     assert out.shape == (128, 64) and tracker.peak_bytes == 128 * 64 * 4
 
@@ -126,3 +129,34 @@ def test_the_planner_runs_a_qlora_model() -> None:
     prof = remat.profile(model, batch, None, optimizer, repeats=1)
     result = remat.verify(model, batch, plan(prof, strategy="full"), None, optimizer, repeats=1)
     assert result.ok and result.grads_identical and result.measured_peak_bytes == result.predicted_peak_bytes
+
+
+class _Doubled(nn.Linear):
+    """An ``nn.Linear`` subclass with a forward of its own (as Falcon's ``FalconLinear`` has)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_linear_subclasses_are_adapted_and_attention_projections_are_not() -> None:
+    """A subclass of ``nn.Linear`` takes adapters over its own forward (Falcon's layers were refused:
+    "no nn.Linear"); ``nn.MultiheadAttention``'s output projection, whose weight the attention reads
+    directly, is left alone; quantized, the subclass becomes an NF4 linear, as bitsandbytes' loading
+    replaces it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Doubled(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    attention = nn.MultiheadAttention(8, 2)
+    model.append(nn.Identity())
+    model.add_module("attention", attention)
+    x = torch.randn(3, 8)
+    before = model[0](x)
+    add_lora(model, 2)
+    assert type(model[0]).__name__ == "LoRA_Doubled" and isinstance(model[0], _Doubled)
+    assert torch.equal(model[0](x), before)  # lora_B starts at zero
+    with torch.no_grad():
+        model[0].lora_B.weight.fill_(1.0)
+    update = model[0].lora_B(model[0].lora_A(x)) * model[0].scaling
+    torch.testing.assert_close(model[0](x), before + update, rtol=0, atol=0)
+    assert not hasattr(attention.out_proj, "lora_A") and isinstance(model[2], LoRALinear)
+    quantize_base(model)
+    assert isinstance(model[0], NF4LoRALinear) and isinstance(model[2], NF4LoRALinear)

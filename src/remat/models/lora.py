@@ -1,7 +1,7 @@
 """Low-rank adapters (LoRA, Hu et al. 2021) on a model's linear layers, every other weight frozen.
 
 `add_lora` turns each ``nn.Linear`` of a model but its output embeddings (the LM head) into a
-`LoRALinear`, and each of transformers' ``Conv1D`` (GPT-2's linear layers, their weight stored in
+`LoRALinear` (a subclass of it, Falcon's ``FalconLinear``, into a LoRA subclass of its own), and each of transformers' ``Conv1D`` (GPT-2's linear layers, their weight stored in
 x out) into a ``LoRAConv1D``, as peft adapts both (or only those named in ``targets``): the same
 module, its weight and bias frozen, with two trained matrices beside it, ``lora_A`` (rank x in)
 and ``lora_B`` (out x rank), whose product is added to its output, scaled by ``alpha / rank``
@@ -45,21 +45,38 @@ def _conv1d_class() -> type | None:
     return Conv1D
 
 
-_LORA_CONV1D: dict[type, type] = {}
+_LORA_CLASSES: dict[type, type] = {}
 
 
 def _lora_class(base: type) -> type:
-    """The LoRA subclass of ``nn.Linear`` or of transformers' ``Conv1D``: its own output plus the
-    scaled update."""
+    """The LoRA subclass of ``nn.Linear``, of a subclass of it (Falcon's ``FalconLinear``) or of
+    transformers' ``Conv1D``: the layer's own output plus the scaled update."""
     if base is nn.Linear:
         return LoRALinear
-    if base not in _LORA_CONV1D:
+    if base not in _LORA_CLASSES:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return base.forward(self, x) + self.lora_B(self.lora_A(x)) * self.scaling
 
-        _LORA_CONV1D[base] = type("LoRAConv1D", (base,), {"forward": forward, "__module__": __name__, "__doc__": (
-            "transformers' Conv1D with a frozen weight and a trained low-rank update (module docstring).")})
-    return _LORA_CONV1D[base]
+        name = "LoRAConv1D" if base is _conv1d_class() else f"LoRA{base.__name__}"
+        _LORA_CLASSES[base] = type(name, (base,), {"forward": forward, "__module__": __name__, "__doc__": (
+            f"{base.__name__} with a frozen weight and a trained low-rank update (module docstring).")})
+    return _LORA_CLASSES[base]
+
+
+def is_lora(module: nn.Module) -> bool:
+    """True for a linear layer `add_lora` adapted."""
+    return type(module) is LoRALinear or type(module) in _LORA_CLASSES.values()
+
+
+def _adaptable(module: nn.Module) -> bool:
+    """A linear layer peft's ``all-linear`` adapts: an ``nn.Linear`` or a subclass of it, or
+    transformers' ``Conv1D``; not one adapted already, nor torch's ``NonDynamicallyQuantizableLinear``,
+    the output projection of ``nn.MultiheadAttention``, which reads its weight directly (the
+    adapter would never run)."""
+    if is_lora(module) or type(module) is nn.modules.linear.NonDynamicallyQuantizableLinear:
+        return False
+    conv1d = _conv1d_class()
+    return isinstance(module, nn.Linear) or (conv1d is not None and type(module) is conv1d)
 
 
 def _features(module: nn.Module) -> tuple[int, int]:
@@ -78,8 +95,7 @@ def add_lora(model: nn.Module, rank: int, *, alpha: float = 8,
         raise ValueError(f"LoRA rank must be an integer >= 1, got {rank!r}.")
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    kinds = (nn.Linear,) + ((_conv1d_class(),) if _conv1d_class() is not None else ())
-    linears = [(n, m) for n, m in model.named_modules() if type(m) in kinds and m is not head]
+    linears = [(n, m) for n, m in model.named_modules() if _adaptable(m) and m is not head]
     if not linears:
         raise ValueError(f"{type(model).__name__} has no nn.Linear (nor transformers' Conv1D) besides its output "
                          "embeddings for LoRA to adapt; drop --lora.")
@@ -109,4 +125,4 @@ def add_lora(model: nn.Module, rank: int, *, alpha: float = 8,
     return model
 
 
-__all__ = ["LoRALinear", "add_lora"]
+__all__ = ["LoRALinear", "add_lora", "is_lora"]

@@ -5,8 +5,8 @@ bitsandbytes stores and runs them in training.
 bitsandbytes' NF4 layout with double quantization (``bnb_4bit_quant_type="nf4"``,
 ``bnb_4bit_use_double_quant=True``, the QLoRA recipe), as buffers of the module:
 
-- ``weight``: the 4-bit codes, two to a byte (the first in the high nibble), ``ceil(n / 2)`` bytes
-  as a ``(ceil(n / 2), 1)`` uint8 tensor, where ``n`` is the weight's out x in elements;
+- ``weight_nf4``: the 4-bit codes, two to a byte (the first in the high nibble), ``ceil(n / 2)``
+  bytes as a ``(ceil(n / 2), 1)`` uint8 tensor, where ``n`` is the weight's out x in elements;
 - ``absmax``: each block of 64 elements' largest magnitude, less their mean, quantized to 8 bits
   with bitsandbytes' dynamic map: ``ceil(n / 64)`` bytes;
 - ``nested_absmax``: each block of 256 of those, its largest magnitude in fp32: 4 bytes a block;
@@ -21,7 +21,9 @@ Training, the forward and the backward each dequantize the weight in the model's
 multiply by it (bitsandbytes' ``MatMul4Bit`` past 1536 rows, its dequantize-then-``linear`` path):
 the dequantized weight (``n`` elements in the model's dtype) and the absmax in fp32 (``4 n / 64``
 bytes) are live while the product runs, and nothing is saved for the backward but the quantized
-buffers (the base weight takes no gradient, so its input is not kept for it).
+buffers (the base weight takes no gradient, so its input is not kept for it). The module's
+``weight`` is the dequantized weight, made when read: model code that reads a linear's
+``weight.dtype`` (Ergo's layers) or multiplies by it sees the weight in the model's dtype.
 `dequantize_nf4` is one operator (``remat::dequantize_nf4``), as bitsandbytes' is a kernel: what
 it computes on the way is not seen by `remat.measure`'s tracker, only its output, as on a GPU.
 """
@@ -35,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from remat.models.lora import LoRALinear
+from remat.models.lora import LoRALinear, is_lora
 
 BLOCK = 64
 """Elements per absmax block (bitsandbytes' ``blocksize`` for 4-bit weights)."""
@@ -85,7 +87,7 @@ def quantize_nf4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     blocks = math.ceil(n / BLOCK)
     device = weight.device
     if device.type == "meta":
-        return {"weight": torch.empty((math.ceil(n / 2), 1), dtype=torch.uint8, device=device),
+        return {"weight_nf4": torch.empty((math.ceil(n / 2), 1), dtype=torch.uint8, device=device),
                 "absmax": torch.empty(blocks, dtype=torch.uint8, device=device),
                 "nested_absmax": torch.empty(math.ceil(blocks / NESTED_BLOCK), dtype=torch.float32, device=device),
                 "offset": torch.empty((), dtype=torch.float32, device=device),
@@ -103,7 +105,7 @@ def quantize_nf4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     padded = F.pad(centred, (0, nested_blocks * NESTED_BLOCK - blocks)).view(nested_blocks, NESTED_BLOCK)
     nested = padded.abs().amax(dim=1)
     normal = (padded / nested.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).flatten()[:blocks]
-    return {"weight": packed.view(-1, 1), "absmax": _nearest(normal, DYNAMIC_MAP.to(device)).to(torch.uint8),
+    return {"weight_nf4": packed.view(-1, 1), "absmax": _nearest(normal, DYNAMIC_MAP.to(device)).to(torch.uint8),
             "nested_absmax": nested, "offset": offset,
             "quant_map": torch.tensor(NF4_VALUES, dtype=torch.float32, device=device)}
 
@@ -147,10 +149,17 @@ class NF4LoRALinear(LoRALinear):
 
     out_features: int
     in_features: int
+    compute_dtype: torch.dtype
+    """The dtype of the weight before quantization, the model's."""
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_nf4(self.weight, self.absmax, self.nested_absmax, self.offset, self.quant_map,
+        return dequantize_nf4(self.weight_nf4, self.absmax, self.nested_absmax, self.offset, self.quant_map,
                               self.out_features, self.in_features, dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        """The weight in the model's dtype, dequantized when read (module docstring)."""
+        return self.dequantized(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None and self.bias.requires_grad:
@@ -160,21 +169,24 @@ class NF4LoRALinear(LoRALinear):
 
 def quantize_base(model: nn.Module) -> nn.Module:
     """``model`` (LoRA applied: `remat.models.lora.add_lora`) with the frozen weight of every LoRA
-    linear stored in NF4 (module docstring), in place; returns it. Transformers' ``Conv1D`` layers
+    linear stored in NF4 (module docstring), in place; returns it. An ``nn.Linear`` subclass
+    (Falcon's) becomes an NF4 linear, as bitsandbytes' loading replaces it. Transformers' ``Conv1D`` layers
     (GPT-2's) keep their weight: bitsandbytes' 4-bit layer is an ``nn.Linear``; so do the modules a
     transformers model keeps in fp32 (``_keep_in_fp32_modules``: T5's ``wo``, whose input it casts to
     the weight's dtype), which transformers' 4-bit loading leaves unquantized."""
     kept = {*(getattr(model, "_keep_in_fp32_modules", None) or ()),
             *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())}
     adapted = [m for name, m in model.named_modules()
-               if type(m) is LoRALinear and not kept.intersection(name.split("."))]
+               if is_lora(m) and isinstance(m, nn.Linear) and not kept.intersection(name.split("."))]
     if not adapted:
         raise ValueError(f"{type(model).__name__} has no LoRA linear layer whose base weight to quantize; add LoRA "
                          "first (remat.models.lora.add_lora, --lora R).")
     for linear in adapted:
         buffers = quantize_nf4(linear.weight)
+        dtype = linear.weight.dtype
         del linear.weight
         linear.__class__ = NF4LoRALinear
+        linear.compute_dtype = dtype
         for name, tensor in buffers.items():
             linear.register_buffer(name, tensor)
     return model
