@@ -230,3 +230,13 @@ def test_layers_of_several_kinds_are_traced_each(tmp_path) -> None:
     for strategy in ("none", "full"):
         measured = plan(prof, strategy=strategy).prediction.peak_bytes
         assert abs(strategies[strategy].peak_bytes / measured - 1) < 0.003, strategy
+
+
+def test_a_config_whose_layer_kinds_cannot_be_set_is_refused_in_one_line(tmp_path) -> None:
+    """Jamba's ``layer_types`` is a property computed from its attention and expert periods: setting
+    the traced layers' kinds on it raised AttributeError from transformers (a traceback)."""
+    path = _config(tmp_path, model_type="jamba", hidden_size=H, num_hidden_layers=8, num_attention_heads=A,
+                   num_key_value_heads=2, intermediate_size=96, vocab_size=96, num_experts=4,
+                   attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1)
+    with pytest.raises(ValueError, match="JambaConfig computes its per-layer list 'layer_types' from other settings"):
+        estimate(ModelSource(hf_config_path=path), seq_len=S)

@@ -608,7 +608,13 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
     if values:  # the traced model's layers: two of each kind
         config = copy.deepcopy(config)
         for name, value in values.items():
-            setattr(config, name, value)
+            try:
+                setattr(config, name, value)
+            except AttributeError:  # Jamba's layer_types, a property computed from its periods and offsets
+                raise ValueError(
+                    f"{source.label}: {type(config).__name__} computes its per-layer list {name!r} from other settings "
+                    "and takes none given, so the estimate cannot build the two layers of each kind it traces. Measure "
+                    "it with `remat profile path/to/file.py:build` at a size that runs here.") from None
     how = "its first layer, then two of each kind of layer, copied" if apart else "two of each kind of layer, then copied"
     model = _build(source, _per_layer_lists_cut(config, traced), traced, dtype, how)
     _check_layers_found(model, source.label)
