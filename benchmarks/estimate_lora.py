@@ -1,7 +1,7 @@
 """`remat estimate --lora` against the measured step: models of several families built from tiny
 configs (hidden 64, 4 layers, random weights), trained whole, with LoRA adapters of rank 4 on
 every linear layer (`remat.models.lora.add_lora`) and with those layers' base weights in NF4
-(QLoRA, `remat.models.qlora.quantize_base`; not GPT-2, whose linear layers are ``Conv1D``). For each: the estimate's forward + backward
+(QLoRA, `remat.models.qlora.quantize_base`; GPT-2's ``Conv1D`` layers too, transposed). For each: the estimate's forward + backward
 FLOPs of a micro-batch against ``torch.utils.flop_counter`` over the real step on the CPU
 (`remat.measure.flops.step_flop_counter`), and its peak with no recomputation and with every layer
 recomputed over `remat.plan`'s prediction from a profile of the whole model (equal to the measured
@@ -124,8 +124,6 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.types:
             for rank, quantize in ((None, None), (args.rank, None), (args.rank, "nf4")):
-                if quantize and name == "gpt2":
-                    continue  # its Conv1D layers are not bitsandbytes' 4-bit linear
                 rows.append(row(name, rank, Path(tmp), quantize))
     print(markdown(rows))
 

@@ -160,3 +160,25 @@ def test_linear_subclasses_are_adapted_and_attention_projections_are_not() -> No
     assert not hasattr(attention.out_proj, "lora_A") and isinstance(model[2], LoRALinear)
     quantize_base(model)
     assert isinstance(model[0], NF4LoRALinear) and isinstance(model[2], NF4LoRALinear)
+
+
+def test_gpt2_conv1d_layers_are_quantized_transposed() -> None:
+    """GPT-2's ``Conv1D`` (x @ weight + bias, weight in x out) becomes an NF4 linear of the weight
+    transposed, as transformers' 4-bit loading makes it: c_attn 64 -> 192 is 192 x 64, and the
+    quantized model's output is the LoRA model's over the dequantized weights within 1e-6 (a linear of
+    the transposed weight sums in another order than Conv1D's addmm)."""
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=64, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = add_lora(transformers.GPT2LMHeadModel(config), 4)
+    reference = copy.deepcopy(model)
+    quantize_base(model)
+    c_attn = model.transformer.h[0].attn.c_attn
+    assert isinstance(c_attn, NF4LoRALinear) and (c_attn.out_features, c_attn.in_features) == (192, 64)
+    assert c_attn.weight_nf4.shape == (192 * 64 // 2, 1)
+    with torch.no_grad():
+        for a, b in zip(model.modules(), reference.modules()):
+            if isinstance(a, NF4LoRALinear):
+                b.weight.copy_(a.dequantized(torch.float32).t())
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=1e-6)

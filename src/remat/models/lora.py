@@ -36,7 +36,7 @@ class LoRALinear(nn.Linear):
         return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
 
 
-def _conv1d_class() -> type | None:
+def conv1d_class() -> type | None:
     """transformers' ``Conv1D`` (``x @ weight + bias``, weight in x out), or None without transformers."""
     try:
         from transformers.pytorch_utils import Conv1D
@@ -57,7 +57,7 @@ def _lora_class(base: type) -> type:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return base.forward(self, x) + self.lora_B(self.lora_A(x)) * self.scaling
 
-        name = "LoRAConv1D" if base is _conv1d_class() else f"LoRA{base.__name__}"
+        name = "LoRAConv1D" if base is conv1d_class() else f"LoRA{base.__name__}"
         _LORA_CLASSES[base] = type(name, (base,), {"forward": forward, "__module__": __name__, "__doc__": (
             f"{base.__name__} with a frozen weight and a trained low-rank update (module docstring).")})
     return _LORA_CLASSES[base]
@@ -75,7 +75,7 @@ def _adaptable(module: nn.Module) -> bool:
     adapter would never run)."""
     if is_lora(module) or type(module) is nn.modules.linear.NonDynamicallyQuantizableLinear:
         return False
-    conv1d = _conv1d_class()
+    conv1d = conv1d_class()
     return isinstance(module, nn.Linear) or (conv1d is not None and type(module) is conv1d)
 
 
@@ -125,4 +125,4 @@ def add_lora(model: nn.Module, rank: int, *, alpha: float = 8,
     return model
 
 
-__all__ = ["LoRALinear", "add_lora", "is_lora"]
+__all__ = ["LoRALinear", "add_lora", "conv1d_class", "is_lora"]

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from remat.models.lora import LoRALinear, is_lora
+from remat.models.lora import LoRALinear, conv1d_class, is_lora
 
 BLOCK = 64
 """Elements per absmax block (bitsandbytes' ``blocksize`` for 4-bit weights)."""
@@ -170,22 +170,27 @@ class NF4LoRALinear(LoRALinear):
 def quantize_base(model: nn.Module) -> nn.Module:
     """``model`` (LoRA applied: `remat.models.lora.add_lora`) with the frozen weight of every LoRA
     linear stored in NF4 (module docstring), in place; returns it. An ``nn.Linear`` subclass
-    (Falcon's) becomes an NF4 linear, as bitsandbytes' loading replaces it. Transformers' ``Conv1D`` layers
-    (GPT-2's) keep their weight: bitsandbytes' 4-bit layer is an ``nn.Linear``; so do the modules a
-    transformers model keeps in fp32 (``_keep_in_fp32_modules``: T5's ``wo``, whose input it casts to
-    the weight's dtype), which transformers' 4-bit loading leaves unquantized."""
+    (Falcon's) and transformers' ``Conv1D`` (GPT-2's, its weight transposed) become NF4 linears, as
+    transformers' 4-bit loading replaces them by bitsandbytes' layer. The modules a transformers model
+    keeps in fp32 (``_keep_in_fp32_modules``: T5's ``wo``, whose input it casts to the weight's dtype)
+    stay as they are, as that loading leaves them."""
     kept = {*(getattr(model, "_keep_in_fp32_modules", None) or ()),
             *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())}
+    conv1d = conv1d_class()
     adapted = [m for name, m in model.named_modules()
-               if is_lora(m) and isinstance(m, nn.Linear) and not kept.intersection(name.split("."))]
+               if is_lora(m) and (isinstance(m, nn.Linear) or (conv1d is not None and isinstance(m, conv1d)))
+               and not kept.intersection(name.split("."))]
     if not adapted:
         raise ValueError(f"{type(model).__name__} has no LoRA linear layer whose base weight to quantize; add LoRA "
                          "first (remat.models.lora.add_lora, --lora R).")
     for linear in adapted:
-        buffers = quantize_nf4(linear.weight)
-        dtype = linear.weight.dtype
+        # a Conv1D computes x @ weight + bias: linear(x, weight.T, bias), as bitsandbytes loads it
+        weight = linear.weight if isinstance(linear, nn.Linear) else linear.weight.t().contiguous()
+        buffers = quantize_nf4(weight)
+        dtype = weight.dtype
         del linear.weight
         linear.__class__ = NF4LoRALinear
+        linear.out_features, linear.in_features = weight.shape
         linear.compute_dtype = dtype
         for name, tensor in buffers.items():
             linear.register_buffer(name, tensor)
