@@ -59,6 +59,24 @@ def test_every_strategy_is_bit_identical(name, sizes, tmp_path):
         assert_identical(baseline, train(built.model, built.batch, built.loss_fn, plan))
 
 
+@pytest.mark.parametrize("name,sizes", [MODELS[1], MODELS[3]], ids=["gpt-sdpa", "convnet"])
+def test_bit_identical_with_two_threads(name, sizes, tmp_path):
+    """The same promise with two intra-op threads, torch's default on this machine (the tests here
+    run with one): a replay runs its kernels as the first forward did, on the same shapes, so the
+    threads split every reduction the same way."""
+    torch.set_num_threads(2)  # the conftest's fixture puts back what it found
+    torch.manual_seed(0)
+    built = build(name, **sizes)
+    blocks = find_blocks(built.model)
+    names = [n for n, _ in blocks]
+    keys = _forward_keys(built, blocks)  # a forward: BatchNorm's running statistics move before the baseline's copy
+    baseline = train(built.model, built.batch, built.loss_fn)
+    for label, segments in _plans(len(names), keys, str(tmp_path)).items():
+        assert_identical(baseline, train(built.model, built.batch, built.loss_fn,
+                                         make_plan(built.model, built.batch, names, segments, label)))
+    assert torch.get_num_threads() == 2
+
+
 def test_dropout_is_active_in_the_tests():
     torch.manual_seed(0)
     built = build("gpt", **TINY_LM)
