@@ -74,6 +74,20 @@ def test_time_by_hand() -> None:
     assert tp.comm_s == pytest.approx(3 * 6 * (2 * 1 / 2 * 10.0 / 1e3))
 
 
+def test_a_forward_that_makes_more_than_it_keeps_peaks_in_the_forward() -> None:
+    """Three layers keeping 100 bytes each whose forward needs 1500 on top of what is live (LoRA's
+    dropout makes the adapters' inputs there): the last layer's forward holds the state less its
+    gradients, none made yet (4000 - 1000), pre 7, the two layers before 200 and its own 1500: 4707,
+    above its backward's 3000 + 1000 gradients + 7 + 200 + 130 = 4337. Recomputed, a layer's forward
+    keeps its input alone: 1500 - 100 + 10."""
+    layer = replace(LAYER, forward_working_bytes=1500.0)
+    stage = replace(_stage(), layers=(layer,) * 3, layer_grad_bytes=(0.0, 0.0, 0.0))
+    peak = stage_peak(stage, [layer_cost(layer, "none")] * 3)
+    assert (peak.phase, peak.peak_bytes) == ("forward", 4000 - 1000 + 7 + 200 + 1500)
+    assert layer_cost(layer, "full").forward_bytes == 1410.0
+    assert stage_peak(stage, [layer_cost(LAYER, "none")] * 3).peak_bytes == 4337  # without: the backward's
+
+
 def test_frozen_and_quantized_layers_by_hand() -> None:
     """A frozen linear's layer under LoRA runs one backward product where a trained one runs two:
     backward 1e6 FLOPs, not 2e6. NF4 base weights (1000 bytes dequantized a pass, at 1e6 B/s) add

@@ -56,6 +56,7 @@ def estimate_command(
     explicit_attention: bool = typer.Option(False, "--explicit-attention", help="HF eager attention (scores materialized) instead of SDPA."),
     lora: Optional[int] = typer.Option(None, "--lora", help="Train LoRA adapters of rank R on every linear layer but the LM head, every other weight frozen (Hugging Face models; peft's target_modules='all-linear')."),
     lora_targets: Optional[str] = typer.Option(None, "--lora-targets", help="With --lora: only the linear layers of these names, comma-separated (q_proj,v_proj: peft's default for Llama)."),
+    lora_dropout: float = typer.Option(0.0, "--lora-dropout", help="With --lora: dropout on the adapters' input (peft's lora_dropout, 0.05 or 0.1 in many recipes): its mask and the dropped input are saved."),
     quantize: Optional[str] = typer.Option(None, "--quantize", help="With --lora: the frozen base weights of the adapted layers in this format: nf4 (QLoRA: 4-bit NormalFloat with double quantization, as bitsandbytes stores it)."),
     cpu_kernels: bool = typer.Option(False, "--cpu-kernels", help="Trace the CPU's kernels (its fused attention kernel, but the math path under attention dropout; dropout masks in the activation dtype): what remat profile measures on a CPU."),
     context_mib: int = typer.Option(512, "--context-mib", help="Allowance: CUDA context, kernels, NCCL (MiB)."),
@@ -76,9 +77,10 @@ def estimate_command(
     from remat.memory.allowance import Allowance
 
     source = make_source(model, hf, config, sizes, seq, "eager" if explicit_attention else "sdpa")
-    if lora is not None or lora_targets is not None or quantize is not None:
+    if lora is not None or lora_targets is not None or quantize is not None or lora_dropout:
         targets = tuple(t.strip() for t in lora_targets.split(",") if t.strip()) if lora_targets is not None else None
-        source = dataclasses.replace(source, lora_rank=lora, lora_targets=targets, quantize=quantize)
+        source = dataclasses.replace(source, lora_rank=lora, lora_targets=targets, quantize=quantize,
+                                     lora_dropout=lora_dropout)
     allowance = Allowance(context_bytes=context_mib * MIB, workspace_bytes=workspace_mib * MIB,
                           fragmentation_fraction=fragmentation)
     options = dict(dtype=dtype, master_weights=not no_master_weights, optimizer=optimizer, mfu=mfu,

@@ -44,6 +44,8 @@ class LayerOnGpu:
     """Its backward's working set: saved bytes rematerialised plus temporaries."""
     replay_working_bytes: float
     """The same with its forward replayed in backward."""
+    forward_working_bytes: float = 0.0
+    """Its forward's need above what is live before it, kept (`remat.estimate.shares.Segment.forward_working_bytes`)."""
     fwd_flops: float
     """Forward FLOPs."""
     bwd_flops: float
@@ -86,6 +88,7 @@ def on_gpu(per_token: Segment, constant: Segment, par: Parallelism) -> LayerOnGp
         input_bytes=per_token.input_bytes / (par.sequence_divisor * par.context) + constant.input_bytes,
         working_bytes=(per_token.working_bytes + constant.working_bytes) * ratio + gathered,
         replay_working_bytes=(per_token.replay_working_bytes + constant.replay_working_bytes) * ratio + gathered,
+        forward_working_bytes=(per_token.forward_working_bytes + constant.forward_working_bytes) * ratio + gathered,
         fwd_flops=share(per_token.flops, constant.flops),
         bwd_flops=share(per_token.bwd_flops, constant.bwd_flops),
         dequant_bytes=per_token.dequant_bytes + constant.dequant_bytes,
@@ -113,28 +116,35 @@ class LayerCost:
     """Bytes sent to host memory and fetched back."""
     replays_forward: bool = False
     """The whole forward runs again in backward (its collectives too)."""
+    forward_bytes: float = 0.0
+    """Needed on top of what is live before it while its forward runs."""
     holds_inputs: bool = False
     """A checkpoint holds the layer's arguments to its backward, the shared tensors made before
     the layers that no op saves (a mask) among them (`remat.estimate.stage`)."""
 
 
 def _none(layer: LayerOnGpu) -> LayerCost:
-    return LayerCost(retained_bytes=layer.saved_bytes, working_bytes=layer.working_bytes)
+    return LayerCost(retained_bytes=layer.saved_bytes, working_bytes=layer.working_bytes,
+                     forward_bytes=layer.forward_working_bytes)
 
 
 def _selective(layer: LayerOnGpu) -> LayerCost:
     return LayerCost(retained_bytes=layer.saved_bytes - layer.core_bytes, working_bytes=layer.working_bytes,
+                     forward_bytes=layer.forward_working_bytes,
                      extra_flops=layer.core_flops, extra_moved_bytes=layer.core_moved_bytes,
                      holds_inputs=bool(layer.core_bytes or layer.core_flops))
 
 
 def _full(layer: LayerOnGpu) -> LayerCost:
-    return LayerCost(retained_bytes=layer.input_bytes, working_bytes=layer.replay_working_bytes,
+    # a checkpointed forward saves nothing but its input: its temporaries alone, a bound
+    forward = max(layer.input_bytes, layer.forward_working_bytes - layer.saved_bytes + layer.input_bytes)
+    return LayerCost(retained_bytes=layer.input_bytes, working_bytes=layer.replay_working_bytes, forward_bytes=forward,
                      extra_flops=layer.fwd_flops, replays_forward=True, holds_inputs=True)
 
 
 def _offload(layer: LayerOnGpu) -> LayerCost:
-    return LayerCost(retained_bytes=0.0, working_bytes=layer.working_bytes, offloaded_bytes=layer.saved_bytes)
+    return LayerCost(retained_bytes=0.0, working_bytes=layer.working_bytes, offloaded_bytes=layer.saved_bytes,
+                     forward_bytes=layer.forward_working_bytes)
 
 
 LAYER_STRATEGIES: dict[str, Callable[[LayerOnGpu], LayerCost]] = {

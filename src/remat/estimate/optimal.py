@@ -160,7 +160,9 @@ def _table(stage: Stage, options: Sequence[Sequence[LayerCost]], seconds: Sequen
             if need >= width or not math.isfinite(s):
                 continue
             moved = best[:, : width - need] + s
-            left = per_layer[i] - option.working_bytes - held[:, : width - need]
+            # its backward's moment; its forward's, where that needs more (gradients counted as at
+            # the backward: a bound), is checked exactly with the rest by `stage_peak`
+            left = per_layer[i] - max(option.working_bytes, option.forward_bytes) - held[:, : width - need]
             moved[left < ahead] = math.inf
             better = moved < nxt[:, need:]
             np.copyto(nxt[:, need:], moved, where=better)

@@ -100,6 +100,10 @@ class Segment:
     temporaries (`remat.plan.costs.working_bytes`; after the layers, the head's temporaries)."""
     replay_working_bytes: float = 0
     """The same when its forward is replayed in backward (`remat.plan.costs.replay_working_bytes`)."""
+    forward_working_bytes: float = 0
+    """What its own forward needs above what is live before it, kept: its saved bytes and forward
+    temporaries (`remat.plan.phases.forward_phase_bytes`). Above its backward's where the forward
+    makes more than it keeps (LoRA's dropout: the adapter's dropped input and mask, per linear)."""
     forward_peak_bytes: float = 0
     """The part before the layers: the peak of its forward above the model state
     (`remat.measure.types.Profile.fixed_pre_fwd_bytes`: what it saves and its temporaries, such as

@@ -76,6 +76,9 @@ class ModelSource:
     frozen (`remat.models.lora.add_lora`); None: every weight trained. Hugging Face models only."""
     lora_targets: tuple[str, ...] | None = None
     """With ``lora_rank``: only the linear layers of these names (``("q_proj", "v_proj")``)."""
+    lora_dropout: float = 0.0
+    """With ``lora_rank``: peft's ``lora_dropout`` on the adapters' input (its mask and the dropped
+    input saved for ``lora_A``'s gradient)."""
     quantize: str | None = None
     """With ``lora_rank``: ``"nf4"`` stores the adapted linears' frozen weights in 4-bit NormalFloat
     with double quantization, as bitsandbytes does for QLoRA (`remat.models.qlora`); None: in the
@@ -103,6 +106,12 @@ class ModelSource:
                 raise ValueError(f"--lora {self.lora_rank} adapts a Hugging Face model the estimate builds (--hf, "
                                  "--config); add adapters to your own model in its file.py:build instead, for example "
                                  "with remat.models.lora.add_lora(model, rank).")
+        if self.lora_dropout:
+            if isinstance(self.lora_dropout, bool) or not 0.0 < self.lora_dropout < 1.0:
+                raise ValueError(f"--lora-dropout {self.lora_dropout!r} must be a probability in [0, 1).")
+            if self.lora_rank is None:
+                raise ValueError(f"--lora-dropout {self.lora_dropout} drops the input of LoRA adapters; pass their rank "
+                                 "with --lora R too.")
         if self.quantize is not None:
             if self.quantize not in QUANTIZATIONS:
                 raise ValueError(f"--quantize {self.quantize!r} is not a weight format the estimate knows; allowed: "
@@ -130,7 +139,8 @@ class ModelSource:
         name = self.builtin or self.file or self.hf_config_path or f"hf:{self.hf_family}"
         on = f" on {', '.join(self.lora_targets)}" if self.lora_targets else ""
         base = f", {self.quantize.upper()} base weights" if self.quantize else ""
-        return name + (f" with LoRA of rank {self.lora_rank}{on}{base}" if self.lora_rank else "")
+        drop = f", dropout {self.lora_dropout:g}" if self.lora_dropout else ""
+        return name + (f" with LoRA of rank {self.lora_rank}{on}{drop}{base}" if self.lora_rank else "")
 
 
 def as_source(source: ModelSource | str) -> ModelSource:

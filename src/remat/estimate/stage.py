@@ -157,6 +157,14 @@ def stage_peak(stage: Stage, costs: Sequence[LayerCost]) -> StagePeak:
         on_top = costs[i].working_bytes + stage.buffer_bytes
         moments.append(StagePeak(peak_bytes=base + stage.grads_live(i) + now + on_top, phase="layers",
                                  held_bytes=now, working_bytes=on_top))
+    # each layer's forward, the layers before it holding what they keep, the micro-batches in flight
+    # before this one all they keep; gradients none yet where the backward makes them, else all
+    before = (n - 1) * (stage.pre_bytes - idle + retained) + stage.pre_bytes
+    grads = 0.0 if stage.layer_grad_bytes else float(stage.state.grad_bytes)
+    for cost in costs:
+        moments.append(StagePeak(peak_bytes=base + grads + before + cost.forward_bytes + stage.buffer_bytes,
+                                 phase="forward", held_bytes=before, working_bytes=cost.forward_bytes))
+        before += cost.retained_bytes
     if stage.first and (stage.pre_forward_peak_bytes or stage.pre_working_bytes):
         # the forward before the layers, the micro-batches in flight before this one held: gradients
         # none yet where the backward makes them, else all of them

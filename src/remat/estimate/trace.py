@@ -49,7 +49,7 @@ from remat.measure.layerdrop import LayerDropOff
 from remat.measure.types import BlockProfile, Profile
 from remat.memory.optimizer_state import optimizer_name_of
 from remat.plan.costs import working_bytes
-from remat.plan.phases import stopped_replay_working_bytes
+from remat.plan.phases import forward_phase_bytes, stopped_replay_working_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -279,6 +279,7 @@ def _working_sets(seg: Segment, block: BlockProfile) -> Segment:
     own = max(0.0, seg.saved.total - (block.saved_bytes - seg.first_saved_bytes))
     shared = seg.first_saved_bytes + seg.first_entry_bytes
     return replace(seg, working_bytes=working_bytes(block) + seg.kept_bytes - shared + own,
+                   forward_working_bytes=forward_phase_bytes(block) + seg.kept_bytes - shared + own,
                    replay_working_bytes=stopped_replay_working_bytes(block) + seg.kept_bytes - shared
                    - seg.first_alone_bytes + own)
 
@@ -754,7 +755,7 @@ def _build(source: ModelSource, config: Any, layers: int, dtype: torch.dtype, ho
     if source.lora_rank:
         from remat.models.lora import add_lora
 
-        add_lora(model, source.lora_rank, targets=source.lora_targets)
+        add_lora(model, source.lora_rank, targets=source.lora_targets, dropout=source.lora_dropout)
         if source.quantize:
             from remat.models.qlora import quantize_base
 

@@ -30,10 +30,11 @@ class LoRALinear(nn.Linear):
 
     lora_A: nn.Linear
     lora_B: nn.Linear
+    lora_dropout: nn.Module
     scaling: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
 
 def conv1d_class() -> type | None:
@@ -55,7 +56,7 @@ def _lora_class(base: type) -> type:
         return LoRALinear
     if base not in _LORA_CLASSES:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return base.forward(self, x) + self.lora_B(self.lora_A(x)) * self.scaling
+            return base.forward(self, x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
         name = "LoRAConv1D" if base is conv1d_class() else f"LoRA{base.__name__}"
         _LORA_CLASSES[base] = type(name, (base,), {"forward": forward, "__module__": __name__, "__doc__": (
@@ -87,12 +88,17 @@ def _features(module: nn.Module) -> tuple[int, int]:
 
 
 def add_lora(model: nn.Module, rank: int, *, alpha: float = 8,
-             targets: Sequence[str] | None = None) -> nn.Module:
+             targets: Sequence[str] | None = None, dropout: float = 0.0) -> nn.Module:
     """``model`` with LoRA of ``rank`` on every linear layer but its output embeddings, in place
     (module docstring), or on those whose name ends in one of ``targets`` (peft's
-    ``target_modules`` as names: ``("q_proj", "v_proj")``, its default for Llama); returns it."""
+    ``target_modules`` as names: ``("q_proj", "v_proj")``, its default for Llama); returns it.
+    ``dropout``: peft's ``lora_dropout``, applied to the adapter's input alone (an ``nn.Dropout``
+    named ``lora_dropout``; ``nn.Identity`` at 0, as peft has it): the dropped input and its mask
+    are what ``lora_A`` saves for its weight's gradient."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"LoRA rank must be an integer >= 1, got {rank!r}.")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"LoRA dropout must be a probability in [0, 1), got {dropout!r} (--lora-dropout P).")
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     linears = [(n, m) for n, m in model.named_modules() if _adaptable(m) and m is not head]
@@ -122,6 +128,7 @@ def add_lora(model: nn.Module, rank: int, *, alpha: float = 8,
             nn.init.kaiming_uniform_(linear.lora_A.weight, a=math.sqrt(5))
             nn.init.zeros_(linear.lora_B.weight)
         linear.scaling = alpha / rank
+        linear.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
     return model
 
 

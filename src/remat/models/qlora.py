@@ -164,7 +164,7 @@ class NF4LoRALinear(LoRALinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None and self.bias.requires_grad:
             raise ValueError("an NF4 base layer's bias must stay frozen, as QLoRA leaves it; it requires grad.")
-        return _NF4Linear.apply(x, self, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
+        return _NF4Linear.apply(x, self, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
 
 def quantize_base(model: nn.Module) -> nn.Module:
