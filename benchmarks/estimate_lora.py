@@ -29,7 +29,7 @@ from remat.estimate import ModelSource, estimate
 from remat.measure.flops import step_flop_counter
 from remat.measure.profile import profile
 from remat.models.lora import add_lora
-from remat.models.qlora import NF4LoRALinear, quantize_base
+from remat.models.qlora import NF4Linear, quantize_base
 from remat.plan.planners import plan
 
 B, S, H = 2, 32, 64
@@ -85,7 +85,7 @@ def row(name: str, rank: int | None, workdir: Path, quantize: str | None = None)
     trained_count = sum(p.numel() for p in model.parameters() if p.requires_grad)
     held = (4 * sum(p.numel() for p in model.parameters()), 4 * trained_count, 8 * trained_count,
             sum(b.numel() * b.element_size() for b in model.buffers()))
-    quantized = sum(m.out_features * m.in_features for m in model.modules() if isinstance(m, NF4LoRALinear))
+    quantized = sum(m.out_features * m.in_features for m in model.modules() if isinstance(m, NF4Linear))
     if (state.param_bytes, state.grad_bytes, state.optimizer_state_bytes, state.buffer_bytes) != held or \
             result.param_count != sum(p.numel() for p in model.parameters()) + quantized:
         raise AssertionError(f"{name}: model state {state} and {result.param_count:,} parameters are not the model's "

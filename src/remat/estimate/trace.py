@@ -352,17 +352,17 @@ def _unique_shapes(module: nn.Module) -> dict[str, Shape]:
 
 
 def _quantized_elements(module: nn.Module) -> int:
-    """Elements of the base weights ``module`` holds quantized (`remat.models.qlora.NF4LoRALinear`)."""
-    from remat.models.qlora import NF4LoRALinear
+    """Elements of the base weights ``module`` holds quantized (`remat.models.qlora.NF4Linear`)."""
+    from remat.models.qlora import NF4Linear
 
-    return sum(m.out_features * m.in_features for m in module.modules() if isinstance(m, NF4LoRALinear))
+    return sum(m.out_features * m.in_features for m in module.modules() if isinstance(m, NF4Linear))
 
 
 def _quantized_bytes(module: nn.Module) -> int:
     """Bytes of the base weights ``module`` holds quantized (their buffers)."""
-    from remat.models.qlora import NF4LoRALinear
+    from remat.models.qlora import NF4Linear
 
-    return sum(_buffer_bytes(m) for m in module.modules() if isinstance(m, NF4LoRALinear))
+    return sum(_buffer_bytes(m) for m in module.modules() if isinstance(m, NF4Linear))
 
 
 def _buffer_bytes(module: nn.Module) -> int:

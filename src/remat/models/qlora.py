@@ -144,8 +144,9 @@ class _NF4Linear(torch.autograd.Function):
         return grad @ ctx.module.dequantized(grad.dtype), None, None
 
 
-class NF4LoRALinear(LoRALinear):
-    """A LoRA linear whose frozen weight is stored in NF4 (module docstring)."""
+class NF4Linear(nn.Linear):
+    """A frozen linear whose weight is stored in NF4 (module docstring): a layer LoRA does not adapt,
+    which 4-bit loading quantizes all the same."""
 
     out_features: int
     in_features: int
@@ -161,35 +162,55 @@ class NF4LoRALinear(LoRALinear):
         """The weight in the model's dtype, dequantized when read (module docstring)."""
         return self.dequantized(self.compute_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def base(self, x: torch.Tensor) -> torch.Tensor:
+        """``linear(x, weight, bias)`` by `_NF4Linear`."""
         if self.bias is not None and self.bias.requires_grad:
             raise ValueError("an NF4 base layer's bias must stay frozen, as QLoRA leaves it; it requires grad.")
-        return _NF4Linear.apply(x, self, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return _NF4Linear.apply(x, self, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x)
+
+
+class NF4LoRALinear(NF4Linear, LoRALinear):
+    """A LoRA linear whose frozen weight is stored in NF4 (module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
 
 def quantize_base(model: nn.Module) -> nn.Module:
-    """``model`` (LoRA applied: `remat.models.lora.add_lora`) with the frozen weight of every LoRA
-    linear stored in NF4 (module docstring), in place; returns it. An ``nn.Linear`` subclass
-    (Falcon's) and transformers' ``Conv1D`` (GPT-2's, its weight transposed) become NF4 linears, as
-    transformers' 4-bit loading replaces them by bitsandbytes' layer. The modules a transformers model
-    keeps in fp32 (``_keep_in_fp32_modules``: T5's ``wo``, whose input it casts to the weight's dtype)
-    stay as they are, as that loading leaves them."""
+    """``model`` (LoRA applied: `remat.models.lora.add_lora`) with the frozen weight of every linear
+    layer but its output embeddings stored in NF4 (module docstring), in place; returns it: the
+    LoRA layers become `NF4LoRALinear`, the others (those ``--lora-targets`` leaves out) `NF4Linear`,
+    as transformers' 4-bit loading quantizes every linear layer whichever LoRA adapts. An
+    ``nn.Linear`` subclass (Falcon's) and transformers' ``Conv1D`` (GPT-2's, its weight transposed)
+    become NF4 linears too, as that loading replaces them by bitsandbytes' layer. The modules a
+    transformers model keeps in fp32 (``_keep_in_fp32_modules``: T5's ``wo``, whose input it casts to
+    the weight's dtype) stay as they are, as that loading leaves them, and so do
+    ``nn.MultiheadAttention``'s output projections, whose weight the attention reads itself."""
     kept = {*(getattr(model, "_keep_in_fp32_modules", None) or ()),
             *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())}
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     conv1d = conv1d_class()
-    adapted = [m for name, m in model.named_modules()
-               if is_lora(m) and (isinstance(m, nn.Linear) or (conv1d is not None and isinstance(m, conv1d)))
+    linears = [m for name, m in model.named_modules()
+               if (isinstance(m, nn.Linear) or (conv1d is not None and isinstance(m, conv1d))) and m is not head
+               and not isinstance(m, NF4Linear) and type(m) is not nn.modules.linear.NonDynamicallyQuantizableLinear
                and not kept.intersection(name.split("."))]
-    if not adapted:
+    if not any(is_lora(m) for m in linears):
         raise ValueError(f"{type(model).__name__} has no LoRA linear layer whose base weight to quantize; add LoRA "
                          "first (remat.models.lora.add_lora, --lora R).")
-    for linear in adapted:
+    for linear in linears:
+        if linear.weight.requires_grad:
+            continue  # trained: a layer of the adapters themselves (lora_A, lora_B) or left trainable
         # a Conv1D computes x @ weight + bias: linear(x, weight.T, bias), as bitsandbytes loads it
         weight = linear.weight if isinstance(linear, nn.Linear) else linear.weight.t().contiguous()
         buffers = quantize_nf4(weight)
         dtype = weight.dtype
+        adapted = is_lora(linear)
         del linear.weight
-        linear.__class__ = NF4LoRALinear
+        linear.__class__ = NF4LoRALinear if adapted else NF4Linear
         linear.out_features, linear.in_features = weight.shape
         linear.compute_dtype = dtype
         for name, tensor in buffers.items():
@@ -197,5 +218,5 @@ def quantize_base(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["BLOCK", "DYNAMIC_MAP", "NESTED_BLOCK", "NF4LoRALinear", "NF4_VALUES", "dequantize_nf4", "nf4_bytes",
+__all__ = ["BLOCK", "DYNAMIC_MAP", "NESTED_BLOCK", "NF4Linear", "NF4LoRALinear", "NF4_VALUES", "dequantize_nf4", "nf4_bytes",
            "quantize_base", "quantize_nf4"]
