@@ -1,18 +1,20 @@
 """Low-rank adapters (LoRA, Hu et al. 2021) on a model's linear layers, every other weight frozen.
 
 `add_lora` turns each ``nn.Linear`` of a model but its output embeddings (the LM head) into a
-`LoRALinear` (a subclass of it, Falcon's ``FalconLinear``, into a LoRA subclass of its own), and each of transformers' ``Conv1D`` (GPT-2's linear layers, their weight stored in
-x out) into a ``LoRAConv1D``, as peft adapts both (or only those named in ``targets``): the same
-module, its weight and bias frozen, with two trained matrices beside it, ``lora_A`` (rank x in)
-and ``lora_B`` (out x rank), whose product is added to its output, scaled by ``alpha / rank``
-(``alpha`` 8 unless given, peft's default); every other parameter (embeddings, norms, the head,
-experts kept as 3-D tensors) is frozen. This is peft's ``LoraConfig(target_modules="all-linear",
-lora_dropout=0)`` (its default ``init_lora_weights``: ``lora_B`` starts at zero), with the
-parameter names of the linear kept (``q_proj.weight``, ``q_proj.lora_A.weight``), so what names a
-linear (tensor parallel plans) names it still. With peft's weights loaded (its names less
-``base_model.model.``, ``.base_layer`` and ``.default``), a step's loss and every gradient are
-bit-identical to peft's (0.21.2, Llama and GPT-2). `remat.estimate` applies it with
-``--lora R``; a model built here with it and profiled measures the same step.
+`LoRALinear` (a subclass of it, Falcon's ``FalconLinear``, into a LoRA subclass of its own), and
+each of transformers' ``Conv1D`` (GPT-2's linear layers, their weight stored in x out) into a
+``LoRAConv1D``, as peft adapts both (or only those named in ``targets``): the same module, its
+weight and bias frozen, with two trained matrices beside it, ``lora_A`` (rank x in) and ``lora_B``
+(out x rank), whose product is added to its output, scaled by ``alpha / rank`` (``alpha`` 8 unless
+given, peft's default), its input dropped by ``lora_dropout`` first (peft's, 0 unless given);
+every other parameter (embeddings, norms, the head, experts kept as 3-D tensors) is frozen. This
+is peft's ``LoraConfig(target_modules="all-linear")`` (its default ``init_lora_weights``:
+``lora_B`` starts at zero), with the parameter names of the linear kept (``q_proj.weight``,
+``q_proj.lora_A.weight``), so what names a linear (tensor parallel plans) names it still. With
+peft's weights loaded (its names less ``base_model.model.``, ``.base_layer`` and ``.default``), a
+step's loss and every gradient are bit-identical to peft's (0.21.2, Llama and GPT-2, and with
+dropout 0.1 from the same seed). `remat.estimate` applies it with ``--lora R``; a model built
+here with it and profiled measures the same step.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _lora_class(base: type) -> type:
 
 def is_lora(module: nn.Module) -> bool:
     """True for a linear layer `add_lora` adapted."""
-    return type(module) is LoRALinear or type(module) in _LORA_CLASSES.values()
+    return isinstance(module, LoRALinear) or type(module) in _LORA_CLASSES.values()
 
 
 def _adaptable(module: nn.Module) -> bool:
