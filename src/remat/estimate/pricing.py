@@ -267,9 +267,14 @@ class Pricing:
         return state.optimizer_state_bytes // 2 if adam and self.foreach_optimizer else 0
 
     @cached_property
+    def heaviest_stage(self) -> int:
+        """The stage whose GPUs hold the most model state."""
+        return max(self.stage_indices(), key=lambda k: self.state(k).total_bytes)
+
+    @cached_property
     def heaviest_state(self) -> ModelState:
         """The model state of the stage that holds the most."""
-        return max((self.state(k) for k in self.stage_indices()), key=lambda s: s.total_bytes)
+        return self.state(self.heaviest_stage)
 
     @cached_property
     def optimizer_touched_bytes(self) -> int:
@@ -277,8 +282,7 @@ class Pricing:
         updates, their gradients, master copy and state, each read and written once. Weights without
         a gradient are not updated: LoRA's frozen base (2 x 15 GiB of Llama-3-8B's bf16 weights were
         counted, 10 ms a step on an H100; 2 x 131 GiB of Llama-3-70B's, 82 ms)."""
-        heaviest = max(self.stage_indices(), key=lambda k: self.state(k).total_bytes)
-        state = self.trained_state(heaviest)
+        state = self.trained_state(self.heaviest_stage)
         return 2 * (state.param_bytes + state.grad_bytes + state.master_bytes + state.optimizer_state_bytes)
 
     def trained_state(self, index: int, zero_stage: int | None = None) -> ModelState:
@@ -372,8 +376,8 @@ class Pricing:
         if not self.traced.lora or self.traced.quantized or frozen < self.state(index).total_bytes / 2:
             return ""
         return (f"\nOf the parameters, {format_gib(frozen)} take no gradient (LoRA's frozen base weights): "
-                "--quantize nf4 holds the adapted layers' weights in 4-bit NormalFloat, about 0.52 bytes an "
-                "element (QLoRA).")
+                "--quantize nf4 holds every linear layer's but the head's in 4-bit NormalFloat, about 0.52 bytes "
+                "an element (QLoRA).")
 
     def _head_hint(self, row: StrategyEstimate, budget: int) -> str:
         """What the chunked head would save when the peak is in the head's phase ("" otherwise):
