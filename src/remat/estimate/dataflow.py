@@ -354,8 +354,9 @@ def classify(model: nn.Module, batch: Any, blocks: list[tuple[str, nn.Module]], 
                 state.roles[p] = "expert"
     _one_vocabulary_table(state, dict(model.named_parameters()))
     roles = {n: state.roles.get(n, "whole") for n, _ in model.named_parameters()}
+    loss_calls: set[int] | None = None  # the calls the loss is computed from (None: every call)
     if loss_id is not None:
-        reached, live = _reaching_loss(state, loss_id)
+        reached, live, loss_calls = _reaching_loss(state, loss_id)
         # what only ops the loss is not computed from save dies with their graph, as the forward drops
         # their outputs (BERT's pooler, in a masked LM's step): no backward holds it
         state.saved = {i: segment for i, segment in state.saved.items() if i in live}
@@ -364,7 +365,7 @@ def classify(model: nn.Module, batch: Any, blocks: list[tuple[str, nn.Module]], 
     gradless = frozenset(n for n, p in model.named_parameters() if not p.requires_grad or n not in reached)
     named = dict(model.named_parameters())
     state.bwd_flops = _backward_flops(state, {n for n, p in named.items() if p.requires_grad},
-                                      {n for n, p in named.items() if p.dim() >= 2}, loss_id)
+                                      {n for n, p in named.items() if p.dim() >= 2}, loss_calls)
     unreached = frozenset(n for n, p in model.named_parameters()
                           if p.requires_grad and n not in reached and state.used_in.get(n))
     flow = _flow(state, len(blocks), frozenset({0} | {e + 1 for e in stack_ends}) if stack_ends else frozenset())
@@ -372,7 +373,8 @@ def classify(model: nn.Module, batch: Any, blocks: list[tuple[str, nn.Module]], 
                       split_widths=dict(state.widths), gradless=gradless, unreached=unreached)
 
 
-def _backward_flops(state: _State, trainable: set[str], matrices: set[str], loss: int | None) -> dict[int, float]:
+def _backward_flops(state: _State, trainable: set[str], matrices: set[str],
+                    loss_calls: set[int] | None) -> dict[int, float]:
     """Call index -> the FLOPs its backward runs, as autograd runs it (and as
     ``torch.utils.flop_counter`` counts it). An op has a backward only when the loss is computed
     from its output (every op when there is no loss) and that output needs a gradient: it reads a
@@ -395,14 +397,9 @@ def _backward_flops(state: _State, trainable: set[str], matrices: set[str], loss
                 grads_at[c.index] = frozenset(grads.intersection(c.reads))
             grads.update(c.outs)
             reads_grad[c.index] = reads
-    needed = {loss} if loss is not None else None
     out: dict[int, float] = {}
-    for c in reversed(state.calls):
-        if needed is not None:
-            if not needed.intersection(c.outs):
-                continue
-            needed.update(c.reads)
-        if c.index not in reads_grad or not c.flops:
+    for c in state.calls:
+        if (loss_calls is not None and c.index not in loss_calls) or c.index not in reads_grad or not c.flops:
             continue
         if c.linear:
             weight = any(p in trainable and p in matrices for p in c.params)
@@ -414,18 +411,19 @@ def _backward_flops(state: _State, trainable: set[str], matrices: set[str], loss
     return out
 
 
-def _reaching_loss(state: _State, loss: int) -> tuple[set[str], set[int]]:
+def _reaching_loss(state: _State, loss: int) -> tuple[set[str], set[int], set[int]]:
     """(the parameters read by an op the loss is computed from, the storages such an op reads or
-    outputs), through the ops' outputs back to their inputs (an op writing in place into a storage
-    that is needed counts). An op that reads a tensor without passing its gradient (``zeros_like``,
-    an index) counts too: a bound."""
-    needed, reached, live = {loss}, set(), {loss}
+    outputs, the indices of those ops), through the ops' outputs back to their inputs (an op writing
+    in place into a storage that is needed counts). An op that reads a tensor without passing its
+    gradient (``zeros_like``, an index) counts too: a bound."""
+    needed, reached, live, calls = {loss}, set(), {loss}, set()
     for call in reversed(state.calls):
         if needed.intersection(call.outs):
             needed.update(call.reads)
             reached.update(call.params)
             live.update(call.reads, call.outs)
-    return reached, live
+            calls.add(call.index)
+    return reached, live, calls
 
 
 __all__ = ["Classified", "FUSED_ATTENTION_OPS", "ROLES", "classify", "is_experts_module", "plan_role"]
