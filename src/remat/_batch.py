@@ -162,11 +162,24 @@ def check_no_hf_checkpointing(model: nn.Module, where: str) -> None:
         )
 
 
-def check_step_inputs(optimizer: Any, where: str) -> None:
-    """Raise for what remat cannot run as a training step: an optimizer whose ``step`` needs a
-    closure (LBFGS re-evaluates the model inside it), or a call inside ``torch.autocast`` (its
-    weight-cast cache lives until the outermost autocast exits, so the casts a replay makes
-    would be measured as already made: predicted peaks 4-9 % under)."""
+def check_step_inputs(optimizer: Any, where: str, loss_fn: Any = None) -> None:
+    """Raise for what remat cannot run as a training step: a ``loss_fn`` that is not callable or
+    an ``optimizer`` without ``step`` (another argument passed in their place), an optimizer whose
+    ``step`` needs a closure (LBFGS re-evaluates the model inside it), or a call inside
+    ``torch.autocast`` (its weight-cast cache lives until the outermost autocast exits, so the
+    casts a replay makes would be measured as already made: predicted peaks 4-9 % under)."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"{where}: loss_fn must be a function of (output, batch) returning the loss, or None to take the "
+            f"model's own (output.loss or output[0]); got a {type(loss_fn).__name__}. After the model and the batch "
+            "come loss_fn, then optimizer: pass what else you meant by keyword (optimizer=...)."
+        )
+    if optimizer is not None and not callable(getattr(optimizer, "step", None)):
+        raise TypeError(
+            f"{where}: optimizer must be a torch.optim.Optimizer (an object with step()), or None for a step "
+            f"without one; got a {type(optimizer).__name__}. After the model and the batch come loss_fn, then "
+            "optimizer: pass what else you meant by keyword."
+        )
     if optimizer is not None and type(optimizer).__name__ == "ZeroRedundancyOptimizer":
         inner = getattr(getattr(optimizer, "_optim_constructor", None), "__name__", "the optimizer it wraps")
         raise ValueError(

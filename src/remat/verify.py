@@ -532,7 +532,7 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed steps; the median is kept).")
     check_model(model, "remat.verify")
-    check_step_inputs(optimizer, "remat.verify")
+    check_step_inputs(optimizer, "remat.verify", loss_fn)
     check_batch_device(model, batch)
     check_plan_matches(model, plan, batch)
     if plan.head != "keep" and loss_fn is not None:

@@ -270,6 +270,34 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_arguments_in_the_wrong_places_are_refused_before_any_step():
+    """``remat.verify(model, batch, plan, profile)`` (a profile where the loss function goes) and
+    ``remat.profile(model, batch, optimizer)`` (an optimizer there) used to fail inside the step,
+    the first with "'Profile' object is not callable"."""
+    import remat
+
+    model = _Pair()
+    batch = torch.randn(2, 4)
+    loss_fn = lambda out, batch: out.sum()  # noqa: E731
+    prof = profile(model, batch, loss_fn=loss_fn, repeats=1)
+    plan = remat.plan(prof, strategy="full")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    wrong_loss = r"loss_fn must be a function of \(output, batch\).*got a {}\. After the model and the batch come loss_fn"
+    with pytest.raises(TypeError, match=r"remat.verify: " + wrong_loss.format("Profile")):
+        remat.verify(model, batch, plan, prof)
+    with pytest.raises(TypeError, match=r"remat.profile: " + wrong_loss.format("SGD")):
+        profile(model, batch, sgd)
+    with pytest.raises(TypeError, match=r"remat.verify: optimizer must be a torch.optim.Optimizer \(an object with "
+                                        r"step\(\)\), or None for a step without one; got a Profile"):
+        remat.verify(model, batch, plan, loss_fn, prof)
+    with pytest.raises(TypeError, match=r"remat tuning: " + wrong_loss.format("int")):
+        remat.tune(model, batch, prof, "1 GiB", 3)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert not remat.apply.api.is_applied(model)
+
+
 def test_a_call_inside_autocast_is_refused_with_the_wrapper_to_use():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.raises(ValueError, match=r"remat.profile was called inside torch.autocast \(cpu\).*Enter autocast "

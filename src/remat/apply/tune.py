@@ -100,7 +100,7 @@ class Tuner:
             raise ValueError(f"{type(self.model).__name__} already has a remat plan applied; call "
                              "remat.remove_(model) before tuning.")
         check_batch_device(self.model, self.batch)
-        check_step_inputs(self.optimizer, "remat tuning")
+        check_step_inputs(self.optimizer, "remat tuning", self.loss_fn)
         device = model_device(self.model)
         snapshot = StateSnapshot(self.model, self.optimizer, self.batch)
         try:

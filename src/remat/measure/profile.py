@@ -153,7 +153,7 @@ def profile(
 
         check_offload_root(offload_dir)
     check_model(model, "remat.profile")
-    check_step_inputs(optimizer, "remat.profile")
+    check_step_inputs(optimizer, "remat.profile", loss_fn)
     check_batch_device(model, batch)
     device = model_device(model)
     backend = backend_name(compiled)
