@@ -51,6 +51,24 @@ ConnectX-7 VPI, 400Gb/s InfiniBand/Ethernet")."""
 
 
 @dataclass(kw_only=True, frozen=True)
+class PostPart:
+    """The part after the layers (final norm, head, loss) on one GPU of the last stage, per micro-batch."""
+
+    saved_bytes: float = 0.0
+    """Held from its forward to its backward."""
+    working_bytes: float = 0.0
+    """Needed on top while its backward runs."""
+    flops: float = 0.0
+    """Forward FLOPs."""
+    bwd_flops: float = 0.0
+    """Backward FLOPs."""
+    replay_flops: float = 0.0
+    """FLOPs the head's strategy runs again in the backward."""
+    moved_bytes: float = 0.0
+    """Bytes the head's chunks read and write (priced at memory bandwidth)."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class Pricing:
     """Everything fixed across devices; builds the stages and prices strategies."""
 
@@ -118,7 +136,7 @@ class Pricing:
         kinds = [self.traced.layer_kinds[i] for i in stage_layers(self.traced.num_layers, par, index)]
         by_kind = {k: self.layer(micro_batch, k) for k in set(kinds)}
         first, last = index == 0, index == par.pipeline - 1
-        post = self._post(micro_batch) if last else (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        post = self._post(micro_batch) if last else PostPart()
         pre = _divided(split.per_token.pre, split.constant.pre, par) if first else (0.0, 0.0, 0.0, 0.0)
         pre_forward = _scaled_like_saved(split.per_token.pre, split.constant.pre, par,
                                          "forward_peak_bytes") if first else 0.0
@@ -128,8 +146,8 @@ class Pricing:
             pre_bytes=pre[0], pre_working_bytes=pre[1], pre_forward_peak_bytes=pre_forward, pre_flops=pre[2],
             pre_bwd_flops=pre[3],
             pre_released=self._released(micro_batch, kinds) if first else (),
-            post_saved_bytes=post[0] if last else 0.0, post_working_bytes=post[1] if last else 0.0,
-            post_flops=post[2], post_bwd_flops=post[5], post_replay_flops=post[3], post_moved_bytes=post[4],
+            post_saved_bytes=post.saved_bytes, post_working_bytes=post.working_bytes, post_flops=post.flops,
+            post_bwd_flops=post.bwd_flops, post_replay_flops=post.replay_flops, post_moved_bytes=post.moved_bytes,
             in_flight=par.in_flight_at(index, self.micro_batches),
             buffer_bytes=2 * layers[-1].hidden_bytes / par.sequence_divisor if par.pipeline > 1 and layers else 0.0,
             optimizer_temp_bytes=self._step_temp_bytes(self.state(index)), **self._grads(index),
@@ -148,15 +166,15 @@ class Pricing:
             out[where][1] += per_gpu(per.released_unsaved, const.released_unsaved, par)
         return tuple((a, b) for a, b in out)
 
-    def _post(self, micro_batch: int) -> tuple[float, float, float, float, float, float]:
-        """(saved bytes, working bytes, FLOPs, replayed FLOPs, moved bytes, backward FLOPs) of the part after the layers on one
-        GPU: the traced part divided by the layout, with the head priced by its byte model under
-        ``self.head`` (`remat.estimate.head`: rest + held, and rest + the head's peak)."""
+    def _post(self, micro_batch: int) -> PostPart:
+        """The part after the layers on one GPU: the traced part divided by the layout, with the
+        head priced by its byte model under ``self.head`` (`remat.estimate.head`: rest + held, and
+        rest + the head's peak)."""
         split, par = self.split(micro_batch), self.parallelism
         saved, working, flops, bwd_flops = _divided(split.per_token.post, split.constant.post, par)
         on = self.head_on_gpu(micro_batch)
         if on is None:
-            return saved, working, flops, 0.0, 0.0, bwd_flops
+            return PostPart(saved_bytes=saved, working_bytes=working, flops=flops, bwd_flops=bwd_flops)
         rest = self.rest_on_gpu(micro_batch)
         # what the rest's own backward needs beyond the head's (UltraBERT's two-layer prediction MLP
         # before its projection, 1280 wide: 6.1 % under without it): the traced working set less the
@@ -165,8 +183,9 @@ class Pricing:
         keep = self.head_on_gpu(micro_batch, "keep")
         head_working = keep.peak_bytes - keep.held_bytes
         rest_working = working - head_working if working > REST_WORKING_FLOOR * head_working else 0.0
-        return (rest + on.held_bytes, on.peak_bytes - on.held_bytes + rest_working, flops, float(on.replay_flops),
-                float(on.moved_bytes), bwd_flops)
+        return PostPart(saved_bytes=rest + on.held_bytes, working_bytes=on.peak_bytes - on.held_bytes + rest_working,
+                        flops=flops, bwd_flops=bwd_flops, replay_flops=float(on.replay_flops),
+                        moved_bytes=float(on.moved_bytes))
 
     def rest_on_gpu(self, micro_batch: int) -> float:
         """The rest of the part after the layers (a final norm) on one GPU: whole, per token."""
@@ -455,4 +474,4 @@ def _largest(fits: Callable[[int], bool]) -> int:
     return lo
 
 
-__all__ = ["DEFAULT_NETWORK_BYTES_PER_S", "MAX_MICRO_BATCH", "Priced", "Pricing"]
+__all__ = ["DEFAULT_NETWORK_BYTES_PER_S", "MAX_MICRO_BATCH", "PostPart", "Priced", "Pricing"]
