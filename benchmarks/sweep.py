@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.sweep [--models TYPE ...] [--limit N] [--skip N] [--timeout-s 300]
                                          [--json out.json] [--markdown out.md] [--compare earlier.json]
+                                         [--lora R [--lora-dropout P] [--quantize nf4]]
 
 The models are every type in ``transformers.CONFIG_MAPPING`` (sorted), or ``--models``, each built
 by `benchmarks._sweep.build` from its config class's defaults shrunk to 2 layers of width 32
@@ -17,6 +18,14 @@ killed sweep keeps what it measured. Per model, with SGD (lr 1e-3):
   predicted and measured peak, the error, gradients, blocks recomputed;
 - three SGD steps of a copy of the model under the least plan (`remat.apply_`) against a copy
   without remat, the same batch and seeds before each step: parameters bit-identical or not.
+
+With ``--lora R`` each model is fine-tuned as most people fine-tune one: LoRA of rank R on every
+linear layer but the head, every other weight frozen (`remat.models.lora.add_lora`, peft's
+``target_modules="all-linear"``), ``--lora-dropout`` on the adapters' input, ``--quantize nf4`` the
+frozen linears in NF4 (QLoRA, `remat.models.qlora.quantize_base`). The adapters' ``lora_B`` starts
+from seeded random values, not peft's zeros, so that every adapter gets a gradient the checks can
+compare (with zeros, ``lora_A``'s gradient is zero in the first step whatever the plan does).
+A model LoRA cannot adapt (no linear layer besides the head) is ``refused`` at stage ``lora``.
 
 Statuses: ``ok``; ``unbuilt`` (the harness could not build the model or run a plain step at the
 tiny size: its limit, not remat's); ``refused`` (remat's own clear error: a ValueError or
@@ -85,8 +94,30 @@ def _train(model: Any, batch: dict[str, Any], steps: int) -> None:
         optimizer.step()
 
 
-def run_one(model_type: str) -> dict[str, Any]:
-    """One model through the pipeline: its row of the sweep (never raises)."""
+def _fine_tuned(model: Any, lora: int, dropout: float, quantize: str | None) -> Any:
+    """``model`` with LoRA of rank ``lora`` (module docstring), ``lora_B`` seeded random; NF4 base
+    weights with ``quantize``."""
+    import torch
+
+    from benchmarks._sweep.build import seed
+    from remat.models.lora import add_lora, is_lora
+    from remat.models.qlora import quantize_base
+
+    add_lora(model, lora, dropout=dropout)
+    seed(1)
+    with torch.no_grad():
+        for module in model.modules():
+            if is_lora(module):
+                module.lora_B.weight.normal_(0.0, 0.02)
+    if quantize == "nf4":
+        quantize_base(model)
+    return model
+
+
+def run_one(model_type: str, lora: int | None = None, dropout: float = 0.0,
+            quantize: str | None = None) -> dict[str, Any]:
+    """One model through the pipeline: its row of the sweep (never raises); fine-tuned with LoRA of
+    rank ``lora`` where given (`_fine_tuned`)."""
     start = time.perf_counter()
     row: dict[str, Any] = {"model": model_type, "status": "crash"}
     stage = "build"
@@ -100,11 +131,22 @@ def run_one(model_type: str) -> dict[str, Any]:
         from remat.plan.types import Segment
 
         torch.use_deterministic_algorithms(False)
+        def built_model() -> Any:
+            made = build(model_type)
+            if lora is not None:
+                _fine_tuned(made.model, lora, dropout, quantize)
+            return made
+
         try:
             built = build(model_type)
         except Exception as e:  # noqa: BLE001 - the harness's limit, recorded
             row.update(status="unbuilt", reason=_last_line(e))
             return row
+        if lora is not None:
+            stage = "lora"
+            _fine_tuned(built.model, lora, dropout, quantize)
+            row["lora"] = {"rank": lora, "dropout": dropout, "quantize": quantize,
+                           "trained": sum(p.numel() for p in built.model.parameters() if p.requires_grad)}
         row.update(task=built.task, class_name=built.class_name,
                    params=sum(p.numel() for p in built.model.parameters()))
         try:
@@ -147,7 +189,7 @@ def run_one(model_type: str) -> dict[str, Any]:
         if pristine is not None:
             reference, planned = copy.deepcopy(pristine), copy.deepcopy(pristine)
         else:
-            reference, planned = build(model_type).model, build(model_type).model
+            reference, planned = built_model().model, built_model().model
         remat.apply_(planned, least)
         stage = "train"
         _train(reference, batch, 3)
@@ -166,9 +208,10 @@ def run_one(model_type: str) -> dict[str, Any]:
     return row
 
 
-def run_isolated(model_type: str, timeout_s: float) -> dict[str, Any]:
-    """`run_one` in a subprocess of its own under ``timeout_s``: a crash, hang or OOM is a row."""
-    command = [sys.executable, "-m", "benchmarks.sweep", "--one", model_type, "--json-line"]
+def run_isolated(model_type: str, timeout_s: float, tuning: list[str] | None = None) -> dict[str, Any]:
+    """`run_one` in a subprocess of its own under ``timeout_s``: a crash, hang or OOM is a row.
+    ``tuning``: the fine-tuning options passed on (``--lora R`` ...)."""
+    command = [sys.executable, "-m", "benchmarks.sweep", "--one", model_type, "--json-line", *(tuning or [])]
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, str(Path(root) / "src"), env.get("PYTHONPATH")) if p)
@@ -282,19 +325,27 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--compare", type=Path, metavar="EARLIER_JSON")
+    parser.add_argument("--lora", type=int, metavar="R", help="fine-tune with LoRA of rank R (module docstring)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0, metavar="P")
+    parser.add_argument("--quantize", choices=("nf4",), help="with --lora: the frozen linear layers in NF4 (QLoRA)")
     parser.add_argument("--one", metavar="TYPE", help=argparse.SUPPRESS)
     parser.add_argument("--json-line", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from remat._files import write_atomic
 
+    if args.lora is None and (args.lora_dropout or args.quantize):
+        parser.error("--lora-dropout and --quantize fine-tune with LoRA: add --lora R")
+    tuning = [] if args.lora is None else ["--lora", str(args.lora), "--lora-dropout", repr(args.lora_dropout),
+                                           *(["--quantize", args.quantize] if args.quantize else [])]
+
     if args.one:
         warnings.filterwarnings("ignore")
-        row = run_one(args.one)
+        row = run_one(args.one, args.lora, args.lora_dropout, args.quantize)
         print(RESULT_MARK + json.dumps(row) if args.json_line else json.dumps(row, indent=2), flush=True)
         return [row]
     rows: list[dict[str, Any]] = []
     for name in model_types(args.models, args.skip, args.limit):
-        rows.append(run_isolated(name, args.timeout_s))
+        rows.append(run_isolated(name, args.timeout_s, tuning))
         r = rows[-1]
         print(f"{name}: {r['status']}" + (f" ({r['reason']})" if r.get("reason") else "")
               + f" {r.get('seconds', 0):.1f} s", file=sys.stderr, flush=True)

@@ -39,6 +39,25 @@ def test_gpt2_and_bert_through_the_sweep(tmp_path, capsys):
     assert table[-1] == "Summary: 2 ok (2 models)."
 
 
+def test_gpt2_fine_tuned_with_lora_through_the_sweep(tmp_path):
+    """``--lora 8 --lora-dropout 0.1``: GPT-2's four ``Conv1D`` layers a layer adapted (width 32, its
+    MLP 4 x wider), 8 x (32 + 96) + 8 x (32 + 32) + 8 x (32 + 128) + 8 x (128 + 32) = 4,096 trained
+    parameters a layer, 8,192 in its two; every plan's gradients and the three steps bit-identical
+    with the adapters' dropout."""
+    out = tmp_path / "sweep.json"
+    sweep.main(["--models", "gpt2", "--timeout-s", "120", "--json", str(out), "--lora", "8", "--lora-dropout", "0.1"])
+    (row,) = json.loads(out.read_text())
+    assert row["status"] == "ok", row
+    assert row["lora"] == {"rank": 8, "dropout": 0.1, "quantize": None, "trained": 8192}
+    for label in sweep.PLANS:
+        assert row[label]["grads_identical"] and row[label]["grad_max_abs_diff"] == 0.0
+        assert abs(row[label]["error_pct"]) <= PEAK_TOLERANCE_PCT, (label, row[label])
+    assert row["full"]["recomputed"] == 2
+    assert row["three_steps"] == {"bit_identical": True, "max_abs_diff": 0.0}
+    with pytest.raises(SystemExit):
+        sweep.main(["--models", "gpt2", "--quantize", "nf4"])
+
+
 def _row(model, status, blocks=None, errors=None, recomputed=None, **extra):
     row = {"model": model, "status": status, **extra}
     if blocks is not None:
