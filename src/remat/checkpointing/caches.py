@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CACHE_WARNING", "CacheOff", "as_in_training", "PREFILLED_CACHE", "SHARED_CACHE", "cache_positions", "drop_kv_caches", "is_kv_cache"]
+__all__ = ["CACHE_WARNING", "CacheOff", "CacheState", "as_in_training", "PREFILLED_CACHE", "SHARED_CACHE", "cache_positions",
+           "cache_tensors", "drop_kv_caches", "is_kv_cache", "kv_caches_in"]
 
 CACHE_WARNING = (
     "use_cache=True is incompatible with remat's recomputation (a replayed layer would append to "
@@ -56,6 +57,84 @@ def cache_positions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return max((int(n) for n in held), default=0)
 
 
+def kv_caches_in(values: Any) -> list[Any]:
+    """The Hugging Face key/value caches among ``values`` (a block's positional arguments and its
+    keyword arguments' values), each once."""
+    found: dict[int, Any] = {}
+    for value in values:
+        if is_kv_cache(value):
+            found.setdefault(id(value), value)
+    return list(found.values())
+
+
+class CacheState:
+    """What a Hugging Face key/value cache holds at one moment, to put back later: the attributes
+    of the cache and of the objects of ``transformers.cache_utils`` it holds (transformers 5's
+    layers; an encoder-decoder's two caches), lists among them copied, tensors by reference (or,
+    with ``detach``, detached as a block's captured inputs are, so that probes never backpropagate
+    into the step the cache was captured from).
+
+    A block handed a cache that already holds positions (prefix tuning's virtual tokens) appends
+    its keys and values to it in its forward; its replay must see the cache as the forward found
+    it, or it would attend to its own keys twice (`remat.checkpointing.region`); the cache gets
+    back what it held before the replay once the replay ends."""
+
+    __slots__ = ("cache", "entries")
+
+    def __init__(self, cache: Any, *, detach: bool = False) -> None:
+        self.cache = cache
+        self.entries: list[tuple[Any, dict[str, Any]]] = []
+        self._record(cache, detach, set())
+
+    def _record(self, obj: Any, detach: bool, seen: set[int]) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        state: dict[str, Any] = {}
+        for name, value in vars(obj).items():
+            if isinstance(value, list):
+                value = list(value)
+                for item in value:
+                    if _of_cache_utils(item):
+                        self._record(item, detach, seen)
+                if detach:
+                    value = [_detached_leaf(v) for v in value]
+            elif _of_cache_utils(value):
+                self._record(value, detach, seen)
+            elif detach:
+                value = _detached_leaf(value)
+            state[name] = value
+        self.entries.append((obj, state))
+
+    def restore(self) -> None:
+        """Put back what the cache held (a list attribute gets a copy: the cache appends to it)."""
+        for obj, state in self.entries:
+            attributes = vars(obj)
+            attributes.clear()
+            attributes.update({k: list(v) if isinstance(v, list) else v for k, v in state.items()})
+
+
+def cache_tensors(cache: Any) -> list[torch.Tensor]:
+    """The tensors a Hugging Face key/value cache holds (its layers' keys and values), as
+    `CacheState` walks it."""
+    state = CacheState(cache)
+    found: list[torch.Tensor] = []
+    for _, attributes in state.entries:
+        for value in attributes.values():
+            found += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, torch.Tensor)]
+    return found
+
+
+def _of_cache_utils(value: Any) -> bool:
+    return type(value).__module__ == "transformers.cache_utils" and hasattr(value, "__dict__")
+
+
+def _detached_leaf(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad and value.is_floating_point())
+    return value
+
+
 SHARED_CACHE = ("it writes a key/value cache that the model reads later in the same step (an encoder filling the cache "
                 "its decoder attends to, as DiffusionGemma's does): the cache is left to the blocks, and a replay would "
                 "write it again")
@@ -65,21 +144,30 @@ replayed (`remat.measure.types.Fingerprint.shared_cache`)."""
 PREFILLED_CACHE = ("it is handed a key/value cache that already holds positions (prefix tuning's virtual tokens, or a "
                    "cache passed in): a replay would append to it again, and without it the block would not see those "
                    "positions")
-"""Why a block handed a filled cache (`cache_positions`) is never replayed: its
-`remat.measure.types.BlockProfile.unavailable` reason."""
+"""Why a block handed a filled cache (`cache_positions`) was never replayed, in profiles made
+before its replays saw the cache as the forward found it (`CacheState`): the
+`remat.measure.types.BlockProfile.unavailable` reason such a profile holds."""
+
+
+def _empty(value: Any) -> bool:
+    return is_kv_cache(value) and not int(value.get_seq_length())
 
 
 def drop_kv_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``args`` and ``kwargs`` with every Hugging Face key/value cache replaced by None (warned). A
-    block handed a cache that holds positions before the step (`cache_positions`) is profiled
-    keep-only (`PREFILLED_CACHE`), so no plan of `remat.plan` replays it."""
+    """``args`` and ``kwargs`` with every empty Hugging Face key/value cache replaced by None
+    (warned): nothing the block needs is in it, and a replay would append to it again. A cache
+    that holds positions (`cache_positions`: prefix tuning's virtual tokens) is the block's input
+    and stays; a region replaying the block hands it the cache as its forward found it
+    (`CacheState`, `remat.checkpointing.region`)."""
     cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
     if cache is None or not any(isinstance(v, cache) for v in (*args, *kwargs.values())):
         return args, kwargs  # asked of every planned block call: one lookup, then isinstance
+    if not any(_empty(v) for v in (*args, *kwargs.values())):
+        return args, kwargs
     if not torch.compiler.is_compiling():
         _warn()
-    args = tuple(None if is_kv_cache(v) else v for v in args)
-    return args, {k: None if is_kv_cache(v) else v for k, v in kwargs.items()}
+    args = tuple(None if _empty(v) else v for v in args)
+    return args, {k: None if _empty(v) else v for k, v in kwargs.items()}
 
 
 def _takes_use_cache(module: nn.Module) -> bool:
@@ -156,7 +244,7 @@ def _drop_empty_cache_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dic
     a replay must not append to it, and a block run with it computes its attention from the
     cache's copies of the keys and values, not bit for bit the same (Flaubert's gradients 1e-11
     apart, and verify failed the plan). A cache that holds positions is left: the block needs
-    them, and is keep-only (`PREFILLED_CACHE`)."""
+    them (a replay hands it the cache as its forward found it, `CacheState`)."""
     if torch.compiler.is_compiling() or not _training() or cache_positions(args, kwargs):
         return None  # a compiled model: its blocks run as the model calls them (the runtime drops a replayed one's)
     dropped = drop_kv_caches(args, kwargs)

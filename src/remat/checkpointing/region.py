@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from remat.checkpointing.attributes import MODULE_INTERNALS, AttributeSnapshot, buffer_owners, put_back, snapshot
+from remat.checkpointing.caches import CacheState, kv_caches_in
 
 __all__ = ["BufferGuard", "Body", "checkpointed", "replaying", "first_argument", "call_with_first"]
 
@@ -351,7 +352,8 @@ def checkpointed(body: Body, first: Any, extra: tuple[Any, ...], *, guard: Buffe
         contexts = context_fn  # decided while tracing: the compiled graph keeps no guard
     else:
         contexts = functools.partial(_guarded, guard, context_fn, _mappings_in((*extra, kwargs or {})),
-                                     _lists_in((first, *extra, kwargs or {})))
+                                     _lists_in((first, *extra, kwargs or {})),
+                                     kv_caches_in((*extra, *(kwargs or {}).values())))
     options: dict[str, Any] = {"context_fn": contexts} if contexts is not None else {}
     out = checkpoint(region, first, *extra, use_reentrant=False, preserve_rng_state=True,
                      early_stop=early_stop, **options)
@@ -387,11 +389,13 @@ def _uncached_casts() -> contextlib.AbstractContextManager[Any]:
 
 
 def _guarded(guard: BufferGuard, context_fn: Callable[[], tuple[Any, Any]] | None,
-             mappings: Sequence[MutableMapping[Any, Any]] = (), lists: Sequence[list[Any]] = ()) -> tuple[Any, Any]:
+             mappings: Sequence[MutableMapping[Any, Any]] = (), lists: Sequence[list[Any]] = (),
+             caches: Sequence[Any] = ()) -> tuple[Any, Any]:
     """``context_fn``'s pair (none: no context) with the guard's forward and replay around them
     (none when the guard is idle), the replay marked (`replaying`), what it writes to the
-    region's mapping arguments undone (`_MappingsRestored`), and its list arguments as they were
-    when the region was called (`_ListsAsCalled`; torch calls this as the forward starts)."""
+    region's mapping arguments undone (`_MappingsRestored`), and its list arguments and key/value
+    caches as they were when the region was called (`_ListsAsCalled`, `_CachesAsCalled`; torch
+    calls this as the forward starts)."""
     inner = context_fn() if context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext())
     restored = _both(_MappingsRestored(mappings), inner[1])
     if guard.mappings:
@@ -400,6 +404,8 @@ def _guarded(guard: BufferGuard, context_fn: Callable[[], tuple[Any, Any]] | Non
         restored = _both(found, restored)
     if lists:
         restored = _both(_ListsAsCalled(lists), restored)
+    if caches:
+        restored = _both(_CachesAsCalled(caches), restored)
     replay = _both(_ReplayMark(), _both(_StateDetached(guard.modules), restored))
     if guard.idle():
         return inner[0], replay
@@ -538,6 +544,35 @@ class _ListsAsCalled:
     def __exit__(self, *exc: Any) -> bool:
         for items, now in zip(self.lists, self.now.pop()):
             items[:] = now
+        return False
+
+
+class _CachesAsCalled:
+    """The region's Hugging Face key/value caches as they were when it was called, for the length
+    of a replay.
+
+    A cache handed to a block that holds positions already (prefix tuning's virtual tokens: peft
+    hands every layer a cache filled with its prefix's keys and values) is appended to by the
+    block's forward, and would be again by its replay: the replayed attention read its own keys
+    twice (so peft refuses gradient checkpointing with prefix tuning, and Hugging Face's drops the
+    cache, prefix and all). During a replay each cache holds what it held when the region was
+    called, and what it holds now again after (`remat.checkpointing.caches.CacheState`): the
+    replay's keys and values go with the replay."""
+
+    __slots__ = ("called", "now")
+
+    def __init__(self, caches: Sequence[Any]) -> None:
+        self.called = [CacheState(cache) for cache in caches]
+        self.now: list[list[CacheState]] = []
+
+    def __enter__(self) -> None:
+        self.now.append([CacheState(state.cache) for state in self.called])
+        for state in self.called:
+            state.restore()
+
+    def __exit__(self, *exc: Any) -> bool:
+        for state in self.now.pop():
+            state.restore()
         return False
 
 

@@ -173,12 +173,12 @@ def _measure_block(module: nn.Module, inputs: BlockInputs, backend: str, repeats
     runs = {name: torch.compile(fn, fullgraph=True, backend=backend, dynamic=False)
             for name, fn in _variants(module).items()}
     state = storage_keys([*module.parameters(), *module.buffers()])
-    with inputs.autocast_context():
+    with inputs.call_context():
         out = runs["plain"](*inputs.args, **inputs.kwargs)
     saved = saved_storage_bytes(out, state)
     _backward(out)
     for name in ("recompute", "selective"):  # compile them before timing anything
-        with inputs.autocast_context():
+        with inputs.call_context():
             out = runs[name](*inputs.args, **inputs.kwargs)
         _backward(out)
     eager = _eager_saved_bytes(_variants(module)["plain"], inputs, state)
@@ -257,7 +257,7 @@ def _eager_saved_bytes(fn: Callable[..., Any], inputs: BlockInputs, state: set[i
             storages[key] = tensor.untyped_storage().nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), inputs.autocast_context():
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), inputs.call_context():
         out = fn(*inputs.args, **inputs.kwargs)
     del out
     return sum(storages.values())
@@ -286,7 +286,7 @@ def _timed(runs: dict[str, Callable[..., Any]], inputs: BlockInputs, repeats: in
 def _one_run(run: Callable[..., Any], inputs: BlockInputs, clock: Clock) -> tuple[float, float]:
     clock.sync()
     start = clock.mark()
-    with inputs.autocast_context():
+    with inputs.call_context():
         out = run(*inputs.args, **inputs.kwargs)
     middle = clock.mark()
     _backward(out)

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.checkpointing.caches import cache_tensors, is_kv_cache
 from remat.measure.blocks import Blocks
 from remat.measure.boundaries import in_backward
 from remat.measure.saved import BETWEEN, POST, PRE, SavedStorage, between_name
@@ -50,9 +51,16 @@ from remat.measure.types import BlockInput
 __all__ = ["DataflowRecorder", "BlockFlow", "block_flows", "segment_position", "named_tensors"]
 
 
+CACHE_MARK = "<cache>"
+"""In `named_tensors`' names, what marks a tensor a key/value cache argument holds."""
+
+
 def named_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """The tensor arguments of a call with their names: ``args[i]``, the keyword, and an index
-    per level for tensors inside tuples and lists (``position_embeddings[0]``)."""
+    per level for tensors inside tuples and lists (``position_embeddings[0]``) and Hugging Face
+    key/value caches (``past_key_values<cache>[0]``: the keys and values a cache holds as the
+    block is called, prefix tuning's virtual tokens, which a checkpoint of the block holds for its
+    replay, `remat.checkpointing.region`)."""
     out: list[tuple[str, torch.Tensor]] = []
     for i, value in enumerate(args):
         _collect(f"args[{i}]", value, out)
@@ -69,6 +77,9 @@ def _collect(name: str, value: Any, out: list[tuple[str, torch.Tensor]]) -> None
     elif isinstance(value, (tuple, list)):
         for i, item in enumerate(value):
             _collect(f"{name}[{i}]", item, out)
+    elif is_kv_cache(value):
+        for i, item in enumerate(cache_tensors(value)):
+            out.append((f"{name}{CACHE_MARK}[{i}]", item))
 
 
 @dataclass
@@ -109,6 +120,7 @@ class DataflowRecorder:
         """Per block: ``(earlier block, storage id)`` of the earlier blocks' arguments alive when it
         began, not among its own."""
         self._pending: dict[int, int] = {}  # storage id -> the first block that took it (the one that may hold it)
+        self._block_names = {name for name, _ in blocks}
         self._by_key: dict[int, int] = {}
         self._handles: list[Any] = []
 
@@ -135,6 +147,8 @@ class DataflowRecorder:
             self.live_inputs[index] = [(j, sid) for sid, j in self._pending.items() if self.storages[sid].key not in own]
             for name, tensor in tensors:
                 key = storage_key(tensor)
+                if key is not None and CACHE_MARK in name and self.producer_of(key) in self._block_names:
+                    continue  # an earlier block's keys in a cache: held with the cache (`remat.measure.held`)
                 if key is not None:
                     self.args[index].append(_Arg(argument=name, storage=self._storage_id(tensor, key),
                                                  storage_bytes=storage_nbytes(tensor), activation=key not in self.excluded,

@@ -22,7 +22,8 @@ live in every forward they outlive.
 
 And which calls' outputs the mutable containers among a block's arguments hold as the last
 block's forward ends (Gemma 4 hands every layer the mapping ``shared_kv_states``, and its storing
-layers write their keys and values to it): `CodeHeld.stored`. A checkpoint of the block holds its
+layers write their keys and values to it; prefix tuning hands every layer a key/value cache
+filled with its virtual tokens, and each layer appends its keys and values): `CodeHeld.stored`. A checkpoint of the block holds its
 arguments, the container with them, to the end of its backward: whatever the blocks wrote there
 is live as long, whatever their strategy, where the model's code let it go as the forward returned.
 """
@@ -39,6 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat._batch import LossFn, call_model, compute_loss
+from remat.checkpointing.caches import cache_tensors, is_kv_cache
 from remat.measure.blocks import Blocks
 from remat.measure.calls import first_output
 from remat.measure.dataflow import named_tensors
@@ -179,14 +181,19 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
 
 
 def _containers(args: tuple, kwargs: dict) -> list[Any]:
-    """The mutable mappings and lists among a call's arguments, and among a dict's values there."""
+    """The mutable mappings and lists among a call's arguments, and among a dict's values there,
+    and the Hugging Face key/value caches (prefix tuning hands every layer one filled with its
+    virtual tokens, and each layer appends its keys and values to it)."""
     values = [*args, *kwargs.values()]
     values += [v for value in values if isinstance(value, dict) for v in value.values()]
-    return [value for value in values if isinstance(value, (MutableMapping, list))]
+    return [value for value in values if isinstance(value, (MutableMapping, list)) or is_kv_cache(value)]
 
 
 def _contents(container: Any) -> list[Any]:
-    """A mapping's values or a list's items (none where a mapping cannot list them)."""
+    """A mapping's values, a list's items or a cache's tensors (none where a mapping cannot list
+    them)."""
+    if is_kv_cache(container):
+        return cache_tensors(container)
     try:
         return list(container.values()) if isinstance(container, MutableMapping) else list(container)
     except Exception:  # noqa: BLE001 - a mapping of the model's own kind

@@ -65,7 +65,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from remat.checkpointing.caches import PREFILLED_CACHE, SHARED_CACHE, cache_positions, drop_kv_caches, is_kv_cache
+from remat.checkpointing.caches import SHARED_CACHE, CacheState, cache_positions, drop_kv_caches, is_kv_cache, kv_caches_in
 from remat.checkpointing.region import (BufferGuard, autocast_entered, autocast_state, call_with_first, checkpointed,
                                        first_argument)
 from remat.checkpointing.selective import selective_context
@@ -117,8 +117,11 @@ class BlockInputs:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     cache_positions: int = 0
-    """Positions the key/value cache the block was handed already held (prefix tuning): such a
-    block is never replayed (`remat.checkpointing.caches.PREFILLED_CACHE`), nor probed."""
+    """Positions the key/value cache the block was handed already held (prefix tuning)."""
+    caches: tuple[CacheState, ...] = ()
+    """The filled key/value caches the block was handed, as it found them (their tensors
+    detached): each run of the block alone gets them back so (`call_context`), as its replay
+    does (`remat.checkpointing.region`)."""
     shared_cache: bool = False
     """The block was handed a cache that the model reads later in the step (captured with
     ``shared_caches``): never replayed (`remat.checkpointing.caches.SHARED_CACHE`), nor probed."""
@@ -129,8 +132,11 @@ class BlockInputs:
     convolution raised on its bfloat16 input (recompute marked unavailable on every block), and a
     replay's casts of the block's weights were missing from its figures (plans 2-3 % under)."""
 
-    def autocast_context(self) -> contextlib.AbstractContextManager[Any]:
-        """The autocast state the block ran in, entered (nothing when autocast was off)."""
+    def call_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The autocast state the block ran in, entered (nothing when autocast was off), with its
+        filled key/value caches as it found them: its forward appends to them."""
+        for state in self.caches:
+            state.restore()
         return autocast_entered(self.autocast)
 
 
@@ -146,16 +152,14 @@ def capture_block_inputs(block_list: Blocks, forward: Callable[[], Any], *,
     def hook_for(index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if index not in captured:
-                positions = cache_positions(args, kwargs)
-                if positions:  # not probed: keep only (the cache stays the model's)
-                    captured[index] = BlockInputs(args=(), kwargs={}, cache_positions=positions)
-                    return
                 if shared_caches and any(is_kv_cache(v) for v in (*args, *kwargs.values())):
                     captured[index] = BlockInputs(args=(), kwargs={}, shared_cache=True)
                     return
                 args, kwargs = drop_kv_caches(args, kwargs)
+                caches = tuple(CacheState(c, detach=True) for c in kv_caches_in((*args, *kwargs.values())))
                 captured[index] = BlockInputs(args=tree_map(_detach, args), kwargs=tree_map(_detach, kwargs),
-                                              autocast=autocast_state())
+                                              autocast=autocast_state(), cache_positions=cache_positions(args, kwargs),
+                                              caches=caches)
 
         return hook
 
@@ -210,9 +214,8 @@ def measure_overheads(block_list: Blocks, inputs: Sequence[BlockInputs], op_keys
     found: dict[int, BlockOverheads] = {}
     each = budget.split(len(groups)) if budget is not None else None
     for members in groups.values():
-        if inputs[members[0]].cache_positions or inputs[members[0]].shared_cache:  # keep-only, never probed
-            reason = SHARED_CACHE if inputs[members[0]].shared_cache else PREFILLED_CACHE
-            unavailable = (("recompute", reason), ("selective", reason))
+        if inputs[members[0]].shared_cache:  # keep-only, never probed
+            unavailable = (("recompute", SHARED_CACHE), ("selective", SHARED_CACHE))
             found.update((i, BlockOverheads(selective_ms=0.0, recompute_ms=0.0, selective_cache_ms=0.0,
                                             unavailable=unavailable)) for i in members)
             continue
@@ -371,7 +374,7 @@ def checkpointed_forward_curve(module: nn.Module, inputs: BlockInputs) -> tuple[
         finally:
             curve.active = False
 
-    with torch.enable_grad(), curve, tracker, inputs.autocast_context():
+    with torch.enable_grad(), curve, tracker, inputs.call_context():
         out = _checkpointed(module, inputs.args, inputs.kwargs, forward=recorded)
     del out
     return tuple(curve.points), curve.finish()
@@ -450,7 +453,7 @@ def _run_once(module: nn.Module, inputs: BlockInputs, runner: Runner, leaves: li
     for tensor in [*leaves, *module.parameters()]:
         tensor.grad = None
     start = mark() if mark else None
-    with inputs.autocast_context():  # the forward only: autograd runs the backward in the dtypes it recorded
+    with inputs.call_context():  # the forward only: autograd runs the backward in the dtypes it recorded
         out = runner(module, inputs.args, inputs.kwargs)
     mid = mark() if mark else None
     outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -492,4 +495,4 @@ def _checkpointed(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     guard = BufferGuard([module], _BUFFERS_CHANGED.setdefault(module, {}))
     forward = forward or module.forward  # bound now: the replay runs the forward the forward ran
     body = lambda first, extra: [call_with_first(forward, first, extra, rest, key)]  # noqa: E731
-    return checkpointed(body, first, extra, guard=guard, context_fn=context_fn)[0]
+    return checkpointed(body, first, extra, guard=guard, context_fn=context_fn, kwargs=rest)[0]
