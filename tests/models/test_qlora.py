@@ -162,6 +162,41 @@ def test_linear_subclasses_are_adapted_and_attention_projections_are_not() -> No
     assert isinstance(model[0], NF4LoRALinear) and isinstance(model[2], NF4LoRALinear)
 
 
+def test_linear_subclasses_that_compute_something_else_are_left_alone() -> None:
+    """DeepSeek-V4's grouped output projection (an ``nn.Linear`` whose forward is a block-diagonal
+    product over its input's groups) and Phi-MoE's router (an ``nn.Linear`` whose forward returns
+    the routing weights and the experts picked) crashed the LoRA layer's forward ("The size of
+    tensor a (1024) must match the size of tensor b (8192)", "can only concatenate tuple"): an
+    ``in x out`` update cannot be added to what they return. They are neither adapted nor
+    quantized, and stay frozen; Falcon's ``FalconLinear`` (a linear map of its own writing) and a
+    subclass that keeps ``nn.Linear``'s forward are adapted, on the meta device too."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4GroupedLinear
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+    from transformers.models.phimoe.modeling_phimoe import PhimoeTopKRouter
+
+    from remat.models.lora import is_lora, plain_linear
+
+    class Kept(nn.Linear):
+        pass
+
+    router = PhimoeTopKRouter(transformers.PhimoeConfig(hidden_size=16, num_local_experts=4, num_experts_per_tok=2))
+    grouped = DeepseekV4GroupedLinear(8, 2 * 6, 2)
+    assert not plain_linear(grouped) and not plain_linear(router) and not plain_linear(nn.Conv1d(4, 4, 1))
+    assert plain_linear(FalconLinear(8, 4)) and plain_linear(Kept(8, 4)) and plain_linear(nn.Linear(8, 4))
+    with torch.device("meta"):
+        assert plain_linear(FalconLinear(8, 4)) and not plain_linear(DeepseekV4GroupedLinear(8, 12, 2))
+    model = nn.ModuleDict(dict(grouped=grouped, router=router, falcon=FalconLinear(8, 4), kept=Kept(8, 4)))
+    add_lora(model, 2)
+    assert {n: is_lora(m) for n, m in model.items()} == {"grouped": False, "router": False, "falcon": True, "kept": True}
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        f"{n}.lora_{ab}.weight" for n in ("falcon", "kept") for ab in "AB"}
+    x = torch.randn(3, 5, 2, 8)  # 3 x 5 tokens, 2 groups of 8
+    assert grouped(x).shape == (3, 5, 2, 6)
+    quantize_base(model)
+    assert type(model["grouped"]) is DeepseekV4GroupedLinear and type(model["router"]) is PhimoeTopKRouter
+    assert isinstance(model["falcon"], NF4LoRALinear) and isinstance(model["kept"], NF4LoRALinear)
+
+
 def test_gpt2_conv1d_layers_are_quantized_transposed() -> None:
     """GPT-2's ``Conv1D`` (x @ weight + bias, weight in x out) becomes an NF4 linear of the weight
     transposed, as transformers' 4-bit loading makes it: c_attn 64 -> 192 is 192 x 64, and the

@@ -1,7 +1,8 @@
 """Low-rank adapters (LoRA, Hu et al. 2021) on a model's linear layers, every other weight frozen.
 
 `add_lora` turns each ``nn.Linear`` of a model but its output embeddings (the LM head) into a
-`LoRALinear` (a subclass of it, Falcon's ``FalconLinear``, into a LoRA subclass of its own), and
+`LoRALinear` (a subclass of it, Falcon's ``FalconLinear``, into a LoRA subclass of its own; not a
+subclass that computes something else than a linear map, `plain_linear`), and
 each of transformers' ``Conv1D`` (GPT-2's linear layers, their weight stored in x out) into a
 ``LoRAConv1D``, as peft adapts both (or only those named in ``targets``): the same module, its
 weight and bias frozen, with two trained matrices beside it, ``lora_A`` (rank x in) and ``lora_B``
@@ -72,14 +73,35 @@ def is_lora(module: nn.Module) -> bool:
 
 
 def _adaptable(module: nn.Module) -> bool:
-    """A linear layer peft's ``all-linear`` adapts: an ``nn.Linear`` or a subclass of it, or
-    transformers' ``Conv1D``; not one adapted already, nor torch's ``NonDynamicallyQuantizableLinear``,
-    the output projection of ``nn.MultiheadAttention``, which reads its weight directly (the
-    adapter would never run)."""
+    """A linear layer peft's ``all-linear`` adapts: an ``nn.Linear`` or a subclass of it that
+    computes one (`plain_linear`), or transformers' ``Conv1D``; not one adapted already, nor
+    torch's ``NonDynamicallyQuantizableLinear``, the output projection of ``nn.MultiheadAttention``,
+    which reads its weight directly (the adapter would never run)."""
     if is_lora(module) or type(module) is nn.modules.linear.NonDynamicallyQuantizableLinear:
         return False
     conv1d = conv1d_class()
-    return isinstance(module, nn.Linear) or (conv1d is not None and type(module) is conv1d)
+    return plain_linear(module) or (conv1d is not None and type(module) is conv1d)
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Linear`` that maps ``in_features`` to ``out_features`` as one:
+    ``nn.Linear`` itself or a subclass that keeps its forward, or whose own forward, tried on two
+    rows of zeros (on the weight's device: the meta device for an estimate), returns one tensor of
+    two rows of ``out_features`` (Falcon's ``FalconLinear``). Not a subclass that computes something
+    else with its weight, to which an adapter's ``in x out`` update cannot be added:
+    DeepSeek-V4's grouped output projection (a block-diagonal product over groups of its input's
+    last two dimensions), Phi-MoE's router (it returns the routing weights and the experts picked)."""
+    if not isinstance(module, nn.Linear):
+        return False
+    if type(module).forward is nn.Linear.forward:
+        return True
+    weight = module.weight
+    try:
+        with torch.no_grad():
+            out = type(module).forward(module, torch.zeros(2, module.in_features, dtype=weight.dtype, device=weight.device))
+    except Exception:  # noqa: BLE001 - a forward for other shapes: not a plain linear
+        return False
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == (2, module.out_features)
 
 
 def _features(module: nn.Module) -> tuple[int, int]:
@@ -134,4 +156,4 @@ def add_lora(model: nn.Module, rank: int, *, alpha: float = 8,
     return model
 
 
-__all__ = ["LoRALinear", "add_lora", "conv1d_class", "is_lora"]
+__all__ = ["LoRALinear", "add_lora", "conv1d_class", "is_lora", "plain_linear"]

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from remat.models.lora import LoRALinear, conv1d_class, is_lora
+from remat.models.lora import LoRALinear, conv1d_class, is_lora, plain_linear
 
 BLOCK = 64
 """Elements per absmax block (bitsandbytes' ``blocksize`` for 4-bit weights)."""
@@ -184,8 +184,8 @@ def quantize_base(model: nn.Module) -> nn.Module:
     layer but its output embeddings stored in NF4 (module docstring), in place; returns it: the
     LoRA layers become `NF4LoRALinear`, the others (those ``--lora-targets`` leaves out) `NF4Linear`,
     as transformers' 4-bit loading quantizes every linear layer whichever LoRA adapts. An
-    ``nn.Linear`` subclass (Falcon's) and transformers' ``Conv1D`` (GPT-2's, its weight transposed)
-    become NF4 linears too, as that loading replaces them by bitsandbytes' layer. The modules a
+    ``nn.Linear`` subclass that computes a linear map (Falcon's; `remat.models.lora.plain_linear`) and
+    transformers' ``Conv1D`` (GPT-2's, its weight transposed) become NF4 linears too, as that loading replaces them by bitsandbytes' layer. The modules a
     transformers model keeps in fp32 (``_keep_in_fp32_modules``: T5's ``wo``, whose input it casts to
     the weight's dtype) stay as they are, as that loading leaves them, and so do
     ``nn.MultiheadAttention``'s output projections, whose weight the attention reads itself."""
@@ -195,7 +195,7 @@ def quantize_base(model: nn.Module) -> nn.Module:
     head = get_head() if callable(get_head) else None
     conv1d = conv1d_class()
     linears = [m for name, m in model.named_modules()
-               if (isinstance(m, nn.Linear) or (conv1d is not None and isinstance(m, conv1d))) and m is not head
+               if (plain_linear(m) or (conv1d is not None and isinstance(m, conv1d))) and m is not head
                and not isinstance(m, NF4Linear) and type(m) is not nn.modules.linear.NonDynamicallyQuantizableLinear
                and not kept.intersection(name.split("."))]
     if not any(is_lora(m) for m in linears):
