@@ -4,6 +4,8 @@ Tiny configs, random weights, nothing downloaded."""
 
 from __future__ import annotations
 
+import copy
+
 import warnings
 
 import pytest
@@ -210,6 +212,54 @@ def test_a_cache_the_step_reads_is_left_to_the_blocks_that_write_it(tmp_path):
             applied = [loss_fn(model(**b), b).item() for b in (batch, other_prompt)]
             remat.remove_(model)
             assert applied == plain, applied_plan.block_strategies()  # the same function, prompt and all
+
+
+def test_a_cache_the_step_reads_is_found_when_the_loss_cannot_tell():
+    """DiffusionGemma's base model trained against the mean square of its last hidden states: a
+    final RMSNorm makes that 1 whatever the decoder attends to, so one forward's loss with the
+    blocks' caches dropped equalled the loss with them, the cache read went unseen, and a plan
+    dropped it: the encoder got no gradient (the sweep with LoRA adapters found it). The outputs'
+    absolute sums differ; the cache is found read and left to the blocks, and a step under the
+    least plan gives every gradient bit for bit, the encoder's among them."""
+    torch.manual_seed(0)
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, global_head_dim=8, max_position_embeddings=128, sliding_window=8,
+                num_experts=4, top_k_experts=2, moe_intermediate_size=32, layer_types=["sliding_attention", "full_attention"])
+    vision = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=8, patch_size=4, position_embedding_size=64)
+    config = transformers.DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=8, boi_token_id=120,
+                                               eoi_token_id=121, image_token_id=122)
+    model = transformers.DiffusionGemmaModel(config).train()
+    g = torch.Generator().manual_seed(1)
+    batch = dict(input_ids=torch.randint(10, 128, (2, 16), generator=g),
+                 decoder_input_ids=torch.randint(10, 128, (2, 8), generator=g))
+
+    def loss_fn(out, b):
+        return out.last_hidden_state.float().pow(2).mean()
+
+    other = dict(batch, input_ids=torch.randint(10, 128, (2, 16), generator=torch.Generator().manual_seed(99)))
+    with torch.no_grad():
+        outs = [model(**b).last_hidden_state for b in (batch, other)]
+    assert not torch.allclose(outs[0], outs[1]) and abs(loss_fn(model(**batch), batch).item() - 1.0) < 1e-3
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prof = remat.profile(model, batch, loss_fn, optimizer, repeats=1)
+        assert prof.fingerprint.shared_cache
+        least = remat.pareto(prof)[-1]
+        check = remat.verify(model, batch, least, loss_fn, optimizer, repeats=1)
+        assert check.grads_identical and check.measured_peak_bytes == check.predicted_peak_bytes
+        reference = copy.deepcopy(model)
+        remat.apply_(model, least)
+        for m in (reference, model):
+            torch.manual_seed(0)
+            loss_fn(m(**batch), batch).backward()
+        remat.remove_(model)
+    grads = {n: p.grad for n, p in reference.named_parameters()}
+    assert any(n.startswith("encoder.") and g is not None and float(g.abs().max()) > 0 for n, g in grads.items())
+    for n, p in model.named_parameters():
+        assert (p.grad is None) == (grads[n] is None), n
+        assert p.grad is None or torch.equal(p.grad, grads[n]), n
 
 
 def test_an_inner_model_asked_for_its_cache_by_name_keeps_it():

@@ -98,7 +98,7 @@ from remat.measure.overhead import (BlockOverheads, capture_block_inputs, measur
 from remat.measure.saved import POST, PRE, SavedAccountant, between_name
 from remat.measure.sharing import BlockGroups, CallSignatures, group_blocks, stop_after, structure_key, trace_key
 from remat.measure.stacks import Discovery, discover
-from remat.measure.storage import storage_key, storage_keys, storage_nbytes
+from remat.measure.storage import storage_key, storage_keys, storage_nbytes, tensors_in
 from remat.measure.state import (StateSnapshot, buffer_bytes, generators_in, grad_bytes, host_rng_restored,
                                  optimizer_state_bytes, param_bytes)
 from remat.measure.timing import Clock, StepTimer, StepTimes, median_times, without_instrumentation
@@ -195,35 +195,46 @@ def profile(
 
 
 CACHE_READ_TOLERANCE = 1e-5
-"""Relative difference of one forward's loss, the blocks handed their caches or none, beyond
-which the step reads what they write there (`_cache_read_in_step`); a cache only written differs
-in the last bits (attention reads the cache's copies of the keys and values)."""
+"""Relative difference of one forward's loss or of an output's absolute sum, the blocks handed
+their caches or none, beyond which the step reads what they write there (`_cache_read_in_step`);
+a cache only written differs in the last bits (attention reads the cache's copies of the keys and
+values)."""
 
 
 def _cache_read_in_step(step: _Step, found: Discovery, cache_off: CacheOff) -> bool:
     """Whether the step reads what its blocks write to a key/value cache (DiffusionGemma's encoder
     layers fill the cache its decoder attends to), for a model whose blocks were handed one
-    (``cache_off.dropped``): one forward's loss with the caches dropped (`CacheOff.drop_in`)
-    against one with them, from the same random numbers."""
+    (``cache_off.dropped``): one forward with the caches dropped (`CacheOff.drop_in`) against one
+    with them, from the same random numbers: their losses, and the absolute sums of the floating
+    tensors of their outputs. The loss alone can miss it: the mean square of a base model's
+    normalized last hidden states is 1 whatever they attend to (DiffusionGemma with LoRA adapters,
+    trained against it, lost every gradient to its encoder under a plan, its cache dropped)."""
     device = model_device(step.model)
 
-    def loss() -> float:
+    def figures() -> list[float]:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                 host_rng_restored(generators_in(step.batch)):
             torch.manual_seed(0)
-            return float(compute_loss(call_model(step.model, step.batch), step.batch, step.loss_fn).detach().double())
+            output = call_model(step.model, step.batch)
+            loss = float(compute_loss(output, step.batch, step.loss_fn).detach().double())
+            with torch.no_grad():
+                sums = [float(t.detach().abs().sum(dtype=torch.float64)) for t in tensors_in(output)
+                        if t.is_floating_point()]
+            del output
+            return [loss, *sums]
 
-    dropped = loss()
+    dropped = figures()
     cache_off.keep_in_blocks()
     try:
-        kept = loss()
+        kept = figures()
     except Exception:  # noqa: BLE001 - a model that cannot run with its blocks' caches: they stay dropped
         return False
     finally:
         cache_off.drop_in([module for _, module in found.blocks])
-    if not (math.isfinite(dropped) and math.isfinite(kept)):
-        return False
-    return not math.isclose(dropped, kept, rel_tol=CACHE_READ_TOLERANCE, abs_tol=1e-12)
+    if len(dropped) != len(kept):  # the output holds more with the caches (one it returns): the losses alone
+        dropped, kept = dropped[:1], kept[:1]
+    return any(math.isfinite(a) and math.isfinite(b) and not math.isclose(a, b, rel_tol=CACHE_READ_TOLERANCE, abs_tol=1e-12)
+               for a, b in zip(dropped, kept))
 
 
 def _cache_off(model: nn.Module, device: torch.device) -> contextlib.AbstractContextManager[Any]:
