@@ -216,7 +216,7 @@ def test_a_cache_the_step_reads_is_left_to_the_blocks_that_write_it(tmp_path):
 
 def test_a_cache_the_step_reads_is_found_when_the_loss_cannot_tell():
     """DiffusionGemma's base model trained against the mean square of its last hidden states: a
-    final RMSNorm makes that 1 whatever the decoder attends to, so one forward's loss with the
+    final RMSNorm (its epsilon 1e-12 here) makes that 1 whatever the decoder attends to, so one forward's loss with the
     blocks' caches dropped equalled the loss with them, the cache read went unseen, and a plan
     dropped it: the encoder got no gradient (the sweep with LoRA adapters found it). The outputs'
     absolute sums differ; the cache is found read and left to the blocks, and a step under the
@@ -224,7 +224,8 @@ def test_a_cache_the_step_reads_is_found_when_the_loss_cannot_tell():
     torch.manual_seed(0)
     text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, global_head_dim=8, max_position_embeddings=128, sliding_window=8,
-                num_experts=4, top_k_experts=2, moe_intermediate_size=32, layer_types=["sliding_attention", "full_attention"])
+                num_experts=4, top_k_experts=2, moe_intermediate_size=32, layer_types=["sliding_attention", "full_attention"],
+                rms_norm_eps=1e-12)
     vision = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=4, head_dim=8, patch_size=4, position_embedding_size=64)
     config = transformers.DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=8, boi_token_id=120,
@@ -240,14 +241,14 @@ def test_a_cache_the_step_reads_is_found_when_the_loss_cannot_tell():
     other = dict(batch, input_ids=torch.randint(10, 128, (2, 16), generator=torch.Generator().manual_seed(99)))
     with torch.no_grad():
         outs = [model(**b).last_hidden_state for b in (batch, other)]
-    assert not torch.allclose(outs[0], outs[1]) and abs(loss_fn(model(**batch), batch).item() - 1.0) < 1e-3
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with warnings.catch_warnings():
+    losses = [loss_fn(model(**b), b).item() for b in (batch, other)]
+    assert not torch.allclose(outs[0], outs[1]) and abs(losses[0] - losses[1]) < 1e-6 * losses[0]
+    with warnings.catch_warnings():  # no optimizer: its steps during the profile would move the norm's weight
         warnings.simplefilter("ignore")
-        prof = remat.profile(model, batch, loss_fn, optimizer, repeats=1)
+        prof = remat.profile(model, batch, loss_fn, repeats=1)
         assert prof.fingerprint.shared_cache
         least = remat.pareto(prof)[-1]
-        check = remat.verify(model, batch, least, loss_fn, optimizer, repeats=1)
+        check = remat.verify(model, batch, least, loss_fn, repeats=1)
         assert check.grads_identical and check.measured_peak_bytes == check.predicted_peak_bytes
         reference = copy.deepcopy(model)
         remat.apply_(model, least)
