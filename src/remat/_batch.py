@@ -258,7 +258,10 @@ def compute_loss(output: Any, batch: Any, loss_fn: LossFn | None = None) -> torc
         raise ValueError(
             f"{where} needs no gradient: no parameter the step used requires grad (all frozen?) and no input "
             "does, so there is no backward to train or to plan. Leave the parameters to train with requires_grad "
-            "(model.requires_grad_() for all), or pass a batch whose inputs require grad."
+            "(model.requires_grad_() for all), or pass a batch whose inputs require grad. Trained parameters used only "
+            "inside a custom autograd Function whose input comes from frozen embeddings (Reformer's reversible "
+            "layers with LoRA adapters) give the loss no gradient either: on a Hugging Face model, "
+            "model.enable_input_require_grads() makes the embeddings' output require one."
         )
     return loss
 
