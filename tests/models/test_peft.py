@@ -156,3 +156,46 @@ def test_prefix_tuning_recomputes_what_peft_and_hugging_face_cannot():
         assert check.ok and check.grads_identical and check.grad_max_abs_diff == 0.0, plan.block_strategies()
         assert -0.2 < check.peak_error_pct <= 0.0, (plan.block_strategies(), check.peak_error_pct)
         assert check.recompute_counts_match
+
+
+METHODS = {
+    "dora": lambda: peft.LoraConfig(r=4, target_modules="all-linear", use_dora=True, lora_dropout=0.1),
+    "rslora": lambda: peft.LoraConfig(r=4, target_modules="all-linear", use_rslora=True),
+    "ia3": lambda: peft.IA3Config(),
+    "loha": lambda: peft.LoHaConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"]),
+    "lokr": lambda: peft.LoKrConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    "adalora": lambda: peft.AdaLoraConfig(r=4, target_modules=["q_proj", "v_proj"], total_step=10),
+    "vera": lambda: peft.VeraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    "oft": lambda: peft.OFTConfig(r=0, oft_block_size=16, target_modules=["q_proj", "v_proj"]),
+    "boft": lambda: peft.BOFTConfig(boft_block_size=4, target_modules=["q_proj", "v_proj"]),
+    "fourierft": lambda: peft.FourierFTConfig(n_frequency=100, target_modules=["q_proj", "v_proj"]),
+    "ln_tuning": lambda: peft.LNTuningConfig(),
+    "prompt_tuning": lambda: peft.PromptTuningConfig(num_virtual_tokens=5),
+}
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_peft_methods_recompute_every_layer(method):
+    """peft's other methods on the same Llama (task CAUSAL_LM; the adapters' zero-initialized
+    factors drawn, so that every trained tensor gets a gradient): every decoder layer is a block
+    that can recompute; with every layer recomputed, every gradient bit-identical, the measured
+    peak the predicted one within 0.1 % (IA3: 0.07 % over the measured, the safe side)."""
+    config = METHODS[method]()
+    config.task_type = "CAUSAL_LM"
+    model = peft.get_peft_model(_base("llama"), config)
+    model.config.use_cache = False
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and any(k in name for k in ("lora_B", "hada_w", "lokr_w", "vera_lambda_b")):
+                p.add_(torch.randn_like(p) * 0.02)
+    batch = _batch()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    prof = remat.profile(model, batch, optimizer=optimizer, repeats=1)
+    assert len(prof.blocks) == 3 and all(not b.unavailable for b in prof.blocks)
+    plan = remat.plan(prof, strategy="full")
+    assert plan.block_strategies() == ("recompute",) * 3
+    check = remat.verify(model, batch, plan, optimizer=optimizer, repeats=1)
+    assert check.ok and check.grads_identical and check.grad_max_abs_diff == 0.0
+    assert abs(check.peak_error_pct) <= 0.1, check.peak_error_pct
+    assert check.recompute_counts_match
