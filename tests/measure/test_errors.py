@@ -273,7 +273,8 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused():
 def test_arguments_in_the_wrong_places_are_refused_before_any_step():
     """``remat.verify(model, batch, plan, profile)`` (a profile where the loss function goes) and
     ``remat.profile(model, batch, optimizer)`` (an optimizer there) used to fail inside the step,
-    the first with "'Profile' object is not callable"."""
+    the first with "'Profile' object is not callable"; ``remat.plan(model)`` and
+    ``remat.pareto(plan)`` with an AttributeError."""
     import remat
 
     model = _Pair()
@@ -293,6 +294,13 @@ def test_arguments_in_the_wrong_places_are_refused_before_any_step():
         remat.verify(model, batch, plan, loss_fn, prof)
     with pytest.raises(TypeError, match=r"remat tuning: " + wrong_loss.format("int")):
         remat.tune(model, batch, prof, "1 GiB", 3)
+    needs_profile = r"remat.{} needs the remat Profile of a model.*got {}"
+    with pytest.raises(TypeError, match=needs_profile.format("plan", "_Pair")):
+        remat.plan(model, budget="1MiB")
+    with pytest.raises(TypeError, match=needs_profile.format("pareto", "Plan")):
+        remat.pareto(plan)
+    with pytest.raises(TypeError, match=needs_profile.format("predict", "Plan")):
+        remat.predict(plan, prof)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())
     assert not remat.apply.api.is_applied(model)

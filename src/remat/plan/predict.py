@@ -60,6 +60,9 @@ def predict(profile: Profile, plan_or_segments: Plan | tuple[Segment, ...] | lis
             head: str = "keep") -> Prediction:
     """Predicted peak bytes, step time and breakdown of a plan (or of top-level segments with
     the head strategy ``head``; a plan carries its own)."""
+    if not isinstance(profile, Profile):
+        raise TypeError(f"remat.predict needs the remat Profile of a model first, got {type(profile).__name__}; "
+                        "remat.predict(profile, plan).")
     if isinstance(plan_or_segments, Plan):
         segments, head = plan_or_segments.segments, plan_or_segments.head
     else:
