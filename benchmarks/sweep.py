@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.sweep [--models TYPE ...] [--limit N] [--skip N] [--timeout-s 300]
                                          [--json out.json] [--markdown out.md] [--compare earlier.json]
-                                         [--lora R [--lora-dropout P] [--quantize nf4]]
+                                         [--lora R [--lora-dropout P] [--quantize nf4 | --peft]]
 
 The models are every type in ``transformers.CONFIG_MAPPING`` (sorted), or ``--models``, each built
 by `benchmarks._sweep.build` from its config class's defaults shrunk to 2 layers of width 32
@@ -26,6 +26,9 @@ frozen linears in NF4 (QLoRA, `remat.models.qlora.quantize_base`). The adapters'
 from seeded random values, not peft's zeros, so that every adapter gets a gradient the checks can
 compare (with zeros, ``lora_A``'s gradient is zero in the first step whatever the plan does).
 A model LoRA cannot adapt (no linear layer besides the head) is ``refused`` at stage ``lora``.
+``--peft`` makes the adapters with peft's own ``get_peft_model`` (``LoraConfig(target_modules=
+"all-linear")``): the wrapper users train, its modules named as peft names them; a model peft
+cannot wrap or run is ``unbuilt`` ("peft: ...").
 
 Statuses: ``ok``; ``unbuilt`` (the harness could not build the model or run a plain step at the
 tiny size: its limit, not remat's); ``refused`` (remat's own clear error: a ValueError or
@@ -94,15 +97,27 @@ def _train(model: Any, batch: dict[str, Any], steps: int) -> None:
         optimizer.step()
 
 
-def _fine_tuned(model: Any, lora: int, dropout: float, quantize: str | None) -> Any:
+def _fine_tuned(model: Any, lora: int, dropout: float, quantize: str | None, use_peft: bool = False) -> Any:
     """``model`` with LoRA of rank ``lora`` (module docstring), ``lora_B`` seeded random; NF4 base
-    weights with ``quantize``."""
+    weights with ``quantize``; with ``use_peft``, peft's own LoRA (``get_peft_model`` with
+    ``LoraConfig(target_modules="all-linear")``, alpha 8 as `add_lora`'s): the wrapper it returns."""
     import torch
 
     from benchmarks._sweep.build import seed
     from remat.models.lora import add_lora, is_lora
     from remat.models.qlora import quantize_base
 
+    if use_peft:
+        import peft
+
+        config = peft.LoraConfig(r=lora, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear")
+        model = peft.get_peft_model(model, config)
+        seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.02)
+        return model
     add_lora(model, lora, dropout=dropout)
     seed(1)
     with torch.no_grad():
@@ -114,10 +129,20 @@ def _fine_tuned(model: Any, lora: int, dropout: float, quantize: str | None) -> 
     return model
 
 
+def _runs_with_peft(model: Any, batch: dict[str, Any]) -> None:
+    """A plain step of peft's model (raises where peft's wrapper cannot run the model: the
+    harness's limit, not remat's)."""
+    from benchmarks._sweep.build import loss_fn, seed
+
+    seed(0)
+    loss_fn(model(**batch), batch).backward()
+    model.zero_grad(set_to_none=True)
+
+
 def run_one(model_type: str, lora: int | None = None, dropout: float = 0.0,
-            quantize: str | None = None) -> dict[str, Any]:
+            quantize: str | None = None, use_peft: bool = False) -> dict[str, Any]:
     """One model through the pipeline: its row of the sweep (never raises); fine-tuned with LoRA of
-    rank ``lora`` where given (`_fine_tuned`)."""
+    rank ``lora`` where given, peft's with ``use_peft`` (`_fine_tuned`)."""
     start = time.perf_counter()
     row: dict[str, Any] = {"model": model_type, "status": "crash"}
     stage = "build"
@@ -131,21 +156,26 @@ def run_one(model_type: str, lora: int | None = None, dropout: float = 0.0,
         from remat.plan.types import Segment
 
         torch.use_deterministic_algorithms(False)
+
         def built_model() -> Any:
             made = build(model_type)
             if lora is not None:
-                _fine_tuned(made.model, lora, dropout, quantize)
+                made.model = _fine_tuned(made.model, lora, dropout, quantize, use_peft)
             return made
 
         try:
             built = build(model_type)
+            if use_peft:  # peft's wrapper on a model it cannot wrap or run: the harness's limit too
+                built.model = _fine_tuned(built.model, lora, dropout, quantize, use_peft)
+                _runs_with_peft(built.model, built.batch)
         except Exception as e:  # noqa: BLE001 - the harness's limit, recorded
-            row.update(status="unbuilt", reason=_last_line(e))
+            row.update(status="unbuilt", reason=("peft: " if use_peft else "") + _last_line(e))
             return row
         if lora is not None:
             stage = "lora"
-            _fine_tuned(built.model, lora, dropout, quantize)
-            row["lora"] = {"rank": lora, "dropout": dropout, "quantize": quantize,
+            if not use_peft:
+                built.model = _fine_tuned(built.model, lora, dropout, quantize)
+            row["lora"] = {"rank": lora, "dropout": dropout, "quantize": quantize, "peft": use_peft,
                            "trained": sum(p.numel() for p in built.model.parameters() if p.requires_grad)}
         row.update(task=built.task, class_name=built.class_name,
                    params=sum(p.numel() for p in built.model.parameters()))
@@ -328,19 +358,23 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--lora", type=int, metavar="R", help="fine-tune with LoRA of rank R (module docstring)")
     parser.add_argument("--lora-dropout", type=float, default=0.0, metavar="P")
     parser.add_argument("--quantize", choices=("nf4",), help="with --lora: the frozen linear layers in NF4 (QLoRA)")
+    parser.add_argument("--peft", action="store_true", help="with --lora: peft's own LoRA (get_peft_model)")
     parser.add_argument("--one", metavar="TYPE", help=argparse.SUPPRESS)
     parser.add_argument("--json-line", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from remat._files import write_atomic
 
-    if args.lora is None and (args.lora_dropout or args.quantize):
-        parser.error("--lora-dropout and --quantize fine-tune with LoRA: add --lora R")
+    if args.lora is None and (args.lora_dropout or args.quantize or args.peft):
+        parser.error("--lora-dropout, --quantize and --peft fine-tune with LoRA: add --lora R")
+    if args.peft and args.quantize:
+        parser.error("--peft runs peft's LoRA over the model's own weights; --quantize nf4 is remat's NF4 layer: pick one")
     tuning = [] if args.lora is None else ["--lora", str(args.lora), "--lora-dropout", repr(args.lora_dropout),
-                                           *(["--quantize", args.quantize] if args.quantize else [])]
+                                           *(["--quantize", args.quantize] if args.quantize else []),
+                                           *(["--peft"] if args.peft else [])]
 
     if args.one:
         warnings.filterwarnings("ignore")
-        row = run_one(args.one, args.lora, args.lora_dropout, args.quantize)
+        row = run_one(args.one, args.lora, args.lora_dropout, args.quantize, args.peft)
         print(RESULT_MARK + json.dumps(row) if args.json_line else json.dumps(row, indent=2), flush=True)
         return [row]
     rows: list[dict[str, Any]] = []

@@ -48,7 +48,7 @@ def test_gpt2_fine_tuned_with_lora_through_the_sweep(tmp_path):
     sweep.main(["--models", "gpt2", "--timeout-s", "120", "--json", str(out), "--lora", "8", "--lora-dropout", "0.1"])
     (row,) = json.loads(out.read_text())
     assert row["status"] == "ok", row
-    assert row["lora"] == {"rank": 8, "dropout": 0.1, "quantize": None, "trained": 8192}
+    assert row["lora"] == {"rank": 8, "dropout": 0.1, "quantize": None, "peft": False, "trained": 8192}
     for label in sweep.PLANS:
         assert row[label]["grads_identical"] and row[label]["grad_max_abs_diff"] == 0.0
         assert abs(row[label]["error_pct"]) <= PEAK_TOLERANCE_PCT, (label, row[label])
@@ -56,6 +56,23 @@ def test_gpt2_fine_tuned_with_lora_through_the_sweep(tmp_path):
     assert row["three_steps"] == {"bit_identical": True, "max_abs_diff": 0.0}
     with pytest.raises(SystemExit):
         sweep.main(["--models", "gpt2", "--quantize", "nf4"])
+    with pytest.raises(SystemExit):
+        sweep.main(["--models", "gpt2", "--lora", "8", "--quantize", "nf4", "--peft"])
+
+
+def test_gpt2_fine_tuned_with_pefts_lora_through_the_sweep(tmp_path):
+    """``--peft``: peft's own wrapper (``PeftModelForCausalLM`` over GPT-2), the same 8,192 adapter
+    parameters as `add_lora` makes; every check as with remat's adapters."""
+    pytest.importorskip("peft")
+    out = tmp_path / "sweep.json"
+    sweep.main(["--models", "gpt2", "--timeout-s", "120", "--json", str(out), "--lora", "8", "--lora-dropout", "0.1",
+                "--peft"])
+    (row,) = json.loads(out.read_text())
+    assert row["status"] == "ok", row
+    assert row["lora"] == {"rank": 8, "dropout": 0.1, "quantize": None, "peft": True, "trained": 8192}
+    assert row["stacks"] == [["base_model.model.transformer.h", 2]]
+    assert all(row[label]["grads_identical"] and row[label]["error_pct"] == 0.0 for label in sweep.PLANS)
+    assert row["three_steps"] == {"bit_identical": True, "max_abs_diff": 0.0}
 
 
 def _row(model, status, blocks=None, errors=None, recomputed=None, **extra):
