@@ -160,6 +160,25 @@ def test_blocks_handed_a_filled_cache_replay_with_the_cache_as_their_forward_fou
     assert float(model.keys.grad.abs().max()) > 0
 
 
+def _diffusion_gemma(cls, **text_options):
+    """A tiny DiffusionGemma of class ``cls`` (``text_options`` on its text config) and its batch:
+    a prompt its encoder layers write to the cache, a canvas its decoder layers read it from."""
+    torch.manual_seed(0)
+    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, global_head_dim=8, max_position_embeddings=128, sliding_window=8,
+                num_experts=4, top_k_experts=2, moe_intermediate_size=32, layer_types=["sliding_attention", "full_attention"],
+                **text_options)
+    vision = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=8, patch_size=4, position_embedding_size=64)
+    config = transformers.DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=8, boi_token_id=120,
+                                               eoi_token_id=121, image_token_id=122)
+    model = cls(config).train()
+    g = torch.Generator().manual_seed(1)
+    batch = dict(input_ids=torch.randint(10, 128, (2, 16), generator=g),
+                 decoder_input_ids=torch.randint(10, 128, (2, 8), generator=g))
+    return model, batch
+
+
 def test_a_cache_the_step_reads_is_left_to_the_blocks_that_write_it(tmp_path):
     """DiffusionGemma's encoder layers write the prompt's keys and values into a cache its decoder
     layers then attend to, in every training forward. Handed no empty cache (as remat hands a
@@ -170,18 +189,7 @@ def test_a_cache_the_step_reads_is_left_to_the_blocks_that_write_it(tmp_path):
     handed one."""
     from remat.checkpointing.caches import SHARED_CACHE
 
-    torch.manual_seed(0)
-    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, global_head_dim=8, max_position_embeddings=128, sliding_window=8,
-                num_experts=4, top_k_experts=2, moe_intermediate_size=32, layer_types=["sliding_attention", "full_attention"])
-    vision = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=4, num_key_value_heads=4, head_dim=8, patch_size=4, position_embedding_size=64)
-    config = transformers.DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=8, boi_token_id=120,
-                                               eoi_token_id=121, image_token_id=122)
-    model = transformers.DiffusionGemmaForBlockDiffusion(config).train()
-    g = torch.Generator().manual_seed(1)
-    batch = dict(input_ids=torch.randint(10, 128, (2, 16), generator=g),
-                 decoder_input_ids=torch.randint(10, 128, (2, 8), generator=g))
+    model, batch = _diffusion_gemma(transformers.DiffusionGemmaForBlockDiffusion)
 
     def loss_fn(out, b):
         return nn.functional.cross_entropy(out.logits.float().flatten(0, 1), b["decoder_input_ids"].flatten())
@@ -221,19 +229,7 @@ def test_a_cache_the_step_reads_is_found_when_the_loss_cannot_tell():
     dropped it: the encoder got no gradient (the sweep with LoRA adapters found it). The outputs'
     absolute sums differ; the cache is found read and left to the blocks, and a step under the
     least plan gives every gradient bit for bit, the encoder's among them."""
-    torch.manual_seed(0)
-    text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, global_head_dim=8, max_position_embeddings=128, sliding_window=8,
-                num_experts=4, top_k_experts=2, moe_intermediate_size=32, layer_types=["sliding_attention", "full_attention"],
-                rms_norm_eps=1e-12)
-    vision = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=4, num_key_value_heads=4, head_dim=8, patch_size=4, position_embedding_size=64)
-    config = transformers.DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=8, boi_token_id=120,
-                                               eoi_token_id=121, image_token_id=122)
-    model = transformers.DiffusionGemmaModel(config).train()
-    g = torch.Generator().manual_seed(1)
-    batch = dict(input_ids=torch.randint(10, 128, (2, 16), generator=g),
-                 decoder_input_ids=torch.randint(10, 128, (2, 8), generator=g))
+    model, batch = _diffusion_gemma(transformers.DiffusionGemmaModel, rms_norm_eps=1e-12)
 
     def loss_fn(out, b):
         return out.last_hidden_state.float().pow(2).mean()
