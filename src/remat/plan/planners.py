@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 from remat.measure.types import Profile
 from remat.plan.available import check_available, fall_back, warn_fallen_back
@@ -25,7 +25,7 @@ from remat.plan.head import check_head, head_choices, priced_profile
 from remat.plan.infeasible import check_state_fits, infeasible_error
 from remat.plan.joins import chain_runs, joins
 from remat.plan.offload_cost import offload_strategies
-from remat.plan.predict import baseline_step_ms, extra_ms, predict
+from remat.plan.predict import baseline_step_ms, check_profile, extra_ms, predict
 from remat.plan.policies import policy
 from remat.plan.search import Choice, OptimalSearch, plan_floor
 from remat.plan.types import Optimality, Plan, Prediction, Segment
@@ -66,7 +66,7 @@ def plan(profile: Profile, budget: int | str | None = None, strategy: str = "opt
     cost model's best few plans and every recipe that fits are timed side by side on the model
     and the fastest measured whose measured peak fits wins (`remat.plan.tune`; the plan's
     ``tuning`` records what was timed). Needs strategy ``optimal`` and a budget."""
-    _check_profile(profile, "plan")
+    check_profile(profile, "plan")
     if isinstance(budget, str):
         budget = parse_budget(budget, _baseline_peak(profile))
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
@@ -247,13 +247,6 @@ def min_peak_plan(profile: Profile, heads: tuple[str, ...] | None = None) -> Pla
     return min(plans, key=lambda p: (p.prediction.peak_bytes, p.prediction.step_ms))
 
 
-def _check_profile(profile: Any, where: str) -> None:
-    """TypeError naming what was passed where a `Profile` goes."""
-    if not isinstance(profile, Profile):
-        raise TypeError(f"remat.{where} needs the remat Profile of a model, got {type(profile).__name__}; make one with "
-                        "remat.profile(model, batch, loss_fn, optimizer) or load one with remat.Profile.load(path).")
-
-
 def pareto(profile: Profile) -> list[Plan]:
     """Optimal plans from no recomputation down to the minimum feasible peak, by falling peak;
     each is faster than every plan with a lower predicted peak (over every head strategy).
@@ -263,7 +256,7 @@ def pareto(profile: Profile) -> list[Plan]:
     least-peak plan (`min_peak_plan`) and the recipes' layouts (full recomputation, sqrt) join
     the candidates, so the last plan is the least peak and no plan is slower than one with a
     lower peak (a 256-layer Llama's frontier ended above ``full``'s peak, 20 of its plans slower)."""
-    _check_profile(profile, "pareto")
+    check_profile(profile, "pareto")
     heads = head_choices(profile)
     plans = [make_plan(profile, segs, "optimal", None, head=head) for head in heads
              for segs in optimal_search(priced_profile(profile, head)).frontier_segments()]

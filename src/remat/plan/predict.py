@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from remat.measure.types import BlockProfile, Profile
 from remat.plan.chain_dp import deep_recursion
@@ -44,7 +45,7 @@ from remat.plan.joins import check_joins
 from remat.plan.policies import op_storages
 from remat.plan.types import Plan, Prediction, Segment
 
-__all__ = ["predict", "extra_ms", "pre_forward_phase_bytes", "optimizer_phase_bytes", "pre_backward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments", "stored_held_bytes", "post_code_held_saving"]
+__all__ = ["predict", "check_profile", "extra_ms", "pre_forward_phase_bytes", "optimizer_phase_bytes", "pre_backward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments", "stored_held_bytes", "post_code_held_saving"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -56,13 +57,18 @@ class _Peak:
     working_bytes: int
 
 
+def check_profile(profile: Any, where: str) -> None:
+    """TypeError naming what was passed where a `Profile` goes (``remat.<where>``'s first argument)."""
+    if not isinstance(profile, Profile):
+        raise TypeError(f"remat.{where} needs the remat Profile of a model, got {type(profile).__name__}; make one with "
+                        "remat.profile(model, batch, loss_fn, optimizer) or load one with remat.Profile.load(path).")
+
+
 def predict(profile: Profile, plan_or_segments: Plan | tuple[Segment, ...] | list[Segment],
             head: str = "keep") -> Prediction:
     """Predicted peak bytes, step time and breakdown of a plan (or of top-level segments with
     the head strategy ``head``; a plan carries its own)."""
-    if not isinstance(profile, Profile):
-        raise TypeError(f"remat.predict needs the remat Profile of a model first, got {type(profile).__name__}; "
-                        "remat.predict(profile, plan).")
+    check_profile(profile, "predict")
     if isinstance(plan_or_segments, Plan):
         segments, head = plan_or_segments.segments, plan_or_segments.head
     else:
