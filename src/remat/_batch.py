@@ -60,6 +60,7 @@ def check_model(model: nn.Module, where: str) -> None:
     """Raise for a model remat cannot measure or change as given (`check_not_compiled`,
     `check_no_hf_checkpointing`, `check_no_torch_checkpointing`)."""
     check_not_compiled(model, where)
+    check_not_scripted(model, where)
     check_not_fsdp1(model, where)
     check_no_per_sample_grads(model, where)
     check_no_hf_checkpointing(model, where)
@@ -131,6 +132,21 @@ def check_not_compiled(model: nn.Module, where: str) -> None:
             f"{type(model._orig_mod).__name__}). Pass the module it wraps (model._orig_mod) and compile after "
             "remat.apply_: profile with remat.profile(..., compiled=True) to plan for the compiled step "
             "(README, \"Compiled mode\")."
+        )
+
+
+def check_not_scripted(model: nn.Module, where: str) -> None:
+    """Raise if ``model`` or a module in it is a TorchScript module (``torch.jit.script`` or
+    ``torch.jit.trace``): it runs its compiled graph, which no module hook or checkpoint can
+    enter, so remat could neither see its layers' calls nor replay them."""
+    scripted = [name or "<root>" for name, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+    if scripted:
+        raise ValueError(
+            f"{where} takes an eager nn.Module, but {type(model).__name__} holds TorchScript modules "
+            f"({', '.join(scripted[:3])}{', ...' if len(scripted) > 3 else ''}): a scripted or traced module runs its "
+            "compiled graph, whose layers no hook sees and no checkpoint can replay. Pass the module before "
+            "torch.jit.script / torch.jit.trace (script it, if you must, after training), or torch.compile it after "
+            "remat.apply_ (README, \"Compiled mode\")."
         )
 
 

@@ -129,6 +129,33 @@ def test_a_compiled_model_is_refused_with_the_module_it_wraps():
     assert not remat.apply.api.is_applied(model)
 
 
+@pytest.mark.parametrize("how", ["script", "trace", "one scripted layer"])
+def test_a_torchscript_module_is_refused_before_anything_runs(how):
+    """A scripted or traced module runs its compiled graph: no hook sees its layers, no checkpoint
+    replays them. Before, `remat.profile` failed inside with a TypeError from TorchScript's
+    buffer dict."""
+    import remat
+
+    model, batch = _Pair(), torch.randn(2, 4)
+    loss_fn = lambda out, batch: out.sum()  # noqa: E731
+    plan = remat.plan(profile(model, batch, loss_fn=loss_fn, repeats=1), strategy="full")
+    if how == "script":
+        given, names = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))), r"<root>, 0, 1"
+    elif how == "trace":
+        given, names = torch.jit.trace(model, batch), r"<root>, blocks, blocks\.0, \.\.\."
+    else:
+        given, names = _Pair(), r"blocks\.1"
+        given.blocks[1] = torch.jit.script(given.blocks[1])
+    message = (rf"takes an eager nn.Module, but \w+ holds TorchScript modules \({names}\).*Pass the module before "
+               r"torch.jit.script / torch.jit.trace")
+    with pytest.raises(ValueError, match=r"remat.profile " + message):
+        profile(given, batch, loss_fn=loss_fn)
+    with pytest.raises(ValueError, match=r"remat.verify " + message):
+        remat.verify(given, batch, plan, loss_fn)
+    with pytest.raises(ValueError, match=r"remat.apply_ " + message):
+        remat.apply_(given, plan)
+
+
 def test_hugging_face_checkpointing_left_on_is_refused_with_the_fix():
     import remat
     from remat.models import build

@@ -144,6 +144,62 @@ def test_layers_never_called_as_modules_are_explained(blocks):
         _run(DirectForward(), blocks)
 
 
+class Wide(nn.Module):
+    """A layer made of layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Chain(nn.Module):
+    def __init__(self, layer: type[nn.Module] = Wide) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+class _KeepLayers(torch.fx.Tracer):
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return isinstance(module, Wide) or super().is_leaf_module(module, qualified_name)
+
+
+def test_a_traced_graph_module_whose_layers_were_inlined_is_explained():
+    """``torch.fx.symbolic_trace`` inlines every module that is not one of torch's own layers, so
+    the graph calls ``layers.0.up``, never ``layers.0``, which it keeps as a plain ``Module``: the
+    error says so and how to trace."""
+    hint = (r"Chain is a torch.fx GraphModule: tracing inlined the forward of every layer that is not one of "
+            r"torch's own into its graph.*is_leaf_module returns True for their class\)")
+    traced = torch.fx.symbolic_trace(Chain())
+    with pytest.raises(ValueError, match=r"its stacks \['layers'\] do not run each member exactly once.*" + hint):
+        _run(traced)
+    with pytest.raises(ValueError, match=r"ran another number of times.*" + hint):
+        _run(traced, "layers.*")
+    with pytest.raises(ValueError, match=r"no blocks found in Chain: it has no nn.ModuleList.*" + hint):
+        _run(torch.fx.symbolic_trace(Chain(Layer)))  # one Linear per layer: not even a stack of plain modules
+
+
+def test_a_graph_module_traced_with_its_layers_as_leaves_is_planned_and_verified():
+    import remat
+
+    torch.manual_seed(0)
+    model = Chain()
+    traced = torch.fx.GraphModule(model, _KeepLayers().trace(model))
+    assert [name for name, _ in _run(traced).blocks] == ["layers.0", "layers.1", "layers.2"]
+    batch = torch.randn(2, 4)
+    plan = remat.plan(remat.profile(traced, batch, repeats=1), strategy="full")
+    check = remat.verify(traced, batch, plan, repeats=1)
+    assert check.grads_identical and check.grad_max_abs_diff == 0.0 and check.recompute_counts_match
+    assert check.measured_peak_bytes == check.predicted_peak_bytes
+
+
 def test_discovery_runs_no_backward_and_leaves_the_model_alone():
     model = TwoTowers()
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -123,7 +123,7 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
     if blocks is not None:
         chosen = named_blocks(model, blocks)
         trace = _Trace(chosen).run(forward)
-        _check_ran_once(trace, chosen)
+        _check_ran_once(trace, chosen, model)
         groups = [(parent_name(name), [(name, module)]) for name, module in chosen]
         groups = _without_no_grad(model, groups, trace)
         if not groups:
@@ -144,10 +144,11 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
                 f"no blocks found in {type(model).__name__}: its stacks {lists} do not run each member exactly "
                 f"once per step" + (f".{hint}" if hint else f" (calls: {counts}).") + " Name the blocks that run "
                 "once with blocks='<glob>'" + (" (modules outside those that repeat), if the model has any." if hint else ".")
-                + _never_called_hint(counts)
+                + _never_called_hint(counts) + _traced_hint(model, counts)
             )
         if not groups:
-            raise _repeated_error(model, forward) or no_stack_error(model)
+            error = _repeated_error(model, forward) or no_stack_error(model)
+            raise ValueError(str(error) + _traced_hint(model)) if _traced_hint(model) else error
         groups, trace = _beside(model, lists, groups, forward, trace)
         groups = _without_no_grad(model, groups, trace)
         if not groups:
@@ -239,15 +240,28 @@ def parent_name(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def _check_ran_once(trace: _Trace, chosen: Blocks) -> None:
+def _check_ran_once(trace: _Trace, chosen: Blocks, model: nn.Module) -> None:
     wrong = {name: len(trace.calls[name]) for name, _ in chosen if len(trace.calls[name]) != 1}
     if wrong:
         raise ValueError(
             f"blocks must run exactly once per step; these ran another number of times: {wrong}. "
             "remat plans each block's activations once per step: name blocks that the step calls once."
             + _repeated_hint(wrong, trace, counted=False)
-            + _never_called_hint(wrong)
+            + _never_called_hint(wrong) + _traced_hint(model, wrong)
         )
+
+
+def _traced_hint(model: nn.Module, counts: dict[str, int] | None = None) -> str:
+    """A sentence for a ``torch.fx.GraphModule`` ("" otherwise, or when ``counts`` has no layer the
+    forward never called): symbolic tracing inlines the forward of every module that is not a leaf
+    (torch's own layers are), so the graph calls the layers' parts, never the layers, and keeps
+    them as plain ``Module``s that only hold those parts."""
+    if not isinstance(model, torch.fx.GraphModule) or (counts is not None and not any(n == 0 for n in counts.values())):
+        return ""
+    return (f" {type(model).__name__} is a torch.fx GraphModule: tracing inlined the forward of every layer that is "
+            "not one of torch's own into its graph, which calls their parts instead. Profile the model before "
+            "tracing, or trace it with your layers kept as leaf modules (a torch.fx.Tracer whose is_leaf_module "
+            "returns True for their class): the graph then calls each layer, and remat plans them.")
 
 
 def _never_called_hint(counts: dict[str, int]) -> str:
