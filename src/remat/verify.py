@@ -52,6 +52,7 @@ from remat.apply.api import apply_to_copy, check_plan_matches, is_applied, remov
 from remat.apply.head import HeadTolerance, head_tolerance
 from remat.apply.opcount import BlockOpCounter, expected_extra_calls
 from remat.checkpointing.caches import CacheOff
+from remat.measure.callsites import block_modules
 from remat.measure.faults import FaultCount
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.profile import _Step
@@ -363,12 +364,12 @@ class _Run:
         else:  # as under the plan and in the profile: no key/value cache (remat.checkpointing.caches)
             cache_off = CacheOff(self.model).install()
             if not plan.fingerprint.shared_cache:  # else the model reads what the blocks write there
-                cache_off.drop_in([self.model.get_submodule(n) for n in plan.block_names])
+                cache_off.drop_in(block_modules(self.model, plan.block_names)[0])
         self.plan = plan
         if optimizer is not None:  # a loss reading the optimizer (an L2 term over its parameters) reads the copy's
             memo[id(optimizer)] = self.optimizer
         self.step = _Step(self.model, batch, _rebound(loss_fn, memo), self.optimizer)
-        self.blocks = [self.model.get_submodule(n) for n in plan.block_names]
+        self.blocks = block_modules(self.model, plan.block_names)[0]  # a layer's calls: its sites, as applied
         self.host_draws: tuple[Any, ...] = ()
         """Python's and NumPy's generator states after the first `compared_step`."""
         self.first_step: tuple[Any, ...] | None = None

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from remat.measure.callsites import uninstall
 from remat.measure.stacks import discover
 
 
@@ -117,8 +118,11 @@ class Twice(nn.Module):
 
 
 def test_lists_that_do_not_run_once_each_are_left_out_or_refused():
-    with pytest.raises(ValueError, match=r"no blocks found in Twice: its stacks \['layers', 'unused'\] do not run"):
-        _run(Twice())
+    found = _run(Twice())  # each call of the layer that runs twice a block, beside the one that runs once
+    assert [name for name, _ in found.blocks] == ["layers.0@0", "layers.1", "layers.0@1"]
+    assert [(s.name, s.start, s.stop) for s in found.stacks] == [("layers", 0, 3)]
+    assert found.follows_previous == (False, True, True)
+    uninstall(found.sites)
     with pytest.raises(ValueError, match=r"ran another number of times: \{'layers.0': 2, 'unused.0': 0\}"):
         _run(Twice(), ["layers.0", "unused.0"])
 
@@ -348,15 +352,42 @@ class Shared(nn.Module):
         return x.sum()
 
 
-def test_a_layer_shared_across_depths_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match=r"its only layers repeat\. Calls per step: \{'groups\.0': 3\}\. A module called "
-                                         r"more than once with gradients shares its weights across the calls: across depths") as error:
-        _run(Shared())
-    # what is left to a user who needs the memory: checkpointing each call by hand
+@pytest.mark.parametrize("blocks", [None, "groups.0"])
+def test_each_call_of_a_layer_shared_across_depths_is_a_block(blocks):
+    found = _run(Shared(), blocks)
+    try:
+        assert [name for name, _ in found.blocks] == ["groups.0@0", "groups.0@1", "groups.0@2"]
+        assert [(s.name, s.start, s.stop, s.class_name) for s in found.stacks] == [("groups", 0, 3, "Layer")]
+        assert found.follows_previous == (False, True, True)  # each call takes the one before's output
+        layer = found.sites[0].layer
+        assert all(site.__dict__["_site_of"] is layer for _, site in found.blocks)
+        assert isinstance(found.blocks[0][1], Layer) and found.blocks[0][1] is not layer
+    finally:
+        uninstall(found.sites)
+    assert "forward" not in layer.__dict__
+
+
+class SharedAndFrozen(nn.Module):
+    """A layer called at two depths with gradients and once more under ``torch.no_grad()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.groups = nn.ModuleList([Layer()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            reference = self.groups[0](x)
+        return (self.groups[0](self.groups[0](x)) - reference).sum()
+
+
+def test_a_layer_that_also_runs_without_gradients_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match=r"its only layers repeat\. Calls per step: \{'groups\.0': 3\}\. Of these, 1 per "
+                                         r"module ran with gradients disabled \(a reference pass") as error:
+        _run(SharedAndFrozen())
     assert str(error.value).endswith("(torch.utils.checkpoint.checkpoint(layer, ..., use_reentrant=False) inside its loop).")
-    with pytest.raises(ValueError, match=r"ran another number of times: \{'groups\.0': 3\}\..*neither it nor any module "
-                                         r"inside it can be a block"):
-        _run(Shared(), "groups.0")
+    with pytest.raises(ValueError, match=r"ran another number of times: \{'groups\.0': 3\}\..*each call is a block of "
+                                         r"its own \(named 'layer@i'\)"):
+        _run(SharedAndFrozen(), "groups.0")
 
 
 class Gated(nn.Module):
@@ -694,21 +725,22 @@ class _Pair(nn.Module):
         return (self.policy(x) - self.policy(x + 1)).pow(2).sum()
 
 
-def test_a_model_called_twice_in_a_step_is_told_the_way_that_works():
-    """The message blamed weight sharing across depths (ALBERT's) for a DPO step, whose fix is
-    one batch of chosen and rejected, or a reference pass moved out of the step."""
-    with pytest.raises(ValueError, match=r"Calls per step: \{'layers\.0': 2, 'layers\.1': 2\}\. A module called more "
-                                         r"than once with gradients .* put those inputs in one batch and call the model "
-                                         r"once \(TRL's concatenated_forward\), or across chunks of one input \(a video "
-                                         r"VAE"):
-        _run(_Pair(reference=False))
+@pytest.mark.parametrize("blocks", [None, "layers.*"])
+def test_a_model_called_twice_in_a_step_has_each_call_planned(blocks):
+    """A DPO step without concatenation calls the policy on chosen and rejected: each call of each
+    layer is a block; the second call of the first layer takes another input, so it starts a run
+    of its own."""
+    found = _run(_Pair(reference=False), blocks)
+    uninstall(found.sites)
+    assert [name for name, _ in found.blocks] == ["layers.0@0", "layers.1@0", "layers.0@1", "layers.1@1"]
+    assert found.follows_previous == (False, True, False, True)
+
+
+def test_a_model_called_again_without_gradients_is_told_the_way_that_works():
     with pytest.raises(ValueError, match=r"Calls per step: \{'layers\.0': 2, 'layers\.1': 2\}\. Of these, 1 per module "
                                          r"ran with gradients disabled \(a reference pass under torch.no_grad\(\).*"
                                          r"profile the step without it"):
         _run(_Pair(reference=True))
-
-
-def test_named_blocks_of_a_model_called_twice_are_told_the_way_that_works():
     with pytest.raises(ValueError, match=r"^blocks must run exactly once per step; these ran another number of times: "
-                                         r"\{'layers\.0': 2, 'layers\.1': 2\}\..* put those inputs in one batch"):
-        _run(_Pair(reference=False), "layers.*")
+                                         r"\{'layers\.0': 2, 'layers\.1': 2\}\..* profile the step without it"):
+        _run(_Pair(reference=True), "layers.*")

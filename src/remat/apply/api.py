@@ -17,6 +17,7 @@ they are, and ``remove_`` restores every ``forward`` exactly and takes the hooks
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,8 @@ from remat.apply.watch import StepWatch
 from remat.checkpointing.caches import CacheOff
 from remat.head.site import find_head
 from remat.head.strategies import parse_head
+from remat.measure.callsites import block_modules, split_site
+from remat.measure.callsites import uninstall as uninstall_sites
 from remat.measure.types import Fingerprint
 from remat.plan.types import Plan
 
@@ -67,9 +70,12 @@ def _has(model: nn.Module, name: str) -> bool:
 
 
 def _resolve_blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
-    """The plan's blocks in ``model``: distinct submodules (never the model itself), none inside another."""
+    """The plan's blocks in ``model``: distinct submodules (never the model itself), none inside
+    another; for a call of a layer (``layer@i``, `remat.measure.callsites`), the layer, checked
+    here, its call site made when the plan is applied."""
     blocks = []
-    for name in plan.block_names:
+    for block_name in plan.block_names:
+        name, index = split_site(block_name)
         try:
             block = model.get_submodule(name)
         except AttributeError:
@@ -87,8 +93,9 @@ def _resolve_blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
         if block is model:
             raise ValueError(f"the plan names block {name!r}, which is the model itself; blocks are its "
                              "submodules (layers). Profile and plan this model (remat.profile, remat.plan).")
-        blocks.append(block)
-    _check_disjoint(plan.block_names, blocks)
+        if index is None or not any(b is block for b in blocks):  # a layer's calls: the layer once
+            blocks.append(block)
+    _check_disjoint(tuple(dict.fromkeys(split_site(name)[0] for name in plan.block_names)), blocks)
     return blocks
 
 
@@ -183,19 +190,24 @@ def apply_to_copy(model: nn.Module, plan: Plan, *, batch: Any = None, offload_di
             f"({applied_plan(model).strategy_name!r}); call remat.remove_(model) first."
         )
     plan.check()
-    blocks = _resolve_blocks(model, plan)
+    _resolve_blocks(model, plan)
     if batch is not None:
         check_batch_device(model, batch)
     if not matched:
         check_plan_matches(model, plan, batch)
     head = _head_runtime(model, plan)
     # every check passed: from here on, change the model, and undo everything if a step fails
-    watch = StepWatch(model, plan.fingerprint.batch_shapes, plan.prediction.peak_bytes, plan.budget_bytes,
-                      blocks=list(zip(plan.block_names, blocks)))
-    options = {"plan": plan, "offload_engines": {}, "cache_off": CacheOff(model), "head_runtime": head,
-               "step_watch": watch}
-    runtime = Runtime(blocks=blocks, block_names=plan.block_names, segments=plan.segments,
-                      handlers=HANDLERS, options=options)
+    blocks, sites = block_modules(model, plan.block_names)
+    try:
+        watch = StepWatch(model, plan.fingerprint.batch_shapes, plan.prediction.peak_bytes, plan.budget_bytes,
+                          blocks=list(zip(plan.block_names, blocks)))
+        options = {"plan": plan, "offload_engines": {}, "cache_off": CacheOff(model), "head_runtime": head,
+                   "step_watch": watch, "sites": tuple(sites.values())}
+        runtime = Runtime(blocks=blocks, block_names=plan.block_names, segments=plan.segments,
+                          handlers=HANDLERS, options=options)
+    except BaseException:
+        uninstall_sites(sites.values())
+        raise
     model.__dict__[RUNTIME_ATTR] = runtime
     try:
         options["offload_engines"] = _offload_engines(plan, offload_dir)
@@ -227,7 +239,8 @@ def remove_(model: nn.Module) -> nn.Module:
                              f"remat.remove_(wrapper.{wrapped}).")
         raise ValueError(f"{type(model).__name__} has no remat plan applied; nothing to remove.")
     head = runtime.options.get("head_runtime")
-    steps = [runtime.uninstall, runtime.options["cache_off"].remove]
+    steps = [runtime.uninstall, functools.partial(uninstall_sites, runtime.options.get("sites", ())),
+             runtime.options["cache_off"].remove]
     if "step_watch" in runtime.options:
         steps.append(runtime.options["step_watch"].remove)
     if head is not None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.measure.callsites import block_modules
 from remat._batch import LossFn, check_batch_device, check_step_inputs, model_device
 from remat.apply.api import applied, is_applied
 from remat.measure.profile import _Step
@@ -136,7 +137,7 @@ class Tuner:
                 torch.manual_seed(SEED)
                 step.run()
                 torch.manual_seed(SEED)
-                blocks = [(n, self.model.get_submodule(n)) for n in plan.block_names]
+                blocks = list(zip(plan.block_names, block_modules(self.model, plan.block_names)[0]))  # as applied
                 tracked = track_step(step.run, model=self.model, optimizer=self.optimizer, blocks=blocks,
                                      batch=self.batch)
             return tracked.peak_bytes, tracked.device_max_allocated_bytes, ""

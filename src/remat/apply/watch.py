@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.measure.callsites import split_site
 from remat._batch import batch_tensors
 
 __all__ = ["StepWatch", "largest_dims"]
@@ -102,9 +103,10 @@ class StepWatch:
             if name in self.replaced:
                 continue
             try:
-                now = self.model.get_submodule(name)
+                now = self.model.get_submodule(split_site(name)[0])
             except AttributeError:
                 now = None
+            block = block.__dict__.get("_site_of", block)  # a call of a layer (remat.measure.callsites): the layer
             if now is not block and not (now is not None and any(m is block for m in now.modules())):
                 # a wrapper holding the block (FSDP1's, a compiled module's, the user's) runs its planned forward
                 self.replaced.add(name)

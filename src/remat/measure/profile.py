@@ -82,6 +82,7 @@ from remat.checkpointing.cacheable import cacheable
 from remat.checkpointing.caches import CacheOff, as_in_training
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.blocks import Blocks
+from remat.measure.callsites import layer_of, uninstall
 from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.budget import ProbeBudget, lockstep
 from remat.measure.compiled import backend_name, measure_compiled, measure_pre_part, with_compiled
@@ -163,6 +164,7 @@ def profile(
     site, note = find_head(model) if loss_fn is None else (None, "the loss is a loss_fn outside the model")
     structure = model_hash(model)  # as given: a forward may resize buffers (QAT observers start empty)
     snapshot = StateSnapshot(model, optimizer, batch)
+    found = None
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                 _cache_off(model, device) as cache_off, LayerDropOff(model) as layerdrop:
@@ -183,6 +185,8 @@ def profile(
             prof = dataclasses.replace(prof, fingerprint=dataclasses.replace(prof.fingerprint, model_hash=structure))
             prof = with_grad_accumulation(prof) if grad_accumulation else prof
     finally:
+        if found is not None:
+            uninstall(found.sites)
         snapshot.restore()
     ran = model_hash(model)
     if ran != structure:  # the model changed its own structure by running (BigBird-Pegasus)
@@ -620,7 +624,7 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
     return Profile(
         fingerprint=fingerprint(model, step.batch, [name for name, _ in block_list]), environment=_environment(model_device(model)),
         blocks=_block_profiles(found, memory, times, overheads, groups), timing_split=groups.split,
-        stacks=found.stacks, fixed_modules=fixed_modules(model, [m for _, m in block_list]),
+        stacks=found.stacks, fixed_modules=fixed_modules(model, list({id(layer_of(m)): layer_of(m) for _, m in block_list}.values())),
         param_bytes=param_bytes(model), grad_bytes=memory.grad_bytes,
         optimizer_state_bytes=memory.optimizer_state_bytes,
         optimizer_name=type(optimizer).__name__ if optimizer is not None else "none",

@@ -40,6 +40,7 @@ from torch import nn
 from remat.measure.blocks import (Blocks, attribute_stacks, candidate_lists, single_stages, leaf_sequences, flattened, has_parameters, inside, members, named_blocks,
                                   mixed_stacks, no_stack_error, outermost, stack_lists)
 from remat.measure.calls import follows
+from remat.measure.callsites import Sites, install, site_name
 from remat.measure.types import Stack
 
 __all__ = ["Discovery", "discover", "parent_name"]
@@ -55,6 +56,9 @@ class Discovery:
     """Runs of consecutive blocks (in run order) from one list."""
     follows_previous: tuple[bool, ...]
     """Per block: it follows the block before it in the same stack (False for a stack's first)."""
+    sites: tuple[Sites, ...] = ()
+    """Call sites installed for blocks that are calls of a layer run several times
+    (`remat.measure.callsites`), to uninstall when the profile is done."""
 
 
 @dataclass
@@ -123,6 +127,9 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
     if blocks is not None:
         chosen = named_blocks(model, blocks)
         trace = _Trace(chosen).run(forward)
+        repeated = _repeated_with_grad(trace, [name for name, _ in chosen])
+        if repeated:  # each call of a layer that runs several times a block of its own
+            return _call_sites(model, trace, chosen, repeated)
         _check_ran_once(trace, chosen, model)
         groups = [(parent_name(name), [(name, module)]) for name, module in chosen]
         groups = _without_no_grad(model, groups, trace)
@@ -138,6 +145,9 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
         trace = _Trace(list(dict(every + siblings).items())).run(forward)
         groups, left_out = _chosen_lists(model, lists, trace)
         if not groups and lists:
+            found = _repeated_layers(model, forward, [m for m, _ in every])
+            if found is not None:
+                return found
             counts = {m: len(trace.calls[m]) for m, _ in every if len(trace.calls[m]) != 1}
             hint = _repeated_hint(counts, trace)
             raise ValueError(
@@ -147,6 +157,9 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
                 + _never_called_hint(counts) + _traced_hint(model, counts)
             )
         if not groups:
+            found = _repeated_layers(model, forward)
+            if found is not None:
+                return found
             error = _repeated_error(model, forward) or no_stack_error(model)
             raise ValueError(str(error) + _traced_hint(model)) if _traced_hint(model) else error
         groups, trace = _beside(model, lists, groups, forward, trace)
@@ -193,12 +206,74 @@ def _repeated_hint(counts: dict[str, int], trace: _Trace | None = None, counted:
                  "torch.no_grad(), as DPO does with the adapters off): profile the step without it (the reference "
                  "log-probs computed before the step); an applied plan runs such calls as they are.")
     if any(n - off.get(name, 0) > 1 for name, n in repeated.items()):
-        text += (" A module called more than once with gradients shares its weights across the calls: across depths "
-                 "(ALBERT's layer groups; then neither it nor any module inside it can be a block), across inputs "
-                 "(chosen and rejected, two views): put those inputs in one batch and call the model once (TRL's "
-                 "concatenated_forward), or across chunks of one input (a video VAE that encodes its frames a chunk "
-                 "at a time, Wan's: its layers run once per chunk). remat plans each block's activations once per step.")
+        text += (" A module called more than once with gradients shares its weights across the calls (across depths: "
+                 "ALBERT's layer groups; across inputs; across chunks of one input): when every call runs with "
+                 "gradients, each call is a block of its own (named 'layer@i'), planned as any other.")
     return text
+
+
+def _repeated_with_grad(trace: _Trace, names: Sequence[str]) -> list[str]:
+    """Of ``names``, the modules called more than once, every call with gradients, when every
+    other ran once ([] otherwise: the errors of `_check_ran_once` apply)."""
+    counts = {name: len(trace.calls[name]) for name in names}
+    repeated = [name for name in names if counts[name] > 1]
+    if not repeated or any(counts[name] == 0 for name in names):
+        return []
+    if not all(call.grad for name in repeated for call in trace.calls[name]):
+        return []
+    return repeated
+
+
+def _repeated_layers(model: nn.Module, forward: Callable[[], Any], members: Sequence[str] = ()) -> Discovery | None:
+    """Where no stack runs as one: the outermost modules with parameters that the forward calls
+    several times, every call with gradients (ALBERT's layer group at every depth, a Universal
+    Transformer's layer, a recurrent cell over time steps), each call a block
+    (`remat.measure.callsites`), with the ``members`` of the stacks found that run once, with
+    gradients, apart from those (a layer run once beside one run twice); None when no module
+    repeats so."""
+    modules = [(name, m) for name, m in model.named_modules() if name and has_parameters(m)]
+    trace = _Trace(modules).run(forward)
+    several = [name for name, calls in trace.calls.items() if len(calls) > 1]
+    repeated = [name for name in several if all(call.grad for call in trace.calls[name])
+                and not any(inside(name, other) for other in several)]
+    if not repeated:
+        return None
+    once = [name for name in members if name in trace.calls and len(trace.calls[name]) == 1 and trace.calls[name][0].grad
+            and not any(inside(name, other) or inside(other, name) for other in several)]
+    chosen = [(name, model.get_submodule(name)) for name in repeated + once]
+    return _call_sites(model, trace, chosen, repeated)
+
+
+def _call_sites(model: nn.Module, trace: _Trace, chosen: Blocks, repeated: list[str]) -> Discovery:
+    """The blocks of ``chosen`` in run order, each call of a ``repeated`` module a block named
+    ``name@i`` (its call site installed: `remat.measure.callsites.install`); a stack per list
+    the modules sit in (a layer's own name for one outside a list), the blocks of a stack that run
+    one after the other in it, each following the call before when it takes that call's output."""
+    installed = install(model, {name: len(trace.calls[name]) for name in repeated})
+    modules = dict(chosen)
+    seen: dict[str, int] = {}
+    order: list[tuple[str, str, int]] = []  # (block name, module name, call index)
+    for name in trace.order:
+        if name not in modules:
+            continue
+        index = seen.get(name, 0)
+        seen[name] = index + 1
+        order.append((site_name(name, index) if name in installed else name, name, index))
+    blocks = [(block, installed[name].sites[index] if name in installed else modules[name]) for block, name, index in order]
+    stacks: list[Stack] = []
+    chained: list[bool] = []
+    for position, (block, name, index) in enumerate(order):
+        parent = parent_name(name)
+        group = parent if parent and isinstance(model.get_submodule(parent), (nn.ModuleList, nn.Sequential)) else name
+        if stacks and stacks[-1].name == group:
+            stacks[-1] = Stack(name=group, start=stacks[-1].start, stop=position + 1, class_name=stacks[-1].class_name)
+            _, previous, previous_index = order[position - 1]
+            chained.append(_follows(trace.calls[previous][previous_index], trace.calls[name][index]))
+        else:
+            stacks.append(Stack(name=group, start=position, stop=position + 1, class_name=type(modules[name]).__name__))
+            chained.append(False)
+    return Discovery(blocks=blocks, stacks=tuple(stacks), follows_previous=tuple(chained),
+                     sites=tuple(installed.values()))
 
 
 def _repeated_error(model: nn.Module, forward: Callable[[], Any]) -> ValueError | None:
@@ -212,7 +287,7 @@ def _repeated_error(model: nn.Module, forward: Callable[[], Any]) -> ValueError 
     counts = {name: len(trace.calls[name]) for name, _ in single if len(trace.calls[name]) > 1}
     if not counts:
         return None
-    return ValueError(f"no blocks found in {type(model).__name__}: its only layers repeat." + _repeated_hint(counts)
+    return ValueError(f"no blocks found in {type(model).__name__}: its only layers repeat." + _repeated_hint(counts, trace)
                       + " remat has no block to plan in this model: it trains as it is without a plan; to trade its "
                       "memory for time anyway, checkpoint each call of the shared layer by hand "
                       "(torch.utils.checkpoint.checkpoint(layer, ..., use_reentrant=False) inside its loop).")

@@ -1,0 +1,186 @@
+"""Each call of a layer that runs several times per step, as a block of its own.
+
+A layer whose weights serve several depths (ALBERT's layer group, a Universal Transformer's one
+layer, a recurrent cell stepped over time) runs several times per forward, and each call saves its
+own activations: the calls, not the layer, are what a plan keeps or recomputes. remat names the
+``i``-th call of layer ``name`` in a step ``name@i`` and gives it a *call site*: a module object of
+its own, which the layer hands its ``i``-th call to. Every hook, probe and runtime of remat then
+sees one module called once, as for any other block.
+
+A call site shares everything with its layer: it reads and writes the layer's attributes,
+parameters, buffers and children (`_CallSite.__getattr__`, ``__setattr__``), so ``train()``, a
+weight update or a state set in the forward reach both. It holds only its own hooks and the
+``forward`` a runtime installs on it. It is never registered as a submodule, so the model's
+parameters, ``state_dict`` keys and module tree stay as they are.
+
+The layer hands its calls on through `Sites`, its ``forward`` instance attribute while sites are
+installed, counting them from the model's forward (a pre-hook on the model resets the count): its
+``i``-th call goes to site ``i``; a call beyond the sites planned (a longer loop in evaluation) runs
+the layer's own forward. `install` puts them in place, `uninstall` restores the layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+__all__ = ["SEPARATOR", "split_site", "site_name", "is_site", "layer_of", "Sites", "install", "uninstall", "block_modules",
+           "sites_in"]
+
+SEPARATOR = "@"
+"""Between a layer's qualified name and the number of its call: ``encoder.layer@3``."""
+
+_SITE = re.compile(r"^(?P<name>.+)@(?P<index>0|[1-9][0-9]*)$")
+
+
+def split_site(name: str) -> tuple[str, int | None]:
+    """``(layer name, call index)`` of a block name; the index is None for a plain module name."""
+    match = _SITE.match(name)
+    return (name, None) if match is None else (match["name"], int(match["index"]))
+
+
+def site_name(name: str, index: int) -> str:
+    return f"{name}{SEPARATOR}{index}"
+
+
+def is_site(module: nn.Module) -> bool:
+    return isinstance(module, _CallSite)
+
+
+def layer_of(module: nn.Module) -> nn.Module:
+    """The layer whose call ``module`` is, or ``module`` itself: what holds the attributes."""
+    return module.__dict__.get("_site_of", module)
+
+
+class _CallSite(nn.Module):
+    """Mixin of a call site's class (made per layer class by `_site_class`): attributes come
+    from, and go to, the layer (``_site_of``), but hooks and ``forward``, which stay its own."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            layer = self.__dict__["_site_of"]
+        except KeyError:  # being copied: no layer yet
+            raise AttributeError(name) from None
+        return getattr(layer, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__ or name == "forward":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.__dict__["_site_of"], name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self.__dict__:
+            object.__delattr__(self, name)
+        else:
+            delattr(self.__dict__["_site_of"], name)
+
+    def extra_repr(self) -> str:
+        return f"call {self.__dict__['_site_index']} of {type(self.__dict__['_site_of']).__name__}"
+
+
+@functools.lru_cache(maxsize=None)
+def _site_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """A subclass of the layer's class (``isinstance``, ``type(site).forward`` and the class name
+    as the layer's) with `_CallSite`'s attribute rules first."""
+    return type(cls.__name__, (_CallSite, cls), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
+def _make_site(layer: nn.Module, index: int, forward: Any) -> nn.Module:
+    site = object.__new__(_site_class(type(layer)))
+    own = {key: OrderedDict() for key, value in layer.__dict__.items() if "hooks" in key and isinstance(value, dict)}
+    own.update(_site_of=layer, _site_index=index)
+    if forward is not None:  # the layer's own instance forward (an accelerate hook's), bound to the layer
+        own["forward"] = forward
+    object.__setattr__(site, "__dict__", own)
+    return site
+
+
+class Sites:
+    """The ``forward`` instance attribute of a layer whose calls are blocks: hands call ``i`` of
+    the model's forward to site ``i``. A plain object (not a closure), so ``copy.deepcopy`` of the
+    model copies the sites with the layer."""
+
+    def __init__(self, layer: nn.Module, count: int, saved_forward: Any) -> None:
+        self.layer = layer
+        self.saved_forward = saved_forward
+        self.sites = [_make_site(layer, i, saved_forward) for i in range(count)]
+        self.calls = 0
+        self.reset_handle: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        index = self.calls
+        self.calls += 1
+        if index < len(self.sites):
+            return self.sites[index](*args, **kwargs)
+        own = self.saved_forward if self.saved_forward is not None else functools.partial(type(self.layer).forward,
+                                                                                          self.layer)
+        return own(*args, **kwargs)
+
+    def reset(self, *_: Any, **__: Any) -> None:
+        self.calls = 0
+
+
+def sites_in(layer: nn.Module) -> Sites | None:
+    found = layer.__dict__.get("forward")
+    return found if isinstance(found, Sites) else None
+
+
+def install(model: nn.Module, counts: dict[str, int]) -> dict[str, Sites]:
+    """Sites for layer ``name``'s ``counts[name]`` calls (more when the layer has more installed
+    already), counted from each forward of ``model``; what was installed, by layer name."""
+    installed: dict[str, Sites] = {}
+    try:
+        for name, count in counts.items():
+            layer = model.get_submodule(name)
+            found = sites_in(layer)
+            if found is not None:
+                if count > len(found.sites):
+                    found.sites += [_make_site(layer, i, found.saved_forward) for i in range(len(found.sites), count)]
+                continue
+            sites = Sites(layer, count, layer.__dict__.get("forward"))
+            layer.forward = sites
+            sites.reset_handle = model.register_forward_pre_hook(sites.reset)
+            installed[name] = sites
+    except Exception:
+        uninstall(installed.values())
+        raise
+    return installed
+
+
+def uninstall(installed: Sequence[Sites] | Any) -> None:
+    """Give each layer of ``installed`` its own ``forward`` back."""
+    for sites in installed:
+        layer = sites.layer
+        if layer.__dict__.get("forward") is sites:
+            del layer.__dict__["forward"]
+            if sites.saved_forward is not None:
+                layer.forward = sites.saved_forward
+        if sites.reset_handle is not None:
+            sites.reset_handle.remove()
+
+
+def block_modules(model: nn.Module, names: Sequence[str]) -> tuple[list[nn.Module], dict[str, Sites]]:
+    """The modules of block ``names`` in ``model`` (a call site for ``layer@i``, its layer's sites
+    installed where they are not: the second value, for `uninstall`). AttributeError names a
+    module the model does not have."""
+    counts: dict[str, int] = {}
+    for name in names:
+        layer, index = split_site(name)
+        if index is not None:
+            counts[layer] = max(counts.get(layer, 0), index + 1)
+    installed = install(model, counts) if counts else {}
+    try:
+        modules = []
+        for name in names:
+            layer, index = split_site(name)
+            modules.append(model.get_submodule(name) if index is None else sites_in(model.get_submodule(layer)).sites[index])
+    except Exception:
+        uninstall(installed.values())
+        raise
+    return modules, installed

@@ -1,0 +1,179 @@
+"""Layers that run several times per step (weights shared across depths or time steps): each call
+is a block of its own (``layer@i``, `remat.measure.callsites`), profiled, planned, applied and
+verified as any other block, the model's parameters, ``state_dict`` and module tree unchanged."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.measure.callsites import is_site, layer_of, sites_in, split_site
+
+
+class Looped(nn.Module):
+    """One layer applied ``steps`` times (a Universal Transformer; ALBERT's layer group)."""
+
+    def __init__(self, steps: int = 4, width: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.layer = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Dropout(0.1),
+                                   nn.Linear(4 * width, width))
+        self.head = nn.Linear(width, 3)
+        self.steps = steps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for _ in range(self.steps):
+            h = h + self.layer(h)
+        return self.head(h)
+
+
+def _loss(out: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def _looped() -> tuple[Looped, torch.Tensor]:
+    torch.manual_seed(0)
+    return Looped(), torch.randn(4, 6, 8)
+
+
+class Residual(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Universal(nn.Module):
+    """``x = layer(x)`` four times: the calls chain, so segments of several calls can run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.head = Residual(), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = self.layer(x)
+        return self.head(x)
+
+
+def test_each_call_is_a_block_and_every_plan_gives_identical_gradients():
+    model, batch = _looped()
+    keys, params = list(model.state_dict()), [id(p) for p in model.parameters()]
+    prof = remat.profile(model, batch, _loss, repeats=1)
+    assert [b.name for b in prof.blocks] == ["layer@0", "layer@1", "layer@2", "layer@3"]
+    assert "forward" not in model.layer.__dict__  # the profile left the layer as it was
+    sizes = {b.saved_bytes for b in prof.blocks}
+    assert len(sizes) == 1 and sizes.pop() > 0  # the four calls save the same
+    for plan in (remat.pareto(prof)[-1], remat.plan(prof, strategy="full")):
+        check = remat.verify(model, batch, plan, _loss, repeats=1)
+        assert check.grads_identical and check.grad_max_abs_diff == 0.0 and check.loss_max_abs_diff == 0.0
+        assert check.recompute_counts_match
+        # exact but for the gradients of the shared weights: their accumulation over the calls is priced
+        # a few bytes high (64 B of 54,880 for full recomputation)
+        assert check.predicted_peak_bytes - 128 <= check.measured_peak_bytes <= check.predicted_peak_bytes
+    replayed = [c for c in check.op_counts if c.op == "aten.addmm.default"]
+    # full recomputation, counted per call: each call's replay runs its first matmul again and stops
+    # at the dropout's output, the last tensor its backward needs (the second matmul's input)
+    assert [(c.block, c.baseline_count, c.planned_count) for c in replayed] == [(f"layer@{i}", 2, 3) for i in range(4)]
+    assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
+
+
+def test_segments_of_several_calls_run_from_the_first_call():
+    torch.manual_seed(0)
+    model, batch = Universal(), torch.randn(4, 6, 16)
+    prof = remat.profile(model, batch, _loss, repeats=1)
+    assert [b.follows_previous for b in prof.blocks] == [False, True, True, True]
+    plan = remat.plan(prof, strategy="sqrt")
+    assert [(s.kind, s.start, s.stop) for s in plan.segments] == [("recompute", 0, 2), ("recompute", 2, 4)]
+    check = remat.verify(model, batch, plan, _loss, repeats=1)
+    assert check.grads_identical and check.grad_max_abs_diff == 0.0 and check.recompute_counts_match
+
+
+def test_applied_the_layer_hands_each_call_to_its_site_and_remove_restores_it():
+    model, batch = _looped()
+    reference = copy.deepcopy(model)
+    plan = remat.plan(remat.profile(model, batch, _loss, repeats=1), strategy="full")
+    keys = list(model.state_dict())
+    remat.apply_(model, plan)
+    sites = sites_in(model.layer)
+    assert sites is not None and [layer_of(s) for s in sites.sites] == [model.layer] * 4
+    assert all(is_site(s) and isinstance(s, nn.Sequential) for s in sites.sites)
+    assert list(model.state_dict()) == keys and [n for n, _ in model.named_modules()] == [
+        n for n, _ in reference.named_modules()]
+    copied = copy.deepcopy(model)  # an applied copy drives its own layer
+    assert layer_of(sites_in(copied.layer).sites[0]) is copied.layer
+    for trained in (model, copied, reference):
+        opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+        for _ in range(2):
+            torch.manual_seed(1)
+            opt.zero_grad()
+            _loss(trained(batch), batch).backward()
+            opt.step()
+    for a, b, c in zip(model.parameters(), copied.parameters(), reference.parameters()):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    model.eval()  # the flag reaches the sites: they read the layer's
+    assert not any(s.training for s in sites.sites)
+    reference.eval()
+    model.steps = reference.steps = 6  # more calls than planned: those run as the layer's own
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch), reference(batch), rtol=0, atol=0)
+    remat.remove_(model)
+    assert "forward" not in model.layer.__dict__
+
+
+def test_a_plan_of_calls_is_refused_by_a_model_without_that_layer_and_nothing_changes():
+    model, batch = _looped()
+    plan = remat.plan(remat.profile(model, batch, _loss, repeats=1), strategy="full")
+    other = nn.Sequential(nn.Linear(8, 16))
+    with pytest.raises(ValueError, match=r"the plan names block 'layer', which Sequential does not have"):
+        remat.apply_(other, plan)
+    assert "forward" not in other.__dict__ and not remat.apply.api.is_applied(other)
+
+
+def test_block_names_of_calls_split_back_into_the_layer_and_the_call():
+    assert split_site("encoder.layer@12") == ("encoder.layer", 12)
+    assert split_site("encoder.layer.0") == ("encoder.layer.0", None)
+    assert split_site("odd@name@3") == ("odd@name", 3)
+    assert split_site("layer@03") == ("layer@03", None)  # not a call number
+
+
+def test_fully_shard_by_plan_refuses_calls_of_one_layer():
+    from remat.distributed import fsdp_units
+
+    model, batch = _looped()
+    plan = remat.plan(remat.profile(model, batch, _loss, repeats=1), strategy="full")
+    with pytest.raises(ValueError, match=r"the plan's blocks \['layer@0', 'layer@1', 'layer@2'\] \.\.\. are calls of a "
+                                         r"layer that runs several times per step"):
+        fsdp_units(model, plan)
+
+
+class Recurrent(nn.Module):
+    """A GRU cell stepped over time, the classic chain whose activations grow with its length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell, self.head = nn.GRUCell(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.new_zeros(x.shape[0], 16)
+        outs = []
+        for t in range(x.shape[1]):
+            h = self.cell(x[:, t], h)
+            outs.append(h)
+        return self.head(torch.stack(outs, 1))
+
+
+def test_a_recurrent_cell_is_planned_per_time_step():
+    torch.manual_seed(0)
+    model, batch = Recurrent(), torch.randn(4, 5, 8)
+    prof = remat.profile(model, batch, _loss, repeats=1)
+    assert [b.name for b in prof.blocks] == [f"cell@{t}" for t in range(5)]
+    plan = remat.plan(prof, strategy="full")
+    check = remat.verify(model, batch, plan, _loss, repeats=1)
+    assert check.grads_identical and check.grad_max_abs_diff == 0.0 and check.recompute_counts_match
+    assert check.measured_peak_bytes < check.baseline_peak_bytes
