@@ -177,3 +177,15 @@ def test_a_recurrent_cell_is_planned_per_time_step():
     check = remat.verify(model, batch, plan, _loss, repeats=1)
     assert check.grads_identical and check.grad_max_abs_diff == 0.0 and check.recompute_counts_match
     assert check.measured_peak_bytes < check.baseline_peak_bytes
+
+
+def test_a_compiled_profile_leaves_the_layer_as_it_was():
+    """The compiled profile hides each block from dynamo by setting its ``_call_impl``: on a call
+    site that stays the site's own. Set on the layer, it outlived the profile and ran the
+    original model inside `remat.verify`'s copies."""
+    torch.manual_seed(0)
+    model, batch = Universal(), torch.randn(4, 6, 16)
+    prof = remat.profile(model, batch, _loss, repeats=1, compiled="eager")
+    assert "_call_impl" not in model.layer.__dict__ and "forward" not in model.layer.__dict__
+    check = remat.verify(model, batch, remat.plan(prof, strategy="sqrt"), _loss, repeats=1)
+    assert check.grads_identical and check.grad_max_abs_diff == 0.0 and not check.compiled_error

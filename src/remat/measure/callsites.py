@@ -9,8 +9,8 @@ sees one module called once, as for any other block.
 
 A call site shares everything with its layer: it reads and writes the layer's attributes,
 parameters, buffers and children (`_CallSite.__getattr__`, ``__setattr__``), so ``train()``, a
-weight update or a state set in the forward reach both. It holds only its own hooks and the
-``forward`` a runtime installs on it. It is never registered as a submodule, so the model's
+weight update or a state set in the forward reach both. It holds only its own hooks and how it is
+called (`_OWN`: the ``forward`` a runtime installs on it). It is never registered as a submodule, so the model's
 parameters, ``state_dict`` keys and module tree stay as they are.
 
 The layer hands its calls on through `Sites`, its ``forward`` instance attribute while sites are
@@ -57,6 +57,11 @@ def layer_of(module: nn.Module) -> nn.Module:
     return module.__dict__.get("_site_of", module)
 
 
+_OWN = frozenset({"forward", "_call_impl", "_compiled_call_impl"})
+"""Attributes set on a call site that stay its own: how it is called (a runtime's ``forward``,
+the compiled profile's ``_call_impl`` that hides a block from dynamo); any other goes to the layer."""
+
+
 class _CallSite(nn.Module):
     """Mixin of a call site's class (made per layer class by `_site_class`): attributes come
     from, and go to, the layer (``_site_of``), but hooks and ``forward``, which stay its own."""
@@ -69,7 +74,7 @@ class _CallSite(nn.Module):
         return getattr(layer, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in self.__dict__ or name == "forward":
+        if name in self.__dict__ or name in _OWN:
             object.__setattr__(self, name, value)
         else:
             setattr(self.__dict__["_site_of"], name, value)
