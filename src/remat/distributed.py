@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from remat.measure.callsites import split_site
+from remat.checkpointing.callsites import split_site
 from remat.measure.types import Profile
 from remat.memory.model_state import ModelState, check_sharding, shard_model_state
 from remat.plan.types import Plan
@@ -211,7 +211,7 @@ def fsdp_units(model: nn.Module, plan: Plan) -> list[list[nn.Module]]:
     if sites:
         raise ValueError(
             f"the plan's blocks {sites[:3]}{' ...' if len(sites) > 3 else ''} are calls of a layer that runs several times "
-            "per step (remat.measure.callsites): fully_shard_by_plan makes an FSDP2 unit of each segment's modules, and the "
+            "per step (remat.checkpointing.callsites): fully_shard_by_plan makes an FSDP2 unit of each segment's modules, and the "
             "calls of one layer are one module, which cannot be a unit per call. Shard the model with fully_shard as you "
             "choose, or plan with blocks that run once each (remat.profile(..., blocks=...)).")
     blocks = [model.get_submodule(name) for name in plan.block_names]

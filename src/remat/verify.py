@@ -52,7 +52,7 @@ from remat.apply.api import apply_to_copy, check_plan_matches, is_applied, remov
 from remat.apply.head import HeadTolerance, head_tolerance
 from remat.apply.opcount import BlockOpCounter, expected_extra_calls
 from remat.checkpointing.caches import CacheOff
-from remat.measure.callsites import block_modules
+from remat.checkpointing.callsites import block_modules
 from remat.measure.faults import FaultCount
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.profile import _Step

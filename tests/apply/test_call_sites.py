@@ -1,5 +1,5 @@
 """Layers that run several times per step (weights shared across depths or time steps): each call
-is a block of its own (``layer@i``, `remat.measure.callsites`), profiled, planned, applied and
+is a block of its own (``layer@i``, `remat.checkpointing.callsites`), profiled, planned, applied and
 verified as any other block, the model's parameters, ``state_dict`` and module tree unchanged."""
 
 import copy
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.measure.callsites import is_site, layer_of, sites_in, split_site
+from remat.checkpointing.callsites import is_site, layer_of, sites_in, split_site
 
 
 class Looped(nn.Module):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from remat.measure.callsites import uninstall
+from remat.checkpointing.callsites import uninstall
 from remat.measure.stacks import discover
 
 

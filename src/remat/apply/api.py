@@ -32,8 +32,8 @@ from remat.apply.watch import StepWatch
 from remat.checkpointing.caches import CacheOff
 from remat.head.site import find_head
 from remat.head.strategies import parse_head
-from remat.measure.callsites import block_modules, split_site
-from remat.measure.callsites import uninstall as uninstall_sites
+from remat.checkpointing.callsites import block_modules, split_site
+from remat.checkpointing.callsites import uninstall as uninstall_sites
 from remat.measure.types import Fingerprint
 from remat.plan.types import Plan
 
@@ -71,7 +71,7 @@ def _has(model: nn.Module, name: str) -> bool:
 
 def _resolve_blocks(model: nn.Module, plan: Plan) -> list[nn.Module]:
     """The plan's blocks in ``model``: distinct submodules (never the model itself), none inside
-    another; for a call of a layer (``layer@i``, `remat.measure.callsites`), the layer, checked
+    another; for a call of a layer (``layer@i``, `remat.checkpointing.callsites`), the layer, checked
     here, its call site made when the plan is applied."""
     blocks = []
     for block_name in plan.block_names:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.measure.callsites import block_modules
+from remat.checkpointing.callsites import block_modules
 from remat._batch import LossFn, check_batch_device, check_step_inputs, model_device
 from remat.apply.api import applied, is_applied
 from remat.measure.profile import _Step

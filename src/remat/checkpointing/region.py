@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from remat.checkpointing.attributes import MODULE_INTERNALS, AttributeSnapshot, buffer_owners, put_back, snapshot
 from remat.checkpointing.caches import CacheState, kv_caches_in
-from remat.measure.callsites import layer_of
+from remat.checkpointing.callsites import layer_of
 
 __all__ = ["BufferGuard", "Body", "checkpointed", "replaying", "first_argument", "call_with_first"]
 

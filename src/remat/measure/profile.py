@@ -82,7 +82,7 @@ from remat.checkpointing.cacheable import cacheable
 from remat.checkpointing.caches import CacheOff, as_in_training
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.blocks import Blocks
-from remat.measure.callsites import layer_of, uninstall
+from remat.checkpointing.callsites import layer_of, uninstall
 from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.budget import ProbeBudget, lockstep
 from remat.measure.compiled import backend_name, measure_compiled, measure_pre_part, with_compiled

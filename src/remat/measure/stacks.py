@@ -40,7 +40,7 @@ from torch import nn
 from remat.measure.blocks import (Blocks, attribute_stacks, candidate_lists, single_stages, leaf_sequences, flattened, has_parameters, inside, members, named_blocks,
                                   mixed_stacks, no_stack_error, outermost, stack_lists)
 from remat.measure.calls import follows
-from remat.measure.callsites import Sites, install, site_name
+from remat.checkpointing.callsites import Sites, install, site_name
 from remat.measure.types import Stack
 
 __all__ = ["Discovery", "discover", "parent_name"]
@@ -58,7 +58,7 @@ class Discovery:
     """Per block: it follows the block before it in the same stack (False for a stack's first)."""
     sites: tuple[Sites, ...] = ()
     """Call sites installed for blocks that are calls of a layer run several times
-    (`remat.measure.callsites`), to uninstall when the profile is done."""
+    (`remat.checkpointing.callsites`), to uninstall when the profile is done."""
 
 
 @dataclass
@@ -228,7 +228,7 @@ def _repeated_layers(model: nn.Module, forward: Callable[[], Any], members: Sequ
     """Where no stack runs as one: the outermost modules with parameters that the forward calls
     several times, every call with gradients (ALBERT's layer group at every depth, a Universal
     Transformer's layer, a recurrent cell over time steps), each call a block
-    (`remat.measure.callsites`), with the ``members`` of the stacks found that run once, with
+    (`remat.checkpointing.callsites`), with the ``members`` of the stacks found that run once, with
     gradients, apart from those (a layer run once beside one run twice); None when no module
     repeats so."""
     modules = [(name, m) for name, m in model.named_modules() if name and has_parameters(m)]
@@ -246,7 +246,7 @@ def _repeated_layers(model: nn.Module, forward: Callable[[], Any], members: Sequ
 
 def _call_sites(model: nn.Module, trace: _Trace, chosen: Blocks, repeated: list[str]) -> Discovery:
     """The blocks of ``chosen`` in run order, each call of a ``repeated`` module a block named
-    ``name@i`` (its call site installed: `remat.measure.callsites.install`); a stack per list
+    ``name@i`` (its call site installed: `remat.checkpointing.callsites.install`); a stack per list
     the modules sit in (a layer's own name for one outside a list), the blocks of a stack that run
     one after the other in it, each following the call before when it takes that call's output."""
     installed = install(model, {name: len(trace.calls[name]) for name in repeated})
