@@ -32,4 +32,4 @@ def test_the_table_has_a_row_per_strategy(tmp_path):
     assert rows[1].startswith("| --- |")
     assert [r.split(" | ")[0] for r in rows[2:]] == ["| none", "| every call", "| remat @ every call", "| remat sqrt",
                                                       "| remat least peak"]
-    assert all(r.endswith("| identical |") for r in rows[2:])
+    assert all(r.endswith("| identical |") for r in rows[2:])  # no chunked head at this size
