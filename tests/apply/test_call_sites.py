@@ -189,3 +189,40 @@ def test_a_compiled_profile_leaves_the_layer_as_it_was():
     assert "_call_impl" not in model.layer.__dict__ and "forward" not in model.layer.__dict__
     check = remat.verify(model, batch, remat.plan(prof, strategy="sqrt"), _loss, repeats=1)
     assert check.grads_identical and check.grad_max_abs_diff == 0.0 and not check.compiled_error
+
+
+class RecurrentDepth(nn.Module):
+    """A prelude and a coda that run once, a core of two layers looped three times between them
+    (a recurrent-depth model): every layer and every call of the core is a block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prelude = nn.ModuleList(Residual() for _ in range(2))
+        self.core = nn.ModuleList(Residual() for _ in range(2))
+        self.coda = nn.ModuleList(Residual() for _ in range(2))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.prelude:
+            x = layer(x)
+        for _ in range(3):
+            for layer in self.core:
+                x = layer(x)
+        for layer in self.coda:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_looped_core_between_layers_that_run_once_is_planned_whole():
+    torch.manual_seed(0)
+    model, batch = RecurrentDepth(), torch.randn(4, 6, 16)
+    prof = remat.profile(model, batch, _loss, repeats=1)
+    assert [b.name for b in prof.blocks] == ["prelude.0", "prelude.1", *(f"core.{j}@{i}" for i in range(3) for j in range(2)),
+                                              "coda.0", "coda.1"]
+    assert [(s.name, s.start, s.stop) for s in prof.stacks] == [("prelude", 0, 2), ("core", 2, 8), ("coda", 8, 10)]
+    for strategy in ("full", "sqrt"):
+        plan = remat.plan(prof, strategy=strategy)
+        check = remat.verify(model, batch, plan, _loss, repeats=1)
+        assert check.grads_identical and check.grad_max_abs_diff == 0.0 and check.recompute_counts_match
+        assert check.predicted_peak_bytes - 128 <= check.measured_peak_bytes <= check.predicted_peak_bytes
+    assert any(seg.stop - seg.start > 1 and seg.start >= 2 for seg in plan.segments)  # √N: core calls replayed together

@@ -1,6 +1,7 @@
 """Stacks: every stack found, blocks numbered in the order they run, nested chains, errors."""
 
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -333,10 +334,31 @@ class PartlyRun(nn.Module):
         return self.loop[0](self.loop[0](x)).sum()
 
 
+class PartlySkipped(PartlyRun):
+    """The second stack runs its first member once and its second never."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.loop[0](x).sum()
+
+
 def test_a_stack_left_out_beside_others_is_named_in_a_warning():
-    with pytest.warns(UserWarning, match=r"left out the stacks loop \(calls per member: \{'loop.0': 2, 'loop.1': 0\}\)"):
-        found = _run(PartlyRun())
+    with pytest.warns(UserWarning, match=r"left out the stacks loop \(calls per member: \{'loop.0': 1, 'loop.1': 0\}\)"):
+        found = _run(PartlySkipped())
     assert [name for name, _ in found.blocks] == ["layers.0", "layers.1"]
+
+
+def test_a_stack_whose_member_runs_twice_beside_others_has_each_call_planned():
+    """A looped model's core between layers that run once: the core's calls are blocks too
+    (before, its stack was left out with a warning, half the model planned)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = _run(PartlyRun())
+    uninstall(found.sites)
+    assert [name for name, _ in found.blocks] == ["layers.0", "layers.1", "loop.0@0", "loop.0@1"]
+    assert [(s.name, s.start, s.stop) for s in found.stacks] == [("layers", 0, 2), ("loop", 2, 4)]
+    assert found.follows_previous == (False, True, False, True)
 
 
 class Shared(nn.Module):
@@ -744,3 +766,29 @@ def test_a_model_called_again_without_gradients_is_told_the_way_that_works():
     with pytest.raises(ValueError, match=r"^blocks must run exactly once per step; these ran another number of times: "
                                          r"\{'layers\.0': 2, 'layers\.1': 2\}\..* profile the step without it"):
         _run(_Pair(reference=True), "layers.*")
+
+
+class Reasoner(nn.Module):
+    """A module of three layers called twice with gradients (HRM's reasoning module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = nn.Module()
+        self.module.layers = nn.ModuleList(Layer() for _ in range(3))
+        self.module.forward = lambda x: self._run(x)  # a plain module whose forward loops its layers
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.module.layers:
+            x = layer(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(self.module(x)).sum()
+
+
+def test_a_module_called_twice_has_the_calls_of_its_layers_as_blocks():
+    found = _run(Reasoner())
+    uninstall(found.sites)
+    assert [name for name, _ in found.blocks] == [f"module.layers.{j}@{i}" for i in range(2) for j in range(3)]
+    assert [(s.name, s.start, s.stop) for s in found.stacks] == [("module.layers", 0, 6)]
+    assert found.follows_previous == (False, True, True, True, True, True)

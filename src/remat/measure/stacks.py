@@ -168,8 +168,43 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
             raise ValueError(f"no blocks found in {type(model).__name__}: every stack runs with gradients disabled "
                              f"({_GRAD_OFF}), so there is nothing to recompute.")
         if left_out:
-            warnings.warn(_left_out_message(model, left_out, trace), UserWarning, stacklevel=3)
+            found, left_out = _with_repeated_stacks(model, forward, groups, left_out, trace)
+            if left_out:
+                warnings.warn(_left_out_message(model, left_out, trace), UserWarning, stacklevel=3)
+            if found is not None:
+                return found
     return _in_run_order(groups, trace)
+
+
+def _with_repeated_stacks(model: nn.Module, forward: Callable[[], Any], groups: list[tuple[str, Blocks]],
+                          left_out: list[str], trace: _Trace) -> tuple[Discovery | None, list[str]]:
+    """Blocks found, with the calls of the members of the ``left_out`` stacks that run several
+    times, every call with gradients, each a block (a looped model's core layers between a
+    prelude and a coda that run once), and the stacks still left out; ``(None, left_out)`` when no
+    left-out stack is such."""
+    chosen = [item for _, items in groups for item in items]
+    taken = [name for name, _ in chosen]
+    group_of = {name: group for group, items in groups for name, _ in items}
+    added: list[tuple[str, nn.Module]] = []
+    repeated: list[str] = []
+    still: list[str] = []
+    for stack in left_out:
+        items = [(m, module) for m, module in members(model, stack) + flattened(model, stack)
+                 if not any(inside(m, t) or inside(t, m) for t in taken)]
+        calls = {m: trace.calls.get(m, []) for m, _ in items}
+        if not any(len(c) > 1 for c in calls.values()) or not all(call.grad for c in calls.values() for call in c):
+            still.append(stack)
+            continue
+        for m, module in items:
+            if calls[m]:
+                added.append((m, module))
+                group_of[m] = stack
+                if len(calls[m]) > 1:
+                    repeated.append(m)
+    if not repeated:
+        return None, left_out
+    everything = chosen + added
+    return _call_sites(model, _Trace(everything).run(forward), everything, repeated, group_of), still
 
 
 _GRAD_OFF = ("under torch.no_grad(), a frozen part of the model, or inside a custom torch.autograd.Function's forward, "
@@ -236,6 +271,7 @@ def _repeated_layers(model: nn.Module, forward: Callable[[], Any], members: Sequ
     several = [name for name, calls in trace.calls.items() if len(calls) > 1]
     repeated = [name for name in several if all(call.grad for call in trace.calls[name])
                 and not any(inside(name, other) for other in several)]
+    repeated = [inner for name in repeated for inner in _repeated_members(model, name, trace)]
     if not repeated:
         return None
     once = [name for name in members if name in trace.calls and len(trace.calls[name]) == 1 and trace.calls[name][0].grad
@@ -244,11 +280,33 @@ def _repeated_layers(model: nn.Module, forward: Callable[[], Any], members: Sequ
     return _call_sites(model, trace, chosen, repeated)
 
 
-def _call_sites(model: nn.Module, trace: _Trace, chosen: Blocks, repeated: list[str]) -> Discovery:
+def _repeated_members(model: nn.Module, name: str, trace: _Trace) -> list[str]:
+    """The layers whose calls are blocks for module ``name``, which runs several times: the
+    members of the list of two or more layers with parameters inside it that hold most of its
+    parameters and run as often as it does, every call with gradients (HRM's reasoning module,
+    called twice, runs its 16 layers at each call: 32 blocks rather than 2), or ``[name]``."""
+    module = model.get_submodule(name)
+    total = sum(p.numel() for p in module.parameters())
+    for inner, child in module.named_modules():
+        if not inner or not isinstance(child, (nn.ModuleList, nn.Sequential)):
+            continue
+        items = [(f"{name}.{inner}.{k}", m) for k, m in child.named_children() if has_parameters(m)]
+        if len(items) < 2 or not all(n in trace.calls for n, _ in items):
+            continue
+        runs = len(trace.calls[name])
+        if (all(len(trace.calls[n]) == runs and all(c.grad for c in trace.calls[n]) for n, _ in items)
+                and 2 * sum(p.numel() for _, m in items for p in m.parameters()) > total):
+            return [n for n, _ in items]
+    return [name]
+
+
+def _call_sites(model: nn.Module, trace: _Trace, chosen: Blocks, repeated: list[str],
+                group_of: dict[str, str] | None = None) -> Discovery:
     """The blocks of ``chosen`` in run order, each call of a ``repeated`` module a block named
     ``name@i`` (its call site installed: `remat.checkpointing.callsites.install`); a stack per list
-    the modules sit in (a layer's own name for one outside a list), the blocks of a stack that run
-    one after the other in it, each following the call before when it takes that call's output."""
+    the modules sit in (``group_of``'s, else the list they sit in, else a layer's own name), the
+    blocks of a stack that run one after the other in it, each following the call before when it
+    takes that call's output."""
     installed = install(model, {name: len(trace.calls[name]) for name in repeated})
     modules = dict(chosen)
     seen: dict[str, int] = {}
@@ -264,7 +322,8 @@ def _call_sites(model: nn.Module, trace: _Trace, chosen: Blocks, repeated: list[
     chained: list[bool] = []
     for position, (block, name, index) in enumerate(order):
         parent = parent_name(name)
-        group = parent if parent and isinstance(model.get_submodule(parent), (nn.ModuleList, nn.Sequential)) else name
+        group = (group_of or {}).get(name) or (
+            parent if parent and isinstance(model.get_submodule(parent), (nn.ModuleList, nn.Sequential)) else name)
         if stacks and stacks[-1].name == group:
             stacks[-1] = Stack(name=group, start=stacks[-1].start, stop=position + 1, class_name=stacks[-1].class_name)
             _, previous, previous_index = order[position - 1]
