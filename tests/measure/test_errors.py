@@ -111,6 +111,18 @@ def test_a_one_element_loss_is_taken_as_a_scalar():
     assert v.ok and v.grads_identical and v.peak_error_pct == 0.0
 
 
+def _refused_by_each_stage(model, batch, plan, loss_fn, message: str) -> None:
+    """`remat.profile`, `remat.verify` and `remat.apply_` each refuse ``model`` with ``message``."""
+    import remat
+
+    with pytest.raises(ValueError, match=r"remat.profile " + message):
+        profile(model, batch, loss_fn=loss_fn)
+    with pytest.raises(ValueError, match=r"remat.verify " + message):
+        remat.verify(model, batch, plan, loss_fn)
+    with pytest.raises(ValueError, match=r"remat.apply_ " + message):
+        remat.apply_(model, plan)
+
+
 def test_a_compiled_model_is_refused_with_the_module_it_wraps():
     import remat
 
@@ -120,12 +132,7 @@ def test_a_compiled_model_is_refused_with_the_module_it_wraps():
     plan = remat.plan(profile(model, batch, loss_fn=loss_fn, repeats=1), strategy="full")
     compiled = torch.compile(model)  # nothing is compiled until it is called; remat refuses before
     message = r"takes the model before torch.compile, got torch.compile's wrapper \(OptimizedModule of _Pair\)\. Pass the module it wraps \(model._orig_mod\)"
-    with pytest.raises(ValueError, match=r"remat.profile " + message):
-        profile(compiled, batch, loss_fn=loss_fn)
-    with pytest.raises(ValueError, match=r"remat.verify " + message):
-        remat.verify(compiled, batch, plan, loss_fn)
-    with pytest.raises(ValueError, match=r"remat.apply_ " + message):
-        remat.apply_(compiled, plan)
+    _refused_by_each_stage(compiled, batch, plan, loss_fn, message)
     assert not remat.apply.api.is_applied(model)
 
 
@@ -148,12 +155,7 @@ def test_a_torchscript_module_is_refused_before_anything_runs(how):
         given.blocks[1] = torch.jit.script(given.blocks[1])
     message = (rf"takes an eager nn.Module, but \w+ holds TorchScript modules \({names}\).*Pass the module before "
                r"torch.jit.script / torch.jit.trace")
-    with pytest.raises(ValueError, match=r"remat.profile " + message):
-        profile(given, batch, loss_fn=loss_fn)
-    with pytest.raises(ValueError, match=r"remat.verify " + message):
-        remat.verify(given, batch, plan, loss_fn)
-    with pytest.raises(ValueError, match=r"remat.apply_ " + message):
-        remat.apply_(given, plan)
+    _refused_by_each_stage(given, batch, plan, loss_fn, message)
 
 
 def test_hugging_face_checkpointing_left_on_is_refused_with_the_fix():
