@@ -700,7 +700,7 @@ def _check_layers_found(model: nn.Module, label: str) -> None:
         raise ValueError(
             f"{label}: the estimate copies a traced layer to every layer of the model, and {said}. A model that "
             "runs one layer's weights as every layer (ALBERT) has no layers to copy: measure it with `remat profile "
-            "path/to/file.py:build` at a size that runs here, naming its blocks.") from None
+            "path/to/file.py:build` at a size that runs here, where each call of the shared layer is a block.") from None
 
 
 _UNIFORM_LISTS = ("attention_window",)
