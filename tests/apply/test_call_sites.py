@@ -69,6 +69,7 @@ def test_each_call_is_a_block_and_every_plan_gives_identical_gradients():
     assert "forward" not in model.layer.__dict__  # the profile left the layer as it was
     sizes = {b.saved_bytes for b in prof.blocks}
     assert len(sizes) == 1 and sizes.pop() > 0  # the four calls save the same
+    assert [b.timing_from for b in prof.blocks] == [0, 0, 0, 0]  # one computation: timed once, on the first call
     for plan in (remat.pareto(prof)[-1], remat.plan(prof, strategy="full")):
         check = remat.verify(model, batch, plan, _loss, repeats=1)
         assert check.grads_identical and check.grad_max_abs_diff == 0.0 and check.loss_max_abs_diff == 0.0
@@ -173,6 +174,7 @@ def test_a_recurrent_cell_is_planned_per_time_step():
     model, batch = Recurrent(), torch.randn(4, 5, 8)
     prof = remat.profile(model, batch, _loss, repeats=1)
     assert [b.name for b in prof.blocks] == [f"cell@{t}" for t in range(5)]
+    assert [b.timing_from for b in prof.blocks] == [0, 1, 1, 1, 1]  # the first step's state is zeros, no gradient
     plan = remat.plan(prof, strategy="full")
     check = remat.verify(model, batch, plan, _loss, repeats=1)
     assert check.grads_identical and check.grad_max_abs_diff == 0.0 and check.recompute_counts_match

@@ -79,14 +79,14 @@ class _CallSite(nn.Module):
         else:
             setattr(self.__dict__["_site_of"], name, value)
 
+    def extra_repr(self) -> str:  # the layer's (torch's RNN cells read theirs from ``self.__dict__``)
+        return self.__dict__["_site_of"].extra_repr()
+
     def __delattr__(self, name: str) -> None:
         if name in self.__dict__:
             object.__delattr__(self, name)
         else:
             delattr(self.__dict__["_site_of"], name)
-
-    def extra_repr(self) -> str:
-        return f"call {self.__dict__['_site_index']} of {type(self.__dict__['_site_of']).__name__}"
 
 
 @functools.lru_cache(maxsize=None)
