@@ -228,3 +228,41 @@ def test_a_looped_core_between_layers_that_run_once_is_planned_whole():
         assert check.grads_identical and check.grad_max_abs_diff == 0.0 and check.recompute_counts_match
         assert check.predicted_peak_bytes - 128 <= check.measured_peak_bytes <= check.predicted_peak_bytes
     assert any(seg.stop - seg.start > 1 and seg.start >= 2 for seg in plan.segments)  # √N: core calls replayed together
+
+
+class WithReference(nn.Module):
+    """A DPO-style step: the policy runs first under ``torch.no_grad()`` as its own reference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Residual() for _ in range(2))
+
+    def policy(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            reference = self.policy(x)
+        return self.policy(x) - reference
+
+
+def test_calls_without_gradients_are_counted_and_the_others_planned():
+    torch.manual_seed(0)
+    model, batch = WithReference(), torch.randn(4, 6, 16)
+    prof = remat.profile(model, batch, _loss, repeats=1)
+    assert [b.name for b in prof.blocks] == ["layers.0@1", "layers.1@1"]
+    check = remat.verify(model, batch, remat.plan(prof, strategy="full"), _loss, repeats=1)
+    assert check.grads_identical and check.grad_max_abs_diff == 0.0 and check.recompute_counts_match
+    assert check.predicted_peak_bytes - 128 <= check.measured_peak_bytes <= check.predicted_peak_bytes
+
+
+def test_a_call_with_gradients_the_plan_has_no_block_for_is_named_in_a_warning():
+    model, batch = _looped()
+    remat.apply_(model, remat.plan(remat.profile(model, batch, _loss, repeats=1), strategy="full"))
+    model.steps = 5
+    with pytest.warns(UserWarning, match=r"call 4 of Sequential in this forward runs with gradients, but the plan has "
+                                         r"blocks for its calls \[0, 1, 2, 3\] only"):
+        _loss(model(batch), batch).backward()
+    remat.remove_(model)

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = ["SEPARATOR", "split_site", "site_name", "is_site", "layer_of", "Sites", "install", "uninstall", "block_modules",
@@ -117,10 +119,22 @@ class Sites:
         self.sites = [_make_site(layer, i, saved_forward) for i in range(count)]
         self.calls = 0
         self.reset_handle: Any = None
+        self.planned: set[int] | None = None
+        """The calls a plan applied has blocks for (None while profiling): a call with gradients
+        that is not one of them runs without the plan, and a warning says so once."""
+        self.warned = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         index = self.calls
         self.calls += 1
+        if self.planned is not None and index not in self.planned and not self.warned and torch.is_grad_enabled():
+            self.warned = True
+            warnings.warn(
+                f"remat: call {index} of {type(self.layer).__name__} in this forward runs with gradients, but the plan "
+                f"has blocks for its calls {sorted(self.planned)} only (the step it was profiled on called it "
+                "otherwise: a loop of another length, a varying number of calls without gradients before it): that "
+                "call runs without the plan, its activations all kept. Profile and plan the step as it runs now.",
+                UserWarning, stacklevel=2)
         if index < len(self.sites):
             return self.sites[index](*args, **kwargs)
         own = self.saved_forward if self.saved_forward is not None else functools.partial(type(self.layer).forward,
@@ -180,6 +194,11 @@ def block_modules(model: nn.Module, names: Sequence[str]) -> tuple[list[nn.Modul
         if index is not None:
             counts[layer] = max(counts.get(layer, 0), index + 1)
     installed = install(model, counts) if counts else {}
+    for name in names:
+        layer, index = split_site(name)
+        if index is not None:
+            sites = sites_in(model.get_submodule(layer))
+            sites.planned = (sites.planned or set()) | {index}
     try:
         modules = []
         for name in names:

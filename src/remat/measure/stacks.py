@@ -179,9 +179,9 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
 def _with_repeated_stacks(model: nn.Module, forward: Callable[[], Any], groups: list[tuple[str, Blocks]],
                           left_out: list[str], trace: _Trace) -> tuple[Discovery | None, list[str]]:
     """Blocks found, with the calls of the members of the ``left_out`` stacks that run several
-    times, every call with gradients, each a block (a looped model's core layers between a
-    prelude and a coda that run once), and the stacks still left out; ``(None, left_out)`` when no
-    left-out stack is such."""
+    times, each call with gradients a block (a looped model's core layers between a prelude and a
+    coda that run once), and the stacks still left out; ``(None, left_out)`` when no left-out
+    stack is such."""
     chosen = [item for _, items in groups for item in items]
     taken = [name for name, _ in chosen]
     group_of = {name: group for group, items in groups for name, _ in items}
@@ -192,11 +192,11 @@ def _with_repeated_stacks(model: nn.Module, forward: Callable[[], Any], groups: 
         items = [(m, module) for m, module in members(model, stack) + flattened(model, stack)
                  if not any(inside(m, t) or inside(t, m) for t in taken)]
         calls = {m: trace.calls.get(m, []) for m, _ in items}
-        if not any(len(c) > 1 for c in calls.values()) or not all(call.grad for c in calls.values() for call in c):
+        if not any(len(c) > 1 for c in calls.values()) or not any(call.grad for c in calls.values() for call in c):
             still.append(stack)
             continue
         for m, module in items:
-            if calls[m]:
+            if any(call.grad for call in calls[m]):
                 added.append((m, module))
                 group_of[m] = stack
                 if len(calls[m]) > 1:
@@ -238,39 +238,41 @@ def _repeated_hint(counts: dict[str, int], trace: _Trace | None = None, counted:
     off = {name: sum(not c.grad for c in trace.calls[name]) for name in repeated} if trace is not None else {}
     if any(off.values()):
         text += (f" Of these, {max(off.values())} per module ran with gradients disabled (a reference pass under "
-                 "torch.no_grad(), as DPO does with the adapters off): profile the step without it (the reference "
-                 "log-probs computed before the step); an applied plan runs such calls as they are.")
-    if any(n - off.get(name, 0) > 1 for name, n in repeated.items()):
-        text += (" A module called more than once with gradients shares its weights across the calls (across depths: "
-                 "ALBERT's layer groups; across inputs; across chunks of one input): when every call runs with "
-                 "gradients, each call is a block of its own (named 'layer@i'), planned as any other.")
+                 "torch.no_grad(), as DPO does with the adapters off): such calls save nothing and are no blocks.")
+    if any(n > 1 for n in repeated.values()):
+        text += (" A module called more than once shares its weights across the calls (across depths: ALBERT's layer "
+                 "groups; across inputs; across chunks of one input): each of its calls with gradients is a block of "
+                 "its own (named 'layer@i'), planned as any other.")
     return text
 
 
 def _repeated_with_grad(trace: _Trace, names: Sequence[str]) -> list[str]:
-    """Of ``names``, the modules called more than once, every call with gradients, when every
-    other ran once ([] otherwise: the errors of `_check_ran_once` apply)."""
+    """Of ``names``, the modules called more than once, one call with gradients at least, when
+    every other ran once ([] otherwise: the errors of `_check_ran_once` apply)."""
     counts = {name: len(trace.calls[name]) for name in names}
     repeated = [name for name in names if counts[name] > 1]
     if not repeated or any(counts[name] == 0 for name in names):
         return []
-    if not all(call.grad for name in repeated for call in trace.calls[name]):
+    if not all(_with_grad(trace, name) for name in repeated):
         return []
     return repeated
 
 
+def _with_grad(trace: _Trace, name: str) -> bool:
+    return any(call.grad for call in trace.calls[name])
+
+
 def _repeated_layers(model: nn.Module, forward: Callable[[], Any], members: Sequence[str] = ()) -> Discovery | None:
     """Where no stack runs as one: the outermost modules with parameters that the forward calls
-    several times, every call with gradients (ALBERT's layer group at every depth, a Universal
-    Transformer's layer, a recurrent cell over time steps), each call a block
-    (`remat.checkpointing.callsites`), with the ``members`` of the stacks found that run once, with
-    gradients, apart from those (a layer run once beside one run twice); None when no module
-    repeats so."""
+    several times (ALBERT's layer group at every depth, a Universal Transformer's layer, a
+    recurrent cell over time steps), each call with gradients a block
+    (`remat.checkpointing.callsites`; a call under ``torch.no_grad()`` saves nothing), with the
+    ``members`` of the stacks found that run once, with gradients, apart from those (a layer run
+    once beside one run twice); None when no module repeats so."""
     modules = [(name, m) for name, m in model.named_modules() if name and has_parameters(m)]
     trace = _Trace(modules).run(forward)
     several = [name for name, calls in trace.calls.items() if len(calls) > 1]
-    repeated = [name for name in several if all(call.grad for call in trace.calls[name])
-                and not any(inside(name, other) for other in several)]
+    repeated = [name for name in several if _with_grad(trace, name) and not any(inside(name, other) for other in several)]
     repeated = [inner for name in repeated for inner in _repeated_members(model, name, trace)]
     if not repeated:
         return None
@@ -283,8 +285,8 @@ def _repeated_layers(model: nn.Module, forward: Callable[[], Any], members: Sequ
 def _repeated_members(model: nn.Module, name: str, trace: _Trace) -> list[str]:
     """The layers whose calls are blocks for module ``name``, which runs several times: the
     members of the list of two or more layers with parameters inside it that hold most of its
-    parameters and run as often as it does, every call with gradients (HRM's reasoning module,
-    called twice, runs its 16 layers at each call: 32 blocks rather than 2), or ``[name]``."""
+    parameters and run once per call of it, with gradients where it has them (HRM's reasoning
+    module, called twice, runs its 16 layers at each call: 32 blocks rather than 2), or ``[name]``."""
     module = model.get_submodule(name)
     total = sum(p.numel() for p in module.parameters())
     for inner, child in module.named_modules():
@@ -293,8 +295,8 @@ def _repeated_members(model: nn.Module, name: str, trace: _Trace) -> list[str]:
         items = [(f"{name}.{inner}.{k}", m) for k, m in child.named_children() if has_parameters(m)]
         if len(items) < 2 or not all(n in trace.calls for n, _ in items):
             continue
-        runs = len(trace.calls[name])
-        if (all(len(trace.calls[n]) == runs and all(c.grad for c in trace.calls[n]) for n, _ in items)
+        grads = [c.grad for c in trace.calls[name]]
+        if (all([c.grad for c in trace.calls[n]] == grads for n, _ in items)
                 and 2 * sum(p.numel() for _, m in items for p in m.parameters()) > total):
             return [n for n, _ in items]
     return [name]
@@ -303,7 +305,8 @@ def _repeated_members(model: nn.Module, name: str, trace: _Trace) -> list[str]:
 def _call_sites(model: nn.Module, trace: _Trace, chosen: Blocks, repeated: list[str],
                 group_of: dict[str, str] | None = None) -> Discovery:
     """The blocks of ``chosen`` in run order, each call of a ``repeated`` module a block named
-    ``name@i`` (its call site installed: `remat.checkpointing.callsites.install`); a stack per list
+    ``name@i`` (its call site installed: `remat.checkpointing.callsites.install`; a call without
+    gradients is counted, its site made, but no block: it saves nothing); a stack per list
     the modules sit in (``group_of``'s, else the list they sit in, else a layer's own name), the
     blocks of a stack that run one after the other in it, each following the call before when it
     takes that call's output."""
@@ -316,7 +319,8 @@ def _call_sites(model: nn.Module, trace: _Trace, chosen: Blocks, repeated: list[
             continue
         index = seen.get(name, 0)
         seen[name] = index + 1
-        order.append((site_name(name, index) if name in installed else name, name, index))
+        if trace.calls[name][index].grad:
+            order.append((site_name(name, index) if name in installed else name, name, index))
     blocks = [(block, installed[name].sites[index] if name in installed else modules[name]) for block, name, index in order]
     stacks: list[Stack] = []
     chained: list[bool] = []
@@ -336,8 +340,9 @@ def _call_sites(model: nn.Module, trace: _Trace, chosen: Blocks, repeated: list[
 
 
 def _repeated_error(model: nn.Module, forward: Callable[[], Any]) -> ValueError | None:
-    """Without a stack: the error for a model whose listed modules run several times per forward
-    (ALBERT's one layer group, called once per depth), or None."""
+    """Without a stack or a repeated layer with gradients (`_repeated_layers`): the error for a
+    model whose listed modules run several times per forward, every call without gradients, or
+    None."""
     single = [(f"{name}.{child}" if name else child, m) for name, _, _ in candidate_lists(model)
               for child, m in model.get_submodule(name).named_children() if has_parameters(m)]
     if not single:
@@ -347,9 +352,8 @@ def _repeated_error(model: nn.Module, forward: Callable[[], Any]) -> ValueError 
     if not counts:
         return None
     return ValueError(f"no blocks found in {type(model).__name__}: its only layers repeat." + _repeated_hint(counts, trace)
-                      + " remat has no block to plan in this model: it trains as it is without a plan; to trade its "
-                      "memory for time anyway, checkpoint each call of the shared layer by hand "
-                      "(torch.utils.checkpoint.checkpoint(layer, ..., use_reentrant=False) inside its loop).")
+                      + f" Every call ran with gradients disabled ({_GRAD_OFF}), so there is nothing to recompute: the "
+                      "model trains as it is without a plan.")
 
 
 def _left_out_message(model: nn.Module, left_out: list[str], trace: _Trace) -> str:
