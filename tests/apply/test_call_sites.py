@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import remat
-from remat.checkpointing.callsites import is_site, layer_of, sites_in, split_site
+from remat.checkpointing.callsites import _spans, is_site, layer_of, sites_in, split_site
 
 
 class Looped(nn.Module):
@@ -141,6 +141,7 @@ def test_block_names_of_calls_split_back_into_the_layer_and_the_call():
     assert split_site("encoder.layer.0") == ("encoder.layer.0", None)
     assert split_site("odd@name@3") == ("odd@name", 3)
     assert split_site("layer@03") == ("layer@03", None)  # not a call number
+    assert _spans({0, 1, 2, 5, 7, 8}) == "0-2, 5, 7-8"
 
 
 def test_fully_shard_by_plan_refuses_calls_of_one_layer():
@@ -263,6 +264,6 @@ def test_a_call_with_gradients_the_plan_has_no_block_for_is_named_in_a_warning()
     remat.apply_(model, remat.plan(remat.profile(model, batch, _loss, repeats=1), strategy="full"))
     model.steps = 5
     with pytest.warns(UserWarning, match=r"call 4 of Sequential in this forward runs with gradients, but the plan has "
-                                         r"blocks for its calls \[0, 1, 2, 3\] only"):
+                                         r"blocks for its calls 0-3 only"):
         _loss(model(batch), batch).backward()
     remat.remove_(model)

@@ -10,8 +10,8 @@ sees one module called once, as for any other block.
 A call site shares everything with its layer: it reads and writes the layer's attributes,
 parameters, buffers and children (`_CallSite.__getattr__`, ``__setattr__``), so ``train()``, a
 weight update or a state set in the forward reach both. It holds only its own hooks and how it is
-called (`_OWN`: the ``forward`` a runtime installs on it). It is never registered as a submodule, so the model's
-parameters, ``state_dict`` keys and module tree stay as they are.
+called (`_OWN`: the ``forward`` a runtime installs on it). It is never registered as a submodule,
+so the model's parameters, ``state_dict`` keys and module tree stay as they are.
 
 The layer hands its calls on through `Sites`, its ``forward`` instance attribute while sites are
 installed, counting them from the model's forward (a pre-hook on the model resets the count): its
@@ -131,7 +131,7 @@ class Sites:
             self.warned = True
             warnings.warn(
                 f"remat: call {index} of {type(self.layer).__name__} in this forward runs with gradients, but the plan "
-                f"has blocks for its calls {sorted(self.planned)} only (the step it was profiled on called it "
+                f"has blocks for its calls {_spans(self.planned)} only (the step it was profiled on called it "
                 "otherwise: a loop of another length, a varying number of calls without gradients before it): that "
                 "call runs without the plan, its activations all kept. Profile and plan the step as it runs now.",
                 UserWarning, stacklevel=2)
@@ -143,6 +143,17 @@ class Sites:
 
     def reset(self, *_: Any, **__: Any) -> None:
         self.calls = 0
+
+
+def _spans(indices: set[int]) -> str:
+    """``{0, 1, 2, 5}`` as ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def sites_in(layer: nn.Module) -> Sites | None:
