@@ -786,3 +786,31 @@ def test_a_layer_that_repeats_only_without_gradients_is_refused_with_the_reason(
                                          r"module ran with gradients disabled.*Every call ran with gradients disabled "
                                          r"\(under torch.no_grad\(\).*nothing to recompute"):
         _run(FrozenRepeats())
+
+
+class LoopBesideMid(nn.Module):
+    """A stack with a layer run between two of its members (found by a second trace), and a
+    looped stack beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(2))
+        self.mid = Gated()
+        self.loop = nn.ModuleList(Layer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.mid(self.layers[0](x))
+        x = self.layers[1](x)
+        for _ in range(2):
+            for layer in self.loop:
+                x = layer(x)
+        return x.sum()
+
+
+def test_a_looped_stack_beside_a_stack_with_a_layer_between_its_members_is_planned():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = _run(LoopBesideMid())
+    uninstall(found.sites)
+    assert [name for name, _ in found.blocks] == ["layers.0", "mid", "layers.1", "loop.0@0", "loop.1@0", "loop.0@1",
+                                                  "loop.1@1"]

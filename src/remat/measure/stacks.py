@@ -162,13 +162,14 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
                 return found
             error = _repeated_error(model, forward) or no_stack_error(model)
             raise ValueError(str(error) + _traced_hint(model)) if _traced_hint(model) else error
+        members_trace = trace  # every member of every list hooked (`_beside` may trace its layers alone)
         groups, trace = _beside(model, lists, groups, forward, trace)
         groups = _without_no_grad(model, groups, trace)
         if not groups:
             raise ValueError(f"no blocks found in {type(model).__name__}: every stack runs with gradients disabled "
                              f"({_GRAD_OFF}), so there is nothing to recompute.")
         if left_out:
-            found, left_out = _with_repeated_stacks(model, forward, groups, left_out, trace)
+            found, left_out = _with_repeated_stacks(model, forward, groups, left_out, members_trace)
             if left_out:
                 warnings.warn(_left_out_message(model, left_out, trace), UserWarning, stacklevel=3)
             if found is not None:
