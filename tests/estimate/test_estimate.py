@@ -181,6 +181,38 @@ def build():
 '''
 
 
+LOOPED_FILE = '''
+import torch
+from torch import nn
+
+
+class Looped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+
+    def forward(self, x):
+        for _ in range(3):
+            x = self.layer(x)
+        return x
+
+
+def build():
+    return Looped(), torch.ones(4, 16), lambda out, b: out.sum()
+'''
+
+
+def test_a_file_model_whose_layer_runs_at_every_depth_is_sent_to_the_profile(tmp_path) -> None:
+    """The estimate finds layers from the structure alone; a layer run at several depths is
+    planned call by call by the profile, which the message names."""
+    path = tmp_path / "looped.py"
+    path.write_text(LOOPED_FILE)
+    with pytest.raises(ValueError, match=rf"^{path}:build: the estimate finds the layers it plans from the model's "
+                                         r"structure alone, and no blocks found in Looped.*planned call by call on a "
+                                         rf"device it runs on: `remat run --model {path}:build`"):
+        estimate(f"{path}:build", devices=["Big"], devices_file=str(_devices_file(tmp_path, Big=2**32)))
+
+
 def test_file_model_uses_its_own_optimizer_and_batch(tmp_path) -> None:
     path = tmp_path / "user_model.py"
     path.write_text(USER_FILE)

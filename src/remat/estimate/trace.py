@@ -1007,6 +1007,15 @@ def _trace_file(source: ModelSource, dtype: torch.dtype, fused: bool) -> Traced:
         built = load_target(source.file)
     built.model.to(dtype)
     batch = _cast_batch(built.batch, dtype)
+    try:
+        find_blocks(built.model)
+    except ValueError as error:
+        said = " ".join(str(error).split(". Name the blocks")[0].split())
+        raise ValueError(
+            f"{source.file}: the estimate finds the layers it plans from the model's structure alone, and {said}. A model "
+            "that runs one layer at several depths or time steps (a Universal Transformer, ALBERT, a recurrent cell) is "
+            f"measured and planned call by call on a device it runs on: `remat run --model {source.file}` (or `remat "
+            "profile`) at a size that runs here.") from None
     tracer = _tracer(built.model, lambda _: batch, built.loss_fn, fused, None)
     count = len(find_blocks(built.model))
     optimizer = optimizer_name_of(built.optimizer) if built.optimizer is not None else None
