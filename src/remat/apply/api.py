@@ -29,11 +29,11 @@ from remat.apply.head import HeadRuntime
 from remat.apply.runtime import Runtime
 from remat.apply.strategies import HANDLERS
 from remat.apply.watch import StepWatch
+from remat.checkpointing.callsites import block_modules, split_site
+from remat.checkpointing.callsites import uninstall as uninstall_sites
 from remat.checkpointing.caches import CacheOff
 from remat.head.site import find_head
 from remat.head.strategies import parse_head
-from remat.checkpointing.callsites import block_modules, split_site
-from remat.checkpointing.callsites import uninstall as uninstall_sites
 from remat.measure.types import Fingerprint
 from remat.plan.types import Plan
 

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.checkpointing.callsites import block_modules
 from remat._batch import LossFn, check_batch_device, check_step_inputs, model_device
 from remat.apply.api import applied, is_applied
+from remat.checkpointing.callsites import block_modules
 from remat.measure.profile import _Step
 from remat.measure.state import StateSnapshot
 from remat.measure.timing import Clock

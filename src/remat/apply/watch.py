@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat.checkpointing.callsites import split_site
 from remat._batch import batch_tensors
+from remat.checkpointing.callsites import split_site
 
 __all__ = ["StepWatch", "largest_dims"]
 

@@ -79,10 +79,10 @@ from torch import nn
 from remat._batch import (LossFn, batch_tensors, call_model, check_batch_device, check_model, check_step_inputs,
                           compute_loss, model_device)
 from remat.checkpointing.cacheable import cacheable
+from remat.checkpointing.callsites import layer_of, uninstall
 from remat.checkpointing.caches import CacheOff, as_in_training
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.blocks import Blocks
-from remat.checkpointing.callsites import layer_of, uninstall
 from remat.measure.boundaries import Boundary, StepBoundaries
 from remat.measure.budget import ProbeBudget, lockstep
 from remat.measure.compiled import backend_name, measure_compiled, measure_pre_part, with_compiled

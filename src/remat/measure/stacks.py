@@ -37,10 +37,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat.checkpointing.callsites import Sites, install, site_name
 from remat.measure.blocks import (Blocks, attribute_stacks, candidate_lists, single_stages, leaf_sequences, flattened, has_parameters, inside, members, named_blocks,
                                   mixed_stacks, no_stack_error, outermost, stack_lists)
 from remat.measure.calls import follows
-from remat.checkpointing.callsites import Sites, install, site_name
 from remat.measure.types import Stack
 
 __all__ = ["Discovery", "discover", "parent_name"]
