@@ -199,17 +199,15 @@ def block_modules(model: nn.Module, names: Sequence[str]) -> tuple[list[nn.Modul
     """The modules of block ``names`` in ``model`` (a call site for ``layer@i``, its layer's sites
     installed where they are not: the second value, for `uninstall`). AttributeError names a
     module the model does not have."""
-    counts: dict[str, int] = {}
+    calls: dict[str, set[int]] = {}
     for name in names:
         layer, index = split_site(name)
         if index is not None:
-            counts[layer] = max(counts.get(layer, 0), index + 1)
-    installed = install(model, counts) if counts else {}
-    for name in names:
-        layer, index = split_site(name)
-        if index is not None:
-            sites = sites_in(model.get_submodule(layer))
-            sites.planned = (sites.planned or set()) | {index}
+            calls.setdefault(layer, set()).add(index)
+    installed = install(model, {layer: max(indices) + 1 for layer, indices in calls.items()}) if calls else {}
+    for layer, indices in calls.items():
+        sites = sites_in(model.get_submodule(layer))
+        sites.planned = (sites.planned or set()) | indices
     try:
         modules = []
         for name in names:

@@ -690,13 +690,18 @@ def _layer_tokens(model: nn.Module, batch: Mapping[str, Any]) -> int:
     return seen[0]
 
 
+def _without_advice(error: ValueError) -> str:
+    """`find_blocks`'s error up to its advice to name the blocks, which the estimate cannot take."""
+    return " ".join(str(error).split(". Name the blocks")[0].split())
+
+
 def _check_layers_found(model: nn.Module, label: str) -> None:
     """Refuse a model in which remat finds no stack of layers to copy (ALBERT, whose one layer
     runs as every layer, its weights shared), in the estimate's words."""
     try:
         find_blocks(model)
     except ValueError as error:
-        said = " ".join(str(error).split(". Name the blocks")[0].split())
+        said = _without_advice(error)
         raise ValueError(
             f"{label}: the estimate copies a traced layer to every layer of the model, and {said}. A model that "
             "runs one layer's weights as every layer (ALBERT) has no layers to copy: measure it with `remat profile "
@@ -1010,7 +1015,7 @@ def _trace_file(source: ModelSource, dtype: torch.dtype, fused: bool) -> Traced:
     try:
         find_blocks(built.model)
     except ValueError as error:
-        said = " ".join(str(error).split(". Name the blocks")[0].split())
+        said = _without_advice(error)
         raise ValueError(
             f"{source.file}: the estimate finds the layers it plans from the model's structure alone, and {said}. A model "
             "that runs one layer at several depths or time steps (a Universal Transformer, ALBERT, a recurrent cell) is "
