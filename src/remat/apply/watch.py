@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from remat._batch import batch_tensors
-from remat.checkpointing.callsites import split_site
+from remat.checkpointing.callsites import layer_of, split_site
 
 __all__ = ["StepWatch", "largest_dims"]
 
@@ -106,7 +106,7 @@ class StepWatch:
                 now = self.model.get_submodule(split_site(name)[0])
             except AttributeError:
                 now = None
-            block = block.__dict__.get("_site_of", block)  # a call of a layer (remat.checkpointing.callsites): the layer
+            block = layer_of(block)  # a call of a layer (remat.checkpointing.callsites): the layer
             if now is not block and not (now is not None and any(m is block for m in now.modules())):
                 # a wrapper holding the block (FSDP1's, a compiled module's, the user's) runs its planned forward
                 self.replaced.add(name)

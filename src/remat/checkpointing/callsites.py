@@ -25,13 +25,13 @@ import functools
 import re
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["SEPARATOR", "split_site", "site_name", "is_site", "layer_of", "Sites", "install", "uninstall", "block_modules",
+__all__ = ["SEPARATOR", "split_site", "site_name", "is_site", "layer_of", "layers_of", "Sites", "install", "uninstall", "block_modules",
            "sites_in"]
 
 SEPARATOR = "@"
@@ -57,6 +57,11 @@ def is_site(module: nn.Module) -> bool:
 def layer_of(module: nn.Module) -> nn.Module:
     """The layer whose call ``module`` is, or ``module`` itself: what holds the attributes."""
     return module.__dict__.get("_site_of", module)
+
+
+def layers_of(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """`layer_of` each of ``modules``, each layer once, in order (the calls of one layer: the layer)."""
+    return list({id(layer): layer for layer in map(layer_of, modules)}.values())
 
 
 _OWN = frozenset({"forward", "_call_impl", "_compiled_call_impl"})

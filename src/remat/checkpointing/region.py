@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from remat.checkpointing.attributes import MODULE_INTERNALS, AttributeSnapshot, buffer_owners, put_back, snapshot
 from remat.checkpointing.caches import CacheState, kv_caches_in
-from remat.checkpointing.callsites import layer_of
+from remat.checkpointing.callsites import layers_of
 
 __all__ = ["BufferGuard", "Body", "checkpointed", "replaying", "first_argument", "call_with_first"]
 
@@ -89,7 +89,7 @@ class BufferGuard:
         self.known = known
         self.name = name
         """Tells regions apart in ``known`` (the runtime's ``(start, stop)``)."""
-        self.modules = list({id(m): m for m in (layer_of(m) for block in blocks for m in block.modules())}.values())
+        self.modules = layers_of(m for block in blocks for m in block.modules())
         """Every module of the blocks, listed once: the key reads their training flags on every
         forward and replay, and walking the module tree each time cost more than the flags."""
         self.observed = {id(b) for m in self.modules if _observes(m) for b in m.buffers(recurse=False)}

@@ -79,7 +79,7 @@ from torch import nn
 from remat._batch import (LossFn, batch_tensors, call_model, check_batch_device, check_model, check_step_inputs,
                           compute_loss, model_device)
 from remat.checkpointing.cacheable import cacheable
-from remat.checkpointing.callsites import layer_of, uninstall
+from remat.checkpointing.callsites import layers_of, uninstall
 from remat.checkpointing.caches import CacheOff, as_in_training
 from remat.measure.layerdrop import LayerDropOff
 from remat.measure.blocks import Blocks
@@ -624,7 +624,7 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
     return Profile(
         fingerprint=fingerprint(model, step.batch, [name for name, _ in block_list]), environment=_environment(model_device(model)),
         blocks=_block_profiles(found, memory, times, overheads, groups), timing_split=groups.split,
-        stacks=found.stacks, fixed_modules=fixed_modules(model, list({id(layer_of(m)): layer_of(m) for _, m in block_list}.values())),
+        stacks=found.stacks, fixed_modules=fixed_modules(model, layers_of(m for _, m in block_list)),
         param_bytes=param_bytes(model), grad_bytes=memory.grad_bytes,
         optimizer_state_bytes=memory.optimizer_state_bytes,
         optimizer_name=type(optimizer).__name__ if optimizer is not None else "none",
