@@ -230,6 +230,45 @@ def test_file_model_uses_its_own_optimizer_and_batch(tmp_path) -> None:
     assert result.layer_saved_bytes == 4 * 16 * 4
 
 
+DIRECT_FILE = '''
+import torch
+from torch import nn
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer.forward(x) if DIRECT else layer(x)
+        return x
+
+
+def build():
+    return Stack(), torch.ones(4, 16), lambda out, b: out.sum()
+'''
+
+
+def test_a_file_model_that_calls_its_layers_forward_directly_is_estimated_as_one_that_calls_them(tmp_path) -> None:
+    """SqueezeBERT's encoder calls ``layer.forward(...)``, past the hooks the estimate traces
+    layers with: refused before as a step that "did not run its layers"; now the same figures as
+    the model that calls its layers as modules."""
+    devices = str(_devices_file(tmp_path, Big=2**32))
+    results = []
+    for direct in (True, False):
+        path = tmp_path / f"stack_{direct}.py"
+        path.write_text(f"DIRECT = {direct}\n" + DIRECT_FILE)
+        results.append(estimate(f"{path}:build", devices=["Big"], devices_file=devices, dtype="fp32",
+                                allowance=NO_ALLOWANCE))
+    direct, called = results
+    assert direct.num_layers == called.num_layers == 3
+    # each layer's ReLU saves its 4x16 fp32 output (the next Linear saves the same storage)
+    assert direct.layer_saved_bytes == called.layer_saved_bytes == 4 * 16 * 4
+    assert [r.peak_bytes for r in direct.devices[0].strategies] == [r.peak_bytes for r in called.devices[0].strategies]
+
+
 def test_optimizer_names_from_instances() -> None:
     import torch
 

@@ -129,24 +129,44 @@ def test_lists_that_do_not_run_once_each_are_left_out_or_refused():
 
 
 class DirectForward(nn.Module):
-    """Calls its layers' ``forward`` directly (SqueezeBERT's encoder): no module hook sees them."""
+    """Calls its layers' ``forward`` directly (SqueezeBERT's encoder): no module hook sees them;
+    ``skip`` layers it never runs at all."""
 
-    def __init__(self) -> None:
+    def __init__(self, skip: int = 0) -> None:
         super().__init__()
         self.layers = nn.ModuleList(Layer() for _ in range(2))
+        self.skip = skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
+        for layer in self.layers[self.skip:]:
             x = layer.forward(x)
         return x.sum()
 
 
 @pytest.mark.parametrize("blocks", [None, "layers.*"])
-def test_layers_never_called_as_modules_are_explained(blocks):
-    with pytest.raises(ValueError, match=r"0 calls \(layers\.0, layers\.1\): the forward never called them as modules: "
-                                         r"it skips them, or their parent calls `module\.forward\(\.\.\.\)` directly.*"
-                                         r"blocks=\['layers\.\*\.<child>', \.\.\.\]"):
-        _run(DirectForward(), blocks)
+def test_layers_called_through_their_forward_are_blocks_through_call_sites(blocks):
+    model = DirectForward()
+    found = _run(model, blocks)
+    assert [name for name, _ in found.blocks] == ["layers.0@0", "layers.1@0"]
+    assert [(s.name, s.start, s.stop) for s in found.stacks] == [("layers", 0, 2)]
+    assert found.follows_previous == (False, True)
+    # the parent's ``layer.forward(x)`` reaches the site, hooks and all
+    seen = []
+    handles = [module.register_forward_pre_hook(lambda m, a, i=i: seen.append(i)) for i, (_, module) in
+               enumerate(found.blocks)]
+    model(torch.randn(2, 4))
+    assert seen == [0, 1]
+    for handle in handles:
+        handle.remove()
+    uninstall(found.sites)
+    assert all("forward" not in layer.__dict__ for layer in model.layers)  # the watch and the sites are gone
+
+
+@pytest.mark.parametrize("blocks", [None, "layers.*"])
+def test_layers_never_run_are_explained(blocks):
+    with pytest.raises(ValueError, match=r"0 calls \(layers\.0\): the forward never ran them, neither as modules nor "
+                                         r"through `module\.forward\(\.\.\.\)`: it skips them"):
+        _run(DirectForward(skip=1), blocks)
 
 
 class Wide(nn.Module):

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 __all__ = ["SEPARATOR", "split_site", "site_name", "is_site", "layer_of", "layers_of", "Sites", "install", "uninstall", "block_modules",
-           "sites_in"]
+           "sites_in", "DirectCalls"]
 
 SEPARATOR = "@"
 """Between a layer's qualified name and the number of its call: ``encoder.layer@3``."""
@@ -222,3 +222,31 @@ def block_modules(model: nn.Module, names: Sequence[str]) -> tuple[list[nn.Modul
         uninstall(installed.values())
         raise
     return modules, installed
+
+
+class DirectCalls:
+    """A module's ``forward`` instance attribute that sends a call made past the module's hooks
+    (the parent calls ``module.forward(...)``, as SqueezeBERT's encoder does) through
+    ``module(...)``, hooks and all; a call through ``module(...)`` runs the module's own forward
+    (the pre-hook it adds first says it came that way). For a model remat only traces (the
+    estimate's meta-device copies); a profiled or applied model takes such calls through call sites."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.inner = module.forward
+        self.entered = 0
+        self.handles = (module.register_forward_pre_hook(self._enter, prepend=True),
+                        module.register_forward_hook(self._leave, always_call=True))
+        module.forward = self
+
+    def _enter(self, *_: Any) -> None:
+        self.entered += 1
+
+    def _leave(self, *_: Any) -> None:
+        self.entered -= 1
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.entered:
+            return self.inner(*args, **kwargs)
+        return self.module(*args, **kwargs)
+

@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat._batch import call_model, compute_loss
+from remat.checkpointing.callsites import DirectCalls
 from remat.estimate.shares import Flow, Segment, Share
 from remat.measure.flops import op_flops
 from remat.measure.storage import flat_tensors, storage_key, storage_nbytes, tensors_in
@@ -344,6 +345,12 @@ def classify(model: nn.Module, batch: Any, blocks: list[tuple[str, nn.Module]], 
             loss = compute_loss(call_model(model, batch), batch, loss_fn)
             loss_id = tracer._id(loss) if isinstance(loss, torch.Tensor) else None
     skipped = [name for i, (name, _) in enumerate(blocks) if f"layer:{i}" not in state.inputs]
+    direct = [block for i, (_, block) in enumerate(blocks) if f"layer:{i}" not in state.inputs
+              and not isinstance(block.__dict__.get("forward"), DirectCalls)]
+    if direct:  # perhaps called as ``layer.forward(...)``, past the hooks: once more, such calls seen
+        for block in direct:
+            DirectCalls(block)
+        return classify(model, batch, blocks, loss_fn=loss_fn, plan=plan, stack_ends=stack_ends)
     if skipped:
         raise ValueError(f"{type(model).__name__}'s traced step did not run its layer(s) {', '.join(skipped)} (skipped "
                          "as a LayerDrop rate or a branch of its own code decides), so no layer of the model can be "

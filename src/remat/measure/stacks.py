@@ -69,32 +69,48 @@ class _Call:
     grad: bool = True
     """Gradients were enabled when the call began (False: under ``torch.no_grad()``, a frozen
     backbone's)."""
+    direct: bool = False
+    """The parent called ``module.forward(...)`` itself (SqueezeBERT's encoder), past the module's
+    hooks: seen by `_Trace`'s ``direct`` watch only."""
 
 
 class _Trace:
-    """Forward hooks on modules: each module's calls, in the order they began."""
+    """Forward hooks on modules: each module's calls, in the order they began; with ``direct``,
+    also the calls of those modules' ``forward`` made past their hooks (`_DirectWatch`)."""
 
-    def __init__(self, modules: Blocks) -> None:
+    def __init__(self, modules: Blocks, direct: Sequence[str] = ()) -> None:
         self.modules = modules
         self.calls: dict[str, list[_Call]] = {name: [] for name, _ in modules}
         self.order: list[str] = []
+        self.direct = set(direct)
+        self._entered: set[str] = set()
 
     def run(self, forward: Callable[[], Any]) -> _Trace:
-        handles = []
-        for name, module in self.modules:
-            handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-            handles.append(module.register_forward_hook(self._post(name)))
+        handles, watches = [], []
         try:
+            for name, module in self.modules:
+                handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
+                handles.append(module.register_forward_hook(self._post(name)))
+                if name in self.direct:
+                    watches.append(_DirectWatch(self, name, module))
             forward()
         finally:
             for handle in handles:
                 handle.remove()
+            for watch in watches:
+                watch.remove()
         return self
+
+    def directly_called(self) -> list[str]:
+        """The modules the forward called, with gradients, through ``module.forward(...)`` only."""
+        return [name for name, calls in self.calls.items() if any(c.direct and c.grad for c in calls)]
 
     def _pre(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.calls[name].append(_Call(args=args, kwargs=dict(kwargs), grad=torch.is_grad_enabled()))
             self.order.append(name)
+            if name in self.direct:
+                self._entered.add(name)
 
         return hook
 
@@ -117,6 +133,35 @@ class _Trace:
         return all(_follows(self.calls[a][0], self.calls[b][0]) for a, b in zip(names, names[1:]))
 
 
+class _DirectWatch:
+    """A module's ``forward`` instance attribute while `_Trace` watches it: a call that did not
+    come through the module's hooks (the parent calls ``module.forward(...)``) is recorded as a
+    call, ``direct``; the module's own forward runs either way. `remove` restores the attribute."""
+
+    def __init__(self, trace: _Trace, name: str, module: nn.Module) -> None:
+        self.trace, self.name, self.module = trace, name, module
+        self.saved = module.__dict__.get("forward")
+        self.inner = module.forward
+        module.forward = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        trace, name = self.trace, self.name
+        if name in trace._entered:  # through the module's call: its pre-hook recorded it
+            trace._entered.discard(name)
+            return self.inner(*args, **kwargs)
+        call = _Call(args=args, kwargs=dict(kwargs), grad=torch.is_grad_enabled(), direct=True)
+        trace.calls[name].append(call)
+        trace.order.append(name)
+        call.output = self.inner(*args, **kwargs)
+        return call.output
+
+    def remove(self) -> None:
+        if self.module.__dict__.get("forward") is self:
+            del self.module.__dict__["forward"]
+            if self.saved is not None:
+                self.module.forward = self.saved
+
+
 def _follows(previous: _Call, call: _Call) -> bool:
     return follows((previous.args, previous.kwargs, previous.output), (call.args, call.kwargs))
 
@@ -126,9 +171,12 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
     ``forward()`` runs the model's forward on its batch (once; no backward)."""
     if blocks is not None:
         chosen = named_blocks(model, blocks)
-        trace = _Trace(chosen).run(forward)
+        trace = _with_direct_calls(_Trace(chosen).run(forward), forward)
+        if any(not trace.calls[name] for name, _ in chosen):
+            _check_ran_once(trace, chosen, model)  # a block the forward never ran: refused, named
         repeated = _repeated_with_grad(trace, [name for name, _ in chosen])
-        if repeated:  # each call of a layer that runs several times a block of its own
+        repeated += [name for name in trace.directly_called() if name not in repeated]
+        if repeated:  # each call of a layer that runs several times (or past its hooks) a block of its own
             return _call_sites(model, trace, chosen, repeated)
         _check_ran_once(trace, chosen, model)
         groups = [(parent_name(name), [(name, module)]) for name, module in chosen]
@@ -142,7 +190,8 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
         every = [m for name in lists for m in members(model, name) + flattened(model, name)]
         siblings = [item for parent in dict.fromkeys(parent_name(n) for n in lists)
                     for item in _children_with_parameters(model, parent, lists)]  # for `_beside`
-        trace = _Trace(list(dict(every + siblings).items())).run(forward)
+        trace = _with_direct_calls(_Trace(list(dict(every + siblings).items())).run(forward), forward,
+                                   [m for m, _ in every])
         groups, left_out = _chosen_lists(model, lists, trace)
         if not groups and lists:
             found = _repeated_layers(model, forward, [m for m, _ in every])
@@ -174,7 +223,24 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
                 warnings.warn(_left_out_message(model, left_out, trace), UserWarning, stacklevel=3)
             if found is not None:
                 return found
+    direct = [name for name in trace.directly_called() if any(name == n for _, items in groups for n, _ in items)]
+    if direct:  # called as ``layer.forward(...)``: through a call site, which the parent's call reaches
+        return _call_sites(model, trace, [item for _, items in groups for item in items], direct,
+                           {name: group for group, items in groups for name, _ in items})
     return _in_run_order(groups, trace)
+
+
+def _with_direct_calls(trace: _Trace, forward: Callable[[], Any], names: Sequence[str] | None = None) -> _Trace:
+    """``trace``, or where some of ``names`` (every module traced by default) never ran as modules, a
+    trace of the same modules that also sees the calls of their ``forward`` made directly
+    (SqueezeBERT's encoder calls ``layer.forward(...)``, past every module hook): such a layer is a
+    block through a call site (`remat.checkpointing.callsites`), which its ``forward`` hands the
+    call to, hooks and all."""
+    never = [name for name in (names if names is not None else list(trace.calls)) if not trace.calls.get(name)]
+    if not never:
+        return trace
+    again = _Trace(trace.modules, direct=never).run(forward)
+    return again if again.directly_called() else trace
 
 
 def _with_repeated_stacks(model: nn.Module, forward: Callable[[], Any], groups: list[tuple[str, Blocks]],
@@ -404,16 +470,14 @@ def _traced_hint(model: nn.Module, counts: dict[str, int] | None = None) -> str:
 
 
 def _never_called_hint(counts: dict[str, int]) -> str:
-    """A sentence for modules the forward never called as modules ("" when none): skipped, or run
-    through ``layer.forward(...)`` (SqueezeBERT's encoder), which no module hook sees."""
+    """A sentence for modules the forward never ran ("" when none): as modules or through a direct
+    ``module.forward(...)`` (which `_with_direct_calls` sees), so it skips them."""
     never = [name for name, n in counts.items() if n == 0]
     if not never:
         return ""
-    return (f" 0 calls ({', '.join(never[:4])}{', ...' if len(never) > 4 else ''}): the forward never called them "
-            "as modules: it skips them, or their parent calls `module.forward(...)` directly (SqueezeBERT's "
-            "encoder does), which remat cannot see or wrap; name the modules inside them that are called instead, "
-            f"e.g. blocks=['{re.sub(r'[.][0-9]+$', '.*', never[0])}.<child>', ...] for the children that hold "
-            "the layer's weights.")
+    return (f" 0 calls ({', '.join(never[:4])}{', ...' if len(never) > 4 else ''}): the forward never ran them, "
+            "neither as modules nor through `module.forward(...)`: it skips them (layers dropped at this depth, or "
+            "in this mode); name the blocks that run instead.")
 
 
 def _chosen_lists(model: nn.Module, lists: list[str], trace: _Trace) -> tuple[list[tuple[str, Blocks]], list[str]]:
@@ -476,7 +540,7 @@ def _beside(model: nn.Module, lists: list[str], groups: list[tuple[str, Blocks]]
     if not scopes:
         return out, trace
     blocks = [name for _, items in out for name, _ in items]
-    trace = _Trace([(name, model.get_submodule(name)) for name in blocks + list(scopes)]).run(forward)
+    trace = _Trace([(name, model.get_submodule(name)) for name in blocks + list(scopes)], direct=trace.direct).run(forward)
     group_of = {name: group for group, items in out for name, _ in items}
     first = {name: i for i, name in reversed(list(enumerate(trace.order)))}
     in_order = sorted((n for n in chosen if n in first), key=first.__getitem__)
