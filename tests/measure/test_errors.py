@@ -281,6 +281,58 @@ def test_torchs_own_activation_checkpointing_left_on_is_refused_with_the_fix(how
     assert not remat.apply.api.is_applied(built.model)
 
 
+class _Inner(nn.Module):
+    """Checkpoints its own activation when ``inner`` is set: inside the block, which runs as a module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.act, self.inner = nn.Linear(8, 8), nn.Tanh(), False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        y = self.linear(x)
+        return checkpoint(self.act, y, use_reentrant=False) if self.inner else self.act(y)
+
+
+class OwnCheckpoint(nn.Module):
+    """Checkpoints its blocks in its own forward (research code's ``if self.ckpt: x = checkpoint(blk, x)``),
+    each (``how="each"``), in segments (``"sequential"``), or not (``"inner"``: each block
+    checkpoints its activation inside it, which leaves the blocks themselves to plan)."""
+
+    def __init__(self, how: str, reentrant: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)  # the blocks' input requires grad, as reentrant checkpoints need
+        self.blocks = nn.Sequential(*[_Inner() for _ in range(4)])
+        self.how, self.reentrant = how, reentrant
+        for block in self.blocks:
+            block.inner = how == "inner"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+        x = self.embed(x)
+        if self.how == "sequential":
+            x = checkpoint_sequential(self.blocks, 2, x, use_reentrant=self.reentrant)
+        for block in self.blocks if self.how != "sequential" else []:
+            x = checkpoint(block, x, use_reentrant=self.reentrant) if self.how == "each" else block(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("how,reentrant", [("each", False), ("each", True), ("sequential", False)])
+def test_blocks_the_forward_checkpoints_itself_are_refused_with_where_and_the_fix(how, reentrant):
+    """Before, non-reentrant: every plan measured the same (nothing saved in the blocks) and
+    checkpointed them twice; reentrant: "every stack runs with gradients disabled", no word of why."""
+    model = OwnCheckpoint(how, reentrant)
+    inside = r"blocks\.0, blocks\.1" + (r", blocks\.2, blocks\.3" if how == "each" else "")  # not the last segment
+    with pytest.raises(ValueError, match=rf"^OwnCheckpoint's forward runs {inside} "
+                                         r"inside torch.utils.checkpoint itself \(.*test_errors\.py:[0-9]+\), so they "
+                                         r"already recompute.*Turn the model's own checkpointing off"):
+        profile(model, torch.randn(2, 8))
+    inner = OwnCheckpoint("inner")  # checkpoints inside its blocks: the blocks run as modules, planned
+    assert [b.name for b in profile(inner, torch.randn(2, 8), repeats=1).blocks] == [f"blocks.{i}" for i in range(4)]
+
+
 def test_an_optimizer_whose_step_needs_a_closure_is_refused():
     import remat
 

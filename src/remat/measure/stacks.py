@@ -28,13 +28,16 @@ ones included, and
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from remat.checkpointing.callsites import Sites, install, site_name
@@ -72,6 +75,9 @@ class _Call:
     direct: bool = False
     """The parent called ``module.forward(...)`` itself (SqueezeBERT's encoder), past the module's
     hooks: seen by `_Trace`'s ``direct`` watch only."""
+    checkpointed: str = ""
+    """Where the model's own code ran the call inside ``torch.utils.checkpoint`` (`_own_checkpoint`):
+    that code's file and line; "" otherwise."""
 
 
 class _Trace:
@@ -107,7 +113,8 @@ class _Trace:
 
     def _pre(self, name: str) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            self.calls[name].append(_Call(args=args, kwargs=dict(kwargs), grad=torch.is_grad_enabled()))
+            self.calls[name].append(_Call(args=args, kwargs=dict(kwargs), grad=torch.is_grad_enabled(),
+                                          checkpointed=_own_checkpoint()))
             self.order.append(name)
             if name in self.direct:
                 self._entered.add(name)
@@ -149,7 +156,8 @@ class _DirectWatch:
         if name in trace._entered:  # through the module's call: its pre-hook recorded it
             trace._entered.discard(name)
             return self.inner(*args, **kwargs)
-        call = _Call(args=args, kwargs=dict(kwargs), grad=torch.is_grad_enabled(), direct=True)
+        call = _Call(args=args, kwargs=dict(kwargs), grad=torch.is_grad_enabled(), direct=True,
+                     checkpointed=_own_checkpoint())
         trace.calls[name].append(call)
         trace.order.append(name)
         call.output = self.inner(*args, **kwargs)
@@ -162,6 +170,48 @@ class _DirectWatch:
                 self.module.forward = self.saved
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_REMAT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_CHECKPOINT_FILE = os.path.splitext(torch.utils.checkpoint.__file__)[0] + ".py"
+
+
+def _own_checkpoint() -> str:
+    """Where the code that runs this call put it inside ``torch.utils.checkpoint`` (``checkpoint``,
+    ``checkpoint_sequential``, reentrant or not) itself, as ``"file:line"`` of that call, or "":
+    no such frame on the stack, or only remat's own."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename != _CHECKPOINT_FILE or frame.f_code.co_name != "checkpoint":
+            frame = frame.f_back  # (checkpoint_sequential runs its last segment outside a checkpoint)
+            continue
+        caller = frame.f_back  # the first frame outside torch called the checkpoint
+        while caller is not None and caller.f_code.co_filename.startswith(_TORCH_DIR):
+            caller = caller.f_back
+        if caller is None:
+            return ""
+        if not caller.f_code.co_filename.startswith(_REMAT_DIR):
+            return f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        frame = caller.f_back
+    return ""
+
+
+def _check_not_checkpointed(model: nn.Module, trace: _Trace) -> None:
+    """Refuse a model whose own forward runs the modules traced inside ``torch.utils.checkpoint``:
+    they already recompute (reentrant, they even run without gradients in the forward), so remat
+    would measure checkpointed blocks and a plan would checkpoint them twice."""
+    inside = {name: calls[0].checkpointed for name, calls in trace.calls.items() if calls and calls[0].checkpointed}
+    if not inside:
+        return
+    names = list(inside)
+    where = sorted(set(inside.values()))
+    raise ValueError(
+        f"{type(model).__name__}'s forward runs {', '.join(names[:4])}{' ...' if len(names) > 4 else ''} inside "
+        f"torch.utils.checkpoint itself ({', '.join(where[:2])}{' ...' if len(where) > 2 else ''}), so they already "
+        "recompute: remat would measure checkpointed blocks (nothing saved in them) and a plan would checkpoint them "
+        "twice. Turn the model's own checkpointing off (its flag, or call the blocks without checkpoint(...)) while "
+        "remat profiles and applies: a remat plan replaces it.")
+
+
 def _follows(previous: _Call, call: _Call) -> bool:
     return follows((previous.args, previous.kwargs, previous.output), (call.args, call.kwargs))
 
@@ -172,6 +222,7 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
     if blocks is not None:
         chosen = named_blocks(model, blocks)
         trace = _with_direct_calls(_Trace(chosen).run(forward), forward)
+        _check_not_checkpointed(model, trace)
         if any(not trace.calls[name] for name, _ in chosen):
             _check_ran_once(trace, chosen, model)  # a block the forward never ran: refused, named
         repeated = _repeated_with_grad(trace, [name for name, _ in chosen])
@@ -192,6 +243,7 @@ def discover(model: nn.Module, blocks: str | Sequence[str] | None, forward: Call
                     for item in _children_with_parameters(model, parent, lists)]  # for `_beside`
         trace = _with_direct_calls(_Trace(list(dict(every + siblings).items())).run(forward), forward,
                                    [m for m, _ in every])
+        _check_not_checkpointed(model, trace)
         groups, left_out = _chosen_lists(model, lists, trace)
         if not groups and lists:
             found = _repeated_layers(model, forward, [m for m, _ in every])
