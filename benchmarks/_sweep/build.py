@@ -347,6 +347,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "led": {"attention_window": 4},
     "reformer": {"axial_pos_shape": [4, 4], "axial_pos_embds_dim": [16, 16], "attn_layers": ["local", "lsh"],
                  "local_attn_chunk_length": 4, "lsh_attn_chunk_length": 4},
+    "yolos": {"image_size": [IMAGE, IMAGE], "num_detection_tokens": 4},  # (512, 864) at patches of 4: 27,648 tokens
     "swin": SWIN,
     "swinv2": SWIN,
     "donut-swin": SWIN,
