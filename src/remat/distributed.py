@@ -208,12 +208,20 @@ def fsdp_units(model: nn.Module, plan: Plan) -> list[list[nn.Module]]:
     gathered together: it becomes one unit. Kept, selective and offloaded blocks are one unit each.
     """
     sites = [name for name in plan.block_names if split_site(name)[1] is not None]
+    several = {split_site(name)[0] for name in sites if split_site(name)[1] > 0}
+    if sites and not several:  # each layer called once, through ``layer.forward(...)``
+        raise ValueError(
+            f"the plan's blocks {sites[:3]}{' ...' if len(sites) > 3 else ''} are layers the model calls through "
+            "layer.forward(...) (remat.checkpointing.callsites): such a call goes past the module hooks that an FSDP2 "
+            "unit gathers its weights with, so a unit of them would compute with sharded weights. Shard the modules "
+            "they are called from, or modules inside them that run as modules, with fully_shard as you choose.")
     if sites:
         raise ValueError(
             f"the plan's blocks {sites[:3]}{' ...' if len(sites) > 3 else ''} are calls of a layer that runs several times "
             "per step (remat.checkpointing.callsites): fully_shard_by_plan makes an FSDP2 unit of each segment's modules, and the "
             "calls of one layer are one module, which cannot be a unit per call. Shard the model with fully_shard as you "
-            "choose, or plan with blocks that run once each (remat.profile(..., blocks=...)).")
+            "choose (fully_shard(layer), then fully_shard(model): the calls then run with the layer's weights gathered), or plan with blocks that run once each "
+            "(remat.profile(..., blocks=...)).")
     blocks = [model.get_submodule(name) for name in plan.block_names]
     units: list[list[nn.Module]] = []
     for seg in plan.segments:

@@ -124,3 +124,14 @@ def test_applied_the_direct_call_runs_the_plan_and_remove_restores_every_layer()
         assert torch.equal(a, c) and torch.equal(b, c)
     remat.remove_(model)
     assert all("forward" not in layer.__dict__ for layer in model.layers)
+
+
+def test_fully_shard_by_plan_refuses_layers_called_through_forward_and_says_why():
+    from remat.distributed import fsdp_units
+
+    model, batch = _model()
+    plan = remat.plan(remat.profile(model, batch, _loss, repeats=1), strategy="full")
+    with pytest.raises(ValueError, match=r"the plan's blocks \['layers.0@0', 'layers.2@0'\] are layers the model calls "
+                                         r"through layer.forward\(...\).*goes past the module hooks that an FSDP2 unit "
+                                         r"gathers its weights with"):
+        fsdp_units(model, plan)

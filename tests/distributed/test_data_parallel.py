@@ -90,6 +90,17 @@ def test_fsdp2_gradients_on_an_encoder_decoder(tmp_path: Path, strategy: str) ->
     assert results[0]["loss"] != results[1]["loss"]
 
 
+@pytest.mark.parametrize("strategy", ["full", "sqrt"])
+def test_fsdp2_by_hand_on_a_layer_that_runs_at_every_depth(tmp_path: Path, strategy: str) -> None:
+    results = _spawn(workers.fsdp_grads_shared_layer, tmp_path, strategy)
+    for res in results:
+        assert res["blocks"] == ["layer@0", "layer@1", "layer@2", "layer@3"]
+        assert res["num_params"] == 10  # embed, norm, two linears, head: weight and bias each
+        assert res["mismatched"] == [], f"rank {res['rank']}: gradients differ for {res['mismatched']}"
+        assert res["loss_equal"]
+    assert results[0]["loss"] != results[1]["loss"]
+
+
 def test_ddp_gradients_bit_identical(tmp_path: Path) -> None:
     results = _spawn(workers.ddp_grads, tmp_path, "full")
     for res in results:

@@ -165,6 +165,56 @@ def ddp_grads(rank: int, world_size: int, port: int, out_dir: str, strategy: str
     _write(out_dir, rank, _compare(rank, *runs))
 
 
+class _Universal(torch.nn.Module):
+    """One residual layer run at four depths between an embedding and a head (a Universal
+    Transformer's shape): each call a block of its own (``layer@i``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch import nn
+
+        self.embed = nn.Linear(8, 32)
+        self.layer = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.1),
+                                   nn.Linear(128, 32))
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for _ in range(4):
+            h = h + self.layer(h)
+        return self.head(h)
+
+
+def fsdp_grads_shared_layer(rank: int, world_size: int, port: int, out_dir: str, strategy: str) -> None:
+    """FSDP2 by hand on a model whose layer runs at every depth: the layer a unit of its own and
+    the root another (`fully_shard_by_plan` refuses calls of one layer: a unit per call cannot
+    be); each call's plan replays with the layer's weights gathered by FSDP2's pre-backward."""
+    import remat
+    from remat.distributed import broadcast_plan, is_main_process
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, world_size, port)
+    torch.manual_seed(0)
+    weights = _Universal()
+    batch = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(100 + rank))
+    loss_fn = lambda out, b: out.square().mean()  # noqa: E731
+    plan = None
+    if is_main_process():
+        plan = remat.plan(remat.profile(weights, batch, loss_fn, warmup=0, repeats=1), strategy=strategy)
+    plan = broadcast_plan(plan)
+    runs = []
+    for applied in (False, True):
+        model = copy.deepcopy(weights)
+        if applied:
+            remat.apply_(model, plan)
+        fully_shard(model.layer)
+        fully_shard(model)
+        runs.append(_step(model, batch, loss_fn, seed=1234 + rank))
+    result = _compare(rank, *runs)
+    result["blocks"] = list(plan.block_names)
+    _write(out_dir, rank, result)
+
+
 def broadcast_check(rank: int, world_size: int, port: int, out_dir: str) -> None:
     import dataclasses
 
