@@ -29,8 +29,13 @@ AttributeSnapshot = list[tuple[nn.Module, dict[str, Any]]]
 
 
 def _plain(value: Any) -> bool:
-    """A value the snapshot keeps: a scalar, a tensor (by reference) or a tuple of them."""
-    if isinstance(value, _SCALARS) or isinstance(value, torch.Tensor):
+    """A value the snapshot keeps: a scalar, a tensor (by reference) or a tuple of them. Not a
+    tensor with a history: a result the forward left on the module (``torch.nn.utils.spectral_norm``'s
+    weight, which its pre-hook computes at every call), not state a replay starts from; held by the
+    snapshot, a replay kept the last one alive beside its own."""
+    if isinstance(value, torch.Tensor):
+        return value.grad_fn is None
+    if isinstance(value, _SCALARS):
         return True
     return isinstance(value, tuple) and all(_plain(v) for v in value)
 
