@@ -335,12 +335,91 @@ def model_classes(model_type: str) -> list[tuple[str, type]]:
 TINY_RESNET = {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32, 48, 64], "depths": [1, 1, 1, 1],
                "out_features": ["stage2", "stage3", "stage4"], "layer_type": "basic"}
 SWIN = {"image_size": IMAGE, "patch_size": 2, "embed_dim": 16, "depths": [2, 2], "num_heads": [2, 2], "window_size": 2}
+COMPASS_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}}
+QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
+                 "indexer_compress_ratio": 4, "hc_lowrank": 8}
+MIMI = {"upsample_groups": HIDDEN, "vector_quantization_hidden_dimension": HIDDEN, "num_quantizers": 4}
+DIA_CROSS = {"cross_hidden_size": HIDDEN, "cross_num_attention_heads": HEADS, "cross_head_dim": HEAD_DIM,
+             "cross_num_key_value_heads": HEADS}
 OVERRIDES: dict[str, dict[str, Any]] = {
     "whisper": {"max_source_positions": SEQ},
     "audio-spectrogram-transformer": {"max_length": 32, "num_mel_bins": 16},
     "speech_to_text": {"max_source_positions": 64},
     "bark": {"block_size": MAX_POSITIONS},
-    "funnel": {"block_sizes": [1, 1], "num_decoder_layers": 2},
+    "funnel": {"block_sizes": [1, 1], "block_repeats": [1, 1], "num_decoder_layers": 2},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # expands to num_layers' attention_layers
+    "esm": {"vocab_size": 33, "pad_token_id": 1, "mask_token_id": 32},  # ESM-2's vocabulary; defaults leave None
+    "nemotron": {"num_key_value_heads": 1},  # left None, which its attention divides by
+    "xlstm": {"embedding_dim": HIDDEN},  # its hidden size's twin, not among the hidden keys
+    # two hybrid layers: the shared transformer is tied across them (one leaves its tie matching nothing)
+    "zamba": {"num_hidden_layers": 3, "layers_block_type": ["hybrid", "linear_attention", "hybrid"],
+              "attention_hidden_size": 2 * HIDDEN, "mamba_dt_rank": HIDDEN // 16},
+    "xmod": {"default_language": "en_XX"},  # its adapters' language, which its forward needs
+    "lxmert": {"l_layers": 1, "x_layers": 1, "r_layers": 1, "visual_feat_dim": 16, "num_qa_labels": 10,
+               "num_object_labels": 10, "num_attr_labels": 10},
+    # layout models: a box's embeddings concatenated make the hidden size
+    "layoutlmv3": {"coordinate_size": 6, "shape_size": 4, "input_size": IMAGE},  # 4 x 6 + 2 x 4 = 32
+    "lilt": {"hidden_size": 48},  # its 6 box embeddings of hidden // 6 each, and a layout stream of hidden // 4
+    "bros": {"hidden_size": 64},  # its box sinusoids' width is hidden // 32 (derived), an even one
+    "encoder-decoder": {"pad_token_id": 0, "decoder_start_token_id": 2},  # its decoder inputs: labels shifted right
+    "vision-text-dual-encoder": {"vision_config": {"pooler_output_size": HIDDEN}},  # ViT's pooler, projected
+    # time series: a horizon (None by default), a context twice it, few lags, one time feature
+    **{t: {"prediction_length": 4, "context_length": 8, "lags_sequence": [1, 2, 3], "num_time_features": 1}
+       for t in ("informer", "time_series_transformer")},
+    "autoformer": {"prediction_length": 4, "context_length": 8, "lags_sequence": [1, 2, 3], "num_time_features": 1,
+                   "label_length": 4, "moving_average": 5},  # its decoder's start: the context's last 4 (at most 8)
+    "timesfm": {"context_length": 64, "patch_length": 16, "horizon_length": 16},
+    "timesfm2_5": {"context_length": 64, "patch_length": 16, "horizon_length": 16},
+    "moonshine": {"encoder_num_key_value_heads": 2, "decoder_num_key_value_heads": 2},  # as many as the heads
+    "wav2vec2-bert": {"feature_projection_input_dim": 16},  # its input features' width (stacked mel frames)
+    "falcon_h1": {"mamba_d_ssm": 2 * HIDDEN, "mamba_d_state": 16, "mamba_chunk_size": SEQ},  # heads x head width
+    # no layers sharing another's key/value cache (the kept 2 would share with none), per-layer inputs shrunk
+    "gemma3n_text": {"num_kv_shared_layers": 0, "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB,
+                     "laurel_rank": 8},
+    # a sub-config read alone: the dropout its composite config would set on it
+    **{t: {"dropout_rate": 0.0} for t in ("t5gemma2_text", "t5gemma2_decoder")},
+    "t5gemma2_encoder": {"text_config": {"dropout_rate": 0.0}},
+    "dots1": {"n_shared_experts": 1},  # left None, which its shared experts' width is multiplied by
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # left None; one dense layer
+    "decision_transformer": {"max_ep_len": MAX_POSITIONS},  # its time steps' embedding
+    "moshi_depth": {"input_size": HIDDEN},  # the main decoder's width, whose states it reads
+    # rope per layer type (its defaults leave none), M-RoPE sections summing to half the head
+    "cohere_compass_text": {"rope_parameters": COMPASS_ROPE},
+    "cohere_compass": {"text_config": {"rope_parameters": COMPASS_ROPE}},
+    "step3p5": {"sliding_window": SEQ // 2, "share_expert_dim": FFN},  # left None, its masks need it
+    "step3p7": {"text_config": {"sliding_window": SEQ // 2, "share_expert_dim": FFN}},
+    "qwen3_omni_moe_talker_text": {"shared_expert_intermediate_size": FFN},  # its composite's, read by its MoE
+    "moonshine_streaming": {"num_key_value_heads": HEADS},
+    # one layer of each kind: its indexed-attention layer the second, each layer its own key/value source
+    "kolibri1_1": {"index_layers": [1], "kv_source_layers": [0, 1], "index_topk": 8, "index_pool_size": 64,
+                   "index_compression": 4, "index_num_heads": 2, "index_num_local_tokens": 4,
+                   "index_num_sink_tokens": 2, "mlp_only_layers": [0]},
+    # its dict's layout (an attention and an mlp block per layer, counts doubled): 3 layers, one per stage
+    "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2, "n_output_layers": 2,
+             "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]},
+    "qwen4_exp_text": QWEN4_INDEXER,  # its indexer's sizes, left None by its defaults
+    "qwen4_exp": {"text_config": QWEN4_INDEXER},
+    # the global transformer's width its local encoder and decoder project to and from; a small hash vocabulary
+    "blt": {"encoder_hash_byte_group_vocab": 64, "local_attention_window_len": SEQ // 2,
+            "encoder_config": {"hidden_size_global": HIDDEN}, "decoder_config": {"hidden_size_global": HIDDEN}},
+    # its rotary width is at least 32: heads of 32
+    "clvp_encoder": {"hidden_size": 2 * HIDDEN},
+    "clvp": {"text_config": {"hidden_size": 2 * HIDDEN}, "speech_config": {"hidden_size": 2 * HIDDEN},
+             "decoder_config": {"num_mel_attn_blocks": 2}},
+    # Mimi's codec: upsampling grouped per channel (groups = its width), 4 quantizers
+    "mimi": MIMI,
+    "kyutai_speech_to_text": {"num_codebooks": 4, "codec_config": MIMI},
+    # its decoder's cross-attention: the encoder's width and heads
+    "dia": {"decoder_config": DIA_CROSS},
+    "rag": {"n_docs": 2},  # documents per question
+    # the global transformer's width, as in blt's; 2 layers (its default 1 makes no stack of blocks)
+    "blt_local_encoder": {"hidden_size_global": HIDDEN, "num_hidden_layers": LAYERS},
+    "blt_local_decoder": {"hidden_size_global": HIDDEN},
+    "csm": {"codec_config": MIMI, "depth_decoder_config": {"backbone_hidden_size": HIDDEN}},
+    "dia_decoder": DIA_CROSS,
+    # its attention and FFN configs (no model type: not shrunk); rope_theta, clip_qkv: keys DBRX's release sets
+    "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"hidden_size": HIDDEN, "ffn_hidden_size": FFN}},
     "big_bird": {"attention_type": "original_full"},
     "bigbird_pegasus": {"attention_type": "original_full"},
     "longformer": {"attention_window": 4},
@@ -353,9 +432,112 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "donut-swin": SWIN,
     "maskformer-swin": SWIN,
 }
-"""model type -> config values set after the generic shrink (top level)."""
+"""model type -> config values set after the generic shrink (top level); a value its config class
+does not take as an argument is set on the built config (`_set_untaken`)."""
+
+
+def _boxes(generator: torch.Generator, scale: int | None = None) -> torch.Tensor:
+    """A box (x0, y0, x1, y1), its corners in order, per token: in [0, 1], or integers in [0, ``scale``]."""
+    corners = torch.rand((BATCH, SEQ, 2, 2), generator=generator).sort(dim=2).values  # x0 <= x1, y0 <= y1
+    boxes = corners.reshape(BATCH, SEQ, 4)
+    return boxes if scale is None else (boxes * scale).long()
+
+
+def _layout(config: Any, generator: torch.Generator, scale: int | None = None, image: bool = False) -> dict[str, Any]:
+    """Text with its boxes (a document's words), and the page's image where the model reads it."""
+    out = {"input_ids": _ids(config, generator), "bbox": _boxes(generator, scale)}
+    if image:
+        out["pixel_values"] = torch.randn((BATCH, config.num_channels, IMAGE, IMAGE), generator=generator)
+    return out
+
+
+def _series(config: Any, generator: torch.Generator) -> dict[str, Any]:
+    """A forecaster's (Informer's kin's) window: the context and its lags, the horizon, one time feature."""
+    past = config.context_length + max(config.lags_sequence)
+    return {"past_values": torch.randn((BATCH, past), generator=generator),
+            "past_time_features": torch.randn((BATCH, past, config.num_time_features), generator=generator),
+            "past_observed_mask": torch.ones((BATCH, past)),
+            "future_values": torch.randn((BATCH, config.prediction_length), generator=generator),
+            "future_time_features": torch.randn((BATCH, config.prediction_length, config.num_time_features),
+                                                generator=generator)}
+
 
 BATCH_OVERRIDES: dict[str, Callable[[Any, torch.Generator], dict[str, Any]]] = {
+    # text, and the audio tokens of each of its channels
+    "dia": lambda c, g: {"input_ids": _ids(c.encoder_config, g), "decoder_input_ids": torch.randint(
+        0, c.decoder_config.vocab_size - 4, (BATCH, SEQ, c.decoder_config.num_channels), generator=g)},
+    "dia_decoder": lambda c, g: {"input_ids": torch.randint(0, c.vocab_size - 4, (BATCH, SEQ, c.num_channels),
+                                                            generator=g),
+                                 "encoder_hidden_states": torch.randn((BATCH, SEQ, c.cross_hidden_size), generator=g)},
+    # a text token and a token per codebook at each step
+    "kyutai_speech_to_text": lambda c, g: {"input_ids": torch.randint(4, VOCAB - 4, (BATCH, SEQ, c.num_codebooks + 1),
+                                                                      generator=g)},
+    # no retriever: the question, and its retrieved documents (as generator input) with their scores
+    "rag": lambda c, g: {"input_ids": _ids(c.question_encoder, g),
+                         "context_input_ids": _ids(c.generator, g).repeat_interleave(c.n_docs, 0),
+                         "context_attention_mask": torch.ones((BATCH * c.n_docs, SEQ), dtype=torch.long),
+                         "doc_scores": torch.randn((BATCH, c.n_docs), generator=g)},
+    # bytes in patches of 4 (a 2-D mask would be added to its attention's scores as they are: none)
+    "blt_local_encoder": lambda c, g: {"input_ids": _ids(c, g), "num_patches": SEQ // 4,
+                                       "patch_ids": (torch.arange(SEQ) // 4).repeat(BATCH, 1)},
+    # the local encoder's byte states and the global transformer's patch states
+    "blt_local_decoder": lambda c, g: {"inputs_embeds": torch.randn((BATCH, SEQ, c.hidden_size), generator=g),
+                                       "patch_embeds": torch.randn((BATCH, SEQ // 4, c.hidden_size_global),
+                                                                   generator=g)},
+    "blt_global_transformer": lambda c, g: {"inputs_embeds": torch.randn((BATCH, SEQ, c.hidden_size), generator=g)},
+    # text and the speech's mel features its decoder conditions on
+    "clvp": lambda c, g: {"input_ids": _ids(c.text_config, g), "input_features": torch.randn(
+        (BATCH, c.decoder_config.feature_size, 4 * SEQ), generator=g)},
+    # the text model read alone: the delay's time embedding its composite passes each layer
+    "voxtral_realtime_text": lambda c, g: {"input_ids": _ids(c, g),
+                                           "t_cond": torch.randn((1, 1, c.hidden_size), generator=g)},
+    # the talker reads the thinker's states, not token ids (it has no token embedding)
+    "qwen3_omni_moe_talker_text": lambda c, g: {"inputs_embeds": torch.randn((BATCH, SEQ, c.hidden_size), generator=g)},
+    # a token per codebook, the main decoder's states they are contextualised by, and the tokens to predict
+    # (its logits' mean square grows past float range in 3 SGD steps; its cross-entropy does not)
+    "moshi_depth": lambda c, g: {"input_ids": _ids(c, g, c.num_codebooks),
+                                 "last_hidden_state": torch.randn((BATCH, c.num_codebooks, c.input_size), generator=g),
+                                 "labels": _ids(c, g, c.num_codebooks)},
+    # an offline RL batch: trajectories of states, actions, rewards, returns to go and their time steps
+    "decision_transformer": lambda c, g: {
+        "states": torch.randn((BATCH, SEQ, c.state_dim), generator=g),
+        "actions": torch.randn((BATCH, SEQ, c.act_dim), generator=g),
+        "rewards": torch.randn((BATCH, SEQ, 1), generator=g),
+        "returns_to_go": torch.randn((BATCH, SEQ, 1), generator=g),
+        "timesteps": torch.arange(SEQ).repeat(BATCH, 1),
+        "attention_mask": torch.ones((BATCH, SEQ), dtype=torch.long)},
+    # a codebook's row of tokens per codebook per item
+    **{t: lambda c, g: {"input_ids": torch.randint(0, c.vocab_size - 1, (BATCH * c.num_codebooks, SEQ), generator=g)}
+       for t in ("musicgen_decoder", "musicgen_melody_decoder")},
+    # a decoder read alone: the encoder's states it attends to
+    "t5gemma2_decoder": lambda c, g: {"input_ids": _ids(c, g),
+                                      "encoder_hidden_states": torch.randn((BATCH, SEQ, c.hidden_size), generator=g)},
+    # mel features stacked two frames at a time, as its feature extractor makes them
+    "wav2vec2-bert": lambda c, g: {"input_features": torch.randn((BATCH, 4 * SEQ, c.feature_projection_input_dim),
+                                                                generator=g)},
+    **{t: _series for t in ("informer", "autoformer", "time_series_transformer")},
+    # a context of values per channel
+    "patchtst": lambda c, g: {"past_values": torch.randn((BATCH, c.context_length, c.num_input_channels),
+                                                         generator=g)},
+    "patchtsmixer": lambda c, g: {"past_values": torch.randn((BATCH, c.context_length, c.num_input_channels),
+                                                             generator=g)},
+    # a context of values, none of it padding (and TimesFM's frequency class)
+    "timesfm": lambda c, g: {"past_values": torch.randn((BATCH, c.context_length), generator=g),
+                             "past_values_padding": torch.zeros((BATCH, c.context_length)),
+                             "freq": torch.zeros((BATCH, 1), dtype=torch.long)},
+    "timesfm2_5": lambda c, g: {"past_values": torch.randn((BATCH, c.context_length), generator=g),
+                                "past_values_padding": torch.zeros((BATCH, c.context_length))},
+    "layoutlmv3": lambda c, g: _layout(c, g, 1000, image=True),
+    "lilt": lambda c, g: _layout(c, g, 1000),
+    "bros": lambda c, g: _layout(c, g),
+    "udop": lambda c, g: _layout(c, g, image=True),
+    # a waveform, and the decoder's inputs given (its config has no pad id to shift the labels with)
+    "speech-encoder-decoder": lambda c, g: {"inputs": torch.randn((BATCH, AUDIO_SAMPLES), generator=g),
+                                            "decoder_input_ids": _ids(c.decoder, g)},
+    # text and 4 detected objects: their features and boxes
+    "lxmert": lambda c, g: {"input_ids": _ids(c, g), "visual_feats": torch.randn((BATCH, 4, c.visual_feat_dim),
+                                                                             generator=g),
+                           "visual_pos": torch.rand((BATCH, 4, c.visual_pos_dim), generator=g)},
     "audio-spectrogram-transformer": lambda c, g: {"input_values": torch.randn((BATCH, c.max_length, c.num_mel_bins),
                                                                                generator=g)},
 }
@@ -461,7 +643,8 @@ def make_batch(model_type: str, model: nn.Module, config: Any, task: str, genera
         batch["input_ids"] = _ids(config, generator)
     if "pixel_values" in required and "pixel_values" not in batch:
         batch["pixel_values"] = images()
-    if "decoder_input_ids" in params and task not in ("seq_to_seq_causal_lm", "speech_seq_2_seq"):
+    if "decoder_input_ids" in params and "decoder_input_ids" not in batch \
+            and task not in ("seq_to_seq_causal_lm", "speech_seq_2_seq"):  # unless its batch override made them
         batch["decoder_input_ids"] = _ids(config, generator)
     if "labels" in params:
         if task in ("causal_lm", "masked_lm") and "input_ids" in batch:
@@ -559,13 +742,26 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _set_untaken(config: Any, overrides: dict[str, Any], taken: dict[str, Any]) -> None:
+    """Overrides a config class does not take as arguments set on the built config, sub-configs
+    alike, as a user would (a sub-config read alone: what its composite config would set on it)."""
+    for key, value in overrides.items():
+        sub = getattr(config, key, None)
+        if isinstance(value, dict) and hasattr(sub, "to_dict"):
+            _set_untaken(sub, value, taken.get(key) if isinstance(taken.get(key), dict) else {})
+        elif key not in taken:
+            setattr(config, key, value)
+
+
 def tiny_config(model_type: str) -> Any:
     """The default config of ``model_type`` shrunk (`shrink`), with the type's `OVERRIDES`."""
     import transformers
 
     config_cls = transformers.CONFIG_MAPPING[model_type]
     shrunk = _merge(shrink(config_cls().to_dict()), OVERRIDES.get(model_type, {}))
-    config = config_cls(**as_kwargs(config_cls, shrunk))
+    kwargs = as_kwargs(config_cls, shrunk)
+    config = config_cls(**kwargs)
+    _set_untaken(config, OVERRIDES.get(model_type, {}), kwargs)
     config.num_labels = NUM_LABELS
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         pad = getattr(config, "pad_token_id", None)
