@@ -30,6 +30,7 @@ PATCH = 4
 NUM_LABELS = 3
 AUDIO_SAMPLES = 4000
 MAX_POSITIONS = 128
+FRAMES = 4
 
 LAYER_KEYS = frozenset({
     "num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers",
@@ -201,6 +202,8 @@ def shrink(config: dict[str, Any]) -> dict[str, Any]:
                 out[key] = HEAD_DIM // 2
             elif key == "sliding_window" and value > SEQ // 2:
                 out[key] = SEQ // 2
+            elif key in ("num_frames", "frames_per_clip") and value > FRAMES:
+                out[key] = FRAMES  # a video model's clip
         elif isinstance(value, float) and key in ("width_coefficient", "depth_coefficient") and value > 0.25:
             out[key] = 0.25  # EfficientNet's scaling of its channels and repeats
         elif isinstance(value, (list, tuple)) and value and all(isinstance(v, int) and not isinstance(v, bool)
@@ -213,9 +216,12 @@ def shrink(config: dict[str, Any]) -> dict[str, Any]:
                 out[key] = [min(v, HEADS) for v in value]
             elif key == "conv_dim":
                 out[key] = [min(v, 16) for v in value]
+            elif key == "tubelet_size" and len(value) == 3:  # (frames, height, width) of a video patch
+                out[key] = [min(value[0], 2), min(value[1], PATCH), min(value[2], PATCH)]
             elif layers_before is not None and len(value) == layers_before:
                 out[key] = _pick_layers(list(value), LAYERS)
-        elif isinstance(value, list) and layers_before is not None and len(value) == layers_before:
+        elif isinstance(value, list) and layers_before is not None and len(value) == layers_before \
+                and key != "out_features":  # a backbone's stages out (Swin's four), not one entry a layer
             out[key] = _pick_layers(value, LAYERS)
     # special token ids outside the vocabulary: moved to its top, each its own
     vocab = out.get("vocab_size")
@@ -261,6 +267,16 @@ def shrink(config: dict[str, Any]) -> dict[str, Any]:
                                     and _splits_mrope(config.get("model_type")))
     if "max_source_positions" in config and "num_mel_bins" in config and "vocab_size" not in config:
         out["max_source_positions"] = SEQ  # a Whisper-like audio encoder: its frames are twice its positions
+    features, stages = config.get("out_features"), config.get("stage_names")
+    if layers_before is not None and isinstance(features, list) and features and isinstance(stages, list) \
+            and len(stages) == layers_before + 1 and "depths" not in config:
+        # a ViT backbone's stages are its layers: as many layers as the stages it outputs, the last ones
+        kept = max(LAYERS, len(features))
+        for key in LAYER_KEYS:
+            if out.get(key) == LAYERS:
+                out[key] = kept
+        out["out_features"] = [f"stage{i}" for i in range(kept - len(features) + 1, kept + 1)]
+        out.pop("out_indices", None)
     if "use_cache" in out:
         out["use_cache"] = False
     return out
@@ -333,7 +349,7 @@ def model_classes(model_type: str) -> list[tuple[str, type]]:
 # --- overrides: where a generic rule fails ------------------------------------------------------------
 
 TINY_RESNET = {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32, 48, 64], "depths": [1, 1, 1, 1],
-               "out_features": ["stage2", "stage3", "stage4"], "layer_type": "basic"}
+               "layer_type": "basic"}
 SWIN = {"image_size": IMAGE, "patch_size": 2, "embed_dim": 16, "depths": [2, 2], "num_heads": [2, 2], "window_size": 2}
 COMPASS_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}}
 QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
@@ -341,6 +357,7 @@ QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim"
 MIMI = {"upsample_groups": HIDDEN, "vector_quantization_hidden_dimension": HIDDEN, "num_quantizers": 4}
 DIA_CROSS = {"cross_hidden_size": HIDDEN, "cross_num_attention_heads": HEADS, "cross_head_dim": HEAD_DIM,
              "cross_num_key_value_heads": HEADS}
+CLAP_AUDIO = {"spec_size": 64, "num_mel_bins": 32, "window_size": 2, "patch_embeds_hidden_size": 16, "hidden_size": 128}
 OVERRIDES: dict[str, dict[str, Any]] = {
     "whisper": {"max_source_positions": SEQ},
     "audio-spectrogram-transformer": {"max_length": 32, "num_mel_bins": 16},
@@ -431,6 +448,92 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "swinv2": SWIN,
     "donut-swin": SWIN,
     "maskformer-swin": SWIN,
+    # its frame pad: a border of a max-size image; its backbone's last map pooled by 2 once more: two stages
+    "tvp": {"max_img_size": IMAGE, "visual_prompt_size": 4,
+            "backbone_config": {"hidden_sizes": [16, 32], "depths": [1, 1], "out_features": ["stage2"]}},
+    # queries picked from the encoder's tokens: fewer than its 21 at strides 8, 16, 32
+    "rt_detr": {"num_queries": 10},
+    "rt_detr_v2": {"num_queries": 10},
+    # HGNet-V2's stages output its stage_out_channels, which its hidden_sizes (the channels it reports) name
+    "d_fine": {"num_queries": 10, "backbone_config": {"hidden_sizes": [128, 512, 1024, 2048]}},
+    "deimv2": {"num_queries": 10, "backbone_config": {"hidden_sizes": [128, 512, 1024, 2048]}},
+    # the neck reads the backbone's hidden states at their width
+    "depth_anything": {"reassemble_hidden_size": HIDDEN},
+    "prompt_depth_anything": {"reassemble_hidden_size": HIDDEN},
+    # its patch embedding pads by 2: patches of 8 make a whole grid of 4 x 4
+    "vitpose": {"backbone_config": {"image_size": [IMAGE, IMAGE], "patch_size": [8, 8]}},
+    "mask2former": {"feature_size": 32, "mask_feature_size": 32},  # its pixel decoder's group norms: 32 groups
+    # the image embeddings and their positional encoding (2 x num_pos_feats): at the prompt encoder's width
+    "sam": {"vision_config": {"output_channels": HIDDEN, "num_pos_feats": HIDDEN // 2}},
+    "sam_hq": {"vision_config": {"output_channels": HIDDEN, "num_pos_feats": HIDDEN // 2},
+               "mask_decoder_config": {"vit_dim": HIDDEN}},
+    # SAM 2: a Hiera of four stages at 16, 8, 4, 2 patches a side (images of 64), a global block not first in its
+    # stage (whose window the query pooling divides), its FPN at the prompts' width
+    "sam2": {"vision_config": {
+        "backbone_config": {"image_size": [64, 64], "hidden_size": 16, "embed_dim_per_stage": [16, 32, 64, 128],
+                            "num_attention_heads_per_stage": [1, 1, 2, 2], "blocks_per_stage": [1, 1, 2, 1],
+                            "window_size_per_stage": [2, 2, 2, 2], "global_attention_blocks": [3],
+                            "window_positional_embedding_background_size": [2, 2]},
+        "backbone_channel_list": [128, 64, 32, 16], "backbone_feature_sizes": [[16, 16], [8, 8], [4, 4]],
+        "fpn_hidden_size": HIDDEN}, "prompt_encoder_config": {"image_size": 64, "patch_size": 16}},
+    "mgp-str": {"image_size": [IMAGE, IMAGE]},  # its 32 x 128 text lines: a square as the others
+    "vitpose_backbone": {"image_size": [IMAGE, IMAGE], "patch_size": [8, 8]},  # as ViTPose's backbone
+    # windows: image_size / num_windows a multiple of its side (sqrt num_windows)
+    "lw_detr": {"num_queries": 10, "projector_scale_factors": [1.0], "backbone_config": {"num_windows": 4}},
+    "lw_detr_vit": {"num_windows": 4},
+    # the layers whose states it outputs: among its two; its output: those and the last, side by side
+    "mllama_vision_model": {"num_global_layers": LAYERS, "intermediate_layers_indices": [0, 1],
+                            "vision_output_dim": 3 * HIDDEN},
+    "superglue": {"keypoint_detector_config": {"descriptor_decoder_dim": HIDDEN}},  # descriptors at its width
+    # DepthPro: its encoders' image (its patch) IMAGE, the input 4 of them a side (its smallest scale, 0.25, one
+    # patch); the layers it hooks: among its two
+    "depth_pro": {"patch_size": IMAGE, "intermediate_hook_ids": [1, 0], "merge_padding_value": 1},
+    "textnet": {"image_size": [IMAGE, IMAGE], "stem_out_channels": 16},  # its stem feeds its first stage
+    # its adapter reads the pixel-shuffled patches: hidden / ratio**2 wide
+    "llama4_vision_model": {"intermediate_size": 4 * HIDDEN, "projector_input_dim": HIDDEN,
+                            "projector_output_dim": HIDDEN, "vision_output_dim": HIDDEN},
+    # its key/value heads per layer: among its 2 query heads (a full layer first, a grouped one last)
+    "sapiens2": {"num_key_value_heads_per_layer": [2, 1], "num_key_value_attention_heads": 1,
+                 "num_first_full_attention_layers": 1, "num_last_full_attention_layers": 0},
+    # its tokenizer's map of image tokens (read at init): the image placeholder's alone, text-only batches
+    "chameleon": {"vocabulary_map": {"<image>": VOCAB - 1}},
+    "emu3": {"vocabulary_map": {"<image>": VOCAB - 1, "<|extra_200|>": VOCAB - 2}},
+    # queries picked from the encoder's tokens: fewer than them; the tiny ResNet's last three stages as its
+    # three levels; its text projection reads the text tower's width
+    "omdet-turbo": {"num_queries": 10, "encoder_in_channels": [32, 48, 64], "text_projection_in_dim": HIDDEN,
+                    "text_projection_out_dim": HIDDEN, "class_embed_dim": HIDDEN,
+                    "apply_layernorm_after_vision_backbone": False,  # a norm over Swin's channels-last maps
+                    "backbone_config": {"out_features": ["stage2", "stage3", "stage4"]}},
+    # LoFTR's coarse features: its last stage's channels, which it attends at; its 2-D rope (4 x its heads'
+    # width) fills half of them: 8 heads, as its default
+    "efficientloftr": {"out_features": [16, 16, 32, HIDDEN], "hidden_size": HIDDEN, "num_attention_heads": 8},
+    "levit": {"patch_size": 16},  # its stem's four stride-2 convolutions: patches of 16
+    "mobilevitv2": {"image_size": 64},  # output stride 32: a 2 x 2 map its last block unfolds in patches of 2
+    "bit": {"num_groups": 4},  # group norms over 4 channels at least
+    "vitmatte": {"backbone_config": {"patch_size": 16}},  # its fusion upsamples a stride-16 map onto stride 8
+    # SegGPT: the prompt above the input, each IMAGE square; its decoder reads four layers' states
+    "seggpt": {"image_size": [2 * IMAGE, IMAGE], "pretrain_image_size": IMAGE, "num_hidden_layers": 4,
+               "intermediate_hidden_state_indices": [0, 1, 2, 3], "merge_index": 0},
+    "grounding-dino": {"num_queries": 10},  # queries picked from the encoder's tokens: fewer than them
+    "mm-grounding-dino": {"num_queries": 10},
+    "siglip2": {"text_config": {"projection_size": HIDDEN}},  # the text head projects to the image's width
+    "pix2struct": {"vision_config": {"patch_embed_hidden_size": 3 * PATCH * PATCH}},  # a flattened patch's values
+    "pix2struct_vision_model": {"patch_embed_hidden_size": 3 * PATCH * PATCH},
+    "align": {"projection_dim": 80},  # the image's pooled width: EfficientNet's last 320 channels x 0.25
+    # its queries' image tokens stand in the text: a few of them
+    "blip-2": {"num_query_tokens": 4, "image_token_index": VOCAB - 1},
+    "instructblip": {"num_query_tokens": 4, "image_token_index": VOCAB - 1},
+    "instructblipvideo": {"num_query_tokens": 4, "video_token_index": VOCAB - 1},
+    "kosmos-2": {"latent_query_num": 4, "text_config": {"layers": LAYERS}},
+    "bridgetower": {"hidden_size": 64, "text_config": {"hidden_size": 64},  # its link's heads: hidden // 64
+                    "vision_config": {"hidden_size": 64}},
+    "bridgetower_vision_model": {"hidden_size": 64},
+    # its mel spectrogram is folded into a square of spec_size (spec_size / mel bins time chunks, at least
+    # as many as its last stage's rows), windows within its last stage; its hidden size: its last stage's width
+    "clap": {"audio_config": CLAP_AUDIO},
+    "clap_audio_model": CLAP_AUDIO,
+    # its multi-frame integration transformer works at the projection's width
+    "xclip": {"vision_config": {"mit_hidden_size": 16, "mit_intermediate_size": FFN, "mit_num_attention_heads": HEADS}},
 }
 """model type -> config values set after the generic shrink (top level); a value its config class
 does not take as an argument is set on the built config (`_set_untaken`)."""
@@ -460,6 +563,66 @@ def _series(config: Any, generator: torch.Generator) -> dict[str, Any]:
             "future_values": torch.randn((BATCH, config.prediction_length), generator=generator),
             "future_time_features": torch.randn((BATCH, config.prediction_length, config.num_time_features),
                                                 generator=generator)}
+
+
+
+def _siglip2(config: Any, generator: torch.Generator) -> dict[str, Any]:
+    """NaFlex patches: each image's patches flattened, its mask and its grid of patches."""
+    vision = getattr(config, "vision_config", config)
+    side, patch = IMAGE // vision.patch_size, vision.patch_size
+    return {"pixel_values": torch.randn((BATCH, side * side, vision.num_channels * patch * patch), generator=generator),
+            "pixel_attention_mask": torch.ones((BATCH, side * side), dtype=torch.long),
+            "spatial_shapes": torch.tensor([[side, side]] * BATCH)}
+
+
+def _pix2struct(config: Any, generator: torch.Generator) -> dict[str, Any]:
+    """Flattened patches: each patch's row and column (from 1) and its values, and their mask."""
+    vision = getattr(config, "vision_config", config)
+    side = IMAGE // PATCH // 2
+    rows, cols = torch.meshgrid(torch.arange(1, side + 1), torch.arange(1, side + 1), indexing="ij")
+    ids = torch.stack([rows.flatten(), cols.flatten()], -1).float().expand(BATCH, -1, -1)
+    values = torch.randn((BATCH, side * side, vision.patch_embed_hidden_size), generator=generator)
+    out = {"flattened_patches": torch.cat([ids, values], -1), "attention_mask": torch.ones((BATCH, side * side))}
+    if hasattr(config, "text_config"):
+        out.update(decoder_input_ids=_ids(config, generator), labels=_ids(config, generator))
+    return out
+
+
+def _image_tokens(config: Any, generator: torch.Generator, token: int, count: int) -> torch.Tensor:
+    """Text ids that start with ``count`` image tokens (the places of a vision tower's queries)."""
+    return torch.cat([torch.full((BATCH, count), token), _ids(config, generator)], 1)
+
+
+def _blip2(config: Any, generator: torch.Generator, frames: int = 1) -> dict[str, Any]:
+    token = getattr(config, "image_token_index", None)
+    token = getattr(config, "video_token_index", None) if token is None else token
+    ids = _image_tokens(config, generator, token, config.num_query_tokens * frames)
+    size = config.vision_config.image_size
+    shape = (BATCH, frames, 3, size, size) if frames > 1 else (BATCH, 3, size, size)
+    out = {"pixel_values": torch.randn(shape, generator=generator), "input_ids": ids,
+           "attention_mask": torch.ones_like(ids)}
+    if hasattr(config, "qformer_config") and getattr(config, "model_type", "") != "blip-2":
+        # InstructBLIP: the instruction again, in the Q-Former's own vocabulary
+        out["qformer_input_ids"] = torch.randint(3, config.qformer_config.vocab_size, (BATCH, SEQ), generator=generator)
+        out["qformer_attention_mask"] = torch.ones((BATCH, SEQ), dtype=torch.long)
+    return out
+
+
+def _kosmos2(config: Any, generator: torch.Generator) -> dict[str, Any]:
+    """Images and text whose places 1 to latent_query_num take the image's embeddings."""
+    ids = _ids(config, generator, SEQ + config.latent_query_num)
+    where = torch.zeros_like(ids, dtype=torch.bool)
+    where[:, 1:1 + config.latent_query_num] = True
+    size = config.vision_config.image_size
+    return {"pixel_values": torch.randn((BATCH, 3, size, size), generator=generator), "input_ids": ids,
+            "attention_mask": torch.ones_like(ids), "image_embeds_position_mask": where}
+
+
+def _clap_audio(config: Any, generator: torch.Generator) -> dict[str, Any]:
+    """A mel spectrogram of spec_size x (spec_size / mel bins) frames: one square once folded."""
+    audio = getattr(config, "audio_config", config)
+    frames = audio.spec_size * (audio.spec_size // audio.num_mel_bins)
+    return {"input_features": torch.randn((BATCH, 1, frames, audio.num_mel_bins), generator=generator)}
 
 
 BATCH_OVERRIDES: dict[str, Callable[[Any, torch.Generator], dict[str, Any]]] = {
@@ -538,6 +701,60 @@ BATCH_OVERRIDES: dict[str, Callable[[Any, torch.Generator], dict[str, Any]]] = {
     "lxmert": lambda c, g: {"input_ids": _ids(c, g), "visual_feats": torch.randn((BATCH, 4, c.visual_feat_dim),
                                                                              generator=g),
                            "visual_pos": torch.rand((BATCH, 4, c.visual_pos_dim), generator=g)},
+    "siglip2": _siglip2,
+    "siglip2_vision_model": _siglip2,
+    "pix2struct": _pix2struct,
+    "pix2struct_vision_model": _pix2struct,
+    "blip-2": _blip2,
+    "instructblip": _blip2,
+    "instructblipvideo": lambda c, g: _blip2(c, g, frames=FRAMES),
+    # the Q-Former alone: its queries and the image features they attend to
+    "blip_2_qformer": lambda c, g: {"query_embeds": torch.randn((BATCH, 4, c.hidden_size), generator=g),
+                                    "encoder_hidden_states": torch.randn((BATCH, SEQ, c.encoder_hidden_size),
+                                                                         generator=g)},
+    "kosmos-2": _kosmos2,
+    # IDEFICS: one image per text, which every token attends to
+    "idefics": lambda c, g: {"input_ids": _ids(c, g), "pixel_values": torch.randn(
+        (BATCH, 1, 3, c.vision_config.image_size, c.vision_config.image_size), generator=g),
+        "image_attention_mask": torch.ones((BATCH, SEQ, 1), dtype=torch.long)},
+    "clap": lambda c, g: {"input_ids": _ids(c, g), **_clap_audio(c, g), "return_loss": True},
+    "clap_audio_model": _clap_audio,
+    # OmDet-Turbo: images, two class names each (a row of ids a class) and a task prompt each
+    "omdet-turbo": lambda c, g: {
+        "pixel_values": torch.randn((BATCH, 3, IMAGE, IMAGE), generator=g),
+        "classes_input_ids": torch.randint(3, c.text_config.vocab_size, (2 * BATCH, 8), generator=g),
+        "classes_attention_mask": torch.ones((2 * BATCH, 8), dtype=torch.long),
+        "tasks_input_ids": torch.randint(3, c.text_config.vocab_size, (BATCH, 8), generator=g),
+        "tasks_attention_mask": torch.ones((BATCH, 8), dtype=torch.long),
+        "classes_structure": torch.full((BATCH,), 2)},
+    "depth_pro": lambda c, g: {"pixel_values": torch.randn((BATCH, 3, 4 * c.patch_size, 4 * c.patch_size),
+                                                           generator=g)},
+    # image pairs to match: (batch, 2, channels, height, width)
+    "superglue": lambda c, g: {"pixel_values": torch.randn((BATCH, 2, 3, IMAGE, IMAGE), generator=g)},
+    "lightglue": lambda c, g: {"pixel_values": torch.randn((BATCH, 2, 3, IMAGE, IMAGE), generator=g)},
+    "efficientloftr": lambda c, g: {"pixel_values": torch.randn((BATCH, 2, 3, 2 * IMAGE, 2 * IMAGE), generator=g)},
+    # Mllama's vision tower: one image of one tile (aspect ratio id 1: 1 x 1) per sample, padded to its tiles
+    "mllama_vision_model": lambda c, g: {
+        "pixel_values": torch.randn((BATCH, 1, c.max_num_tiles, c.num_channels, c.image_size, c.image_size),
+                                    generator=g),
+        "aspect_ratio_ids": torch.ones((BATCH, 1), dtype=torch.long),
+        "aspect_ratio_mask": torch.tensor([[[1] + [0] * (c.max_num_tiles - 1)]] * BATCH)},
+    "sam2": lambda c, g: {"pixel_values": torch.randn((BATCH, 3, 64, 64), generator=g)},
+    # SegGPT: the input, a prompt image and the prompt's mask (as an image)
+    "seggpt": lambda c, g: {k: torch.randn((BATCH, 3, IMAGE, IMAGE), generator=g)
+                            for k in ("pixel_values", "prompt_pixel_values", "prompt_masks")},
+    "bridgetower_vision_model": lambda c, g: {"image": torch.randn((BATCH, 3, c.image_size, c.image_size),
+                                                                   generator=g)},
+    # TVP: one clip (its 2-D position embeddings view a batch of one) and its text
+    "tvp": lambda c, g: {"pixel_values": torch.randn((1, c.num_frames, 3, c.max_img_size, c.max_img_size), generator=g),
+                         "input_ids": torch.randint(3, c.vocab_size, (1, SEQ), generator=g)},
+    # OneFormer: images and the task's prompt ("the task is semantic") as token ids
+    "oneformer": lambda c, g: {"pixel_values": torch.randn((BATCH, 3, IMAGE, IMAGE), generator=g),
+                               "task_inputs": torch.randint(3, c.text_encoder_vocab_size, (BATCH, c.task_seq_len),
+                                                            generator=g)},
+    # X-CLIP's vision tower alone: the clips' frames as one batch of images
+    "xclip_vision_model": lambda c, g: {"pixel_values": torch.randn((BATCH * c.num_frames, c.num_channels,
+                                                                     c.image_size, c.image_size), generator=g)},
     "audio-spectrogram-transformer": lambda c, g: {"input_values": torch.randn((BATCH, c.max_length, c.num_mel_bins),
                                                                                generator=g)},
 }
@@ -603,6 +820,11 @@ def make_batch(model_type: str, model: nn.Module, config: Any, task: str, genera
         channels = _first(config, "num_channels", default=3)
         return torch.randn((BATCH, channels, size, size), generator=generator)
 
+    def videos() -> torch.Tensor:  # (batch, frames, channels, height, width)
+        frames = _first(config, "num_frames", "frames_per_clip", default=FRAMES)
+        return images().unsqueeze(1).expand(-1, frames, -1, -1, -1).clone() + torch.randn(
+            (BATCH, frames, 1, 1, 1), generator=generator)
+
     grid = next((n for n in ("grid_thw", "image_grid_thw") if n in params
                  and params[n].default is inspect.Parameter.empty), None)
     if model_type in BATCH_OVERRIDES:
@@ -610,6 +832,10 @@ def make_batch(model_type: str, model: nn.Module, config: Any, task: str, genera
     elif grid is not None:  # a vision tower of flattened patches: they are its hidden states or its pixels
         patches, batch[grid] = grid_patches(config, generator)
         batch["hidden_states" if "hidden_states" in params else "pixel_values"] = patches
+    elif main == "pixel_values_videos":
+        batch["pixel_values_videos"] = videos()
+    elif main == "pixel_values" and _first(config, "num_frames", "frames_per_clip") is not None:
+        batch["pixel_values"] = videos()  # a video model's clip (VideoMAE, ViViT, TimeSformer)
     elif main == "pixel_values" or ("pixel_values" in params and "input_ids" not in params):
         batch["pixel_values"] = images()
     elif main == "input_values":
@@ -629,7 +855,7 @@ def make_batch(model_type: str, model: nn.Module, config: Any, task: str, genera
             mask[-1, -1] = 0  # one padded token: models build a mask tensor every layer takes
             batch["attention_mask"] = mask
         if towers and "pixel_values" in params:
-            batch["pixel_values"] = images()
+            batch["pixel_values"] = videos() if _first(config, "num_frames") is not None else images()
         if "return_loss" in params:
             batch["return_loss"] = True
     features = batch.get("input_features")
@@ -642,7 +868,9 @@ def make_batch(model_type: str, model: nn.Module, config: Any, task: str, genera
     if "input_ids" in required and "input_ids" not in batch:  # BLIP-2: images and the text they answer
         batch["input_ids"] = _ids(config, generator)
     if "pixel_values" in required and "pixel_values" not in batch:
-        batch["pixel_values"] = images()
+        batch["pixel_values"] = videos() if _first(config, "num_frames") is not None else images()
+    if "pixel_values_videos" in required and "pixel_values_videos" not in batch:
+        batch["pixel_values_videos"] = videos()
     if "decoder_input_ids" in params and "decoder_input_ids" not in batch \
             and task not in ("seq_to_seq_causal_lm", "speech_seq_2_seq"):  # unless its batch override made them
         batch["decoder_input_ids"] = _ids(config, generator)
@@ -720,8 +948,14 @@ def as_kwargs(config_cls: type, shrunk: dict[str, Any]) -> dict[str, Any]:
     """``shrunk`` cut to what ``config_cls`` takes as arguments (values it derives in its
     ``__init__``, such as Swin's ``num_layers`` from its depths, are derived again), sub-configs alike."""
     import transformers
+    from transformers.backbone_utils import BackboneConfigMixin
 
     keys = _init_keys(config_cls)
+    if keys is not None and issubclass(config_cls, BackboneConfigMixin) \
+            and shrunk.get("out_features") != config_cls().out_features:
+        # a backbone's stages out that its parent or an override chose (its __post_init__ takes them from its
+        # kwargs); its own default, its last stage, is derived again from its shrunk stages
+        keys.add("out_features")
     out = {}
     for key, value in shrunk.items():
         if keys is not None and key not in keys:
@@ -770,7 +1004,7 @@ def tiny_config(model_type: str) -> Any:
 
 
 def build(model_type: str) -> Built:
-    """A tiny model of ``model_type`` that ran a plain forward and backward, with its batch;
+    """A tiny model of ``model_type`` that ran two plain forwards and backwards, with its batch;
     raises (the last candidate class's error) when none does."""
     config = tiny_config(model_type)
     candidates = model_classes(model_type)
@@ -804,6 +1038,9 @@ def build(model_type: str) -> Built:
                 loss.backward()
                 if not any(p.grad is not None for p in model.parameters()):
                     raise RuntimeError("no parameter gets a gradient")
+                model.zero_grad(set_to_none=True)
+                seed(0)  # a second step: a model that keeps a graph across steps (OmDet-Turbo's cache of
+                loss_fn(model(**batch), batch).backward()  # text embeddings) cannot train, with or without remat
                 model.zero_grad(set_to_none=True)
                 return Built(model_type=model_type, task=task, class_name=cls.__name__, model=model, batch=batch,
                              config=model.config)
