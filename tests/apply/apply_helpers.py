@@ -71,6 +71,20 @@ class LinearReluBlock(nn.Module):
         return torch.relu(self.fc(x))
 
 
+def assert_trained_alike(models: list[nn.Module], batch: Any, loss_fn: Any, steps: int = 2) -> None:
+    """Train each of ``models`` ``steps`` SGD steps on ``batch`` from the same seed; every
+    parameter ends bit-identical to the last model's (the reference)."""
+    for model in models:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(steps):
+            torch.manual_seed(1)
+            opt.zero_grad()
+            loss_fn(model(batch), batch).backward()
+            opt.step()
+    for params in zip(*(model.parameters() for model in models)):
+        assert all(torch.equal(p, params[-1]) for p in params)
+
+
 def block_op_counts(model: nn.Module, batch: torch.Tensor, names: list[str]) -> BlockOpCounter:
     """Each named block's aten calls in a forward and backward of ``model(batch)`` (a scalar)."""
     blocks = [model.get_submodule(n) for n in names]

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import remat
+from apply_helpers import assert_trained_alike
 from remat.checkpointing.callsites import _spans, is_site, layer_of, sites_in, split_site
 
 
@@ -108,15 +109,7 @@ def test_applied_the_layer_hands_each_call_to_its_site_and_remove_restores_it():
         n for n, _ in reference.named_modules()]
     copied = copy.deepcopy(model)  # an applied copy drives its own layer
     assert layer_of(sites_in(copied.layer).sites[0]) is copied.layer
-    for trained in (model, copied, reference):
-        opt = torch.optim.SGD(trained.parameters(), lr=0.1)
-        for _ in range(2):
-            torch.manual_seed(1)
-            opt.zero_grad()
-            _loss(trained(batch), batch).backward()
-            opt.step()
-    for a, b, c in zip(model.parameters(), copied.parameters(), reference.parameters()):
-        assert torch.equal(a, c) and torch.equal(b, c)
+    assert_trained_alike([model, copied, reference], batch, _loss)
     model.eval()  # the flag reaches the sites: they read the layer's
     assert not any(s.training for s in sites.sites)
     reference.eval()

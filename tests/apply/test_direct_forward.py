@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import remat
+from apply_helpers import assert_trained_alike
 from remat.checkpointing.callsites import sites_in
 
 
@@ -113,15 +114,7 @@ def test_applied_the_direct_call_runs_the_plan_and_remove_restores_every_layer()
     assert sites_in(model.layers[0]) is not None and sites_in(model.layers[1]) is None
     assert list(model.state_dict()) == keys
     copied = copy.deepcopy(model)
-    for trained in (model, copied, reference):
-        opt = torch.optim.SGD(trained.parameters(), lr=0.1)
-        for _ in range(2):
-            torch.manual_seed(1)
-            opt.zero_grad()
-            _loss(trained(batch), batch).backward()
-            opt.step()
-    for a, b, c in zip(model.parameters(), copied.parameters(), reference.parameters()):
-        assert torch.equal(a, c) and torch.equal(b, c)
+    assert_trained_alike([model, copied, reference], batch, _loss)
     remat.remove_(model)
     assert all("forward" not in layer.__dict__ for layer in model.layers)
 
