@@ -313,6 +313,7 @@ TASKS = (
     "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
     "MODEL_FOR_CTC_MAPPING_NAMES",
     "MODEL_MAPPING_NAMES",
+    "MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING_NAMES",  # MusicGen: its composite config takes no other class
 )
 
 
@@ -672,6 +673,10 @@ BATCH_OVERRIDES: dict[str, Callable[[Any, torch.Generator], dict[str, Any]]] = {
     # a codebook's row of tokens per codebook per item
     **{t: lambda c, g: {"input_ids": torch.randint(0, c.vocab_size - 1, (BATCH * c.num_codebooks, SEQ), generator=g)}
        for t in ("musicgen_decoder", "musicgen_melody_decoder")},
+    # the composite model: a text prompt, and the audio tokens of each codebook the decoder continues
+    **{t: lambda c, g: {"input_ids": _ids(c.text_encoder, g), "decoder_input_ids": torch.randint(
+        0, c.decoder.vocab_size - 1, (BATCH * c.decoder.num_codebooks, SEQ), generator=g)}
+       for t in ("musicgen", "musicgen_melody")},
     # a decoder read alone: the encoder's states it attends to
     "t5gemma2_decoder": lambda c, g: {"input_ids": _ids(c, g),
                                       "encoder_hidden_states": torch.randn((BATCH, SEQ, c.hidden_size), generator=g)},
