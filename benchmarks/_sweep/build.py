@@ -457,6 +457,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "rt_detr_v2": {"num_queries": 10},
     # HGNet-V2's stages output its stage_out_channels, which its hidden_sizes (the channels it reports) name
     "d_fine": {"num_queries": 10, "backbone_config": {"hidden_sizes": [128, 512, 1024, 2048]}},
+    **{t: {"num_queries": 10, "backbone_config": {"hidden_sizes": [128, 512, 1024, 2048]}}  # HGNet-V2's, as D-FINE's
+       for t in ("pp_doclayout_v2", "pp_doclayout_v3")},
     "deimv2": {"num_queries": 10, "backbone_config": {"hidden_sizes": [128, 512, 1024, 2048]}},
     # the neck reads the backbone's hidden states at their width
     "depth_anything": {"reassemble_hidden_size": HIDDEN},
