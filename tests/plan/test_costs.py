@@ -159,3 +159,23 @@ def test_checkpointed_forward_counts_a_cached_output_from_the_call_that_would_fr
     # Without free points, or with a different number of storages than the op table names: from
     # the call that made it, the upper bound 416.
     assert working(()) == 416 and working((3, 3)) == 416
+
+
+def test_a_selective_forward_starts_beside_what_a_recomputed_one_does():
+    # The code frees 40 B it held before the block starts, so what it holds beside the block's
+    # forward measures -40 (``fwd_other_bytes``, signed), below the 16 B input a checkpoint holds.
+    # The checkpointed forward peaks at 300 with a 500 B output left to nobody (LW-DETR's last
+    # decoder layer): a recomputed block's forward is 16 + 0 + 300 = 316; the selective one,
+    # caching nothing, counted -40 + 300 = 260 before, under its measured 316.
+    ops = (rec("aten.mm.default#0", 100, 1.0, ((0, 100),)), rec("aten.gelu.default#0", 100, 1.0, ((1, 100),)),
+           rec("aten.mm.default#1", 100, 1.0, ((2, 100),)))
+    blk = replace(block(0, input_bytes=16, saved_bytes=100, ops=ops), bwd_temp_bytes=10, fwd_temp_bytes=100,
+                  output_grad_bytes=16, fwd_live_bytes=(100, 200, 300), checkpointed_fwd_live_bytes=(100, 200, 300),
+                  bwd_free_order=((1, 100),), fwd_other_bytes=-40, held_input_bytes=16)
+    prof = profile([blk])
+    selective = cost_of(prof, 0, Segment(start=0, stop=1, strategy="selective:x")).working_bytes
+    # the backward needs 100 + max(10, 100 + 16) + 16 (the held input) = 232: the forward's 316 is the most
+    assert selective == 316
+    from remat.plan.phases import segment_forward_bytes
+
+    assert segment_forward_bytes(prof, 0, 1) == 316
