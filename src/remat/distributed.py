@@ -220,8 +220,8 @@ def fsdp_units(model: nn.Module, plan: Plan) -> list[list[nn.Module]]:
             f"the plan's blocks {sites[:3]}{' ...' if len(sites) > 3 else ''} are calls of a layer that runs several times "
             "per step (remat.checkpointing.callsites): fully_shard_by_plan makes an FSDP2 unit of each segment's modules, and the "
             "calls of one layer are one module, which cannot be a unit per call. Shard the model with fully_shard as you "
-            "choose (fully_shard(layer), then fully_shard(model): the calls then run with the layer's weights gathered), or plan with blocks that run once each "
-            "(remat.profile(..., blocks=...)).")
+            "choose (fully_shard(layer), then fully_shard(model): the calls then run with the layer's weights "
+            "gathered), or plan with blocks that run once each (remat.profile(..., blocks=...)).")
     blocks = [model.get_submodule(name) for name in plan.block_names]
     units: list[list[nn.Module]] = []
     for seg in plan.segments:
