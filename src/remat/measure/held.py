@@ -67,6 +67,11 @@ class CodeHeld:
     """Per block j, for each block i (j itself, one before or after it) whose call storages the
     mutable containers among j's arguments (mappings and lists, a dict's values) hold as the last
     block's forward ends (not j's tensor arguments, not what i hands on), those calls' keys."""
+    through: list[int]
+    """Per block, the bytes of its input that the block before handed on and the code still
+    holds once the loss is computed and the model's output dropped, as a step's backward begins:
+    a forward hook's list of every block's output (``output_hidden_states=True`` returns them:
+    a step drops them with the output)."""
 
 
 class _Calls(TorchDispatchMode):
@@ -90,6 +95,13 @@ class _Calls(TorchDispatchMode):
         and its tensor arguments' storages (weakly: a dead one's address may be a new storage's)."""
         self.stored: list[dict[int, frozenset[str]]] = [{} for _ in range(count)]
         """`in_containers` as the last block's forward ended."""
+        self.takes: list[weakref.ref | None] = [None] * count
+        """Per block, the storage the block before handed on where it is among this block's
+        arguments (the chain's hidden state)."""
+
+    def through(self) -> list[int]:
+        """Per block, the bytes of `takes` still live now (0: none, or dead)."""
+        return [0 if ref is None or ref() is None else ref().nbytes() for ref in self.takes]
 
     def in_containers(self) -> list[dict[int, frozenset[str]]]:
         """Per block j, the calls of each block whose storages j's containers hold now."""
@@ -147,6 +159,9 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
             started.add(index)
             arguments = {storage_key(t) for t in flat_tensors(args, kwargs)}
             calls.containers[index] = (_containers(args, kwargs), _weak_storages(named_tensors(args, kwargs)))
+            previous = calls.handed[index - 1] if index else None
+            if previous is not None and previous() is not None and previous()._cdata in arguments:
+                calls.takes[index] = previous
             for j in range(index):
                 calls.made[j] = [(key, ref) for key, ref in calls.made[j] if ref() is not None]  # what died stays dead
                 live = frozenset(key for key, ref in calls.made[j] if _held(ref, calls.handed[j], arguments))
@@ -174,10 +189,11 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
             calls.current = None
             compute_loss(output, batch, loss_fn)
             del output
+            through = calls.through()  # the step's backward runs without the output (`remat.measure.profile`)
     finally:
         for handle in handles:
             handle.remove()
-    return CodeHeld(end=held, post=post, during=during, stored=calls.stored)
+    return CodeHeld(end=held, post=post, during=during, stored=calls.stored, through=through)
 
 
 def _containers(args: tuple, kwargs: dict) -> list[Any]:

@@ -353,6 +353,13 @@ class BlockProfile:
     output_held_until: int = 0
     """The last block whose forward starts with ``output_later_held_bytes`` of this block's
     outputs still held (0: none)."""
+    input_code_held_bytes: int = 0
+    """Of its inputs, the output of the block before (what that block hands on) that the model's
+    code still holds once the loss is computed and the output dropped, so through the backward:
+    a forward hook's list of every block's output. A recompute segment
+    that runs this block after its first replays that output beside the one the code holds, so
+    the segment holds it too, from its forward to the step's end (`remat.plan.costs`); a kept
+    block's saved input and a checkpoint's are the code's own storage (`remat.measure.held`)."""
     code_held_inputs: tuple[tuple[int, int], ...] = ()
     """``(j, bytes)`` per earlier block j: the inputs a checkpoint of block j holds that the
     model's code holds too as this block begins (``fwd_other_bytes`` counts them): a

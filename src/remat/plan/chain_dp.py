@@ -245,13 +245,27 @@ class ChainProblem:
     `remat.measure.types.BlockProfile.output_later_held_bytes`; a bound: they are live in those
     forwards only); None: nothing."""
 
+    code_held_slots: tuple[int, ...] | None = None
+    """Per block, what a top-level recompute segment that runs it after its first block holds
+    from its forward to the step's end, its replay included (the input the model's code holds
+    through the backward, which the replay makes again:
+    `remat.measure.types.BlockProfile.input_code_held_bytes`); None: nothing."""
+
     def later(self, a: int, stops: np.ndarray) -> np.ndarray:
-        """``later_slots`` summed over each segment ``[a, b)`` of ``stops``."""
+        """``later_slots`` summed over each segment ``[a, b)`` of ``stops``, and `code_held`."""
         stops = np.asarray(stops, dtype=np.int64)
         if self.later_slots is None:
-            return np.zeros(stops.shape, dtype=np.int64)
+            return self.code_held(a, stops)
         prefix = np.concatenate([[0], np.cumsum(self.later_slots, dtype=np.int64)])
-        return prefix[stops] - prefix[a]
+        return prefix[stops] - prefix[a] + self.code_held(a, stops)
+
+    def code_held(self, a: int, stops: np.ndarray) -> np.ndarray:
+        """``code_held_slots`` of blocks ``a + 1 .. b - 1`` for each segment ``[a, b)`` of ``stops``."""
+        stops = np.asarray(stops, dtype=np.int64)
+        if self.code_held_slots is None:
+            return np.zeros(stops.shape, dtype=np.int64)
+        prefix = np.concatenate([[0], np.cumsum(self.code_held_slots, dtype=np.int64)])
+        return prefix[np.maximum(stops, a + 1)] - prefix[a + 1]
 
     def forward_slots(self, a: int, stops: np.ndarray) -> np.ndarray:
         """`SegmentForward.slots` (no constraint without ``forward``)."""
@@ -259,9 +273,11 @@ class ChainProblem:
         return np.full(stops.shape, _NONE, dtype=np.int64) if self.forward is None else self.forward.slots(a, stops)
 
     def unit_slots(self, a: int, stops: np.ndarray) -> np.ndarray:
-        """`UnitSlots.slots` (zeros without ``units``)."""
+        """What the replay of each segment ``[a, b)`` of ``stops`` needs beyond its blocks':
+        `UnitSlots.slots` (zeros without ``units``) and `code_held`."""
         stops = np.asarray(stops, dtype=np.int64)
-        return np.zeros(stops.shape, dtype=np.int64) if self.units is None else self.units.slots(a, stops)
+        units = np.zeros(stops.shape, dtype=np.int64) if self.units is None else self.units.slots(a, stops)
+        return units + self.code_held(a, stops)
 
     def __post_init__(self) -> None:
         if self.joins is not None and len(self.joins) != max(len(self.blocks) - 1, 0):
@@ -680,7 +696,7 @@ def _top(problem: ChainProblem, frame: _Frame, inner, alike: bool):
         else:
             seg_inner = np.stack([inner[j][a] for j in js])
         rest = _shift(top[a + 1 : a + longest + 1], block.input_slots + problem.later(a, a + js) - (gp[a + js] - gp[a]))
-        if problem.units is not None:  # the segment's replay with its unit gathered whole
+        if problem.units is not None or problem.code_held_slots is not None:  # its unit gathered, the code's inputs
             seg_inner = _shift(seg_inner, problem.unit_slots(a, a + js))
         seg_cost = (prefix[a + js] - prefix[a])[:, None] + problem.segment_ms + seg_inner + rest
         if problem.forward is not None:  # the segment's forward holds every output for the model's calls

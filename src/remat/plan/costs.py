@@ -179,12 +179,14 @@ def _recompute(profile: Profile, block_index: int, segment: Segment) -> BlockCos
     something (its held input and its entry bytes: a segment never starts after a block that
     hands off to something beyond the block after it, `remat.plan.joins`). The last block of a
     segment that stops early (`Segment.stops_early`) replays its forward up to its last saved
-    tensor (`remat.plan.phases.stopped_replay_ms`)."""
+    tensor (`remat.plan.phases.stopped_replay_ms`). A later block holds the input the model's code
+    keeps through the backward (`BlockProfile.input_code_held_bytes`): the replay makes it again
+    beside it."""
     block = profile.blocks[block_index]
     first = block_index == segment.start
     stopped = segment.stops_early and block_index == segment.stop - 1
     return BlockCost(
-        retained_bytes=held_input_bytes(block) + block.entry_bytes if first else 0,
+        retained_bytes=held_input_bytes(block) + block.entry_bytes if first else block.input_code_held_bytes,
         working_bytes=stopped_replay_working_bytes(block) if stopped else replay_working_bytes(block),
         extra_ms=(stopped_replay_ms(block) if stopped else block.fwd_ms) + block.recompute_overhead_ms
         - (0.0 if first else profile.checkpoint_call_ms),

@@ -209,13 +209,18 @@ class OptimalSearch:
         (`remat.plan.chain_dp.ChainProblem.later_slots`, counted through the backward) and the
         inputs of checkpoints it holds too (`BlockProfile.code_held_inputs`, counted twice in a
         forward; `Profile.post_code_held`, twice in the post part's need, which the DP takes
-        whole), and what kept blocks saved that no backward holds (`BlockProfile.saved_dead_bytes`,
-        counted through the backwards after them): 0 without them."""
+        whole), what kept blocks saved that no backward holds (`BlockProfile.saved_dead_bytes`,
+        counted through the backwards after them), and the inputs the code holds through the
+        backward (`BlockProfile.input_code_held_bytes`: the DP counts a segment's all through its
+        replay, `remat.plan.predict.code_held_through` those of the blocks replayed by then):
+        0 without them."""
         blocks = self.profile.blocks
         later = sum(b.output_later_held_bytes for b in blocks if b.output_held_until >= b.index + 2)
         post = self.profile.post_code_held_saving_bytes if self.profile.head is None else 0
         gone = sum(b.saved_dead_bytes for b in blocks)  # kept, counted through the backwards after it
-        return later + max((sum(nbytes for _, nbytes in b.code_held_inputs) for b in blocks), default=0) + post + gone
+        code = sum(b.input_code_held_bytes for b in blocks)
+        return (later + max((sum(nbytes for _, nbytes in b.code_held_inputs) for b in blocks), default=0) + post + gone
+                + code)
 
     def _slot_choice(self, budget_bytes: int, tight: bool) -> Choice | None:
         allowance = budget_bytes - self.builder.fixed.base_bytes

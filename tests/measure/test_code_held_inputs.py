@@ -1,0 +1,142 @@
+"""Block outputs the model's code holds through the backward: a forward hook that keeps every
+block's output in a list on the model (activation statistics, feature maps for a later look).
+Kept, or held by a checkpoint as its input, such an output is the storage the code holds; inside
+a recompute segment of several blocks the replay makes it again beside the code's. √N segments of
+a 4-block chain measured +3.6 % above their prediction (one block's output), a 5-block segment
++18.6 %."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from exact_plans import assert_plans_exact
+from remat.plan.planners import make_plan
+from remat.plan.types import Segment
+
+B, S, D = 8, 4, 16
+OUT = B * S * D * 4  # one block's output, float32
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, hidden), nn.Linear(hidden, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class Net(nn.Module):
+    """``keep``: how the code holds each block's output: ``"hook"`` (a forward hook appends it to
+    a list on the model), ``"detached"`` (the hook appends ``output.detach()``: the same storage),
+    ``"returned"`` (the forward returns the list beside its output, which a step drops with the
+    output before its backward) or ``"none"``."""
+
+    def __init__(self, keep: str, n: int = 5) -> None:
+        super().__init__()
+        self.keep = keep
+        self.blocks = nn.ModuleList(Block(D * (1 + i % 3)) for i in range(n))
+        self.feats: list[torch.Tensor] = []
+        if keep in ("hook", "detached"):
+            for block in self.blocks:
+                block.register_forward_hook(self._collect)
+
+    def _collect(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self.feats.append(output.detach() if self.keep == "detached" else output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        self.feats = []
+        hidden = []
+        for block in self.blocks:
+            x = block(x)
+            hidden.append(x)
+        return (x, hidden) if self.keep == "returned" else x
+
+
+def _loss(out, batch: torch.Tensor) -> torch.Tensor:
+    return (out[0] if isinstance(out, tuple) else out).square().mean()
+
+
+def _setup(keep: str, n: int = 5) -> tuple[Net, torch.Tensor, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Net(keep, n)
+    return model, torch.randn(B, S, D), torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _layouts(n: int):
+    """Every split of ``n`` blocks into runs: runs of several blocks recomputed as one segment,
+    single blocks kept or recomputed."""
+    for cuts in itertools.product((False, True), repeat=n - 1):
+        runs, start = [], 0
+        for i, cut in enumerate(cuts, 1):
+            if cut:
+                runs.append((start, i))
+                start = i
+        runs.append((start, n))
+        singles = [r for r in runs if r[1] - r[0] == 1]
+        for flips in itertools.product(("keep", "recompute"), repeat=len(singles)):
+            strategy = dict(zip(singles, flips))
+            yield tuple(Segment(start=a, stop=b, strategy=strategy.get((a, b), "recompute")) for a, b in runs)
+
+
+@pytest.mark.parametrize("keep,held", [("hook", True), ("detached", True), ("returned", False), ("none", False)])
+def test_the_inputs_the_code_holds_through_the_backward_are_measured(keep: str, held: bool) -> None:
+    model, x, opt = _setup(keep)
+    prof = remat.profile(model, x, _loss, opt, repeats=1)
+    # block 0 takes the batch; each later block the output of the one before
+    assert [b.input_code_held_bytes for b in prof.blocks] == [0] + [OUT if held else 0] * 4
+
+
+def test_every_layout_of_a_chain_whose_hook_keeps_each_output_is_predicted_exactly() -> None:
+    """Each of the 89 layouts of 5 blocks in runs, and one nested, measured at its predicted
+    peak, gradients bit-identical. Inside a replay the code's copies of the inputs of the blocks
+    after the one running are counted by the profile already (its kept step held them past their
+    blocks' backwards): counted again, runs of (2, 2, 1) blocks were 5.2 % over."""
+    model, x, opt = _setup("hook")
+    prof = remat.profile(model, x, _loss, opt, repeats=1)
+    layouts = list(_layouts(5))
+    nested = Segment(start=0, stop=5, strategy="recompute",
+                     children=(Segment(start=0, stop=2, strategy="recompute"), Segment(start=3, stop=5, strategy="recompute")))
+    layouts.append((nested,))
+    assert len(layouts) == 90
+    for segments in layouts:
+        plan = make_plan(prof, segments, "layout", None)
+        ver = remat.verify(model, x, plan, _loss, opt, repeats=1)
+        assert ver.grads_identical, segments
+        assert ver.measured_peak_bytes == plan.prediction.peak_bytes, (segments, ver.measured_peak_bytes,
+                                                                       plan.prediction.peak_bytes)
+
+
+def test_a_segment_of_several_blocks_holds_the_outputs_its_replay_makes_again() -> None:
+    """Against the same chain without the hook: by hand, one segment of all five blocks holds the
+    four outputs inside it through the backward; the profile's step counted the outputs past
+    their blocks' backwards, so full recomputation of single blocks costs nothing more."""
+    plain, x, opt = _setup("none")
+    hooked, _, hooked_opt = _setup("hook")
+    one = (Segment(start=0, stop=5, strategy="recompute"),)
+    p_plain = remat.profile(plain, x, _loss, opt, repeats=1)
+    p_hooked = remat.profile(hooked, x, _loss, hooked_opt, repeats=1)
+    retained = make_plan(p_hooked, one, "layout", None).prediction.retained_bytes
+    assert retained == (0, OUT, OUT, OUT, OUT)  # block 0's checkpoint holds the batch, which the step holds
+    assert make_plan(p_plain, one, "layout", None).prediction.retained_bytes == (0, 0, 0, 0, 0)
+    assert_plans_exact(hooked, x, p_hooked, hooked_opt, strategies=("none", "full", "sqrt"), loss_fn=_loss)
+
+
+def test_every_budget_on_the_frontier_gets_a_plan_that_fits_and_measures_so() -> None:
+    """The search counts a segment's held inputs through its whole replay (a bound); the
+    prediction, exact, decides among the layouts a little over."""
+    model, x, opt = _setup("hook", n=6)
+    prof = remat.profile(model, x, _loss, opt, repeats=1)
+    peaks = sorted({p.prediction.peak_bytes for p in remat.pareto(prof)})
+    assert len(peaks) >= 3
+    for budget in peaks:
+        plan = remat.plan(prof, budget=budget)
+        assert plan.prediction.peak_bytes <= budget
+    least = remat.plan(prof, budget=peaks[0])
+    ver = remat.verify(model, x, least, _loss, opt, repeats=1)
+    assert ver.grads_identical and ver.measured_peak_bytes == least.prediction.peak_bytes
