@@ -46,7 +46,8 @@ def test_config_json_source(tmp_path) -> None:
 
 
 def test_llama_70b_parameter_count_by_hand() -> None:
-    """Llama-3-70B sizes: the count is exact arithmetic (and 80 layers are never built)."""
+    """Llama-3-70B sizes: the count is exact arithmetic (80 layers are built on the meta device only,
+    where the count is checked against the copies: no memory)."""
     h, layers, kv, inter, vocab = 8192, 80, 1024, 28672, 128256
     source = ModelSource(hf_family="llama", sizes=dict(hidden=h, layers=layers, heads=64, kv_heads=8,
                                                         intermediate=inter, vocab=vocab, seq=16))
@@ -99,8 +100,8 @@ def test_configs_the_estimate_cannot_build_are_refused_in_one_line(tmp_path) -> 
         hf_config(_config_file(tmp_path, perceiver))
     # transformers' own failure to build it with fewer layers (DBRX's default config)
     (tmp_path / "dbrx").mkdir()
-    with pytest.raises(ValueError, match=r"DbrxConfig cannot be built with fewer layers on the meta device, as "
-                                         r"the estimate builds it \(two of each kind of layer, then copied\): "
+    with pytest.raises(ValueError, match=r"DbrxConfig cannot be built on the meta device as the estimate builds "
+                                         r"it \(whole, to count its parameters\): "
                                          r"AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_theta'"):
         trace_source(_config_file(tmp_path / "dbrx", transformers.DbrxConfig()), seq_len=8)
     # ProphetNet (an encoder-decoder, estimated as one now: `test_encoder_decoder.py`): no SDPA attention,
@@ -224,3 +225,57 @@ def test_embeddings_sized_by_the_layer_count_are_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"Gemma4TextConfig gives every layer an input of its own, from embeddings "
                                          r"and a projection sized by the number of layers \(hidden_size_per_layer_input = 8\)"):
         hf_config(_config_file(tmp_path, config))
+
+
+def test_a_first_layer_with_weights_of_its_own_is_traced_apart(tmp_path) -> None:
+    """ModernBERT's decoder has no attention norm in its first layer: copied from the third, the
+    default config counted 768 parameters more than its model (ZAYA's first router, without a
+    state scale, 256). Such a first layer is traced as itself, as an encoder's is."""
+    config = transformers.AutoConfig.for_model("modernbert-decoder", hidden_size=32, num_hidden_layers=4,
+                                               num_attention_heads=2, intermediate_size=48, vocab_size=64,
+                                               global_attn_every_n_layers=1, max_position_embeddings=64,
+                                               pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                               sep_token_id=2)
+    traced = trace_source(_config_file(tmp_path, config), seq_len=8)
+    assert traced.layer_kinds == (0, 2, 2, 2)  # the first layer, then copies of a later one
+    assert traced.param_count == _hf_param_count(config)
+
+
+def test_a_model_whose_layers_run_several_times_is_refused_not_miscounted(tmp_path) -> None:
+    """HRM's text model runs two modules of ``num_layers_per_stack`` layers in cycles, so its
+    ``num_hidden_layers`` (128 by default) is no count of layers with weights: the default config
+    was estimated at 4.39 B parameters, its model has 1.45 B; and a file.py:build of it counted
+    each layer's activations once. Refused from a config by the count of the model built whole on
+    the meta device, and from a file because its traced step runs layers several times with
+    gradients."""
+    config = transformers.AutoConfig.for_model("hrm_text", hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                                               head_dim=16, num_layers_per_stack=2,
+                                               vocab_size=64, max_position_embeddings=64)
+    refusal = (r"HrmTextForCausalLM runs model\.L_module\.layers\.0 \(3 calls\), .*model\.H_module\.layers\.1 \(2 calls\) "
+               r"several times per step with gradients")
+    with pytest.raises(ValueError, match=r"copying its traced layers counts 4,392,224,256 parameters and the model has "
+                                         r"1,447,822,848: it has fewer layers' weights than layers it runs"):
+        trace_source(_config_file(tmp_path, transformers.AutoConfig.for_model("hrm_text")), seq_len=8)
+    build = tmp_path / "hrm.py"
+    build.write_text(
+        "import torch, transformers\n"
+        "def build():\n"
+        f"    config = transformers.HrmTextConfig(**{config.to_diff_dict()!r})\n"
+        "    model = transformers.AutoModelForCausalLM.from_config(config)\n"
+        "    ids = torch.randint(0, 64, (2, 8))\n"
+        "    return model, {'input_ids': ids, 'labels': ids}\n")
+    with pytest.raises(ValueError, match=refusal):
+        trace_source(ModelSource(file=f"{build}:build"), seq_len=8).profile(1)
+
+
+def test_layers_the_copies_cannot_add_up_to_are_refused(tmp_path) -> None:
+    """LongCat-Flash keeps two attention and feed-forward sub-layers in each of its ``num_layers``
+    layers, which the copies do not follow: its default config was estimated at 26.0 B parameters,
+    its model has 560.7 B. Decoders are now counted against the model built whole on the meta
+    device, as encoders were."""
+    config = transformers.AutoConfig.for_model("longcat_flash", hidden_size=32, num_layers=3, num_attention_heads=2,
+                                               ffn_hidden_size=48, expert_ffn_hidden_size=16, n_routed_experts=4,
+                                               moe_topk=2, zero_expert_num=2, vocab_size=64, q_lora_rank=16,
+                                               kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    with pytest.raises(ValueError, match=r"copying its traced layers counts [\d,]+ parameters and the model has [\d,]+: "):
+        trace_source(_config_file(tmp_path, config), seq_len=8)

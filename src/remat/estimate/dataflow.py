@@ -135,6 +135,8 @@ class _State:
     expert_depth: int = 0
     bwd_flops: dict[int, float] = field(default_factory=dict)
     """Call index -> FLOPs of its backward (`_backward_flops`)."""
+    grad_calls: dict[int, int] = field(default_factory=dict)
+    """Block index -> its calls with gradients enabled (a layer run at several depths: several)."""
 
 
 class _Tracer(TorchDispatchMode):
@@ -291,6 +293,8 @@ def _hooks(model: nn.Module, blocks: list[tuple[str, nn.Module]], state: _State,
     def enter(i: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             state.segment = f"layer:{i}"
+            if torch.is_grad_enabled():
+                state.grad_calls[i] = state.grad_calls.get(i, 0) + 1
             hidden = next((t for t in tensors_in(args)), None) if args else kwargs.get("hidden_states")
             ids = {storage_key(t): t for t in tensors_in((args, kwargs))}
             own = storage_key(hidden) if isinstance(hidden, torch.Tensor) else None
@@ -351,6 +355,13 @@ def classify(model: nn.Module, batch: Any, blocks: list[tuple[str, nn.Module]], 
         for block in direct:
             DirectCalls(block)
         return classify(model, batch, blocks, loss_fn=loss_fn, plan=plan, stack_ends=stack_ends)
+    repeated = {name: state.grad_calls[i] for i, (name, _) in enumerate(blocks) if state.grad_calls.get(i, 0) > 1}
+    if repeated:
+        runs = ", ".join(f"{name} ({count} calls)" for name, count in repeated.items())
+        raise ValueError(f"{type(model).__name__} runs {runs} several times per step with gradients, the same weights "
+                         "at several depths or time steps (HRM's reasoning modules, a looped model, a recurrent cell); "
+                         "the estimate prices each layer as one call. Measure it with `remat profile "
+                         "path/to/file.py:build` at a size that runs here, where each call of such a layer is a block.")
     if skipped:
         raise ValueError(f"{type(model).__name__}'s traced step did not run its layer(s) {', '.join(skipped)} (skipped "
                          "as a LayerDrop rate or a branch of its own code decides), so no layer of the model can be "

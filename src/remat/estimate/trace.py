@@ -601,9 +601,12 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
             "every layer, which a plain vision transformer (ViT, DeiT, BEiT, DINOv2) has. Measure it with `remat "
             "profile path/to/file.py:build` at a size that runs here.")
     encoder, whole_config = is_masked_lm(config) or image is not None, config
+    whole = None if encoder else _build(source, whole_config, num_layers(whole_config), dtype,
+                                        "whole, to count its parameters")
     # with LoRA the embeddings are frozen: the first layer's input takes no gradient, so it saves
-    # less than the layers after it (a tiny Llama's 241,920 bytes against 254,464): traced apart
-    apart = encoder or bool(source.lora_rank)
+    # less than the layers after it (a tiny Llama's 241,920 bytes against 254,464): traced apart;
+    # so is a first layer whose weights no later layer has (ModernBERT's decoder: no attention norm)
+    apart = encoder or bool(source.lora_rank) or (whole is not None and _first_layer_unique(whole))
     traced, kinds = hf_layer_kinds(config, num_layers(config), layers, first_apart=apart)
     values = traced_layer_values(config, num_layers(config), first_apart=apart)
     if values:  # the traced model's layers: two of each kind
@@ -633,15 +636,29 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
         f" (an image encoder, trained as an image classifier over {image[1]} x {image[2]} images: {tokens} tokens "
         "a layer, --seq unused)" if image else
         " (a text encoder, trained as a masked language model over --seq tokens)" if encoder else "")
-    if not encoder:
+    if whole is not None:
+        _check_copies(label, _copied_count(model, kinds), whole)  # before any trace: a count of shapes
         return _describe(label, model, tracer, kinds, seq_len, facts=facts, shape=shape)
     checked = tuple(k for k in dict.fromkeys(kinds) if k >= 1 and kinds.count(k) > 1)
     described = _describe(label, model, tracer, kinds, None if image else seq_len, facts=facts, shape=shape,
                           checked=checked, tokens=tokens)
     whole = _build(source, whole_config, num_layers(whole_config), dtype, "whole, to count its parameters")
     described = replace(described, param_shapes=_outside_from(described, whole))
-    _check_copies(described, whole)
+    _check_copies(described.label, described.param_count, whole)
     return described
+
+
+def _first_layer_unique(whole: nn.Module) -> bool:
+    """Whether the first layer of ``whole`` has weights of shapes no later layer has (ModernBERT's
+    decoder: no attention norm; ZAYA's first router: no state scale), so that no copy of a later
+    layer stands for it."""
+    blocks = find_blocks(whole)
+
+    def shapes(block: nn.Module) -> frozenset:
+        return frozenset((name, tuple(p.shape)) for name, p in block.named_parameters())
+
+    first = shapes(blocks[0][1])
+    return len(blocks) > 1 and all(shapes(block) != first for _, block in blocks[1:])
 
 
 def _outside_from(traced: Traced, whole: nn.Module) -> dict[str, Shape]:
@@ -753,8 +770,8 @@ def _build(source: ModelSource, config: Any, layers: int, dtype: torch.dtype, ho
         if isinstance(error, ValueError) and _raised_in_remat(error):
             raise  # remat's own refusal (a causal LM the config has not), already in words
         raise ValueError(
-            f"{source.label}: {type(config).__name__} cannot be built with fewer layers on the meta device, as the "
-            f"estimate builds it ({how}): {type(error).__name__}: {said[:300].rstrip('.')}. Estimate it from a "
+            f"{source.label}: {type(config).__name__} cannot be built on the meta device as the estimate builds it "
+            f"({how}): {type(error).__name__}: {said[:300].rstrip('.')}. Estimate it from a "
             "file.py:build that builds the whole model (--model path/to/file.py:build), or measure it with `remat "
             "profile` at a size that runs here.") from error
     if source.lora_rank:
@@ -801,7 +818,8 @@ def _trace_encoder_decoder(source: ModelSource, config: Any, *, seq_len: int, dt
     label = f"{source.label} (encoder-decoder: {encoder} encoder and {decoder} decoder layers, {over})"
     traced = _describe(label, model, tracer, kinds, seq_len, facts=facts, shape=shape, encoder_layers=encoder,
                        checked=checked)
-    _check_copies(traced, _build(source, config, max(encoder, decoder), dtype, "whole, to count its parameters"))
+    _check_copies(traced.label, traced.param_count,
+                  _build(source, config, max(encoder, decoder), dtype, "whole, to count its parameters"))
     return traced
 
 
@@ -849,7 +867,7 @@ def _trace_speech_encoder(source: ModelSource, config: Any, *, seq_len: int, dty
                           outside_grads_between=True)
     whole = _build(source, config, full, dtype, "whole, to count its parameters")
     described = replace(described, param_shapes=_outside_from(described, whole))
-    _check_copies(described, whole)
+    _check_copies(described.label, described.param_count, whole)
     return described
 
 
@@ -908,20 +926,39 @@ def _trace_two_towers(source: ModelSource, config: Any, *, seq_len: int, dtype: 
              f"{first.split('_')[0]} tower first)")
     traced = _describe(label, model, tracer, kinds, seq_len, blocks=blocks, shape=ModelShape(heads=heads, kv_heads=heads),
                        encoder_layers=counts[first], checked=checked, whole_batch_loss=True)
-    _check_copies(traced, _build(source, config, max(counts.values()), dtype, "whole, to count its parameters"))
+    _check_copies(traced.label, traced.param_count,
+                  _build(source, config, max(counts.values()), dtype, "whole, to count its parameters"))
     return traced
 
 
-def _check_copies(traced: Traced, whole: nn.Module) -> None:
+def _copied_count(model: nn.Module, kinds: tuple[int, ...]) -> int:
+    """Parameters of the full model as the copies of ``model``'s traced layers count them
+    (``kinds``: the traced layer of each layer), from the shapes alone: what `Traced.param_count`
+    gives after a trace."""
+    shapes = _unique_shapes(model)
+    blocks = find_blocks(model)
+    names = [name + "." for name, _ in blocks]
+    per_layer = [sum(math.prod(shape) for n, shape in shapes.items() if n.startswith(prefix)) for prefix in names]
+    outside = sum(math.prod(shape) for n, shape in shapes.items() if not n.startswith(tuple(names)))
+    quantized = [_quantized_elements(block) for _, block in blocks]
+    return (outside + sum(per_layer[k] for k in kinds) + _quantized_elements(model) - sum(quantized)
+            + sum(quantized[k] for k in kinds))
+
+
+def _check_copies(label: str, copied: int, whole: nn.Module) -> None:
     """Refuse a model whose copied layers do not add up to its own parameters (built whole on the
     meta device, which costs no memory): its later layers differ from the traced ones in a way no
     config list names (NLLB-MoE's and Switch Transformers' experts every ``sparse_step`` layers)."""
     count = sum(p.numel() for p in whole.parameters()) + _quantized_elements(whole)
-    if traced.param_count != count:
+    if copied != count:
+        why = ("its layers differ beyond the ones traced (a mixture of experts every few layers, as NLLB-MoE's "
+               "sparse_step), or it has layers beside the ones its config counts (an image encoder's)"
+               if copied < count else
+               "it has fewer layers' weights than layers it runs (a module run several times with the same weights, as "
+               "HRM's reasoning modules), or its layers differ beyond the ones traced")
         raise ValueError(
-            f"{traced.label}: copying its traced layers counts {traced.param_count:,} parameters and the model has "
-            f"{count:,}: its layers differ beyond the ones traced (a mixture of experts every few layers, as "
-            "NLLB-MoE's sparse_step). Estimate it from a file.py:build that builds the whole model "
+            f"{label}: copying its traced layers counts {copied:,} parameters and the model has "
+            f"{count:,}: {why}. Estimate it from a file.py:build that builds the whole model "
             "(--model path/to/file.py:build).")
 
 
