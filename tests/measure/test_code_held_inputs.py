@@ -140,3 +140,46 @@ def test_every_budget_on_the_frontier_gets_a_plan_that_fits_and_measures_so() ->
     least = remat.plan(prof, budget=peaks[0])
     ver = remat.verify(model, x, least, _loss, opt, repeats=1)
     assert ver.grads_identical and ver.measured_peak_bytes == least.prediction.peak_bytes
+
+
+class Returned(nn.Module):
+    """Every block's output returned beside the last (``output_hidden_states=True``'s tuple), and a
+    wide statistic of the last computed without gradients after the blocks (FLAVA's untrained
+    layers): its forward, with the tuple live, is the step's peak."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(D) for _ in range(n))
+        self.probe = nn.Linear(D, 64 * D)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor]:
+        hidden = []
+        for block in self.blocks:
+            x = block(x)
+            hidden.append(x)
+        with torch.no_grad():
+            confidence = self.probe(x).softmax(-1).amax()
+        return x, tuple(hidden), confidence
+
+
+def test_inputs_the_code_keeps_in_the_forward_count_in_the_forwards_after_their_segment() -> None:
+    """Returned with the output, the hidden states live to the loss, not through the backward: a
+    segment of several blocks leaves them to the code, live in the forward after it: one segment of
+    the four blocks measured 1.8 % above its prediction there (three outputs). FLAVA's image encoder
+    returns its hidden states this way: its least-peak plan, one segment of its two image layers,
+    measured 1.25 % above its prediction in its untrained layers' forward."""
+    torch.manual_seed(0)
+    model, x = Returned(), torch.randn(B, S, D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = remat.profile(model, x, _loss, opt, repeats=1)
+    assert [b.input_code_held_bytes for b in prof.blocks] == [0] * 4
+    assert [(b.input_code_kept_bytes, b.input_code_kept_until) for b in prof.blocks] == [(0, 0)] + [(OUT, 4)] * 3
+    for segments in _layouts(4):
+        plan = make_plan(prof, segments, "layout", None)
+        ver = remat.verify(model, x, plan, _loss, opt, repeats=1)
+        assert ver.grads_identical, segments
+        assert ver.measured_peak_bytes == plan.prediction.peak_bytes, (segments, ver.measured_peak_bytes,
+                                                                       plan.prediction.peak_bytes)
+    peaks = sorted({p.prediction.peak_bytes for p in remat.pareto(prof)})
+    for budget in peaks:
+        assert remat.plan(prof, budget=budget).prediction.peak_bytes <= budget

@@ -72,6 +72,10 @@ class CodeHeld:
     holds once the loss is computed and the model's output dropped, as a step's backward begins:
     a forward hook's list of every block's output (``output_hidden_states=True`` returns them:
     a step drops them with the output)."""
+    kept: list[tuple[int, int]]
+    """Per block, that input's bytes and the last block whose forward begins with the code still
+    holding it (the number of blocks: the post part's forward too, or the model's return;
+    ``(0, 0)``: none): a tuple of every layer's hidden states the output returns."""
 
 
 class _Calls(TorchDispatchMode):
@@ -99,9 +103,21 @@ class _Calls(TorchDispatchMode):
         """Per block, the storage the block before handed on where it is among this block's
         arguments (the chain's hidden state)."""
 
+        self.take_bytes: list[int] = [0] * count
+        """Per block, the bytes of `takes`."""
+        self.kept_until: list[int] = [0] * count
+        """Per block, the last block whose forward began with `takes` of this one live (the number
+        of blocks: the post part's too, or the model's return; 0: none)."""
+
     def through(self) -> list[int]:
         """Per block, the bytes of `takes` still live now (0: none, or dead)."""
         return [0 if ref is None or ref() is None else ref().nbytes() for ref in self.takes]
+
+    def keep_taken(self, position: int) -> None:
+        """`kept_until` of the `takes` before ``position`` live now."""
+        for j, ref in enumerate(self.takes[:position]):
+            if ref is not None and ref() is not None:
+                self.kept_until[j] = position
 
     def in_containers(self) -> list[dict[int, frozenset[str]]]:
         """Per block j, the calls of each block whose storages j's containers hold now."""
@@ -125,6 +141,7 @@ class _Calls(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if self.in_post and self.current is None:  # what the code still holds at this call of the post part
             self.at_post = self.live()
+            self.keep_taken(len(self.takes))
         out = func(*args, **(kwargs or {}))
         block = self.current
         if block is not None:
@@ -162,6 +179,8 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
             previous = calls.handed[index - 1] if index else None
             if previous is not None and previous() is not None and previous()._cdata in arguments:
                 calls.takes[index] = previous
+                calls.take_bytes[index] = previous().nbytes()
+            calls.keep_taken(index)  # the inputs of the blocks before this one the code still holds
             for j in range(index):
                 calls.made[j] = [(key, ref) for key, ref in calls.made[j] if ref() is not None]  # what died stays dead
                 live = frozenset(key for key, ref in calls.made[j] if _held(ref, calls.handed[j], arguments))
@@ -184,6 +203,7 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
             output = call_model(model, batch)
             calls.in_post = False  # the loss's calls come after the model's return
             held = calls.live()
+            calls.keep_taken(len(block_list))
             # what the post part's forward began with (it held no less than what the return holds)
             post = held if calls.at_post is None else [now | then for now, then in zip(held, calls.at_post)]
             calls.current = None
@@ -193,7 +213,8 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
     finally:
         for handle in handles:
             handle.remove()
-    return CodeHeld(end=held, post=post, during=during, stored=calls.stored, through=through)
+    return CodeHeld(end=held, post=post, during=during, stored=calls.stored, through=through,
+                    kept=[(nbytes, until) if until else (0, 0) for nbytes, until in zip(calls.take_bytes, calls.kept_until)])
 
 
 def _containers(args: tuple, kwargs: dict) -> list[Any]:

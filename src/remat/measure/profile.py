@@ -712,7 +712,8 @@ def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
     of the forward, and past the block after it (`remat.measure.held`); its ``stored_held``: what
     the containers among its arguments hold of every block's calls then; its ``output_held_bytes``
     where more of them are live as the next block starts than the dataflow named; its
-    ``input_code_held_bytes``: the block before's output the code holds through the backward. One more forward,
+    ``input_code_held_bytes``: the block before's output the code holds through the backward (and
+    ``input_code_kept_bytes`` to when in the forward). One more forward,
     without gradients; not on the meta device, where no storage is freed. A forward that fails
     there leaves them 0, as before they were measured."""
     if model_device(step.model).type == "meta":
@@ -740,8 +741,8 @@ def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
         for i, keys in holder.items():
             stored_calls.setdefault(i, set()).update(keys)
     blocks = []
-    for b, end, post, during, stored, through in zip(prof.blocks, held.end, held.post, held.during, held.stored,
-                                                     held.through):
+    for b, end, post, during, stored, through, (kept, until) in zip(prof.blocks, held.end, held.post, held.during,
+                                                                    held.stored, held.through, held.kept):
         later = {k: saved(b, keys) for k, keys in during.items() if k >= b.index + 2}
         later = {k: nbytes for k, nbytes in later.items() if nbytes > 0}
         calls = sorted(set().union(*(during[k] for k in later)) & {op.key for op in b.ops if op.saved_bytes})
@@ -755,7 +756,8 @@ def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
                                           output_later_held_calls=tuple(calls),
                                           stored_held=stored_held(stored),
                                           stored_calls=tuple(sorted(stored_calls.get(b.index, ()))),
-                                          input_code_held_bytes=through))
+                                          input_code_held_bytes=through, input_code_kept_bytes=kept,
+                                          input_code_kept_until=until))
     return dataclasses.replace(prof, blocks=tuple(blocks))
 
 

@@ -360,6 +360,15 @@ class BlockProfile:
     that runs this block after its first replays that output beside the one the code holds, so
     the segment holds it too, from its forward to the step's end (`remat.plan.costs`); a kept
     block's saved input and a checkpoint's are the code's own storage (`remat.measure.held`)."""
+    input_code_kept_bytes: int = 0
+    """That input (the block before's output) where the model's code keeps it past this block's
+    call, in the forward at least (a tuple of every layer's hidden states the output returns:
+    FLAVA's image encoder's); ``input_code_held_bytes`` where it keeps it through the backward too.
+    A recompute segment that runs this block after its first holds it then as the code does
+    (`remat.plan.predict`)."""
+    input_code_kept_until: int = 0
+    """The last block whose forward begins with ``input_code_kept_bytes`` held (the number of
+    blocks: the part after the blocks too, to the loss; 0: none)."""
     code_held_inputs: tuple[tuple[int, int], ...] = ()
     """``(j, bytes)`` per earlier block j: the inputs a checkpoint of block j holds that the
     model's code holds too as this block begins (``fwd_other_bytes`` counts them): a

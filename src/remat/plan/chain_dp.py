@@ -248,8 +248,9 @@ class ChainProblem:
     code_held_slots: tuple[int, ...] | None = None
     """Per block, what a top-level recompute segment that runs it after its first block holds
     from its forward to the step's end, its replay included (the input the model's code holds
-    through the backward, which the replay makes again:
-    `remat.measure.types.BlockProfile.input_code_held_bytes`); None: nothing."""
+    past the block, which the replay makes again:
+    `remat.measure.types.BlockProfile.input_code_held_bytes`, ``input_code_kept_bytes``; a bound
+    where the code keeps it in the forward alone); None: nothing."""
 
     def later(self, a: int, stops: np.ndarray) -> np.ndarray:
         """``later_slots`` summed over each segment ``[a, b)`` of ``stops``, and `code_held`."""

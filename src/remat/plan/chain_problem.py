@@ -157,7 +157,10 @@ class ChainBuilder:
             grad_bytes=tuple(map(released_grad_bytes, blocks_)), total_grad_bytes=self.fixed.grad_bytes,
             quantum=quantum, relax=relax)
         later = tuple(self._later_slots(i, quantum, relax) for i in range(self.profile.num_blocks))
-        code = tuple((_floor if relax else _ceil)(b.input_code_held_bytes, quantum) for b in blocks_)
+        # the inputs the code holds past a block inside a segment, through the replay and after it (a
+        # bound: `remat.plan.predict.code_held_through` counts those of the blocks replayed by then, and
+        # those the forward alone keeps in the forwards); none in the relaxed problem, a lower bound
+        code = tuple(0 if relax else _ceil(b.input_code_held_bytes or b.input_code_kept_bytes, quantum) for b in blocks_)
         return ChainProblem(blocks=blocks, post_slots=self.head_need(quantum, relax), capacity_slots=capacity,
                             later_slots=later if any(later) else None, code_held_slots=code if any(code) else None,
                             segment_ms=self.profile.checkpoint_call_ms,

@@ -210,15 +210,17 @@ class OptimalSearch:
         inputs of checkpoints it holds too (`BlockProfile.code_held_inputs`, counted twice in a
         forward; `Profile.post_code_held`, twice in the post part's need, which the DP takes
         whole), what kept blocks saved that no backward holds (`BlockProfile.saved_dead_bytes`,
-        counted through the backwards after them), and the inputs the code holds through the
-        backward (`BlockProfile.input_code_held_bytes`: the DP counts a segment's all through its
-        replay, `remat.plan.predict.code_held_through` those of the blocks replayed by then):
+        counted through the backwards after them), and the inputs the code holds past their blocks
+        (`BlockProfile.input_code_held_bytes`, ``input_code_kept_bytes``: the DP counts a
+        segment's all through its replay and the backward after it,
+        `remat.plan.predict.code_held_through` those of the blocks replayed by then, and
+        `remat.plan.predict.kept_inputs_bytes` those the forward alone keeps in the forwards):
         0 without them."""
         blocks = self.profile.blocks
         later = sum(b.output_later_held_bytes for b in blocks if b.output_held_until >= b.index + 2)
         post = self.profile.post_code_held_saving_bytes if self.profile.head is None else 0
         gone = sum(b.saved_dead_bytes for b in blocks)  # kept, counted through the backwards after it
-        code = sum(b.input_code_held_bytes for b in blocks)
+        code = sum(b.input_code_held_bytes or b.input_code_kept_bytes for b in blocks)
         return (later + max((sum(nbytes for _, nbytes in b.code_held_inputs) for b in blocks), default=0) + post + gone
                 + code)
 
