@@ -247,9 +247,11 @@ def test_a_weight_a_pre_hook_keeps_as_an_attribute_is_not_held_for_the_replay():
     weight the last forward had left on ``fc.weight`` (64 KiB here) through the replay: a √N
     segment of two blocks measured two such weights (128 KiB) above its prediction. A tensor with
     a history is a result, not state a replay starts from: the snapshot leaves it, and √N is
-    exact. Left: the weight each forward keeps on the module lives to the next step whatever the
-    plan, so recomputing a block frees less than its saved bytes: full recomputation measures
-    one weight per block (256 KiB) above the prediction, before and after."""
+    exact. The weight each forward keeps on the module lives to the next step whatever the plan,
+    so recomputing a block frees less than its saved bytes: full recomputation measured one
+    weight per block (256 KiB) above its prediction, nested segments one per nested block. The
+    profile sees it held past the loss (`BlockProfile.saved_code_held_bytes`) and a block not kept
+    holds it: exact (left: a nested segment of several such blocks, two weights under)."""
     import remat
 
     torch.manual_seed(0)
@@ -263,7 +265,17 @@ def test_a_weight_a_pre_hook_keeps_as_an_attribute_is_not_held_for_the_replay():
         check = remat.verify(model, batch, remat.plan(profile, strategy=strategy), loss, repeats=1)
         assert check.grads_identical and check.grad_max_abs_diff == 0.0
         above[strategy] = check.measured_peak_bytes - check.predicted_peak_bytes
-    assert above == {"none": 0, "sqrt": 0, "full": 4 * width * width * 4}
+    assert above == {"none": 0, "sqrt": 0, "full": 0}
+    assert [b.saved_code_held_bytes for b in profile.blocks] == [0] + [width * width * 4] * 4
+    from remat.plan.planners import make_plan as layout_plan
+    from remat.plan.types import Segment
+
+    def r(a: int, b: int, *children: Segment) -> Segment:
+        return Segment(start=a, stop=b, strategy="recompute", children=children)
+
+    for nested in ((r(0, 2), r(2, 5, r(2, 3), r(3, 4))), (Segment(start=0, stop=1, strategy="keep"), r(1, 5, r(2, 3)))):
+        check = remat.verify(model, batch, layout_plan(profile, nested, "layout", None), loss, repeats=1)
+        assert check.grads_identical and check.measured_peak_bytes == check.predicted_peak_bytes, nested
     names = [f"{i}" for i in range(1, 5)]
     for segments in ([seg(i, i + 1) for i in range(4)], [seg(0, 2), seg(2, 4)]):
         history = train(model, batch, loss, make_plan(model, batch, names, segments), steps=3)

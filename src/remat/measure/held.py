@@ -72,6 +72,9 @@ class CodeHeld:
     holds once the loss is computed and the model's output dropped, as a step's backward begins:
     a forward hook's list of every block's output (``output_hidden_states=True`` returns them:
     a step drops them with the output)."""
+    saved_through: list[frozenset[str]]
+    """Per block, its calls whose storages are live then too, less what it hands on: the weight
+    ``torch.nn.utils.spectral_norm``'s pre-hook leaves on the module as a plain attribute."""
     kept: list[tuple[int, int]]
     """Per block, that input's bytes and the last block whose forward begins with the code still
     holding it (the number of blocks: the post part's forward too, or the model's return;
@@ -210,10 +213,11 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
             compute_loss(output, batch, loss_fn)
             del output
             through = calls.through()  # the step's backward runs without the output (`remat.measure.profile`)
+            saved_through = calls.live()
     finally:
         for handle in handles:
             handle.remove()
-    return CodeHeld(end=held, post=post, during=during, stored=calls.stored, through=through,
+    return CodeHeld(end=held, post=post, during=during, stored=calls.stored, through=through, saved_through=saved_through,
                     kept=[(nbytes, until) if until else (0, 0) for nbytes, until in zip(calls.take_bytes, calls.kept_until)])
 
 

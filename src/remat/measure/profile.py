@@ -741,8 +741,8 @@ def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
         for i, keys in holder.items():
             stored_calls.setdefault(i, set()).update(keys)
     blocks = []
-    for b, end, post, during, stored, through, (kept, until) in zip(prof.blocks, held.end, held.post, held.during,
-                                                                    held.stored, held.through, held.kept):
+    for b, end, post, during, stored, through, saved_through, (kept, until) in zip(
+            prof.blocks, held.end, held.post, held.during, held.stored, held.through, held.saved_through, held.kept):
         later = {k: saved(b, keys) for k, keys in during.items() if k >= b.index + 2}
         later = {k: nbytes for k, nbytes in later.items() if nbytes > 0}
         calls = sorted(set().union(*(during[k] for k in later)) & {op.key for op in b.ops if op.saved_bytes})
@@ -756,7 +756,8 @@ def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
                                           output_later_held_calls=tuple(calls),
                                           stored_held=stored_held(stored),
                                           stored_calls=tuple(sorted(stored_calls.get(b.index, ()))),
-                                          input_code_held_bytes=through, input_code_kept_bytes=kept,
+                                          input_code_held_bytes=through, saved_code_held_bytes=saved(b, saved_through),
+                                          input_code_kept_bytes=kept,
                                           input_code_kept_until=until))
     return dataclasses.replace(prof, blocks=tuple(blocks))
 

@@ -360,6 +360,13 @@ class BlockProfile:
     that runs this block after its first replays that output beside the one the code holds, so
     the segment holds it too, from its forward to the step's end (`remat.plan.costs`); a kept
     block's saved input and a checkpoint's are the code's own storage (`remat.measure.held`)."""
+    saved_code_held_bytes: int = 0
+    """Of ``saved_bytes``, what the model's code still holds once the loss is computed and the
+    output dropped, so through the backward whatever this block's strategy: the weight
+    ``torch.nn.utils.spectral_norm``'s pre-hook computes and leaves on the module as a plain
+    attribute, which the Linear saves. A block not kept holds it all the same, while the backward
+    runs the blocks after it (its replay reads the same storage; the profile's step, every block
+    kept, counted it past the block's backward in the backward temporaries of the blocks before)."""
     input_code_kept_bytes: int = 0
     """That input (the block before's output) where the model's code keeps it past this block's
     call, in the forward at least (a tuple of every layer's hidden states the output returns:

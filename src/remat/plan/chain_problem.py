@@ -224,9 +224,14 @@ class ChainBuilder:
         """`remat.plan.chain_dp.ChainProblem.later_slots` of block ``i``: its outputs the code
         keeps through the forwards of blocks from two after it, counted while they are held as a
         checkpoint's input is (through the backward too: a bound, the prediction counts them in
-        those forwards only); none in the relaxed problem, whose costs bound from below."""
+        those forwards only), and its saved tensors the code holds through the backward
+        (`BlockProfile.saved_code_held_bytes`: exact); none in the relaxed problem, whose costs
+        bound from below."""
         block = self.profile.blocks[i]
-        return 0 if relax or block.output_held_until < i + 2 else _ceil(block.output_later_held_bytes, quantum)
+        if relax:
+            return 0
+        later = block.output_later_held_bytes if block.output_held_until >= i + 2 else 0
+        return _ceil(later + block.saved_code_held_bytes, quantum)
 
     def segments(self, elements: tuple[Element, ...]) -> tuple[Segment, ...]:
         """A DP layout as Segments."""

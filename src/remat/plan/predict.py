@@ -246,7 +246,9 @@ def end_held_bytes(profile: Profile, segments: tuple[Segment, ...], at_post: boo
 
     filled = _fill_gaps(segments, 0, profile.num_blocks)
     unkept = {i for seg in filled if seg.kind != "keep" for i in range(seg.start, seg.stop)}
-    total = sum(held(profile.blocks[i]) for i in unkept) + kept_inputs_bytes(profile, filled, profile.num_blocks)
+    # what the code holds through the backward too is in the blocks' retained bytes (`saved_code_held`)
+    total = (sum(max(0, held(profile.blocks[i]) - profile.blocks[i].saved_code_held_bytes) for i in unkept)
+             + kept_inputs_bytes(profile, filled, profile.num_blocks))
     if at_post:  # what a later checkpoint holds as its input (x-transformers' residual scores) counts there
         holders = {seg.start for seg in filled if seg.kind in ("recompute", "selective")}
         total -= sum(nbytes for k in holders for j, nbytes in profile.blocks[k].code_held_inputs if j in unkept)
@@ -286,7 +288,9 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             inner = layout_peak(profile, seg.children, seg.start, seg.stop, replay=True, stopped=seg.stops_early,
                                 code_from=code_from if replay else seg.start)
             unit = 0 if replay else unit_extra_bytes(profile, seg.start, seg.stop)  # ZeRO-3: one unit
-            code = 0 if replay else code_held_through(profile, seg.start, seg.stop - 1)  # counted in the replay's
+            # the inputs the code holds past its blocks (the replay's part counted there) and what the code
+            # holds of their saved tensors (the replay reads the same storage)
+            code = (0 if replay else code_held_through(profile, seg.start, seg.stop - 1)) + saved_code_held(profile, seg)
             candidate = _Peak(bytes=held + inner.bytes + unit - unheld + container - gone, block=inner.block,
                               working_bytes=inner.working_bytes)
             forward = 0 if replay else segment_forward_bytes(profile, seg.start, seg.stop, previous_kept,
@@ -315,7 +319,7 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             if replay and code_from >= 0:
                 need += code_held_through(profile, code_from, seg.start)
             candidate = _Peak(bytes=need, block=seg.start, working_bytes=working)
-            held += cost.retained_bytes
+            held += cost.retained_bytes + saved_code_held(profile, seg)
             if seg.kind == "keep" and not replay:
                 gone += profile.blocks[seg.start].saved_dead_bytes
             if replay and seg.start == start:  # the checkpoint holds the region's input to its end
@@ -343,6 +347,17 @@ def kept_inputs_bytes(profile: Profile, segments: Sequence[Segment], position: i
     return sum(block.input_code_kept_bytes for seg in segments if seg.kind == "recompute"
                for block in profile.blocks[seg.start + 1 : seg.stop]
                if not block.input_code_held_bytes and block.input_code_kept_until >= position)
+
+
+def saved_code_held(profile: Profile, seg: Segment) -> int:
+    """What the model's code holds through the backward of the saved tensors of a segment's blocks
+    not kept, top-level or nested in a replay (`BlockProfile.saved_code_held_bytes`: the weight
+    ``torch.nn.utils.spectral_norm`` leaves on its module): held while the backward runs the
+    blocks after them, whatever the plan. Full recomputation of four such blocks measured one
+    weight per block above its prediction without it, a nested child one weight per block."""
+    if seg.kind == "keep":
+        return 0
+    return sum(block.saved_code_held_bytes for block in profile.blocks[seg.start : seg.stop])
 
 
 def code_held_through(profile: Profile, start: int, block: int) -> int:
@@ -488,7 +503,8 @@ def _fill_gaps(segments: tuple[Segment, ...], start: int, stop: int) -> list[Seg
 def _top_retained(profile: Profile, segments: tuple[Segment, ...]) -> tuple[int, ...]:
     out: list[int] = []
     for seg in _fill_gaps(segments, 0, profile.num_blocks):
-        out.extend(cost_of(profile, i, seg).retained_bytes for i in range(seg.start, seg.stop))
+        out.extend(cost_of(profile, i, seg).retained_bytes + (0 if seg.kind == "keep" else profile.blocks[i].saved_code_held_bytes)
+                   for i in range(seg.start, seg.stop))
     return tuple(out)
 
 
