@@ -117,12 +117,22 @@ def test_a_config_without_a_causal_lm_is_told_what_estimate_prices(tmp_path) -> 
           intermediate_size=64, head_dim=8, vocab_size=96), [],
      "transformers offers no SDPA attention for Gemma2Config (it runs attention code of its own, or none: a "
      "state-space model), which the estimate traces by default (as FlashAttention); pass --explicit-attention"),
-], ids=["moe-fp32", "xlm", "git", "gemma2"])
+    (dict(model_type="blip-2", num_query_tokens=4,
+          vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             image_size=32, patch_size=8),
+          qformer_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              encoder_hidden_size=32),
+          text_config=dict(model_type="opt", hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2,
+                           vocab_size=96, word_embed_proj_dim=32)), [],
+     "Blip2Model's training step cannot be traced on the meta device, where the estimate runs it: AttributeError: "
+     "'bool' object has no attribute 'unsqueeze'"),
+], ids=["moe-fp32", "xlm", "git", "gemma2", "blip-2"])
 def test_configs_the_trace_cannot_take_get_one_line_naming_the_way(tmp_path, cfg, args, said) -> None:
     """Each was a traceback of 46 to 62 frames from inside transformers (or transformers' own
     text, naming an argument the CLI has not); GIT's was torch's one line, which named neither the
     model nor the way (its image encoder's layers, found beside the text layers, are not among the
-    copies: refused by the count before the trace now)."""
+    copies: refused by the count before the trace now); BLIP-2's an AttributeError of its own code
+    on the meta device."""
     pytest.importorskip("transformers")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))

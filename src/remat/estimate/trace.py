@@ -404,15 +404,16 @@ def _tracer(model: nn.Module, batch_at: Callable[[int], Any], loss_fn: Any, fuse
     return trace
 
 
-_MODEL_ERRORS = (RuntimeError, NotImplementedError, TypeError, KeyError, IndexError, ValueError)
-"""What a model's own code raises on the meta device (`_untraceable`)."""
+_MODEL_ERRORS = (RuntimeError, NotImplementedError, TypeError, KeyError, IndexError, ValueError, AttributeError)
+"""What a model's own code raises on the meta device (`_untraceable`): BLIP-2's placeholder mask,
+a Python bool where its code expects a tensor, raised an AttributeError (a traceback before)."""
 
 
 def _untraceable(model: nn.Module, error: Exception) -> Exception:
     """``error``, raised by ``model``'s step on the meta device, as one line naming the way that
     works; remat's own refusal (already in words) as it is."""
-    if isinstance(error, ValueError) and _raised_in_remat(error):
-        return error
+    if isinstance(error, (ValueError, AttributeError)) and _raised_in_remat(error):
+        return error  # remat's own refusal, already in words; or its own fault, left to show
     first = (str(error).splitlines() or [""])[0][:300]
     return ValueError(
         f"{type(model).__name__}'s training step cannot be traced on the meta device, where the estimate runs "
