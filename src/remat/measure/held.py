@@ -105,7 +105,6 @@ class _Calls(TorchDispatchMode):
         self.takes: list[weakref.ref | None] = [None] * count
         """Per block, the storage the block before handed on where it is among this block's
         arguments (the chain's hidden state)."""
-
         self.take_bytes: list[int] = [0] * count
         """Per block, the bytes of `takes`."""
         self.kept_until: list[int] = [0] * count
@@ -165,8 +164,9 @@ def code_held_calls(model: torch.nn.Module, batch: Any, block_list: Blocks,
     """Per block, the keys of its calls whose storages are live when the model's forward returns,
     other than what the block hands on, and as each later block starts, other than that block's
     arguments; run once without gradients; the loss then runs on the output as in
-    a step (a loss that reads what the model's hooks collected clears it). The caller restores
-    what a forward changes (buffers, the RNG)."""
+    a step (a loss that reads what the model's hooks collected clears it), and what is still live
+    once the output is dropped is held through the backward (`CodeHeld.through`,
+    ``saved_through``). The caller restores what a forward changes (buffers, the RNG)."""
     calls = _Calls(len(block_list))
     during: list[dict[int, frozenset[str]]] = [{} for _ in block_list]
     started: set[int] = set()
