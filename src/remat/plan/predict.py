@@ -273,12 +273,14 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
     unkept: list[tuple[int, frozenset[str]]] = []  # top-level blocks before this one not kept, what they cache
     holders: set[int] = set()  # top-level blocks before this one whose checkpoint holds their inputs
     kept_later = not replay and _keeps_later(profile)
+    kept_inputs = not replay and any(b.input_code_kept_bytes for b in profile.blocks)
+    held_inputs = replay and code_from >= 0 and any(b.input_code_held_bytes for b in profile.blocks[code_from:stop])
     passed: list[Segment] = []  # top-level segments before this one
     for seg in _fill_gaps(segments, start, stop):
         unheld = dead[seg.start] if dead else 0
         container = stored[seg.start] if stored else 0  # in its backward, not its forward
         later = later_held_bytes(profile, seg.start, unkept) if kept_later else 0
-        if not replay:  # the inputs the code keeps of earlier segments' blocks, in the forwards
+        if kept_inputs:  # the inputs the code keeps of earlier segments' blocks, in the forwards
             later += kept_inputs_bytes(profile, passed, seg.start)
         twice = 0  # inputs of earlier checkpoints the code holds too, in a kept or recomputed forward: counted once
         if not replay and holders and seg.kind in ("keep", "recompute"):
@@ -316,7 +318,7 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
                 unheld = container = 0
                 working = max(working, keep_forward_bytes(profile, seg.start, previous_kept) + later - twice)
             need = held + working - unheld + container + grad_bytes_live(profile, seg.start)
-            if replay and code_from >= 0:
+            if held_inputs:
                 need += code_held_through(profile, code_from, seg.start)
             candidate = _Peak(bytes=need, block=seg.start, working_bytes=working)
             held += cost.retained_bytes + saved_code_held(profile, seg)
