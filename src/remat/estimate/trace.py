@@ -652,8 +652,11 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
 def _first_layer_unique(whole: nn.Module) -> bool:
     """Whether the first layer of ``whole`` has weights of shapes no later layer has (ModernBERT's
     decoder: no attention norm; ZAYA's first router: no state scale), so that no copy of a later
-    layer stands for it."""
-    blocks = find_blocks(whole)
+    layer stands for it; False where no layers are found (`_check_layers_found` says so)."""
+    try:
+        blocks = find_blocks(whole)
+    except ValueError:
+        return False
 
     def shapes(block: nn.Module) -> frozenset:
         return frozenset((name, tuple(p.shape)) for name, p in block.named_parameters())
