@@ -225,8 +225,9 @@ class ChainBuilder:
         keeps through the forwards of blocks from two after it, counted while they are held as a
         checkpoint's input is (through the backward too: a bound, the prediction counts them in
         those forwards only), and its saved tensors the code holds through the backward
-        (`BlockProfile.saved_code_held_bytes`: exact); none in the relaxed problem, whose costs
-        bound from below."""
+        (`BlockProfile.saved_code_held_bytes`: exact for a top-level segment; a nested child's are
+        not in the replay tables, and the prediction judges such layouts); none in the relaxed
+        problem, whose costs bound from below."""
         block = self.profile.blocks[i]
         if relax:
             return 0
