@@ -183,3 +183,58 @@ def test_inputs_the_code_keeps_in_the_forward_count_in_the_forwards_after_their_
     peaks = sorted({p.prediction.peak_bytes for p in remat.pareto(prof)})
     for budget in peaks:
         assert remat.plan(prof, budget=budget).prediction.peak_bytes <= budget
+
+
+class Necked(nn.Module):
+    """A backbone whose every block's output a norm saves before a neck reads them (Depth
+    Anything's backbone's feature maps): the norm's graph holds the outputs from the forward to
+    its backward, whatever the plan. ``neck`` blocks after the norm (0: the norm is in the part
+    after the blocks)."""
+
+    def __init__(self, n: int = 4, neck: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(D * (1 + i % 2)) for i in range(n))
+        self.norm = nn.LayerNorm(D)
+        self.neck = nn.ModuleList(Block(2 * D) for _ in range(neck))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = []
+        for block in self.blocks:
+            x = block(x)
+            hidden.append(x)
+        y = sum(self.norm(h) for h in hidden)
+        for block in self.neck:
+            y = block(y)
+        return y
+
+
+@pytest.mark.parametrize("neck", [2, 0])
+def test_inputs_code_after_the_blocks_saves_are_held_to_its_backward(neck: int) -> None:
+    """Inside a recompute segment no checkpoint holds a block's input, yet the norm after the
+    blocks saved it: live through the forward and the backward down to the norm's, in the neck's
+    backward (between the stacks: from block 4 on) or the part after the blocks' alone. Depth
+    Anything's least-peak plan, segments of two backbone layers, measured 0.16 % above its
+    prediction without them; here every layout of the backbone, the neck kept or one segment,
+    is measured at its prediction to the byte."""
+    torch.manual_seed(0)
+    model, x = Necked(neck=neck), torch.randn(B, S, D)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = remat.profile(model, x, _loss, opt, repeats=1)
+    assert [s.stop - s.start for s in prof.stacks] == ([4, 2] if neck else [4])
+    # block 0 takes the batch; blocks 1-3 the output before, which the norm saves before block 4
+    assert [(b.input_saved_after_bytes, b.input_saved_after_from) for b in prof.blocks] == (
+        [(0, 0)] + [(OUT, 4)] * 3 + [(0, 0)] * neck)
+    necks = [()] if not neck else [(Segment(start=4, stop=5, strategy="keep"), Segment(start=5, stop=6, strategy="keep")),
+                                   (Segment(start=4, stop=6, strategy="recompute"),)]
+    checked = 0
+    for backbone in _layouts(4):
+        for tail in necks:
+            plan = make_plan(prof, backbone + tail, "layout", None)
+            ver = remat.verify(model, x, plan, _loss, opt, repeats=1)
+            assert ver.grads_identical, backbone + tail
+            assert ver.measured_peak_bytes == plan.prediction.peak_bytes, (backbone + tail, ver.measured_peak_bytes,
+                                                                           plan.prediction.peak_bytes)
+            checked += 1
+    assert checked == 34 * len(necks)
+    for budget in sorted({p.prediction.peak_bytes for p in remat.pareto(prof)}):
+        assert remat.plan(prof, budget=budget).prediction.peak_bytes <= budget

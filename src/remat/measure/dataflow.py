@@ -229,6 +229,8 @@ class BlockFlow:
     entry_bytes: int = 0
     output_held_bytes: int = 0
     code_held_inputs: tuple[tuple[int, int], ...] = ()
+    input_saved_after_bytes: int = 0
+    input_saved_after_from: int = 0
 
 
 def block_flows(recorder: DataflowRecorder, saved: dict[int, SavedStorage], savers: dict[int, list[str]],
@@ -255,6 +257,7 @@ def block_flows(recorder: DataflowRecorder, saved: dict[int, SavedStorage], save
                                          if key in saved and saved[key].segment == names[i] and key not in handed[i])
     for k, live in enumerate(recorder.live_inputs):
         flows[k].code_held_inputs = _code_held_inputs(recorder, flows, index_of, k, live)
+        flows[k].input_saved_after_bytes, flows[k].input_saved_after_from = _saved_after(recorder, flows[k], index_of, k)
     for i, flow in enumerate(flows):
         flow.between_saved_bytes = saved_by_segment.get(between_name(i), 0) if i > 0 else 0
         flow.entry_bytes = flow.between_saved_bytes + flow.shared_entry_bytes + (flows[i - 1].handoff_bytes if i else 0)
@@ -281,6 +284,28 @@ def _code_held_inputs(recorder: DataflowRecorder, flows: list[BlockFlow], index_
         seen.add(sid)
         out[j] = out.get(j, 0) + held[0].storage_bytes
     return tuple(sorted(out.items()))
+
+
+def _saved_after(recorder: DataflowRecorder, flow: BlockFlow, index_of: dict[str, int], k: int) -> tuple[int, int]:
+    """(bytes, m): block ``k``'s input that the block before handed on (held by it: its own
+    saves, or its checkpoint), that code after it, between blocks or after the last, saves too
+    (a norm on every layer's hidden states before a neck reads them: Depth Anything's backbone's
+    feature maps). Inside a recompute segment no checkpoint holds it, yet that code's graph does,
+    through the forward and the backward down to that code's: the backward of blocks ``m`` on and
+    of the part after the blocks (m = the number of blocks: that part's alone). (0, 0): none."""
+    nbytes, first = 0, 0
+    seen: set[int] = set()
+    for arg in flow.inputs:
+        if arg.counted != "held" or arg.source != "previous" or arg.storage in seen:
+            continue
+        after = [segment_position(s, index_of) for s in recorder.storages[arg.storage].savers if s not in index_of]
+        after = [position for position in after if position > 2 * k + 1]
+        if after:
+            seen.add(arg.storage)
+            nbytes += arg.storage_bytes
+            # several such storages (rare): each counted down to the earliest of their savers' backwards, a bound
+            first = min(after) // 2 if not first else min(first, min(after) // 2)
+    return nbytes, first
 
 
 def _inputs_flow(recorder: DataflowRecorder, index_of: dict[str, int], i: int, takers: dict[int, list[int]]) -> BlockFlow:

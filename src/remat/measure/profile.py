@@ -832,6 +832,7 @@ def _flow_fields(flow: BlockFlow, between_temp_bytes: int) -> dict[str, Any]:
         "between_saved_bytes": flow.between_saved_bytes, "between_bwd_temp_bytes": max(between_temp_bytes, 0),
         "entry_bytes": flow.entry_bytes, "output_held_bytes": flow.output_held_bytes,
         "code_held_inputs": flow.code_held_inputs,
+        "input_saved_after_bytes": flow.input_saved_after_bytes, "input_saved_after_from": flow.input_saved_after_from,
     }
 
 

@@ -376,6 +376,15 @@ class BlockProfile:
     input_code_kept_until: int = 0
     """The last block whose forward begins with ``input_code_kept_bytes`` held (the number of
     blocks: the part after the blocks too, to the loss; 0: none)."""
+    input_saved_after_bytes: int = 0
+    """Of its inputs, the output of the block before (what that block hands on, which it holds
+    kept or as a checkpoint) that code after it, not a block, saves too: a norm on every layer's
+    hidden states before a neck reads them (Depth Anything's backbone's feature maps). A recompute
+    segment that runs this block after its first holds no copy of it, yet that code's graph holds
+    it from the forward to that code's backward (`remat.measure.dataflow`; 0: none)."""
+    input_saved_after_from: int = 0
+    """The first block whose backward runs with ``input_saved_after_bytes`` still held: that code
+    runs before it (the number of blocks: after the last; its backward runs before theirs)."""
     code_held_inputs: tuple[tuple[int, int], ...] = ()
     """``(j, bytes)`` per earlier block j: the inputs a checkpoint of block j holds that the
     model's code holds too as this block begins (``fwd_other_bytes`` counts them): a

@@ -20,7 +20,7 @@ from remat.measure.types import Profile
 from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, Element, SegmentForward, UnitSlots, deep_recursion
 from remat.plan.costs import cost_of, replay_working_bytes
 from remat.plan.options import BlockOptions, OptionClass, offload_options, price_options, undominated_rows
-from remat.plan.phases import (checkpointed_forward_peak, grad_bytes_live, held_input_bytes, post_working_bytes,
+from remat.plan.phases import (checkpointed_forward_peak, code_held_input_bytes, grad_bytes_live, held_input_bytes, post_working_bytes,
                                previous_held_bytes, released_grad_bytes, stopped_replay_ms, stopped_replay_working_bytes)
 from remat.plan.predict import (backward_base_bytes, optimizer_phase_bytes, pre_backward_phase_bytes,
                                 pre_forward_phase_bytes)
@@ -159,8 +159,9 @@ class ChainBuilder:
         later = tuple(self._later_slots(i, quantum, relax) for i in range(self.profile.num_blocks))
         # the inputs the code holds past a block inside a segment, through the replay and after it (a
         # bound: `remat.plan.predict.code_held_through` counts those of the blocks replayed by then, and
-        # those the forward alone keeps in the forwards); none in the relaxed problem, a lower bound
-        code = tuple(0 if relax else _ceil(b.input_code_held_bytes or b.input_code_kept_bytes, quantum) for b in blocks_)
+        # those the forward alone keeps in the forwards, and those code after the blocks saves down to
+        # its backward); none in the relaxed problem, a lower bound
+        code = tuple(0 if relax else _ceil(code_held_input_bytes(b), quantum) for b in blocks_)
         return ChainProblem(blocks=blocks, post_slots=self.head_need(quantum, relax), capacity_slots=capacity,
                             later_slots=later if any(later) else None, code_held_slots=code if any(code) else None,
                             segment_ms=self.profile.checkpoint_call_ms,

@@ -19,7 +19,7 @@ __all__ = [
     "held_input_bytes", "held_bwd_temp_bytes", "between_phase_bytes", "working_bytes", "saved_input_bytes", "replay_base_bytes",
     "replay_working_bytes", "replay_stop", "stopped_replay_working_bytes", "stopped_replay_ms",
     "stopped_replay_flops", "forward_phase_bytes", "keep_working_bytes", "keep_forward_bytes", "unit_extra_bytes",
-    "segment_forward_bytes", "checkpointed_forward_peak", "code_held_bytes", "previous_held_bytes", "later_held_bytes", "held_twice_bytes",
+    "segment_forward_bytes", "checkpointed_forward_peak", "code_held_bytes", "code_held_input_bytes", "previous_held_bytes", "later_held_bytes", "held_twice_bytes",
     "released_grad_bytes", "grad_bytes_live", "post_working_bytes",
 ]
 
@@ -190,6 +190,17 @@ def code_held_bytes(block: BlockProfile, unheld: int = 0) -> int:
     if block.fwd_other_bytes is None:
         return 0
     return max(0, block.fwd_other_bytes + unheld - held_input_bytes(block))
+
+
+def code_held_input_bytes(block: BlockProfile) -> int:
+    """The block's input (what the block before handed on) that something besides a checkpoint
+    holds past the block when it runs inside a recompute segment: the model's code through the
+    backward (`BlockProfile.input_code_held_bytes`) or in the forward
+    (``input_code_kept_bytes``), or the graph of code after the blocks that saves it
+    (``input_saved_after_bytes``). One storage: the most of the three. The optimal search counts
+    it through a segment's replay and the backward after it, a bound (`remat.plan.predict`
+    counts each where it is live)."""
+    return max(block.input_code_held_bytes, block.input_code_kept_bytes, block.input_saved_after_bytes)
 
 
 def segment_forward_bytes(profile: Profile, start: int, stop: int, previous_kept: bool = False, unheld: int = 0) -> int:

@@ -40,6 +40,7 @@ from remat.plan.chain_exact import ExactSolution, solve_exact
 from remat.plan.chain_problem import ChainBuilder, fixed_part, keep_segments
 from remat.plan.costs import clear_cost_cache
 from remat.plan.options import block_options, structure_classes
+from remat.plan.phases import code_held_input_bytes
 from remat.plan.policies import clear_subset_cache, knapsack_frontier
 from remat.plan.predict import (baseline_step_ms, keep_peak_bytes, pre_backward_phase_bytes, pre_forward_phase_bytes,
                                 predict)
@@ -214,13 +215,13 @@ class OptimalSearch:
         (`BlockProfile.input_code_held_bytes`, ``input_code_kept_bytes``: the DP counts a
         segment's all through its replay and the backward after it,
         `remat.plan.predict.code_held_through` those of the blocks replayed by then, and
-        `remat.plan.predict.kept_inputs_bytes` those the forward alone keeps in the forwards):
-        0 without them."""
+        `remat.plan.predict.kept_inputs_bytes` those the forward alone keeps in the forwards,
+        `remat.plan.predict.saved_after_bytes` those code after the blocks saves): 0 without them."""
         blocks = self.profile.blocks
         later = sum(b.output_later_held_bytes for b in blocks if b.output_held_until >= b.index + 2)
         post = self.profile.post_code_held_saving_bytes if self.profile.head is None else 0
         gone = sum(b.saved_dead_bytes for b in blocks)  # kept, counted through the backwards after it
-        code = sum(b.input_code_held_bytes or b.input_code_kept_bytes for b in blocks)
+        code = sum(map(code_held_input_bytes, blocks))
         return (later + max((sum(nbytes for _, nbytes in b.code_held_inputs) for b in blocks), default=0) + post + gone
                 + code)
 
