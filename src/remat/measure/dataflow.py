@@ -55,31 +55,40 @@ CACHE_MARK = "<cache>"
 """In `named_tensors`' names, what marks a tensor a key/value cache argument holds."""
 
 
-def named_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+MAP_MARK = "<map>"
+"""In `named_tensors`' names, what marks a tensor a mapping argument holds."""
+
+
+def named_tensors(args: tuple[Any, ...], kwargs: dict[str, Any], mappings: bool = False) -> list[tuple[str, torch.Tensor]]:
     """The tensor arguments of a call with their names: ``args[i]``, the keyword, and an index
     per level for tensors inside tuples and lists (``position_embeddings[0]``) and Hugging Face
     key/value caches (``past_key_values<cache>[0]``: the keys and values a cache holds as the
     block is called, prefix tuning's virtual tokens, which a checkpoint of the block holds for its
-    replay, `remat.checkpointing.region`)."""
+    replay, `remat.checkpointing.region`); with ``mappings``, the values of dicts too
+    (``attention_mask<map>['causal']``: ZAYA hands each layer its masks in a dict, which a
+    checkpoint of the layer holds for its replay)."""
     out: list[tuple[str, torch.Tensor]] = []
     for i, value in enumerate(args):
-        _collect(f"args[{i}]", value, out)
+        _collect(f"args[{i}]", value, out, mappings)
     for key, value in kwargs.items():
-        _collect(key, value, out)
+        _collect(key, value, out, mappings)
     return out
 
 
-def _collect(name: str, value: Any, out: list[tuple[str, torch.Tensor]]) -> None:
+def _collect(name: str, value: Any, out: list[tuple[str, torch.Tensor]], mappings: bool = False) -> None:
     # a module-level function, not a closure: a recursive closure is a reference cycle that
     # would keep the block's inputs alive until the garbage collector runs
     if isinstance(value, torch.Tensor):
         out.append((name, value))
     elif isinstance(value, (tuple, list)):
         for i, item in enumerate(value):
-            _collect(f"{name}[{i}]", item, out)
+            _collect(f"{name}[{i}]", item, out, mappings)
     elif is_kv_cache(value):
         for i, item in enumerate(cache_tensors(value)):
             out.append((f"{name}{CACHE_MARK}[{i}]", item))
+    elif mappings and isinstance(value, dict):
+        for key, item in value.items():
+            _collect(f"{name}{MAP_MARK}[{key!r}]", item, out, mappings)
 
 
 @dataclass
@@ -139,7 +148,7 @@ class DataflowRecorder:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if in_backward() or self.args[index]:
                 return
-            tensors = named_tensors(args, kwargs)
+            tensors = named_tensors(args, kwargs, mappings=True)
             own = {storage_key(t) for _, t in tensors}
             if index:
                 self._held_outputs(index - 1, own)
@@ -147,8 +156,8 @@ class DataflowRecorder:
             self.live_inputs[index] = [(j, sid) for sid, j in self._pending.items() if self.storages[sid].key not in own]
             for name, tensor in tensors:
                 key = storage_key(tensor)
-                if key is not None and CACHE_MARK in name and self.producer_of(key) in self._block_names:
-                    continue  # an earlier block's keys in a cache: held with the cache (`remat.measure.held`)
+                if key is not None and (CACHE_MARK in name or MAP_MARK in name) and self.producer_of(key) in self._block_names:
+                    continue  # an earlier block's keys in a cache or a mapping: held with it (`remat.measure.held`)
                 if key is not None:
                     self.args[index].append(_Arg(argument=name, storage=self._storage_id(tensor, key),
                                                  storage_bytes=storage_nbytes(tensor), activation=key not in self.excluded,
