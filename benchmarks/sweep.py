@@ -189,6 +189,9 @@ def run_one(model_type: str, lora: int | None = None, dropout: float = 0.0,
         seed(0)
         prof = remat.profile(model, batch, loss_fn, optimizer, repeats=1)
         row.update(stacks=[[s.name, s.stop - s.start] for s in prof.stacks], blocks=prof.num_blocks)
+        saved_after = sum(b.input_saved_after_bytes for b in prof.blocks)
+        if saved_after:  # block inputs that code after the blocks saves (`BlockProfile.input_saved_after_bytes`)
+            row["saved_after_bytes"] = saved_after
         stage = "plan"
         frontier = pareto(prof)
         least, most = frontier[-1], frontier[0]
