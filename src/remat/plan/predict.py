@@ -274,7 +274,7 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
     holders: set[int] = set()  # top-level blocks before this one whose checkpoint holds their inputs
     kept_later = not replay and _keeps_later(profile)
     kept_inputs = not replay and any(b.input_code_kept_bytes or b.input_saved_after_bytes for b in profile.blocks)
-    saved_after = not replay and any(b.input_saved_after_bytes for b in profile.blocks)
+    saved_after = kept_inputs and any(b.input_saved_after_bytes for b in profile.blocks)
     held_inputs = replay and code_from >= 0 and any(b.input_code_held_bytes for b in profile.blocks[code_from:stop])
     passed: list[Segment] = []  # top-level segments before this one
     for seg in _fill_gaps(segments, start, stop):
