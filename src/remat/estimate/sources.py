@@ -12,6 +12,7 @@ that ``transformers.AutoConfig.for_model`` knows.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from remat.estimate.text_lm import TextCausalLM, has_text_causal_lm, vision_language_of
 
 HF_FAMILIES = ("gpt2", "llama", "mistral", "t5")
 
@@ -300,7 +303,8 @@ def language_model_config(config: Any, where: str) -> tuple[Any, str]:
         text = config.get_text_config(decoder=True)
     except Exception:  # noqa: BLE001 - a config class whose own lookup fails is refused below
         text = config
-    if text is config or text.model_type not in causal or getattr(text, "num_hidden_layers", None) is None:
+    text_lm = text is not config and has_text_causal_lm(config, text)
+    if text is config or (text.model_type not in causal and not text_lm) or getattr(text, "num_hidden_layers", None) is None:
         raise ValueError(
             f"{where}: {type(config).__name__} (model_type {config.model_type!r}) keeps no decoder layers in "
             "num_hidden_layers, nor a causal language model in a sub-config: `remat estimate` prices decoder-only "
@@ -309,6 +313,10 @@ def language_model_config(config: Any, where: str) -> tuple[Any, str]:
     _check_uniform(text, where)
     others = [name for name in getattr(config, "sub_configs", {}) if getattr(config, name, None) is not text]
     left = f"; {', '.join(others)} left out" if others else ""
+    if text_lm:  # built as the generative model runs it (`TextCausalLM`), its head tied as the whole model's
+        text = copy.deepcopy(text)
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        return text, f" (its language model, {type(text).__name__}, with the head and loss of {type(config).__name__}{left})"
     return text, f" (its language model, {type(text).__name__}{left})"
 
 
@@ -556,6 +564,13 @@ def build_hf_on_meta(config: Any, *, layers: int, dtype: torch.dtype) -> nn.Modu
             model = transformers.AutoModelForCTC.from_config(config, dtype=dtype)
         if any(not t.is_meta for t in (*model.parameters(), *model.buffers())):
             model.to("meta")  # a weight made with torch.Tensor(n), which takes no device (UniSpeech-SAT's mask embedding)
+        model.train()
+        return model
+    if vision_language_of(config) is not None:  # Qwen2-VL's language model: no causal LM of its own
+        config = copy.deepcopy(config)
+        config.num_hidden_layers = layers
+        with torch.device("meta"):
+            model = TextCausalLM(config, dtype=dtype)
         model.train()
         return model
     if config.model_type not in causal and not is_masked_lm(config) and not is_image_encoder(config):

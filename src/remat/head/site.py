@@ -361,6 +361,7 @@ def _decoder_input_maker(model: nn.Module) -> Callable[[torch.Tensor], torch.Ten
 KINDS: dict[str, HeadKind] = {
     "remat.models.gpt.GPT": GPTHead(),
     "transformers.modeling_utils.PreTrainedModel": HFCausalLMHead(),
+    "remat.estimate.text_lm.TextCausalLM": HFCausalLMHead(),  # a vision-language model's text path, as traced
 }
 """Head kinds keyed by the qualified name of a model class (the first match along the MRO); a
 Hugging Face encoder-decoder takes `HFSeq2SeqLMHead` instead, a masked LM `HFMaskedLMHead` or
