@@ -167,9 +167,28 @@ def test_batches_follow_the_configs_own_fields():
     assert batch["input_features"].shape == (2, audio.num_mel_bins, 2 * SEQ)
 
 
+def test_sub_models_get_the_inputs_their_forward_requires():
+    gen = torch.Generator().manual_seed(0)
+    for model_type, keys in (("flava_multimodal_model", ["attention_mask", "hidden_states"]),  # states, no ids
+                             ("mimi_decoder", ["latents"]),  # a codec's latents, channels first
+                             ("speecht5_hifigan", ["spectrogram"]),  # a vocoder's mel frames
+                             ("video_llama_3_vision", ["grid_thw", "merge_sizes", "pixel_values"])):
+        config = tiny_config(model_type)
+        cls = model_classes(model_type)[0][1]
+        batch = make_batch(model_type, cls._from_config(config), config, "model", gen)
+        assert sorted(batch) == keys, model_type
+    assert batch["merge_sizes"].tolist() == [1, 1]  # an image a row, its patches unmerged
+    mimi = tiny_config("mimi_decoder")
+    batch = make_batch("mimi_decoder", model_classes("mimi_decoder")[0][1]._from_config(mimi), mimi, "model", gen)
+    assert batch["latents"].shape == (2, mimi.hidden_size, SEQ)
+
+
 def test_sub_model_types_find_their_class():
     assert model_classes("clip_text_model")[0][1].__name__ == "CLIPTextModel"
     assert model_classes("t5")[0][0] == "seq_to_seq_causal_lm"
+    # a config whose own defaults cannot build it: its model, and the config class its type stands for
+    assert model_classes("nougat")[0][1].__name__ == "VisionEncoderDecoderModel"
+    assert tiny_config("nougat").encoder.model_type == "donut-swin"
 
 
 def test_a_model_over_its_time_is_a_timeout_row():

@@ -42,7 +42,7 @@ HIDDEN_KEYS = frozenset({
     "hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "hidden_dim", "dim", "d_embed", "model_dim",
     "encoder_hidden_size", "decoder_hidden_size", "text_hidden_size", "vision_hidden_size", "embedding_size",
     "word_embed_proj_dim", "encoder_embed_dim", "decoder_embed_dim", "d_latents", "codebook_dim", "adapter_in_dim",
-    "adapter_input_size", "out_hidden_size", "audio_hidden_size",
+    "adapter_input_size", "out_hidden_size", "audio_hidden_size", "condition_dim", "adapter_out_dim",
 })
 HEAD_KEYS = frozenset({
     "num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads", "decoder_attention_heads",
@@ -192,7 +192,8 @@ def shrink(config: dict[str, Any]) -> dict[str, Any]:
                 out[key] = 2
             elif key in MLA and value > MLA[key]:
                 out[key] = MLA[key]
-            elif key in ("projection_dim", "num_mel_bins", "feature_size", "input_feat_per_channel") and value > 16:
+            elif key in ("projection_dim", "num_mel_bins", "feature_size", "input_feat_per_channel", "model_in_dim") \
+                    and value > 16:  # model_in_dim: a vocoder's mel bins
                 out[key] = 16
             elif key in ("mask_time_length", "mask_feature_length") and value > 2:
                 out[key] = 2
@@ -327,6 +328,8 @@ def model_classes(model_type: str) -> list[tuple[str, type]]:
     from transformers.models.auto import modeling_auto
 
     out = []
+    if model_type in CLASSES:
+        return [(task, getattr(transformers, name)) for task, name in CLASSES[model_type]]
     for task in TASKS:
         names = getattr(modeling_auto, task).get(model_type)
         for name in (names,) if isinstance(names, str) else names or ():
@@ -347,6 +350,16 @@ def model_classes(model_type: str) -> list[tuple[str, type]]:
     return out
 
 
+CLASSES: dict[str, tuple[tuple[str, str], ...]] = {
+    "nougat": (("model", "VisionEncoderDecoderModel"),),  # its config's model, which no task maps
+    # its "classes" are its LM's yes/no logits: no class labels (a label per image), the logits' loss
+    "shieldgemma2": (("model", "ShieldGemma2ForImageClassification"),),
+    # a robot policy: its flow-matching loss over an action chunk (the action-expert model alone takes its embeddings)
+    **{t: (("model", f"{name}ForConditionalGeneration"),) for t, name in (("pi0", "PI0"), ("pi05", "PI05"))},
+}
+"""model type -> (task, class name) candidates, where the task mappings name none."""
+
+
 # --- overrides: where a generic rule fails ------------------------------------------------------------
 
 TINY_RESNET = {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32, 48, 64], "depths": [1, 1, 1, 1],
@@ -358,7 +371,28 @@ QWEN4_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim"
 MIMI = {"upsample_groups": HIDDEN, "vector_quantization_hidden_dimension": HIDDEN, "num_quantizers": 4}
 DIA_CROSS = {"cross_hidden_size": HIDDEN, "cross_num_attention_heads": HEADS, "cross_head_dim": HEAD_DIM,
              "cross_num_key_value_heads": HEADS}
+# SAM 2: a Hiera of four stages at 16, 8, 4, 2 patches a side (images of 64), a global block not first in its
+# stage (whose window the query pooling divides), its FPN at the prompts' width
+SAM2_HIERA = {"image_size": [64, 64], "hidden_size": 16, "embed_dim_per_stage": [16, 32, 64, 128],
+              "num_attention_heads_per_stage": [1, 1, 2, 2], "blocks_per_stage": [1, 1, 2, 1],
+              "window_size_per_stage": [2, 2, 2, 2], "global_attention_blocks": [3],
+              "window_positional_embedding_background_size": [2, 2]}
+SAM2_VISION = {"backbone_config": SAM2_HIERA, "backbone_channel_list": [128, 64, 32, 16],
+               "backbone_feature_sizes": [[16, 16], [8, 8], [4, 4]], "fpn_hidden_size": HIDDEN}
+SAM3_VISION = {"fpn_hidden_size": HIDDEN, "backbone_config": {"window_size": 4, "global_attn_indexes": [1],
+                                                             "pretrain_image_size": IMAGE}}
+HIFIGAN = {"upsample_initial_channel": HIDDEN, "upsample_rates": [2, 2], "upsample_kernel_sizes": [4, 4]}
+MOLMO2_VISION = {"image_size": [IMAGE, IMAGE], "num_position_embeddings": (IMAGE // PATCH) ** 2}
+MUSE_SPARK_AUDIO = {"num_hidden_layers": 4, "patch_sizes": [4, 2, 2, 2]}
 CLAP_AUDIO = {"spec_size": 64, "num_mel_bins": 32, "window_size": 2, "patch_embeds_hidden_size": 16, "hidden_size": 128}
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "nougat": {"encoder": {"model_type": "donut-swin"}, "decoder": {"model_type": "mbart"}},
+}
+"""model type -> arguments its config class is built with before the shrink, where its own defaults fail."""
+
+CONFIG_TYPES = {"nougat": "vision-encoder-decoder"}  # its config names its encoder's type misspelt (donut_swin)
+"""model type -> the type whose config class builds it, where its own cannot."""
+
 OVERRIDES: dict[str, dict[str, Any]] = {
     "whisper": {"max_source_positions": SEQ},
     "audio-spectrogram-transformer": {"max_length": 32, "num_mel_bins": 16},
@@ -426,10 +460,67 @@ OVERRIDES: dict[str, dict[str, Any]] = {
              "decoder_config": {"num_mel_attn_blocks": 2}},
     # Mimi's codec: upsampling grouped per channel (groups = its width), 4 quantizers
     "mimi": MIMI,
+    **{t: MIMI for t in ("mimi_decoder", "pocket_tts_audio_tokenizer", "pocket_tts_audio_tokenizer_decoder")},
     "kyutai_speech_to_text": {"num_codebooks": 4, "codec_config": MIMI},
     # its decoder's cross-attention: the encoder's width and heads
     "dia": {"decoder_config": DIA_CROSS},
     "rag": {"n_docs": 2},  # documents per question
+    # its image then its audio tokens' ranges within the tiny vocabulary, end to end
+    "apertus1p5": {"image_token_offset": 50, "audio_token_offset": 66, "vision_config": {"codebook_size": 16},
+                   "audio_config": {"codebook_size": 16}},
+    "pix2struct_text_model": {"initializer_range": 0.02},  # its composite's, read at init
+    "unlimited_ocr_vision": {"sam_config": {"downsample_channels": [16, HIDDEN]}},  # as DeepSeek-OCR 2's
+    # its FPN's maps: the 8 x 8 patches scaled by 4, 2 and 1
+    "sam3_tracker": {"vision_config": {**SAM3_VISION, "backbone_feature_sizes": [[32, 32], [16, 16], [8, 8]]}},
+    # its four stages kept (one entry a stage), each patch a few samples (its 16 x 6 x 5 x 4: 1,920 a token)
+    "muse_spark_audio": MUSE_SPARK_AUDIO,
+    "muse_spark": {"audio_config": MUSE_SPARK_AUDIO},
+    # the text model's width its last layer projects to (6,144); its layers by the argument's name (its dict's
+    # n_layers is not one)
+    "inkling_vision": {"text_hidden_size": HIDDEN, "num_hidden_layers": LAYERS},
+    "inkling_audio": {"text_hidden_size": HIDDEN},
+    "fun_asr_nano": {"adaptor_config": {"intermediate_size": HIDDEN // 4}},  # its text width over 4
+    # its DPT head at the tiny width (its 256-channel fusion upsampled to 4 x the image: minutes a plan)
+    "chmv2": {"backbone_config": {"return_class_token": True}, "fusion_hidden_size": HIDDEN, "head_hidden_size": 16,
+              "number_output_channels": HIDDEN, "post_process_channels": [16, 32, 64, 128]},
+    "gemma4_vision": {"position_embedding_size": MAX_POSITIONS},  # its patches' x and y places (10,240 each)
+    # the layers its adapter reads: its two; images of IMAGE, a position a patch (its 729 of 378 at patches of 14)
+    "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}, "vision_config": MOLMO2_VISION},
+    "molmo2_vision": MOLMO2_VISION,
+    # DeepSeek-OCR 2: a dense layer and a sparse one (its defaults leave the kinds None); its SAM encoder's
+    # downsampling convolutions ending at its vision encoder's width
+    "deepseek_ocr2_text": {"mlp_layer_types": ["dense", "sparse"]},
+    "deepseek_ocr2_vision": {"sam_config": {"downsample_channels": [16, HIDDEN]}},
+    "deepseek_ocr2": {"text_config": {"mlp_layer_types": ["dense", "sparse"]},
+                      "vision_config": {"sam_config": {"downsample_channels": [16, HIDDEN]}}},
+    # its vision layers injected into its text layers (its defaults leave the map and the rate None); its
+    # Q-Former's heads are the vision width over 64
+    "granite4_vision": {"deepstack_layer_map": [[0, 0], [1, 1]], "downsample_rate": "1/2",
+                        "spatial_target_layers": [0, 1, 0, 1], "vision_config": {"hidden_size": 64}},
+    # HiFi-GAN vocoders: 32 channels, two upsamplings by 2 (its four by 4 or 8 from 512 channels: minutes a plan)
+    **{t: HIFIGAN for t in ("speecht5_hifigan", "fastspeech2_conformer_hifigan")},
+    "fastspeech2_conformer_with_hifigan": {"vocoder_config": HIFIGAN},
+    "qwen2_5_omni_bigvgan": HIFIGAN,
+    # its PaliGemma's image features projected to its text width (projection_dim, shrunk to 16 as CLIP's)
+    **{t: {"vlm_config": {"vision_config": {"projection_dim": HIDDEN}}} for t in ("pi0", "pi05")},
+    # its convolutions' channels at its width (its released 1024 are its hidden size's)
+    "phi4_multimodal_audio": {"ext_pw_out_channel": HIDDEN, "depthwise_separable_out_channel": HIDDEN,
+                              "nemo_conv_channels": HIDDEN},
+    # two stages of 2 (its six make 3,200 samples a latent frame, at up to 2,048 channels)
+    **{t: {"downsampling_ratios": [2, 2], "depths": [1, 1, 1]}
+       for t in ("vibevoice_acoustic_tokenizer_encoder", "vibevoice_acoustic_tokenizer_decoder")},
+    # its head reads every bridge stage side by side (its released config's; its default names the last alone)
+    # its reflect padding (up to 18 a side at its bridges' dilations) needs maps wider than the tiny image's: zeros
+    "uvdoc": {"backbone_config": {"out_features": [f"stage{i}" for i in range(1, 7)]}, "padding_mode": "zeros"},
+    "janus_vqgan": {"num_patches": 2},  # its latent grid: the image's 32 downsampled 16 times
+    # its image's 8 x 8 patches pooled to 4 x 4; its answer's tokens within the text model's vocabulary
+    "shieldgemma2": {"mm_tokens_per_image": 16, "yes_token_index": VOCAB - 11, "no_token_index": VOCAB - 12},
+    # its composite's, read by its rope's positions
+    **{t: {"vision_start_token_id": VOCAB - 10} for t in ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")},
+    # its modeling code's sections (22, 22, 20): height and width alike, which it interleaves
+    "ernie4_5_vl_moe_text": {"rope_parameters": {"mrope_section": [3, 3, 2]}},
+    "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"mrope_section": [3, 3, 2]}}},
+    "xcodec": {"codebook_dim": None},  # derived: its acoustic and semantic widths side by side
     # the global transformer's width, as in blt's; 2 layers (its default 1 makes no stack of blocks)
     "blt_local_encoder": {"hidden_size_global": HIDDEN, "num_hidden_layers": LAYERS},
     "blt_local_decoder": {"hidden_size_global": HIDDEN},
@@ -448,6 +539,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "swin": SWIN,
     "swinv2": SWIN,
     "donut-swin": SWIN,
+    "nougat": {"encoder": SWIN},
     "maskformer-swin": SWIN,
     # its frame pad: a border of a max-size image; its backbone's last map pooled by 2 once more: two stages
     "tvp": {"max_img_size": IMAGE, "visual_prompt_size": 4,
@@ -458,7 +550,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # HGNet-V2's stages output its stage_out_channels, which its hidden_sizes (the channels it reports) name
     "d_fine": {"num_queries": 10, "backbone_config": {"hidden_sizes": [128, 512, 1024, 2048]}},
     **{t: {"num_queries": 10, "backbone_config": {"hidden_sizes": [128, 512, 1024, 2048]}}  # HGNet-V2's, as D-FINE's
-       for t in ("pp_doclayout_v2", "pp_doclayout_v3")},
+       for t in ("pp_doclayout_v2", "pp_doclayout_v3", "pp_doclayout_v4")},
     "deimv2": {"num_queries": 10, "backbone_config": {"hidden_sizes": [128, 512, 1024, 2048]}},
     # the neck reads the backbone's hidden states at their width
     "depth_anything": {"reassemble_hidden_size": HIDDEN},
@@ -470,20 +562,18 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "sam": {"vision_config": {"output_channels": HIDDEN, "num_pos_feats": HIDDEN // 2}},
     "sam_hq": {"vision_config": {"output_channels": HIDDEN, "num_pos_feats": HIDDEN // 2},
                "mask_decoder_config": {"vit_dim": HIDDEN}},
-    # SAM 2: a Hiera of four stages at 16, 8, 4, 2 patches a side (images of 64), a global block not first in its
-    # stage (whose window the query pooling divides), its FPN at the prompts' width
-    "sam2": {"vision_config": {
-        "backbone_config": {"image_size": [64, 64], "hidden_size": 16, "embed_dim_per_stage": [16, 32, 64, 128],
-                            "num_attention_heads_per_stage": [1, 1, 2, 2], "blocks_per_stage": [1, 1, 2, 1],
-                            "window_size_per_stage": [2, 2, 2, 2], "global_attention_blocks": [3],
-                            "window_positional_embedding_background_size": [2, 2]},
-        "backbone_channel_list": [128, 64, 32, 16], "backbone_feature_sizes": [[16, 16], [8, 8], [4, 4]],
-        "fpn_hidden_size": HIDDEN}, "prompt_encoder_config": {"image_size": 64, "patch_size": 16}},
+    "sam2": {"vision_config": SAM2_VISION, "prompt_encoder_config": {"image_size": 64, "patch_size": 16}},
+    "sam2_vision_model": SAM2_VISION,  # its vision tower alone, and its Hiera alone
+    "sam2_hiera_det_model": SAM2_HIERA,
+    # SAM 3: its FPN at the DETR's width; a window of 4 patches (the image's 8 a side whole windows), global last
+    **{t: {"vision_config": SAM3_VISION, "detr_decoder_config": {"num_queries": 10}}
+       for t in ("sam3", "sam3_lite_text")},
     "mgp-str": {"image_size": [IMAGE, IMAGE]},  # its 32 x 128 text lines: a square as the others
     "vitpose_backbone": {"image_size": [IMAGE, IMAGE], "patch_size": [8, 8]},  # as ViTPose's backbone
     # windows: image_size / num_windows a multiple of its side (sqrt num_windows)
     "lw_detr": {"num_queries": 10, "projector_scale_factors": [1.0], "backbone_config": {"num_windows": 4}},
     "lw_detr_vit": {"num_windows": 4},
+    "rf_detr": {"num_queries": 10},  # queries picked from the encoder's tokens: fewer than them
     # the layers whose states it outputs: among its two; its output: those and the last, side by side
     "mllama_vision_model": {"num_global_layers": LAYERS, "intermediate_layers_indices": [0, 1],
                             "vision_output_dim": 3 * HIDDEN},
@@ -628,6 +718,52 @@ def _clap_audio(config: Any, generator: torch.Generator) -> dict[str, Any]:
     return {"input_features": torch.randn((BATCH, 1, frames, audio.num_mel_bins), generator=generator)}
 
 
+def _fastspeech2(config: Any, generator: torch.Generator) -> dict[str, Any]:
+    """Text and the targets its training needs: 2 frames a token, its mel frames, pitch and energy a token."""
+    config = getattr(config, "model_config", config)
+    return {"input_ids": _ids(config, generator), "duration_labels": torch.full((BATCH, SEQ), 2),
+            "spectrogram_labels": torch.randn((BATCH, 2 * SEQ, config.num_mel_bins), generator=generator),
+            "pitch_labels": torch.randn((BATCH, SEQ, 1), generator=generator),
+            "energy_labels": torch.randn((BATCH, SEQ, 1), generator=generator)}
+
+
+def _gemma4_vision(config: Any, generator: torch.Generator) -> dict[str, Any]:
+    """Each image's flattened patches and their (x, y) places: a grid two pooling windows a side."""
+    side, patch = 2 * config.pooling_kernel_size, config.patch_size
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    return {"pixel_values": torch.rand((BATCH, side * side, 3 * patch * patch), generator=generator),
+            "pixel_position_ids": torch.stack([cols.flatten(), rows.flatten()], -1).expand(BATCH, -1, -1).clone()}
+
+
+def _pi0(config: Any, generator: torch.Generator) -> dict[str, Any]:
+    """A robot policy's step: one camera's image (its tokens in the instruction), the robot's state (pi0's), the
+    action chunk to predict, and its noise and time given (else drawn each step)."""
+    vlm, vision = config.vlm_config, config.vlm_config.vision_config
+    tokens = (vision.image_size // vision.patch_size) ** 2
+    out = {"pixel_values": torch.randn((BATCH, 1, 3, vision.image_size, vision.image_size), generator=generator),
+           "pixel_attention_mask": torch.ones((BATCH, 1), dtype=torch.bool),
+           "input_ids": _image_tokens(vlm, generator, vlm.image_token_id, tokens),
+           "actions": torch.randn((BATCH, config.chunk_size, config.max_action_dim), generator=generator),
+           "noise": torch.randn((BATCH, config.chunk_size, config.max_action_dim), generator=generator),
+           "timestep": torch.rand((BATCH,), generator=generator)}
+    if hasattr(config, "max_state_dim"):
+        out["state"] = torch.randn((BATCH, config.max_state_dim), generator=generator)
+    return out
+
+
+def _sam3_detr(config: Any, generator: torch.Generator, decoder: bool = False) -> dict[str, Any]:
+    """SAM 3's DETR encoder or decoder alone: an 8 x 8 map of vision features with its position encoding (a level
+    of maps for the encoder; its tokens flattened, and their grid, for the decoder) and the prompt's text features."""
+    side, width = 8, config.hidden_size
+    maps = [torch.randn((BATCH, width, side, side), generator=generator) for _ in range(2)]
+    text = torch.randn((BATCH, SEQ, width), generator=generator)
+    if not decoder:
+        return {"vision_features": maps[:1], "vision_pos_embeds": maps[1:], "text_features": text}
+    tokens = [m.flatten(2).transpose(1, 2) for m in maps]
+    return {"vision_features": tokens[0], "vision_pos_encoding": tokens[1], "text_features": text,
+            "spatial_shapes": torch.tensor([[side, side]])}
+
+
 BATCH_OVERRIDES: dict[str, Callable[[Any, torch.Generator], dict[str, Any]]] = {
     # text, and the audio tokens of each of its channels
     "dia": lambda c, g: {"input_ids": _ids(c.encoder_config, g), "decoder_input_ids": torch.randint(
@@ -746,7 +882,81 @@ BATCH_OVERRIDES: dict[str, Callable[[Any, torch.Generator], dict[str, Any]]] = {
                                     generator=g),
         "aspect_ratio_ids": torch.ones((BATCH, 1), dtype=torch.long),
         "aspect_ratio_mask": torch.tensor([[[1] + [0] * (c.max_num_tiles - 1)]] * BATCH)},
-    "sam2": lambda c, g: {"pixel_values": torch.randn((BATCH, 3, 64, 64), generator=g)},
+    **{t: lambda c, g: {"pixel_values": torch.randn((BATCH, 3, 64, 64), generator=g)}
+       for t in ("sam2", "sam2_vision_model", "sam2_hiera_det_model")},
+    # SAM 3: images and the text prompt naming what to segment
+    **{t: lambda c, g: {"pixel_values": torch.randn((BATCH, 3, c.vision_config.image_size, c.vision_config.image_size),
+                                                    generator=g), "input_ids": _ids(c.text_config, g),
+                        "attention_mask": torch.ones((BATCH, SEQ), dtype=torch.long)}
+       for t in ("sam3", "sam3_lite_text")},
+    "fastspeech2_conformer": _fastspeech2,
+    "fastspeech2_conformer_with_hifigan": _fastspeech2,
+    # an image (its 16 pooled tokens in the text) and the policy text it is judged against
+    "shieldgemma2": lambda c, g: {"pixel_values": torch.randn((BATCH, 3, IMAGE, IMAGE), generator=g),
+                                  "input_ids": _image_tokens(c, g, c.image_token_index, c.mm_tokens_per_image)},
+    # sub-models read alone, whose forward names its input hidden_states: images (Florence-2's DaViT), a
+    # waveform (VibeVoice's encoder), latents channels first (its decoder), features (Granite Speech's, Phi-4's)
+    "florence_vision": lambda c, g: {"hidden_states": torch.randn((BATCH, 3, IMAGE, IMAGE), generator=g)},
+    "vibevoice_acoustic_tokenizer_encoder": lambda c, g: {
+        "hidden_states": torch.randn((BATCH, c.channels, AUDIO_SAMPLES), generator=g)},
+    "vibevoice_acoustic_tokenizer_decoder": lambda c, g: {"hidden_states": torch.randn((BATCH, c.hidden_size, SEQ),
+                                                                                      generator=g)},
+    **{t: lambda c, g: {"hidden_states": torch.randn((BATCH, 4 * SEQ, c.input_dim), generator=g)}
+       for t in ("granite_speech_encoder", "granite_speech_plus_encoder")},
+    "phi4_multimodal_audio": lambda c, g: {"hidden_states": torch.randn((BATCH, 4 * SEQ, c.input_size), generator=g),
+                                           "mask": None},
+    # MiniCPM-V's vision tower: its images' patches packed in one row (a batch of one), each image's grid of them
+    **{t: lambda c, g: {"pixel_values": torch.randn((1, c.num_channels, c.patch_size,
+                                                     BATCH * (IMAGE // c.patch_size) ** 2 * c.patch_size), generator=g),
+                        "target_sizes": torch.tensor([[IMAGE // c.patch_size] * 2] * BATCH)}
+       for t in ("minicpm_ocr_vision", "minicpmv4_6_vision", "minicpmv4_7_vision")},
+    # DeepSeek-OCR 2's vision encoder alone: its image tokens (attended both ways) then its queries (causally)
+    "deepseek_ocr2_encoder": lambda c, g: {"inputs_embeds": torch.randn((BATCH, SEQ, c.hidden_size), generator=g),
+                                           "num_patches": SEQ // 2},
+    # PP-OCR's recognisers: a text line of 48 x 128 (their pooling of (3, 2) reads a map 3 high at least; the
+    # mobile one's default backbone strides 32 down, not 16: 96 high)
+    **{t: lambda c, g: {"pixel_values": torch.randn((BATCH, 3, 48, 4 * IMAGE), generator=g)}
+       for t in ("pp_ocrv5_server_rec", "pp_ocrv6_small_rec", "pp_ocrv6_tiny_rec")},
+    "pp_ocrv5_mobile_rec": lambda c, g: {"pixel_values": torch.randn((BATCH, 3, 96, 4 * IMAGE), generator=g)},
+    # Molmo 2's vision tower: each image's flattened patches; the composite: text, its tokens' kinds (all text)
+    "molmo2_vision": lambda c, g: {"pixel_values": torch.randn((BATCH, c.num_position_embeddings,
+                                                                c.num_channels * c.patch_size ** 2), generator=g)},
+    "molmo2": lambda c, g: {"input_ids": _ids(c, g), "attention_mask": torch.ones((BATCH, SEQ), dtype=torch.long),
+                            "mm_token_type_ids": torch.zeros((BATCH, SEQ), dtype=torch.long)},
+    "gemma4_vision": _gemma4_vision,
+    # its subsampling's first channels count its mel bins (its projection's width is derived from them)
+    "gemma4_audio": lambda c, g: {"input_features": torch.randn((BATCH, 4 * SEQ, c.subsampling_conv_channels[0]),
+                                                                generator=g)},
+    # Inkling's vision tower: patches as (frames, height, width, channels) it folds layer by layer; its audio
+    # tower: a token per mel bin per frame
+    "inkling_vision": lambda c, g: {"pixel_values": torch.randn(
+        (4 * BATCH, c.temporal_patch_size, c.patch_size, c.patch_size, c.num_channels), generator=g)},
+    "inkling_audio": lambda c, g: {"audio_input_ids": torch.randint(0, c.mel_vocab_size, (BATCH, SEQ, c.n_mel_bins),
+                                                                    generator=g)},
+    # Inkling 2's: a merged token's patches a row, its grid counted in merged tokens
+    "inkling2_vision": lambda c, g: {
+        "pixel_values": torch.rand((BATCH * (IMAGE // c.patch_size // c.spatial_merge_size) ** 2,
+                                    c.patch_size * c.spatial_merge_size, c.patch_size * c.spatial_merge_size,
+                                    c.num_channels), generator=g) * 2 - 1,
+        "image_grid_thw": torch.tensor([[1] + [IMAGE // c.patch_size // c.spatial_merge_size] * 2] * BATCH)},
+    # PaddleOCR-VL's vision tower: one sequence of its images' patches, each (channels, patch, patch)
+    "paddleocr_vl_vision": lambda c, g: dict(zip(("pixel_values", "grid_thw"), (lambda p, t: (
+        p.reshape(1, p.shape[0], c.num_channels, c.patch_size, c.patch_size), t))(*grid_patches(c, g)))),
+    # Granite Speech 5's encoder: mel frames with their deltas, stacked in pairs (4 x its mel bins a row)
+    **{t: lambda c, g: {"input_features": torch.randn((BATCH, 4 * SEQ, 4 * _first(c, "num_mel_bins")), generator=g)}
+       for t in ("granite_speech5_encoder", "granite_speech5_ctc")},
+    # Qwen2.5-Omni's vocoder: log mel frames, bins first
+    "qwen2_5_omni_bigvgan": lambda c, g: {"mel_spectrogram": torch.randn((BATCH, c.mel_dim, SEQ), generator=g)},
+    "pi0": _pi0,
+    "pi05": _pi0,
+    **{t: _sam3_detr for t in ("sam3_detr_encoder", "sam3_lite_text_detr_encoder")},
+    **{t: lambda c, g: _sam3_detr(c, g, decoder=True) for t in ("sam3_detr_decoder", "sam3_lite_text_detr_decoder")},
+    # its text encoder alone (its class names pixel_values its main input, as SAM 3's image model's)
+    "sam3_lite_text_text_model": lambda c, g: {"input_ids": _ids(c, g),
+                                               "attention_mask": torch.ones((BATCH, SEQ), dtype=torch.long)},
+    # text and its audio, streamed: audio_length_per_tok mel frames (bins first) a text token
+    "voxtral_realtime": lambda c, g: {"input_ids": _ids(c, g), "input_features": torch.randn(
+        (BATCH, c.audio_config.num_mel_bins, c.audio_length_per_tok * SEQ), generator=g)},
     # SegGPT: the input, a prompt image and the prompt's mask (as an image)
     "seggpt": lambda c, g: {k: torch.randn((BATCH, 3, IMAGE, IMAGE), generator=g)
                             for k in ("pixel_values", "prompt_pixel_values", "prompt_masks")},
@@ -839,12 +1049,18 @@ def make_batch(model_type: str, model: nn.Module, config: Any, task: str, genera
     elif grid is not None:  # a vision tower of flattened patches: they are its hidden states or its pixels
         patches, batch[grid] = grid_patches(config, generator)
         batch["hidden_states" if "hidden_states" in params else "pixel_values"] = patches
+        if "merge_sizes" in params and params["merge_sizes"].default is inspect.Parameter.empty:  # VideoLLaMA 3's
+            merge = _int(_first(config, "spatial_merge_size", "merge_size", "merge_kernel_size", default=1)) or 1
+            batch["merge_sizes"] = torch.full((BATCH,), merge)
     elif main == "pixel_values_videos":
         batch["pixel_values_videos"] = videos()
     elif main == "pixel_values" and _first(config, "num_frames", "frames_per_clip") is not None:
         batch["pixel_values"] = videos()  # a video model's clip (VideoMAE, ViViT, TimeSformer)
     elif main == "pixel_values" or ("pixel_values" in params and "input_ids" not in params):
         batch["pixel_values"] = images()
+    elif main == "spectrogram":  # a vocoder (HiFi-GAN): mel frames
+        bins = _first(config, "model_in_dim", "num_mel_bins", default=16)
+        batch["spectrogram"] = torch.randn((BATCH, SEQ, bins), generator=generator)
     elif main == "input_values":
         batch["input_values"] = torch.randn((BATCH, AUDIO_SAMPLES), generator=generator)
     elif main == "input_features" and _first(config, "num_mel_bins") and _first(config, "max_source_positions"):
@@ -872,6 +1088,27 @@ def make_batch(model_type: str, model: nn.Module, config: Any, task: str, genera
         batch["feature_lens"] = torch.full((BATCH,), features.shape[2], dtype=torch.long)
     required = {n for n, p in params.items() if p.default is inspect.Parameter.empty
                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    width = _first(config, "hidden_size", "d_model", "embed_dim", default=HIDDEN)
+    floats = [n for n in ("hidden_states", "inputs_embeds", "latents", "context") if n in required and n not in batch]
+    for name in floats:  # a sub-model read alone: the states its composite would pass it
+        shape = (BATCH, width, SEQ) if name == "latents" else (BATCH, SEQ, width)  # a codec's latents: channels first
+        batch[name] = torch.randn(shape, generator=generator)
+    if floats and "input_ids" not in params:
+        batch.pop("input_ids", None)
+        batch.pop("attention_mask", None)
+    if floats and "attention_mask" in params and "attention_mask" not in batch:
+        batch["attention_mask"] = torch.ones((BATCH, SEQ), dtype=torch.long)
+    for name in required - batch.keys():  # an argument it must be given, which may be None (Phi-4's audio mask)
+        if "None" in str(params[name].annotation):
+            batch[name] = None
+    if "input_values" in required and "input_values" not in batch:  # text and audio (PE Audio's two towers)
+        batch["input_values"] = torch.randn((BATCH, AUDIO_SAMPLES), generator=generator)
+    features = batch.get("input_features")
+    if "input_features_mask" in params and isinstance(features, torch.Tensor) and features.dim() == 3 and (
+            "input_features_mask" in required or model_type in FEATURE_MASKS):  # every frame real
+        bins = _first(config, "num_mel_bins", "feature_size", default=None)
+        frames = features.shape[2] if features.shape[1] == bins else features.shape[1]  # bins first (Whisper's)
+        batch["input_features_mask"] = torch.ones((features.shape[0], frames), dtype=torch.long)
     if "input_ids" in required and "input_ids" not in batch:  # BLIP-2: images and the text they answer
         batch["input_ids"] = _ids(config, generator)
     if "pixel_values" in required and "pixel_values" not in batch:
@@ -892,6 +1129,10 @@ def make_batch(model_type: str, model: nn.Module, config: Any, task: str, genera
             vocab = _first(config, "vocab_size", default=VOCAB)
             batch["labels"] = torch.randint(1, vocab, (BATCH, 4), generator=generator)
     return batch
+
+
+FEATURE_MASKS = frozenset({"audioflamingo3_encoder"})
+"""Types whose forward takes its features' mask as optional but fails without it."""
 
 
 MAIN_OUTPUTS = ("last_hidden_state", "logits", "logits_per_image", "prediction_logits", "audio_values",
@@ -917,6 +1158,31 @@ def loss_fn(output: Any, batch: Any) -> torch.Tensor:
     if not tensors:
         raise TypeError(f"no floating output to make a loss of: {type(output).__name__}")
     return tensors[0].float().pow(2).mean()
+
+
+class _NoCache:
+    """A cache that keeps nothing: OmDet-Turbo's text embeddings made afresh each step (its LRU cache keeps
+    them with their graph across steps, which a second backward then runs through: training turns it off)."""
+
+    def has(self, key: Any) -> bool:
+        return False
+
+    def get(self, key: Any) -> None:
+        return None
+
+    def put(self, key: Any, value: Any) -> None:
+        pass
+
+
+def _omdet_turbo(model: nn.Module) -> None:
+    for module in model.modules():
+        for name in ("language_cache_class", "language_cache_prompt"):
+            if hasattr(module, name):
+                setattr(module, name, _NoCache())
+
+
+AFTER_INIT: dict[str, Callable[[nn.Module], None]] = {"omdet-turbo": _omdet_turbo}
+"""model type -> what training it needs done to the model built (a cache across steps turned off)."""
 
 
 @dataclass(kw_only=True)
@@ -998,8 +1264,9 @@ def tiny_config(model_type: str) -> Any:
     """The default config of ``model_type`` shrunk (`shrink`), with the type's `OVERRIDES`."""
     import transformers
 
-    config_cls = transformers.CONFIG_MAPPING[model_type]
-    shrunk = _merge(shrink(config_cls().to_dict()), OVERRIDES.get(model_type, {}))
+    config_cls = transformers.CONFIG_MAPPING[CONFIG_TYPES.get(model_type, model_type)]
+    shrunk = _merge(shrink(config_cls(**copy.deepcopy(DEFAULTS.get(model_type, {}))).to_dict()),
+                    OVERRIDES.get(model_type, {}))
     kwargs = as_kwargs(config_cls, shrunk)
     config = config_cls(**kwargs)
     _set_untaken(config, OVERRIDES.get(model_type, {}), kwargs)
@@ -1026,12 +1293,16 @@ def build(model_type: str) -> Built:
                     model = cls._from_config(copy.deepcopy(config), attn_implementation="eager")
                 except (ValueError, TypeError):
                     model = cls._from_config(copy.deepcopy(config))
+                AFTER_INIT.get(model_type, lambda m: None)(model)
                 model.train()
                 batch = make_batch(model_type, model, model.config, task, torch.Generator().manual_seed(0),
                                    towers=towers)
-                if channel:  # a codec's waveform: (batch, channels, samples); patches as images (Kimi's)
+                if channel:  # a codec's waveform: (batch, channels, samples); features' bins first; patches as images
                     if "input_values" in batch and batch["input_values"].dim() == 2:
                         batch["input_values"] = batch["input_values"].unsqueeze(1)
+                    elif isinstance(batch.get("input_features"), torch.Tensor) and batch["input_features"].dim() == 3:
+                        # mel bins as a convolution's channels (GLM-ASR's, Voxtral Realtime's encoders)
+                        batch["input_features"] = batch["input_features"].transpose(1, 2).contiguous()
                     elif any(k in batch for k in ("grid_thw", "image_grid_thw")) and "pixel_values" in batch:
                         channels = _first(model.config, "in_channels", "num_channels", "in_chans", default=3)
                         patch = _int(_first(model.config, "patch_size", default=PATCH))
@@ -1046,8 +1317,8 @@ def build(model_type: str) -> Built:
                 if not any(p.grad is not None for p in model.parameters()):
                     raise RuntimeError("no parameter gets a gradient")
                 model.zero_grad(set_to_none=True)
-                seed(0)  # a second step: a model that keeps a graph across steps (OmDet-Turbo's cache of
-                loss_fn(model(**batch), batch).backward()  # text embeddings) cannot train, with or without remat
+                seed(0)  # a second step: a model that keeps a graph across steps (OmDet-Turbo's cache of text
+                loss_fn(model(**batch), batch).backward()  # embeddings, unless turned off) cannot train, remat or not
                 model.zero_grad(set_to_none=True)
                 return Built(model_type=model_type, task=task, class_name=cls.__name__, model=model, batch=batch,
                              config=model.config)
