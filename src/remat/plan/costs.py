@@ -215,27 +215,29 @@ def clear_cost_cache() -> None:
     _SELECTIVE_COSTS.clear()
 
 
-def selective_cost(block: BlockProfile, saved_ops: tuple[str, ...], previous_held: int = 0) -> BlockCost:
+def selective_cost(block: BlockProfile, saved_ops: tuple[str, ...], previous_held: int = 0, unheld: int = 0) -> BlockCost:
     """A selective block's cost; ``previous_held``: the outputs of the block before it the code
-    holds through its forward (`remat.plan.phases.previous_held_bytes`)."""
-    hit = _SELECTIVE_COSTS.get((id(block), saved_ops, previous_held))
+    holds through its forward (`remat.plan.phases.previous_held_bytes`); ``unheld``: the shared
+    tensors no checkpoint holds that the caller takes off the working set (`selective_working_bytes`)."""
+    hit = _SELECTIVE_COSTS.get((id(block), saved_ops, previous_held, unheld))
     if hit is not None and hit[0] is block:
         return hit[1]
     if len(_SELECTIVE_COSTS) >= 65536:
         _SELECTIVE_COSTS.clear()
-    prices = selective_prices([block], [saved_ops], previous_held)
+    prices = selective_prices([block], [saved_ops], previous_held, unheld)
     cost = BlockCost(
         retained_bytes=int(prices.retained_bytes[0]),
         working_bytes=int(prices.working_bytes[0]),
         extra_ms=float(prices.extra_ms[0, 0]),
         extra_flops=int(prices.extra_flops[0]),
     )
-    _SELECTIVE_COSTS[(id(block), saved_ops, previous_held)] = (block, cost)
+    _SELECTIVE_COSTS[(id(block), saved_ops, previous_held, unheld)] = (block, cost)
     return cost
 
 
 def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, int]],
-                            escaping: Sequence[dict[object, int]] | None = None, previous_held: int = 0) -> np.ndarray:
+                            escaping: Sequence[dict[object, int]] | None = None, previous_held: int = 0,
+                            unheld: int = 0) -> np.ndarray:
     """Working sets of a selective block for each of ``cached`` (storage id -> bytes of the
     storages its cached op calls keep alive: `selective_saved_bytes`'s storages).
 
@@ -258,7 +260,12 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     block (`_escaping_storages`): held by the cache alone when the replay starts, until the
     replay reaches their call (a ResNet's strided unit caching its output measured 73 KiB above
     the prediction before). ``previous_held``: what the model's code holds of the block before
-    through this block's forward (`remat.plan.phases.previous_held_bytes`), on its forward."""
+    through this block's forward (`remat.plan.phases.previous_held_bytes`), on its forward.
+    ``unheld``: the shared tensors no checkpoint holds (`remat.plan.predict.dead_shared_bytes`),
+    which the caller takes off the working set, as the backward does not hold them: its forward
+    counts them as the code's (`remat.plan.phases.code_held_bytes`), as a recomputed block's does,
+    so that taken off they leave it as the code ran it (LW-DETR's last decoder layer with LoRA,
+    selective, measured 2.2 % above its prediction, its forward's shared tensors taken off twice)."""
     escaping = escaping if escaping is not None else [{} for _ in cached]
     totals = np.array([sum(c.values()) for c in cached], dtype=np.int64)
     replay_totals = totals + np.array([sum(e.values()) for e in escaping], dtype=np.int64)
@@ -307,7 +314,7 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     # what the checkpointed forward starts beside: its held inputs and what the code holds beyond
     # them, as a recomputed block's (`remat.plan.phases.segment_forward_bytes`); ``fwd_other_bytes``
     # alone may be below them (LW-DETR's last decoder layer: -112 KiB, its step 3.7 % under)
-    live = held_input_bytes(block) + code_held_bytes(block)
+    live = held_input_bytes(block) + code_held_bytes(block, unheld)
     # or the code between the block before and this one, before it starts (`between_fwd_peak_bytes`)
     forward = live + block.entry_bytes + previous_held + block.unreached_fwd_bytes + np.maximum(
         held_then.max(axis=1), block.between_fwd_peak_bytes)
@@ -354,7 +361,7 @@ class SelectivePrices:
 
 
 def selective_prices(blocks: Sequence[BlockProfile], saved_ops: Sequence[tuple[str, ...]],
-                     previous_held: int = 0) -> SelectivePrices:
+                     previous_held: int = 0, unheld: int = 0) -> SelectivePrices:
     """Cost of saving each of ``saved_ops`` (op keys) in each of ``blocks``; the blocks must be
     alike in structure (the first one's bytes, FLOPs and cached storages are used for all).
 
@@ -394,7 +401,7 @@ def selective_prices(blocks: Sequence[BlockProfile], saved_ops: Sequence[tuple[s
     ms += select * ((calls + stop) / (2 * calls) if calls else 1.0) + cache * num_cached[None, :] / cacheable_calls
     return SelectivePrices(
         retained_bytes=held_input_bytes(first) + first.entry_bytes + cached_bytes,
-        working_bytes=selective_working_bytes(first, storages, escaping, previous_held),
+        working_bytes=selective_working_bytes(first, storages, escaping, previous_held, unheld),
         extra_flops=(replayed.astype(np.int64) * flops[None, :]).sum(axis=1),
         extra_ms=ms,
     )

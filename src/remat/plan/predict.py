@@ -307,10 +307,11 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
         else:
             cost = cost_of(profile, seg.start, seg)
             working = cost.working_bytes
-            if seg.kind == "selective" and (previous_held_bytes(profile, seg.start, previous_kept=False) or later):
-                # the cost counts the block before's held outputs on its forward, as if not kept
+            if seg.kind == "selective" and (previous_held_bytes(profile, seg.start, previous_kept=False) or later or unheld):
+                # the cost counts the block before's held outputs on its forward, as if not kept; the
+                # shared tensors no checkpoint holds are taken off below, from its backward alone
                 held_then = 0 if replay else previous_held_bytes(profile, seg.start, previous_kept) + later
-                working = selective_cost(profile.blocks[seg.start], seg.saved_ops, held_then).working_bytes
+                working = selective_cost(profile.blocks[seg.start], seg.saved_ops, held_then, unheld).working_bytes
             if replay and seg.kind == "keep":  # kept inside a replay: its forward runs again
                 last = stopped and seg.start == stop - 1
                 first = seg.start == start  # else its inputs come from the replay, not the checkpoint
