@@ -528,8 +528,9 @@ def _set_stacks(config: Any, encoder: int, decoder: int) -> None:
 
 
 def build_hf_on_meta(config: Any, *, layers: int, dtype: torch.dtype) -> nn.Module:
-    """The HF causal LM with ``layers`` decoder layers, on the meta device, in ``dtype``; a text
-    encoder (`is_masked_lm`) as its masked LM with ``layers`` layers; an
+    """The HF causal LM with ``layers`` decoder layers, on the meta device, in ``dtype``; a
+    vision-language model's language model with no causal LM of its own (`vision_language_of`) as
+    `TextCausalLM`; a text encoder (`is_masked_lm`) as its masked LM with ``layers`` layers; an
     encoder-decoder (`is_encoder_decoder`) as its seq2seq LM with ``layers`` layers in each stack
     (fewer where the model has fewer)."""
     import copy
