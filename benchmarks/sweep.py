@@ -192,6 +192,9 @@ def run_one(model_type: str, lora: int | None = None, dropout: float = 0.0,
         saved_after = sum(b.input_saved_after_bytes for b in prof.blocks)
         if saved_after:  # block inputs that code after the blocks saves (`BlockProfile.input_saved_after_bytes`)
             row["saved_after_bytes"] = saved_after
+        freed = {storage: nbytes for b in prof.blocks for storage, nbytes in b.shared_freed}
+        if freed:  # shared tensors the code frees before later blocks (`BlockProfile.shared_freed`)
+            row["shared_freed_bytes"] = sum(freed.values())
         stage = "plan"
         frontier = pareto(prof)
         least, most = frontier[-1], frontier[0]

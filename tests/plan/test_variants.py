@@ -36,6 +36,21 @@ def _mask_chain():
     return profile(blocks)
 
 
+def _freed_mask_chain():
+    """Blocks 0 and 1 take a 16-byte mask no block saves (counted at block 0); the model's code
+    frees it before block 2, whose forward (60 bytes of temporaries) is the larger part of its
+    working set: its ``fwd_other_bytes`` counts the mask out, and a checkpoint of block 0 or 1
+    keeps it alive there (an audio tower's mask, then a language model's layers)."""
+    mask = BlockInput(argument="mask", storage=99, storage_bytes=MASK, source="shared", counted="shared")
+    later = replace(mask, counted="earlier")
+    blocks = [replace(block(0, input_bytes=8, saved_bytes=24, fwd_ms=1.0), inputs=(mask,), entry_bytes=MASK,
+                      shared_entry_bytes=MASK, fwd_other_bytes=0),
+              replace(block(1, input_bytes=8, saved_bytes=24, fwd_ms=1.0), inputs=(later,), fwd_other_bytes=0),
+              replace(block(2, input_bytes=8, saved_bytes=24, fwd_ms=3.0), fwd_temp_bytes=60, fwd_other_bytes=-MASK,
+                      shared_freed=((99, MASK),))]
+    return profile(blocks)
+
+
 def _skip_chain():
     """Block 1's forward (large temporaries) is its working set's larger part, and holds block 0's
     output (8 bytes the model's code keeps) when block 0 is not kept."""
@@ -66,7 +81,8 @@ def _every_layout(prof):
 
 
 def test_groups_and_neighbours_found():
-    assert shared_groups(_mask_chain()) == [SharedGroup(takers=frozenset({1, 2}), first=1, num_bytes=MASK)]
+    assert shared_groups(_mask_chain()) == [SharedGroup(takers=frozenset({1, 2}), first=1, num_bytes=MASK,
+                                                        storages=frozenset({99}))]
     assert kept_neighbours(_skip_chain()) == [KeptNeighbour(block=1, num_bytes=8)]
     assert kept_neighbours(_held_forward_chain()) == [KeptNeighbour(block=1, num_bytes=8)]
 
@@ -82,7 +98,7 @@ def test_a_segment_forward_holds_what_the_code_keeps_of_the_block_before():
     assert predict(prof, kept).peak_bytes == 40 + 8 + 70
 
 
-@pytest.mark.parametrize("make", [_mask_chain, _skip_chain, _held_forward_chain])
+@pytest.mark.parametrize("make", [_mask_chain, _skip_chain, _held_forward_chain, _freed_mask_chain])
 def test_search_curve_is_predict_and_optimal(make):
     prof = make()
     space = _every_layout(prof)
@@ -112,6 +128,21 @@ def test_mask_left_out_when_no_checkpoint_holds_it():
     assert predict(prof, slower).peak_bytes == 56
     assert predict(prof, slower).extra_ms == predict(prof, layout).extra_ms + 1.0
     assert plan(prof, 56).segments == layout
+
+
+def test_a_freed_mask_a_checkpoint_holds_counts_in_a_later_forward():
+    """Recompute block 0, keep blocks 1 and 2: block 0's checkpoint holds its input (8) and the
+    mask (16) through block 2's forward, which the code ran without the mask in the profiled
+    step: 8 + 16 + 24 (block 1's saved bytes) + 24 + 60 (block 2's forward) = 132. Keep all
+    three: the mask is gone there, 24 + 24 + 24 + 60 = 132 as well, block 0's saved bytes in
+    place of its checkpoint."""
+    prof = _freed_mask_chain()
+    assert shared_groups(prof) == [SharedGroup(takers=frozenset({0, 1}), first=0, num_bytes=MASK,
+                                               storages=frozenset({99}))]
+    recomputed = (_seg(0, "recompute"), _seg(1, "keep"), _seg(2, "keep"))
+    assert predict(prof, recomputed).peak_bytes == 8 + MASK + 24 + 24 + 60
+    kept = (_seg(0, "keep"), _seg(1, "keep"), _seg(2, "keep"))
+    assert predict(prof, kept).peak_bytes == 24 + 24 + 24 + 60
 
 
 def _seg(i, strategy):

@@ -128,6 +128,8 @@ class DataflowRecorder:
         self.live_inputs: list[list[tuple[int, int]]] = [[] for _ in blocks]
         """Per block: ``(earlier block, storage id)`` of the earlier blocks' arguments alive when it
         began, not among its own."""
+        self.alive_at: list[set[int]] = [set() for _ in blocks]
+        """Per block: ids of the storages of its and the earlier blocks' arguments alive as it began."""
         self._pending: dict[int, int] = {}  # storage id -> the first block that took it (the one that may hold it)
         self._block_names = {name for name, _ in blocks}
         self._by_key: dict[int, int] = {}
@@ -164,6 +166,7 @@ class DataflowRecorder:
                                                  producer=self.producer_of(key)))
                     if self.args[index][-1].activation:
                         self._pending.setdefault(self.args[index][-1].storage, index)
+            self.alive_at[index] = set(self._pending)
 
         return hook
 
@@ -240,6 +243,7 @@ class BlockFlow:
     code_held_inputs: tuple[tuple[int, int], ...] = ()
     input_saved_after_bytes: int = 0
     input_saved_after_from: int = 0
+    shared_freed: tuple[tuple[int, int], ...] = ()
 
 
 def block_flows(recorder: DataflowRecorder, saved: dict[int, SavedStorage], savers: dict[int, list[str]],
@@ -267,6 +271,7 @@ def block_flows(recorder: DataflowRecorder, saved: dict[int, SavedStorage], save
     for k, live in enumerate(recorder.live_inputs):
         flows[k].code_held_inputs = _code_held_inputs(recorder, flows, index_of, k, live)
         flows[k].input_saved_after_bytes, flows[k].input_saved_after_from = _saved_after(recorder, flows[k], index_of, k)
+        flows[k].shared_freed = _shared_freed(recorder, flows, k)
     for i, flow in enumerate(flows):
         flow.between_saved_bytes = saved_by_segment.get(between_name(i), 0) if i > 0 else 0
         flow.entry_bytes = flow.between_saved_bytes + flow.shared_entry_bytes + (flows[i - 1].handoff_bytes if i else 0)
@@ -292,6 +297,20 @@ def _code_held_inputs(recorder: DataflowRecorder, flows: list[BlockFlow], index_
             continue
         seen.add(sid)
         out[j] = out.get(j, 0) + held[0].storage_bytes
+    return tuple(sorted(out.items()))
+
+
+def _shared_freed(recorder: DataflowRecorder, flows: list[BlockFlow], k: int) -> tuple[tuple[int, int], ...]:
+    """``(storage id, bytes)``: the shared tensors of earlier blocks (``counted == "shared"``: a
+    mask no block saves) that the model's code had freed by the time block ``k`` began (an audio
+    tower's mask, dropped as the tower returns, before the language model's layers run). Its
+    ``fwd_other_bytes`` counts them out; a checkpoint of one of their takers keeps them alive
+    there (`remat.plan.predict.revived_profile`)."""
+    out: dict[int, int] = {}
+    for flow in flows[:k]:
+        for arg in flow.inputs:
+            if arg.counted == "shared" and arg.storage not in recorder.alive_at[k]:
+                out[arg.storage] = arg.storage_bytes
     return tuple(sorted(out.items()))
 
 

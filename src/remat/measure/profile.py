@@ -808,6 +808,7 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
             between_grad_bytes=memory.windows.between_grad_bytes[i],
             fwd_other_bytes=memory.windows.block_fwd_start_temporaries[i]
             - sum(flow.shared_entry_bytes for flow in memory.flows[: i + 1]),
+            **_freed_between(memory.flows[i], *memory.windows.between_apart[i]),
         )
         for i, (name, module) in enumerate(block_list)
     )
@@ -823,6 +824,16 @@ def _backward_reads(memory: _Accounting, name: str) -> tuple[bool, int]:
     return name in memory.graph_building and tasks > 1, tasks
 
 
+def _freed_between(flow: BlockFlow, apart_bytes: int, freed: frozenset[int]) -> dict[str, Any]:
+    """`BlockProfile.shared_freed_between` and ``between_fwd_apart_bytes``: the shared tensors the
+    code before the block freed, and its peak with them set apart (none where it freed a block
+    argument that is not one)."""
+    shared = {storage for storage, _ in flow.shared_freed}
+    if not freed or not freed <= shared:
+        return {}
+    return {"shared_freed_between": tuple(sorted(freed)), "between_fwd_apart_bytes": apart_bytes}
+
+
 def _flow_fields(flow: BlockFlow, between_temp_bytes: int) -> dict[str, Any]:
     """The `BlockProfile` dataflow fields (`remat.measure.dataflow`)."""
     return {
@@ -833,6 +844,7 @@ def _flow_fields(flow: BlockFlow, between_temp_bytes: int) -> dict[str, Any]:
         "entry_bytes": flow.entry_bytes, "output_held_bytes": flow.output_held_bytes,
         "code_held_inputs": flow.code_held_inputs,
         "input_saved_after_bytes": flow.input_saved_after_bytes, "input_saved_after_from": flow.input_saved_after_from,
+        "shared_freed": flow.shared_freed,
     }
 
 

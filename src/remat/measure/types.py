@@ -389,6 +389,20 @@ class BlockProfile:
     """``(j, bytes)`` per earlier block j: the inputs a checkpoint of block j holds that the
     model's code holds too as this block begins (``fwd_other_bytes`` counts them): a
     checkpoint of j adds nothing here (`remat.measure.dataflow`)."""
+    shared_freed: tuple[tuple[int, int], ...] = ()
+    """``(storage id, bytes)``: shared tensors of earlier blocks (an input ``counted == "shared"``: a
+    mask no block saves) that the model's code had freed when this block's forward began, so that
+    ``fwd_other_bytes`` counts them out (an audio tower's mask, dropped as the tower returns,
+    before a language model's layers). A checkpoint of one of their takers keeps them alive there
+    (`remat.plan.predict.revived_profile`)."""
+    shared_freed_between: tuple[int, ...] = ()
+    """Of ``shared_freed``, the storage ids the code between the block before and this one freed
+    (alive as that code began)."""
+    between_fwd_apart_bytes: int | None = None
+    """``between_fwd_peak_bytes`` with ``shared_freed_between`` set apart while they lived: where
+    a checkpoint holds them through that code, its peak above this block's start is this (they
+    are live at both). None where that code freed none, or freed a block argument that is not a
+    shared tensor."""
     stored_held: tuple[tuple[int, int, int, int], ...] = ()
     """``(i, bytes, saved bytes, handed-off bytes)`` per block i (this one, one before or after it)
     whose call outputs the mutable containers among this block's arguments hold as the last

@@ -51,6 +51,12 @@ class BackwardWindows:
         self.between_fwd_peak_bytes = [0] * len(block_names)
         """Per block, the peak of the code run between the block before and it, above the live
         bytes when the block began (`BlockProfile.between_fwd_peak_bytes`)."""
+        self.between_apart: list[tuple[int, frozenset[int]]] = [(0, frozenset())] * len(block_names)
+        """Per block, the peak of the code run between the block before and it with the blocks'
+        arguments alive as that code began set apart while they lived, above the live bytes when
+        the block began without those still alive then; and the dataflow ids of those that code
+        freed (`BlockProfile.between_fwd_apart_bytes`)."""
+        self._between_apart: dict[int, int] = {}
         self._between_open = False
         self._between_open_bytes = 0
         self.pre_saved_live_at_fwd_start = [0] * len(block_names)
@@ -142,8 +148,13 @@ class BackwardWindows:
         if event.kind == "fwd_start" and self._between_open:  # the code between the block before and this one
             # its peak above what is live now, as this block starts: what it made and still holds
             # (the block's inputs) and what it freed (a graph no backward needed) are live here or not
+            still = self.tracker.apart_keys()
+            apart = self.tracker.apart_peak() + self._between_open_bytes
             peak = self.tracker.close_window() + self._between_open_bytes
             self.between_fwd_peak_bytes[event.index] = max(0, peak - self.tracker.live_bytes)
+            others = self.tracker.live_bytes - sum(self.tracker.bytes_of_key(key) for key in still)
+            self.between_apart[event.index] = (max(0, apart - others), frozenset(
+                sid for key, sid in self._between_apart.items() if key not in still))
             self._between_open = False
         if event.kind == "fwd_start":
             self.saved_live_at_fwd_start[event.index] = self._saved_live(event.index)
@@ -169,7 +180,12 @@ class BackwardWindows:
                 self._post_forward_open = True
             else:
                 self._between_open_bytes = self.tracker.live_bytes
-                self.tracker.open_window(offset_bytes=self.tracker.live_bytes)
+                # the blocks' arguments alive now, set apart: a mask the code frees in it
+                # (`BlockProfile.between_fwd_apart_bytes`)
+                arguments = self.post_arguments()
+                self.tracker.open_window(offset_bytes=self.tracker.live_bytes, apart=arguments)
+                opened = self.tracker.apart_keys()
+                self._between_apart = {key: sid for key, sid in arguments.items() if key in opened}
                 self._between_open = True
         elif event.kind == "model_end" and self._post_forward_open and self._post_model_peak is None:
             # the head's part of the post forward ends as the model returns; the loss's goes on

@@ -44,6 +44,7 @@ from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
 from remat.plan.joins import check_joins
 from remat.plan.policies import op_storages
 from remat.plan.types import Plan, Prediction, Segment
+from remat.plan.variants import revived_profile
 
 __all__ = ["predict", "check_profile", "extra_ms", "pre_forward_phase_bytes", "optimizer_phase_bytes", "pre_backward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments", "stored_held_bytes", "post_code_held_saving", "saved_after_bytes"]
 
@@ -79,6 +80,8 @@ def predict(profile: Profile, plan_or_segments: Plan | tuple[Segment, ...] | lis
 
 def _predict(profile: Profile, segments: tuple[Segment, ...], head: str) -> Prediction:
     check_segments(profile, segments)
+    # shared tensors the code freed before a block's forward, kept alive there by a checkpoint of this plan
+    profile = revived_profile(profile, checkpoint_held_storages(profile, segments))
     # the post part's bytes under the head strategy; what the plan's recomputed blocks leave held
     # by the code goes in the head's forward where the profile has a head part, else in the post
     # part's forward, split at the model's return (`_peak_phases`)
@@ -414,17 +417,21 @@ def dead_shared_bytes(profile: Profile, segments: tuple[Segment, ...]) -> list[i
     them from their first taker on, a bound for the optimal search; nothing holds them past the
     forward, so the prediction leaves them out of the backward (an exact peak without
     recomputation). Cumulative."""
-    checkpointed = {i for seg in segments if seg.kind in ("recompute", "selective") for i in range(seg.start, seg.stop)}
-    takers: dict[int, set[int]] = {}
-    for block in profile.blocks:
-        for arg in block.inputs:
-            takers.setdefault(arg.storage, set()).add(block.index)
+    held = checkpoint_held_storages(profile, segments)
     out, total = [], 0
     for block in profile.blocks:
         shared = {arg.storage: arg.storage_bytes for arg in block.inputs if arg.counted == "shared"}
-        total += sum(nbytes for storage, nbytes in shared.items() if not takers[storage] & checkpointed)
+        total += sum(nbytes for storage, nbytes in shared.items() if storage not in held)
         out.append(total)
     return out
+
+
+def checkpoint_held_storages(profile: Profile, segments: tuple[Segment, ...]) -> set[int]:
+    """Storage ids of the blocks' arguments a checkpoint of this plan holds: those taken by a block
+    in a top-level recompute or selective segment (a segment's blocks take its first block's
+    arguments)."""
+    checkpointed = {i for seg in segments if seg.kind in ("recompute", "selective") for i in range(seg.start, seg.stop)}
+    return {arg.storage for block in profile.blocks if block.index in checkpointed for arg in block.inputs}
 
 
 def post_code_held_saving(profile: Profile, segments: tuple[Segment, ...]) -> int:

@@ -8,6 +8,11 @@ cannot know:
   taker on whatever the plan (`remat.plan.costs`: the taker's ``entry_bytes``), a bound; the
   prediction leaves them out of the backward of a plan in which no taker is in a recompute or
   selective segment (`remat.plan.predict.dead_shared_bytes`).
+- **Shared tensors the code frees before a later block's forward** (an audio tower's mask, dropped
+  as the tower returns, before a language model's layers run): that block's measured
+  ``fwd_other_bytes`` counts them out, yet a checkpoint of one of their takers keeps them alive
+  there. The search counts them back in every such forward, a bound (`revived_profile` with
+  ``held=None``); the prediction where a checkpoint of the plan holds them.
 - **A kept block's forward** holds the output of the block before it that the model's code keeps
   (a U-Net's skip) only when that block is not kept (`remat.plan.phases.keep_forward_bytes`); the
   option prices the larger (`remat.plan.phases.keep_working_bytes`).
@@ -28,10 +33,13 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+from collections.abc import Container
+
 from remat.measure.types import Profile
 from remat.plan.phases import keep_forward_bytes, working_bytes
 
-__all__ = ["SharedGroup", "KeptNeighbour", "shared_groups", "kept_neighbours", "variant", "variants", "MAX_CHOICES"]
+__all__ = ["SharedGroup", "KeptNeighbour", "shared_groups", "kept_neighbours", "variant", "variants", "MAX_CHOICES",
+           "revived_profile"]
 
 MAX_CHOICES = 3
 """Choices the exact search solves both ways: 2^3 problems at most."""
@@ -49,6 +57,8 @@ class SharedGroup:
     """The block that counts them (its ``shared_entry_bytes``)."""
     num_bytes: int
     """Their bytes."""
+    storages: frozenset[int] = frozenset()
+    """Their storage ids (`remat.measure.types.BlockInput.storage`)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -72,12 +82,15 @@ def shared_groups(profile: Profile) -> list[SharedGroup]:
         for arg in block.inputs:
             takers.setdefault(arg.storage, set()).add(block.index)
     sizes: dict[tuple[frozenset[int], int], int] = {}
+    members: dict[tuple[frozenset[int], int], set[int]] = {}
     for block in profile.blocks:
         shared = {arg.storage: arg.storage_bytes for arg in block.inputs if arg.counted == "shared"}
         for storage, num_bytes in shared.items():
             key = (frozenset(takers[storage]), block.index)
             sizes[key] = sizes.get(key, 0) + num_bytes
-    groups = [SharedGroup(takers=t, first=f, num_bytes=b) for (t, f), b in sizes.items() if b > 0]
+            members.setdefault(key, set()).add(storage)
+    groups = [SharedGroup(takers=t, first=f, num_bytes=b, storages=frozenset(members[(t, f)]))
+              for (t, f), b in sizes.items() if b > 0]
     return sorted(groups, key=lambda g: (-g.num_bytes, g.first, sorted(g.takers)))
 
 
@@ -99,8 +112,34 @@ def kept_neighbours(profile: Profile) -> list[KeptNeighbour]:
     return sorted(out, key=lambda k: (-k.num_bytes, k.block))
 
 
+def revived_profile(profile: Profile, held: Container[int] | None = None) -> Profile:
+    """``profile`` with the shared tensors the model's code freed before each block's forward
+    (`remat.measure.types.BlockProfile.shared_freed`, which its ``fwd_other_bytes`` counts out)
+    counted back in that forward where a checkpoint holds them: those whose storage ids are in
+    ``held``, every one where None (the search's bound). ``profile`` itself where nothing changes."""
+    if not any(block.shared_freed for block in profile.blocks):
+        return profile
+    blocks = list(profile.blocks)
+    for j, block in enumerate(blocks):
+        if block.fwd_other_bytes is None or not block.shared_freed:
+            continue
+        extra = sum(nbytes for storage, nbytes in block.shared_freed if held is None or storage in held)
+        between = block.between_fwd_peak_bytes
+        if block.between_fwd_apart_bytes is not None:
+            # those the code before it freed: its peak above the start is without them where a
+            # checkpoint holds them (live at both), at most with those it does not hold added
+            dead = sum(nbytes for storage, nbytes in block.shared_freed
+                       if storage in block.shared_freed_between and held is not None and storage not in held)
+            between = min(between, block.between_fwd_apart_bytes + dead)
+        blocks[j] = dataclasses.replace(block, fwd_other_bytes=block.fwd_other_bytes + extra,
+                                        between_fwd_peak_bytes=between)
+    return dataclasses.replace(profile, blocks=tuple(blocks))
+
+
 def variant(profile: Profile, choices: tuple[Choice, ...]) -> Profile:
-    """``profile`` with ``choices`` made (see the module docstring)."""
+    """``profile`` with ``choices`` made (see the module docstring); ``profile`` is the search's
+    (`revived_profile` with ``held=None``): a dead group's tensors the code freed before a block
+    are counted back in its forward already, and stay so (dead there)."""
     blocks = list(profile.blocks)
     for choice in choices:
         if isinstance(choice, KeptNeighbour):
@@ -112,8 +151,9 @@ def variant(profile: Profile, choices: tuple[Choice, ...]) -> Profile:
         blocks[choice.first] = dataclasses.replace(first, entry_bytes=first.entry_bytes - choice.num_bytes,
                                                    shared_entry_bytes=first.shared_entry_bytes - choice.num_bytes)
         for j in range(choice.first, len(blocks)):
-            if blocks[j].fwd_other_bytes is not None:
-                blocks[j] = dataclasses.replace(blocks[j], fwd_other_bytes=blocks[j].fwd_other_bytes + choice.num_bytes)
+            freed = sum(nbytes for storage, nbytes in blocks[j].shared_freed if storage in choice.storages)
+            if blocks[j].fwd_other_bytes is not None and choice.num_bytes - freed:
+                blocks[j] = dataclasses.replace(blocks[j], fwd_other_bytes=blocks[j].fwd_other_bytes + choice.num_bytes - freed)
         for j in sorted(choice.takers):
             blocks[j] = dataclasses.replace(blocks[j], unavailable=_restricted(
                 blocks[j].unavailable, ("recompute", "selective"), _DEAD))
@@ -121,7 +161,9 @@ def variant(profile: Profile, choices: tuple[Choice, ...]) -> Profile:
 
 
 def variants(profile: Profile) -> list[Profile]:
-    """``profile`` and its variants for every non-empty subset of its `MAX_CHOICES` largest choices."""
+    """The search's ``profile`` (`revived_profile` with ``held=None``) and its variants for every
+    non-empty subset of its `MAX_CHOICES` largest choices."""
+    profile = revived_profile(profile)
     choices: list[Choice] = [*shared_groups(profile), *kept_neighbours(profile)]
     choices = sorted(choices, key=lambda c: -c.num_bytes)[:MAX_CHOICES]
     subsets = itertools.chain.from_iterable(itertools.combinations(choices, r) for r in range(1, len(choices) + 1))
