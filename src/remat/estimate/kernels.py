@@ -134,6 +134,36 @@ class _GroupedFlash(torch.autograd.Function):
         return dq, *per_group, None, None, None
 
 
+FLASH_ATTENTION = "remat_kernel"
+"""The name `register_flash_attention` gives transformers for `flash_attention_forward`."""
+
+
+def register_flash_attention() -> str:
+    """Register `flash_attention_forward` with transformers' attention functions (once) and return
+    its name, for ``config._attn_implementation``: how the estimate runs a model that transformers
+    offers FlashAttention but no SDPA (Gemma 2's softcapping, GPT-OSS's sinks)."""
+    from transformers import AttentionInterface
+
+    if FLASH_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(FLASH_ATTENTION, flash_attention_forward)
+    return FLASH_ATTENTION
+
+
+def flash_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                            is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention as transformers' ``flash_attention_2`` runs it in training: causal by the kernel's
+    flag, no mask made (none is: a name outside transformers' mask functions gets none), grouped
+    K and V as given. A logit softcap, attention sinks and a sliding window are the kernel's
+    arguments (FlashAttention 2 and 3 take them), which change none of what it saves (the output
+    and a float32 log-sum-exp per query); on the meta device, under `GpuKernels`, this is the SDPA
+    call that becomes that kernel."""
+    causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling, is_causal=causal,
+                                         enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
 @contextlib.contextmanager
 def no_packed_sequence_check() -> Iterator[None]:
     """Without a key/value cache (``use_cache=False``, how models train), transformers asks
@@ -237,4 +267,5 @@ def _masked_select_all(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return tensor.new_empty((torch.broadcast_shapes(tensor.shape, mask.shape).numel(),))
 
 
-__all__ = ["CpuKernels", "GpuKernels", "no_packed_sequence_check", "register_meta_ctc_kernels"]
+__all__ = ["CpuKernels", "FLASH_ATTENTION", "GpuKernels", "flash_attention_forward", "no_packed_sequence_check",
+           "register_flash_attention", "register_meta_ctc_kernels"]

@@ -36,7 +36,8 @@ from torch import nn
 
 from remat.estimate.comms import ModelFacts
 from remat.estimate.dataflow import GAP, Classified, classify
-from remat.estimate.kernels import CpuKernels, GpuKernels, no_packed_sequence_check, register_meta_ctc_kernels
+from remat.estimate.kernels import (CpuKernels, GpuKernels, no_packed_sequence_check, register_flash_attention,
+                                   register_meta_ctc_kernels)
 from remat.estimate.shares import Flow, Segment, Split, on_one_line, split_by_tokens, untokenized
 from remat.estimate.head import TracedHead, find_traced_head
 from remat.estimate.sharding import ModelParams, RoleShapes
@@ -586,6 +587,57 @@ def encoder_decoder_kinds(encoder: int, decoder: int, layers: int = 3) -> tuple[
 def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: int, fused: bool) -> Traced:
     config, part = hf_config_and_part(source)
     config.use_cache = False
+    said = _settle_attention(source, config, dtype, fused)
+    traced = _trace_hf_config(source, config, part, seq_len=seq_len, dtype=dtype, layers=layers, fused=fused)
+    return replace(traced, label=traced.label + said) if said else traced
+
+
+def _settle_attention(source: ModelSource, config: Any, dtype: torch.dtype, fused: bool) -> str:
+    """The attention the estimate traces where transformers offers the model no SDPA, set on
+    ``config``, and the words that say so ("" where SDPA runs, or where ``--explicit-attention``
+    asked for the model's own code): FlashAttention as transformers' kernels run it, where the
+    model takes attention functions and FlashAttention (Gemma 2, GPT-OSS: the kernel takes their
+    softcap and sinks; `remat.estimate.kernels.flash_attention_forward`), on a GPU; else the
+    model's own code (eager: BLOOM's ALiBi, DeBERTa's disentangled attention), which is what runs
+    it. One layer built on the meta device finds out. Refused where the model has state-space or
+    recurrent layers in place of attention (Mamba, RWKV, xLSTM): a GPU runs them as kernels of
+    their own, whose saved tensors are not their code's."""
+    if source.attention == "eager":
+        return ""
+    try:
+        build_hf_on_meta(config, layers=1, dtype=dtype)
+        return ""
+    except Exception as error:  # noqa: BLE001 - transformers' own failures: `_build` words the others
+        said = " ".join(str(error).split())
+        if not (isinstance(error, ValueError) and ("attn_implementation" in said or "scaled_dot_product_attention" in said)):
+            return ""
+    config._attn_implementation = "eager"
+    try:
+        model = build_hf_on_meta(config, layers=1, dtype=dtype)
+    except Exception:  # noqa: BLE001 - `_build` words it
+        return ""
+    recurrent = next((type(m).__name__ for m in model.modules()
+                      if isinstance(getattr(m, "A_log", None), nn.Parameter) or type(m).__name__.startswith(("Rwkv", "xLSTM"))), None)
+    if recurrent is not None:
+        raise ValueError(
+            f"{source.label}: {type(config).__name__} runs no attention but state-space or recurrent layers ({recurrent}), "
+            "which a GPU runs as fused kernels of their own (mamba_ssm's selective scan, RWKV's WKV kernel, xLSTM's "
+            "mLSTM kernels), whose saved tensors the estimate does not model; their code without those kernels, "
+            "which the meta device would trace, saves every time step's state. Measure it with `remat profile "
+            "path/to/file.py:build` at a size that runs here.")
+    import transformers
+
+    models = [m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]
+    if fused and models and all(m._supports_flash_attn and m._supports_attention_backend for m in models):
+        config._attn_implementation = register_flash_attention()
+        return (" (attention as FlashAttention: transformers runs this model with FlashAttention kernels or its own "
+                "code, not SDPA)")
+    return (" (attention as the model's own code, eager: transformers offers it "
+            + ("neither SDPA nor FlashAttention)" if fused else "no SDPA on the CPU)"))
+
+
+def _trace_hf_config(source: ModelSource, config: Any, part: str, *, seq_len: int, dtype: torch.dtype, layers: int,
+                     fused: bool) -> Traced:
     if is_encoder_decoder(config):
         return _trace_encoder_decoder(source, config, seq_len=seq_len, dtype=dtype, fused=fused)
     if speech_ctc(config) is not None:
