@@ -82,3 +82,16 @@ def test_a_model_that_takes_flash_attention_is_traced_with_it(tmp_path, monkeypa
     label, on_cpu = _traced_layers(path, gpu_kernels=False)
     assert "attention as the model's own code, eager: transformers offers it no SDPA on the CPU" in label
     assert on_cpu == _measured_layers(GEMMA2, "eager")
+
+
+def test_a_weight_made_without_a_device_is_built_on_the_meta_device() -> None:
+    """XLNet (no SDPA: traced with its own attention now) makes its mask embedding with
+    ``torch.FloatTensor(...)``, which takes no device: built on the CPU beside a meta model, the
+    estimate refused it as if the caller had put the batch on the wrong device ("move the batch with
+    .to('cpu')")."""
+    from remat.estimate.sources import build_hf_on_meta
+
+    config = transformers.XLNetConfig(d_model=H, n_layer=2, n_head=A, d_inner=128, vocab_size=96)
+    config._attn_implementation = "eager"
+    model = build_hf_on_meta(config, layers=2, dtype=torch.bfloat16)
+    assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))

@@ -591,6 +591,8 @@ def build_hf_on_meta(config: Any, *, layers: int, dtype: torch.dtype) -> nn.Modu
             transformers.AutoModelForMaskedLM if is_masked_lm(config) else transformers.AutoModelForCausalLM)
     with torch.device("meta"):
         model = auto.from_config(config, dtype=dtype)
+    if any(not t.is_meta for t in (*model.parameters(), *model.buffers())):
+        model.to("meta")  # a weight made with torch.FloatTensor(...), which takes no device (XLNet's mask embedding)
     model.train()
     return model
 
