@@ -95,3 +95,18 @@ def test_a_weight_made_without_a_device_is_built_on_the_meta_device() -> None:
     config._attn_implementation = "eager"
     model = build_hf_on_meta(config, layers=2, dtype=torch.bfloat16)
     assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def test_a_hybrid_says_its_state_space_layers_are_over_priced(tmp_path) -> None:
+    """Granite 4 (`granitemoehybrid`: Mamba-2 and attention layers) offers SDPA, so its attention is
+    traced as before; its Mamba layers run their PyTorch code on the meta device, which saves
+    several times what the GPU's fused kernels save: the output says so."""
+    from remat.estimate.trace import STATE_SPACE_NOTE
+
+    path = _config(tmp_path, model_type="granitemoehybrid", hidden_size=H, num_hidden_layers=4, num_attention_heads=A,
+                   num_key_value_heads=2, intermediate_size=128, vocab_size=96, mamba_n_heads=8, mamba_d_head=16,
+                   mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, num_local_experts=0,
+                   layer_types=["mamba", "attention", "mamba", "attention"])
+    label, _ = _traced_layers(path)
+    assert label.endswith(STATE_SPACE_NOTE)
+    assert "attention as" not in label

@@ -592,6 +592,14 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
     return replace(traced, label=traced.label + said) if said else traced
 
 
+STATE_SPACE_NOTE = (
+    " (its state-space layers traced as their PyTorch code, which saves several times what the fused kernels a GPU "
+    "runs them with save (mamba_ssm's): those layers are over-priced)")
+"""What the estimate says of a hybrid's Mamba layers (Jamba, Bamba, Granite 4, Nemotron-H, Falcon-H1): a
+tiny Mamba-2 mixer's PyTorch path saves 7.4 times the tensors ``mamba_split_conv1d_scan_combined``
+saves (its input projection, its scan's output and the norm's statistics)."""
+
+
 def _settle_attention(source: ModelSource, config: Any, dtype: torch.dtype, fused: bool) -> str:
     """The attention the estimate traces where transformers offers the model no SDPA, set on
     ``config``, and the words that say so ("" where SDPA runs, or where ``--explicit-attention``
@@ -689,6 +697,8 @@ def _trace_hf_config(source: ModelSource, config: Any, part: str, *, seq_len: in
         f" (an image encoder, trained as an image classifier over {image[1]} x {image[2]} images: {tokens} tokens "
         "a layer, --seq unused)" if image else
         " (a text encoder, trained as a masked language model over --seq tokens)" if encoder else "")
+    if any(isinstance(getattr(m, "A_log", None), nn.Parameter) for m in model.modules()):
+        label += STATE_SPACE_NOTE
     if whole is not None:
         _check_copies(label, _copied_count(model, kinds), whole)  # before any trace: a count of shapes
         return _describe(label, model, tracer, kinds, seq_len, facts=facts, shape=shape)
