@@ -13,8 +13,10 @@ import pytest
 import torch
 import transformers
 
+from typing import Any
+
 from remat.estimate import ModelSource, estimate
-from remat.estimate.trace import trace_source
+from remat.estimate.trace import MAMBA2_NOTE, trace_source
 from remat.measure.profile import profile
 
 H, A, S = 64, 4, 32
@@ -26,12 +28,12 @@ def _config(tmp_path, **cfg) -> str:
     return str(path)
 
 
-def _measured_layers(cfg: dict, attention: str) -> list[int]:
+def _measured_layers(cfg: dict, attention: str, auto: Any = transformers.AutoModelForCausalLM) -> list[int]:
     """Each layer's saved bytes, measured by `remat.profile` on the CPU (fp32)."""
     config = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
     config._attn_implementation, config.use_cache = attention, False
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    model = auto.from_config(config).train() if auto is transformers.AutoModelForCausalLM else auto(config).train()
     ids = torch.randint(0, config.vocab_size, (2, S))
     return [b.saved_bytes for b in profile(model, {"input_ids": ids, "labels": ids.clone()}, None, None, repeats=1).blocks]
 
@@ -97,16 +99,63 @@ def test_a_weight_made_without_a_device_is_built_on_the_meta_device() -> None:
     assert all(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def test_a_hybrid_says_its_state_space_layers_are_over_priced(tmp_path) -> None:
+MAMBA2 = dict(model_type="mamba2", hidden_size=H, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16,
+              n_groups=1, expand=2, vocab_size=96, chunk_size=16)
+
+
+def test_a_mamba2_layer_saves_what_the_fused_kernel_saves(tmp_path) -> None:
+    """Mamba 2 was refused (no SDPA). On a GPU its mixer runs ``mamba_ssm``'s fused function, which
+    saves its projected input, the scan's output and the gated norm's statistics
+    (`remat.estimate.ssm`); its PyTorch code, which the CPU runs (and the meta device would trace),
+    saves every chunk's states and decays: 5.4 times the layer here. By hand, a layer of width 64 at
+    2 x 32 tokens (fp32): the block's RMSNorm saves its input, the input over its deviation, its
+    output and that deviation (3 x 8,192 + 256 bytes); the fused function the projection
+    (2 x 32 x 296 x 4: 2 x 128 gate and input, 2 x 16 B and C, 8 heads' time steps), the scan's
+    output (8 heads of 16: 16,384) and one float32 deviation per token (256); A = -exp(A_log) two 8-head vectors."""
+    path = _config(tmp_path, **MAMBA2)
+    label, on_gpu = _traced_layers(path)
+    assert label.endswith(MAMBA2_NOTE) and "attention" not in label
+    by_hand = 3 * 2 * S * H * 4 + 2 * S * 4 + 2 * S * 296 * 4 + 2 * S * 8 * 16 * 4 + 2 * S * 4 + 2 * 8 * 4
+    assert on_gpu == [by_hand] * 2
+    _, on_cpu = _traced_layers(path, gpu_kernels=False)
+    assert on_cpu == _measured_layers(MAMBA2, "eager", transformers.Mamba2ForCausalLM)
+    assert min(on_cpu) > 5 * by_hand
+
+
+def test_mamba1_mixers_are_not_priced_as_their_code_on_a_gpu(tmp_path) -> None:
+    """Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba, Zamba) call ``mamba_inner_fn`` or
+    ``selective_scan_fn``, which the estimate does not stand in for: a Mamba is refused on a GPU, a
+    Mamba-2 mixer is not (`remat.estimate.ssm.has_fused_mamba2`); on the CPU each is traced as it runs."""
+    from remat.estimate.trace import _unmodelled_state_space
+
+    with torch.device("meta"):
+        mamba = transformers.MambaForCausalLM(transformers.MambaConfig(hidden_size=H, num_hidden_layers=1,
+                                                                        state_size=8, vocab_size=96))
+        mamba2 = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**{k: v for k, v in MAMBA2.items()
+                                                                              if k != "model_type"}))
+    assert [type(m).__name__ for m in mamba.modules() if _unmodelled_state_space(m)] == ["MambaMixer"]
+    assert not any(_unmodelled_state_space(m) for m in mamba2.modules())
+    path = _config(tmp_path, model_type="mamba", hidden_size=H, num_hidden_layers=2, state_size=8, vocab_size=96)
+    with pytest.raises(ValueError, match="runs no attention but state-space or recurrent layers"):
+        _traced_layers(path)
+    label, on_cpu = _traced_layers(path, gpu_kernels=False)
+    assert "attention" not in label and len(on_cpu) == 2
+
+
+def test_a_hybrid_prices_its_mamba2_layers_as_the_fused_kernel(tmp_path) -> None:
     """Granite 4 (`granitemoehybrid`: Mamba-2 and attention layers) offers SDPA, so its attention is
-    traced as before; its Mamba layers run their PyTorch code on the meta device, which saves
-    several times what the GPU's fused kernels save: the output says so."""
-    from remat.estimate.trace import STATE_SPACE_NOTE
+    traced as before; its Mamba-2 layers were traced as their PyTorch code, several times what the
+    GPU's fused kernel saves: as that kernel now, and the output says so."""
 
     path = _config(tmp_path, model_type="granitemoehybrid", hidden_size=H, num_hidden_layers=4, num_attention_heads=A,
                    num_key_value_heads=2, intermediate_size=128, vocab_size=96, mamba_n_heads=8, mamba_d_head=16,
                    mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, num_local_experts=0,
                    layer_types=["mamba", "attention", "mamba", "attention"])
-    label, _ = _traced_layers(path)
-    assert label.endswith(STATE_SPACE_NOTE)
+    label, on_gpu = _traced_layers(path)
+    assert label.endswith(MAMBA2_NOTE)
     assert "attention as" not in label
+    _, on_cpu = _traced_layers(path, gpu_kernels=False)
+    # two Mamba-2 layers, then two attention layers: alike but FlashAttention's RNG seed and offset
+    # (24 bytes: `test_hf_models.py`)
+    assert on_gpu[0] == on_gpu[1] < on_cpu[0] == on_cpu[1]
+    assert on_gpu[2] - on_cpu[2] == on_gpu[3] - on_cpu[3] == 24

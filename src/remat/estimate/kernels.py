@@ -32,7 +32,22 @@ class GpuKernels(TorchFunctionMode):
       meta device would save the seq x seq scores of every head, which no GPU kernel keeps.
     - ``F.dropout`` in training: ``aten.native_dropout``, whose mask is 1-byte bool (the CPU
       path saves a mask in the activation dtype: 2 or 4 bytes per element).
+
+    And, while active, a Mamba-2 mixer's fused training function as ``mamba_ssm``'s kernel
+    (`remat.estimate.ssm.Mamba2Kernels`).
     """
+
+    def __enter__(self) -> GpuKernels:
+        from remat.estimate.ssm import Mamba2Kernels
+
+        self._mamba2 = Mamba2Kernels().__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._mamba2.__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

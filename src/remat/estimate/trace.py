@@ -38,6 +38,7 @@ from remat.estimate.comms import ModelFacts
 from remat.estimate.dataflow import GAP, Classified, classify
 from remat.estimate.kernels import (CpuKernels, GpuKernels, no_packed_sequence_check, register_flash_attention,
                                    register_meta_ctc_kernels)
+from remat.estimate.ssm import has_fused_mamba2
 from remat.estimate.shares import Flow, Segment, Split, on_one_line, split_by_tokens, untokenized
 from remat.estimate.head import TracedHead, find_traced_head
 from remat.estimate.sharding import ModelParams, RoleShapes
@@ -592,12 +593,27 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
     return replace(traced, label=traced.label + said) if said else traced
 
 
+MAMBA2_NOTE = " (its Mamba-2 layers priced as mamba_ssm's fused kernel saves: `remat.estimate.ssm`)"
+"""What the estimate says of a model whose Mamba-2 mixers it prices as the GPU's fused kernel."""
+
+
+def _state_space(module: nn.Module) -> bool:
+    """Whether ``module`` is a state-space mixer (its ``A_log`` parameter: Mamba's, Mamba-2's)."""
+    return isinstance(getattr(module, "A_log", None), nn.Parameter)
+
+
+def _unmodelled_state_space(module: nn.Module) -> bool:
+    """A state-space mixer whose GPU kernel `remat.estimate.ssm` does not stand in for (Mamba-1's)."""
+    return _state_space(module) and not has_fused_mamba2(module)
+
+
 STATE_SPACE_NOTE = (
     " (its state-space layers traced as their PyTorch code, which saves several times what the fused kernels a GPU "
     "runs them with save (mamba_ssm's): those layers are over-priced)")
-"""What the estimate says of a hybrid's Mamba layers (Jamba, Bamba, Granite 4, Nemotron-H, Falcon-H1): a
-tiny Mamba-2 mixer's PyTorch path saves 7.4 times the tensors ``mamba_split_conv1d_scan_combined``
-saves (its input projection, its scan's output and the norm's statistics)."""
+"""What the estimate says of a hybrid whose Mamba-1 layers it traces as their PyTorch code (Jamba,
+Zamba), on a GPU: a tiny Mamba-2 mixer's PyTorch path saves 7.4 times the tensors
+``mamba_split_conv1d_scan_combined`` saves (its input projection, its scan's output and the norm's
+statistics), and Mamba-1's selective scan as much more."""
 
 
 def _settle_attention(source: ModelSource, config: Any, dtype: torch.dtype, fused: bool) -> str:
@@ -607,9 +623,10 @@ def _settle_attention(source: ModelSource, config: Any, dtype: torch.dtype, fuse
     model takes attention functions and FlashAttention (Gemma 2, GPT-OSS: the kernel takes their
     softcap and sinks; `remat.estimate.kernels.flash_attention_forward`), on a GPU; else the
     model's own code (eager: BLOOM's ALiBi, DeBERTa's disentangled attention), which is what runs
-    it. One layer built on the meta device finds out. Refused where the model has state-space or
-    recurrent layers in place of attention (Mamba, RWKV, xLSTM): a GPU runs them as kernels of
-    their own, whose saved tensors are not their code's."""
+    it. One layer built on the meta device finds out. A model of state-space layers and no attention
+    (Mamba 2) has none to trace; one of state-space or recurrent layers the estimate does not price
+    as a GPU's kernels (Mamba, RWKV, xLSTM: `remat.estimate.ssm` stands in for Mamba-2's alone) is
+    refused on a GPU, whose kernels save other tensors than their code."""
     if source.attention == "eager":
         return ""
     try:
@@ -625,14 +642,17 @@ def _settle_attention(source: ModelSource, config: Any, dtype: torch.dtype, fuse
     except Exception:  # noqa: BLE001 - `_build` words it
         return ""
     recurrent = next((type(m).__name__ for m in model.modules()
-                      if isinstance(getattr(m, "A_log", None), nn.Parameter) or type(m).__name__.startswith(("Rwkv", "xLSTM"))), None)
-    if recurrent is not None:
+                      if _unmodelled_state_space(m) or type(m).__name__.startswith(("Rwkv", "xLSTM"))), None)
+    if fused and recurrent is not None:
         raise ValueError(
             f"{source.label}: {type(config).__name__} runs no attention but state-space or recurrent layers ({recurrent}), "
             "which a GPU runs as fused kernels of their own (mamba_ssm's selective scan, RWKV's WKV kernel, xLSTM's "
-            "mLSTM kernels), whose saved tensors the estimate does not model; their code without those kernels, "
-            "which the meta device would trace, saves every time step's state. Measure it with `remat profile "
-            "path/to/file.py:build` at a size that runs here.")
+            "mLSTM kernels), whose saved tensors the estimate does not model (Mamba-2's it does); their code without "
+            "those kernels, which the meta device would trace, saves every time step's state. Estimate it with "
+            "--cpu-kernels for what a CPU runs, or measure it with `remat profile path/to/file.py:build` at a size "
+            "that runs here.")
+    if any(_state_space(m) for m in model.modules()) and not any("Attention" in type(m).__name__ for m in model.modules()):
+        return ""  # no attention to trace (Mamba 2)
     import transformers
 
     models = [m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]
@@ -667,7 +687,10 @@ def _trace_hf_config(source: ModelSource, config: Any, part: str, *, seq_len: in
     # with LoRA the embeddings are frozen: the first layer's input takes no gradient, so it saves
     # less than the layers after it (a tiny Llama's 241,920 bytes against 254,464): traced apart;
     # so is a first layer whose weights no later layer has (ModernBERT's decoder: no attention norm)
-    apart = encoder or bool(source.lora_rank) or (whole is not None and _first_layer_unique(whole))
+    # so is the first layer of a model that keeps its residual stream in float32 (Mamba 2's
+    # residual_in_fp32): its input is the embedding's, in the model's dtype, the later layers' float32
+    apart = (encoder or bool(source.lora_rank) or (whole is not None and _first_layer_unique(whole))
+             or (bool(getattr(config, "residual_in_fp32", False)) and dtype != torch.float32))
     traced, kinds = hf_layer_kinds(config, num_layers(config), layers, first_apart=apart)
     values = traced_layer_values(config, num_layers(config), first_apart=apart)
     if values:  # the traced model's layers: two of each kind
@@ -697,8 +720,10 @@ def _trace_hf_config(source: ModelSource, config: Any, part: str, *, seq_len: in
         f" (an image encoder, trained as an image classifier over {image[1]} x {image[2]} images: {tokens} tokens "
         "a layer, --seq unused)" if image else
         " (a text encoder, trained as a masked language model over --seq tokens)" if encoder else "")
-    if any(isinstance(getattr(m, "A_log", None), nn.Parameter) for m in model.modules()):
+    if fused and any(_unmodelled_state_space(m) for m in model.modules()):
         label += STATE_SPACE_NOTE
+    elif fused and any(_state_space(m) for m in model.modules()):
+        label += MAMBA2_NOTE
     if whole is not None:
         _check_copies(label, _copied_count(model, kinds), whole)  # before any trace: a count of shapes
         return _describe(label, model, tracer, kinds, seq_len, facts=facts, shape=shape)
