@@ -51,6 +51,16 @@ def _freed_mask_chain():
     return profile(blocks)
 
 
+def _freed_in_between_chain():
+    """As `_freed_mask_chain`, the code before block 2 peaking 40 bytes above its start with the
+    mask still alive and freeing it after (e3nn's edge features): 24 above the start without it."""
+    prof = _freed_mask_chain()
+    blocks = list(prof.blocks)
+    blocks[2] = replace(blocks[2], fwd_temp_bytes=8, between_fwd_peak_bytes=40 + 60, between_fwd_apart_bytes=24 + 60,
+                        shared_freed_between=(99,))
+    return replace(prof, blocks=tuple(blocks))
+
+
 def _skip_chain():
     """Block 1's forward (large temporaries) is its working set's larger part, and holds block 0's
     output (8 bytes the model's code keeps) when block 0 is not kept."""
@@ -98,7 +108,8 @@ def test_a_segment_forward_holds_what_the_code_keeps_of_the_block_before():
     assert predict(prof, kept).peak_bytes == 40 + 8 + 70
 
 
-@pytest.mark.parametrize("make", [_mask_chain, _skip_chain, _held_forward_chain, _freed_mask_chain])
+@pytest.mark.parametrize("make", [_mask_chain, _skip_chain, _held_forward_chain, _freed_mask_chain,
+                                  _freed_in_between_chain])
 def test_search_curve_is_predict_and_optimal(make):
     prof = make()
     space = _every_layout(prof)

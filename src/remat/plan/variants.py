@@ -136,10 +136,22 @@ def revived_profile(profile: Profile, held: Container[int] | None = None) -> Pro
     return dataclasses.replace(profile, blocks=tuple(blocks))
 
 
+class _AllBut:
+    """Every storage id but ``excluded``: what a variant's checkpoints may hold."""
+
+    def __init__(self, excluded: frozenset[int]) -> None:
+        self.excluded = excluded
+
+    def __contains__(self, storage: object) -> bool:
+        return storage not in self.excluded
+
+
 def variant(profile: Profile, choices: tuple[Choice, ...]) -> Profile:
-    """``profile`` with ``choices`` made (see the module docstring); ``profile`` is the search's
-    (`revived_profile` with ``held=None``): a dead group's tensors the code freed before a block
-    are counted back in its forward already, and stay so (dead there)."""
+    """``profile`` (as measured) with ``choices`` made (see the module docstring): the shared
+    tensors the code freed before a block counted back in its forward where a checkpoint may hold
+    them, as the search's bound does (`revived_profile`), but a dead group's, which none holds."""
+    dead = frozenset().union(*(c.storages for c in choices if isinstance(c, SharedGroup)))
+    profile = revived_profile(profile, _AllBut(dead))
     blocks = list(profile.blocks)
     for choice in choices:
         if isinstance(choice, KeptNeighbour):
@@ -151,9 +163,8 @@ def variant(profile: Profile, choices: tuple[Choice, ...]) -> Profile:
         blocks[choice.first] = dataclasses.replace(first, entry_bytes=first.entry_bytes - choice.num_bytes,
                                                    shared_entry_bytes=first.shared_entry_bytes - choice.num_bytes)
         for j in range(choice.first, len(blocks)):
-            freed = sum(nbytes for storage, nbytes in blocks[j].shared_freed if storage in choice.storages)
-            if blocks[j].fwd_other_bytes is not None and choice.num_bytes - freed:
-                blocks[j] = dataclasses.replace(blocks[j], fwd_other_bytes=blocks[j].fwd_other_bytes + choice.num_bytes - freed)
+            if blocks[j].fwd_other_bytes is not None:
+                blocks[j] = dataclasses.replace(blocks[j], fwd_other_bytes=blocks[j].fwd_other_bytes + choice.num_bytes)
         for j in sorted(choice.takers):
             blocks[j] = dataclasses.replace(blocks[j], unavailable=_restricted(
                 blocks[j].unavailable, ("recompute", "selective"), _DEAD))
@@ -163,11 +174,11 @@ def variant(profile: Profile, choices: tuple[Choice, ...]) -> Profile:
 def variants(profile: Profile) -> list[Profile]:
     """The search's ``profile`` (`revived_profile` with ``held=None``) and its variants for every
     non-empty subset of its `MAX_CHOICES` largest choices."""
-    profile = revived_profile(profile)
-    choices: list[Choice] = [*shared_groups(profile), *kept_neighbours(profile)]
+    base = revived_profile(profile)
+    choices: list[Choice] = [*shared_groups(base), *kept_neighbours(base)]
     choices = sorted(choices, key=lambda c: -c.num_bytes)[:MAX_CHOICES]
     subsets = itertools.chain.from_iterable(itertools.combinations(choices, r) for r in range(1, len(choices) + 1))
-    return [profile, *(variant(profile, subset) for subset in subsets)]
+    return [base, *(variant(profile, subset) for subset in subsets)]
 
 
 def _restricted(unavailable: tuple[tuple[str, str], ...], kinds: tuple[str, ...], reason: str) -> tuple[tuple[str, str], ...]:
