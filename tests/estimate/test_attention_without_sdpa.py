@@ -122,20 +122,44 @@ def test_a_mamba2_layer_saves_what_the_fused_kernel_saves(tmp_path) -> None:
     assert min(on_cpu) > 5 * by_hand
 
 
-def test_mamba1_mixers_are_not_priced_as_their_code_on_a_gpu(tmp_path) -> None:
-    """Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba, Zamba) call ``mamba_inner_fn`` or
-    ``selective_scan_fn``, which the estimate does not stand in for: a Mamba is refused on a GPU, a
-    Mamba-2 mixer is not (`remat.estimate.ssm.has_fused_mamba2`); on the CPU each is traced as it runs."""
+def test_a_mamba_layer_saves_what_the_fused_kernel_saves(tmp_path) -> None:
+    """Mamba (Mamba-1) was refused (no SDPA). On a GPU its mixer runs ``mamba_ssm``'s
+    ``mamba_inner_fn`` (`remat.estimate.ssm.FusedMamba`). By hand, width 64, inner width 128, state
+    16, time-step rank 4, 2 x 32 tokens (fp32): the block's RMSNorm and the input projection's input
+    as Mamba 2's (3 x 8,192 + 256); A = -exp(A_log) and its exponential (2 x 128 x 16 x 4); the
+    projection made contiguous (2 x 256 x 32 x 4), x_dbl (64 tokens x 36 x 4), B and C (2 x 2 x 16 x 32
+    x 4), the scan's chunk states (2 x 128 x 1 chunk x 32 x 4) and output (2 x 128 x 32 x 4). Its
+    PyTorch code, which the CPU runs and `remat.profile` measures, saves 9.3 times as much."""
+    cfg = dict(model_type="mamba", hidden_size=H, num_hidden_layers=2, state_size=16, expand=2, vocab_size=96,
+               time_step_rank=4)
+    path = _config(tmp_path, **cfg)
+    label, on_gpu = _traced_layers(path)
+    assert label.endswith(MAMBA2_NOTE)
+    by_hand = (3 * 2 * S * H * 4 + 2 * S * 4 + 2 * 128 * 16 * 4 + 2 * 256 * S * 4 + 2 * S * 36 * 4
+               + 2 * 2 * 16 * S * 4 + 2 * 128 * 32 * 4 + 2 * 128 * S * 4)
+    assert on_gpu == [by_hand] * 2
+    _, on_cpu = _traced_layers(path, gpu_kernels=False)
+    assert on_cpu == _measured_layers(cfg, "eager", transformers.MambaForCausalLM)
+    assert min(on_cpu) > 9 * by_hand
+
+
+def test_mixers_that_normalize_their_time_steps_are_not_priced_as_their_code_on_a_gpu(tmp_path) -> None:
+    """Falcon-Mamba's, Jamba's and Zamba's mixers call ``selective_scan_fn``, which the estimate does
+    not stand in for: a Falcon-Mamba is refused on a GPU, a Mamba or Mamba-2 mixer is not
+    (`remat.estimate.ssm.has_fused_mamba2`); on the CPU each is traced as it runs."""
     from remat.estimate.trace import _unmodelled_state_space
 
     with torch.device("meta"):
+        falcon = transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(
+            hidden_size=H, num_hidden_layers=1, state_size=8, vocab_size=96))
         mamba = transformers.MambaForCausalLM(transformers.MambaConfig(hidden_size=H, num_hidden_layers=1,
                                                                         state_size=8, vocab_size=96))
         mamba2 = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**{k: v for k, v in MAMBA2.items()
                                                                               if k != "model_type"}))
-    assert [type(m).__name__ for m in mamba.modules() if _unmodelled_state_space(m)] == ["MambaMixer"]
-    assert not any(_unmodelled_state_space(m) for m in mamba2.modules())
-    path = _config(tmp_path, model_type="mamba", hidden_size=H, num_hidden_layers=2, state_size=8, vocab_size=96)
+    assert [type(m).__name__ for m in falcon.modules() if _unmodelled_state_space(m)] == ["FalconMambaMixer"]
+    assert not any(_unmodelled_state_space(m) for m in (*mamba.modules(), *mamba2.modules()))
+    path = _config(tmp_path, model_type="falcon_mamba", hidden_size=H, num_hidden_layers=2, state_size=8,
+                   vocab_size=96)
     with pytest.raises(ValueError, match="runs no attention but state-space or recurrent layers"):
         _traced_layers(path)
     label, on_cpu = _traced_layers(path, gpu_kernels=False)

@@ -1,4 +1,5 @@
-"""Mamba-2's fused training kernel as a GPU runs it, for the estimate's trace on the meta device.
+"""Mamba's and Mamba-2's fused training kernels as a GPU runs them, for the estimate's trace on the
+meta device.
 
 In training, a Hugging Face Mamba-2 mixer (Mamba 2, and the hybrids Bamba, Granite 4, Nemotron-H,
 Falcon-H1, Zamba 2) hands its input projection to ``mamba_split_conv1d_scan_combined`` of
@@ -17,9 +18,17 @@ intermediates (the convolved ``xBC``, the per-chunk time steps and their cumulat
 every chunk's states in float32) and frees them, as the kernel does. Its backward returns
 gradients of the inputs' shapes (the meta device computes nothing).
 
+A Mamba (Mamba-1) mixer hands its projection to ``mamba_inner_fn`` the same way; `FusedMamba`
+stands in for it as ``MambaInnerFn.forward`` saves (``checkpoint_lvl=1``, the default: the
+convolution's output and the time steps recomputed in the backward): the projection made
+contiguous ``xz`` (batch, 2 x inner width, seqlen), ``x_dbl`` (tokens, time-step rank + 2 x state
+size), B and C made contiguous (batch, 1, state size, seqlen), the scan's chunk states
+``scan_intermediates`` (batch, inner width, chunks of 2,048, 2 x state size) in float32 and its
+output (batch, inner width, seqlen), with the weights and ``A``, ``D`` and the time-step bias.
+
 A call with packed sequences (``seq_idx``, ``cu_seqlens``) or initial states is left to the model's
-code. Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba, Zamba) call other kernels (``mamba_inner_fn``,
-``selective_scan_fn``), not modelled: the estimate refuses or marks them
+code. Mamba-1 mixers that normalize their time steps, B and C (Falcon-Mamba, Jamba, Zamba) call
+``selective_scan_fn`` instead, not modelled: the estimate refuses or marks them
 (`remat.estimate.trace`).
 """
 
@@ -33,6 +42,8 @@ import torch.nn.functional as F
 
 KERNEL = "mamba2_split_conv1d_scan_combined"
 """The name a transformers modeling module gives the fused Mamba-2 function."""
+KERNEL_1 = "mamba_inner_fn"
+"""And Mamba's."""
 
 
 class FusedMamba2(torch.autograd.Function):
@@ -93,6 +104,64 @@ _SAVED_OF_INPUT = (0, 1, 2, 6, 4, 5, 7, 9, 10)
 weight, the output projection's weight and bias), its place among the saved tensors."""
 
 
+class FusedMamba(torch.autograd.Function):
+    """``MambaInnerFn`` of ``mamba_ssm`` by what it saves and returns (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, xz: torch.Tensor, conv1d_weight: torch.Tensor, conv1d_bias: torch.Tensor | None,
+                x_proj_weight: torch.Tensor, delta_proj_weight: torch.Tensor, out_proj_weight: torch.Tensor,
+                out_proj_bias: torch.Tensor | None, A: torch.Tensor, D: torch.Tensor | None,
+                delta_bias: torch.Tensor | None) -> torch.Tensor:
+        batch, _, seqlen = xz.shape
+        width, state = conv1d_weight.shape[0], A.shape[-1]
+        rank = delta_proj_weight.shape[1]
+        if xz.stride(-1) != 1:
+            xz = xz.contiguous()
+        # the forward's intermediates, freed by its end (checkpoint_lvl=1): the convolution's output,
+        # the time steps, the gated output
+        made = [xz.new_empty(batch, width, seqlen) for _ in range(3)]
+        x_dbl = xz.new_empty(batch * seqlen, rank + 2 * state)
+        B, C = (xz.new_empty(batch, 1, state, seqlen) for _ in range(2))
+        scan = xz.new_empty(batch, width, -(-seqlen // 2048), 2 * state, dtype=A.dtype)
+        out = xz.new_empty(batch, width, seqlen)
+        result = F.linear(made[2].transpose(1, 2), out_proj_weight.to(xz.dtype),
+                          out_proj_bias.to(xz.dtype) if out_proj_bias is not None else None)
+        del made
+        ctx.save_for_backward(xz, conv1d_weight, conv1d_bias, x_dbl, x_proj_weight, delta_proj_weight,
+                              out_proj_weight, out_proj_bias, A, B, C, D, delta_bias, scan, out)
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        saved = ctx.saved_tensors
+        xz = saved[0]
+        batch, _, seqlen = xz.shape
+        width = saved[1].shape[0]
+        # the backward recomputes the convolution's output and the time steps beside the gradients
+        made = [xz.new_empty(batch, width, seqlen) for _ in range(3)]
+        del made
+        inputs = (0, 1, 2, 4, 5, 6, 7, 8, 11, 12)  # saved index of each tensor input
+        return tuple(None if saved[s] is None or not ctx.needs_input_grad[i] else torch.empty_like(saved[s])
+                     for i, s in enumerate(inputs))
+
+
+def fused_mamba_inner(xz: torch.Tensor, conv1d_weight: torch.Tensor, conv1d_bias: torch.Tensor | None,
+                      x_proj_weight: torch.Tensor, delta_proj_weight: torch.Tensor, out_proj_weight: torch.Tensor,
+                      out_proj_bias: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor | None = None,
+                      C: torch.Tensor | None = None, D: torch.Tensor | None = None,
+                      delta_bias: torch.Tensor | None = None, delta_softplus: bool = True,
+                      b_rms_weight: torch.Tensor | None = None, c_rms_weight: torch.Tensor | None = None,
+                      dt_rms_weight: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
+    """The signature of transformers' ``mamba_inner_fn``; None (the model's own code) where the call
+    is one the emulation does not cover (fixed B or C, normalized time steps, packed sequences)."""
+    if (B is not None or C is not None or A.is_complex() or conv1d_weight.dim() != 3
+            or any(w is not None for w in (b_rms_weight, c_rms_weight, dt_rms_weight))
+            or any(kwargs.get(name) is not None for name in ("seq_idx", "cu_seqlens"))):
+        return None
+    return FusedMamba.apply(xz, conv1d_weight.squeeze(1), conv1d_bias, x_proj_weight, delta_proj_weight,
+                            out_proj_weight, out_proj_bias, A, D, delta_bias)
+
+
 def fused_mamba2(zxbcdt: torch.Tensor, conv1d_weight: torch.Tensor, conv1d_bias: torch.Tensor | None,
                  dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor, chunk_size: int,
                  initial_states: torch.Tensor | None = None, dt_limit: Any = None, return_final_states: bool = False,
@@ -110,28 +179,35 @@ def fused_mamba2(zxbcdt: torch.Tensor, conv1d_weight: torch.Tensor, conv1d_bias:
 
 
 class Mamba2Kernels:
-    """Context manager: `fused_mamba2` in place of ``mamba2_split_conv1d_scan_combined`` in every
-    loaded transformers modeling module that has one, put back on exit."""
+    """Context manager: `fused_mamba2` in place of ``mamba2_split_conv1d_scan_combined`` and
+    `fused_mamba_inner` in place of ``mamba_inner_fn`` in every loaded transformers modeling module
+    that has one, put back on exit."""
 
     def __init__(self) -> None:
         self._saved: list[tuple[Any, Any]] = []
 
     def __enter__(self) -> Mamba2Kernels:
         for name, module in list(sys.modules.items()):
-            if name.startswith("transformers.models.") and module is not None and hasattr(module, KERNEL):
-                self._saved.append((module, getattr(module, KERNEL)))
-                setattr(module, KERNEL, fused_mamba2)
+            if not name.startswith("transformers.models.") or module is None:
+                continue
+            for kernel, stand_in in ((KERNEL, fused_mamba2), (KERNEL_1, fused_mamba_inner)):
+                if hasattr(module, kernel):
+                    self._saved.append((module, kernel, getattr(module, kernel)))
+                    setattr(module, kernel, stand_in)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for module, original in self._saved:
-            setattr(module, KERNEL, original)
+        for module, kernel, original in self._saved:
+            setattr(module, kernel, original)
         self._saved.clear()
 
 
 def has_fused_mamba2(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s modeling code calls the fused Mamba-2 function `Mamba2Kernels` replaces."""
-    return hasattr(sys.modules.get(type(module).__module__), KERNEL)
+    """Whether ``module``'s modeling code calls a fused function `Mamba2Kernels` replaces (Mamba's or
+    Mamba-2's)."""
+    code = sys.modules.get(type(module).__module__)
+    return hasattr(code, KERNEL) or hasattr(code, KERNEL_1)
 
 
-__all__ = ["FusedMamba2", "KERNEL", "Mamba2Kernels", "fused_mamba2", "has_fused_mamba2"]
+__all__ = ["FusedMamba", "FusedMamba2", "KERNEL", "KERNEL_1", "Mamba2Kernels", "fused_mamba2", "fused_mamba_inner",
+           "has_fused_mamba2"]
