@@ -46,6 +46,11 @@ KERNEL_1 = "mamba_inner_fn"
 """And Mamba's."""
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' output projection, in the activations' dtype."""
+    return F.linear(x, weight.to(x.dtype), bias.to(x.dtype) if bias is not None else None)
+
+
 class FusedMamba2(torch.autograd.Function):
     """``MambaSplitConv1dScanCombinedFn`` of ``mamba_ssm`` by what it saves and returns (module docstring)."""
 
@@ -73,8 +78,7 @@ class FusedMamba2(torch.autograd.Function):
         out = zxbcdt.new_empty(batch, seqlen, d_nonssm + dim)
         del made
         if outproj_weight is not None:
-            out = F.linear(out, outproj_weight.to(out.dtype),
-                           outproj_bias.to(out.dtype) if outproj_bias is not None else None)
+            out = _linear(out, outproj_weight, outproj_bias)
         ctx.save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, rmsnorm_weight, rstd,
                               outproj_weight, outproj_bias)
         ctx.chunk_size, ctx.ngroups = chunk_size, ngroups
@@ -124,8 +128,7 @@ class FusedMamba(torch.autograd.Function):
         B, C = (xz.new_empty(batch, 1, state, seqlen) for _ in range(2))
         scan = xz.new_empty(batch, width, -(-seqlen // 2048), 2 * state, dtype=A.dtype)
         out = xz.new_empty(batch, width, seqlen)
-        result = F.linear(made[2].transpose(1, 2), out_proj_weight.to(xz.dtype),
-                          out_proj_bias.to(xz.dtype) if out_proj_bias is not None else None)
+        result = _linear(made[2].transpose(1, 2), out_proj_weight, out_proj_bias)
         del made
         ctx.save_for_backward(xz, conv1d_weight, conv1d_bias, x_dbl, x_proj_weight, delta_proj_weight,
                               out_proj_weight, out_proj_bias, A, B, C, D, delta_bias, scan, out)
