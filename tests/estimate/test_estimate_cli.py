@@ -113,9 +113,10 @@ def test_a_config_without_a_causal_lm_is_told_what_estimate_prices(tmp_path) -> 
      "copying its traced layers counts 14,984,448 parameters and the model has 85,880,256: its layers differ beyond the "
      "ones traced (a mixture of experts every few layers, as NLLB-MoE's sparse_step), or it has layers beside the ones "
      "its config counts (an image encoder's)"),
-    (dict(model_type="falcon_mamba", hidden_size=32, num_hidden_layers=2, state_size=8, vocab_size=96), [],
-     "FalconMambaConfig runs no attention but state-space or recurrent layers (FalconMambaMixer), which a GPU runs "
-     "as fused kernels of their own (mamba_ssm's selective scan, RWKV's WKV kernel, xLSTM's mLSTM kernels), whose "
+    (dict(model_type="rwkv", hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+          vocab_size=96, context_length=64), [],
+     "RwkvConfig runs no attention but state-space or recurrent layers (RwkvForCausalLM), which a GPU runs as "
+     "fused kernels of their own (mamba_ssm's selective scan, RWKV's WKV kernel, xLSTM's mLSTM kernels), whose "
      "saved tensors the estimate does not model"),
     (dict(model_type="blip-2", num_query_tokens=4,
           vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -126,7 +127,7 @@ def test_a_config_without_a_causal_lm_is_told_what_estimate_prices(tmp_path) -> 
                            vocab_size=96, word_embed_proj_dim=32)), [],
      "Blip2Model's training step cannot be traced on the meta device, where the estimate runs it: AttributeError: "
      "'bool' object has no attribute 'unsqueeze'"),
-], ids=["moe-fp32", "xlm", "git", "falcon-mamba", "blip-2"])
+], ids=["moe-fp32", "xlm", "git", "rwkv", "blip-2"])
 def test_configs_the_trace_cannot_take_get_one_line_naming_the_way(tmp_path, cfg, args, said) -> None:
     """Each was a traceback of 46 to 62 frames from inside transformers (or transformers' own
     text, naming an argument the CLI has not); GIT's was torch's one line, which named neither the

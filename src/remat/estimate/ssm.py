@@ -26,10 +26,15 @@ size), B and C made contiguous (batch, 1, state size, seqlen), the scan's chunk 
 ``scan_intermediates`` (batch, inner width, chunks of 2,048, 2 x state size) in float32 and its
 output (batch, inner width, seqlen), with the weights and ``A``, ``D`` and the time-step bias.
 
+Mamba-1 mixers that normalize their time steps, B and C (Falcon-Mamba, Jamba, Zamba) run the
+convolution and the scan apart, through ``causal_conv1d_fn`` of ``causal_conv1d`` and
+``selective_scan_fn`` of ``mamba_ssm``. `FusedConv1d` saves what ``CausalConv1dFn`` saves (its
+input, the activation fused: no convolution output or activation input saved); `FusedScan` what
+``SelectiveScanFn`` saves (the input, the time steps, B and C, the gate, each made contiguous
+where it is not, the chunk states in float32 and, with a gate, the ungated output).
+
 A call with packed sequences (``seq_idx``, ``cu_seqlens``) or initial states is left to the model's
-code. Mamba-1 mixers that normalize their time steps, B and C (Falcon-Mamba, Jamba, Zamba) call
-``selective_scan_fn`` instead, not modelled: the estimate refuses or marks them
-(`remat.estimate.trace`).
+code.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ KERNEL = "mamba2_split_conv1d_scan_combined"
 """The name a transformers modeling module gives the fused Mamba-2 function."""
 KERNEL_1 = "mamba_inner_fn"
 """And Mamba's."""
+CONV = "causal_conv1d_fn"
+"""The causal depthwise convolution of a Mamba-1 mixer that runs it apart (Falcon-Mamba's)."""
+SCAN = "mamba_selective_scan"
+"""And its selective scan."""
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -165,6 +174,72 @@ def fused_mamba_inner(xz: torch.Tensor, conv1d_weight: torch.Tensor, conv1d_bias
                             out_proj_weight, out_proj_bias, A, D, delta_bias)
 
 
+class FusedConv1d(torch.autograd.Function):
+    """``CausalConv1dFn`` of ``causal_conv1d`` by what it saves and returns (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.stride(2) != 1 and x.stride(1) != 1:
+            x = x.contiguous()
+        ctx.save_for_backward(x, weight, bias)
+        return x.new_empty(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return tuple(None if t is None or not ctx.needs_input_grad[i] else torch.empty_like(t)
+                     for i, t in enumerate(ctx.saved_tensors))
+
+
+class FusedScan(torch.autograd.Function):
+    """``SelectiveScanFn`` of ``mamba_ssm`` by what it saves and returns (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None) -> torch.Tensor:
+        u, delta, B, C = (t if t.stride(-1) == 1 else t.contiguous() for t in (u, delta, B, C))
+        z = z if z is None or z.stride(-1) == 1 else z.contiguous()
+        batch, width, seqlen = u.shape
+        scan = u.new_empty(batch, width, -(-seqlen // 2048), 2 * A.shape[-1], dtype=A.dtype)
+        out = u.new_empty(batch, width, seqlen)
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, scan, out if z is not None else None)
+        return out if z is None else u.new_empty(batch, width, seqlen)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        saved = ctx.saved_tensors
+        return tuple(None if t is None or not ctx.needs_input_grad[i] else torch.empty_like(t)
+                     for i, t in enumerate(saved[:8]))
+
+
+def fused_conv1d(original: Any) -> Any:
+    """transformers' ``causal_conv1d_fn`` as `FusedConv1d`, ``original`` for what ``causal_conv1d``
+    does not take (an activation other than SiLU, packed sequences, initial states)."""
+
+    def conv(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             activation: str | None = None, **kwargs: Any) -> torch.Tensor:
+        if activation not in (None, "silu", "swish") or weight.dim() != 2 or any(v is not None for v in kwargs.values()):
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        return FusedConv1d.apply(hidden_states, weight, bias)
+
+    return conv
+
+
+def fused_selective_scan(original: Any) -> Any:
+    """transformers' ``mamba_selective_scan`` as `FusedScan`, ``original`` for what the stand-in does
+    not cover (the last state asked for, a complex A, B or C fixed per channel, packed sequences)."""
+
+    def scan(hidden_states: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             D: torch.Tensor | None = None, z: torch.Tensor | None = None, delta_bias: torch.Tensor | None = None,
+             delta_softplus: bool = False, return_last_state: bool = False, **kwargs: Any) -> Any:
+        if (return_last_state or A.is_complex() or B.dim() != 3 or C.dim() != 3
+                or any(kwargs.get(name) is not None for name in ("seq_idx", "cu_seqlens"))):
+            return original(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                            return_last_state=return_last_state, **kwargs)
+        return FusedScan.apply(hidden_states, dt, A, B, C, D, z, delta_bias)
+
+    return scan
+
+
 def fused_mamba2(zxbcdt: torch.Tensor, conv1d_weight: torch.Tensor, conv1d_bias: torch.Tensor | None,
                  dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor, chunk_size: int,
                  initial_states: torch.Tensor | None = None, dt_limit: Any = None, return_final_states: bool = False,
@@ -182,8 +257,9 @@ def fused_mamba2(zxbcdt: torch.Tensor, conv1d_weight: torch.Tensor, conv1d_bias:
 
 
 class Mamba2Kernels:
-    """Context manager: `fused_mamba2` in place of ``mamba2_split_conv1d_scan_combined`` and
-    `fused_mamba_inner` in place of ``mamba_inner_fn`` in every loaded transformers modeling module
+    """Context manager: `fused_mamba2` in place of ``mamba2_split_conv1d_scan_combined``,
+    `fused_mamba_inner` of ``mamba_inner_fn``, `fused_conv1d` of ``causal_conv1d_fn`` and
+    `fused_selective_scan` of ``mamba_selective_scan`` in every loaded transformers modeling module
     that has one, put back on exit."""
 
     def __init__(self) -> None:
@@ -193,10 +269,13 @@ class Mamba2Kernels:
         for name, module in list(sys.modules.items()):
             if not name.startswith("transformers.models.") or module is None:
                 continue
-            for kernel, stand_in in ((KERNEL, fused_mamba2), (KERNEL_1, fused_mamba_inner)):
+            stand_ins = ((KERNEL, lambda _: fused_mamba2), (KERNEL_1, lambda _: fused_mamba_inner),
+                         (CONV, fused_conv1d), (SCAN, fused_selective_scan))
+            for kernel, make in stand_ins:
                 if hasattr(module, kernel):
-                    self._saved.append((module, kernel, getattr(module, kernel)))
-                    setattr(module, kernel, stand_in)
+                    original = getattr(module, kernel)
+                    self._saved.append((module, kernel, original))
+                    setattr(module, kernel, make(original))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -209,8 +288,8 @@ def has_fused_mamba2(module: torch.nn.Module) -> bool:
     """Whether ``module``'s modeling code calls a fused function `Mamba2Kernels` replaces (Mamba's or
     Mamba-2's)."""
     code = sys.modules.get(type(module).__module__)
-    return hasattr(code, KERNEL) or hasattr(code, KERNEL_1)
+    return any(hasattr(code, kernel) for kernel in (KERNEL, KERNEL_1, SCAN))
 
 
-__all__ = ["FusedMamba", "FusedMamba2", "KERNEL", "KERNEL_1", "Mamba2Kernels", "fused_mamba2", "fused_mamba_inner",
-           "has_fused_mamba2"]
+__all__ = ["CONV", "FusedConv1d", "FusedMamba", "FusedMamba2", "FusedScan", "KERNEL", "KERNEL_1", "Mamba2Kernels",
+           "SCAN", "fused_conv1d", "fused_mamba2", "fused_mamba_inner", "fused_selective_scan", "has_fused_mamba2"]

@@ -603,16 +603,16 @@ def _state_space(module: nn.Module) -> bool:
 
 
 def _unmodelled_state_space(module: nn.Module) -> bool:
-    """A state-space mixer whose GPU kernel `remat.estimate.ssm` does not stand in for (Falcon-Mamba's,
-    Jamba's, Zamba's ``selective_scan_fn``)."""
+    """A state-space mixer whose GPU kernels `remat.estimate.ssm` does not stand in for (its modeling
+    code calls none of the functions it replaces)."""
     return _state_space(module) and not has_fused_mamba2(module)
 
 
 STATE_SPACE_NOTE = (
     " (its state-space layers traced as their PyTorch code, which saves several times what the fused kernels a GPU "
     "runs them with save (mamba_ssm's): those layers are over-priced)")
-"""What the estimate says of a hybrid whose Mamba layers it traces as their PyTorch code (Jamba's and
-Zamba's, which call ``selective_scan_fn``), on a GPU: a tiny Mamba-2 mixer's PyTorch path saves 7.4 times the tensors
+"""What the estimate says of a hybrid whose state-space layers it traces as their PyTorch code, on a
+GPU (none of transformers' today: `remat.estimate.ssm` stands in for the kernels of all of them): a tiny Mamba-2 mixer's PyTorch path saves 7.4 times the tensors
 ``mamba_split_conv1d_scan_combined`` saves (its input projection, its scan's output and the norm's
 statistics), and Mamba-1's selective scan as much more."""
 
@@ -626,7 +626,7 @@ def _settle_attention(source: ModelSource, config: Any, dtype: torch.dtype, fuse
     model's own code (eager: BLOOM's ALiBi, DeBERTa's disentangled attention), which is what runs
     it. One layer built on the meta device finds out. A model of state-space layers and no attention
     (Mamba 2) has none to trace; one of state-space or recurrent layers the estimate does not price
-    as a GPU's kernels (Falcon-Mamba, RWKV, xLSTM: `remat.estimate.ssm` stands in for Mamba's and Mamba-2's) is
+    as a GPU's kernels (RWKV, xLSTM: `remat.estimate.ssm` stands in for Mamba's and Mamba-2's) is
     refused on a GPU, whose kernels save other tensors than their code."""
     if source.attention == "eager":
         return ""
@@ -648,7 +648,7 @@ def _settle_attention(source: ModelSource, config: Any, dtype: torch.dtype, fuse
         raise ValueError(
             f"{source.label}: {type(config).__name__} runs no attention but state-space or recurrent layers ({recurrent}), "
             "which a GPU runs as fused kernels of their own (mamba_ssm's selective scan, RWKV's WKV kernel, xLSTM's "
-            "mLSTM kernels), whose saved tensors the estimate does not model (Mamba's and Mamba-2's it does); their "
+            "mLSTM kernels), whose saved tensors the estimate does not model (mamba_ssm's it does); their "
             "code without "
             "those kernels, which the meta device would trace, saves every time step's state. Estimate it with "
             "--cpu-kernels for what a CPU runs, or measure it with `remat profile path/to/file.py:build` at a size "
