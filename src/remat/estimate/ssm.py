@@ -55,6 +55,13 @@ SCAN = "mamba_selective_scan"
 """And its selective scan."""
 
 
+def _input_grads(ctx: Any, saved: tuple[Any, ...], places: Any) -> tuple[Any, ...]:
+    """A stand-in's gradients: for each tensor input, at ``places`` among the saved tensors, one of
+    its shape where it needs one (the meta device computes nothing)."""
+    return tuple(None if saved[s] is None or not ctx.needs_input_grad[i] else torch.empty_like(saved[s])
+                 for i, s in enumerate(places))
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The kernels' output projection, in the activations' dtype."""
     return F.linear(x, weight.to(x.dtype), bias.to(x.dtype) if bias is not None else None)
@@ -105,11 +112,7 @@ class FusedMamba2(torch.autograd.Function):
                 zxbcdt.new_empty(batch, chunks, nheads, headdim, (conv_dim - nheads * headdim) // ctx.ngroups // 2,
                                  dtype=torch.float32)]
         del made
-        grads = []
-        for i, s in enumerate(_SAVED_OF_INPUT):
-            t = saved[s]
-            grads.append(None if t is None or not ctx.needs_input_grad[i] else torch.empty_like(t))
-        return (*grads, None, None, None)
+        return (*_input_grads(ctx, saved, _SAVED_OF_INPUT), None, None, None)
 
 
 _SAVED_OF_INPUT = (0, 1, 2, 6, 4, 5, 7, 9, 10)
@@ -152,9 +155,7 @@ class FusedMamba(torch.autograd.Function):
         # the backward recomputes the convolution's output and the time steps beside the gradients
         made = [xz.new_empty(batch, width, seqlen) for _ in range(3)]
         del made
-        inputs = (0, 1, 2, 4, 5, 6, 7, 8, 11, 12)  # saved index of each tensor input
-        return tuple(None if saved[s] is None or not ctx.needs_input_grad[i] else torch.empty_like(saved[s])
-                     for i, s in enumerate(inputs))
+        return _input_grads(ctx, saved, (0, 1, 2, 4, 5, 6, 7, 8, 11, 12))  # each tensor input's place
 
 
 def fused_mamba_inner(xz: torch.Tensor, conv1d_weight: torch.Tensor, conv1d_bias: torch.Tensor | None,
@@ -186,8 +187,7 @@ class FusedConv1d(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return tuple(None if t is None or not ctx.needs_input_grad[i] else torch.empty_like(t)
-                     for i, t in enumerate(ctx.saved_tensors))
+        return _input_grads(ctx, ctx.saved_tensors, range(3))
 
 
 class FusedScan(torch.autograd.Function):
@@ -206,9 +206,7 @@ class FusedScan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        saved = ctx.saved_tensors
-        return tuple(None if t is None or not ctx.needs_input_grad[i] else torch.empty_like(t)
-                     for i, t in enumerate(saved[:8]))
+        return _input_grads(ctx, ctx.saved_tensors, range(8))
 
 
 def fused_conv1d(original: Any) -> Any:
