@@ -122,6 +122,19 @@ def test_a_mamba2_layer_saves_what_the_fused_kernel_saves(tmp_path) -> None:
     assert min(on_cpu) > 5 * by_hand
 
 
+def test_a_mamba2_in_bf16_keeps_its_residual_stream_in_float32(tmp_path) -> None:
+    """Mamba 2 keeps its residual stream in float32 (``residual_in_fp32``): in bf16 its first layer
+    takes the embedding's bf16, the others float32, so the first is traced apart; a 2-layer model
+    was refused, its two traced layers compared though neither is copied. Its later layers are
+    priced alike whatever the model's depth."""
+    saved = []
+    for layers in (2, 4):
+        (tmp_path / str(layers)).mkdir()
+        path = _config(tmp_path / str(layers), **{**MAMBA2, "num_hidden_layers": layers})
+        saved.append(estimate(ModelSource(hf_config_path=path), seq_len=S, micro_batch=2, dtype="bf16").layer_saved_bytes)
+    assert saved[0] == saved[1] > 0
+
+
 def test_a_mamba_layer_saves_what_the_fused_kernel_saves(tmp_path) -> None:
     """Mamba (Mamba-1) was refused (no SDPA). On a GPU its mixer runs ``mamba_ssm``'s
     ``mamba_inner_fn`` (`remat.estimate.ssm.FusedMamba`). By hand, width 64, inner width 128, state
