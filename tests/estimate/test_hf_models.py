@@ -245,6 +245,10 @@ ZAMBA2 = dict(model_type="zamba2", hidden_size=H, num_hidden_layers=8, num_atten
               mamba_headdim=16, mamba_ngroups=1, chunk_size=16, attention_head_dim=32, layers_block_type=HYBRID,
               use_shared_attention_adapter=True, adapter_rank=4)
 
+RECURRENT_GEMMA = dict(model_type="recurrent_gemma", hidden_size=H, num_hidden_layers=6, num_attention_heads=A,
+                       num_key_value_heads=1, head_dim=16, intermediate_size=192, vocab_size=96, lru_width=H,
+                       attention_window_size=16, block_types=["recurrent", "recurrent", "attention"])
+
 
 @pytest.mark.parametrize("cfg, kinds, dtype", [
     # (mamba, dense), (mamba, 4 experts), (attention, dense): the attention layers at 2 and 6
@@ -253,12 +257,15 @@ ZAMBA2 = dict(model_type="zamba2", hidden_size=H, num_hidden_layers=8, num_atten
     (ZAMBA, (1, 1, 3, 1, 1, 3, 1, 3), torch.float32),
     # the same with an adapter of the shared block's attention per hybrid layer
     (ZAMBA2, (1, 1, 3, 1, 1, 3, 1, 3), torch.float32),
-], ids=["jamba", "zamba", "zamba2"])
+    # its layers' kinds computed from block_types, under an alias (layer_types: layers_block_type)
+    (RECURRENT_GEMMA, (1, 1, 3, 1, 1, 3), torch.float32),
+], ids=["jamba", "zamba", "zamba2", "recurrent_gemma"])
 def test_hybrids_of_computed_or_shared_layers_are_priced_as_measured(tmp_path, cfg, kinds, dtype) -> None:
     """Jamba computes its per-layer lists from its periods and offsets (properties, which the traced
     model's kinds could not be set on: refused); Zamba's and Zamba 2's hybrid layers run one
     transformer block their first hybrid layer holds, so copying the traced layers counted its
-    weights never (Zamba's default config 6.87 B parameters of 7.23 B: refused). Traced on the CPU's
+    weights never (Zamba's default config 6.87 B parameters of 7.23 B: refused); RecurrentGemma's
+    computed list is named by an alias (a traceback). Traced on the CPU's
     kernels, every layer saves what `remat.profile` measures of the model built whole, the
     parameters are counted as the model has them, and the peaks equal the measured step's."""
     path = _config(tmp_path, **cfg)
