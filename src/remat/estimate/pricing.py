@@ -253,7 +253,8 @@ class Pricing:
         layers = [params.layers[i] for i in stage_layers(self.traced.num_layers, par, index)]
         grads = [float(part_grad_bytes(x, par, self.recipe)) for x in layers]
         pre = float(sum(part_grad_bytes(x, par, self.recipe) for x in (params.pre, params.tied)))
-        for layer, shapes in self.traced.gap_grads + self.traced.between_grads + self.traced.shared_grads:  # made in that layer's backward
+        made = self.traced.gap_grads + self.traced.between_grads + self.traced.shared_grads
+        for layer, shapes in made:  # made in that layer's backward
             between = float(part_grad_bytes(shapes, par, self.recipe))
             grads[layer] += between
             pre -= between
