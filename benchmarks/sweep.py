@@ -195,6 +195,9 @@ def run_one(model_type: str, lora: int | None = None, dropout: float = 0.0,
         freed = {storage: nbytes for b in prof.blocks for storage, nbytes in b.shared_freed}
         if freed:  # shared tensors the code frees before later blocks (`BlockProfile.shared_freed`)
             row["shared_freed_bytes"] = sum(freed.values())
+        resaved = {storage: nbytes for b in prof.blocks for storage, nbytes, _ in b.shared_saved}
+        if resaved:  # shared tensors a later block saves first (`BlockProfile.shared_saved`)
+            row["shared_saved_bytes"] = sum(resaved.values())
         stage = "plan"
         frontier = pareto(prof)
         least, most = frontier[-1], frontier[0]

@@ -16,7 +16,7 @@ from remat.plan.joins import joins
 from remat.plan.planners import optimal_search, plan
 from remat.plan.predict import predict
 from remat.plan.types import Segment
-from remat.plan.variants import KeptNeighbour, SharedGroup, kept_neighbours, shared_groups
+from remat.plan.variants import KeptNeighbour, KeptSaver, SharedGroup, kept_neighbours, kept_savers, shared_groups
 
 from plan_space import element_tables, layouts
 from plan_toys import block, profile, replace
@@ -59,6 +59,22 @@ def _freed_in_between_chain():
     blocks[2] = replace(blocks[2], fwd_temp_bytes=8, between_fwd_peak_bytes=40 + 60, between_fwd_apart_bytes=24 + 60,
                         shared_freed_between=(99,))
     return replace(prof, blocks=tuple(blocks))
+
+
+def _saved_shared_chain():
+    """Block 0 takes a 16-byte shared tensor first and does not save it (counted at block 0);
+    block 1 takes it and saves it first (its saved bytes count it too); block 2's forward (60 bytes
+    of temporaries) is the larger part of its working set, measured with it counted out
+    (``fwd_other_bytes``): where block 1 is not kept, nothing else counts it there (RT-DETR's
+    reference points with LoRA, taken first by its frozen query-position head)."""
+    mask = BlockInput(argument="mask", storage=99, storage_bytes=MASK, source="shared", counted="shared")
+    later = replace(mask, counted="earlier")
+    blocks = [replace(block(0, input_bytes=8, saved_bytes=24, fwd_ms=1.0), inputs=(mask,), entry_bytes=MASK,
+                      shared_entry_bytes=MASK, fwd_other_bytes=0),
+              replace(block(1, input_bytes=8, saved_bytes=24 + MASK, fwd_ms=1.0), inputs=(later,), fwd_other_bytes=0),
+              replace(block(2, input_bytes=8, saved_bytes=24, fwd_ms=3.0), fwd_temp_bytes=60, fwd_other_bytes=-MASK,
+                      shared_saved=((99, MASK, 1),))]
+    return profile(blocks)
 
 
 def _skip_chain():
@@ -109,7 +125,7 @@ def test_a_segment_forward_holds_what_the_code_keeps_of_the_block_before():
 
 
 @pytest.mark.parametrize("make", [_mask_chain, _skip_chain, _held_forward_chain, _freed_mask_chain,
-                                  _freed_in_between_chain])
+                                  _freed_in_between_chain, _saved_shared_chain])
 def test_search_curve_is_predict_and_optimal(make):
     prof = make()
     space = _every_layout(prof)
@@ -158,3 +174,18 @@ def test_a_freed_mask_a_checkpoint_holds_counts_in_a_later_forward():
 
 def _seg(i, strategy):
     return Segment(start=i, stop=i + 1, strategy=strategy)
+
+
+def test_a_shared_tensor_a_later_block_saves_counts_where_that_block_is_not_kept():
+    """`_saved_shared_chain`: block 2's forward holds the shared tensor through block 1's saved
+    bytes where block 1 is kept; where it is recomputed, the tensor (held by its checkpoint, and by
+    the first taker's entry) is counted there all the same, not 16 bytes short."""
+    prof = _saved_shared_chain()
+    kept = (_seg(0, "keep"), _seg(1, "keep"), _seg(2, "keep"))
+    recomputed = (_seg(0, "keep"), _seg(1, "recompute"), _seg(2, "keep"))
+    # block 2's forward: block 0's saved bytes and entry, block 1's saved bytes (the tensor among
+    # them), its own saved bytes and temporaries, less the tensor its measured forward counts out
+    assert predict(prof, kept).peak_bytes == 24 + MASK + (24 + MASK) + 24 + 60 - MASK
+    # block 1 recomputed holds its input (8 bytes), and the tensor counts once more in block 2's forward
+    assert predict(prof, recomputed).peak_bytes == 24 + MASK + 8 + 24 + 60
+    assert kept_savers(prof) == [KeptSaver(block=1, num_bytes=MASK)]

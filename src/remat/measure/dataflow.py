@@ -244,6 +244,7 @@ class BlockFlow:
     input_saved_after_bytes: int = 0
     input_saved_after_from: int = 0
     shared_freed: tuple[tuple[int, int], ...] = ()
+    shared_saved: tuple[tuple[int, int, int], ...] = ()
 
 
 def block_flows(recorder: DataflowRecorder, saved: dict[int, SavedStorage], savers: dict[int, list[str]],
@@ -272,6 +273,7 @@ def block_flows(recorder: DataflowRecorder, saved: dict[int, SavedStorage], save
         flows[k].code_held_inputs = _code_held_inputs(recorder, flows, index_of, k, live)
         flows[k].input_saved_after_bytes, flows[k].input_saved_after_from = _saved_after(recorder, flows[k], index_of, k)
         flows[k].shared_freed = _shared_freed(recorder, flows, k)
+        flows[k].shared_saved = _shared_saved(recorder, flows, index_of, k)
     for i, flow in enumerate(flows):
         flow.between_saved_bytes = saved_by_segment.get(between_name(i), 0) if i > 0 else 0
         flow.entry_bytes = flow.between_saved_bytes + flow.shared_entry_bytes + (flows[i - 1].handoff_bytes if i else 0)
@@ -312,6 +314,27 @@ def _shared_freed(recorder: DataflowRecorder, flows: list[BlockFlow], k: int) ->
             if arg.counted == "shared" and arg.storage not in recorder.alive_at[k]:
                 out[arg.storage] = arg.storage_bytes
     return tuple(sorted(out.items()))
+
+
+def _shared_saved(recorder: DataflowRecorder, flows: list[BlockFlow], index_of: dict[str, int],
+                  k: int) -> tuple[tuple[int, int, int], ...]:
+    """``(storage id, bytes, saver)``: the shared tensors of earlier blocks (``counted == "shared"``:
+    their first taker does not save them) that a later block ``saver`` (before block ``k``) saves
+    first, alive as block ``k`` begins (RT-DETR's reference points with LoRA: its query-position
+    head takes them first, frozen, and each decoder layer saves them). The saver's saved bytes count
+    them as the first taker's entry does, so ``fwd_other_bytes`` (the temporaries less the entries)
+    counts them out; where the saver does not save them (not kept), nothing else counts them in
+    block ``k``'s forward (`remat.plan.variants.resaved_profile`)."""
+    out: dict[int, tuple[int, int]] = {}
+    for flow in flows[:k]:
+        for arg in flow.inputs:
+            if arg.counted != "shared" or arg.storage in out or arg.storage not in recorder.alive_at[k]:
+                continue
+            savers = recorder.storages[arg.storage].savers
+            first = min(savers, key=lambda s: segment_position(s, index_of), default=None)
+            if first in index_of and index_of[first] < k:
+                out[arg.storage] = (arg.storage_bytes, index_of[first])
+    return tuple((storage, nbytes, saver) for storage, (nbytes, saver) in sorted(out.items()))
 
 
 def _saved_after(recorder: DataflowRecorder, flow: BlockFlow, index_of: dict[str, int], k: int) -> tuple[int, int]:

@@ -844,7 +844,7 @@ def _flow_fields(flow: BlockFlow, between_temp_bytes: int) -> dict[str, Any]:
         "entry_bytes": flow.entry_bytes, "output_held_bytes": flow.output_held_bytes,
         "code_held_inputs": flow.code_held_inputs,
         "input_saved_after_bytes": flow.input_saved_after_bytes, "input_saved_after_from": flow.input_saved_after_from,
-        "shared_freed": flow.shared_freed,
+        "shared_freed": flow.shared_freed, "shared_saved": flow.shared_saved,
     }
 
 

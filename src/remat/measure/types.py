@@ -395,6 +395,13 @@ class BlockProfile:
     ``fwd_other_bytes`` counts them out (an audio tower's mask, dropped as the tower returns,
     before a language model's layers). A checkpoint of one of their takers keeps them alive there
     (`remat.plan.predict.revived_profile`)."""
+    shared_saved: tuple[tuple[int, int, int], ...] = ()
+    """``(storage id, bytes, saver)``: shared tensors of earlier blocks (an input ``counted ==
+    "shared"``, counted by its first taker's ``shared_entry_bytes``) that block ``saver``, after that
+    taker and before this block, saves first, so that its ``saved_bytes`` count them too and this
+    block's ``fwd_other_bytes`` counts them out (RT-DETR's reference points with LoRA: its frozen
+    query-position head takes them first, each decoder layer saves them). Where the saver is not
+    kept, nothing else counts them in this block's forward (`remat.plan.variants.resaved_profile`)."""
     shared_freed_between: tuple[int, ...] = ()
     """Of ``shared_freed``, the storage ids the code between the block before and this one freed
     (alive as that code began)."""

@@ -44,7 +44,7 @@ from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
 from remat.plan.joins import check_joins
 from remat.plan.policies import op_storages
 from remat.plan.types import Plan, Prediction, Segment
-from remat.plan.variants import revived_profile
+from remat.plan.variants import resaved_profile, revived_profile
 
 __all__ = ["predict", "check_profile", "extra_ms", "pre_forward_phase_bytes", "optimizer_phase_bytes", "pre_backward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments", "stored_held_bytes", "post_code_held_saving", "saved_after_bytes"]
 
@@ -82,6 +82,9 @@ def _predict(profile: Profile, segments: tuple[Segment, ...], head: str) -> Pred
     check_segments(profile, segments)
     # shared tensors the code freed before a block's forward, kept alive there by a checkpoint of this plan
     profile = revived_profile(profile, checkpoint_held_storages(profile, segments))
+    # shared tensors a later block saves first, in the forwards after it where this plan does not keep it
+    profile = resaved_profile(profile, {i for seg in _fill_gaps(segments, 0, profile.num_blocks) if seg.kind == "keep"
+                                        for i in range(seg.start, seg.stop)})
     # the post part's bytes under the head strategy; what the plan's recomputed blocks leave held
     # by the code goes in the head's forward where the profile has a head part, else in the post
     # part's forward, split at the model's return (`_peak_phases`)

@@ -44,7 +44,7 @@ from remat.plan.phases import code_held_input_bytes
 from remat.plan.policies import clear_subset_cache, knapsack_frontier
 from remat.plan.predict import (baseline_step_ms, keep_peak_bytes, pre_backward_phase_bytes, pre_forward_phase_bytes,
                                 predict)
-from remat.plan.variants import revived_profile, variants
+from remat.plan.variants import resaved_profile, revived_profile, variants
 from remat.plan.slots import SlotSearch
 from remat.plan.types import Optimality, Segment
 
@@ -99,7 +99,8 @@ class OptimalSearch:
     def __init__(self, profile: Profile, max_slots: int | None = None, joins: tuple[bool, ...] | None = None):
         self.profile = profile
         self.max_slots = max_slots
-        self.builder = ChainBuilder(revived_profile(profile), joins)  # freed shared tensors: a bound
+        # freed shared tensors, shared tensors a later block saves: bounds
+        self.builder = ChainBuilder(resaved_profile(revived_profile(profile)), joins)
         self.slots = SlotSearch(self.builder, max_slots)
         self._exact: ExactSolution | None | bool = False  # False: not tried yet
         self._least: tuple[Segment, ...] | None = None

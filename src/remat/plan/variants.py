@@ -13,6 +13,12 @@ cannot know:
   ``fwd_other_bytes`` counts them out, yet a checkpoint of one of their takers keeps them alive
   there. The search counts them back in every such forward, a bound (`revived_profile` with
   ``held=None``); the prediction where a checkpoint of the plan holds them.
+- **Shared tensors a later block saves first** (RT-DETR's reference points with LoRA, taken first
+  by its frozen query-position head, saved by each decoder layer) are counted by the first taker's
+  entry and by the saver's saved bytes, so the forwards after the saver were measured counting
+  them out; where the saver is not kept, those forwards hold them all the same. The search counts
+  them back in every such forward, a bound (`resaved_profile` with ``kept=None``); the prediction
+  where the plan does not keep the saver, and a variant keeps the saver.
 - **A kept block's forward** holds the output of the block before it that the model's code keeps
   (a U-Net's skip) only when that block is not kept (`remat.plan.phases.keep_forward_bytes`); the
   option prices the larger (`remat.plan.phases.keep_working_bytes`).
@@ -20,8 +26,9 @@ cannot know:
 The byte-exact search therefore solves one problem per combination of *choices* (`variants`):
 a group of shared tensors left dead (their takers keep or offload only; their bytes out of the
 first taker's held bytes and in the forward of it and of every block after it, live there as
-the prediction counts them), or a forward-bound block's predecessor kept (that block keeps only;
-its output then held by its own saved bytes). Each layout of the plan space is priced exactly
+the prediction counts them), a forward-bound block's predecessor kept (that block keeps only;
+its output then held by its own saved bytes), or a saver of shared tensors kept (it keeps only;
+the forwards after it count them through its saved bytes). Each layout of the plan space is priced exactly
 in the variant of the choices it makes, and over-priced (never under) in the others, so the least
 time over the variants at each need is the exact curve. `MAX_CHOICES` choices, the most bytes
 first, get variants (2^choices problems); the others stay bounds.
@@ -38,13 +45,14 @@ from collections.abc import Container
 from remat.measure.types import Profile
 from remat.plan.phases import keep_forward_bytes, working_bytes
 
-__all__ = ["SharedGroup", "KeptNeighbour", "shared_groups", "kept_neighbours", "variant", "variants", "MAX_CHOICES",
-           "revived_profile"]
+__all__ = ["SharedGroup", "KeptNeighbour", "KeptSaver", "shared_groups", "kept_neighbours", "kept_savers", "variant",
+           "variants", "MAX_CHOICES", "revived_profile", "resaved_profile"]
 
 MAX_CHOICES = 3
 """Choices the exact search solves both ways: 2^3 problems at most."""
 _DEAD = "a variant of the search in which no checkpoint holds the shared tensors this block takes"
 _KEPT = "a variant of the search in which this block is kept (the next block's forward is priced so)"
+_SAVER = "a variant of the search in which this block is kept (the forwards after it priced with what it saves)"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -72,7 +80,19 @@ class KeptNeighbour:
     """What the predecessor's output adds to that forward when the predecessor is not kept."""
 
 
-Choice = SharedGroup | KeptNeighbour
+@dataclass(kw_only=True, frozen=True)
+class KeptSaver:
+    """A block that saves first shared tensors an earlier block takes first
+    (`remat.measure.types.BlockProfile.shared_saved`): the forwards after it count them only when
+    it is not kept."""
+
+    block: int
+    """The saver (kept in the variant)."""
+    num_bytes: int
+    """What the forwards after it count when it is not kept."""
+
+
+Choice = SharedGroup | KeptNeighbour | KeptSaver
 
 
 def shared_groups(profile: Profile) -> list[SharedGroup]:
@@ -136,6 +156,25 @@ def revived_profile(profile: Profile, held: Container[int] | None = None) -> Pro
     return dataclasses.replace(profile, blocks=tuple(blocks))
 
 
+def resaved_profile(profile: Profile, kept: Container[int] | None = None) -> Profile:
+    """``profile`` with the shared tensors a later block saves first (`remat.measure.types.
+    BlockProfile.shared_saved`, which the forwards after it count out, its saved bytes counting
+    them) counted back in those forwards where that block does not save them: it is not among the
+    ``kept`` blocks of the plan (a recomputed, selective or offloaded block saves none of its
+    inputs on the device); not kept anywhere where None (the search's bound). ``profile`` itself
+    where nothing changes."""
+    if not any(block.shared_saved for block in profile.blocks):
+        return profile
+    blocks = list(profile.blocks)
+    for k, block in enumerate(blocks):
+        if block.fwd_other_bytes is None or not block.shared_saved:
+            continue
+        extra = sum(nbytes for _, nbytes, saver in block.shared_saved if kept is None or saver not in kept)
+        if extra:
+            blocks[k] = dataclasses.replace(block, fwd_other_bytes=block.fwd_other_bytes + extra)
+    return dataclasses.replace(profile, blocks=tuple(blocks))
+
+
 class _AllBut:
     """Every storage id but ``excluded``: what a variant's checkpoints may hold."""
 
@@ -146,18 +185,34 @@ class _AllBut:
         return storage not in self.excluded
 
 
+def kept_savers(profile: Profile) -> list[KeptSaver]:
+    """The blocks that save first shared tensors an earlier block takes first, largest first."""
+    sizes: dict[int, dict[int, int]] = {}
+    for block in profile.blocks:
+        for storage, nbytes, saver in block.shared_saved:
+            sizes.setdefault(saver, {})[storage] = nbytes
+    out = [KeptSaver(block=saver, num_bytes=sum(storages.values())) for saver, storages in sizes.items()]
+    return sorted(out, key=lambda k: (-k.num_bytes, k.block))
+
+
 def variant(profile: Profile, choices: tuple[Choice, ...]) -> Profile:
     """``profile`` (as measured) with ``choices`` made (see the module docstring): the shared
     tensors the code freed before a block counted back in its forward where a checkpoint may hold
-    them, as the search's bound does (`revived_profile`), but a dead group's, which none holds."""
+    them, as the search's bound does (`revived_profile`), but a dead group's, which none holds;
+    the shared tensors a later block saves first, in the forwards after it, but a kept saver's."""
     dead = frozenset().union(*(c.storages for c in choices if isinstance(c, SharedGroup)))
     profile = revived_profile(profile, _AllBut(dead))
+    profile = resaved_profile(profile, {c.block for c in choices if isinstance(c, KeptSaver)})
     blocks = list(profile.blocks)
     for choice in choices:
         if isinstance(choice, KeptNeighbour):
             j = choice.block - 1
             blocks[j] = dataclasses.replace(blocks[j], output_held_bytes=0, unavailable=_restricted(
                 blocks[j].unavailable, ("recompute", "selective", "offload"), _KEPT))
+            continue
+        if isinstance(choice, KeptSaver):
+            blocks[choice.block] = dataclasses.replace(blocks[choice.block], unavailable=_restricted(
+                blocks[choice.block].unavailable, ("recompute", "selective", "offload"), _SAVER))
             continue
         first = blocks[choice.first]
         blocks[choice.first] = dataclasses.replace(first, entry_bytes=first.entry_bytes - choice.num_bytes,
@@ -174,8 +229,8 @@ def variant(profile: Profile, choices: tuple[Choice, ...]) -> Profile:
 def variants(profile: Profile) -> list[Profile]:
     """The search's ``profile`` (`revived_profile` with ``held=None``) and its variants for every
     non-empty subset of its `MAX_CHOICES` largest choices."""
-    base = revived_profile(profile)
-    choices: list[Choice] = [*shared_groups(base), *kept_neighbours(base)]
+    base = resaved_profile(revived_profile(profile))
+    choices: list[Choice] = [*shared_groups(base), *kept_neighbours(base), *kept_savers(base)]
     choices = sorted(choices, key=lambda c: -c.num_bytes)[:MAX_CHOICES]
     subsets = itertools.chain.from_iterable(itertools.combinations(choices, r) for r in range(1, len(choices) + 1))
     return [base, *(variant(profile, subset) for subset in subsets)]
