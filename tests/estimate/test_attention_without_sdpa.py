@@ -8,6 +8,7 @@ else the model's own code (eager), and says which."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -215,11 +216,6 @@ def test_falcon_mamba_is_priced_as_its_kernels_on_a_gpu(tmp_path) -> None:
         falcon = transformers.FalconMambaForCausalLM(transformers.FalconMambaConfig(**{k: v for k, v in cfg.items()
                                                                                       if k != "model_type"}))
     assert not any(_unmodelled_state_space(m) for m in falcon.modules())
-    (tmp_path / "rwkv").mkdir()
-    rwkv = _config(tmp_path / "rwkv", model_type="rwkv", hidden_size=H, num_hidden_layers=2, attention_hidden_size=H,
-                   intermediate_size=128, vocab_size=96, context_length=64)
-    with pytest.raises(ValueError, match=r"runs no attention but state-space or recurrent layers \(Rwkv"):
-        _traced_layers(rwkv)
 
 
 def test_a_hybrid_prices_its_mamba2_layers_as_the_fused_kernel(tmp_path) -> None:
@@ -239,3 +235,62 @@ def test_a_hybrid_prices_its_mamba2_layers_as_the_fused_kernel(tmp_path) -> None
     # (24 bytes: `test_hf_models.py`)
     assert on_gpu[0] == on_gpu[1] < on_cpu[0] == on_cpu[1]
     assert on_gpu[2] - on_cpu[2] == on_gpu[3] - on_cpu[3] == 24
+
+
+def _saved_storage_bytes(fn, *args: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype, int]]:
+    """The tensors autograd saves in ``fn(*args)`` (parameters left out), one per storage: the
+    first saved tensor's shape and dtype, and its storage's bytes."""
+    seen, out = set(), []
+    params = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.nn.Parameter)}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen and key not in params:
+            seen.add(key)
+            out.append((tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return out
+
+
+def test_rwkv_time_mixing_is_priced_as_the_wkv_kernel(tmp_path, monkeypatch) -> None:
+    """RWKV was refused on a GPU: its time mixing runs the WKV CUDA kernel there, which saves the
+    decay (-exp of it, float32, one per channel), the key, the value and the kernel's output, where
+    the code without it (the CPU's, the meta device's) loops over the tokens and saves every step's
+    state. Its layers are priced as the kernel saves: each equal to `remat.profile`'s measurement
+    on the CPU of the model run with the stand-in (`remat.estimate.ssm.FusedWkv`, whose saved
+    tensors are the kernel's list), 178,688 bytes a layer under its code's here (a loop over 32
+    tokens, whose 352 per-token states of 2 x 64 floats grow with the tokens; the layer 363,008
+    bytes against 541,696). More tokens than the kernel is built for
+    (``context_length``) are refused."""
+    from transformers.models.rwkv import modeling_rwkv
+
+    from remat.estimate.ssm import FusedWkv, fused_wkv
+    from remat.estimate.trace import WKV_NOTE
+
+    cfg = dict(model_type="rwkv", hidden_size=H, num_hidden_layers=3, attention_hidden_size=H, intermediate_size=128,
+               vocab_size=96, context_length=64)
+    path = _config(tmp_path, **cfg)
+    label, on_gpu = _traced_layers(path)
+    assert label.endswith(WKV_NOTE) and "attention as" not in label
+    _, on_cpu = _traced_layers(path, gpu_kernels=False)
+    assert on_cpu == _measured_layers(cfg, "eager", transformers.RwkvForCausalLM)
+    decay, first = torch.nn.Parameter(torch.randn(H)), torch.nn.Parameter(torch.randn(H))
+    key, value = (torch.randn(2, S, H, requires_grad=True) for _ in range(2))
+    kernel = _saved_storage_bytes(FusedWkv.apply, decay, first, key, value)
+    # ctx.save_for_backward(time_decay, time_first, key, value, output): time_first a parameter
+    assert kernel == [((H,), torch.float32, H * 4), ((2, S, H), torch.float32, 2 * S * H * 4),
+                      ((2, S, H), torch.float32, 2 * S * H * 4), ((2, S, H), torch.float32, 2 * S * H * 4)]
+    monkeypatch.setattr(modeling_rwkv, "rwkv_linear_attention", fused_wkv(modeling_rwkv.rwkv_linear_attention))
+    assert on_gpu == _measured_layers(cfg, "eager", transformers.RwkvForCausalLM)
+    assert [c - g for c, g in zip(on_cpu, on_gpu)] == [178_688] * 3
+    with pytest.raises(ValueError, match=r"--seq 128 is more tokens than RWKV's WKV kernel is built for "
+                                         r"\(context_length 64\)"):
+        trace_source(ModelSource(hf_config_path=path), seq_len=128, dtype="fp32")
+    (tmp_path / "xlstm").mkdir()
+    xlstm = _config(tmp_path / "xlstm", model_type="xlstm", hidden_size=H, num_hidden_layers=2, num_heads=4,
+                    vocab_size=96)
+    with pytest.raises(ValueError, match=r"runs no attention but state-space or recurrent layers \(xLSTM"):
+        _traced_layers(xlstm)

@@ -35,6 +35,13 @@ where it is not, the chunk states in float32 and, with a gate, the ungated outpu
 
 A call with packed sequences (``seq_idx``, ``cu_seqlens``) or initial states is left to the model's
 code.
+
+RWKV's time mixing runs, on a GPU, the WKV CUDA kernel transformers loads from its kernel hub, through
+``RwkvLinearAttention`` (``rwkv_linear_attention``): its ``forward`` saves ``time_decay`` as
+``-exp`` of it in float32 (one value per channel), ``time_first``, the key and the value made
+contiguous (float32 where they are float16) and the kernel's output, an empty tensor of the key's
+shape it fills. `FusedWkv` stands in for it; the model's code without the kernel (the CPU's, the
+meta device's) runs a loop over the tokens that saves every step's state.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ CONV = "causal_conv1d_fn"
 """The causal depthwise convolution of a Mamba-1 mixer that runs it apart (Falcon-Mamba's)."""
 SCAN = "mamba_selective_scan"
 """And its selective scan."""
+WKV = "rwkv_linear_attention"
+"""RWKV's time mixing (`FusedWkv`)."""
 
 
 def _input_grads(ctx: Any, saved: tuple[Any, ...], places: Any) -> tuple[Any, ...]:
@@ -209,6 +218,43 @@ class FusedScan(torch.autograd.Function):
         return _input_grads(ctx, ctx.saved_tensors, range(8))
 
 
+class FusedWkv(torch.autograd.Function):
+    """``RwkvLinearAttention`` of transformers by what it saves and returns (module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, time_decay: torch.Tensor, time_first: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> torch.Tensor:
+        dtype = key.dtype
+        decay = -torch.exp(time_decay.float().contiguous())
+        if dtype == torch.float16:
+            time_first, key, value = time_first.float(), key.float(), value.float()
+        time_first, key, value = time_first.contiguous(), key.contiguous(), value.contiguous()
+        output = torch.empty_like(key, memory_format=torch.contiguous_format)
+        ctx.save_for_backward(decay, time_first, key, value, output)
+        ctx.dtype = dtype
+        return output.to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        decay, time_first, key, value, _ = ctx.saved_tensors
+        # the kernel's gradients, each in the inputs' dtype (the decay's in bfloat16 or float32 first)
+        return tuple(None if not ctx.needs_input_grad[i] else torch.empty_like(t, dtype=ctx.dtype)
+                     for i, t in enumerate((decay, time_first, key, value)))
+
+
+def fused_wkv(original: Any) -> Any:
+    """transformers' ``rwkv_linear_attention`` as `FusedWkv`, ``original`` where the kernel is not
+    called: a state asked for or given (generation), or one token (transformers runs its own code)."""
+
+    def wkv(time_decay: torch.Tensor, time_first: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            state: Any = None, return_state: bool = False) -> Any:
+        if state is not None or return_state or key.size(1) == 1:
+            return original(time_decay, time_first, key, value, state=state, return_state=return_state)
+        return FusedWkv.apply(time_decay, time_first, key, value), None
+
+    return wkv
+
+
 def fused_conv1d(original: Any) -> Any:
     """transformers' ``causal_conv1d_fn`` as `FusedConv1d`, ``original`` for what ``causal_conv1d``
     does not take (an activation other than SiLU, packed sequences, initial states)."""
@@ -256,9 +302,10 @@ def fused_mamba2(zxbcdt: torch.Tensor, conv1d_weight: torch.Tensor, conv1d_bias:
 
 class Mamba2Kernels:
     """Context manager: `fused_mamba2` in place of ``mamba2_split_conv1d_scan_combined``,
-    `fused_mamba_inner` of ``mamba_inner_fn``, `fused_conv1d` of ``causal_conv1d_fn`` and
-    `fused_selective_scan` of ``mamba_selective_scan`` in every loaded transformers modeling module
-    that has one, put back on exit."""
+    `fused_mamba_inner` of ``mamba_inner_fn``, `fused_conv1d` of ``causal_conv1d_fn``,
+    `fused_selective_scan` of ``mamba_selective_scan`` and `fused_wkv` of RWKV's
+    ``rwkv_linear_attention`` in every loaded transformers modeling module that has one, put back
+    on exit."""
 
     def __init__(self) -> None:
         self._saved: list[tuple[Any, Any]] = []
@@ -268,7 +315,7 @@ class Mamba2Kernels:
             if not name.startswith("transformers.models.") or module is None:
                 continue
             stand_ins = ((KERNEL, lambda _: fused_mamba2), (KERNEL_1, lambda _: fused_mamba_inner),
-                         (CONV, fused_conv1d), (SCAN, fused_selective_scan))
+                         (CONV, fused_conv1d), (SCAN, fused_selective_scan), (WKV, fused_wkv))
             for kernel, make in stand_ins:
                 if hasattr(module, kernel):
                     original = getattr(module, kernel)
@@ -289,5 +336,6 @@ def has_fused_mamba2(module: torch.nn.Module) -> bool:
     return any(hasattr(code, kernel) for kernel in (KERNEL, KERNEL_1, SCAN))
 
 
-__all__ = ["CONV", "FusedConv1d", "FusedMamba", "FusedMamba2", "FusedScan", "KERNEL", "KERNEL_1", "Mamba2Kernels",
-           "SCAN", "fused_conv1d", "fused_mamba2", "fused_mamba_inner", "fused_selective_scan", "has_fused_mamba2"]
+__all__ = ["CONV", "FusedConv1d", "FusedMamba", "FusedMamba2", "FusedScan", "FusedWkv", "KERNEL", "KERNEL_1",
+           "Mamba2Kernels", "SCAN", "WKV", "fused_conv1d", "fused_mamba2", "fused_mamba_inner", "fused_selective_scan",
+           "fused_wkv", "has_fused_mamba2"]

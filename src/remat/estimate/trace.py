@@ -25,6 +25,7 @@ import copy
 import inspect
 import math
 import os
+import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -38,7 +39,7 @@ from remat.estimate.comms import ModelFacts
 from remat.estimate.dataflow import GAP, Classified, classify
 from remat.estimate.kernels import (CpuKernels, GpuKernels, no_packed_sequence_check, register_flash_attention,
                                    register_meta_ctc_kernels)
-from remat.estimate.ssm import has_fused_mamba2
+from remat.estimate.ssm import WKV, has_fused_mamba2
 from remat.estimate.shares import Flow, Segment, Split, on_one_line, split_by_tokens, untokenized
 from remat.estimate.head import TracedHead, find_traced_head
 from remat.estimate.sharding import ModelParams, RoleShapes
@@ -643,6 +644,14 @@ def _trace_hf(source: ModelSource, *, seq_len: int, dtype: torch.dtype, layers: 
 
 MAMBA2_NOTE = " (its Mamba layers priced as mamba_ssm's fused kernels save: `remat.estimate.ssm`)"
 """What the estimate says of a model whose Mamba or Mamba-2 mixers it prices as the GPU's fused kernels."""
+WKV_NOTE = " (its time mixing priced as RWKV's WKV kernel saves: `remat.estimate.ssm`)"
+"""And of an RWKV model, whose time mixing it prices as the WKV CUDA kernel."""
+
+
+def _wkv(module: nn.Module) -> bool:
+    """Whether ``module`` is RWKV's time mixing, whose modeling code calls the WKV kernel through
+    ``rwkv_linear_attention`` (`remat.estimate.ssm.FusedWkv`)."""
+    return type(module).__name__.startswith("Rwkv") and hasattr(sys.modules.get(type(module).__module__), WKV)
 
 
 def _state_space(module: nn.Module) -> bool:
@@ -690,19 +699,21 @@ def _settle_attention(source: ModelSource, config: Any, dtype: torch.dtype, fuse
         model = build_hf_on_meta(config, layers=1, dtype=dtype)
     except Exception:  # noqa: BLE001 - `_build` words it
         return ""
-    recurrent = next((type(m).__name__ for m in model.modules()
-                      if _unmodelled_state_space(m) or type(m).__name__.startswith(("Rwkv", "xLSTM"))), None)
+    recurrent = next((type(m).__name__ for m in model.modules() if _unmodelled_state_space(m) or (
+        type(m).__name__.startswith(("Rwkv", "xLSTM")) and not _wkv(m))), None)
     if fused and recurrent is not None:
         raise ValueError(
             f"{source.label}: {type(config).__name__} runs no attention but state-space or recurrent layers ({recurrent}), "
             "which a GPU runs as fused kernels of their own (mamba_ssm's selective scan, RWKV's WKV kernel, xLSTM's "
-            "mLSTM kernels), whose saved tensors the estimate does not model (mamba_ssm's it does); their "
+            "mLSTM kernels), whose saved tensors the estimate does not model (mamba_ssm's and RWKV's it does); their "
             "code without "
             "those kernels, which the meta device would trace, saves every time step's state. Estimate it with "
             "--cpu-kernels for what a CPU runs, or measure it with `remat profile path/to/file.py:build` at a size "
             "that runs here.")
     if any(_state_space(m) for m in model.modules()) and not any("Attention" in type(m).__name__ for m in model.modules()):
         return ""  # no attention to trace (Mamba 2)
+    if fused and any(_wkv(m) for m in model.modules()):
+        return ""  # RWKV's time mixing, no softmax attention: the WKV kernel (`remat.estimate.ssm.FusedWkv`)
     import transformers
 
     models = [m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]
@@ -766,6 +777,9 @@ def _trace_hf_config(source: ModelSource, config: Any, part: str, *, seq_len: in
         label += STATE_SPACE_NOTE
     elif fused and any(_state_space(m) for m in model.modules()):
         label += MAMBA2_NOTE
+    if fused and any(_wkv(m) for m in model.modules()):
+        _check_wkv_length(config, source.label, seq_len)
+        label += WKV_NOTE
     if whole is not None and not _layers_share_weights(model):
         _check_copies(label, _copied_count(model, kinds), whole)  # before any trace: a count of shapes
         return _describe(label, model, tracer, kinds, seq_len, facts=facts, shape=shape)
@@ -823,6 +837,15 @@ def _layers_share_weights(model: nn.Module) -> bool:
             return True
         seen |= held
     return False
+
+
+def _check_wkv_length(config: Any, label: str, seq_len: int) -> None:
+    """Refuse more tokens than RWKV's WKV kernel is built for (``context_length``: it raises on a GPU)."""
+    limit = getattr(config, "context_length", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise ValueError(f"{label}: --seq {seq_len} is more tokens than RWKV's WKV kernel is built for "
+                         f"(context_length {limit}): a training step at that length fails on a GPU; pass --seq {limit} "
+                         "or less, or a config with a larger context_length.")
 
 
 def _first_layer_unique(whole: nn.Module) -> bool:
