@@ -114,10 +114,9 @@ def test_a_config_without_a_causal_lm_is_told_what_estimate_prices(tmp_path) -> 
      "ones traced (a mixture of experts every few layers, as NLLB-MoE's sparse_step), or it has layers beside the ones "
      "its config counts (an image encoder's)"),
     (dict(model_type="rwkv", hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
-          vocab_size=96, context_length=64), [],
-     "RwkvConfig runs no attention but state-space or recurrent layers (RwkvForCausalLM), which a GPU runs as "
-     "fused kernels of their own (mamba_ssm's selective scan, RWKV's WKV kernel, xLSTM's mLSTM kernels), whose "
-     "saved tensors the estimate does not model"),
+          vocab_size=96, context_length=16), [],
+     "--seq 32 is more tokens than RWKV's WKV kernel is built for (context_length 16): a training step at that "
+     "length fails on a GPU; pass --seq 16 or less"),
     (dict(model_type="blip-2", num_query_tokens=4,
           vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                              image_size=32, patch_size=8),

@@ -285,6 +285,15 @@ def test_hybrids_of_computed_or_shared_layers_are_priced_as_measured(tmp_path, c
                    repeats=1)
     blocks = traced.tracer(2)[0].blocks
     assert [blocks[k].saved_bytes for k in kinds] == [b.saved_bytes for b in prof.blocks]
+    if cfg is ZAMBA:  # the shared block: once, outside the layers, on each pipeline stage that runs it
+        from remat.estimate.sharding import gpu_state, StateRecipe
+
+        shared = sum(p.numel() for p in model.model.layers[2].shared_transf.parameters())
+        assert [(readers, part.count) for readers, part in traced.params.shared] == [(frozenset({2, 5, 7}), shared)]
+        recipe = StateRecipe(optimizer="adamw", precision="fp32", zero_stage=0)
+        one = gpu_state(traced.params, Parallelism(), 0, recipe).param_bytes
+        two = [gpu_state(traced.params, Parallelism(pipeline=2), k, recipe).param_bytes for k in (0, 1)]
+        assert sum(two) == one + 4 * (shared + traced.params.tied.count)  # the tied embedding's copy too
     if dtype == torch.float32:  # the estimate's bf16 is mixed precision (fp32 master weights), the model's pure
         strategies = {s.strategy: s for s in estimate(ModelSource(hf_config_path=path), seq_len=S, micro_batch=2,
                                                       dtype=fp, gpu_kernels=False).devices[0].strategies}

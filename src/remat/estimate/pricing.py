@@ -253,11 +253,12 @@ class Pricing:
         layers = [params.layers[i] for i in stage_layers(self.traced.num_layers, par, index)]
         grads = [float(part_grad_bytes(x, par, self.recipe)) for x in layers]
         pre = float(sum(part_grad_bytes(x, par, self.recipe) for x in (params.pre, params.tied)))
-        made = self.traced.gap_grads + self.traced.between_grads + self.traced.shared_grads
-        for layer, shapes in made:  # made in that layer's backward
+        for layer, shapes in self.traced.gap_grads + self.traced.between_grads:  # made after that layer's backward
             between = float(part_grad_bytes(shapes, par, self.recipe))
             grads[layer] += between
             pre -= between
+        for layer, shapes in self.traced.shared_grads:  # made in that layer's backward, not the pre part's
+            grads[layer] += float(part_grad_bytes(shapes, par, self.recipe))
         return dict(layer_grad_bytes=tuple(grads), pre_grad_bytes=pre)
 
     def state(self, index: int, zero_stage: int | None = None) -> ModelState:

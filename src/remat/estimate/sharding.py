@@ -70,6 +70,12 @@ class ModelParams:
     state) and no fp32 master copy under mixed precision. NeoMME's image patch embeddings, in a masked LM's step over text,
     priced 30 % above the measured peak as trained."""
 
+    shared: tuple[tuple[frozenset[int], RoleShapes], ...] = ()
+    """(the layers of the full model that run them, parameters): weights a layer holds and several
+    layers run (Zamba's transformer block, one module its hybrid layers share), held once on each
+    pipeline stage that runs one of those layers (as a tied embedding is on the first and last),
+    outside the layers' own (a ZeRO-3 unit of their own, as the embedding is)."""
+
     layer_gradless: tuple[RoleShapes, ...] = ()
     """Per layer of the full model (empty: none), its parameters frozen or read by no op, held as
     ``gradless`` is, on the layer's stage: BLIP's text layers' cross-attention, which its
@@ -80,6 +86,7 @@ class ModelParams:
     def count(self) -> int:
         """Parameters of the whole model, a tied one once."""
         return (self.pre.count + self.post.count + self.tied.count + self.gradless.count
+                + sum(shapes.count for _, shapes in self.shared)
                 + sum(layer.count for layer in self.layers) + sum(layer.count for layer in self.layer_gradless))
 
 
@@ -119,6 +126,8 @@ def _stage_parts(params: ModelParams, par: Parallelism, stage: int) -> list[Role
         parts.append(params.post)
         if not first:
             parts.append(params.tied)  # the last stage's copy of the tied embedding
+    held = set(stage_layers(len(params.layers), par, stage))
+    parts += [shapes for readers, shapes in params.shared if readers & held]  # a copy per stage that runs them
     return parts
 
 

@@ -209,7 +209,13 @@ class Traced:
             return _role_shapes(names, self.param_shapes, classified.roles)
 
         gradless = [n for n in outside if n in classified.gradless]
+        shared = {n: frozenset(i for i, k in enumerate(self.layer_kinds) if k in self._layer_readers(n))
+                  for n in trained if self._shared_between_layers(n)}
+        trained = [n for n in trained if n not in shared]
         return ModelParams(pre=part({"pre"}), post=part({"post"}), tied=part({"pre", "post"}),
+                           shared=tuple((readers, _role_shapes([n for n in shared if shared[n] == readers],
+                                                               self.param_shapes, classified.roles))
+                                        for readers in dict.fromkeys(shared.values())),
                            layers=tuple(traced[k] for k in self.layer_kinds),
                            gradless=_role_shapes(gradless, self.param_shapes, classified.roles),
                            layer_gradless=tuple(frozen[k] for k in self.layer_kinds) if any(f.count for f in frozen)
@@ -251,7 +257,8 @@ class Traced:
         for name in outside:
             segments = classified.used_in.get(name, frozenset())
             # run after layer k's forward, before layer k + 1's (between two stacks: `gap_grads`)
-            if name not in classified.gradless and segments and all(s.startswith("layer:") for s in segments):
+            if (name not in classified.gradless and segments and all(s.startswith("layer:") for s in segments)
+                    and not self._shared_between_layers(name)):  # weights a layer holds: `shared_grads`
                 traced = max(int(s.split(":", 1)[1]) for s in segments) + 1
                 if traced in self.layer_kinds:
                     after.setdefault(self.layer_kinds.index(traced), []).append(name)
@@ -278,6 +285,11 @@ class Traced:
             out[name] = layer
         return out
 
+    def _shared_between_layers(self, name: str) -> bool:
+        """Whether parameter ``name`` is held by a layer and run by several (`_layer_of`: none
+        holds it then)."""
+        return self._layer_of[name] is None and any(name.startswith(b + ".") for b in self.layer_names)
+
     def _layer_readers(self, name: str) -> set[int]:
         """The traced layers whose ops read parameter ``name``, where only layers' ops read it (else
         an empty set)."""
@@ -295,9 +307,8 @@ class Traced:
         (Zamba's full recomputation 4.7 % under the measured peak so)."""
         classified = self.classified(1)
         after: dict[int, list[str]] = {}
-        for name, layer in self._layer_of.items():
-            if layer is not None or name in classified.gradless or not any(
-                    name.startswith(b + ".") for b in self.layer_names):
+        for name in self._layer_of:
+            if name in classified.gradless or not self._shared_between_layers(name):
                 continue
             readers = self._layer_readers(name)
             last = max((i for i, k in enumerate(self.layer_kinds) if k in readers), default=None)
