@@ -275,7 +275,8 @@ def test_rwkv_time_mixing_is_priced_as_the_wkv_kernel(tmp_path, monkeypatch) -> 
     path = _config(tmp_path, **cfg)
     label, on_gpu = _traced_layers(path)
     assert label.endswith(WKV_NOTE) and "attention as" not in label
-    _, on_cpu = _traced_layers(path, gpu_kernels=False)
+    cpu_label, on_cpu = _traced_layers(path, gpu_kernels=False)
+    assert cpu_label == path  # no attention to speak of, nor a kernel on the CPU
     assert on_cpu == _measured_layers(cfg, "eager", transformers.RwkvForCausalLM)
     decay, first = torch.nn.Parameter(torch.randn(H)), torch.nn.Parameter(torch.randn(H))
     key, value = (torch.randn(2, S, H, requires_grad=True) for _ in range(2))

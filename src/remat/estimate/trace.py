@@ -723,8 +723,8 @@ def _settle_attention(source: ModelSource, config: Any, dtype: torch.dtype, fuse
             "that runs here.")
     if any(_state_space(m) for m in model.modules()) and not any("Attention" in type(m).__name__ for m in model.modules()):
         return ""  # no attention to trace (Mamba 2)
-    if fused and any(_wkv(m) for m in model.modules()):
-        return ""  # RWKV's time mixing, no softmax attention: the WKV kernel (`remat.estimate.ssm.FusedWkv`)
+    if any(_wkv(m) for m in model.modules()):
+        return ""  # RWKV's time mixing, no softmax attention (on a GPU the WKV kernel: `remat.estimate.ssm.FusedWkv`)
     import transformers
 
     models = [m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]
