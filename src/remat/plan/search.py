@@ -11,7 +11,7 @@ registry, the fixed part in one place) and solves it one of two ways:
   (keep / selective / offload per block, recompute segments nested to any depth) that fits is
   predicted faster. `Optimality.quantum_bytes` is 1. Terms that depend on other blocks'
   strategies (a mask no checkpoint holds, a kept forward after a kept block) are priced exactly by
-  solving one problem per combination of them (`remat.plan.variants`, at most 2^3): every point
+  solving one problem per combination of them (`remat.plan.variants`, at most 2^4): every point
   of the curve (`exact_curve`) is the peak and time `predict` gives its layout.
 - in slots (`remat.plan.slots`) otherwise: the plan fits, its distance from the optimum is bounded
   and reported (`Optimality`), and the layouts rounding could lose at the ends are checked with

@@ -48,8 +48,9 @@ from remat.plan.phases import keep_forward_bytes, working_bytes
 __all__ = ["SharedGroup", "KeptNeighbour", "KeptSaver", "shared_groups", "kept_neighbours", "kept_savers", "variant",
            "variants", "MAX_CHOICES", "revived_profile", "resaved_profile"]
 
-MAX_CHOICES = 3
-"""Choices the exact search solves both ways: 2^3 problems at most."""
+MAX_CHOICES = 4
+"""Choices the exact search solves both ways: 2^4 problems at most (Funnel's decoder: three groups of
+shared tensors and a saver of one; with three, its 512-byte group stayed a bound)."""
 _DEAD = "a variant of the search in which no checkpoint holds the shared tensors this block takes"
 _KEPT = "a variant of the search in which this block is kept (the next block's forward is priced so)"
 _SAVER = "a variant of the search in which this block is kept (the forwards after it priced with what it saves)"
