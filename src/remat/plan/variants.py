@@ -40,9 +40,9 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from collections.abc import Container
+from collections.abc import Callable, Container
 
-from remat.measure.types import Profile
+from remat.measure.types import BlockProfile, Profile
 from remat.plan.phases import keep_forward_bytes, working_bytes
 
 __all__ = ["SharedGroup", "KeptNeighbour", "KeptSaver", "shared_groups", "kept_neighbours", "kept_savers", "variant",
@@ -133,17 +133,24 @@ def kept_neighbours(profile: Profile) -> list[KeptNeighbour]:
     return sorted(out, key=lambda k: (-k.num_bytes, k.block))
 
 
+def _forwards_changed(profile: Profile, has: Callable[[BlockProfile], object],
+                      change: Callable[[BlockProfile], dict]) -> Profile:
+    """``profile`` with ``change(block)``'s fields set on each block whose forward was priced
+    (``fwd_other_bytes``) and for which ``has(block)``; ``profile`` itself where no block has."""
+    if not any(has(block) for block in profile.blocks):
+        return profile
+    return dataclasses.replace(profile, blocks=tuple(
+        dataclasses.replace(block, **change(block)) if block.fwd_other_bytes is not None and has(block) else block
+        for block in profile.blocks))
+
+
 def revived_profile(profile: Profile, held: Container[int] | None = None) -> Profile:
     """``profile`` with the shared tensors the model's code freed before each block's forward
     (`remat.measure.types.BlockProfile.shared_freed`, which its ``fwd_other_bytes`` counts out)
     counted back in that forward where a checkpoint holds them: those whose storage ids are in
     ``held``, every one where None (the search's bound). ``profile`` itself where nothing changes."""
-    if not any(block.shared_freed for block in profile.blocks):
-        return profile
-    blocks = list(profile.blocks)
-    for j, block in enumerate(blocks):
-        if block.fwd_other_bytes is None or not block.shared_freed:
-            continue
+
+    def change(block: BlockProfile) -> dict:
         extra = sum(nbytes for storage, nbytes in block.shared_freed if held is None or storage in held)
         between = block.between_fwd_peak_bytes
         if block.between_fwd_apart_bytes is not None:
@@ -152,9 +159,9 @@ def revived_profile(profile: Profile, held: Container[int] | None = None) -> Pro
             dead = sum(nbytes for storage, nbytes in block.shared_freed
                        if storage in block.shared_freed_between and held is not None and storage not in held)
             between = min(between, block.between_fwd_apart_bytes + dead)
-        blocks[j] = dataclasses.replace(block, fwd_other_bytes=block.fwd_other_bytes + extra,
-                                        between_fwd_peak_bytes=between)
-    return dataclasses.replace(profile, blocks=tuple(blocks))
+        return {"fwd_other_bytes": block.fwd_other_bytes + extra, "between_fwd_peak_bytes": between}
+
+    return _forwards_changed(profile, lambda block: block.shared_freed, change)
 
 
 def resaved_profile(profile: Profile, kept: Container[int] | None = None) -> Profile:
@@ -164,16 +171,12 @@ def resaved_profile(profile: Profile, kept: Container[int] | None = None) -> Pro
     ``kept`` blocks of the plan (a recomputed, selective or offloaded block saves none of its
     inputs on the device); not kept anywhere where None (the search's bound). ``profile`` itself
     where nothing changes."""
-    if not any(block.shared_saved for block in profile.blocks):
-        return profile
-    blocks = list(profile.blocks)
-    for k, block in enumerate(blocks):
-        if block.fwd_other_bytes is None or not block.shared_saved:
-            continue
+
+    def change(block: BlockProfile) -> dict:
         extra = sum(nbytes for _, nbytes, saver in block.shared_saved if kept is None or saver not in kept)
-        if extra:
-            blocks[k] = dataclasses.replace(block, fwd_other_bytes=block.fwd_other_bytes + extra)
-    return dataclasses.replace(profile, blocks=tuple(blocks))
+        return {"fwd_other_bytes": block.fwd_other_bytes + extra}
+
+    return _forwards_changed(profile, lambda block: block.shared_saved, change)
 
 
 class _AllBut:
