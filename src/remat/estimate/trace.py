@@ -813,8 +813,9 @@ def with_layer_values(config: Any, values: Mapping[str, Any]) -> Any:
     from its periods and offsets, which cannot give two attention layers in a row) is set on a
     subclass of the config's own, of the same name (transformers' auto classes find the model by
     the config class's name), also where the list's name is an alias of it (RecurrentGemma's
-    ``layer_types``, its ``layers_block_type``, computed from ``block_types``); a list of layer indices the config derived from another when it was
-    made (Zamba 2's ``hybrid_layer_ids``, from ``layers_block_type``) is derived again."""
+    ``layer_types``, its ``layers_block_type``, computed from ``block_types``); a list of layer
+    indices the config derived from another when it was made (Zamba 2's ``hybrid_layer_ids``, from
+    ``layers_block_type``) is derived again."""
     config = copy.deepcopy(config)
     computed = {}
     for name, value in values.items():
