@@ -83,3 +83,35 @@ def test_blocks_see_whether_they_are_replayed(net):
     applied(x).backward()
     assert [block.seen for block in applied.blocks] == [[False, True], [False, True], [False], [False]]
     assert not replaying()
+
+
+class Unsaving(nn.Module):
+    """``x + fc2(relu(fc1(2 x)))``: nothing it saves is its input (the scaled copy is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.relu(self.fc1(x * 2.0)))
+
+
+@pytest.mark.parametrize("segments", [
+    (_r(0, 3, _r(0, 1)), Segment(start=3, stop=4, strategy="keep")),
+    (_r(0, 4, _r(0, 1)),),
+    (Segment(start=0, stop=1, strategy="keep"), _r(1, 4, _r(1, 2))),
+    (_r(0, 4, _r(0, 1), _r(1, 2)),),
+], ids=["first of three", "first of four", "after a kept block", "two children"])
+def test_a_replay_lets_a_nested_childs_output_go(segments):
+    """A replay's nested child hands its output to the blocks after it and lets it go: held by
+    the parent's replay while they ran, it measured 7.8-9.3 % over the prediction when they do
+    not save their input (a 512 x 64 activation live through their backward)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), *[Unsaving() for _ in range(4)])
+    x, optimizer = torch.randn(512, 8), torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = lambda out, batch: out.pow(2).mean()  # noqa: E731
+    prof = remat.profile(model, x, loss_fn, optimizer, blocks="Unsaving", repeats=1)
+    assert [b.saved_bytes for b in prof.blocks] == [2 * 512 * 64 * 4] * 4  # 2 x and relu's output
+    check = remat.verify(model, x, make_plan(prof, segments, "optimal", None), loss_fn, optimizer, repeats=1)
+    assert check.ok and check.grads_identical and check.grad_max_abs_diff == 0.0
+    assert check.measured_peak_bytes == check.predicted_peak_bytes

@@ -287,22 +287,20 @@ class Runtime:
                 outputs[-1] = None
             return out
 
+        # A part's input is handed on, never held here: a local naming it would keep a block's
+        # output through the next part, which need not save it.
         pos = seg.start
         for child in sorted(seg.children, key=lambda c: c.start):
             for part in ((pos, child.start, None), (child.start, child.stop, child)):
                 if part[0] >= part[1]:
                     continue
-                if outputs:
-                    first = next_input()
                 if part[2] is None:
-                    outputs += self.run_plain(part[0], part[1], first, extra, kwargs)
+                    outputs += self.run_plain(part[0], part[1], next_input() if outputs else first, extra, kwargs)
                 else:
-                    outputs += self.run_segment(part[2], first, extra, kwargs)
+                    outputs += self.run_segment(part[2], next_input() if outputs else first, extra, kwargs)
             pos = child.stop
         if pos < seg.stop:
-            if outputs:
-                first = next_input()
-            outputs += self.run_plain(pos, seg.stop, first, extra, kwargs)
+            outputs += self.run_plain(pos, seg.stop, next_input() if outputs else first, extra, kwargs)
         return outputs
 
 
