@@ -90,6 +90,28 @@ class AdapterNet(nn.Module):
         return self.head(x).square().mean()
 
 
+class ScaledBlock(nn.Module):
+    """``x + fc2(relu(fc1(2 x)))``: it saves the scaled copy, not its input, which a nested
+    checkpoint's replay holds only while the child's first block runs forward again
+    (`remat.plan.predict.layout_peak`)."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.relu(self.fc1(x * 2.0)))
+
+
+def scaled_profile(num_blocks: int = 6):
+    """``num_blocks`` ScaledBlocks, width 32, hidden 64, batch 256, no optimizer."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(ScaledBlock(32, 64) for _ in range(num_blocks)))
+        batch = torch.randn(256, 32)
+    return remat.profile(model, batch, lambda out, _: out.square().mean(), repeats=1)
+
+
 def adapter_model(num_blocks: int = 4) -> tuple[AdapterNet, torch.Tensor]:
     """Width 32, bottlenecks 48, 8, 24, 64 (the first ``num_blocks``), batch 64."""
     with torch.random.fork_rng(devices=[]):

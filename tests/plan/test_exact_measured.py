@@ -1,9 +1,12 @@
 """The optimal planner against every layout of measured profiles whose blocks differ.
 
-Four tiny real models are profiled here (``repeats=1``; `measured_models`): an MLP whose widths
+Five tiny real models are profiled here (``repeats=1``; `measured_models`): an MLP whose widths
 vary (6 blocks), a ConvNet whose stages halve the image (5 blocks), the built-in GPT (3
-blocks) and adapters behind frozen projections (4 blocks, none saving its input: a replay's
-first block and its later ones hold different bytes). For every budget that matters (each enumerated layout's own peak, each point of the
+blocks), adapters behind frozen projections (4 blocks, none saving its input: a replay's
+first block and its later ones hold different bytes) and residual blocks that save a scaled
+copy of their input (6 blocks: a nested child's input is held through its backward only where
+the child begins its top-level segment; searched as always held, some budgets got a slower
+plan than the best that fits). For every budget that matters (each enumerated layout's own peak, each point of the
 time-memory frontier and 1 and 4096 bytes above it) the plan must fit by `predict` and no layout
 of the space (`plan_space`: keep / selective / offload per block, nested recompute segments) that
 fits may be predicted faster; below the least peak nothing is planned. Timings differ from run
@@ -24,7 +27,7 @@ from remat.plan.predict import keep_peak_bytes, predict
 from remat.plan.search import OptimalSearch, block_options
 from remat.plan.types import Segment
 
-from measured_models import adapter_model, adapter_profile, convnet_profile, gpt_profile, mlp_profile
+from measured_models import adapter_model, adapter_profile, convnet_profile, gpt_profile, mlp_profile, scaled_profile
 from plan_space import combine, element_tables, enumerate_space, layouts
 
 pytestmark = pytest.mark.slow
@@ -40,6 +43,7 @@ def measured():
         "convnet": convnet_profile(5),
         "gpt": gpt_profile(num_layers=3, d_model=32, num_heads=2, seq_len=64, batch_size=4, vocab_size=64),
         "adapters": adapter_profile(4),
+        "scaled": scaled_profile(6),
     }
 
 
@@ -66,7 +70,7 @@ def _check_every_budget(profile, space, joins=None) -> None:
     assert search.choose(floor - 1) is None
 
 
-@pytest.mark.parametrize("name", ["mlp", "convnet", "gpt", "adapters"])
+@pytest.mark.parametrize("name", ["mlp", "convnet", "gpt", "adapters", "scaled"])
 def test_optimal_is_the_best_layout_at_every_budget(measured, spaces, name):
     profile, space = measured[name], spaces[name]
     assert len(space.frontier()) >= 3  # the budgets trade memory for time
@@ -77,7 +81,7 @@ def test_optimal_is_the_best_layout_at_every_budget(measured, spaces, name):
         plan(profile, budget=floor - 1)
 
 
-@pytest.mark.parametrize("name", ["mlp", "convnet", "gpt", "adapters"])
+@pytest.mark.parametrize("name", ["mlp", "convnet", "gpt", "adapters", "scaled"])
 def test_pareto_is_the_enumerated_frontier(measured, spaces, name):
     profile, frontier = measured[name], spaces[name].frontier()
     got = [(p.prediction.peak_bytes, p.prediction.step_ms) for p in pareto(profile)][::-1]

@@ -724,9 +724,10 @@ def least_requirement(problem: ChainProblem) -> tuple[int, tuple[Element, ...]]:
     (``first``) apart from the rest of a longer region starting there (``rest``):
     ``first[l][a] = min(max(work'_a, held'_a + rest[l-1][a+1]), child)`` and ``rest`` the same
     with the block's figures kept later in a replay (`ChainBlock.kept_slots`),
-    ``child = min_{j<l} max(first[j][a], input'_[a,a+j) + rest[l-j][a+j])``, of length 1 the
-    block's need as a region's last, with the top level closing on the head's backward over
-    ``first``."""
+    ``child = min_{j<l} max(first[j][a], input'_[a,a+j) + rest[l-j][a+j])`` (in ``rest``,
+    ``rest[j][a]``: a first child is replayed as its region, `remat.plan.predict.layout_peak`),
+    of length 1 the block's need as a region's last, with the top level closing on the head's
+    backward over ``first``."""
     blocks, n = problem.blocks, len(problem.blocks)
     gp = _frame(problem).grad_prefix
     empty = np.full(n + 1, _NONE, dtype=np.int64)
@@ -746,13 +747,13 @@ def least_requirement(problem: ChainProblem) -> tuple[int, tuple[Element, ...]]:
                 picks.append(np.full(rows, choice, dtype=np.int64))
             continue
         after = rest[length - 1][1 : rows + 1]
-        child, choice = np.full(rows, -_NONE, dtype=np.int64), np.zeros(rows, dtype=np.int64)
-        for j in range(1, length):
-            held = inputs[:rows] - (gp[j : j + rows] - gp[:rows])
-            cand = np.maximum(first[j][:rows], held + rest[length - j][j : j + rows])
-            better = cand < child
-            child, choice = np.where(better, cand, child), np.where(better, j, choice)
         for table, picks, own in ((first, pick_first, kept[0]), (rest, pick_rest, kept[1])):
+            child, choice = np.full(rows, -_NONE, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+            for j in range(1, length):  # a first child replayed as its region (its input is the region's)
+                held = inputs[:rows] - (gp[j : j + rows] - gp[:rows])
+                cand = np.maximum(table[j][:rows], held + rest[length - j][j : j + rows])
+                better = cand < child
+                child, choice = np.where(better, cand, child), np.where(better, j, choice)
             keep = np.maximum(own[:rows, 2 if length == 1 else 1], own[:rows, 0] + after)
             table.append(np.where(keep <= child, keep, child))
             picks.append(np.where(keep <= child, 0, choice))
@@ -772,9 +773,12 @@ def _least_alike(block: ChainBlock, first, rest, length: int) -> tuple[tuple[int
     if length == 1:
         return (keeps[0], 0), (keeps[1], 0)
     js = np.arange(1, length)
-    cands = np.maximum(firsts[1:length], block.input_slots - js * g + rests[length - 1 : 0 : -1])
-    j = int(np.argmin(cands))
-    return tuple((keep, 0) if keep <= cands[j] else (int(cands[j]), j + 1) for keep in keeps)  # type: ignore[return-value]
+    out = []
+    for keep, own in zip(keeps, (firsts, rests)):  # a first child replayed as its region
+        cands = np.maximum(own[1:length], block.input_slots - js * g + rests[length - 1 : 0 : -1])
+        j = int(np.argmin(cands))
+        out.append((keep, 0) if keep <= cands[j] else (int(cands[j]), j + 1))
+    return tuple(out)  # type: ignore[return-value]
 
 
 def _least_top(problem: ChainProblem, need, picks, gp: np.ndarray) -> tuple[int, tuple[Element, ...]]:
@@ -802,17 +806,14 @@ def _least_top(problem: ChainProblem, need, picks, gp: np.ndarray) -> tuple[int,
     return top[0], tuple(layout)
 
 
-def _least_inner(picks, a: int, length: int) -> tuple[Element, ...]:
+def _least_inner(picks, a: int, length: int, table: int = 0) -> tuple[Element, ...]:
     """The children of the replay of a segment ``[a, a+length)`` (``picks``: the choices of the
-    ``first`` and ``rest`` tables of `least_requirement`)."""
+    ``first`` and ``rest`` tables of `least_requirement`; ``table``: the segment's, 1 for a child
+    after its parent's first element)."""
     out: list[Element] = []
-    table = 0  # the segment's own replay; after its first element, the rest of it
-    while length > 0:
+    while length > 0:  # the segment's own replay; after its first element, the rest of it
         j = int(picks[table][length][a])
-        table = 1
-        if j == 0:
-            a, length = a + 1, length - 1
-            continue
-        out.append(Element(start=a, stop=a + j, option=None, children=_least_inner(picks, a, j)))
-        a, length = a + j, length - j
+        if j:
+            out.append(Element(start=a, stop=a + j, option=None, children=_least_inner(picks, a, j, table)))
+        a, length, table = a + max(j, 1), length - max(j, 1), 1
     return tuple(out)

@@ -141,19 +141,21 @@ class ExactSolution:
                 a, point = stop, int(top.next[point])
         return tuple(out)
 
-    def _children(self, length: int, point: int) -> tuple[Element, ...]:
+    def _children(self, length: int, point: int, tables: list[_Packed] | None = None) -> tuple[Element, ...]:
         """Recompute children of the replay of a segment of ``length`` blocks at its ``point``
-        (in ``inner``; what follows its first element, in ``rest``)."""
+        (in ``inner``, or ``tables``: a child's, those it was found in; what follows its first
+        element, in ``rest``)."""
         out: list[Element] = []
-        tables = self.inner
+        tables = self.inner if tables is None else tables
         while length > 0:
-            table, tables = tables[length], self.rest
+            table = tables[length]
             a, j = int(table.rows[point]), int(table.first[point])
             if j == 0:
-                length, point = length - 1, int(table.child[point])
+                length, point, tables = length - 1, int(table.child[point]), self.rest
                 continue
-            out.append(Element(start=a, stop=a + j, option=None, children=self._children(j, int(table.child[point]))))
-            length, point = length - j, int(table.rest[point])
+            out.append(Element(start=a, stop=a + j, option=None,
+                               children=self._children(j, int(table.child[point]), tables)))
+            length, point, tables = length - j, int(table.rest[point]), self.rest
         return tuple(out)
 
 
@@ -254,7 +256,9 @@ def _inner_tables(problem: ChainProblem, budget: _Budget) -> tuple[list[_Packed]
     of one length at once, up to the longest segment the joins allow (longer ones are unused);
     and ``rest[l]``, the same for what follows a replay's first element, whose first block, if
     kept, comes after another block of the replay (`remat.plan.chain_dp.ChainBlock.kept_slots`;
-    ``rest`` is ``inner`` where no block's figures differ so)."""
+    ``rest`` is ``inner`` where no block's figures differ so). A child there is replayed as
+    ``rest`` too: its input, saved into the parent's replay, is let go once the child's replay
+    takes it (`remat.plan.predict.layout_peak`)."""
     n, arr = len(problem.blocks), _arrays(problem)
     longest = max((problem.longest_segment(a) for a in range(n)), default=0)
     none = np.zeros(0, dtype=np.int64)
@@ -263,9 +267,10 @@ def _inner_tables(problem: ChainProblem, budget: _Budget) -> tuple[list[_Packed]
     rest = inner if alike else list(inner)
     for length in range(1, longest + 1):
         rows = n - length + 1
-        children = [_child_first(inner[j], rest[length - j], arr, rows, j, problem.segment_ms) for j in range(1, length)]
         own = [(inner, arr.first)] + ([] if alike else [(rest, arr.later)])
         for tables, kept in own:
+            # a first child's replay is as its region's: the child's input is the region's
+            children = [_child_first(tables[j], rest[length - j], arr, rows, j, problem.segment_ms) for j in range(1, length)]
             parts = [_keep_first(rest[length - 1], kept, arr.stop_saving, rows, length)] + children
             group, need, cost, first, child, after = (np.concatenate(column) for column in zip(*parts))
             budget.spend(need.size)
