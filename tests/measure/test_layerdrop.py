@@ -105,3 +105,19 @@ def test_wav2vec2_with_layerdrop_finds_every_encoder_layer():
     prof = remat.profile(model, batch, repeats=1)
     assert [b.name for b in prof.blocks][-2:] == ["wav2vec2.encoder.layers.0", "wav2vec2.encoder.layers.1"]
     assert model.config.layerdrop == 0.9
+
+
+def test_a_rate_per_layer_is_zero_inside():
+    """x-transformers' ``AttentionLayers`` keeps a rate per layer (``self.layer_dropouts``, a
+    tuple) and skips a layer on ``random() < rate``: left on, its profile found no blocks
+    ("do not run each member exactly once per step")."""
+    model = Dropping(0.0)
+    model.layer_dropouts = (0.3, 0.0, 0.5, 0.0)
+    model.config.layer_dropout = [0.0, 0.1]
+    model.flags_layerdrop = (True, False)  # not rates: left alone
+    model.text_layer_drop = (0.0, 0.0)  # rates already 0: left alone
+    with LayerDropOff(model) as off:
+        assert model.layer_dropouts == (0.0, 0.0, 0.0, 0.0) and model.config.layer_dropout == [0.0, 0.0]
+        assert sorted(off.changed) == ["Dropping.layer_dropouts", "SimpleNamespace.layer_dropout"]
+        assert model.flags_layerdrop == (True, False) and model.text_layer_drop == (0.0, 0.0)
+    assert model.layer_dropouts == (0.3, 0.0, 0.5, 0.0) and model.config.layer_dropout == [0.0, 0.1]
