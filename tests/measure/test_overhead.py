@@ -263,7 +263,8 @@ def test_the_checkpointed_forward_curve_counts_the_blocks_calls_alone(monkeypatc
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
     inputs = BlockInputs(args=(torch.randn(4, 8, requires_grad=True),), kwargs={})
-    curve, freed_at = checkpointed_forward_curve(block, inputs)
+    curve, freed_at, graph_held = checkpointed_forward_curve(block, inputs)
     # the block's calls: t (a view), addmm (4 x 8 floats), relu (4 x 8 floats)
     assert curve == (0, 128, 256)
     assert freed_at == (3, 3)  # addmm's and relu's storages, live to the end
+    assert graph_held == ()  # relu's output is the output; addmm's freed once the block returned

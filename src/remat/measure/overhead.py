@@ -53,6 +53,7 @@ from __future__ import annotations
 import copy
 
 import contextlib
+import dataclasses
 import functools
 import statistics
 import weakref
@@ -74,6 +75,7 @@ from remat.measure.blocks import Blocks
 from remat.measure.faults import FaultCount
 from remat.measure.ops import new_storages
 from remat.measure.probes import Attempts
+from remat.measure.storage import storage_key
 from remat.measure.timing import Clock
 from remat.measure.tracker import LiveTracker
 from remat.measure.types import WRITES_INPUT
@@ -105,6 +107,9 @@ class BlockOverheads:
     checkpointed_fwd_freed_at: tuple[int, ...] = ()
     """Per storage the forward made (numbered as `remat.measure.ops.OpRecorder` numbers them),
     the call from which it was no longer live (`checkpointed_forward_curve`)."""
+    graph_held: tuple[tuple[int, int], ...] = ()
+    """``(number, bytes)`` of each storage (numbered so) that checkpointed forward left to its
+    autograd graph (`checkpointed_forward_curve`)."""
     unavailable: tuple[tuple[str, str], ...] = ()
     """``(strategy, reason)`` of each strategy whose probe raised (``recompute``, ``selective``)."""
 
@@ -260,7 +265,7 @@ def _group_overheads(runs: list[tuple[nn.Module, BlockInputs]], op_keys: frozens
     strategy's runs (`remat.measure.probes.Attempts`)."""
     attempts = Attempts()
     series: dict[str, list[float]] = {"selective": [], "recompute": [], "cache": []}
-    curve, freed_at = attempts.run("recompute", checkpointed_forward_curve, *runs[0]) or ((), ())
+    curve, freed_at, graph_held = attempts.run("recompute", checkpointed_forward_curve, *runs[0]) or ((), (), ())
     rep, repeats = 0, 0
     while rep <= repeats:
         module, inputs = runs[max(rep - 1, 0) % len(runs)]
@@ -275,7 +280,7 @@ def _group_overheads(runs: list[tuple[nn.Module, BlockInputs]], op_keys: frozens
         else:
             repeats = count.of(sum(run[1] for run in (plain, full, selective, cached) if run is not None))
         rep += 1
-    return _overheads_of(series, curve, freed_at, _unavailable(attempts))
+    return dataclasses.replace(_overheads_of(series, curve, freed_at, _unavailable(attempts)), graph_held=graph_held)
 
 
 _ALONE = "run alone"
@@ -352,16 +357,27 @@ class _Curve(TorchDispatchMode):
         """``freed_at``, with the storages still live at the end at ``len(points)``."""
         return tuple(len(self.points) if at < 0 else at for at in self.freed_at)
 
+    def live_after(self) -> dict[int, int]:
+        """Storage key -> number of the storages the forward made that are live now."""
+        live = self.tracker.live_keys()
+        return {key: number for key, number in self._live.items() if key in live}
 
-def checkpointed_forward_curve(module: nn.Module, inputs: BlockInputs) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(curve, freed at) of a checkpointed forward of ``module`` (as `remat.apply` runs it:
-    autograd keeps only the input). Curve: the bytes it has made live after each op call, beyond
-    what was live before it. Freed at: per storage it made, numbered in the order made, the call
-    from which it was no longer live (the number of calls: still live at the end). What a
-    selective forward holds beyond the curve is its cache, each cached output from the call its
-    storage would have been freed at (`remat.plan.costs.selective_working_bytes`): with the plain
-    forward's curve instead, which counts every saved storage, the bound on the built-in GPT's
-    save-matmuls forward was 4.6 % above the measured peak."""
+
+def checkpointed_forward_curve(module: nn.Module, inputs: BlockInputs
+                               ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """(curve, freed at, graph-held) of a checkpointed forward of ``module`` (as `remat.apply`
+    runs it: autograd keeps only the input). Curve: the bytes it has made live after each op
+    call, beyond what was live before it. Freed at: per storage it made, numbered in the order
+    made, the call from which it was no longer live (the number of calls: still live at the end).
+    What a selective forward holds beyond the curve is its cache, each cached output from the
+    call its storage would have been freed at (`remat.plan.costs.selective_working_bytes`): with
+    the plain forward's curve instead, which counts every saved storage, the bound on the
+    built-in GPT's save-matmuls forward was 4.6 % above the measured peak. Graph-held:
+    ``(number, bytes)`` of the storages it made, not its outputs, still live once it returned and
+    gone with its outputs' graph: tensors a custom ``torch.autograd.Function`` keeps as
+    attributes of its ``ctx`` (an intermediate, as torch's documentation has it, which no
+    saved-tensor hook sees), held by the graph whatever checkpointing does
+    (`remat.measure.types.BlockProfile.graph_held_storages`)."""
     leaves = [t for t in tree_leaves((inputs.args, inputs.kwargs)) if isinstance(t, torch.Tensor)]
     device = leaves[0].device if leaves else next((p.device for p in module.parameters()), torch.device("cpu"))
     tracker = LiveTracker(device)
@@ -376,8 +392,13 @@ def checkpointed_forward_curve(module: nn.Module, inputs: BlockInputs) -> tuple[
 
     with torch.enable_grad(), curve, tracker, inputs.call_context():
         out = _checkpointed(module, inputs.args, inputs.kwargs, forward=recorded)
-    del out
-    return tuple(curve.points), curve.finish()
+        outputs = {storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+        held = {key: (number, tracker.bytes_of_key(key)) for key, number in curve.live_after().items()
+                if key not in outputs}
+        del out
+        left = curve.live_after()  # what outlives the graph: the module's or the code's, not the graph's
+    graph_held = tuple(sorted(pair for key, pair in held.items() if key not in left))
+    return tuple(curve.points), curve.finish(), graph_held
 
 
 class _Twice(nn.Module):

@@ -874,7 +874,8 @@ def _aligned(overheads: BlockOverheads, calls: int) -> BlockOverheads:
     does not line up is left out and the planner takes its bound (`checkpointed_forward_peak`)."""
     if len(overheads.checkpointed_fwd_live_bytes) in (0, calls):
         return overheads
-    return dataclasses.replace(overheads, checkpointed_fwd_live_bytes=(), checkpointed_fwd_freed_at=())
+    return dataclasses.replace(overheads, checkpointed_fwd_live_bytes=(), checkpointed_fwd_freed_at=(),
+                               graph_held=tuple((-1, nbytes) for _, nbytes in overheads.graph_held))
 
 
 def _overhead_ms(overheads: BlockOverheads, backward: bool = True,
@@ -899,6 +900,8 @@ def _overhead_ms(overheads: BlockOverheads, backward: bool = True,
         "selective_cache_overhead_ms": overheads.selective_cache_ms,
         "checkpointed_fwd_live_bytes": overheads.checkpointed_fwd_live_bytes,
         "checkpointed_fwd_freed_at": overheads.checkpointed_fwd_freed_at,
+        "graph_held_storages": tuple(number for number, _ in overheads.graph_held if number >= 0),
+        "graph_held_bytes": sum(nbytes for _, nbytes in overheads.graph_held),
         "unavailable": unavailable,
     }
 

@@ -234,6 +234,19 @@ class BlockProfile:
     """Per storage of `OpRecord.storage_ids` (index = id), the op call of that checkpointed
     forward from which the storage was no longer live (``len(ops)``: live at its end): a cached
     output adds to the curve only from then on (empty: not measured)."""
+    graph_held_storages: tuple[int, ...] = ()
+    """The storages (ids of `OpRecord.storage_ids`) a checkpointed forward of the block leaves to
+    its autograd graph beyond its outputs: tensors a custom ``torch.autograd.Function`` keeps as
+    attributes of its ``ctx`` (an intermediate, as torch's documentation has it), which no
+    saved-tensor hook sees, so no checkpoint drops them. Live from the forward to the end of the
+    step's backward whatever the plan, they are counted where they live in every phase; a replay
+    makes them again, held by the replay's graph until the replay ends, so such a block ends every
+    multi-block segment (`remat.plan.joins`), and caching one costs a selective block nothing
+    (`remat.plan.costs`). Empty: none, or not measured (`remat.measure.overhead
+    .checkpointed_forward_curve`)."""
+    graph_held_bytes: int = 0
+    """Their bytes (kept where the checkpointed forward's calls did not line up with the block's
+    and the storages are not named)."""
     bwd_free_order: tuple[tuple[int, int], ...] = ()
     """The block's saved storages in the order its backward freed them, as ``(storage id of
     `OpRecord.storage_ids` or -1, bytes)``: which storages autograd keeps for the backward, so

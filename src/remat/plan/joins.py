@@ -9,7 +9,10 @@ holds is what its first block holds (`remat.plan.costs`): no code between them s
 block ``i+1`` takes no shared tensor first, and block ``i`` hands off nothing to anything but
 block ``i+1``; no block past ``i+1`` takes block ``i``'s output (a skip, counted where block
 ``i+1`` holds it); and the code between them does not read block ``i``'s output (in one segment it
-would run after block ``i+1``, and the gradient into that output would sum in another order). A plan whose segment crosses a break is refused (`check_joins`); the planners
+would run after block ``i+1``, and the gradient into that output would sum in another order); and
+block ``i``'s graph holds nothing a replay would make again and hold to its end
+(`remat.measure.types.BlockProfile.graph_held_storages`: a replay of several blocks measured
+6-12 % above its prediction). A plan whose segment crosses a break is refused (`check_joins`); the planners
 never make one.
 """
 
@@ -61,6 +64,9 @@ def break_reason(previous: BlockProfile, block: BlockProfile, skip_takers: tuple
         return f"it is the first to take a shared tensor of {block.shared_entry_bytes} bytes"
     if previous.handoff_bytes != previous.handoff_next_bytes:
         return "the previous block's output is held further on (a skip connection)"
+    if previous.graph_held_bytes:
+        return (f"the previous block's autograd graph holds {previous.graph_held_bytes} bytes no checkpoint drops (a custom "
+                "autograd.Function's ctx attributes), which a replay makes again and holds until it ends")
     if previous.output_read_aside:
         return ("the code between them reads the previous block's output (a side output): in one segment it "
                 "would run after this block, and the two gradients into that output would sum in another order")

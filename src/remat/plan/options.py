@@ -97,7 +97,7 @@ def _structure_key(block: BlockProfile) -> tuple:
     return (block.class_name, flow, block.input_bytes, block.output_bytes, block.saved_bytes, block.bwd_temp_bytes,
             block.fwd_temp_bytes, block.grad_bytes, block.fwd_flops, block.output_grad_bytes, block.bwd_free_order,
             block.fwd_live_bytes, block.checkpointed_fwd_live_bytes, block.checkpointed_fwd_freed_at, ops,
-            block.unavailable, block.replay_saved_extra_bytes)
+            block.unavailable, block.replay_saved_extra_bytes, block.graph_held_storages)
 
 
 def _class_segments(profile: Profile, members: list[int]) -> list[Segment]:
