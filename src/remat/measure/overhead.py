@@ -75,7 +75,7 @@ from remat.measure.blocks import Blocks
 from remat.measure.faults import FaultCount
 from remat.measure.ops import new_storages
 from remat.measure.probes import Attempts
-from remat.measure.storage import storage_key
+from remat.measure.storage import storage_key, tensors_in
 from remat.measure.timing import Clock
 from remat.measure.tracker import LiveTracker
 from remat.measure.types import WRITES_INPUT
@@ -392,7 +392,7 @@ def checkpointed_forward_curve(module: nn.Module, inputs: BlockInputs
 
     with torch.enable_grad(), curve, tracker, inputs.call_context():
         out = _checkpointed(module, inputs.args, inputs.kwargs, forward=recorded)
-        outputs = {storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+        outputs = {storage_key(t) for t in tensors_in(out)}
         held = {key: (number, tracker.bytes_of_key(key)) for key, number in curve.live_after().items()
                 if key not in outputs}
         del out
