@@ -483,3 +483,13 @@ def test_held_outputs_benchmark_prices_mistrals_attention_weights_in_every_layou
     row = layouts("mistral")
     assert row["held"] == [4 * 2 * 32 * 32 * 4] * 2 and row["layouts"] == 4
     assert row["most_under"][0] == 0.0 and row["most_over"][0] == 0.0
+
+
+def test_random_layouts_benchmark_measures_each_layout_against_its_prediction(capsys) -> None:
+    from benchmarks import random_layouts
+
+    row = random_layouts.run("masked-rows", 3)
+    assert row["blocks"] == 4 and row["layouts"] == 3 and row["missed"] == []
+    assert all(error == 0 and identical for error, _, identical in row["errors"])
+    random_layouts.main(["--models", "ctx-tensor", "--layouts", "2"])
+    assert "| ctx-tensor | 4 | 2 | True | 0 | 0 |" in capsys.readouterr().out
