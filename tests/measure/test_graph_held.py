@@ -19,24 +19,10 @@ from remat.plan.planners import make_plan
 from remat.plan.search import block_options
 from remat.plan.types import Segment
 
+from graph_held_models import SiLU
+
 B, S, D, H = 8, 16, 32, 128
 HIDDEN = B * S * H * 4  # one (B, S, H) float32 tensor
-
-
-class SiLU(torch.autograd.Function):
-    """x * sigmoid(x): the input saved for backward, the sigmoid kept on ``ctx``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        s = torch.sigmoid(x)
-        ctx.s = s
-        ctx.save_for_backward(x)
-        return x * s
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return grad * ctx.s * (1 + x * (1 - ctx.s))
 
 
 class SavedSiLU(torch.autograd.Function):

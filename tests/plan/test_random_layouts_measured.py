@@ -24,6 +24,7 @@ from plan_space import region_layouts
 from remat.plan.planners import make_plan
 from remat.plan.search import block_options
 from remat.plan.types import Segment
+from tests.measure.graph_held_models import SiLU
 
 D = 32
 LAYOUTS = 12
@@ -44,27 +45,13 @@ class MaskedRows(nn.Module):
         return out
 
 
-class KeptSigmoid(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        s = torch.sigmoid(x)
-        ctx.s = s
-        ctx.save_for_backward(x)
-        return x * s
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return grad * ctx.s * (1 + x * (1 - ctx.s))
-
-
 class CtxBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.b(KeptSigmoid.apply(self.a(x)))
+        return x + self.b(SiLU.apply(self.a(x)))
 
 
 class DiTBlock(nn.Module):
