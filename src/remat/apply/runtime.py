@@ -259,6 +259,15 @@ class Runtime:
         last output is returned, the others as None: nothing reads them, and held to the end they
         would keep every block's input the next block does not save alive through the replay
         (an adapter's, read by a frozen matmul and a residual add)."""
+        return self._run_chain(start, stop, [first], extra, kwargs, context)
+
+    def _run_chain(self, start: int, stop: int, box: list[Any], extra: tuple[Any, ...], kwargs: dict[str, Any],
+                   context: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None) -> list[Any]:
+        """`run_plain` with its first input in ``box``, taken out here: a caller that hands it on
+        holds only the box. An argument passed as itself stays on the caller's stack to the
+        call's end once an interpreter frame hook is installed (PEP 523: `torch.compile` sets one),
+        which kept a replay's nested child's output through every block after it."""
+        first = box.pop()
         outputs = []
         drop = replaying()
         for i in range(start, stop):
@@ -295,12 +304,12 @@ class Runtime:
                 if part[0] >= part[1]:
                     continue
                 if part[2] is None:
-                    outputs += self.run_plain(part[0], part[1], next_input() if outputs else first, extra, kwargs)
+                    outputs += self._run_chain(part[0], part[1], [next_input() if outputs else first], extra, kwargs)
                 else:
                     outputs += self.run_segment(part[2], next_input() if outputs else first, extra, kwargs)
             pos = child.stop
         if pos < seg.stop:
-            outputs += self.run_plain(pos, seg.stop, next_input() if outputs else first, extra, kwargs)
+            outputs += self._run_chain(pos, seg.stop, [next_input() if outputs else first], extra, kwargs)
         return outputs
 
 
