@@ -639,6 +639,9 @@ def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTim
                                       + memory.windows.unreached_post_bytes() - saved[POST]),
         fixed_post_fwd_bytes=memory.windows.post_fwd_bytes + memory.windows.unreached_post_bytes(),
         fixed_post_model_fwd_bytes=memory.windows.post_model_fwd_bytes + memory.windows.unreached_post_bytes(),
+        fixed_post_bwd_own_temp_bytes=memory.windows.post_temp_bytes,
+        fixed_post_loss_fwd_bytes=(None if memory.windows.post_loss_fwd_bytes is None
+                                   else memory.windows.post_loss_fwd_bytes + memory.windows.unreached_post_bytes()),
         **_post_code_held(memory.windows, saved[POST]),
         fixed_pre_grad_bytes=_pre_grad_bytes(memory, block_list),
         fixed_pre_early_grad_bytes=_pre_early_grad_bytes(memory, block_list),
@@ -749,11 +752,20 @@ def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
         # the dataflow sees the outputs it can name (tensors, in tuples, lists and dicts); this
         # forward sees those inside other objects too (x-transformers' intermediates dataclass)
         following = saved(b, during.get(b.index + 1, frozenset()))
+        last_held: dict[str, int] = {}  # per call, the last block whose forward began with it held
+        for k, keys in during.items():
+            for key in keys:
+                last_held[key] = max(last_held.get(key, 0), k)
+        for key in post:
+            last_held[key] = len(prof.blocks)
         blocks.append(dataclasses.replace(b, output_end_held_bytes=saved(b, end), output_post_held_bytes=saved(b, post),
                                           output_held_bytes=max(b.output_held_bytes, following),
                                           output_later_held_bytes=max(later.values(), default=0),
                                           output_held_until=max(later, default=0),
                                           output_later_held_calls=tuple(calls),
+                                          output_held_calls_until=tuple(sorted(last_held.items())),
+                                          output_end_held_calls=tuple(sorted(end)),
+                                          output_post_held_calls=tuple(sorted(post)),
                                           stored_held=stored_held(stored),
                                           stored_calls=tuple(sorted(stored_calls.get(b.index, ()))),
                                           input_code_held_bytes=through, saved_code_held_bytes=saved(b, saved_through),

@@ -60,10 +60,12 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
         return [t for v in value.values() for t in tensors_in(v)]
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in tensors_in(v)]
-    if hasattr(value, "to_tuple"):  # Hugging Face ModelOutput
-        return tensors_in(value.to_tuple())
+    # every field of a dataclass, before its ``to_tuple``: x-transformers' ``Intermediates.to_tuple``
+    # leaves out its keys and values, which a block returns in it
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return [t for f in dataclasses.fields(value) for t in tensors_in(_field(value, f.name))]
+    if hasattr(value, "to_tuple"):  # Hugging Face ModelOutput
+        return tensors_in(value.to_tuple())
     return []
 
 

@@ -437,6 +437,22 @@ class BlockProfile:
     output_later_held_calls: tuple[str, ...] = ()
     """The op calls (keys of ``ops``) whose outputs ``output_later_held_bytes`` counts: a
     selective strategy that caches one holds it already."""
+    output_held_calls_until: tuple[tuple[str, int], ...] = ()
+    """``(call, k)``: the op calls (keys of ``ops``) whose outputs the model's code still holds as a
+    later block's forward begins, saved or not, each with the last such block k (from the next
+    block on; the number of blocks: to the post part): x-transformers' attention layers return
+    their keys and values in a list the forward holds to its return. A later block's measured
+    forward counts those not saved; a selective strategy that caches one counts it again
+    (`remat.plan.phases.cached_code_held_bytes`)."""
+    output_end_held_calls: tuple[str, ...] = ()
+    """The op calls (keys of ``ops``) whose outputs the model's code holds as the last block's
+    forward ends, saved or not (``output_end_held_bytes`` counts the saved ones): a selective
+    strategy that caches one adds nothing there (`remat.plan.predict.end_held_bytes`)."""
+    output_post_held_calls: tuple[str, ...] = ()
+    """Likewise as the post part's forward begins (``output_post_held_bytes``): x-transformers'
+    attention layers return their keys and values in a list the forward holds to its return,
+    which the post part's measured forward counts; a cache of them counted again measured 6 %
+    under the prediction."""
     fwd_other_bytes: int | None = None
     """Live bytes when its forward began that are neither model state nor saved by anything
     before it, less the ``shared_entry_bytes`` of this block and those before it: its input when
@@ -786,6 +802,13 @@ class Profile(JsonDocument):
     fixed_post_model_fwd_bytes: int = 0
     """The same peak up to the model's return (the head's projection, not the loss): what the code
     holds only until it returns (a list of every layer's attention scores) adds to this one."""
+    fixed_post_bwd_own_temp_bytes: int | None = None
+    """``fixed_post_bwd_temp_bytes`` of the backward alone, without the forward's peak (None: not
+    recorded): where a plan lowers that forward's (`fixed_post_loss_fwd_bytes`), this still holds."""
+    fixed_post_loss_fwd_bytes: int | None = None
+    """The same peak from the model's return on (the loss; None: not seen apart, where
+    ``fixed_post_fwd_bytes`` bounds it): what a selective block caches of what the code holds only
+    until the return counts there as it does in the backward (`remat.plan.predict.end_held_bytes`)."""
     fixed_post_fwd_held_bytes: int = 0
     """With a head part: what the step holds through the post part's forward beyond what the
     head's own model of that forward counts (`remat.plan.head.head_need_bytes`): the graphs of

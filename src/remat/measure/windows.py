@@ -104,6 +104,9 @@ class BackwardWindows:
         self._post_forward_open = False
         self.post_model_fwd_bytes = 0
         """``post_fwd_bytes`` up to the model's return (the head's projection, not the loss)."""
+        self.post_loss_fwd_bytes: int | None = None
+        """``post_fwd_bytes`` from the model's return on (the loss), None where the return was not
+        seen apart (then ``post_fwd_bytes`` bounds it)."""
         self._post_labels: list[str] = []
         self._post_model_peak: int | None = None
         self.post_arguments: Callable[[], dict[int, int]] = dict
@@ -209,6 +212,8 @@ class BackwardWindows:
                 self.post_fwd_bytes = max(model, rest) - self.pre_saved_live_at_backward
                 self.post_fwd_apart_bytes = max(model_apart, rest_apart) - self.pre_saved_live_at_backward
                 self.post_model_fwd_bytes = model - self.pre_saved_live_at_backward
+                if self._post_model_peak is not None:
+                    self.post_loss_fwd_bytes = rest - self.pre_saved_live_at_backward
                 self._post_forward_open = False
             self._start(POST)
         elif event.kind == "head_bwd_end" and self._open == POST:

@@ -49,6 +49,7 @@ __all__ = [
     "selective_cost",
     "selective_prices",
     "selective_working_bytes",
+    "selective_working_parts",
     "clear_cost_cache",
 ]
 
@@ -67,6 +68,12 @@ class BlockCost:
     """FLOPs added to the step."""
     offloaded_bytes: int = 0
     """Bytes moved off the device per step."""
+    forward_bytes: int | None = None
+    """Of ``working_bytes`` (the larger of the two), the block's own forward's, where that is apart
+    from its backward's (selective: its checkpointed forward, which the later blocks' gradients,
+    live in its backward, do not reach; None: ``working_bytes`` counts both)."""
+    backward_bytes: int | None = None
+    """Likewise its backward's."""
 
 
 CostFn = Callable[[Profile, int, Segment], BlockCost]
@@ -154,6 +161,18 @@ def _cached_storages(block: BlockProfile, cached: frozenset[str]) -> dict[object
     return storages
 
 
+def cached_held_bytes(block: BlockProfile, cached: frozenset[str], calls: tuple[str, ...]) -> int:
+    """Bytes of the storages the ``cached`` calls keep alive (`_cached_storages`) that the outputs
+    of ``calls`` live in: what the model's code holds of them anyway (a view it holds keeps the
+    viewed storage)."""
+    if not cached or not calls:
+        return 0
+    wanted = set(calls)
+    held = {s for i, op in enumerate(block.ops) if op.key in wanted
+            for s in (op.storage_ids or (("op", i),))}
+    return sum(nbytes for sid, nbytes in _cached_storages(block, cached).items() if sid in held)
+
+
 def _escaping_storages(block: BlockProfile, cached: frozenset[str]) -> dict[object, int]:
     """Storages of the cached calls that outlive the block (its output: `op_storages` leaves
     them to the next block's input). Until the replay reaches their call, the cache is what holds
@@ -236,6 +255,8 @@ def selective_cost(block: BlockProfile, saved_ops: tuple[str, ...], previous_hel
         working_bytes=int(prices.working_bytes[0]),
         extra_ms=float(prices.extra_ms[0, 0]),
         extra_flops=int(prices.extra_flops[0]),
+        forward_bytes=int(prices.forward_bytes[0]),
+        backward_bytes=int(prices.backward_bytes[0]),
     )
     _SELECTIVE_COSTS[(id(block), saved_ops, previous_held, unheld)] = (block, cost)
     return cost
@@ -245,7 +266,16 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
                             escaping: Sequence[dict[object, int]] | None = None, previous_held: int = 0,
                             unheld: int = 0) -> np.ndarray:
     """Working sets of a selective block for each of ``cached`` (storage id -> bytes of the
-    storages its cached op calls keep alive: `selective_saved_bytes`'s storages).
+    storages its cached op calls keep alive: `selective_saved_bytes`'s storages): the larger of
+    its backward's and its forward's (`selective_working_parts`)."""
+    return np.maximum(*selective_working_parts(block, cached, escaping, previous_held, unheld))
+
+
+def selective_working_parts(block: BlockProfile, cached: Sequence[dict[object, int]],
+                            escaping: Sequence[dict[object, int]] | None = None, previous_held: int = 0,
+                            unheld: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(backward, forward): the working sets of a selective block's backward (its replay, and the
+    backward of the code before it) and of its forward, for each of ``cached``.
 
     The replay runs the block's forward again with the cached outputs already there: torch's
     selective checkpointing holds each from the forward until the replay reaches its call, then
@@ -277,7 +307,7 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     replay_totals = totals + np.array([sum(e.values()) for e in escaping], dtype=np.int64)
     curve = np.array(block.fwd_live_bytes, dtype=np.int64)
     if curve.size == 0 or curve.size != len(block.ops):
-        return replay_working_bytes(block) + replay_totals
+        return replay_working_bytes(block) + replay_totals, replay_working_bytes(block) + replay_totals
     stop = replay_stop(block)
     created: dict[object, int] = {}
     for i, op in enumerate(block.ops):
@@ -324,7 +354,7 @@ def selective_working_bytes(block: BlockProfile, cached: Sequence[dict[object, i
     # or the code between the block before and this one, before it starts (`between_fwd_peak_bytes`)
     forward = live + block.entry_bytes + previous_held + block.unreached_fwd_bytes + np.maximum(
         held_then.max(axis=1), block.between_fwd_peak_bytes)
-    return np.maximum(np.maximum(backward, forward), between_phase_bytes(block))
+    return np.maximum(backward, between_phase_bytes(block)), forward
 
 
 def _outliving(block: BlockProfile, cached: Sequence[dict[object, int]], created: dict[object, int],
@@ -360,6 +390,10 @@ class SelectivePrices:
     """(K,) int."""
     working_bytes: np.ndarray
     """(K,) int."""
+    forward_bytes: np.ndarray
+    """(K,) int: of ``working_bytes``, the forward's (`selective_working_parts`)."""
+    backward_bytes: np.ndarray
+    """(K,) int: the backward's."""
     extra_flops: np.ndarray
     """(K,) int."""
     extra_ms: np.ndarray
@@ -405,9 +439,12 @@ def selective_prices(blocks: Sequence[BlockProfile], saved_ops: Sequence[tuple[s
     # the dispatch mode runs on every call of the forward and of the replay, which stops early
     calls = len(first.ops)
     ms += select * ((calls + stop) / (2 * calls) if calls else 1.0) + cache * num_cached[None, :] / cacheable_calls
+    backward, forward = selective_working_parts(first, storages, escaping, previous_held, unheld)
     return SelectivePrices(
         retained_bytes=held_input_bytes(first) + first.entry_bytes + cached_bytes,
-        working_bytes=selective_working_bytes(first, storages, escaping, previous_held, unheld),
+        working_bytes=np.maximum(backward, forward),
+        forward_bytes=forward,
+        backward_bytes=backward,
         extra_flops=(replayed.astype(np.int64) * flops[None, :]).sum(axis=1),
         extra_ms=ms,
     )

@@ -35,7 +35,7 @@ from typing import Any
 
 from remat.measure.types import BlockProfile, Profile
 from remat.plan.chain_dp import deep_recursion
-from remat.plan.costs import cached_ops, cost_of, selective_cost
+from remat.plan.costs import cached_held_bytes, cached_ops, cost_of, selective_cost
 from remat.plan.phases import (code_held_bytes, grad_bytes_live, held_twice_bytes, keep_forward_bytes, later_held_bytes,
                                post_working_bytes, previous_held_bytes,
                                replay_working_bytes, segment_forward_bytes, stopped_replay_working_bytes, unit_extra_bytes,
@@ -132,10 +132,19 @@ def _peak_phases(profile: Profile, segments: tuple[Segment, ...],
     post = held + post_working_bytes(profile) - post_saving - _post_gone_bytes(profile, segments)
     begin, end = post_extra
     if begin and profile.fixed_post_fwd_bytes:  # held by the code through the post part's forward only
+        loss, model = profile.fixed_post_fwd_bytes, profile.fixed_post_model_fwd_bytes
+        if profile.fixed_post_loss_fwd_bytes is not None and profile.fixed_post_loss_fwd_bytes <= model:
+            # the forward peaks before the return: the arguments this plan's checkpoints hold that the
+            # code holds too are counted once there (`post_code_held_saving`, a saving that peak bounds)
+            loss, model = profile.fixed_post_loss_fwd_bytes, model - post_saving
+            if begin < 0 and profile.fixed_post_bwd_own_temp_bytes is not None:
+                # a selective block caches what the code holds to the return: the forward's peak, in
+                # the post part's need, comes down; its backward's and the loss's forward's do not
+                post += profile.fixed_post_bwd_own_temp_bytes - profile.fixed_post_bwd_temp_bytes
         held += profile.blocks[-1].handoff_bytes if profile.blocks else 0
-        post = max(post, held + profile.fixed_post_model_fwd_bytes + begin, held + profile.fixed_post_fwd_bytes + end)
-    else:
-        post += begin
+        post = max(post, held + model + begin, held + loss + end)
+    else:  # the post part's need is its backward's too, where the code holds nothing of a cache
+        post += max(begin, 0)
     phases = {
         "block": base + profile.fixed_pre_saved_bytes + inner.bytes,
         "post": post,
@@ -246,7 +255,10 @@ def end_held_bytes(profile: Profile, segments: tuple[Segment, ...], at_post: boo
     forward drops as it returns), of the blocks not kept: a kept block's saved bytes hold them
     already. A Llama recomputing three of four layers with its attention weights returned measured
     10.7 % above its prediction at the head's forward before; a recomputed stack keeping its
-    scores in a list, 4 % at the head's projection."""
+    scores in a list, 4 % at the head's projection. Less what selective blocks cache of all the
+    outputs the code holds then (`BlockProfile.output_post_held_calls`, ``output_end_held_calls``),
+    counted in their retained bytes: below 0 where the post part's measured forward counts those
+    too (not saved, so not counted here)."""
     def held(block: BlockProfile) -> int:
         return max(block.output_post_held_bytes, block.output_end_held_bytes) if at_post else block.output_end_held_bytes
 
@@ -255,10 +267,15 @@ def end_held_bytes(profile: Profile, segments: tuple[Segment, ...], at_post: boo
     # what the code holds through the backward too is in the blocks' retained bytes (`saved_code_held`)
     total = (sum(max(0, held(profile.blocks[i]) - profile.blocks[i].saved_code_held_bytes) for i in unkept)
              + kept_inputs_bytes(profile, filled, profile.num_blocks))
-    if at_post:  # what a later checkpoint holds as its input (x-transformers' residual scores) counts there
-        holders = {seg.start for seg in filled if seg.kind in ("recompute", "selective")}
-        total -= sum(nbytes for k in holders for j, nbytes in profile.blocks[k].code_held_inputs if j in unkept)
-    return max(total, 0)
+    total = max(total, 0)
+    # what a selective block caches of them: its retained bytes count it, and here (saved) or the
+    # post part's measured forward (not saved) count it again
+    for seg in filled:
+        block = profile.blocks[seg.start]
+        if seg.kind == "selective" and not block.saved_code_held_bytes:
+            calls = block.output_post_held_calls if at_post else block.output_end_held_calls
+            total -= cached_held_bytes(block, cached_ops(block, seg.saved_ops), calls)
+    return total
 
 
 def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, stop: int, replay: bool = False,
@@ -291,10 +308,14 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
     saved_after = kept_inputs and any(b.input_saved_after_bytes for b in profile.blocks)
     held_inputs = replay and code_from >= 0 and any(b.input_code_held_bytes for b in profile.blocks[code_from:stop])
     passed: list[Segment] = []  # top-level segments before this one
+    caches: list[tuple[int, frozenset[str]]] = []  # top-level selective blocks before this one, what they cache
+    code_cached = not replay and any(b.output_held_calls_until for b in profile.blocks)
     for seg in _fill_gaps(segments, start, stop):
         unheld = dead[seg.start] if dead else 0
         container = stored[seg.start] if stored else 0  # in its backward, not its forward
         later = later_held_bytes(profile, seg.start, unkept) if kept_later else 0
+        if caches:  # what the code holds of earlier selective blocks' caches, counted in their retained bytes
+            later -= cached_code_held_bytes(profile, seg.start, caches)
         if kept_inputs:  # the inputs the code keeps of earlier segments' blocks, in the forwards
             later += kept_inputs_bytes(profile, passed, seg.start)
         after = saved_after_bytes(profile, passed, seg.start) if saved_after else 0  # in the backwards
@@ -321,12 +342,13 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             held += cost_of(profile, seg.start, seg).retained_bytes + code
         else:
             cost = cost_of(profile, seg.start, seg)
-            working = cost.working_bytes
+            working, parts = cost.working_bytes, (cost.backward_bytes, cost.forward_bytes)
             if seg.kind == "selective" and (previous_held_bytes(profile, seg.start, previous_kept=False) or later or unheld):
                 # the cost counts the block before's held outputs on its forward, as if not kept; the
                 # shared tensors no checkpoint holds are taken off below, from its backward alone
                 held_then = 0 if replay else previous_held_bytes(profile, seg.start, previous_kept) + later
-                working = selective_cost(profile.blocks[seg.start], seg.saved_ops, held_then, unheld).working_bytes
+                priced = selective_cost(profile.blocks[seg.start], seg.saved_ops, held_then, unheld)
+                working, parts = priced.working_bytes, (priced.backward_bytes, priced.forward_bytes)
             if replay and seg.kind == "keep":  # kept inside a replay: its forward runs again
                 last = stopped and seg.start == stop - 1
                 first = seg.start == start and input_held  # else its inputs come from the replay, not the checkpoint
@@ -336,6 +358,11 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
                 unheld = container = after = 0
                 working = max(working, keep_forward_bytes(profile, seg.start, previous_kept) + later - twice)
             need = held + working - unheld + container + grad_bytes_live(profile, seg.start) + after  # selective: a bound
+            if seg.kind == "selective" and not replay and parts[1] is not None:
+                # its forward apart: no later block's gradient there, nothing only its backward holds
+                # (x-transformers' last layer, selective, measured the head's gradients under its prediction)
+                backward, forward = parts
+                need = held - unheld + max(forward, backward + container + grad_bytes_live(profile, seg.start) + after)
             if held_inputs:
                 need += code_held_through(profile, code_from, seg.start)
             candidate = _Peak(bytes=need, block=seg.start, working_bytes=working)
@@ -354,7 +381,26 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
         if not previous_kept and kept_later:
             cached = cached_ops(profile.blocks[seg.start], seg.saved_ops) if seg.kind == "selective" else frozenset()
             unkept.extend((i, cached) for i in range(seg.start, seg.stop))
+        if code_cached and seg.kind == "selective":
+            caches.append((seg.start, cached_ops(profile.blocks[seg.start], seg.saved_ops)))
     return best
+
+
+def cached_code_held_bytes(profile: Profile, block_index: int, caches: Sequence[tuple[int, frozenset[str]]]) -> int:
+    """What the selective blocks ``caches`` (``(j, cached calls)``, before ``block_index``) cache of
+    the outputs the model's code holds, not saved, as this block's forward begins
+    (`BlockProfile.output_held_calls_until`: x-transformers' keys and values, in a list to the
+    forward's return): this block's measured forward counts them, and their retained bytes
+    again. Counted off there; 0 in its backward, where the code holds nothing of them."""
+    total = 0
+    for j, cached in caches:
+        block = profile.blocks[j]
+        if j >= block_index or not cached or not block.output_held_calls_until:
+            continue
+        saved = {op.key for op in block.ops if op.saved_bytes}
+        calls = tuple(key for key, until in block.output_held_calls_until if until >= block_index and key not in saved)
+        total += cached_held_bytes(block, cached, calls)
+    return total
 
 
 def kept_inputs_bytes(profile: Profile, segments: Sequence[Segment], position: int) -> int:
