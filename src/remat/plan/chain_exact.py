@@ -258,7 +258,9 @@ def _inner_tables(problem: ChainProblem, budget: _Budget) -> tuple[list[_Packed]
     kept, comes after another block of the replay (`remat.plan.chain_dp.ChainBlock.kept_slots`;
     ``rest`` is ``inner`` where no block's figures differ so). A child there is replayed as
     ``rest`` too: its input, saved into the parent's replay, is let go once the child's replay
-    takes it (`remat.plan.predict.layout_peak`)."""
+    has run (`remat.plan.predict.layout_peak`). What it does not save is live beside the forwards
+    of the child's later blocks in that replay, which these tables leave out: the search prices
+    each layout it picks with `remat.plan.predict.predict`, which counts it."""
     n, arr = len(problem.blocks), _arrays(problem)
     longest = max((problem.longest_segment(a) for a in range(n)), default=0)
     none = np.zeros(0, dtype=np.int64)

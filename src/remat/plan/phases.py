@@ -17,7 +17,7 @@ from remat.measure.types import BlockProfile, Profile
 
 __all__ = [
     "held_input_bytes", "held_bwd_temp_bytes", "between_phase_bytes", "working_bytes", "saved_input_bytes", "replay_base_bytes",
-    "replay_working_bytes", "replay_stop", "stopped_replay_working_bytes", "stopped_replay_ms",
+    "replay_working_bytes", "replayed_forward_bytes", "replay_stop", "stopped_replay_working_bytes", "stopped_replay_ms",
     "stopped_replay_flops", "forward_phase_bytes", "keep_working_bytes", "keep_forward_bytes", "unit_extra_bytes",
     "segment_forward_bytes", "checkpointed_forward_peak", "code_held_bytes", "code_held_input_bytes", "previous_held_bytes", "later_held_bytes", "held_twice_bytes",
     "released_grad_bytes", "grad_bytes_live", "post_working_bytes",
@@ -64,7 +64,7 @@ def replay_base_bytes(block: BlockProfile) -> int:
     return block.output_grad_bytes if block.bwd_start_temp_bytes is None else block.bwd_start_temp_bytes
 
 
-def replay_working_bytes(block: BlockProfile, first: bool = True) -> int:
+def replay_working_bytes(block: BlockProfile, first: bool = True, forward_held: int = 0) -> int:
     """Bytes a block needs when its forward is replayed in backward: its saved bytes plus the
     larger of its backward temporaries and its forward temporaries on top of what is live when
     its backward starts (`replay_base_bytes`: the replay's peak; the forward temporaries are
@@ -74,8 +74,10 @@ def replay_working_bytes(block: BlockProfile, first: bool = True) -> int:
     at least `between_phase_bytes`. ``first``: the block starts the checkpoint replayed, which
     holds those inputs through its backward; after another block of the same replay
     (``first=False``) its inputs come from the replay and what it does not save of them is live
-    in its forward only (an adapter's input, read by a frozen matmul and a residual add)."""
-    forward = block.fwd_temp_bytes + replay_base_bytes(block) + saved_input_bytes(block)
+    in its forward only (an adapter's input, read by a frozen matmul and a residual add).
+    ``forward_held``: bytes live beside its forward, not its backward (a nested checkpoint's
+    input, which torch holds through the checkpoint's replay, not its backward)."""
+    forward = block.fwd_temp_bytes + replay_base_bytes(block) + saved_input_bytes(block) + forward_held
     return _replay_need(block, forward, first)
 
 
@@ -101,7 +103,7 @@ def replay_stop(block: BlockProfile) -> int:
     return len(block.ops) if block.replay_stop_calls is None else min(block.replay_stop_calls, len(block.ops))
 
 
-def stopped_replay_working_bytes(block: BlockProfile, first: bool = True) -> int:
+def stopped_replay_working_bytes(block: BlockProfile, first: bool = True, forward_held: int = 0) -> int:
     """`replay_working_bytes` of a replay that stops at `replay_stop`: its forward term is cut
     where the forward's live curve (`BlockProfile.fwd_live_bytes`) is cut, so it falls by how far
     the curve's peak after the stop rises above its peak before it (the outputs and temporaries
@@ -109,10 +111,10 @@ def stopped_replay_working_bytes(block: BlockProfile, first: bool = True) -> int
     curve = block.fwd_live_bytes
     stop = replay_stop(block)
     if stop >= len(block.ops) or len(curve) != len(block.ops):
-        return replay_working_bytes(block, first)
+        return replay_working_bytes(block, first, forward_held)
     drop = max(0, max(curve) - max(curve[:stop], default=0))
-    forward = block.fwd_temp_bytes - drop + replay_base_bytes(block) + saved_input_bytes(block)
-    return min(_replay_need(block, forward, first), replay_working_bytes(block, first))
+    forward = block.fwd_temp_bytes - drop + replay_base_bytes(block) + saved_input_bytes(block) + forward_held
+    return min(_replay_need(block, forward, first), replay_working_bytes(block, first, forward_held))
 
 
 def stopped_replay_ms(block: BlockProfile) -> float:
@@ -224,6 +226,15 @@ def segment_forward_bytes(profile: Profile, start: int, stop: int, previous_kept
         pending += block.output_bytes
     return (held_input_bytes(first) + first.entry_bytes + best + previous_held_bytes(profile, start, previous_kept)
             - unheld)
+
+
+def replayed_forward_bytes(profile: Profile, start: int, stop: int) -> int:
+    """The forward of a recompute segment ``[start, stop)`` nested in a replay, above what the
+    replay holds before it: its input, and at each block the checkpointed forward beside the
+    block's input (the replay hands each output on and lets it go, `remat.apply.runtime`)."""
+    blocks = profile.blocks
+    return held_input_bytes(blocks[start]) + max(
+        (blocks[j - 1].output_bytes if j > start else 0) + checkpointed_forward_peak(blocks[j]) for j in range(start, stop))
 
 
 def previous_held_bytes(profile: Profile, block_index: int, previous_kept: bool) -> int:

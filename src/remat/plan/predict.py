@@ -37,7 +37,7 @@ from remat.measure.types import BlockProfile, Profile
 from remat.plan.chain_dp import deep_recursion
 from remat.plan.costs import cached_held_bytes, cached_ops, cost_of, selective_cost
 from remat.plan.phases import (code_held_bytes, grad_bytes_live, held_twice_bytes, keep_forward_bytes, later_held_bytes,
-                               post_working_bytes, previous_held_bytes,
+                               post_working_bytes, previous_held_bytes, replay_base_bytes, replayed_forward_bytes,
                                replay_working_bytes, segment_forward_bytes, stopped_replay_working_bytes, unit_extra_bytes,
                                working_bytes)
 from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
@@ -295,7 +295,9 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
     its forward only, as a block after another of a replay does (unless the child begins its
     parent, whose input is the same tensor: then as held as the parent's). A child at the end of a
     segment of blocks that do not save their input measured 8 % under its prediction when its
-    input was counted through its backward.
+    input was counted through its backward. Torch holds it through the child's replay, though
+    (the arguments it replays the child with): beside the forwards of the child's later blocks
+    too, where a child of two or more such blocks measured one activation over its prediction.
     """
     best = _Peak(bytes=0, block=-1, working_bytes=0)
     held = 0
@@ -310,7 +312,12 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
     passed: list[Segment] = []  # top-level segments before this one
     caches: list[tuple[int, frozenset[str]]] = []  # top-level selective blocks before this one, what they cache
     code_cached = not replay and any(b.output_held_calls_until for b in profile.blocks)
-    for seg in _fill_gaps(segments, start, stop):
+    filled = _fill_gaps(segments, start, stop)
+    # a nested checkpoint's input, not held through its backward, is through its replay, beside the
+    # forwards after its first block (kept: else a child's checkpoint beginning it holds it)
+    forward_held = (profile.blocks[start].unsaved_input_bytes
+                    if replay and not input_held and filled and filled[0].kind == "keep" else 0)
+    for seg in filled:
         unheld = dead[seg.start] if dead else 0
         container = stored[seg.start] if stored else 0  # in its backward, not its forward
         later = later_held_bytes(profile, seg.start, unkept) if kept_later else 0
@@ -335,6 +342,10 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
                               working_bytes=inner.working_bytes)
             forward = 0 if replay else segment_forward_bytes(profile, seg.start, seg.stop, previous_kept,
                                                                unheld) + later - twice
+            if replay and forward_held:  # its forward in the replay, beside the replayed region's input and
+                # what the backward holds as the replay starts (the region's output's gradient, the later blocks')
+                forward = (forward_held + replay_base_bytes(profile.blocks[stop - 1]) + grad_bytes_live(profile, stop - 1)
+                           + replayed_forward_bytes(profile, seg.start, seg.stop))
             # its forward: every output held for the model's calls, and the shared tensors no
             # checkpoint holds (``unheld``) where the code still holds them, as a kept block's forward counts
             if held + forward > candidate.bytes:
@@ -352,7 +363,8 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             if replay and seg.kind == "keep":  # kept inside a replay: its forward runs again
                 last = stopped and seg.start == stop - 1
                 first = seg.start == start and input_held  # else its inputs come from the replay, not the checkpoint
-                working = (stopped_replay_working_bytes if last else replay_working_bytes)(profile.blocks[seg.start], first)
+                working = (stopped_replay_working_bytes if last else replay_working_bytes)(
+                    profile.blocks[seg.start], first, forward_held if seg.start > start else 0)
             elif seg.kind == "keep":  # its backward, or its forward (no gradient, the shared tensors live)
                 working = working_bytes(profile.blocks[seg.start]) - unheld + container - gone + after
                 unheld = container = after = 0
