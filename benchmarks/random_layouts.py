@@ -1,7 +1,7 @@
 """Layouts drawn at random from the whole plan space, each run and measured against its prediction.
 
     python -m benchmarks.random_layouts [--layouts 15] [--models masked-rows ctx-tensor dit perceiver
-                                         x-transformers x-transformers-residual]
+                                         x-transformers x-transformers-residual] [--hf gpt2 llama ...]
 
 Per model: profiled once (no optimizer, ``repeats=1``), then up to ``--layouts`` layouts drawn with
 a fixed seed (per block a keep or selective option of `remat.plan.search.block_options`, or a
@@ -10,7 +10,11 @@ enumerates), each verified (`remat.verify`, one step): how many measured above t
 (the unsafe side) and below it, the largest of each, and the first layouts that missed. The
 hand-written models are `tests/plan/test_random_layouts_measured.py`'s; the x-transformers
 decoders (two layers, width 32, 2 x 32 tokens; plain, and with residual attention and the first
-layer's values) need `x_transformers` installed.
+layer's values) need `x_transformers` installed. ``--hf``: Hugging Face model types too, each
+built as `benchmarks.sweep` builds it (`benchmarks._sweep.build`: a tiny config, random weights,
+a batch made in code), profiled with SGD as the sweep does; ``--lora RANK``: fine-tuned with
+LoRA of that rank and ``--lora-dropout`` as the sweep's ``--lora`` runs do (its frozen base
+matmuls save none of a block's input that the adapters' dropout does not).
 """
 
 from __future__ import annotations
@@ -39,8 +43,20 @@ def _x_transformers(residual: bool) -> tuple[Any, Any, Any]:
     return model, torch.randint(0, 128, (2, 32)), loss
 
 
+LORA: tuple[int, float] | None = None
+"""(rank, dropout) of the LoRA the Hugging Face models are fine-tuned with (None: none)."""
+
+
 def build(name: str) -> tuple[Any, Any, Any]:
-    """(model, batch, loss_fn) of ``name``."""
+    """(model, batch, loss_fn) of ``name`` (``hf:<model type>``: a Hugging Face model)."""
+    if name.startswith("hf:"):
+        import benchmarks._sweep.build as hf
+        from benchmarks.sweep import _fine_tuned
+
+        hf.seed(0)
+        built = hf.build(name[3:].split(" ")[0])
+        model = built.model if LORA is None else _fine_tuned(built.model, LORA[0], LORA[1], None)
+        return model, built.batch, hf.loss_fn
     if name.startswith("x-transformers"):
         return _x_transformers(name.endswith("residual"))
     from test_random_layouts_measured import _case, _square
@@ -55,9 +71,12 @@ def run(name: str, layouts: int) -> dict[str, Any]:
     from remat.plan.planners import make_plan
     from test_random_layouts_measured import _random_layout
 
+    import torch
+
     model, batch, loss = build(name)
     start = time.perf_counter()
-    prof = remat.profile(model, batch, loss, repeats=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3) if name.startswith("hf:") else None
+    prof = remat.profile(model, batch, loss, optimizer, repeats=1)
     rng, errors, missed = random.Random(0), [], []
     for _ in range(10 * layouts):
         if len(errors) == layouts:
@@ -66,7 +85,7 @@ def run(name: str, layouts: int) -> dict[str, Any]:
             plan = make_plan(prof, _random_layout(prof, rng), "layout", None)
         except ValueError:  # across a break between blocks (`remat.plan.joins`)
             continue
-        check = remat.verify(model, batch, plan, loss, repeats=1)
+        check = remat.verify(model, batch, plan, loss, optimizer, repeats=1)
         error = check.measured_peak_bytes - check.predicted_peak_bytes
         errors.append((error, 100.0 * error / check.predicted_peak_bytes, check.grads_identical))
         if error:
@@ -78,17 +97,38 @@ def run(name: str, layouts: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.random_layouts", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=DEFAULT_MODELS)
+    parser.add_argument("--models", nargs="*", default=list(DEFAULT_MODELS), choices=DEFAULT_MODELS)
     parser.add_argument("--layouts", type=int, default=15)
+    parser.add_argument("--hf", nargs="*", default=[], metavar="MODEL_TYPE",
+                        help="Hugging Face model types to draw layouts for too (benchmarks.sweep's builds)")
+    parser.add_argument("--hf-layers", type=int, default=4, help="layers of each stack of a Hugging Face model")
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK", help="fine-tune the Hugging Face models with LoRA")
+    parser.add_argument("--lora-dropout", type=float, default=0.1)
     args = parser.parse_args(argv)
+    import benchmarks._sweep.build as hf
+
+    global LORA
+    layers = hf.LAYERS
+    LORA, hf.LAYERS = None if args.lora is None else (args.lora, args.lora_dropout), args.hf_layers  # `shrink` reads it
+    try:
+        _table(args)
+    finally:
+        LORA, hf.LAYERS = None, layers
+
+
+def _table(args: argparse.Namespace) -> None:
     print("| model | blocks | layouts | gradients identical | above prediction (largest) | below (largest) |")
     print("| --- | ---: | ---: | --- | --- | --- |")
     details = []
-    for name in args.models:
+    lora = f" + LoRA {args.lora} (dropout {args.lora_dropout})" if args.lora is not None else ""
+    for name in [*args.models, *(f"hf:{t}{lora}" for t in args.hf)]:
         try:
             row = run(name, args.layouts)
         except ImportError as error:
             print(f"| {name} | - | - | - | not run: {error} | |")
+            continue
+        except Exception as error:  # noqa: BLE001 - a row of the table, the others go on
+            print(f"| {name} | - | - | - | failed: {type(error).__name__}: {str(error).splitlines()[0][:200]} | |")
             continue
         above = [e for e in row["errors"] if e[0] > 0]
         below = [e for e in row["errors"] if e[0] < 0]

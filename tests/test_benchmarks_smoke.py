@@ -493,3 +493,12 @@ def test_random_layouts_benchmark_measures_each_layout_against_its_prediction(ca
     assert all(error == 0 and identical for error, _, identical in row["errors"])
     random_layouts.main(["--models", "ctx-tensor", "--layouts", "2"])
     assert "| ctx-tensor | 4 | 2 | True | 0 | 0 |" in capsys.readouterr().out
+
+
+def test_random_layouts_benchmark_draws_layouts_of_hugging_face_models_with_lora(capsys) -> None:
+    """``--hf``: a model type built as the sweep builds it, ``--hf-layers`` layers, fine-tuned
+    with LoRA; its layouts measure as predicted (GPT-2's, to the byte)."""
+    from benchmarks import random_layouts
+
+    random_layouts.main(["--models", "--hf", "gpt2", "--hf-layers", "3", "--lora", "4", "--layouts", "3"])
+    assert "| hf:gpt2 + LoRA 4 (dropout 0.1) | 3 | 3 | True | 0 | 0 |" in capsys.readouterr().out

@@ -21,6 +21,7 @@ from torch import nn
 
 import remat
 from plan_space import region_layouts
+from remat.plan.joins import joins
 from remat.plan.planners import make_plan
 from remat.plan.search import block_options
 from remat.plan.types import Segment
@@ -132,9 +133,14 @@ def _case(name: str):
 
 def _random_layout(prof, rng: random.Random) -> tuple[Segment, ...]:
     out, a, n = [], 0, prof.num_blocks
+    mask = joins(prof)
+    replayable = [all(kind != "recompute" for kind, _ in block.unavailable) for block in prof.blocks]
     while a < n:
-        if rng.random() < 0.4:
-            b = rng.randint(a + 1, min(n, a + 4))
+        if rng.random() < 0.4 and replayable[a]:
+            longest = a + 1  # a segment of up to four blocks, within the blocks that may join and run it
+            while longest < min(n, a + 4) and mask[longest - 1] and replayable[longest]:
+                longest += 1
+            b = rng.randint(a + 1, longest)
             out.append(Segment(start=a, stop=b, strategy="recompute", children=rng.choice(list(region_layouts(a, b, (a, b))))))
             a = b
         else:
