@@ -98,6 +98,7 @@ class _Arg:
     storage_bytes: int
     activation: bool
     producer: str | None
+    number: int = -1
 
 
 @dataclass
@@ -114,9 +115,11 @@ class DataflowRecorder:
     step); ``excluded``: storage keys of the batch, parameters and buffers (not activations);
     call `finish` with the accountant's savers once the forward has ended."""
 
-    def __init__(self, blocks: Blocks, producer_of: Callable[[int], str | None], excluded: Iterable[int]) -> None:
+    def __init__(self, blocks: Blocks, producer_of: Callable[[int], str | None], excluded: Iterable[int],
+                 number_of: Callable[[int], int] | None = None) -> None:
         self.blocks = blocks
         self.producer_of = producer_of
+        self.number_of = number_of
         self.excluded = set(excluded)
         self.args: list[list[_Arg]] = [[] for _ in blocks]
         self.outputs: list[list[tuple[weakref.ref, int, int]]] = [[] for _ in blocks]
@@ -163,7 +166,8 @@ class DataflowRecorder:
                 if key is not None:
                     self.args[index].append(_Arg(argument=name, storage=self._storage_id(tensor, key),
                                                  storage_bytes=storage_nbytes(tensor), activation=key not in self.excluded,
-                                                 producer=self.producer_of(key)))
+                                                 producer=self.producer_of(key),
+                                                 number=self.number_of(key) if self.number_of is not None else -1))
                     if self.args[index][-1].activation:
                         self._pending.setdefault(self.args[index][-1].storage, index)
             self.alive_at[index] = set(self._pending)
@@ -365,8 +369,10 @@ def _inputs_flow(recorder: DataflowRecorder, index_of: dict[str, int], i: int, t
     records, seen = [], set()
     for arg in recorder.args[i]:
         counted = _counted(recorder, index_of, i, takers, arg)
+        source = _source(arg, index_of, i, takers)
         records.append(BlockInput(argument=arg.argument, storage=arg.storage, storage_bytes=arg.storage_bytes,
-                                  source=_source(arg, index_of, i, takers), activation=arg.activation, counted=counted))
+                                  source=source, activation=arg.activation, counted=counted,
+                                  producer_storage=arg.number if source == "previous" or source.startswith("block:") else -1))
         if arg.storage in seen or counted in ("state", "earlier"):
             continue
         seen.add(arg.storage)

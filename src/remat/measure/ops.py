@@ -119,6 +119,12 @@ class OpRecorder(TorchDispatchMode):
         found = self._producer.get(key) if self._made_live(key) else None
         return None if found is None else found[0]
 
+    def storage_number_of(self, key: int) -> int:
+        """The number of the storage ``key`` among its producing segment's call outputs
+        (`remat.measure.types.OpRecord.storage_ids`; -1: not made by a recorded call, or gone)."""
+        found = self._storage_ids.get(key) if self._made_live(key) else None
+        return -1 if found is None else found[1]
+
     def _made_live(self, key: int | None) -> bool:
         """Whether the storage a recorded call made at ``key`` still lives: asked of a live
         tensor's storage key, whether the call made that storage. Else it is one made where no

@@ -487,7 +487,7 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
     tracking.accountant.on_unpack = windows.note_read
     windows.inputs_of = lambda index: tracking.boundaries.taken.get(index, set())
     state = [*step.model.parameters(), *step.model.buffers(), *_tensor_attributes(step.model), *batch_tensors(step.batch)]
-    dataflow = DataflowRecorder(block_list, recorder.producer_of, storage_keys(state))
+    dataflow = DataflowRecorder(block_list, recorder.producer_of, storage_keys(state), recorder.storage_number_of)
     windows.post_arguments = dataflow.live_arguments
     tracking.boundaries.listeners += [windows, _ForwardGate(recorder, dataflow, tracking.accountant)]
     head = contextlib.nullcontext() if step.site is None else HeadBoundary(

@@ -59,11 +59,12 @@ def _check_profile(profile: Profile) -> None:
 
 PROFILE_RULES = Rules(
     signed=frozenset({"fwd_temp_bytes", "fwd_other_bytes", "bwd_free_order"}),
-    floors=(("num_threads", 1),),
+    floors=(("num_threads", 1), ("producer_storage", -1)),
     check=lambda profile: _check_profile(profile),
 )
 """Beyond the type hints: the measured differences that may be negative (their docstrings say
-when), and ``bwd_free_order``'s storage id -1; every other size, time and count is >= 0."""
+when), ``bwd_free_order``'s storage id -1 and ``producer_storage``'s -1 (not known); every other
+size, time and count is >= 0."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -128,6 +129,10 @@ class BlockInput:
     activation: bool = True
     """False for storages that existed before the step (the batch, parameters, buffers): they
     are never counted, as the live-storage tracker does not count them."""
+    producer_storage: int = -1
+    """Made by an earlier block (``previous``, ``block:<k>``): the storage's number among that
+    block's call outputs (`OpRecord.storage_ids`), which a selective strategy of it may cache
+    (-1: not known)."""
     counted: str = ""
     """Where the memory model counts it (`remat.measure.dataflow`): ``held`` (in this block's
     ``held_input_bytes``), ``shared`` (in its ``shared_entry_bytes``: the first of several blocks

@@ -161,6 +161,12 @@ def _cached_storages(block: BlockProfile, cached: frozenset[str]) -> dict[object
     return storages
 
 
+def cached_storages(block: BlockProfile, saved_ops: tuple[str, ...]) -> dict[object, int]:
+    """Storage id -> bytes of what a selective strategy saving ``saved_ops`` keeps alive
+    (`selective_saved_bytes`'s storages)."""
+    return _cached_storages(block, cached_ops(block, saved_ops))
+
+
 def cached_held_bytes(block: BlockProfile, cached: frozenset[str], calls: tuple[str, ...]) -> int:
     """Bytes of the storages the ``cached`` calls keep alive (`_cached_storages`) that the outputs
     of ``calls`` live in: what the model's code holds of them anyway (a view it holds keeps the

@@ -35,7 +35,7 @@ from typing import Any
 
 from remat.measure.types import BlockProfile, Profile
 from remat.plan.chain_dp import deep_recursion
-from remat.plan.costs import cached_held_bytes, cached_ops, cost_of, selective_cost
+from remat.plan.costs import cached_held_bytes, cached_ops, cached_storages, cost_of, selective_cost
 from remat.plan.phases import (code_held_bytes, grad_bytes_live, held_twice_bytes, keep_forward_bytes, later_held_bytes,
                                post_working_bytes, previous_held_bytes, replay_base_bytes, replayed_forward_bytes,
                                replay_working_bytes, segment_forward_bytes, stopped_replay_working_bytes, unit_extra_bytes,
@@ -313,11 +313,13 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
     caches: list[tuple[int, frozenset[str]]] = []  # top-level selective blocks before this one, what they cache
     code_cached = not replay and any(b.output_held_calls_until for b in profile.blocks)
     filled = _fill_gaps(segments, start, stop)
+    cached_inputs = {} if replay else cached_input_bytes(profile, filled)
     # a nested checkpoint's input, not held through its backward, is through its replay, beside the
     # forwards after its first block (kept: else a child's checkpoint beginning it holds it)
     forward_held = (profile.blocks[start].unsaved_input_bytes
                     if replay and not input_held and filled and filled[0].kind == "keep" else 0)
     for seg in filled:
+        held -= cached_inputs.get(seg.start, 0)  # in an earlier selective block's cache, counted there
         unheld = dead[seg.start] if dead else 0
         container = stored[seg.start] if stored else 0  # in its backward, not its forward
         later = later_held_bytes(profile, seg.start, unkept) if kept_later else 0
@@ -413,6 +415,35 @@ def cached_code_held_bytes(profile: Profile, block_index: int, caches: Sequence[
         calls = tuple(key for key, until in block.output_held_calls_until if until >= block_index and key not in saved)
         total += cached_held_bytes(block, cached, calls)
     return total
+
+
+def cached_input_bytes(profile: Profile, segments: Sequence[Segment]) -> dict[int, int]:
+    """Per first block k of a top-level recompute or selective segment: of the inputs its
+    checkpoint holds (``counted == "held"``), those an earlier top-level selective block caches
+    (`BlockInput.producer_storage` among its cached storages), whose cache holds them past k's
+    backward: counted once, in that cache (BERT with LoRA, whose layers save none of their
+    input: a layer caching its output beside the next one recomputed was 4,096 bytes over)."""
+    caches: dict[int, dict[object, int]] = {}
+    out: dict[int, int] = {}
+    for seg in segments:
+        if seg.kind == "selective":
+            block = profile.blocks[seg.start]
+            # not those the code holds beyond the block too: where it does, the forwards and the post
+            # part count them as the code's, and the other corrections take the copies off there
+            # (`cached_code_held_bytes`, `post_code_held_saving`); after, both copies are counted, a bound
+            code = {key for key, _ in block.output_held_calls_until} | set(block.output_post_held_calls)
+            held = {sid for i, op in enumerate(block.ops) if op.key in code for sid in (op.storage_ids or (("op", i),))}
+            caches[seg.start] = {sid: nbytes for sid, nbytes in cached_storages(block, seg.saved_ops).items()
+                                 if sid not in held}
+        if seg.kind not in ("recompute", "selective") or not caches:
+            continue
+        seen: set[int] = set()
+        for arg in profile.blocks[seg.start].inputs:
+            j = seg.start - 1 if arg.source == "previous" else int(arg.source[6:]) if arg.source.startswith("block:") else -1
+            if arg.counted == "held" and arg.storage not in seen and arg.producer_storage in caches.get(j, {}):
+                seen.add(arg.storage)
+                out[seg.start] = out.get(seg.start, 0) + caches[j][arg.producer_storage]
+    return out
 
 
 def kept_inputs_bytes(profile: Profile, segments: Sequence[Segment], position: int) -> int:
@@ -608,9 +639,11 @@ def _fill_gaps(segments: tuple[Segment, ...], start: int, stop: int) -> list[Seg
 
 def _top_retained(profile: Profile, segments: tuple[Segment, ...]) -> tuple[int, ...]:
     out: list[int] = []
-    for seg in _fill_gaps(segments, 0, profile.num_blocks):
+    filled = _fill_gaps(segments, 0, profile.num_blocks)
+    cached = cached_input_bytes(profile, filled)
+    for seg in filled:
         out.extend(cost_of(profile, i, seg).retained_bytes + (0 if seg.kind == "keep" else profile.blocks[i].saved_code_held_bytes)
-                   for i in range(seg.start, seg.stop))
+                   - cached.get(i, 0) for i in range(seg.start, seg.stop))
     return tuple(out)
 
 
