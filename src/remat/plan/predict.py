@@ -329,7 +329,7 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             later += kept_inputs_bytes(profile, passed, seg.start)
         after = saved_after_bytes(profile, passed, seg.start) if saved_after else 0  # in the backwards
         twice = 0  # inputs of earlier checkpoints the code holds too, in a kept or recomputed forward: counted once
-        if not replay and holders and seg.kind in ("keep", "recompute"):
+        if not replay and holders and seg.kind in ("keep", "recompute", "selective"):
             twice = min(min(held_twice_bytes(profile, i, holders), code_held_bytes(profile.blocks[i]))
                         for i in range(seg.start, seg.stop))
         if seg.kind == "recompute":
@@ -375,8 +375,8 @@ def layout_peak(profile: Profile, segments: tuple[Segment, ...], start: int, sto
             if seg.kind == "selective" and not replay and parts[1] is not None:
                 # its forward apart: no later block's gradient there, nothing only its backward holds
                 # (x-transformers' last layer, selective, measured the head's gradients under its prediction)
-                backward, forward = parts
-                need = held - unheld + max(forward, backward + container + grad_bytes_live(profile, seg.start) + after)
+                backward, forward = parts  # its forward counts what the code holds, earlier checkpoints' inputs too
+                need = held - unheld + max(forward - twice, backward + container + grad_bytes_live(profile, seg.start) + after)
             if held_inputs:
                 need += code_held_through(profile, code_from, seg.start)
             candidate = _Peak(bytes=need, block=seg.start, working_bytes=working)
