@@ -21,7 +21,7 @@ runs right after the block's own, on top of the same earlier blocks: its need
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -144,7 +144,7 @@ def selective_saved_bytes(block: BlockProfile, saved_ops: tuple[str, ...]) -> in
     """Bytes of the distinct storages the cached op calls keep alive (`cached_ops`): a call's
     outputs keep their whole storages, shared storages count once (a view of a matmul's output
     holds the matmul's storage)."""
-    return sum(_cached_storages(block, cached_ops(block, saved_ops)).values())
+    return sum(cached_storages(block, saved_ops).values())
 
 
 def _cached_storages(block: BlockProfile, cached: frozenset[str]) -> dict[object, int]:
@@ -167,15 +167,18 @@ def cached_storages(block: BlockProfile, saved_ops: tuple[str, ...]) -> dict[obj
     return _cached_storages(block, cached_ops(block, saved_ops))
 
 
+def call_storages(block: BlockProfile, calls: Collection[str]) -> set[object]:
+    """Ids of the storages the outputs of ``calls`` live in (as `_cached_storages` names them: a
+    view's is the viewed storage's)."""
+    return {s for i, op in enumerate(block.ops) if op.key in calls for s in (op.storage_ids or (("op", i),))}
+
+
 def cached_held_bytes(block: BlockProfile, cached: frozenset[str], calls: tuple[str, ...]) -> int:
     """Bytes of the storages the ``cached`` calls keep alive (`_cached_storages`) that the outputs
-    of ``calls`` live in: what the model's code holds of them anyway (a view it holds keeps the
-    viewed storage)."""
+    of ``calls`` live in: what the model's code holds of them anyway."""
     if not cached or not calls:
         return 0
-    wanted = set(calls)
-    held = {s for i, op in enumerate(block.ops) if op.key in wanted
-            for s in (op.storage_ids or (("op", i),))}
+    held = call_storages(block, set(calls))
     return sum(nbytes for sid, nbytes in _cached_storages(block, cached).items() if sid in held)
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from remat.measure.types import BlockProfile, Profile
 from remat.plan.chain_dp import deep_recursion
-from remat.plan.costs import cached_held_bytes, cached_ops, cached_storages, cost_of, selective_cost
+from remat.plan.costs import cached_held_bytes, cached_ops, cached_storages, call_storages, cost_of, selective_cost
 from remat.plan.phases import (code_held_bytes, grad_bytes_live, held_twice_bytes, keep_forward_bytes, later_held_bytes,
                                post_working_bytes, previous_held_bytes, replay_base_bytes, replayed_forward_bytes,
                                replay_working_bytes, segment_forward_bytes, stopped_replay_working_bytes, unit_extra_bytes,
@@ -431,8 +431,7 @@ def cached_input_bytes(profile: Profile, segments: Sequence[Segment]) -> dict[in
             # not those the code holds beyond the block too: where it does, the forwards and the post
             # part count them as the code's, and the other corrections take the copies off there
             # (`cached_code_held_bytes`, `post_code_held_saving`); after, both copies are counted, a bound
-            code = {key for key, _ in block.output_held_calls_until} | set(block.output_post_held_calls)
-            held = {sid for i, op in enumerate(block.ops) if op.key in code for sid in (op.storage_ids or (("op", i),))}
+            held = call_storages(block, {key for key, _ in block.output_held_calls_until} | set(block.output_post_held_calls))
             caches[seg.start] = {sid: nbytes for sid, nbytes in cached_storages(block, seg.saved_ops).items()
                                  if sid not in held}
         if seg.kind not in ("recompute", "selective") or not caches:
