@@ -44,7 +44,7 @@ from remat.plan.head import head_extra_flops, head_extra_ms, priced_profile
 from remat.plan.joins import check_joins
 from remat.plan.policies import op_storages
 from remat.plan.types import Plan, Prediction, Segment
-from remat.plan.variants import resaved_profile, revived_profile
+from remat.plan.variants import cached_shared_profile, resaved_profile, revived_profile
 
 __all__ = ["predict", "check_profile", "extra_ms", "pre_forward_phase_bytes", "optimizer_phase_bytes", "pre_backward_phase_bytes", "layout_peak", "dead_shared_bytes", "baseline_step_ms", "fresh_memory", "keep_peak_bytes", "backward_base_bytes", "grad_bytes_live", "check_segments", "stored_held_bytes", "post_code_held_saving", "saved_after_bytes"]
 
@@ -80,8 +80,12 @@ def predict(profile: Profile, plan_or_segments: Plan | tuple[Segment, ...] | lis
 
 def _predict(profile: Profile, segments: tuple[Segment, ...], head: str) -> Prediction:
     check_segments(profile, segments)
-    # shared tensors the code freed before a block's forward, kept alive there by a checkpoint of this plan
-    profile = revived_profile(profile, checkpoint_held_storages(profile, segments))
+    # shared tensors a selective block's cache holds, counted there alone
+    profile, cached = cached_shared_profile(profile, {seg.start: cached_storages(profile.blocks[seg.start], seg.saved_ops)
+                                                      for seg in segments if seg.kind == "selective"})
+    # shared tensors the code freed before a block's forward, kept alive there by a checkpoint of this
+    # plan or a cache
+    profile = revived_profile(profile, checkpoint_held_storages(profile, segments) | cached)
     # shared tensors a later block saves first, in the forwards after it where this plan does not keep it
     profile = resaved_profile(profile, {i for seg in _fill_gaps(segments, 0, profile.num_blocks) if seg.kind == "keep"
                                         for i in range(seg.start, seg.stop)})

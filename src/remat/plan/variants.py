@@ -46,7 +46,8 @@ from remat.measure.types import BlockProfile, Profile
 from remat.plan.phases import keep_forward_bytes, working_bytes
 
 __all__ = ["SharedGroup", "KeptNeighbour", "KeptSaver", "shared_groups", "kept_neighbours", "kept_savers", "variant",
-           "variants", "MAX_CHOICES", "revived_profile", "resaved_profile"]
+           "variants", "MAX_CHOICES", "revived_profile", "resaved_profile",
+           "cached_shared_profile"]
 
 MAX_CHOICES = 4
 """Choices the exact search solves both ways: 2^4 problems at most (Funnel's decoder: three groups of
@@ -177,6 +178,35 @@ def resaved_profile(profile: Profile, kept: Container[int] | None = None) -> Pro
         return {"fwd_other_bytes": block.fwd_other_bytes + extra}
 
     return _forwards_changed(profile, lambda block: block.shared_saved, change)
+
+
+def cached_shared_profile(profile: Profile, caches: dict[int, Container[int]]) -> tuple[Profile, set[int]]:
+    """``profile`` with the shared tensors that a selective block caches (``caches``: block ->
+    the storage numbers among its call outputs its strategy keeps, `remat.plan.costs.cached_storages`)
+    counted in its cache alone, and their storage ids. A block's output that several later blocks
+    take and none saves (LongT5's position bias, made by its first layer and added to every
+    layer's scores) is counted from its first taker on (``shared_entry_bytes``); a cache of it holds
+    it from the block's forward to the end of its backward, longer, so that count goes: the first
+    taker's entry bytes less it, its input counted ``earlier`` (no longer left out of the backward by
+    `remat.plan.predict.dead_shared_bytes`). Caching LongT5's measured 786,432 bytes (6 %) under the
+    prediction before. ``profile`` itself where no cache holds one."""
+    gone: dict[int, int] = {}  # storage id -> bytes
+    blocks = list(profile.blocks)
+    for block in profile.blocks:
+        inputs, dropped = [], 0
+        for arg in block.inputs:
+            j = block.index - 1 if arg.source == "previous" else int(arg.source[6:]) if arg.source.startswith("block:") else -1
+            if arg.counted == "shared" and j in caches and arg.producer_storage in caches[j]:
+                gone[arg.storage] = arg.storage_bytes
+                dropped += arg.storage_bytes
+                arg = dataclasses.replace(arg, counted="earlier")
+            inputs.append(arg)
+        if dropped:
+            blocks[block.index] = dataclasses.replace(block, inputs=tuple(inputs), entry_bytes=block.entry_bytes - dropped,
+                                                      shared_entry_bytes=block.shared_entry_bytes - dropped)
+    if not gone:
+        return profile, set()
+    return dataclasses.replace(profile, blocks=tuple(blocks)), set(gone)
 
 
 class _AllBut:
