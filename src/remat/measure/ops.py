@@ -87,7 +87,12 @@ class OpRecorder(TorchDispatchMode):
         self._index: dict[str, dict[str, int]] = defaultdict(dict)
         self._storage_ids: dict[int, tuple[str, int]] = {}
         self._num_storages: dict[str, int] = defaultdict(int)
-        self._escaped: set[tuple[str, int]] = set()
+        self._escaped: dict[tuple[str, int], set[str]] = {}
+        """(segment, storage number) -> the other segments that save that storage of its calls."""
+        self.segment_order: Callable[[str], int] = lambda segment: -1
+        """Where a segment's backward stands among the blocks': a block's index, the code between the
+        block before k and block k counted as k (its backward runs right after k's), the post part as
+        the number of blocks; -1 for the part before the blocks (`remat.measure.profile` sets it)."""
         self._holders: dict[int, list[_Call]] = {}
         """Storage key -> the calls whose outputs live in it, while it lives (`_note_writes`)."""
         self._first_run = True
@@ -281,12 +286,20 @@ class OpRecorder(TorchDispatchMode):
         totals: dict[tuple[str, int], int] = defaultdict(int)
         for key, record in saved.items():
             owner = self._storage_ids.get(key)
-            if owner is not None and any(who != owner[0] for who in (savers or {}).get(key, (record.segment,))):
-                self._escaped.add(owner)
+            others = {who for who in (savers or {}).get(key, (record.segment,)) if who != owner[0]} if owner else set()
+            if others:
+                self._escaped.setdefault(owner, set()).update(others)
             producer = self._producer.get(key)
             if producer is not None and producer[0] == record.segment:
                 totals[producer] += record.nbytes
         return totals
+
+    def _saved_from(self, segment: str, storage: int) -> int:
+        """The first segment after ``segment`` in backward's reckoning (`segment_order`) that saves
+        this storage of its calls too (-1: none does)."""
+        here = self.segment_order(segment)
+        later = [k for k in map(self.segment_order, self._escaped.get((segment, storage), ())) if k > here]
+        return min(later, default=-1)
 
     def call_args(self, segment: str) -> tuple[tuple[Any, ...], ...]:
         """Per recorded call of ``segment``, `remat.measure.sharing.args_signature` of its arguments."""
@@ -301,6 +314,7 @@ class OpRecorder(TorchDispatchMode):
                 flops=call.flops, is_random=call.is_random, is_view=call.is_view,
                 storage_ids=call.storage_ids, storage_bytes=call.storage_bytes,
                 storage_escapes=tuple((segment, s) in self._escaped for s in call.storage_ids),
+                storage_saved_from=tuple(self._saved_from(segment, s) for s in call.storage_ids),
                 mutated_later=call.mutated_later,
             )
             for i, call in enumerate(self.calls.get(segment, []))

@@ -96,7 +96,7 @@ from remat.measure.probes import failure_reason
 from remat.measure.ops import OpRecorder
 from remat.measure.overhead import (BlockOverheads, capture_block_inputs, measure_checkpoint_call_ms, measure_overheads,
                                     uncacheable_share)
-from remat.measure.saved import POST, PRE, SavedAccountant, between_name
+from remat.measure.saved import BETWEEN, POST, PRE, SavedAccountant, between_name
 from remat.measure.sharing import BlockGroups, CallSignatures, group_blocks, stop_after, structure_key, trace_key
 from remat.measure.stacks import Discovery, discover
 from remat.measure.storage import storage_key, storage_keys, storage_nbytes, tensors_in
@@ -466,6 +466,20 @@ class _ForwardGate:
             self.dataflow.finish(self.accountant.savers)
 
 
+def _segment_order(names: Sequence[str]) -> Callable[[str], int]:
+    """`OpRecorder.segment_order` of the blocks ``names``."""
+    index = {name: i for i, name in enumerate(names)}
+
+    def order(segment: str) -> int:
+        if segment in index:
+            return index[segment]
+        if segment.startswith(BETWEEN):
+            return int(segment[len(BETWEEN):])
+        return len(names) if segment == POST else -1
+
+    return order
+
+
 def _tensor_attributes(model: nn.Module) -> list[torch.Tensor]:
     """Tensors the model's modules keep as plain attributes, no parameter nor buffer, without a
     graph: a table made once and kept (diffusers' QwenImage keeps its rotary table so and hands
@@ -483,6 +497,7 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
     recorder = OpRecorder(lambda: tracking.accountant.segment, sync=Clock(model_device(step.model)).sync,
                           live_bytes=lambda: tracking.tracker.live_bytes)
     windows.storage_id = recorder.storage_id
+    recorder.segment_order = _segment_order(names)
     tracking.accountant.on_pack = recorder.note_pack
     tracking.accountant.on_unpack = windows.note_read
     windows.inputs_of = lambda index: tracking.boundaries.taken.get(index, set())
@@ -492,7 +507,7 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
     tracking.boundaries.listeners += [windows, _ForwardGate(recorder, dataflow, tracking.accountant)]
     head = contextlib.nullcontext() if step.site is None else HeadBoundary(
         step.model.get_submodule(step.site.projection), tracking.boundaries.emit)
-    with recorder, tracking, dataflow, head, CallSignatures(block_list) as calls:
+    with recorder, tracking, dataflow, head, CallSignatures(block_list) as calls, _outside_grads(step.model, block_list, windows):
         step.run(tracking.boundaries)
     accountant, tracker = tracking.accountant, tracking.tracker
     flows = block_flows(dataflow, accountant.saved, accountant.savers, accountant.bytes_by_segment())
@@ -698,6 +713,33 @@ def _pre_grad_bytes(memory: _Accounting, block_list: Blocks) -> int:
     return memory.grad_bytes - released - windows.grads_at_first_block_bytes
 
 
+@contextlib.contextmanager
+def _outside_grads(model: nn.Module, block_list: Blocks, windows: BackwardWindows):
+    """Hooks telling ``windows`` of each parameter outside every block whose gradient is made
+    whole (`BackwardWindows.note_outside_grad`), removed on exit."""
+    inside = {id(p) for _, module in block_list for p in module.parameters()}
+    handles = [p.register_post_accumulate_grad_hook(lambda p: windows.note_outside_grad(storage_nbytes(p.grad)))
+               for p in model.parameters() if p.requires_grad and id(p) not in inside]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _outside_grad_bytes(memory: _Accounting, index: int) -> int:
+    """Gradients of parameters outside the blocks that block ``index``'s backward makes whole (their
+    last use is in it: SEW-D's relative position embeddings, which every layer reads, whole within
+    the first layer's backward). Not yet made while the blocks after it run their backward, so
+    released with it (in its ``between_grad_bytes``); counted live there before, 2.1 % over
+    SEW-D's peak without recomputation. The first block to run a backward has them in the pre
+    part's (`_pre_grad_bytes`, `_pre_early_grad_bytes`)."""
+    windows = memory.windows
+    if index == windows.first_backward_block:
+        return 0
+    return windows.outside_grad_bytes[index]
+
+
 def _pre_early_grad_bytes(memory: _Accounting, block_list: Blocks) -> int:
     """Of `_pre_grad_bytes`, the gradients live as the pre part's backward begins: made in the
     first block's backward window but not its own (a weight outside the blocks whose every use is
@@ -817,7 +859,7 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
             saved_dead_bytes=min(memory.saved_bytes[name], memory.windows.saved_dead_at_backward[i])
             if i in memory.windows.backward_blocks else 0,
             held_input_bwd_temp_bytes=memory.windows.block_held_input_temp_bytes[i],
-            between_grad_bytes=memory.windows.between_grad_bytes[i],
+            between_grad_bytes=memory.windows.between_grad_bytes[i] + _outside_grad_bytes(memory, i),
             fwd_other_bytes=memory.windows.block_fwd_start_temporaries[i]
             - sum(flow.shared_entry_bytes for flow in memory.flows[: i + 1]),
             **_freed_between(memory.flows[i], *memory.windows.between_apart[i]),

@@ -59,12 +59,12 @@ def _check_profile(profile: Profile) -> None:
 
 PROFILE_RULES = Rules(
     signed=frozenset({"fwd_temp_bytes", "fwd_other_bytes", "bwd_free_order"}),
-    floors=(("num_threads", 1), ("producer_storage", -1)),
+    floors=(("num_threads", 1), ("producer_storage", -1), ("storage_saved_from", -1)),
     check=lambda profile: _check_profile(profile),
 )
 """Beyond the type hints: the measured differences that may be negative (their docstrings say
 when), ``bwd_free_order``'s storage id -1 and ``producer_storage``'s -1 (not known); every other
-size, time and count is >= 0."""
+size, time and count is >= 0; ``storage_saved_from``'s -1 (none)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -103,6 +103,14 @@ class OpRecord:
     checkpoint holds it where the block is not kept). Caching it adds no bytes. A storage later
     blocks only read (T5's position bias, added to every layer's scores) does not: a kept reader
     lets it go after its forward. () in profiles recorded without it."""
+    storage_saved_from: tuple[int, ...] = ()
+    """Per storage of ``storage_ids``: the first block after this one whose autograd saves it too
+    (the code between block k - 1 and block k counts as k, its backward running right after k's;
+    the post part as the number of blocks), -1 where none does. Past this block's next one, a
+    cache of it is all that holds it between that saver's backward and this block's: BridgeTower's
+    last text layer, whose output the post part saves, caching it beside the image layer after it
+    (whose backward runs in that gap) measured 8,192 bytes above its prediction. () in profiles
+    recorded without it."""
     mutated_later: bool = False
     """A later call of the step's forward writes in place into a storage its outputs live in
     (T5's ``relative_buckets += ...``): selective checkpointing cannot cache it
@@ -322,7 +330,9 @@ class BlockProfile:
     the gradients live when it began, the saved bytes of everything before it and its own."""
     between_grad_bytes: int = 0
     """Gradients that code's backward accumulates (parameters only it uses: a second stack's
-    embeddings): not yet allocated while the blocks after it run their backward."""
+    embeddings), and those this block's backward makes whole that are not its own (parameters
+    outside the blocks whose last use it completes: SEW-D's relative position embeddings, read by
+    every layer): not yet allocated while the blocks after it run their backward."""
     entry_bytes: int = 0
     """Held from this block's entry on whatever the plan: ``between_saved_bytes`` + the
     previous block's ``handoff_bytes`` + ``shared_entry_bytes``."""

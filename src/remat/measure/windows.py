@@ -43,6 +43,9 @@ class BackwardWindows:
         saved (a sum's, a view's) and what they made is live beside the replay: the gradient of
         GPT-OSS's routed expert outputs, one routed token x hidden, made contiguous for a view."""
         self.between_grad_bytes = [0] * len(block_names)
+        self.outside_grad_bytes = [0] * len(block_names)
+        """Per block, the gradients of parameters outside every block that its backward window made
+        whole (``.grad`` set: their last use was in it; `note_outside_grad`)."""
         self._grads_at_open = 0
         self.block_free_order: list[tuple[tuple[int, int], ...]] = [()] * len(block_names)
         self.storage_id: Callable[[int, str], int] = lambda key, segment: -1
@@ -305,6 +308,12 @@ class BackwardWindows:
         forward: their graphs live as long as their outputs, which the model's output may hold to
         the loss (LLaVA's vision tower output, every layer's hidden state in it)."""
         return sum(nbytes for i, nbytes in enumerate(self.post_fwd_block_bytes) if i not in self.backward_blocks)
+
+    def note_outside_grad(self, nbytes: int) -> None:
+        """A parameter outside every block got its ``.grad``: counted for the block whose backward
+        window is open (none: the code between blocks, or the pre and post parts, have their own)."""
+        if self._open in self.names:
+            self.outside_grad_bytes[self.names.index(self._open)] += nbytes
 
     def _start(self, segment: str) -> None:
         """Exclude the state and what earlier segments still hold (live), and two constants: the

@@ -128,7 +128,7 @@ def _peak_phases(profile: Profile, segments: tuple[Segment, ...],
     retained = _top_retained(profile, segments)
     base = backward_base_bytes(profile)
     dead = dead_shared_bytes(profile, segments)
-    stored = stored_held_bytes(profile, segments)
+    stored = [a + b for a, b in zip(stored_held_bytes(profile, segments), cached_escaping_bytes(profile, segments))]
     inner = layout_peak(profile, segments, 0, profile.num_blocks, dead=dead, stored=stored)
     held = (base - profile.block_gathered_bytes  # FSDP2: not held through the head's backward
             + grad_bytes_live(profile, profile.num_blocks) + profile.fixed_pre_saved_bytes + sum(retained)
@@ -577,6 +577,43 @@ def _retained_arguments(profile: Profile, segments: tuple[Segment, ...]) -> set[
                     arg.counted == "shared" and block.index not in inside and takers[arg.storage] & checkpointed):
                 out.add(arg.storage)
     return out
+
+
+def cached_escaping_bytes(profile: Profile, segments: tuple[Segment, ...]) -> list[int]:
+    """Per block j, then the post part (0): what the top-level selective blocks before j cache of
+    their calls' outputs that a later segment saves too (`OpRecord.storage_escapes`: caching them
+    costs nothing while that segment holds them), where that segment's backward runs before j's
+    (`OpRecord.storage_saved_from` past the block after the cache's): between the two, the cache
+    alone holds them, unless a later checkpoint holds them as its input (counted in its retained
+    bytes). BridgeTower's last text layer caching its output, which the post part saves, measured
+    8,192 bytes above its prediction in the image layer's backward after it."""
+    out = [0] * (profile.num_blocks + 1)
+    starts = [seg.start for seg in segments if seg.kind in ("recompute", "selective")]
+    for seg in segments:
+        if seg.kind != "selective":
+            continue
+        i, block = seg.start, profile.blocks[seg.start]
+        cached = cached_ops(block, seg.saved_ops)
+        until: dict[int, tuple[int, int]] = {}  # storage -> (first later saver, bytes)
+        for op in block.ops:
+            if op.key in cached and op.storage_saved_from:
+                for sid, nbytes, saver in zip(op.storage_ids, op.storage_bytes, op.storage_saved_from):
+                    if saver > i + 1:
+                        until[sid] = (saver, nbytes)
+        for sid, (saver, nbytes) in until.items():
+            # a later checkpoint holding it as its input counts it from its forward to its backward
+            held = min((m for m in starts if m > i and _holds_input(profile.blocks[m], i, sid)), default=saver)
+            for j in range(i + 1, min(saver, held, profile.num_blocks)):
+                out[j] += nbytes
+    return out
+
+
+def _holds_input(block: BlockProfile, producer: int, storage: int) -> bool:
+    """Whether a checkpoint beginning with ``block`` holds the storage number ``storage`` of block
+    ``producer``'s call outputs as its input (`BlockInput.counted` ``held``)."""
+    return any(arg.counted == "held" and arg.producer_storage == storage
+               and (arg.source == f"block:{producer}" or (arg.source == "previous" and block.index == producer + 1))
+               for arg in block.inputs)
 
 
 def stored_held_bytes(profile: Profile, segments: tuple[Segment, ...]) -> list[int]:
