@@ -23,7 +23,7 @@ import pytest
 
 from remat.measure.types import Bandwidths
 from remat.plan.planners import pareto, plan
-from remat.plan.predict import keep_peak_bytes, predict
+from remat.plan.predict import baseline_step_ms, keep_peak_bytes, predict
 from remat.plan.search import OptimalSearch, block_options
 from remat.plan.types import Segment
 
@@ -36,6 +36,19 @@ TOLERANCE_MS = 1e-9
 """The DP adds the same times as `predict` in another order: equal up to float rounding."""
 
 
+def _gated_profile():
+    """Four layers whose first output the code holds to the end (`test_cached_escaping.Gated`): the
+    exact tables count it through the backward too, a bound, and priced the least-peak layout (a
+    nested segment, which drops it earlier) over another; the planner refused the budgets between."""
+    import torch
+
+    import remat
+    from test_cached_escaping import B, D, S, Gated, _square
+
+    torch.manual_seed(0)
+    return remat.profile(Gated(), torch.randn(B, S, D), _square, repeats=1)
+
+
 @pytest.fixture(scope="module")
 def measured():
     return {
@@ -44,6 +57,7 @@ def measured():
         "gpt": gpt_profile(num_layers=3, d_model=32, num_heads=2, seq_len=64, batch_size=4, vocab_size=64),
         "adapters": adapter_profile(4),
         "scaled": scaled_profile(6),
+        "gated": _gated_profile(),
     }
 
 
@@ -57,24 +71,29 @@ def _budgets(space) -> list[int]:
     return sorted(set(space.peaks.tolist()) | {p + d for p in frontier for d in (1, 4096)})
 
 
-def _check_every_budget(profile, space, joins=None) -> None:
+def _check_every_budget(profile, space, joins=None, claimed_exact=True) -> None:
+    """The optimum at every budget; ``claimed_exact``: the search's bound says so too (else its
+    lower bound holds: no layout that fits is faster than it)."""
     search = OptimalSearch(profile, joins=joins)
+    baseline = baseline_step_ms(profile)
     for budget in _budgets(space):
         best = space.best_ms(budget)
         choice = search.choose(budget)
         prediction = predict(profile, choice.segments)
         assert prediction.peak_bytes <= budget
         assert prediction.step_ms <= best + TOLERANCE_MS, f"budget {budget}: {prediction.step_ms} ms > {best} ms"
-        assert choice.optimality.exact and choice.optimality.quantum_bytes == 1
+        assert choice.optimality.quantum_bytes == 1
+        assert choice.optimality.exact if claimed_exact else choice.optimality.lower_bound_ms <= best - baseline + TOLERANCE_MS
     floor = int(space.peaks.min())
     assert search.choose(floor - 1) is None
 
 
-@pytest.mark.parametrize("name", ["mlp", "convnet", "gpt", "adapters", "scaled"])
+@pytest.mark.parametrize("name", ["mlp", "convnet", "gpt", "adapters", "scaled", "gated"])
 def test_optimal_is_the_best_layout_at_every_budget(measured, spaces, name):
     profile, space = measured[name], spaces[name]
     assert len(space.frontier()) >= 3  # the budgets trade memory for time
-    _check_every_budget(profile, space)
+    # gated: the relaxed tables' bound is below what fits at some budgets, so optimal, not proven so
+    _check_every_budget(profile, space, claimed_exact=name != "gated")
     floor = int(space.peaks.min())
     assert plan(profile, budget=floor).prediction.peak_bytes == floor
     with pytest.raises(ValueError, match="minimum feasible peak"):
