@@ -2,6 +2,7 @@
 
     python -m benchmarks.random_layouts [--layouts 15] [--models masked-rows ctx-tensor dit perceiver
                                          x-transformers x-transformers-residual] [--hf gpt2 llama ...]
+                                        [--diffusers unet2d flux ...] [--autocast]
 
 Per model: profiled once (no optimizer, ``repeats=1``), then up to ``--layouts`` layouts drawn with
 a fixed seed (per block a keep or selective option of `remat.plan.search.block_options`, or a
@@ -14,7 +15,11 @@ layer's values) need `x_transformers` installed. ``--hf``: Hugging Face model ty
 built as `benchmarks.sweep` builds it (`benchmarks._sweep.build`: a tiny config, random weights,
 a batch made in code), profiled with SGD as the sweep does; ``--lora RANK``: fine-tuned with
 LoRA of that rank and ``--lora-dropout`` as the sweep's ``--lora`` runs do (its frozen base
-matmuls save none of a block's input that the adapters' dropout does not).
+matmuls save none of a block's input that the adapters' dropout does not); ``--autocast``: their
+forward under ``torch.autocast`` (bfloat16 on the CPU, entered inside the model's forward as the
+README's "Mixed precision" has it). ``--diffusers``: diffusers models built from tiny configs
+(`benchmarks._sweep.diffusers_build`; diffusers installed apart, no dependency of remat), without
+an optimizer as the hand-written ones.
 """
 
 from __future__ import annotations
@@ -45,6 +50,25 @@ def _x_transformers(residual: bool) -> tuple[Any, Any, Any]:
 
 LORA: tuple[int, float] | None = None
 """(rank, dropout) of the LoRA the Hugging Face models are fine-tuned with (None: none)."""
+AUTOCAST = False
+"""Whether the Hugging Face models run their forward under bfloat16 autocast."""
+
+
+def _autocast(model: Any) -> Any:
+    import torch
+
+    class Autocast(torch.nn.Module):
+        """``model``'s forward under CPU bfloat16 autocast, keyword batches."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, **batch: Any) -> Any:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.model(**batch)
+
+    return Autocast()
 
 
 def build(name: str) -> tuple[Any, Any, Any]:
@@ -56,7 +80,11 @@ def build(name: str) -> tuple[Any, Any, Any]:
         hf.seed(0)
         built = hf.build(name[3:].split(" ")[0])
         model = built.model if LORA is None else _fine_tuned(built.model, LORA[0], LORA[1], None)
-        return model, built.batch, hf.loss_fn
+        return _autocast(model) if AUTOCAST else model, built.batch, hf.loss_fn
+    if name.startswith("df:"):
+        from benchmarks._sweep.diffusers_build import build as diffusers_model
+
+        return diffusers_model(name[3:])
     if name.startswith("x-transformers"):
         return _x_transformers(name.endswith("residual"))
     from test_random_layouts_measured import _case, _square
@@ -104,16 +132,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hf-layers", type=int, default=4, help="layers of each stack of a Hugging Face model")
     parser.add_argument("--lora", type=int, default=None, metavar="RANK", help="fine-tune the Hugging Face models with LoRA")
     parser.add_argument("--lora-dropout", type=float, default=0.1)
+    parser.add_argument("--autocast", action="store_true", help="the Hugging Face models' forward under bfloat16 autocast")
+    parser.add_argument("--diffusers", nargs="*", default=[], metavar="MODEL",
+                        help="diffusers models to draw layouts for too (benchmarks._sweep.diffusers_build.BUILDERS)")
     args = parser.parse_args(argv)
     import benchmarks._sweep.build as hf
 
-    global LORA
+    global LORA, AUTOCAST
     layers = hf.LAYERS
     LORA, hf.LAYERS = None if args.lora is None else (args.lora, args.lora_dropout), args.hf_layers  # `shrink` reads it
+    AUTOCAST = args.autocast
     try:
         _table(args)
     finally:
-        LORA, hf.LAYERS = None, layers
+        LORA, AUTOCAST, hf.LAYERS = None, False, layers
 
 
 def _table(args: argparse.Namespace) -> None:
@@ -121,7 +153,8 @@ def _table(args: argparse.Namespace) -> None:
     print("| --- | ---: | ---: | --- | --- | --- |")
     details = []
     lora = f" + LoRA {args.lora} (dropout {args.lora_dropout})" if args.lora is not None else ""
-    for name in [*args.models, *(f"hf:{t}{lora}" for t in args.hf)]:
+    lora += " under autocast" if args.autocast else ""
+    for name in [*args.models, *(f"hf:{t}{lora}" for t in args.hf), *(f"df:{m}" for m in args.diffusers)]:
         try:
             row = run(name, args.layouts)
         except ImportError as error:

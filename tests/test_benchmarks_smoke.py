@@ -502,3 +502,21 @@ def test_random_layouts_benchmark_draws_layouts_of_hugging_face_models_with_lora
 
     random_layouts.main(["--models", "--hf", "gpt2", "--hf-layers", "3", "--lora", "4", "--layouts", "3"])
     assert "| hf:gpt2 + LoRA 4 (dropout 0.1) | 3 | 3 | True | 0 | 0 |" in capsys.readouterr().out
+
+
+def test_random_layouts_benchmark_runs_a_model_under_autocast(capsys) -> None:
+    """``--autocast``: the forward under bfloat16 autocast, entered inside the model as the README
+    has it; GPT-2's layouts measure as predicted to the byte there too. ``--diffusers`` names a row
+    that says why it did not run where diffusers is not installed."""
+    import importlib.util
+
+    from benchmarks import random_layouts
+
+    args = ["--models", "--hf", "gpt2", "--hf-layers", "2", "--autocast", "--layouts", "3", "--diffusers", "dit"]
+    random_layouts.main(args)
+    out = capsys.readouterr().out
+    assert "| hf:gpt2 under autocast | 2 | 3 | True | 0 | 0 |" in out
+    if importlib.util.find_spec("diffusers") is None:
+        assert "| df:dit | - | - | - | not run: " in out
+    else:
+        assert "| df:dit | 4 | 3 | True | 0 |" in out
