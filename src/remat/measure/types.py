@@ -147,6 +147,13 @@ class BlockInput:
     to take it, and none saves it), ``earlier`` (where an earlier part saved it or an earlier
     block took it), ``state`` (not an activation); "" in profiles recorded without it."""
 
+    def producer(self, taker: int) -> int:
+        """The index of the block that made it, as block ``taker``'s argument (``previous``: the one
+        before; ``block:<k>``: k), -1 where no block did."""
+        if self.source == "previous":
+            return taker - 1
+        return int(self.source[len("block:"):]) if self.source.startswith("block:") else -1
+
 
 @dataclass(kw_only=True, frozen=True)
 class CompiledBlock:

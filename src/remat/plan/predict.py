@@ -442,7 +442,7 @@ def cached_input_bytes(profile: Profile, segments: Sequence[Segment]) -> dict[in
             continue
         seen: set[int] = set()
         for arg in profile.blocks[seg.start].inputs:
-            j = seg.start - 1 if arg.source == "previous" else int(arg.source[6:]) if arg.source.startswith("block:") else -1
+            j = arg.producer(seg.start)
             if arg.counted == "held" and arg.storage not in seen and arg.producer_storage in caches.get(j, {}):
                 seen.add(arg.storage)
                 out[seg.start] = out.get(seg.start, 0) + caches[j][arg.producer_storage]
@@ -611,8 +611,7 @@ def cached_escaping_bytes(profile: Profile, segments: tuple[Segment, ...]) -> li
 def _holds_input(block: BlockProfile, producer: int, storage: int) -> bool:
     """Whether a checkpoint beginning with ``block`` holds the storage number ``storage`` of block
     ``producer``'s call outputs as its input (`BlockInput.counted` ``held``)."""
-    return any(arg.counted == "held" and arg.producer_storage == storage
-               and (arg.source == f"block:{producer}" or (arg.source == "previous" and block.index == producer + 1))
+    return any(arg.counted == "held" and arg.producer_storage == storage and arg.producer(block.index) == producer
                for arg in block.inputs)
 
 

@@ -195,7 +195,7 @@ def cached_shared_profile(profile: Profile, caches: dict[int, Container[int]]) -
     for block in profile.blocks:
         inputs, dropped = [], 0
         for arg in block.inputs:
-            j = block.index - 1 if arg.source == "previous" else int(arg.source[6:]) if arg.source.startswith("block:") else -1
+            j = arg.producer(block.index)
             if arg.counted == "shared" and j in caches and arg.producer_storage in caches[j]:
                 gone[arg.storage] = arg.storage_bytes
                 dropped += arg.storage_bytes
