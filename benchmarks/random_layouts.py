@@ -17,7 +17,8 @@ a batch made in code), profiled with SGD as the sweep does; ``--lora RANK``: fin
 LoRA of that rank and ``--lora-dropout`` as the sweep's ``--lora`` runs do (its frozen base
 matmuls save none of a block's input that the adapters' dropout does not); ``--autocast``: their
 forward under ``torch.autocast`` (bfloat16 on the CPU, entered inside the model's forward as the
-README's "Mixed precision" has it). ``--diffusers``: diffusers models built from tiny configs
+README's "Mixed precision" has it); ``--experts eager``: their MoE layers loop over the experts
+(`benchmarks._sweep.build.experts_kernel`), each on the tokens routed to it. ``--diffusers``: diffusers models built from tiny configs
 (`benchmarks._sweep.diffusers_build`; diffusers installed apart, no dependency of remat), without
 an optimizer as the hand-written ones.
 """
@@ -52,6 +53,9 @@ LORA: tuple[int, float] | None = None
 """(rank, dropout) of the LoRA the Hugging Face models are fine-tuned with (None: none)."""
 AUTOCAST = False
 """Whether the Hugging Face models run their forward under bfloat16 autocast."""
+EXPERTS: str | None = None
+"""The experts kernel of the Hugging Face models' MoE layers (`benchmarks._sweep.build.experts_kernel`;
+None: the model's own)."""
 
 
 def _autocast(model: Any) -> Any:
@@ -79,6 +83,8 @@ def build(name: str) -> tuple[Any, Any, Any]:
 
         hf.seed(0)
         built = hf.build(name[3:].split(" ")[0])
+        if EXPERTS is not None:
+            hf.experts_kernel(built.model, EXPERTS)
         model = built.model if LORA is None else _fine_tuned(built.model, LORA[0], LORA[1], None)
         return _autocast(model) if AUTOCAST else model, built.batch, hf.loss_fn
     if name.startswith("df:"):
@@ -133,19 +139,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora", type=int, default=None, metavar="RANK", help="fine-tune the Hugging Face models with LoRA")
     parser.add_argument("--lora-dropout", type=float, default=0.1)
     parser.add_argument("--autocast", action="store_true", help="the Hugging Face models' forward under bfloat16 autocast")
+    parser.add_argument("--experts", default=None, choices=("eager", "grouped_mm", "batched_mm"),
+                        help="the experts kernel of the Hugging Face models' MoE layers (default: theirs)")
     parser.add_argument("--diffusers", nargs="*", default=[], metavar="MODEL",
                         help="diffusers models to draw layouts for too (benchmarks._sweep.diffusers_build.BUILDERS)")
     args = parser.parse_args(argv)
     import benchmarks._sweep.build as hf
 
-    global LORA, AUTOCAST
+    global LORA, AUTOCAST, EXPERTS
     layers = hf.LAYERS
     LORA, hf.LAYERS = None if args.lora is None else (args.lora, args.lora_dropout), args.hf_layers  # `shrink` reads it
-    AUTOCAST = args.autocast
+    AUTOCAST, EXPERTS = args.autocast, args.experts
     try:
         _table(args)
     finally:
-        LORA, AUTOCAST, hf.LAYERS = None, False, layers
+        LORA, AUTOCAST, EXPERTS, hf.LAYERS = None, False, None, layers
 
 
 def _table(args: argparse.Namespace) -> None:
@@ -154,6 +162,7 @@ def _table(args: argparse.Namespace) -> None:
     details = []
     lora = f" + LoRA {args.lora} (dropout {args.lora_dropout})" if args.lora is not None else ""
     lora += " under autocast" if args.autocast else ""
+    lora += f" ({args.experts} experts)" if args.experts else ""
     for name in [*args.models, *(f"hf:{t}{lora}" for t in args.hf), *(f"df:{m}" for m in args.diffusers)]:
         try:
             row = run(name, args.layouts)

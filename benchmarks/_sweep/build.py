@@ -1195,6 +1195,16 @@ class Built:
     config: Any
 
 
+def experts_kernel(model: nn.Module, kernel: str) -> None:
+    """Run the experts of ``model``'s Hugging Face MoE layers with ``kernel``: ``grouped_mm`` (the
+    default: every expert in one call on the tokens sorted by expert), ``batched_mm`` or ``eager``
+    (a loop over the experts, each on the tokens routed to it)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_experts_implementation"):
+            config._experts_implementation = kernel
+
+
 def seed(value: int = 0) -> None:
     random.seed(value)
     torch.manual_seed(value)

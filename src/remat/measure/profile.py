@@ -69,6 +69,7 @@ import platform
 import socket
 import statistics
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -97,7 +98,9 @@ from remat.measure.ops import OpRecorder
 from remat.measure.overhead import (BlockOverheads, capture_block_inputs, measure_checkpoint_call_ms, measure_overheads,
                                     uncacheable_share)
 from remat.measure.saved import BETWEEN, POST, PRE, SavedAccountant, between_name
-from remat.measure.sharing import BlockGroups, CallSignatures, group_blocks, stop_after, structure_key, trace_key
+from remat.measure.sharing import (BlockGroups, CallSignatures, group_blocks, stop_after, structure_key, trace_key,
+                                   without_grad_flags)
+from remat.measure.size_groups import another_draw, has_dynamic_shapes, size_groups
 from remat.measure.stacks import Discovery, discover
 from remat.measure.storage import storage_key, storage_keys, storage_nbytes, tensors_in
 from remat.measure.state import (StateSnapshot, buffer_bytes, generators_in, grad_bytes, host_rng_restored,
@@ -356,10 +359,11 @@ def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
     budget = ProbeBudget(step_ms=statistics.median(plain), steps=OVERHEAD_STEPS, floor_ms=OVERHEAD_FLOOR_MS,
                          min_repeats=min(repeats, OVERHEAD_MIN_REPEATS))
     overheads = _overheads(step, block_list, memory.recorder, repeats, touch, groups, budget, shared_caches)
+    draws = _draws(step, block_list, memory.recorder, groups, shared_caches)
     call_ms = 0.0 if device.type == "meta" else measure_checkpoint_call_ms(
         device, repeats=repeats, clock=Clock(device), touch_ms_per_byte=touch,
         budget=dataclasses.replace(budget, steps=CALL_STEPS, floor_ms=0.0, min_repeats=1))
-    prof = _with_end_held(_assemble(step, found, memory, steps, overheads, touch, groups), step, block_list)
+    prof = _with_end_held(_assemble(step, found, memory, steps, overheads, touch, groups, draws), step, block_list)
     least = min((b.recompute_overhead_ms for b in prof.blocks), default=0.0)
     prof = dataclasses.replace(prof, checkpoint_call_ms=min(call_ms, least))
     if backend:
@@ -552,14 +556,15 @@ def _time_plain_step(step: _Step) -> float:
 def _groups(found: Discovery, memory: _Accounting, share: bool) -> BlockGroups:
     """Which block's timing probes each block takes (`remat.measure.sharing`)."""
     recorder, saved_by_call = memory.recorder, memory.recorder.saved_by_call(memory.saved, memory.savers)
-    structures, traces = [], []
+    structures, traces, alike = [], [], []
     for i, (name, module) in enumerate(found.blocks):
         structures.append(structure_key(module, memory.call_signatures[i]))
+        alike.append(structure_key(module, without_grad_flags(memory.call_signatures[i])))
         traces.append(trace_key(
             i, ops=recorder.records(name, saved_by_call), call_args=recorder.call_args(name),
             input_bytes=memory.input_bytes.get(name, 0), output_bytes=memory.output_bytes.get(name, 0),
             sources=[(arg.argument, arg.source) for arg in memory.flows[i].inputs]))
-    return group_blocks(structures, traces, share=share)
+    return group_blocks(structures, traces, share=share, alike_structures=alike)
 
 
 def _until_last(step: _Step, block_list: Blocks, chosen: Sequence[int]) -> Callable[[], None]:
@@ -631,14 +636,40 @@ def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: i
     return tuple(measured[source] for source in groups.timing_from)
 
 
+def _draws(step: _Step, block_list: Blocks, recorder: OpRecorder, groups: BlockGroups,
+           shared_caches: bool = False) -> dict[int, Any]:
+    """Block index -> `remat.measure.size_groups.another_draw` of each block that has no other of its
+    structure to compare with and whose forward makes outputs whose shape follows the data (a
+    router's ``nonzero``): a model with one mixture-of-experts layer per stack. Their inputs are
+    captured in one more forward, stopped after the last of them."""
+    if model_device(step.model).type == "meta" or not groups.structure_of:
+        return {}
+    count = Counter(groups.structure_of)
+    alone = [i for i, (name, _) in enumerate(block_list) if count[groups.structure_of[i]] == 1
+             and has_dynamic_shapes([call.name for call in recorder.calls.get(name, [])])]
+    if not alone:
+        return {}
+    inputs = capture_block_inputs([block_list[i] for i in alone], _until_last(step, block_list, alone),
+                                  shared_caches=shared_caches)
+    draws = {}
+    for i, given in zip(alone, inputs):
+        name, module = block_list[i]
+        if not given.shared_cache:
+            draw = another_draw(module, given.args, given.kwargs, name, given.call_context())
+            if draw is not None:
+                draws[i] = draw
+    return draws
+
+
 def _assemble(step: _Step, found: Discovery, memory: _Accounting, times: StepTimes,
-              overheads: tuple[BlockOverheads, ...], touch_ms_per_byte: float, groups: BlockGroups) -> Profile:
+              overheads: tuple[BlockOverheads, ...], touch_ms_per_byte: float, groups: BlockGroups,
+              draws: dict[int, Any] | None = None) -> Profile:
     model, optimizer, block_list = step.model, step.optimizer, found.blocks
     saved, recorder = memory.saved_bytes, memory.recorder
     between_flops = sum(recorder.segment_flops(between_name(i)) for i in range(1, len(block_list)))
     return Profile(
         fingerprint=fingerprint(model, step.batch, [name for name, _ in block_list]), environment=_environment(model_device(model)),
-        blocks=_block_profiles(found, memory, times, overheads, groups), timing_split=groups.split,
+        blocks=_block_profiles(found, memory, times, overheads, groups, draws), timing_split=groups.split,
         stacks=found.stacks, fixed_modules=fixed_modules(model, layers_of(m for _, m in block_list)),
         param_bytes=param_bytes(model), grad_bytes=memory.grad_bytes,
         optimizer_state_bytes=memory.optimizer_state_bytes,
@@ -816,13 +847,17 @@ def _with_end_held(prof: Profile, step: _Step, block_list: Blocks) -> Profile:
     return dataclasses.replace(prof, blocks=tuple(blocks))
 
 
-def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes,
-                    overheads: tuple[BlockOverheads, ...], groups: BlockGroups) -> tuple[BlockProfile, ...]:
+def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes, overheads: tuple[BlockOverheads, ...],
+                    groups: BlockGroups, draws: dict[int, Any] | None = None) -> tuple[BlockProfile, ...]:
     block_list = found.blocks
     saved_by_call = memory.recorder.saved_by_call(memory.saved, memory.savers)
     records = {name: memory.recorder.records(name, saved_by_call) for name, _ in block_list}
     ops = [_shared_times(records[name], records[block_list[groups.timing_from[i]][0]])
            for i, (name, _) in enumerate(block_list)]
+    if groups.structure_of:  # calls whose sizes follow the data (an expert's tokens), by family
+        sizes = size_groups(groups.structure_of, ops, [memory.recorder.call_args(name) for name, _ in block_list], draws)
+        ops = [tuple(op if g == op.size_group else dataclasses.replace(op, size_group=g) for op, g in zip(block, found))
+               for block, found in zip(ops, sizes)]
     stack_of = {i: stack.name for stack in found.stacks for i in range(stack.start, stack.stop)}
     return tuple(
         BlockProfile(

@@ -47,7 +47,7 @@ from torch import nn
 from remat.measure.blocks import Blocks
 
 __all__ = ["BlockGroups", "CallSignatures", "args_signature", "group_blocks", "input_role", "stop_after",
-           "structure_key", "trace_key"]
+           "structure_key", "trace_key", "without_grad_flags"]
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -109,6 +109,16 @@ def structure_key(module: nn.Module, call: tuple[Any, ...] | None) -> tuple[Any,
     )
 
 
+def without_grad_flags(call: Any) -> Any:
+    """`args_signature` ``call`` with every tensor's ``requires_grad`` set False."""
+    if isinstance(call, tuple) and len(call) == 4 and isinstance(call[0], tuple) and isinstance(call[2], bool) \
+            and isinstance(call[1], torch.dtype):
+        return (call[0], call[1], False, call[3])
+    if isinstance(call, tuple):
+        return tuple(without_grad_flags(v) for v in call)
+    return call
+
+
 def trace_key(index: int, *, ops: Sequence[Any], call_args: Sequence[Any], input_bytes: int, output_bytes: int,
               sources: Sequence[tuple[str, str]]) -> tuple[Any, ...]:
     """What the accounting step traced of block ``index`` that must match its representative's:
@@ -138,6 +148,10 @@ class BlockGroups:
     """Per block, the index of its group's representative (itself when it is one)."""
     split: tuple[int, ...] = ()
     """Blocks alike in structure to an earlier block whose trace differed: measured apart."""
+    structure_of: tuple[int, ...] = ()
+    """Per block, the first block alike in structure but for which of its arguments require
+    gradients (the first layer's input, the batch, does not), itself when none before it is;
+    (): not known. `remat.measure.size_groups` compares the blocks of a structure."""
 
     @property
     def representatives(self) -> tuple[int, ...]:
@@ -149,13 +163,14 @@ class BlockGroups:
         return tuple(i for i, source in enumerate(self.timing_from) if source == representative)
 
 
-def group_blocks(structures: Sequence[Any], traces: Sequence[Any], *, share: bool = True) -> BlockGroups:
+def group_blocks(structures: Sequence[Any], traces: Sequence[Any], *, share: bool = True,
+                 alike_structures: Sequence[Any] | None = None) -> BlockGroups:
     """Groups of blocks equal in ``structures[i]`` and ``traces[i]`` (`structure_key`,
-    `trace_key`); each is its own group when ``share`` is False."""
+    `trace_key`); each is its own group when ``share`` is False. ``alike_structures``: the
+    `structure_key` of each block less its arguments' gradient flags (`without_grad_flags`), for
+    `BlockGroups.structure_of`."""
     if len(structures) != len(traces):
         raise ValueError(f"{len(structures)} structure keys for {len(traces)} trace keys: one of each per block.")
-    if not share:
-        return BlockGroups(timing_from=tuple(range(len(structures))))
     first: dict[Any, int] = {}
     alike: dict[Any, int] = {}
     timing_from, split = [], []
@@ -164,7 +179,11 @@ def group_blocks(structures: Sequence[Any], traces: Sequence[Any], *, share: boo
         timing_from.append(source)
         if alike.setdefault(structure, i) != i and source == i:
             split.append(i)
-    return BlockGroups(timing_from=tuple(timing_from), split=tuple(split))
+    loose: dict[Any, int] = {}
+    structure_of = tuple(loose.setdefault(key, i) for i, key in enumerate(alike_structures)) if alike_structures else ()
+    if not share:
+        return BlockGroups(timing_from=tuple(range(len(structures))), structure_of=structure_of)
+    return BlockGroups(timing_from=tuple(timing_from), split=tuple(split), structure_of=structure_of)
 
 
 class _Stop(Exception):

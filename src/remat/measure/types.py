@@ -59,12 +59,12 @@ def _check_profile(profile: Profile) -> None:
 
 PROFILE_RULES = Rules(
     signed=frozenset({"fwd_temp_bytes", "fwd_other_bytes", "bwd_free_order"}),
-    floors=(("num_threads", 1), ("producer_storage", -1), ("storage_saved_from", -1)),
+    floors=(("num_threads", 1), ("producer_storage", -1), ("storage_saved_from", -1), ("size_group", -2)),
     check=lambda profile: _check_profile(profile),
 )
 """Beyond the type hints: the measured differences that may be negative (their docstrings say
 when), ``bwd_free_order``'s storage id -1 and ``producer_storage``'s -1 (not known); every other
-size, time and count is >= 0; ``storage_saved_from``'s -1 (none)."""
+size, time and count is >= 0; ``storage_saved_from``'s -1 (none); ``size_group``'s -1 and -2."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -115,6 +115,11 @@ class OpRecord:
     """A later call of the step's forward writes in place into a storage its outputs live in
     (T5's ``relative_buckets += ...``): selective checkpointing cannot cache it
     (`remat.checkpointing.cacheable`)."""
+    size_group: int = -1
+    """Whether its output size follows the data (an expert's matmul over the tokens routed to it,
+    `remat.measure.size_groups`): -1 no; else the index of the first call of its family in this
+    block, whose calls' bytes add up to a total that does not (a knapsack caches the family
+    whole or not at all); -2 where the total follows the data too (never cached)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from remat.checkpointing.cacheable import ALLOCATION_OPS, MATMUL_OPS, cacheable, op_packet
+from remat.measure.size_groups import UNCACHED
 from remat.measure.types import BlockProfile, OpRecord
 from remat.plan.phases import replay_stop
 
@@ -44,6 +45,7 @@ __all__ = [
     "knapsack",
     "knapsack_frontier",
     "knapsack_frontier_union",
+    "whole_families",
     "clear_subset_cache",
     "MATMUL_OPS",
 ]
@@ -96,8 +98,10 @@ def _base(op: OpRecord) -> str:
 
 
 def op_cacheable(op: OpRecord) -> bool:
-    """Whether selective checkpointing can keep the output of the recorded call ``op``."""
-    return cacheable(op.name, op.mutated_later)
+    """Whether selective checkpointing can keep the output of the recorded call ``op``, and a plan
+    may: not a call whose size and its family's total follow the data (`OpRecord.size_group` -2,
+    `remat.measure.size_groups`), whose cache would hold another number of bytes each batch."""
+    return cacheable(op.name, op.mutated_later) and op.size_group != UNCACHED
 
 
 def op_storages(index: int, op: OpRecord) -> dict[object, int]:
@@ -115,7 +119,7 @@ def op_storages(index: int, op: OpRecord) -> dict[object, int]:
 @register_policy("save-matmuls")
 def save_matmuls(block: BlockProfile, target_bytes: int | None = None) -> tuple[str, ...]:
     """Save the outputs of matmuls, convolutions and fused attention; replay the rest."""
-    return tuple(op.key for op in block.ops if _base(op) in MATMUL_OPS and op_cacheable(op))
+    return whole_families(block, tuple(op.key for op in block.ops if _base(op) in MATMUL_OPS and op_cacheable(op)))
 
 
 @register_policy("attention-core")
@@ -130,10 +134,24 @@ def attention_core(block: BlockProfile, target_bytes: int | None = None) -> tupl
     projection would cost a GEMM of the block's width to spare one activation of it (on the
     built-in GPT at d_model 1024 and 1024 tokens, 73 ms of a 571 ms forward for 8 MiB a block)."""
     core = _attention_core_indices(block.ops)
-    return tuple(
+    return whole_families(block, tuple(
         op.key for i, op in enumerate(block.ops)
         if i not in core and (op.saved_bytes > 0 or _base(op) in MATMUL_OPS) and not op.is_view and op_cacheable(op)
-    )
+    ))
+
+
+def whole_families(block: BlockProfile, keys: tuple[str, ...]) -> tuple[str, ...]:
+    """``keys`` less the calls of each family of calls whose sizes follow the data
+    (`OpRecord.size_group`) that ``keys`` does not hold whole: a part of a family holds another
+    number of bytes each batch (an MoE router's softmax puts the first expert's matmul in the
+    attention core), the whole family the same total."""
+    chosen = set(keys)
+    partial = {op.size_group for op in block.ops
+               if op.size_group >= 0 and op.key not in chosen and not op.is_view and op_cacheable(op)}
+    if not partial:
+        return keys
+    dropped = {op.key for op in block.ops if op.size_group in partial}
+    return tuple(key for key in keys if key not in dropped)
 
 
 def has_attention_core(block: BlockProfile) -> bool:
@@ -232,10 +250,23 @@ def _group_subsets(block: BlockProfile) -> _Subsets:
     blocks alike but for times share the work. Calls past the block's replay stop are no items:
     the early-stopping replay never fetches them (`remat.plan.costs.cached_ops`)."""
     stop = replay_stop(block)
+    family = _family_storages(block)
     return _subsets_of(tuple(
-        (not op.is_view and op_cacheable(op) and i < stop, tuple(op_storages(i, op).items()))
+        (not op.is_view and op_cacheable(op) and i < stop,
+         tuple(dict.fromkeys(family.get(s, (s, b)) for s, b in op_storages(i, op).items())))
         for i, op in enumerate(block.ops)
     ))
+
+
+def _family_storages(block: BlockProfile) -> dict[object, tuple[object, int]]:
+    """Storage id -> ``(("size", group), bytes)`` for the storages of the calls whose sizes follow
+    the data (`OpRecord.size_group` >= 0): one item per family, its bytes the family's total (the
+    same every batch), so a knapsack option caches all of a family or none of it."""
+    storages: dict[int, dict[object, int]] = {}
+    for i, op in enumerate(block.ops):
+        if op.size_group >= 0:
+            storages.setdefault(op.size_group, {}).update(op_storages(i, op))
+    return {s: (("size", group), sum(inside.values())) for group, inside in storages.items() for s in inside}
 
 
 def clear_subset_cache() -> None:
