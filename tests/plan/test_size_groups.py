@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import remat
+import remat.measure.profile as profile_module
 from remat.measure.size_groups import FIXED, UNCACHED, family_key, shape_from_values, size_groups
 from remat.measure.tracker import LiveTracker
 from remat.measure.types import OpRecord
@@ -171,6 +172,47 @@ def test_one_layer_alone_is_compared_with_another_draw(case):
     assert sum(op.size_group >= 0 for op in prof.blocks[0].ops) == 9 * E
 
 
+class HitMoE(MoE):
+    """`MoE` looping over the experts the batch hits (Mixtral's eager kernel): as many passes as
+    experts hit, so the calls after the loop's start have other keys on another batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, route = torch.softmax(self.router(x), dim=-1).max(dim=-1)
+        out = torch.zeros_like(x)
+        hit = torch.bincount(route, minlength=E).gt(0).nonzero()
+        for e in hit:  # unbind along the first dimension: one pass per expert hit
+            idx = torch.where(route == e)[0]
+            h = torch.relu(F.linear(x[idx], self.w1[e.item()]))
+            out.index_add_(0, idx, F.linear(h, self.w2[e.item()]) * gate[idx, None])
+        return torch.tanh(x + out)
+
+
+def test_a_loop_over_the_experts_hit_is_never_cached():
+    torch.manual_seed(0)
+    model = Net(2)
+    for i in range(2):
+        model.layers[i].__class__ = HitMoE
+    generator = torch.Generator().manual_seed(0)  # 6 tokens, four experts: two hit, then four
+    batch, other = torch.randn(6, D, generator=generator), torch.randn(6, D, generator=generator)
+    hits = [len(set(model.layers[0].router(x).argmax(dim=-1).tolist())) for x in (batch, other)]
+    assert hits == [2, 4]
+    prof = remat.profile(model, batch, _square, repeats=1)
+    ops = prof.blocks[0].ops
+    # the router runs on every token; from bincount (whose length follows the values) on, every call
+    # is never cached: the layers ran other calls (two experts hit, then three), and the loop
+    # iterates the nonzero's output, whose length follows the values
+    start = next(j for j, op in enumerate(ops) if op.name == "aten.bincount.default")
+    assert [op.key for op in ops[:start] if not op.is_view] == [
+        "aten.mm.default#0", "aten._softmax.default#0", "aten.max.dim#0", "aten.zeros_like.default#0"]
+    assert all(op.size_group == FIXED for op in ops[:start])
+    assert all(op.size_group == UNCACHED for op in ops[start:])
+    options = [o for o in block_options(prof, 0) if o.kind == "selective"]
+    assert options and not any(set(o.saved_ops) & {op.key for op in ops[start:]} for o in options)
+    for option in options:
+        plan = make_plan(prof, _layout(prof, option), "layout", None)
+        assert _live_after_forward(model, plan, batch) == _live_after_forward(model, plan, other), option.saved_ops
+
+
 def _op(key: str, nbytes: int) -> OpRecord:
     return OpRecord(key=key, name=key.split("#")[0], output_bytes=nbytes, saved_bytes=0, time_ms=0.0, flops=0,
                     is_random=False, is_view=False, storage_ids=(0,), storage_bytes=(nbytes,), storage_escapes=(False,))
@@ -207,3 +249,17 @@ def test_size_groups_by_hand():
     assert not shape_from_values("aten.mm.default", _mm(3))
     # the first block's input needs no gradient: the flags do not split the family
     assert family_key("aten.mm.default", _mm(3)) == family_key("aten.mm.default", _mm(9))
+
+
+def test_a_lone_layer_looping_over_the_experts_hit(monkeypatch):
+    # no other layer to compare with, nor another draw: the loop itself (unbind along the first
+    # dimension of the nonzero's output) marks every call from the nonzero on
+    monkeypatch.setattr(profile_module, "DRAWS", 0)
+    torch.manual_seed(0)
+    model = Net(1)
+    model.layers[0].__class__ = HitMoE
+    prof = remat.profile(model, torch.randn(T, D), _square, blocks="layers.*", repeats=1)
+    ops = prof.blocks[0].ops
+    start = next(j for j, op in enumerate(ops) if op.name == "aten.nonzero.default")
+    assert all(op.size_group == UNCACHED for op in ops[start:])
+    assert sum(op.size_group == UNCACHED for op in ops[:start]) == 1  # bincount, whose length follows values

@@ -100,7 +100,7 @@ from remat.measure.overhead import (BlockOverheads, capture_block_inputs, measur
 from remat.measure.saved import BETWEEN, POST, PRE, SavedAccountant, between_name
 from remat.measure.sharing import (BlockGroups, CallSignatures, group_blocks, stop_after, structure_key, trace_key,
                                    without_grad_flags)
-from remat.measure.size_groups import another_draw, has_dynamic_shapes, size_groups
+from remat.measure.size_groups import another_draw, has_dynamic_shapes, shape_from_values, size_groups
 from remat.measure.stacks import Discovery, discover
 from remat.measure.storage import storage_key, storage_keys, storage_nbytes, tensors_in
 from remat.measure.state import (StateSnapshot, buffer_bytes, generators_in, grad_bytes, host_rng_restored,
@@ -304,6 +304,10 @@ OVERHEAD_MIN_REPEATS = 3
 """Timed repeats of each group's overhead probes at least (``repeats`` when fewer)."""
 CALL_STEPS = 0.25
 """Steps' time the probe of one checkpointed call's own cost takes (`measure_checkpoint_call_ms`)."""
+DRAWS = 3
+"""Runs of a block whose calls' sizes may follow the data on its input plus noise
+(`remat.measure.size_groups.another_draw`), one forward each without gradients: FlexOlmo's layers
+of one batch all hit four of five experts, and another batch three."""
 TOUCH_PROBES = 3
 """First-touch probes at most (`remat.measure.faults`), beside the first timed steps that fault:
 each fills 64 MiB twice, three steps' time of the built-in GPT at 2 layers under load for five."""
@@ -637,27 +641,34 @@ def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: i
 
 
 def _draws(step: _Step, block_list: Blocks, recorder: OpRecorder, groups: BlockGroups,
-           shared_caches: bool = False) -> dict[int, Any]:
-    """Block index -> `remat.measure.size_groups.another_draw` of each block that has no other of its
-    structure to compare with and whose forward makes outputs whose shape follows the data (a
-    router's ``nonzero``): a model with one mixture-of-experts layer per stack. Their inputs are
-    captured in one more forward, stopped after the last of them."""
+           shared_caches: bool = False) -> dict[int, list[Any]]:
+    """Block index -> `DRAWS` runs of `remat.measure.size_groups.another_draw` of the blocks whose
+    calls' sizes may follow the data: the first block of each structure with a call whose output
+    shape follows values (a router's ``nonzero``), where the layers of one batch may all hit the
+    same experts and the next batch's not; a block with no other of its structure whose forward
+    makes outputs of such shapes at all. Their inputs are captured in one more forward, stopped
+    after the last of them."""
     if model_device(step.model).type == "meta" or not groups.structure_of:
         return {}
     count = Counter(groups.structure_of)
-    alone = [i for i, (name, _) in enumerate(block_list) if count[groups.structure_of[i]] == 1
-             and has_dynamic_shapes([call.name for call in recorder.calls.get(name, [])])]
-    if not alone:
+    chosen: dict[int, int] = {}
+    for i, (name, _) in enumerate(block_list):
+        calls = recorder.calls.get(name, [])
+        if any(shape_from_values(call.name, call.args) for call in calls) or (
+                count[groups.structure_of[i]] == 1 and has_dynamic_shapes([call.name for call in calls])):
+            chosen.setdefault(groups.structure_of[i], i)
+    if not chosen:
         return {}
-    inputs = capture_block_inputs([block_list[i] for i in alone], _until_last(step, block_list, alone),
+    picked = sorted(chosen.values())
+    inputs = capture_block_inputs([block_list[i] for i in picked], _until_last(step, block_list, picked),
                                   shared_caches=shared_caches)
-    draws = {}
-    for i, given in zip(alone, inputs):
+    draws: dict[int, list[Any]] = {}
+    for i, given in zip(picked, inputs):
         name, module = block_list[i]
         if not given.shared_cache:
-            draw = another_draw(module, given.args, given.kwargs, name, given.call_context())
-            if draw is not None:
-                draws[i] = draw
+            runs = [another_draw(module, given.args, given.kwargs, name, given.call_context(), seed=seed)
+                    for seed in range(1, DRAWS + 1)]
+            draws[i] = [run for run in runs if run is not None]
     return draws
 
 

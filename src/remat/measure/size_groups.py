@@ -11,16 +11,25 @@ tokens of a step after an optimizer step moved.
 A profile sees one batch, so it finds these calls where two blocks of one structure
 (`remat.measure.sharing.structure_key`: same class, parameters and argument shapes) ran the same
 calls on arguments of other shapes or made outputs of other sizes: the routing of each layer
-is its own. Each such call belongs to a *family*: the op and its tensor arguments' shapes less
-their first dimension (the tokens), so that one projection's matmuls over every expert are one
-family. Every call of the block in a varying call's family is a member (an expert that got
+is its own. The first block of a structure with a call whose output shape follows values
+(`shape_from_values`: ``nonzero``), and a block alone of its structure with a call that may
+(`has_dynamic_shapes`), are also run three more times on other inputs (`another_draw`) and
+compared with those runs. Each such call belongs to a *family*: the op and its tensor
+arguments' shapes less their first dimension (the tokens), so that one projection's matmuls over
+every expert are one family. Every call of the block in a varying call's family is a member (an expert that got
 the same tokens in both blocks too). Where the family's output bytes add up to the same total
 in every block of the structure, caching all of it holds a total that does not follow the
 routing: `remat.plan.policies` offers the family as one item, whole or not at all. Where
 the total differs too (a router that drops tokens past a capacity), no call of it is cached.
 
-A block with no other block of its structure, or whose structure's blocks ran different
-calls, keeps every call's size as measured (`OpRecord.size_group` -1).
+A loop over the experts a batch hits (Mixtral's eager kernel: ``for e in expert_hit``, an
+``unbind`` along the first dimension of a ``nonzero``'s output) runs as many passes as experts
+hit, so its calls, and those after it, have other keys (``"aten.mm.default#5"``) on a batch that
+hits fewer: from that ``nonzero`` on, nothing is cached (`UNCACHED`). So too where the blocks of
+a structure, or their runs, made other calls, from their first call whose shape follows values.
+A call whose output shape follows values outside a family is never cached either: blocks that
+agree may agree by chance. A block with no such call and no other block of its structure keeps
+every call's size as measured (`OpRecord.size_group` -1).
 """
 
 from __future__ import annotations
@@ -63,13 +72,14 @@ def _without_first(value: Any) -> Any:
 
 
 def size_groups(structure_of: Sequence[int], ops: Sequence[tuple[OpRecord, ...]], call_args: Sequence[Sequence[Any]],
-                draws: Mapping[int, tuple[tuple[OpRecord, ...], Sequence[Any]]] | None = None) -> list[tuple[int, ...]]:
+                draws: Mapping[int, Sequence[tuple[tuple[OpRecord, ...], Sequence[Any]]]] | None = None
+                ) -> list[tuple[int, ...]]:
     """Per block, per call, its `OpRecord.size_group`: `FIXED`, `UNCACHED`, or the index of the
     first call of its family (the group's id within the block). ``structure_of[i]``: the first
     block whose structure equals block i's; ``ops[i]`` and ``call_args[i]``: block i's recorded
     calls and their argument signatures, in call order (gradient flags aside: the first block's
     input, the batch, needs none). ``draws[i]``: the calls and signatures of block i run again on
-    other inputs (`another_draw`), compared as another block of its structure."""
+    other inputs (`another_draw`), each compared as another block of its structure."""
     # a call whose output shape follows its inputs' values (``nonzero``, a boolean mask's gather) is
     # never cached where no comparison put it in a family: blocks that agree may agree by chance
     # (two of four experts hit in every layer of one batch, three in the next batch's)
@@ -80,13 +90,58 @@ def size_groups(structure_of: Sequence[int], ops: Sequence[tuple[OpRecord, ...]]
         members[first].append(i)
     for blocks in members.values():
         keys = [op.key for op in ops[blocks[0]]]
-        alike = [i for i in blocks if [op.key for op in ops[i]] == keys and len(call_args[i]) == len(keys)]
-        runs = [(ops[i], call_args[i]) for i in alike]
-        runs += [draws[i] for i in alike if draws and i in draws and [op.key for op in draws[i][0]] == keys]
+        sequences = {tuple(op.key for op in ops[i]) for i in blocks}
+        extra = [draw for i in blocks for draw in (draws or {}).get(i, ())]
+        sequences |= {tuple(op.key for op in draw[0]) for draw in extra}
+        if len(sequences) > 1:  # a loop over the experts a batch hits: the calls' keys shift batch to batch
+            for i in blocks:
+                out[i] = _shifted(out[i])
+            continue
+        runs = [(ops[i], call_args[i]) for i in blocks]
+        runs += extra
         found = _compare(runs) if len(runs) >= 2 else None
-        for i in alike if found is not None else ():
+        for i in blocks if found is not None else ():
             out[i] = tuple(g if g != FIXED else before for g, before in zip(found, out[i]))
+    for i, (block, block_args) in enumerate(zip(ops, call_args)):
+        start = _loop_start(block, block_args)
+        if start is not None:
+            out[i] = out[i][:start] + (UNCACHED,) * (len(out[i]) - start)
     return out
+
+
+def _loop_start(ops: Sequence[OpRecord], call_args: Sequence[Any]) -> int | None:
+    """The call whose output a Python loop iterates (``unbind`` along its first dimension, what
+    ``for expert in expert_hit`` runs) where that output's shape follows values: Mixtral's
+    ``expert_hit = (...).nonzero()``, one pass per expert the batch hits. None where there is none."""
+    made: dict[int, int] = {}
+    for j, (op, args) in enumerate(zip(ops, call_args)):
+        if shape_from_values(op.name, args):
+            for storage in op.storage_ids:
+                made.setdefault(storage, j)
+        elif op.name == "aten.unbind.int" and _unbind_dim(args) == 0:
+            found = [made[storage] for storage in op.storage_ids if storage in made]
+            if found:
+                return min(found)
+    return None
+
+
+def _unbind_dim(args: Any) -> Any:
+    """The ``dim`` of an ``unbind`` call from its `args_signature` (0 where not given)."""
+    positional, keywords = args if isinstance(args, tuple) and len(args) == 2 else ((), ())
+    if isinstance(positional, tuple) and len(positional) > 2:
+        return positional[2]
+    given = dict(keywords[1:]) if isinstance(keywords, tuple) and keywords[:1] == ("dict",) else {}
+    return given.get("dim", 0)
+
+
+def _shifted(groups: tuple[int, ...]) -> tuple[int, ...]:
+    """``groups`` of a block whose runs made other calls, with every call from its first call whose
+    output shape follows values on `UNCACHED`: a loop that runs once per expert hit (Mixtral's,
+    where 32 tokens meet 128 experts) makes as many calls as the batch hits experts, so a plan's
+    ``"aten.mm.default#5"`` names another call the next batch, the calls after the loop too. A
+    block with no such call (layers of one structure that branch on their index) keeps its groups."""
+    start = next((j for j, g in enumerate(groups) if g == UNCACHED), len(groups))
+    return groups[:start] + (UNCACHED,) * (len(groups) - start)
 
 
 def _compare(runs: list[tuple[tuple[OpRecord, ...], Sequence[Any]]]) -> tuple[int, ...] | None:
@@ -157,14 +212,17 @@ def has_dynamic_shapes(names: Sequence[str]) -> bool:
 
 
 def another_draw(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str,
-                 context: Any = None) -> tuple[tuple[OpRecord, ...], tuple[Any, ...]] | None:
+                 context: Any = None, seed: int = 1) -> tuple[tuple[OpRecord, ...], tuple[Any, ...]] | None:
     """The calls and argument signatures of ``module``'s forward run once more, without gradients, on
     its inputs ``args`` and ``kwargs`` with noise of their own spread added to the floating ones
     that need gradients (the activations: a mask or a table is left as it is; the first floating one
     where none does, the batch that the first block takes), under ``context``
     (a `remat.measure.overhead.BlockInputs.call_context`): a router routes the tokens anew. None
-    where the run raised. The random state is as before; the module's buffers too."""
-    generator = torch.Generator().manual_seed(1)
+    where the run raised. The random state is as before; the module's buffers too. An even ``seed``
+    draws the rows (the last dimension's vectors, tokens) of those inputs again with replacement
+    in place of the noise: real hidden states, some of them twice, which route to fewer experts than
+    noisy ones, which spread over every expert."""
+    generator = torch.Generator().manual_seed(seed)
     leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     # the first block's input, the batch, needs no gradient: then its first floating argument
     activations = [t for t in leaves if t.requires_grad] or [t for t in leaves if t.is_floating_point()][:1]
@@ -172,6 +230,11 @@ def another_draw(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     def other(t: Any) -> Any:
         if not any(t is a for a in activations) or t.numel() < 2:
             return t
+        if seed % 2 == 0 and t.dim() >= 2:  # its rows (tokens) drawn again with replacement: real hidden
+            # states, some twice, route to fewer experts than noise does (which spreads them over all)
+            rows = t.detach().reshape(-1, t.shape[-1])
+            picked = torch.randint(0, rows.shape[0], (rows.shape[0],), generator=generator).to(t.device)
+            return rows[picked].reshape(t.shape).requires_grad_(True)
         noise = torch.randn(t.shape, generator=generator).to(device=t.device, dtype=t.dtype)
         return (t.detach() + noise * t.detach().float().std()).requires_grad_(True)
 
