@@ -263,3 +263,14 @@ def test_a_lone_layer_looping_over_the_experts_hit(monkeypatch):
     start = next(j for j, op in enumerate(ops) if op.name == "aten.nonzero.default")
     assert all(op.size_group == UNCACHED for op in ops[start:])
     assert sum(op.size_group == UNCACHED for op in ops[:start]) == 1  # bincount, whose length follows values
+
+
+def test_remat_profile_says_so(case):
+    from remat.cli.profile import size_group_summary, state_summary
+
+    line = size_group_summary(case[3])
+    # per layer: nine families of four calls each, the four unbinds views among them
+    assert line == ("calls whose sizes follow the data (a router's tokens per expert) in 2 block(s): 64 in 18 "
+                    "families that selective plans cache whole or not at all, 0 never cached (their sizes, or "
+                    "which call a plan's name meets, change with the batch)")
+    assert line in state_summary(case[3])

@@ -204,9 +204,25 @@ def state_summary(result: Profile) -> str:
         lines.append(f"selective:knapsack offers the {MAX_KNAPSACK_GROUPS} call groups of most replay time of a block; "
                      f"{len(left_out)} block(s) have more, always replayed: up to "
                      f"{max(ms for _, ms in left_out):.2f} ms a block (block {max(left_out, key=lambda t: t[1])[0]})")
+    sized = size_group_summary(result)
+    if sized:
+        lines.append(sized)
     if result.device_max_allocated_bytes is not None:
         lines.append(f"torch.cuda.max_memory_allocated {format_bytes_exact(result.device_max_allocated_bytes)}")
     return "\n".join(lines)
+
+
+def size_group_summary(result: Profile) -> str:
+    """A line on the calls whose sizes follow the data (`remat.measure.size_groups`), or ""."""
+    blocks = [b for b in result.blocks if any(op.size_group != -1 for op in b.ops)]
+    if not blocks:
+        return ""
+    grouped = sum(op.size_group >= 0 for b in blocks for op in b.ops if not op.is_view)
+    families = sum(len({op.size_group for op in b.ops if op.size_group >= 0}) for b in blocks)
+    never = sum(op.size_group == -2 for b in blocks for op in b.ops if not op.is_view)
+    return (f"calls whose sizes follow the data (a router's tokens per expert) in {len(blocks)} block(s): "
+            f"{grouped} in {families} families that selective plans cache whole or not at all, "
+            f"{never} never cached (their sizes, or which call a plan's name meets, change with the batch)")
 
 
 def head_summary(result: Profile) -> str:

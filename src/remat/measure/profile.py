@@ -660,8 +660,11 @@ def _draws(step: _Step, block_list: Blocks, recorder: OpRecorder, groups: BlockG
     if not chosen:
         return {}
     picked = sorted(chosen.values())
-    inputs = capture_block_inputs([block_list[i] for i in picked], _until_last(step, block_list, picked),
-                                  shared_caches=shared_caches)
+    try:
+        inputs = capture_block_inputs([block_list[i] for i in picked], _until_last(step, block_list, picked),
+                                      shared_caches=shared_caches)
+    except Exception:  # noqa: BLE001 - the draws are evidence where they run; the calls' own shapes mark the rest
+        return {}
     draws: dict[int, list[Any]] = {}
     for i, given in zip(picked, inputs):
         name, module = block_list[i]

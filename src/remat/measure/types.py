@@ -119,7 +119,9 @@ class OpRecord:
     """Whether its output size follows the data (an expert's matmul over the tokens routed to it,
     `remat.measure.size_groups`): -1 no; else the index of the first call of its family in this
     block, whose calls' bytes add up to a total that does not (a knapsack caches the family
-    whole or not at all); -2 where the total follows the data too (never cached)."""
+    whole or not at all); -2 never cached: the total follows the data too, or the call's output
+    shape follows values outside a family (``nonzero``), or a loop over such an output runs it
+    (the experts a batch hits), so its key names another call on another batch."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -99,8 +99,9 @@ def _base(op: OpRecord) -> str:
 
 def op_cacheable(op: OpRecord) -> bool:
     """Whether selective checkpointing can keep the output of the recorded call ``op``, and a plan
-    may: not a call whose size and its family's total follow the data (`OpRecord.size_group` -2,
-    `remat.measure.size_groups`), whose cache would hold another number of bytes each batch."""
+    may: not a call the profile marked never to cache (`OpRecord.size_group` -2,
+    `remat.measure.size_groups`: its size, and its family's total, or its key follow the data), whose
+    cache would hold another number of bytes, or another call's, on the next batch."""
     return cacheable(op.name, op.mutated_later) and op.size_group != UNCACHED
 
 
