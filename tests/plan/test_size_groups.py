@@ -247,6 +247,12 @@ def test_size_groups_by_hand():
     assert size_groups((0, 0), gathers, [[by_mask, by_ids]] * 2) == [(UNCACHED, FIXED)] * 2
     assert shape_from_values("aten.nonzero.default", (("tuple", ((10,), torch.bool, False, "cpu")), ("dict",)))
     assert not shape_from_values("aten.mm.default", _mm(3))
+    # a roll by a delay each layer's data picks (Autoformer's): other numbers, the same sizes
+    def roll(shift: int) -> tuple:
+        return (("tuple", ((10, 8), torch.float32, True, "cpu"), ("list", shift), ("list", 1)), ("dict",))
+
+    rolls = [(_op("aten.roll.default#0", 320),)] * 2
+    assert size_groups((0, 0), rolls, [[roll(-3)], [roll(-5)]]) == [(FIXED,)] * 2
     # the first block's input needs no gradient: the flags do not split the family
     assert family_key("aten.mm.default", _mm(3)) == family_key("aten.mm.default", _mm(9))
 

@@ -45,10 +45,10 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from remat.measure.ops import OpRecorder
-from remat.measure.sharing import without_grad_flags
 from remat.measure.types import OpRecord
 
-__all__ = ["FIXED", "UNCACHED", "another_draw", "family_key", "has_dynamic_shapes", "shape_from_values", "size_groups"]
+__all__ = ["FIXED", "UNCACHED", "another_draw", "family_key", "has_dynamic_shapes", "shape_from_values", "shapes",
+           "size_groups"]
 
 FIXED = -1
 """`OpRecord.size_group` of a call whose output size did not follow the data."""
@@ -57,14 +57,28 @@ UNCACHED = -2
 
 
 def family_key(name: str, args: Any) -> tuple[Any, ...]:
-    """The op ``name`` and `remat.measure.sharing.args_signature` ``args`` with every tensor's
-    first dimension dropped: the calls of one projection over every expert share it."""
-    return (name, _without_first(args))
+    """The op ``name`` and `remat.measure.sharing.args_signature` ``args`` as `shapes` with every
+    tensor's first dimension dropped: the calls of one projection over every expert share it."""
+    return (name, _without_first(shapes(args)))
+
+
+def shapes(args: Any) -> Any:
+    """`remat.measure.sharing.args_signature` ``args`` with each tensor's gradient flag and each
+    number's value left out (its type kept): a shift by a delay the data picks (Autoformer's
+    ``roll``) or a scale each layer computes (DiffLlama's lambda) changes no size, and where a
+    number does (a ``narrow``'s length), the outputs' bytes say so."""
+    if isinstance(args, tuple) and len(args) in (3, 4) and isinstance(args[0], tuple) and isinstance(args[1], torch.dtype):
+        return (args[0], args[1], args[-1])  # (shape, dtype, device): as given, or already so
+    if isinstance(args, tuple):
+        return tuple(shapes(v) for v in args)
+    if isinstance(args, (bool, int, float)):
+        return type(args).__name__
+    return args
 
 
 def _without_first(value: Any) -> Any:
-    if isinstance(value, tuple) and len(value) == 4 and isinstance(value[0], tuple) and all(
-            isinstance(d, int) for d in value[0]):  # a tensor's (shape, dtype, requires_grad, device)
+    if isinstance(value, tuple) and len(value) == 3 and isinstance(value[0], tuple) and isinstance(
+            value[1], torch.dtype):  # a tensor's (shape, dtype, device), `shapes`
         return (value[0][1:], *value[1:])
     if isinstance(value, tuple):
         return tuple(_without_first(v) for v in value)
@@ -146,7 +160,7 @@ def _shifted(groups: tuple[int, ...]) -> tuple[int, ...]:
 
 def _compare(runs: list[tuple[tuple[OpRecord, ...], Sequence[Any]]]) -> tuple[int, ...] | None:
     """The size groups of runs of one block's calls (same keys), or None where none varied."""
-    args = [[without_grad_flags(a) for a in call_args] for _, call_args in runs]  # the first block's input
+    args = [[shapes(a) for a in call_args] for _, call_args in runs]
     calls = len(runs[0][0])
     varying = [j for j in range(calls)
                if len({(a[j], ops[j].output_bytes, ops[j].storage_bytes) for (ops, _), a in zip(runs, args)}) > 1]
