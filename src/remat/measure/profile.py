@@ -69,7 +69,6 @@ import platform
 import socket
 import statistics
 import warnings
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,7 +99,7 @@ from remat.measure.overhead import (BlockOverheads, capture_block_inputs, measur
 from remat.measure.saved import BETWEEN, POST, PRE, SavedAccountant, between_name
 from remat.measure.sharing import (BlockGroups, CallSignatures, group_blocks, stop_after, structure_key, trace_key,
                                    without_grad_flags)
-from remat.measure.size_groups import another_draw, has_dynamic_shapes, shape_from_values, size_groups
+from remat.measure.size_groups import another_draw, shape_from_values, size_groups
 from remat.measure.stacks import Discovery, discover
 from remat.measure.storage import storage_key, storage_keys, storage_nbytes, tensors_in
 from remat.measure.state import (StateSnapshot, buffer_bytes, generators_in, grad_bytes, host_rng_restored,
@@ -642,20 +641,17 @@ def _overheads(step: _Step, block_list: Blocks, recorder: OpRecorder, repeats: i
 
 def _draws(step: _Step, block_list: Blocks, recorder: OpRecorder, groups: BlockGroups,
            shared_caches: bool = False) -> dict[int, list[Any]]:
-    """Block index -> `DRAWS` runs of `remat.measure.size_groups.another_draw` of the blocks whose
-    calls' sizes may follow the data: the first block of each structure with a call whose output
-    shape follows values (a router's ``nonzero``), where the layers of one batch may all hit the
-    same experts and the next batch's not; a block with no other of its structure whose forward
-    makes outputs of such shapes at all. Their inputs are captured in one more forward, stopped
-    after the last of them."""
+    """Block index -> `DRAWS` runs of `remat.measure.size_groups.another_draw` of the first block of
+    each structure with a call whose output shape follows values (a router's ``nonzero``): the
+    layers of one batch may all hit the same experts and the next batch's not, and a layer alone
+    of its structure has no other to compare with. A swin stage's gather of its position bias
+    by an integer index (an op that may make shapes from values, with another argument) runs no
+    draw. Their inputs are captured in one more forward, stopped after the last of them."""
     if model_device(step.model).type == "meta" or not groups.structure_of:
         return {}
-    count = Counter(groups.structure_of)
     chosen: dict[int, int] = {}
     for i, (name, _) in enumerate(block_list):
-        calls = recorder.calls.get(name, [])
-        if any(shape_from_values(call.name, call.args) for call in calls) or (
-                count[groups.structure_of[i]] == 1 and has_dynamic_shapes([call.name for call in calls])):
+        if any(shape_from_values(call.name, call.args) for call in recorder.calls.get(name, [])):
             chosen.setdefault(groups.structure_of[i], i)
     if not chosen:
         return {}

@@ -12,9 +12,8 @@ A profile sees one batch, so it finds these calls where two blocks of one struct
 (`remat.measure.sharing.structure_key`: same class, parameters and argument shapes) ran the same
 calls on arguments of other shapes or made outputs of other sizes: the routing of each layer
 is its own. The first block of a structure with a call whose output shape follows values
-(`shape_from_values`: ``nonzero``), and a block alone of its structure with a call that may
-(`has_dynamic_shapes`), are also run three more times on other inputs (`another_draw`) and
-compared with those runs. Each such call belongs to a *family*: the op and its tensor
+(`shape_from_values`: ``nonzero``) is also run three more times on other inputs
+(`another_draw`) and compared with those runs: a block alone of its structure has no other. Each such call belongs to a *family*: the op and its tensor
 arguments' shapes less their first dimension (the tokens), so that one projection's matmuls over
 every expert are one family. Every call of the block in a varying call's family is a member (an expert that got
 the same tokens in both blocks too). Where the family's output bytes add up to the same total
@@ -29,7 +28,8 @@ hits fewer: from that ``nonzero`` on, nothing is cached (`UNCACHED`). So too whe
 a structure, or their runs, made other calls, from their first call whose shape follows values.
 A call whose output shape follows values outside a family is never cached either: blocks that
 agree may agree by chance. A block with no such call and no other block of its structure keeps
-every call's size as measured (`OpRecord.size_group` -1).
+every call's size as measured (`OpRecord.size_group` -1): a lone layer that routes by sorting
+and splits by counts read back with ``tolist()`` (JetMoE's, one layer) shows nothing to compare.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from remat.measure.ops import OpRecorder
 from remat.measure.types import OpRecord
 
-__all__ = ["FIXED", "UNCACHED", "another_draw", "family_key", "has_dynamic_shapes", "shape_from_values", "shapes",
+__all__ = ["FIXED", "UNCACHED", "another_draw", "family_key", "shape_from_values", "shapes",
            "size_groups"]
 
 FIXED = -1
@@ -218,11 +218,6 @@ def _flat(value: Any) -> list[Any]:
     if isinstance(value, tuple):
         return [t for v in value for t in _flat(v)]
     return []
-
-
-def has_dynamic_shapes(names: Sequence[str]) -> bool:
-    """Whether any of the op calls ``names`` makes outputs whose shape follows the data."""
-    return any(_dynamic(name) for name in names)
 
 
 def another_draw(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str,
