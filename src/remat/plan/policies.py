@@ -265,7 +265,8 @@ def _family_storages(block: BlockProfile) -> dict[object, tuple[object, int]]:
     same every batch), so a knapsack option caches all of a family or none of it."""
     storages: dict[int, dict[object, int]] = {}
     for i, op in enumerate(block.ops):
-        if op.size_group >= 0:
+        if op.size_group >= 0 and not op.is_view and op_cacheable(op):  # an in-place member (index_add_)
+            # names the storage it writes, made before the family (zeros_like): not the family's
             storages.setdefault(op.size_group, {}).update(op_storages(i, op))
     return {s: (("size", group), sum(inside.values())) for group, inside in storages.items() for s in inside}
 
