@@ -243,9 +243,14 @@ def another_draw(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             # states, some twice, route to fewer experts than noise does (which spreads them over all)
             rows = t.detach().reshape(-1, t.shape[-1])
             picked = torch.randint(0, rows.shape[0], (rows.shape[0],), generator=generator).to(t.device)
-            return rows[picked].reshape(t.shape).requires_grad_(True)
-        noise = torch.randn(t.shape, generator=generator).to(device=t.device, dtype=t.dtype)
-        return (t.detach() + noise * t.detach().float().std()).requires_grad_(True)
+            value = rows[picked].reshape(t.shape)
+        else:
+            noise = torch.randn(t.shape, generator=generator).to(device=t.device, dtype=t.dtype)
+            value = t.detach() + noise * t.detach().float().std()
+        # in the input's strides: a transposed input makes the block copy it (OneFormer's decoder
+        # layers ran a clone the draw did not)
+        laid = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return laid.copy_(value).requires_grad_(True)
 
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     device = next((t.device for t in activations if t.device.type == "cuda"), None)
