@@ -53,7 +53,8 @@ __all__ = ["FIXED", "UNCACHED", "another_draw", "family_key", "shape_from_values
 FIXED = -1
 """`OpRecord.size_group` of a call whose output size did not follow the data."""
 UNCACHED = -2
-"""`OpRecord.size_group` of a call whose size, and its family's total, followed the data."""
+"""`OpRecord.size_group` of a call never cached: its family's total followed the data too, its
+output shape follows values outside a family, or a loop over the experts hit runs it."""
 
 
 def family_key(name: str, args: Any) -> tuple[Any, ...]:
@@ -103,7 +104,6 @@ def size_groups(structure_of: Sequence[int], ops: Sequence[tuple[OpRecord, ...]]
     for i, first in enumerate(structure_of):
         members[first].append(i)
     for blocks in members.values():
-        keys = [op.key for op in ops[blocks[0]]]
         sequences = {tuple(op.key for op in ops[i]) for i in blocks}
         extra = [draw for i in blocks for draw in (draws or {}).get(i, ())]
         sequences |= {tuple(op.key for op in draw[0]) for draw in extra}
