@@ -18,9 +18,9 @@ LoRA of that rank and ``--lora-dropout`` as the sweep's ``--lora`` runs do (its 
 matmuls save none of a block's input that the adapters' dropout does not); ``--autocast``: their
 forward under ``torch.autocast`` (bfloat16 on the CPU, entered inside the model's forward as the
 README's "Mixed precision" has it); ``--experts eager``: their MoE layers loop over the experts
-(`benchmarks._sweep.build.experts_kernel`), each on the tokens routed to it. ``--diffusers``: diffusers models built from tiny configs
-(`benchmarks._sweep.diffusers_build`; diffusers installed apart, no dependency of remat), without
-an optimizer as the hand-written ones.
+(`benchmarks._sweep.build.experts_kernel`), each on the tokens routed to it. ``--diffusers``:
+diffusers models built from tiny configs (`benchmarks._sweep.diffusers_build`; diffusers installed
+apart, no dependency of remat), without an optimizer as the hand-written ones.
 """
 
 from __future__ import annotations

@@ -214,12 +214,14 @@ def state_summary(result: Profile) -> str:
 
 def size_group_summary(result: Profile) -> str:
     """A line on the calls whose sizes follow the data (`remat.measure.size_groups`), or ""."""
-    blocks = [b for b in result.blocks if any(op.size_group != -1 for op in b.ops)]
+    from remat.measure.size_groups import FIXED, UNCACHED
+
+    blocks = [b for b in result.blocks if any(op.size_group != FIXED for op in b.ops)]
     if not blocks:
         return ""
     grouped = sum(op.size_group >= 0 for b in blocks for op in b.ops if not op.is_view)
     families = sum(len({op.size_group for op in b.ops if op.size_group >= 0}) for b in blocks)
-    never = sum(op.size_group == -2 for b in blocks for op in b.ops if not op.is_view)
+    never = sum(op.size_group == UNCACHED for b in blocks for op in b.ops if not op.is_view)
     return (f"calls whose sizes follow the data (a router's tokens per expert) in {len(blocks)} block(s): "
             f"{grouped} in {families} families that selective plans cache whole or not at all, "
             f"{never} never cached (their sizes, or which call a plan's name meets, change with the batch)")
