@@ -23,8 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from remat.plan.costs import cost_of
+from remat.plan.head import head_choices, priced_profile
+from remat.plan.joins import joins as block_joins
 from remat.plan.phases import segment_forward_bytes, unit_extra_bytes
-from remat.plan.predict import _extras, backward_base_bytes, baseline_step_ms, fresh_memory, grad_bytes_live, layout_peak
+from remat.plan.predict import (_extras, backward_base_bytes, baseline_step_ms, fresh_memory, grad_bytes_live, layout_peak,
+                                predict)
 from remat.plan.search import block_options
 from remat.plan.types import Segment
 
@@ -86,11 +89,12 @@ def prune(priced: list[Priced]) -> list[Priced]:
 
 def element_tables(profile, joins=None, options=True) -> list[list[Priced]]:
     """Per start block, every first element (pruned per-block options, then recompute segments
-    with every nested layout; ``joins[i]`` False: no segment holds blocks i and i + 1)."""
+    with every nested layout; ``joins[i]`` False: no segment holds blocks i and i + 1). ``options``:
+    every per-block option (True), keep alone (False), or those a callable takes."""
     n, out = profile.num_blocks, []
     for a in range(n):
-        singles = [_price(profile, s) for s in block_options(profile, a)] if options else [
-            _price(profile, Segment(start=a, stop=a + 1, strategy="keep"))]
+        chosen = [s for s in block_options(profile, a) if options is True or callable(options) and options(s)]
+        singles = [_price(profile, s) for s in chosen or [Segment(start=a, stop=a + 1, strategy="keep")]]
         elements = prune(singles)
         for b in range(a + 1, n + 1):
             if joins is not None and b - a > 1 and not all(joins[a : b - 1]):
@@ -169,3 +173,36 @@ def enumerate_space(profile, joins=None, options=True) -> Space:
 
     walk(0, 0, 0, 0, 0.0)
     return Space(peaks=np.array(peaks, dtype=np.int64), step_ms=np.array(times))
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """Every layout of `element_tables` under every head strategy worth searching, each priced by
+    `predict` itself (`predicted_space`)."""
+
+    space: Space
+    heads: tuple[str, ...]
+    """Per layout, its head strategy."""
+    combined_apart: int
+    """Layouts whose peak `combine` puts elsewhere than `predict` does."""
+
+
+def predicted_space(profile, options=True) -> Predicted:
+    """Every layout of the profile's blocks (`element_tables`, the profile's breaks between blocks
+    kept: `remat.plan.joins`) with every head strategy of `remat.plan.head.head_choices`, priced by
+    `predict` whole. `combine` adds up a layout's elements without the terms `predict` weighs for
+    the layout as a whole (what a kept block saves that the post part's backward no longer holds,
+    shared tensors a plan keeps alive or lets go, outputs the code holds to the loss): on models
+    where those terms are not zero this is the oracle, at the cost of one `predict` per layout.
+    ``options``: the per-block options (`element_tables`)."""
+    peaks, times, heads, apart = [], [], [], 0
+    for head in head_choices(profile):
+        priced = priced_profile(profile, head)
+        for elements in layouts(element_tables(priced, block_joins(priced), options)):
+            prediction = predict(profile, tuple(e.segment for e in elements), head)
+            peaks.append(prediction.peak_bytes)
+            times.append(prediction.step_ms)
+            heads.append(head)
+            apart += combine(priced, elements)[0] != prediction.peak_bytes
+    return Predicted(space=Space(peaks=np.array(peaks, dtype=np.int64), step_ms=np.array(times)), heads=tuple(heads),
+                     combined_apart=apart)
