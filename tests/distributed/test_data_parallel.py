@@ -25,6 +25,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 WORLD_SIZE = 2
+# the ranks fork from a server that imported torch and remat once, not each from a fresh interpreter
+mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", "remat", "tests.distributed.workers"])
 
 
 def _free_port() -> int:
@@ -45,7 +47,8 @@ def _spawn(target, tmp_path: Path, *args) -> list[dict]:
         for f in files:
             f.unlink(missing_ok=True)
         try:
-            mp.spawn(target, args=(WORLD_SIZE, _free_port(), str(tmp_path), *args), nprocs=WORLD_SIZE, join=True)
+            mp.start_processes(target, args=(WORLD_SIZE, _free_port(), str(tmp_path), *args), nprocs=WORLD_SIZE,
+                               join=True, start_method="forkserver")
             break
         except mp.ProcessExitedException as e:
             if attempt == 2 or e.signal_name is None:

@@ -98,9 +98,16 @@ def test_meta_trace_equals_cpu_profile_byte_for_byte() -> None:
     torch.manual_seed(0)
     cpu, meta = _gpt_cpu_and_meta(batch_size=2)
     measured = profile(cpu.model, cpu.batch, warmup=1, repeats=1)
+    forwards = []
+    hook = meta.model.register_forward_hook(lambda *_: forwards.append(1))
     traced = trace_profile(meta.model, meta.batch)  # the estimate's trace, CPU kernels
+    hook.remove()
     assert _bytes_and_flops(traced) == _bytes_and_flops(measured)
     assert traced.blocks[1].saved_bytes > 0
+    # the blocks' discovery, the warm-up step and the accounting step; no timed step (5 forwards
+    # before): nothing on the meta device has a time to take
+    assert len(forwards) == 3 and measured.step_ms > 0
+    assert traced.step_ms == 0 and all(b.fwd_ms == b.bwd_ms == 0 for b in traced.blocks)
 
 
 def _flow(batch_size: int, num_layers: int = 2):

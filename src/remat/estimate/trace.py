@@ -430,7 +430,7 @@ def _buffer_bytes(module: nn.Module) -> int:
 
 
 def trace_profile(model: nn.Module, batch: Any, loss_fn: Any = None, *, gpu_kernels: bool = False) -> Profile:
-    """`remat.profile` of one training step (no optimizer, one repeat: times are not used);
+    """`remat.profile` of one training step (no optimizer; on the meta device no step is timed);
     with ``gpu_kernels``, SDPA and dropout run as a GPU's fused kernels (`GpuKernels`), else
     SDPA as the CPU's (`CpuKernels`)."""
     from remat.measure.profile import profile

@@ -333,15 +333,17 @@ def _measure(step: _Step, found: Discovery, warmup: int, repeats: int,
              progress: Progress | None, share_timing: bool = True,
              backend: str = "", shared_caches: bool = False) -> tuple[Profile, BackwardWindows]:
     block_list = found.blocks
-    report = _Reporter(progress, max(warmup, 1) + 1 + repeats + (repeats - 1))
+    device = model_device(step.model)
+    timed = repeats if device.type != "meta" else 0  # nothing runs on the meta device to time
+    # (`remat.estimate` prices time by FLOPs): the timed steps would be two of a trace's four
+    report = _Reporter(progress, max(warmup, 1) + 1 + timed + max(timed - 1, 0))
     for _ in range(max(warmup, 1)):
         step.run()
         report("warm-up step")
     memory = _account(step, block_list)
     report("accounting step")
-    device = model_device(step.model)
-    times, plain, probes = [], [], []
-    for _ in range(repeats):
+    times, plain, probes = ([], [], []) if timed else ([_untimed(len(block_list))], [0.0], [])
+    for _ in range(timed):
         plain.append(_time_plain_step(step))
         times.append(_time_step(step, block_list))
         if times[-1].fault_bytes and len(probes) < TOUCH_PROBES:  # the cost of a fault probed beside the
@@ -543,6 +545,12 @@ def _time_step(step: _Step, block_list: Blocks) -> StepTimes:
     clock.sync()
     times = timer.times()
     return times if faults.bytes is None else dataclasses.replace(times, fault_bytes=faults.bytes)
+
+
+def _untimed(blocks: int) -> StepTimes:
+    """The times of a step on the meta device: zeros."""
+    return StepTimes(block_fwd_ms=(0.0,) * blocks, block_bwd_ms=(0.0,) * blocks, fixed_fwd_ms=0.0, fixed_bwd_ms=0.0,
+                     optimizer_step_ms=0.0, step_ms=0.0)
 
 
 def _time_plain_step(step: _Step) -> float:
