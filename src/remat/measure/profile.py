@@ -434,6 +434,7 @@ class _Accounting:
     saved_bytes: dict[str, int]
     input_bytes: dict[str, int]
     output_bytes: dict[str, int]
+    output_passed_bytes: dict[str, int]
     windows: BackwardWindows
     recorder: OpRecorder
     saved: dict
@@ -522,7 +523,8 @@ def _account(step: _Step, block_list: Blocks) -> _Accounting:
     flows = block_flows(dataflow, accountant.saved, accountant.savers, accountant.bytes_by_segment())
     return _Accounting(
         saved_bytes=accountant.bytes_by_segment(), input_bytes=accountant.input_bytes,
-        output_bytes=accountant.output_bytes, windows=windows, recorder=recorder, saved=dict(accountant.saved),
+        output_bytes=accountant.output_bytes, output_passed_bytes=accountant.output_passed_bytes, windows=windows,
+        recorder=recorder, saved=dict(accountant.saved),
         savers={key: tuple(who) for key, who in accountant.savers.items()}, dropped_bytes=dict(accountant.dropped_bytes),
         peak_bytes=tracker.peak_bytes, peak_by_category=dict(tracker.peak_by_category),
         timeline=tuple(tracking.timeline), grad_bytes=grad_bytes(step.model),
@@ -895,6 +897,7 @@ def _block_profiles(found: Discovery, memory: _Accounting, times: StepTimes, ove
             fwd_temp_bytes=memory.windows.block_fwd_temp_bytes[i] + memory.dropped_bytes.get(name, 0)
             + (0 if i in memory.windows.backward_blocks else memory.saved_bytes[name]),
             output_grad_bytes=memory.output_bytes.get(name, 0),
+            output_passed_bytes=memory.output_passed_bytes.get(name, 0),
             bwd_free_order=memory.windows.block_free_order[i],
             fwd_live_bytes=tuple(max(0, c.live_after - memory.windows.block_fwd_start_bytes[i])
                                  for c in memory.recorder.calls.get(name, [])),

@@ -73,6 +73,9 @@ class SavedAccountant:
         self._totals: dict[str, int] = {}
         self.input_bytes: dict[str, int] = {}
         self.output_bytes: dict[str, int] = {}
+        self.output_passed_bytes: dict[str, int] = {}
+        """Block name -> of its output bytes, the storages among its inputs (`BlockProfile.output_passed_bytes`)."""
+        self._input_keys: dict[str, set[int]] = {}
         self._excluded = storage_keys(exclude)
         self._on_saved = on_saved
         self.on_pack = on_pack
@@ -135,14 +138,19 @@ class SavedAccountant:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if torch._C._current_graph_task_id() == -1:
                 self.segment = name
-                self.input_bytes[name] = distinct_bytes(tensors_in((args, kwargs)))
+                inputs = tensors_in((args, kwargs))
+                self.input_bytes[name] = distinct_bytes(inputs)
+                self._input_keys[name] = storage_keys(inputs)
 
         return hook
 
     def _leave_block(self, name: str, after: str) -> Callable:
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             if torch._C._current_graph_task_id() == -1:
-                self.output_bytes[name] = distinct_bytes(tensors_in(output))
+                outputs = tensors_in(output)
+                self.output_bytes[name] = distinct_bytes(outputs)
+                inputs = self._input_keys.pop(name, set())
+                self.output_passed_bytes[name] = distinct_bytes(t for t in outputs if storage_key(t) in inputs)
                 self.segment = after
 
         return hook

@@ -242,6 +242,12 @@ class BlockProfile:
     output_grad_bytes: int = 0
     """Bytes of the gradient of the block's output, live while a replay of the block runs in
     backward (its output bytes when measured; 0: not counted)."""
+    output_passed_bytes: int = 0
+    """Of ``output_bytes``, the storages among its own inputs that it returns as they came: the
+    position bias a T5-style layer takes from the layer before and returns beside its hidden
+    states, for the next (LongT5's: 786,432 of a layer's 790,528 output bytes). Live as its
+    inputs are, they add nothing while a segment's forward holds the block's output for the
+    model's next call (`remat.plan.phases.segment_forward_bytes`; 0: none, or not measured)."""
     fwd_live_bytes: tuple[int, ...] = ()
     """Per op call of ``ops``: bytes the block's forward had made live (beyond those live when
     it began) once that call's outputs existed. A selective replay holds the cached outputs of

@@ -20,8 +20,9 @@ from remat.measure.types import Profile
 from remat.plan.chain_dp import BlockOption, ChainBlock, ChainProblem, Element, SegmentForward, UnitSlots, deep_recursion
 from remat.plan.costs import cost_of, replay_working_bytes
 from remat.plan.options import BlockOptions, OptionClass, offload_options, price_options, undominated_rows
-from remat.plan.phases import (checkpointed_forward_peak, code_held_input_bytes, grad_bytes_live, held_input_bytes, post_working_bytes,
-                               previous_held_bytes, released_grad_bytes, stopped_replay_ms, stopped_replay_working_bytes)
+from remat.plan.phases import (checkpointed_forward_peak, code_held_input_bytes, grad_bytes_live, handed_bytes,
+                               held_input_bytes, post_working_bytes, previous_held_bytes, released_grad_bytes,
+                               stopped_replay_ms, stopped_replay_working_bytes)
 from remat.plan.predict import (backward_base_bytes, optimizer_phase_bytes, pre_backward_phase_bytes,
                                 pre_forward_phase_bytes)
 from remat.plan.types import Segment
@@ -153,7 +154,7 @@ class ChainBuilder:
             # the outputs the code holds of the block before, as if it is not kept: a bound (`remat.plan.variants`)
             first_bytes=tuple(held_input_bytes(b) + b.entry_bytes + previous_held_bytes(self.profile, i, False)
                               for i, b in enumerate(blocks_)),
-            output_bytes=tuple(b.output_bytes for b in blocks_), peak_bytes=tuple(map(checkpointed_forward_peak, blocks_)),
+            output_bytes=tuple(map(handed_bytes, blocks_)), peak_bytes=tuple(map(checkpointed_forward_peak, blocks_)),
             grad_bytes=tuple(map(released_grad_bytes, blocks_)), total_grad_bytes=self.fixed.grad_bytes,
             quantum=quantum, relax=relax)
         later = tuple(self._later_slots(i, quantum, relax) for i in range(self.profile.num_blocks))
