@@ -37,12 +37,11 @@ def _numbers(value, path="$"):
 
 @pytest.mark.slow
 def test_small_check_on_the_cpu(tmp_path):
-    """The whole small run, once (it is the costly part: one test, so parallel workers do not each run it)."""
-    start = time.monotonic()
+    """The whole small run, once (it is the costly part: one test, so parallel workers do not each
+    run it). Its duration is a benchmark's figure (BENCHMARKS.md, "Test suite"), not a test's."""
     status = device_check.main(["--device", "cpu", "--size", "small", "--out", str(tmp_path)])
-    elapsed_s = time.monotonic() - start
     results = json.loads((tmp_path / "results.json").read_text())
-    assert status == 0 and elapsed_s < 180  # the CPU version must run in under 3 minutes
+    assert status == 0
     _is_complete_and_finite(results)
     _verifies_every_model_and_plan(results["sections"]["models"]["data"])
     _measures_attention_core_and_the_peers(results["sections"])

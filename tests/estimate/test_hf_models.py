@@ -4,7 +4,6 @@ layers, explicit attention's shared mask, ``use_cache: false``, and layouts a mo
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -42,8 +41,8 @@ def _hf_param_count(path: str) -> int:
 def test_mixtral_with_expert_parallelism(tmp_path) -> None:
     """Experts over 2 and 4 ranks: the routed experts' weights per GPU halve and quarter (every
     other parameter stays); a router twice as loaded on the busiest rank doubles the experts'
-    activations and FLOPs. Pricing every strategy takes well under a second (the planner's
-    search, which took over 300 s on a Mixtral config, is not run)."""
+    activations and FLOPs. Every strategy is priced without the planner's search, which took over
+    300 s on a Mixtral config (the pricing's time: BENCHMARKS.md, "Test suite")."""
     path = _config(tmp_path, **MIXTRAL)
     traced = trace_source(ModelSource(hf_config_path=path), seq_len=S)
     assert traced.param_count == _hf_param_count(path)
@@ -56,10 +55,8 @@ def test_mixtral_with_expert_parallelism(tmp_path) -> None:
     saved = [part.layers[1].saved for part in (split.per_token, split.constant)]
     assert loaded.saved_bytes - even.saved_bytes == sum(x.expert_split + x.expert_whole for x in saved)
     assert loaded.expert_flops == 2 * even.expert_flops
-    pricing = _pricing(traced, Parallelism(data=4, expert=2))
-    start = time.perf_counter()
-    rows = pricing.on_device(DEVICE).strategies
-    assert time.perf_counter() - start < 5 and all(r.fits for r in rows)
+    rows = _pricing(traced, Parallelism(data=4, expert=2)).on_device(DEVICE).strategies
+    assert [r.strategy for r in rows] == list(STRATEGY_NAMES) and all(r.fits for r in rows)
 
 
 def _pricing(traced, par: Parallelism) -> Pricing:
