@@ -231,8 +231,8 @@ def segment_forward_bytes(profile: Profile, start: int, stop: int, previous_kept
 def handed_bytes(block: BlockProfile) -> int:
     """What the block's output adds while it waits for the model's next call: its output less the
     storages it returns as they came in (`BlockProfile.output_passed_bytes`, live as its inputs).
-    Counted whole, a LongT5 segment of three layers was priced at two position biases (1.5 MiB,
-    26 % of its forward) above its measured forward."""
+    Counted whole, a LongT5 segment of three layers was priced two position biases (1.5 MiB)
+    above its measured forward: 5,754,880 bytes against 4,182,016."""
     return block.output_bytes - block.output_passed_bytes
 
 
