@@ -31,9 +31,11 @@ def test_touching_fresh_memory_is_counted():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="minor page faults are counted by getrusage on Linux")
 def test_first_touch_cost_is_positive_on_the_cpu_and_zero_elsewhere():
-    # one probe on a loaded machine can read 0 (its pages came back without faulting); of three,
-    # one reads the cost (the suite failed on a single probe in a clean clone, 2026-12-05)
-    assert max(first_touch_ms_per_byte(torch.device("cpu")) for _ in range(3)) > 0.0
+    # a probe on a loaded machine can read 0 (its pages came back without faulting, or the refill
+    # was held up longer than the faults took): the suite failed on one probe in a clean clone
+    # (2026-12-05), and on three (the median of five each) in another (2026-12-07, a day the
+    # machine ran at half its usual speed); the first of up to ten that reads the cost ends it
+    assert any(first_touch_ms_per_byte(torch.device("cpu")) > 0.0 for _ in range(10))
     assert first_touch_ms_per_byte(torch.device("meta")) == 0.0
     assert first_touch_ms_per_byte(torch.device("cuda")) == 0.0  # a caching allocator: nothing faults in a steady state
 
