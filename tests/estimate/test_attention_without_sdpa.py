@@ -42,7 +42,7 @@ def _measured_layers(cfg: dict, attention: str, auto: Any = transformers.AutoMod
 def _traced_layers(path: str, gpu_kernels: bool = True, attention: str = "sdpa") -> tuple[str, list[int]]:
     traced = trace_source(ModelSource(hf_config_path=path, attention=attention), seq_len=S, dtype="fp32",
                           gpu_kernels=gpu_kernels)
-    return traced.label, [b.saved_bytes for b in traced.tracer(2)[0].blocks]
+    return traced.label, [b.saved_bytes for b in traced.profile(2).blocks]
 
 
 BLOOM = dict(model_type="bloom", hidden_size=H, n_layer=2, n_head=A, vocab_size=96)

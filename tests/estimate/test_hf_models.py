@@ -280,7 +280,7 @@ def test_hybrids_of_computed_or_shared_layers_are_priced_as_measured(tmp_path, c
     ids = torch.randint(0, 96, (2, S))
     prof = profile(model, {"input_ids": ids, "labels": ids.clone()}, None, torch.optim.AdamW(model.parameters()),
                    repeats=1)
-    blocks = traced.tracer(2)[0].blocks
+    blocks = traced.profile(2).blocks
     assert [blocks[k].saved_bytes for k in kinds] == [b.saved_bytes for b in prof.blocks]
     if cfg is ZAMBA:  # the shared block: once, outside the layers, on each pipeline stage that runs it
         from remat.estimate.sharding import gpu_state, StateRecipe

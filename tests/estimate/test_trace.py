@@ -149,3 +149,65 @@ def test_llama_with_flash_attention_has_no_quadratic_term() -> None:
                                                             intermediate=128, vocab=96, seq=seq))
         saved[seq] = trace_source(source, seq_len=seq).profile(2).blocks[-1].saved_bytes
     assert saved[64] - 24 == 2 * (saved[32] - 24)
+
+
+def _counting_traces(monkeypatch) -> list[int]:
+    """The batch size of every `trace_profile` call from here on (one per traced micro-batch)."""
+    from remat.estimate import trace as trace_module
+
+    calls: list[int] = []
+    real = trace_module.trace_profile
+
+    def counted(model, batch, *args, **kwargs):
+        calls.append(int(batch["input_ids"].shape[0]) if isinstance(batch, dict) else -1)
+        return real(model, batch, *args, **kwargs)
+
+    monkeypatch.setattr(trace_module, "trace_profile", counted)
+    return calls
+
+
+def test_one_source_is_traced_once_per_process(tmp_path, monkeypatch) -> None:
+    """`remat.estimate` of one config at several micro-batches, layouts and devices traces it once:
+    micro-batch 1 (its parameters), 2 and 3 (the line) and 4 (that the line holds). The answers
+    equal a fresh trace's. An edited config, another sequence length and a ``file.py:build``
+    model, whose code may change between calls, are traced anew; `clear_trace_cache` forgets."""
+    import json
+
+    from remat._serialize import to_dict
+    from remat.estimate import Parallelism, estimate
+    from remat.estimate.trace import clear_trace_cache
+
+    calls = _counting_traces(monkeypatch)
+    config = tmp_path / "config.json"
+    sizes = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+                 num_hidden_layers=4, vocab_size=64)
+    config.write_text(json.dumps(sizes))
+    source = ModelSource(hf_config_path=str(config))
+    first = estimate(source, micro_batch=2, seq_len=16)
+    assert sorted(calls) == [1, 2, 3, 4]
+    again = [estimate(source, micro_batch=2, seq_len=16),
+             estimate(ModelSource(hf_config_path=str(config)), micro_batch=8, seq_len=16, devices=("A100-40GB",)),
+             estimate(source, micro_batch=2, seq_len=16, parallelism=Parallelism(tensor=2))]
+    assert len(calls) == 4
+    assert to_dict(again[0]) == to_dict(first)
+    clear_trace_cache()
+    fresh = [estimate(source, micro_batch=2, seq_len=16),
+             estimate(source, micro_batch=8, seq_len=16, devices=("A100-40GB",)),
+             estimate(source, micro_batch=2, seq_len=16, parallelism=Parallelism(tensor=2))]
+    assert len(calls) == 8 and [to_dict(e) for e in fresh] == [to_dict(e) for e in again]
+    estimate(source, micro_batch=2, seq_len=32)
+    assert len(calls) == 12
+    config.write_text(json.dumps({**sizes, "hidden_size": 64}))
+    edited = estimate(source, micro_batch=2, seq_len=16)
+    assert len(calls) == 16 and edited.param_count > first.param_count
+    build = tmp_path / "tiny.py"
+    build.write_text(
+        "import torch, transformers\n"
+        "def build():\n"
+        f"    config = transformers.LlamaConfig(**{ {k: v for k, v in sizes.items() if k != 'model_type'}!r})\n"
+        "    model = transformers.AutoModelForCausalLM.from_config(config)\n"
+        "    ids = torch.randint(0, 64, (2, 16))\n"
+        "    return model, {'input_ids': ids, 'labels': ids}\n")
+    for _ in range(2):
+        estimate(ModelSource(file=f"{build}:build"), seq_len=16)
+    assert len(calls) == 18

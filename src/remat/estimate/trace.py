@@ -22,14 +22,17 @@ A ``file.py:build`` model is built under ``torch.device("meta")`` as its functio
 from __future__ import annotations
 
 import copy
+import hashlib
 import inspect
 import math
 import os
 import sys
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -509,13 +512,56 @@ def _describe(label: str, model: nn.Module, tracer: Callable[[int], tuple[Profil
     )
 
 
+TRACE_CACHE_SIZE = 8
+"""Traced models `trace_source` keeps in this process, the least recently used dropped first."""
+_TRACE_CACHE: OrderedDict[tuple, Traced] = OrderedDict()
+
+
+def clear_trace_cache() -> None:
+    """Forget every traced model `trace_source` keeps: the next estimate of each traces it anew."""
+    _TRACE_CACHE.clear()
+
+
+def _cache_key(source: ModelSource, *args: Any) -> tuple | None:
+    """What a traced model follows from: the source's every field, a config file's bytes (an edited
+    config is traced anew) and `trace_source`'s arguments. None for a ``file.py:build`` model, whose
+    code (and whatever it imports) may change between calls: it is traced each time."""
+    if source.file is not None:
+        return None
+    content = b""
+    if source.hf_config_path is not None:
+        try:
+            content = Path(source.hf_config_path).read_bytes()
+        except OSError:
+            return None  # `hf_config_and_part` says what is wrong with the path
+    return (repr(source), hashlib.sha256(content).hexdigest(), *args)
+
+
 def trace_source(
     source: ModelSource, *, seq_len: int, dtype: str = "bf16", trace_layers: int = 2, gpu_kernels: bool = True
 ) -> Traced:
     """Build ``source`` on the meta device (module docstring); nothing is traced until asked.
 
     ``gpu_kernels``: SDPA and dropout run as a GPU's fused kernels (`GpuKernels`); False traces
-    what the CPU runs (the same bytes a CPU profile measures)."""
+    what the CPU runs (the same bytes a CPU profile measures).
+
+    The same source at the same arguments gets the same `Traced` back while this process keeps it
+    (`TRACE_CACHE_SIZE`; `clear_trace_cache`), its traces made once: a notebook pricing one model at
+    several micro-batches, layouts or devices traces it once. A built-in model, a family's sizes or a
+    config file's bytes name the model; a ``file.py:build`` model is traced on each call."""
+    key = _cache_key(source, seq_len, dtype, trace_layers, gpu_kernels)
+    if key is not None and key in _TRACE_CACHE:
+        _TRACE_CACHE.move_to_end(key)
+        return _TRACE_CACHE[key]
+    traced = _trace_source(source, seq_len=seq_len, dtype=dtype, trace_layers=trace_layers, gpu_kernels=gpu_kernels)
+    if key is not None:
+        _TRACE_CACHE[key] = traced
+        while len(_TRACE_CACHE) > TRACE_CACHE_SIZE:
+            _TRACE_CACHE.popitem(last=False)
+    return traced
+
+
+def _trace_source(source: ModelSource, *, seq_len: int, dtype: str, trace_layers: int, gpu_kernels: bool) -> Traced:
     torch_dtype = dtype_of(dtype)
     if source.file is not None:
         return _trace_file(source, torch_dtype, gpu_kernels)
@@ -1279,5 +1325,5 @@ def _trace_file(source: ModelSource, dtype: torch.dtype, fused: bool) -> Traced:
     return _describe(source.file, built.model, tracer, tuple(range(count)), None, whole=True, optimizer_name=optimizer)
 
 
-__all__ = ["DTYPES", "ModelShape", "TRACED_MICRO_BATCHES", "Traced", "check_alike", "dtype_of", "encoder_decoder_kinds",
-           "hf_layer_kinds", "trace_profile", "trace_source", "traced_layer_values"]
+__all__ = ["DTYPES", "ModelShape", "TRACE_CACHE_SIZE", "TRACED_MICRO_BATCHES", "Traced", "check_alike", "clear_trace_cache",
+           "dtype_of", "encoder_decoder_kinds", "hf_layer_kinds", "trace_profile", "trace_source", "traced_layer_values"]
