@@ -182,8 +182,9 @@ def _optimal_plan(profile: Profile, heads: tuple[str, ...], budget: int | None) 
     if budget is None:
         return make_plan(profile, keep, "optimal", None, head=heads[0])
     plans = []
+    searches = {head: optimal_search(priced_profile(profile, head)) for head in heads}
     for head in heads:
-        choice = optimal_search(priced_profile(profile, head)).choose(budget)
+        choice = searches[head].choose(budget)
         if choice is not None:
             plans.append(make_plan(profile, choice.segments, "optimal", budget, head=head, optimality=choice.optimality))
         for segments in (keep, *_recipes(profile, head)):  # what the search's bounds may price over
@@ -200,7 +201,7 @@ def _optimal_plan(profile: Profile, heads: tuple[str, ...], budget: int | None) 
             space += f", {' and '.join(offload)}"
         if heads != ("keep",):
             space += f", the head as {' or '.join(heads)}"
-        raise infeasible_error(budget, min_peak_plan(profile, heads).prediction, space)
+        raise infeasible_error(budget, min_peak_plan(profile, heads, searches).prediction, space)
     return min(plans, key=lambda p: (p.prediction.step_ms, p.prediction.peak_bytes))
 
 
@@ -237,12 +238,14 @@ def _candidate_optimality(profile: Profile, predicted: Prediction, choice: Choic
     return Optimality(extra_ms=extra, lower_bound_ms=min(extra, bound), quantum_bytes=quantum)
 
 
-def min_peak_plan(profile: Profile, heads: tuple[str, ...] | None = None) -> Plan:
+def min_peak_plan(profile: Profile, heads: tuple[str, ...] | None = None,
+                  searches: dict[str, OptimalSearch] | None = None) -> Plan:
     """The plan with the least predicted peak over the whole plan space (every head strategy
-    measured, or ``heads``)."""
+    measured, or ``heads``; ``searches``: the optimal search of the profile priced with each, made
+    here where not given)."""
     heads = heads or head_choices(profile)
-    plans = [make_plan(profile, optimal_search(priced_profile(profile, h)).min_peak_segments(), "optimal", None, head=h)
-             for h in heads]
+    searches = searches or {h: optimal_search(priced_profile(profile, h)) for h in heads}
+    plans = [make_plan(profile, searches[h].min_peak_segments(), "optimal", None, head=h) for h in heads]
     plans += [make_plan(profile, segments, "optimal", None, head=h) for h in heads for segments in _recipes(profile, h)]
     return min(plans, key=lambda p: (p.prediction.peak_bytes, p.prediction.step_ms))
 
@@ -258,9 +261,10 @@ def pareto(profile: Profile) -> list[Plan]:
     lower peak (a 256-layer Llama's frontier ended above ``full``'s peak, 20 of its plans slower)."""
     check_profile(profile, "pareto")
     heads = head_choices(profile)
+    searches = {head: optimal_search(priced_profile(profile, head)) for head in heads}  # their tables made once
     plans = [make_plan(profile, segs, "optimal", None, head=head) for head in heads
-             for segs in optimal_search(priced_profile(profile, head)).frontier_segments()]
-    plans.append(min_peak_plan(profile, heads))
+             for segs in searches[head].frontier_segments()]
+    plans.append(min_peak_plan(profile, heads, searches))
     plans += [make_plan(profile, segments, "optimal", None, head=head) for head in heads for segments in _recipes(profile, head)]
     plans.sort(key=lambda p: (p.prediction.peak_bytes, p.prediction.step_ms))
     frontier: list[Plan] = []
