@@ -47,7 +47,7 @@ def test_auto_offloads_to_the_directory_it_is_given(tmp_path):
     and to `apply_`; a directory that cannot be used fails before the model runs."""
     from remat.plan.planners import make_plan
 
-    built = build("gpt", optimizer="none", dropout=0.0)
+    built = build("gpt", optimizer="none", dropout=0.0, seq_len=64, batch_size=4)
     prof = remat.profile(built.model, built.batch, built.loss_fn, None, repeats=1, offload_dir=str(tmp_path))
     segments = tuple(Segment(start=i, stop=i + 1, strategy="offload:disk") for i in range(prof.num_blocks))
     check = remat.verify(built.model, built.batch, make_plan(prof, segments, "disk", None), built.loss_fn, None,
