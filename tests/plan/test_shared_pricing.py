@@ -92,3 +92,41 @@ def test_shared_options_keep_the_optimum(seed):
         assert got.prediction.peak_bytes <= budget
         assert got.prediction.step_ms == pytest.approx(_best(space, budget))
     assert OptimalSearch(prof).optimality(space[len(space) // 2][0]).exact
+
+
+def test_the_head_strategies_searches_price_the_blocks_once():
+    """`remat.pareto` and `remat.plan` search once per head strategy; the strategy changes only the
+    post part, so the searches share one pricing of the blocks' options. On a measured Llama with
+    its LM head (two head strategies worth searching), the shared options equal each profile's own
+    pricing option for option, and the plans equal those of searches that price apart. A profile
+    whose blocks are other objects (a variant) prices apart."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    import remat
+    from remat.models import build
+    from remat.plan.chain_problem import ChainBuilder
+    from remat.plan.head import head_choices, priced_profile
+    from remat.plan.planners import head_searches, optimal_search
+
+    torch.manual_seed(0)
+    built = build("hf:llama", num_layers=2, seq_len=64, batch_size=2)
+    prof = remat.profile(built.model, built.batch, built.loss_fn, None, repeats=1)
+    heads = head_choices(prof)
+    assert len(heads) == 2
+    shared = head_searches(prof, heads)
+    apart = {h: optimal_search(priced_profile(prof, h)) for h in heads}
+    assert shared[heads[1]].options() is shared[heads[0]].options()
+    assert apart[heads[1]].options() is not apart[heads[0]].options()
+    for h in heads:
+        for mine, own in zip(shared[h].options(), apart[h].options(), strict=True):
+            assert mine.segments == own.segments
+            for field in ("retained_bytes", "working_bytes", "extra_ms"):
+                assert np.array_equal(getattr(mine, field), getattr(own, field)), (h, field)
+        assert shared[h].frontier_segments() == apart[h].frontier_segments()
+    moved = dataclasses.replace(prof, blocks=tuple(dataclasses.replace(b) for b in prof.blocks))
+    builder = ChainBuilder(moved)
+    builder.share_pricing(shared[heads[0]].builder)
+    assert builder.options() is not shared[heads[0]].options()

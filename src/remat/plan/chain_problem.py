@@ -83,13 +83,25 @@ class ChainBuilder:
         self.joins = None if joins is None else tuple(bool(j) for j in joins)
         self.fixed = fixed_part(profile)
         self._priced: tuple[list[BlockOptions], list[OptionClass]] | None = None
+        self._priced_by: ChainBuilder | None = None
         self._sizes: list[int] | None = None
+
+    def share_pricing(self, other: ChainBuilder) -> None:
+        """Take ``other``'s priced options (priced on first use, once for both) where its profile
+        prices the same: the same block objects, and the same profile-wide figures the pricing
+        reads (`remat.plan.costs`, `remat.plan.options`). A profile priced with another head
+        strategy differs only in its post part, which no block's options read."""
+        if _prices_alike(self.profile, other.profile):
+            self._priced_by = other._priced_by or other
+
+    def _priced_options(self) -> tuple[list[BlockOptions], list[OptionClass]]:
+        if self._priced is None:
+            self._priced = self._priced_by._priced_options() if self._priced_by is not None else price_options(self.profile)
+        return self._priced
 
     def options(self) -> list[BlockOptions]:
         """Per block, its non-dominated top-level options (`remat.plan.options.price_options`)."""
-        if self._priced is None:
-            self._priced = price_options(self.profile)
-        return self._priced[0]
+        return self._priced_options()[0]
 
     def sizes(self) -> list[int]:
         """Every size the problem counts, in bytes (the quantum's candidates divide them)."""
@@ -246,6 +258,19 @@ class ChainBuilder:
             return self.options()[element.start].option_segment(element.start, element.option)
         children = tuple(self._segment(c) for c in element.children)
         return Segment(start=element.start, stop=element.stop, strategy="recompute", children=children)
+
+
+_PRICING_FIELDS = ("bandwidths", "fingerprint", "checkpoint_call_ms", "fixed_pre_grad_bytes", "grad_bytes",
+                   "released_grad_prefix", "unit_bytes")
+"""The profile-wide figures a block's options are priced from (`remat.plan.costs`, `remat.plan.options`,
+`remat.plan.offload_cost`, the phases they read), besides the blocks."""
+
+
+def _prices_alike(a: Profile, b: Profile) -> bool:
+    """True where ``a`` and ``b`` price every block's options the same: the same block objects and
+    equal `_PRICING_FIELDS`."""
+    return (len(a.blocks) == len(b.blocks) and all(x is y for x, y in zip(a.blocks, b.blocks))
+            and all(getattr(a, name) == getattr(b, name) for name in _PRICING_FIELDS))
 
 
 def _slots(num_bytes: np.ndarray, quantum: int, relax: bool) -> np.ndarray:

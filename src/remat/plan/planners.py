@@ -165,10 +165,19 @@ def _reached(profile: Profile, seg: Segment) -> Segment:
     return dataclasses.replace(seg, children=children, saved_ops=saved)
 
 
-def optimal_search(profile: Profile) -> OptimalSearch:
+def optimal_search(profile: Profile, priced_like: OptimalSearch | None = None) -> OptimalSearch:
     """The optimal search over the plans the model can run: multi-block segments only where
-    neighbouring blocks join (`remat.plan.joins`)."""
-    return OptimalSearch(profile, joins=joins(profile))
+    neighbouring blocks join (`remat.plan.joins`); ``priced_like``: `OptimalSearch`'s."""
+    return OptimalSearch(profile, joins=joins(profile), priced_like=priced_like)
+
+
+def head_searches(profile: Profile, heads: tuple[str, ...]) -> dict[str, OptimalSearch]:
+    """The optimal search of ``profile`` priced with each head strategy: the blocks' options
+    priced once for all of them (the head changes only the post part)."""
+    searches: dict[str, OptimalSearch] = {}
+    for head in heads:
+        searches[head] = optimal_search(priced_profile(profile, head), next(iter(searches.values()), None))
+    return searches
 
 
 def _optimal_plan(profile: Profile, heads: tuple[str, ...], budget: int | None) -> Plan:
@@ -182,7 +191,7 @@ def _optimal_plan(profile: Profile, heads: tuple[str, ...], budget: int | None) 
     if budget is None:
         return make_plan(profile, keep, "optimal", None, head=heads[0])
     plans = []
-    searches = {head: optimal_search(priced_profile(profile, head)) for head in heads}
+    searches = head_searches(profile, heads)
     for head in heads:
         choice = searches[head].choose(budget)
         if choice is not None:
@@ -244,7 +253,7 @@ def min_peak_plan(profile: Profile, heads: tuple[str, ...] | None = None,
     measured, or ``heads``; ``searches``: the optimal search of the profile priced with each, made
     here where not given)."""
     heads = heads or head_choices(profile)
-    searches = searches or {h: optimal_search(priced_profile(profile, h)) for h in heads}
+    searches = searches or head_searches(profile, heads)
     plans = [make_plan(profile, searches[h].min_peak_segments(), "optimal", None, head=h) for h in heads]
     plans += [make_plan(profile, segments, "optimal", None, head=h) for h in heads for segments in _recipes(profile, h)]
     return min(plans, key=lambda p: (p.prediction.peak_bytes, p.prediction.step_ms))
@@ -261,7 +270,7 @@ def pareto(profile: Profile) -> list[Plan]:
     lower peak (a 256-layer Llama's frontier ended above ``full``'s peak, 20 of its plans slower)."""
     check_profile(profile, "pareto")
     heads = head_choices(profile)
-    searches = {head: optimal_search(priced_profile(profile, head)) for head in heads}  # their tables made once
+    searches = head_searches(profile, heads)  # their tables made once
     plans = [make_plan(profile, segs, "optimal", None, head=head) for head in heads
              for segs in searches[head].frontier_segments()]
     plans.append(min_peak_plan(profile, heads, searches))

@@ -94,13 +94,19 @@ class OptimalSearch:
 
     ``joins``: per pair of neighbouring blocks, False where the two may not be in one
     multi-block recompute segment (`remat.plan.chain_dp.ChainProblem.joins`); None: any may.
-    ``max_slots``: count memory in at most this many slots (never bytes): tests of the bounds."""
+    ``max_slots``: count memory in at most this many slots (never bytes): tests of the bounds.
+    ``priced_like``: the search of the same profile priced with another head strategy
+    (`remat.plan.head.priced_profile`), whose blocks' options this one takes instead of pricing
+    them again, where they price the same (`remat.plan.chain_problem.ChainBuilder.share_pricing`)."""
 
-    def __init__(self, profile: Profile, max_slots: int | None = None, joins: tuple[bool, ...] | None = None):
+    def __init__(self, profile: Profile, max_slots: int | None = None, joins: tuple[bool, ...] | None = None,
+                 priced_like: OptimalSearch | None = None):
         self.profile = profile
         self.max_slots = max_slots
         # freed shared tensors, shared tensors a later block saves: bounds
         self.builder = ChainBuilder(resaved_profile(revived_profile(profile)), joins)
+        if priced_like is not None:
+            self.builder.share_pricing(priced_like.builder)
         self.slots = SlotSearch(self.builder, max_slots)
         self._exact: ExactSolution | None | bool = False  # False: not tried yet
         self._least: tuple[Segment, ...] | None = None
