@@ -28,7 +28,7 @@ ZERO_HELP = ("With --world-size: 0 = DDP (its gradient buckets counted), 1 = + o
 
 @app.command("plan")
 def plan_command(
-    profile_path: Optional[Path] = typer.Argument(None, help="A profile JSON written by `remat profile --json`."),
+    profile_path: Optional[Path] = typer.Argument(None, help="A profile JSON written by `remat profile --json`, or a model to profile first (as --model: a built-in name or path/to/file.py:build)."),
     budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget: 6GiB, 750MB, 512MiB or 40% of the baseline peak."),
     strategy: str = typer.Option("optimal", "--strategy", "-s", help="none, full, every:K, sqrt, selective:<policy>, optimal."),
     head: Optional[str] = typer.Option(None, "--head", help="Head (output projection + loss): keep, recompute or chunked:<tokens>; "
@@ -54,6 +54,8 @@ def plan_command(
     from remat.plan.planners import pareto, plan
 
     sizes = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
+    if profile_path is not None and model is None and _names_a_model(profile_path):
+        profile_path, model = None, str(profile_path)  # `remat plan my.py:build`, as `remat profile` takes it
     check_output_file(out, "--out")
     if show_pareto:
         given = [name for name, on in (("--budget", budget is not None), ("--out", out is not None), ("--tune", tune),
@@ -154,6 +156,20 @@ def _load_target(path: Optional[Path], model: Optional[str], sizes: dict, seed: 
     with console.status(Text(f"profiling {model}...")):
         built = load_target(model, seed=seed, device=device, **sizes_from_options(model, **sizes))
         return profile(built.model, built.batch, built.loss_fn, built.optimizer), built
+
+
+def _names_a_model(path: Path) -> bool:
+    """Whether the positional argument of `remat plan`, which is no file, names a model to profile: a
+    built-in model or ``file.py:function`` of a file that exists."""
+    from remat.models import MODEL_NAMES
+    from remat.models.loading import is_file_target
+
+    spec = str(path)
+    if path.exists():
+        return False
+    if spec in MODEL_NAMES:
+        return True
+    return is_file_target(spec) and Path(spec.rsplit(":", 1)[0]).is_file()
 
 
 def baseline_peak_of(profile: Profile, baseline: Plan) -> int:

@@ -157,8 +157,9 @@ RUN_BUDGET = "40%"
 
 @app.command("run")
 def run_command(
+    target: Optional[str] = typer.Argument(None, help=TARGET_HELP + " Overrides --model."),
     model: str = typer.Option("gpt", "--model", "-m", help=TARGET_HELP),
-    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget: 6GiB, 750MB, 512MiB or 40% of the measured baseline peak. Default: 40%, raised to the least peak any plan reaches where that is more.", show_default=False),
+    budget: Optional[str] = typer.Option(None, "--budget", "-b", help="Memory budget: 6GiB, 750MB, 512MiB or 40% of the measured baseline peak. Default: 40% for --strategy optimal, raised to the least peak any plan reaches where that is more; none for the other strategies, which then run as they are.", show_default=False),
     strategy: str = typer.Option("optimal", "--strategy", "-s", help="none, full, every:K, sqrt, selective:<policy>, optimal."),
     offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help="Measure this directory's disk and let the plan offload to it."),
     layers: Optional[int] = typer.Option(None, help=SIZE_HELP["layers"]),
@@ -179,22 +180,25 @@ def run_command(
     from remat.apply.run import run_job
     from remat.models import sizes_from_options
 
+    model = target or model
     options = dict(layers=layers, d_model=d_model, heads=heads, seq=seq, batch=batch)
     _check_offload_dir(offload_dir)
     check_output_dir(out, "--out")
     sizes = sizes_from_options(model, **options)
     asked = budget
+    # a fixed strategy given no budget is run as it is: the default share is the optimal search's
+    budget = asked if asked is not None else RUN_BUDGET if strategy == "optimal" else None
     with console.status("building...") as status:
-        result = run_job(model, budget=budget or RUN_BUDGET, strategy=strategy, sizes=sizes, seed=seed,
+        result = run_job(model, budget=budget, strategy=strategy, sizes=sizes, seed=seed,
                          repeats=repeats, offload_dir=None if offload_dir is None else str(offload_dir),
                          progress=_progress_to(status), device=device, tune=tune, tune_steps=tune_steps,
                          tune_seconds=tune_seconds, raise_to_floor=asked is None)
-    budget = asked or RUN_BUDGET
     if result.budget_note:
         console.print(f"note: {escape(result.budget_note)}", soft_wrap=True)
     if result.rows[-1].plan.tuning is not None:
         print_tuning(result.rows[-1].plan)
-    render(result, f"remat run: {model}, {strategy}" + (" at the least peak" if result.budget_note else f" within {budget}"))
+    within = " at the least peak" if result.budget_note else f" within {budget}" if budget is not None else ""
+    render(result, f"remat run: {model}, {strategy}{within}")
     on = ["--device", device] if device else []
     disk = ["--offload-dir", str(offload_dir)] if offload_dir is not None else []  # the plan may offload there
     tuned = ["--tune", "--tune-steps", str(tune_steps), "--tune-seconds", f"{tune_seconds:g}"] if tune else []
