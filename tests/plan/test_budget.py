@@ -30,7 +30,9 @@ def test_parse_percent_of_baseline():
     [
         ("6G", "unknown unit 'G'"),
         ("-1GiB", "no sign"),
-        ("40", "unit required"),
+        ("40", r"budget '40' has no unit: write 40GiB \(or MiB, GB, B...\) for bytes or 40% for a share"),
+        ("0.5", "budget '0.5' has no unit: write 0.5GiB"),
+        ("1e3", "budget '1e3' has no unit"),
         ("abc", "cannot read budget 'abc'"),
         ("0GiB", "positive byte count"),
         ("0.1B", "positive byte count"),

@@ -27,6 +27,7 @@ UNIT_BYTES: dict[str, int] = {
 """Allowed units: decimal (kB = 1000 B) and binary (KiB = 1024 B), case as written here."""
 
 _PATTERN = re.compile(r"^\s*(?P<value>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>%|[A-Za-z]+)\s*$")
+_BARE_NUMBER = re.compile(r"^\s*[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?\s*$")
 _ALLOWED = "an int (bytes) or text like '6GiB', '750MB', '512MiB', '1.5GiB' or '40%'"
 
 
@@ -37,6 +38,10 @@ def parse_budget(text: str | int, baseline_peak_bytes: int | None = None) -> int
     if isinstance(text, int):
         return _positive(text, text)
     match = _PATTERN.match(text)
+    if match is None and _BARE_NUMBER.match(text):
+        number = text.strip()
+        raise ValueError(f"budget {text!r} has no unit: write {number}GiB (or MiB, GB, B...) for bytes or {number}% "
+                         "for a share of the baseline peak.")
     if match is None:
         raise ValueError(f"cannot read budget {text!r}: expected {_ALLOWED} (no sign, unit required).")
     value, unit = float(match["value"]), match["unit"]
