@@ -98,7 +98,7 @@ PRESETS: dict[str, CheckConfig] = {
             "convnet": dict(num_blocks=3, channels=4, image_size=8, batch_size=2),
         },
         # a·s/h = 16 as in the full shape, on toy widths
-        core_sizes=dict(num_layers=2, d_model=64, num_heads=2, seq_len=512, batch_size=1, dropout=0.1),
+        core_sizes=dict(num_layers=2, d_model=32, num_heads=2, seq_len=256, batch_size=1, dropout=0.1),
         offload_sizes=dict(num_layers=2, d_model=32, num_heads=2, seq_len=32, batch_size=2, attention="sdpa"),
         peers_size="tiny", frontier_points=1, shares=SMALL_SHARES,
         segment_models={"convnet": dict(num_blocks=4, channels=4, image_size=8, batch_size=2)}, segment_rounds=2,
