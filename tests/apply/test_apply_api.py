@@ -141,6 +141,33 @@ def test_deepcopy_of_an_applied_model_runs_its_own_blocks():
     assert clone.layers[0].forward.runtime.blocks[0] is clone.layers[0]
 
 
+@pytest.mark.parametrize("name", ["gpt", "hf:llama"])
+def test_an_applied_model_saved_whole_loads_with_its_plan(name):
+    """``torch.save(model)`` of any model with a plan applied raised "Can't pickle local object
+    'CacheOff.drop_in.<locals>.hook'" (the hook that hands replayed blocks no empty cache).
+    Loaded, the model has the plan applied and trains to the gradients of the model without it,
+    to the bit; `remove_` on it restores every forward."""
+    import io
+
+    from remat.apply.api import applied_plan
+    from remat.models import build
+
+    built = build(name, num_layers=3, d_model=32, num_heads=2, seq_len=16, batch_size=2, vocab_size=64)
+    names = [f"{'model.layers' if name.startswith('hf:') else 'blocks'}.{i}" for i in range(3)]
+    plan = make_plan(built.model, built.batch, names, [seg(0, 2, "recompute", seg(0, 1)), seg(2, 3, "keep")])
+    expected = train(built.model, built.batch, built.loss_fn)
+    apply_(built.model, plan)
+    saved = io.BytesIO()
+    torch.save(built.model, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert is_applied(loaded) and applied_plan(loaded).segments == plan.segments
+    assert_identical(expected, train(loaded, built.batch, built.loss_fn))
+    remove_(loaded)
+    assert not is_applied(loaded) and not any("forward" in m.__dict__ for m in loaded.modules())
+    assert_identical(expected, train(loaded, built.batch, built.loss_fn))
+
+
 class MaskedBlock(nn.Module):
     """Takes a mask positionally and a scale by keyword; returns a tuple like Hugging Face layers."""
 

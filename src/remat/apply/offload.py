@@ -114,6 +114,11 @@ def _module_storage_ptrs(module: nn.Module | None) -> frozenset[int]:
     return frozenset(t.untyped_storage().data_ptr() for t in tensors)
 
 
+def _engine_like(target: str, directory: str | None, min_bytes: int, num_threads: int) -> "OffloadEngine":
+    """A new `OffloadEngine` of these settings (`OffloadEngine.__reduce__`, `OffloadEngine.__deepcopy__`)."""
+    return OffloadEngine(target, directory=directory, min_bytes=min_bytes, num_threads=num_threads)
+
+
 class OffloadEngine:
     """Moves saved activations of the blocks it wraps to ``target`` (``"cpu"`` or ``"disk"``)."""
 
@@ -139,15 +144,25 @@ class OffloadEngine:
         self._last_group: _Group | None = None
         self.reset_stats()
 
+    def _settings(self) -> tuple[str, str | None, int, int]:
+        """What a new engine like this one is made from: target, directory, sizes."""
+        directory = None if self.target != "disk" or self.store.root is None else str(self.store.root)
+        num_threads = self.store.num_threads if self.target == "disk" else 2
+        return self.target, directory, self.min_bytes, num_threads
+
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadEngine:
         """An engine of its own for a copy of a model with a plan applied (an EMA copy, a copy to
         evaluate): the same target, directory and sizes; no file, thread or lock shared (a deep
         copy raised "cannot pickle '_thread.lock' object")."""
-        directory = self.store.root if self.target == "disk" else None
-        num_threads = self.store.num_threads if self.target == "disk" else 2
-        copied = OffloadEngine(self.target, directory=directory, min_bytes=self.min_bytes, num_threads=num_threads)
+        copied = _engine_like(*self._settings())
         memo[id(self)] = copied
         return copied
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        """Pickled (``torch.save(model)`` of a model with a plan applied), an engine is its settings: the
+        loaded model gets an engine of its own, as a deep copy does (it raised "cannot pickle
+        '_thread.lock' object"); its directory is checked where the model is loaded."""
+        return _engine_like, self._settings()
 
     def reset_stats(self) -> None:
         self._stats = {"offloaded_bytes": 0, "offloaded_storages": 0, "kept_tensors": 0, "restored_tensors": 0}

@@ -251,6 +251,19 @@ def _drop_empty_cache_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dic
     return None if dropped[0] is args and dropped[1] is kwargs else dropped
 
 
+class _CountedDrop:
+    """`_drop_empty_cache_hook`, counting the calls whose cache it dropped in ``count[0]``: an object
+    of this module, so that a model it hooks can be pickled whole (``torch.save(model)``)."""
+
+    def __init__(self, count: list[int]) -> None:
+        self.count = count
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
+        dropped = _drop_empty_cache_hook(module, args, kwargs)
+        self.count[0] += dropped is not None
+        return dropped
+
+
 class CacheOff:
     """Forward pre-hooks on the outermost Hugging Face modules of ``model`` (those with a
     ``config.use_cache`` and a ``use_cache`` argument) that turn the cache off in every forward
@@ -281,13 +294,7 @@ class CacheOff:
         """Also hand ``blocks`` no empty key/value cache in training (`_drop_empty_cache_hook`):
         a model that makes one whatever ``use_cache`` says (Flaubert's and XLM's attention
         layers get a fresh cache on every forward) runs its blocks as a replayed block must."""
-        count = self._dropped
-
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict] | None:
-            dropped = _drop_empty_cache_hook(module, args, kwargs)
-            count[0] += dropped is not None
-            return dropped
-
+        hook = _CountedDrop(self._dropped)
         self.block_handles.extend(b.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks)
         return self
 
