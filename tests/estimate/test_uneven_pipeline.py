@@ -198,5 +198,23 @@ def test_search_refuses_a_layout_it_would_ignore() -> None:
                               "--pp", "2", "--first-stage-layers", "4"])
     assert out.exit_code != 0
     assert ("--search chooses the layout itself (data, tensor, pipeline, context and expert parallel sizes, the stages' "
-            "layers, the micro-batches per step); --pipeline-parallel, --first-stage-layers would be ignored. Drop them "
-            "to search, or drop --search to estimate that layout.") in " ".join(out.output.split())
+            "layers, the micro-batch and the micro-batches per step); --pipeline-parallel, --first-stage-layers would be "
+            "ignored. Drop them to search, or drop --search to estimate that layout.") in " ".join(out.output.split())
+    sized = runner.invoke(app, ["estimate", "--model", "gpt", "--layers", "7", "--hidden", "32", "--heads", "2",
+                                "--vocab", "64", "--seq", str(SEQ), "--search", "--gpus", "2", "--micro-batch", "4"])
+    assert sized.exit_code == 2 and "--micro-batch would be ignored" in " ".join(sized.output.split())
+
+
+def test_the_search_options_are_refused_without_search() -> None:
+    """``--global-batch``, ``--gpus`` and ``--top`` without ``--search`` were dropped without a word:
+    the estimate priced one micro-batch per step whatever global batch was asked for."""
+    runner = CliRunner()
+    base = ["estimate", "--model", "gpt", "--layers", "2", "--hidden", "32", "--heads", "2", "--vocab", "64",
+            "--seq", str(SEQ)]
+    out = runner.invoke(app, [*base, "--global-batch", "10", "--world-size", "4", "--micro-batch", "3"])
+    assert out.exit_code == 2
+    assert ("error: --global-batch is for --search, which lists the fastest layouts of --gpus GPUs; this estimate "
+            "prices one layout, whose sequences per step are --world-size x --micro-batch x --grad-accum. Add "
+            "--search, or drop --global-batch.") in " ".join(out.output.split())
+    both = runner.invoke(app, [*base, "--gpus", "8", "--top", "3"])
+    assert both.exit_code == 2 and "--gpus, --top are for --search" in " ".join(both.output.split())

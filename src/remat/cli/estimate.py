@@ -64,8 +64,8 @@ def estimate_command(
     fragmentation: float = typer.Option(0.05, "--fragmentation", help="Allowance: allocator fragmentation, share of the peak."),
     search: bool = typer.Option(False, "--search", help="List the fastest layouts of --gpus GPUs of --device that fit."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="--search: GPUs of the job."),
-    global_batch: int = typer.Option(1024, "--global-batch", help="--search: sequences per optimizer step."),
-    top: int = typer.Option(5, "--top", help="--search: layouts listed."),
+    global_batch: Optional[int] = typer.Option(None, "--global-batch", help="--search: sequences per optimizer step (default 1024)."),
+    top: Optional[int] = typer.Option(None, "--top", help="--search: layouts listed (default 5)."),
     as_json: bool = typer.Option(False, "--json", help="Print the estimate as JSON."),
     list_devices: bool = typer.Option(False, "--list-devices", help="List known devices with their sources and exit."),
 ) -> None:
@@ -93,15 +93,22 @@ def estimate_command(
                   "--first-stage-layers": first_stage_layers is not None,
                   "--last-stage-layers": last_stage_layers is not None, "--context-parallel": context_parallel != 1,
                   "--expert-parallel": expert_parallel != 1, "--expert-tensor-parallel": expert_tensor_parallel is not None,
-                  "--world-size": world_size != 1, "--grad-accum": grad_accum != 1}
+                  "--world-size": world_size != 1, "--grad-accum": grad_accum != 1, "--micro-batch": micro_batch != 1}
         given = [flag for flag, set_ in layout.items() if set_]
         if given:
             raise ValueError(f"--search chooses the layout itself (data, tensor, pipeline, context and expert parallel "
-                             f"sizes, the stages' layers, the micro-batches per step); {', '.join(given)} would be "
+                             f"sizes, the stages' layers, the micro-batch and the micro-batches per step); {', '.join(given)} would be "
                              "ignored. Drop them to search, or drop --search to estimate that layout.")
-        _search(source, device, devices_file, seq=seq, gpus=gpus, global_batch=global_batch, top=top,
-                as_json=as_json, head=head, **options)
+        _search(source, device, devices_file, seq=seq, gpus=gpus, global_batch=SEARCH_GLOBAL_BATCH if global_batch is None
+                else global_batch, top=SEARCH_TOP if top is None else top, as_json=as_json, head=head, **options)
         return
+    searching = [flag for flag, value in (("--gpus", gpus), ("--global-batch", global_batch), ("--top", top))
+                 if value is not None]
+    if searching:
+        raise ValueError(f"{', '.join(searching)} {'is' if len(searching) == 1 else 'are'} for --search, which lists "
+                         "the fastest layouts of --gpus GPUs; this estimate prices one layout, whose sequences per "
+                         "step are --world-size x --micro-batch x --grad-accum. Add --search, or drop "
+                         f"{', '.join(searching)}.")
     from remat.estimate import Parallelism, estimate
 
     layout = Parallelism(tensor=tensor_parallel, sequence_parallel=sequence_parallel, pipeline=pipeline_parallel,
@@ -118,6 +125,12 @@ def estimate_command(
         console.print_json(json.dumps(to_dict(result)))
         return
     render(result)
+
+
+SEARCH_GLOBAL_BATCH = 1024
+"""``--search``'s sequences per optimizer step when ``--global-batch`` is not given."""
+SEARCH_TOP = 5
+"""``--search``'s layouts listed when ``--top`` is not given."""
 
 
 def _zero(zero: int, distributed_optimizer: bool) -> int:
