@@ -87,3 +87,19 @@ def test_plan_reads_a_path_that_names_no_model_as_a_profile(tmp_path):
     both = runner.invoke(app, ["plan", _tower(tmp_path), "--model", "mlp"])
     assert both.exit_code == 2
     assert "give either a profile JSON or --model" in " ".join(both.output.split())
+
+
+def test_plan_of_a_profile_json_refuses_the_options_of_a_model_it_would_build(tmp_path):
+    """`remat plan p.json --layers 4` planned the profile's model as measured, the size dropped
+    without a word; so did ``--seed``. They build a model (``--model``), which a profile does not."""
+    profile_json = tmp_path / "p.json"
+    made = runner.invoke(app, ["profile", "--model", "mlp", "--layers", "2", "--repeats", "1", "--json", str(profile_json)])
+    assert made.exit_code == 0, made.output
+    sized = runner.invoke(app, ["plan", str(profile_json), "--layers", "4"])
+    assert sized.exit_code == 2
+    assert (f"error: --layers applies to the model remat profiles with --model; the profile {str(profile_json)!r} was "
+            "measured on its model as it was: drop --layers, or profile again with --model.") in " ".join(sized.output.split())
+    seeded = runner.invoke(app, ["plan", str(profile_json), "--seed", "3", "--batch", "2"])
+    assert seeded.exit_code == 2 and "--batch, --seed apply to the model" in " ".join(seeded.output.split())
+    plain = runner.invoke(app, ["plan", str(profile_json), "--strategy", "full"])
+    assert plain.exit_code == 0, plain.output

@@ -41,7 +41,7 @@ def plan_command(
     heads: Optional[int] = typer.Option(None, help="Attention heads."),
     seq: Optional[int] = typer.Option(None, help="Sequence length."),
     batch: Optional[int] = typer.Option(None, help="Batch size."),
-    seed: int = typer.Option(0, help="Seed of the built-in model's weights and batch."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the built-in model's weights and batch (default 0)."),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     tune: bool = typer.Option(False, "--tune", help=TUNE_HELP),
     tune_steps: int = typer.Option(20, "--tune-steps", help=TUNE_STEPS_HELP),
@@ -142,11 +142,17 @@ def print_tuning(result: Plan) -> None:
     console.print(tuning_sentence(result.tuning))
 
 
-def _load_target(path: Optional[Path], model: Optional[str], sizes: dict, seed: int, device: Optional[str] = None):
+def _load_target(path: Optional[Path], model: Optional[str], sizes: dict, seed: Optional[int],
+                 device: Optional[str] = None):
     """The profile, and the built model when ``--model`` was given (else None)."""
     if path is not None:
         if model is not None or device is not None:
             raise ValueError("give either a profile JSON or --model (and --device), not both.")
+        given = [f"--{name.replace('_', '-')}" for name, value in {**sizes, "seed": seed}.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} to the model remat profiles with "
+                             f"--model; the profile {str(path)!r} was measured on its model as it was: drop "
+                             f"{', '.join(given)}, or profile again with --model.")
         return Profile.load(path), None
     if model is None:
         raise ValueError("give a profile JSON (remat profile --json p.json) or --model NAME to profile first.")
@@ -154,7 +160,7 @@ def _load_target(path: Optional[Path], model: Optional[str], sizes: dict, seed: 
     from remat.models import load_target, sizes_from_options
 
     with console.status(Text(f"profiling {model}...")):
-        built = load_target(model, seed=seed, device=device, **sizes_from_options(model, **sizes))
+        built = load_target(model, seed=seed or 0, device=device, **sizes_from_options(model, **sizes))
         return profile(built.model, built.batch, built.loss_fn, built.optimizer), built
 
 
