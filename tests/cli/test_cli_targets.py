@@ -103,3 +103,26 @@ def test_plan_of_a_profile_json_refuses_the_options_of_a_model_it_would_build(tm
     assert seeded.exit_code == 2 and "--batch, --seed apply to the model" in " ".join(seeded.output.split())
     plain = runner.invoke(app, ["plan", str(profile_json), "--strategy", "full"])
     assert plain.exit_code == 0, plain.output
+
+
+def test_the_report_command_of_a_run_names_its_own_files(tmp_path):
+    """A run's page gave `remat report out/profile.json out/plan-*.json out/verification-*.json` to
+    rebuild it; in a folder a former run of another model had written to, the globs took that
+    model's plans too, and the command failed ("plan 'optimal' was made for model ..."). It names
+    the files the run wrote, and rebuilds the page where the other model's files lie beside them."""
+    import html
+    import shlex
+
+    out = tmp_path / "out"
+    first = runner.invoke(app, ["run", "mlp", "--layers", "2", "--repeats", "1", "--out", str(out)])
+    assert first.exit_code == 0, first.output
+    second = runner.invoke(app, ["run", _tower(tmp_path), "--strategy", "full", "--repeats", "1", "--out", str(out)])
+    assert second.exit_code == 0, second.output
+    page = html.unescape((out / "report.html").read_text())
+    line = next(text for text in page.splitlines() if text.startswith("remat report "))
+    args = shlex.split(line.split("</code>")[0])[1:]
+    assert args == ["report", str(out / "profile.json"), str(out / "plan-none.json"), str(out / "plan-full.json"),
+                    str(out / "verification-none.json"), str(out / "verification-full.json"), "-o", str(out / "report.html")]
+    assert (out / "plan-optimal-least-peak.json").exists()  # the first run's, left where it was
+    rebuilt = runner.invoke(app, args)
+    assert rebuilt.exit_code == 0, rebuilt.output

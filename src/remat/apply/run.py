@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from remat.measure.types import Profile
 from remat.plan.types import Plan
 from remat.verify_types import Verification
 
-__all__ = ["JobRow", "JobResult", "JobFiles", "run_job", "verify_job", "demo_job", "write_outputs", "DEMO_SIZES",
+__all__ = ["JobRow", "JobResult", "JobFiles", "run_job", "verify_job", "demo_job", "output_files", "write_outputs", "DEMO_SIZES",
            "DEMO_STRATEGIES", "DEMO_BUDGET_FRACTIONS", "DEFAULT_OUT_DIR"]
 
 DEMO_MODEL = "gpt"
@@ -241,6 +241,15 @@ def _unique(stems: list[str]) -> list[str]:
     return [stem if stems.count(stem) == 1 else f"{i}-{stem}" for i, stem in enumerate(stems)]
 
 
+def output_files(result: JobResult, out_dir: str | Path) -> JobFiles:
+    """The paths `write_outputs` writes ``result`` to under ``out_dir`` (nothing is written)."""
+    out = Path(out_dir)
+    stems = _unique([file_stem(row.label) for row in result.rows])
+    return JobFiles(report=out / "report.html", profile=out / "profile.json",
+                    plans=tuple(out / f"plan-{stem}.json" for stem in stems),
+                    verifications=tuple(out / f"verification-{stem}.json" for stem in stems))
+
+
 def write_outputs(result: JobResult, out_dir: str | Path, *, commands: Sequence[str] = ()) -> JobFiles:
     """Write ``profile.json``, ``plan-<row>.json`` and ``verification-<row>.json`` per row, and
     ``report.html`` (with the optimal frontier and ``commands``, which reproduce it) under ``out_dir``."""
@@ -251,13 +260,11 @@ def write_outputs(result: JobResult, out_dir: str | Path, *, commands: Sequence[
     if out.exists() and not out.is_dir():
         raise ValueError(f"output directory {str(out)!r} is a file; pass a directory, e.g. --out remat-out.")
     out.mkdir(parents=True, exist_ok=True)
-    stems = _unique([file_stem(row.label) for row in result.rows])
-    plans = tuple(out / f"plan-{stem}.json" for stem in stems)
-    verifications = tuple(out / f"verification-{stem}.json" for stem in stems)
-    for row, plan_path, ver_path in zip(result.rows, plans, verifications):
+    files = output_files(result, out)
+    for row, plan_path, ver_path in zip(result.rows, files.plans, files.verifications):
         row.plan.save(plan_path)
         row.verification.save(ver_path)
-    result.profile.save(out / "profile.json")
-    report = write_report(out / "report.html", result.profile, result.plans, result.verifications,
+    result.profile.save(files.profile)
+    report = write_report(files.report, result.profile, result.plans, result.verifications,
                           commands=commands, frontier=pareto(result.profile), budget_bytes=result.budget_bytes)
-    return JobFiles(report=report, profile=out / "profile.json", plans=plans, verifications=verifications)
+    return replace(files, report=report)

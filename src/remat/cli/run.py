@@ -232,13 +232,15 @@ def _size_args(options: dict) -> list[str]:
 def save_outputs(result, out: Path, command: list[str], *, chosen_row: int | None = None):
     """Write the job's JSON files and report under ``out``, print where; the report's commands
     are ``command`` and the `remat report` call that rebuilds the page from the JSON files."""
-    from remat.apply.run import write_outputs
+    from remat.apply.run import output_files, write_outputs
     from remat.distributed import is_main_process
 
     if not is_main_process():  # under torchrun, rank 0 writes
         return None
-    folder = shlex.quote(str(out))
-    rebuild = f"remat report {folder}/profile.json {folder}/plan-*.json {folder}/verification-*.json -o {folder}/report.html"
+    # the files by name: a glob would take a former run's files in the same folder too (another model's plans)
+    paths = output_files(result, out)
+    rebuild = shlex.join(["remat", "report", str(paths.profile), *map(str, paths.plans), *map(str, paths.verifications),
+                          "-o", str(paths.report)])
     try:
         files = write_outputs(result, out, commands=[shlex.join(command), rebuild])
     except (ValueError, OSError) as error:
