@@ -158,6 +158,7 @@ def profile(
     check_model(model, "remat.profile")
     check_step_inputs(optimizer, "remat.profile", loss_fn)
     check_batch_device(model, batch)
+    _warn_eval_mode(model)
     device = model_device(model)
     backend = backend_name(compiled)
     if backend and device.type == "meta":
@@ -596,6 +597,44 @@ def _until_last(step: _Step, block_list: Blocks, chosen: Sequence[int]) -> Calla
             step.forward()
 
     return forward
+
+
+def eval_mode_differences(model: nn.Module) -> list[str]:
+    """What runs otherwise in ``model``'s training step when it is in eval mode (``model.training``
+    False): its dropout layers with p > 0, its norms that keep running statistics, its config's
+    dropout rates above 0 (a Hugging Face attention's dropout is a rate, not a layer); empty when
+    the model is in train mode or has none of them."""
+    if model.training:
+        return []
+    dropouts = sum(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+    norms = sum(isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats for m in model.modules())
+    config = getattr(model, "config", None)
+    rates = {key: value for key, value in (vars(config).items() if hasattr(config, "__dict__") else ())
+             if "dropout" in key and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0}
+    found = []
+    if dropouts:
+        found.append(f"{dropouts} dropout layers (p > 0) save no mask" if dropouts > 1
+                     else "1 dropout layer (p > 0) saves no mask")
+    elif rates:  # dropout by rate only (functional): where there are layers, they are what the rates set
+        found.append("its config's " + ", ".join(f"{key} {value:g}" for key, value in sorted(rates.items()))
+                     + " not applied")
+    if norms:
+        found.append(f"{norms} norm layers use their running statistics" if norms > 1
+                     else "1 norm layer uses its running statistics")
+    return found
+
+
+def _warn_eval_mode(model: nn.Module) -> None:
+    """A UserWarning where ``model`` is in eval mode and its training step would run otherwise
+    (`eval_mode_differences`): Hugging Face's ``from_pretrained`` returns a model in eval mode."""
+    found = eval_mode_differences(model)
+    if found:
+        warnings.warn(
+            f"{type(model).__name__} is in eval mode (model.training is False, as Hugging Face's from_pretrained "
+            f"returns a model), so the step remat.profile measures runs as evaluation does: {'; '.join(found)}. "
+            "A plan made from it holds less than that step in train mode. Call model.train() before remat.profile "
+            "to plan training in train mode; if you train in eval mode on purpose (dropout off), this is that step.",
+            UserWarning, stacklevel=3)
 
 
 def _warn_varied(block_list: Blocks, varied: set[str]) -> None:
