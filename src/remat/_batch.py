@@ -59,12 +59,33 @@ def check_batch_device(model: nn.Module, batch: Any) -> None:
 def check_model(model: nn.Module, where: str) -> None:
     """Raise for a model remat cannot measure or change as given (`check_not_compiled`,
     `check_no_hf_checkpointing`, `check_no_torch_checkpointing`)."""
+    check_no_inference_tensors(model, where)
     check_not_compiled(model, where)
     check_not_scripted(model, where)
     check_not_fsdp1(model, where)
     check_no_per_sample_grads(model, where)
     check_no_hf_checkpointing(model, where)
     check_no_torch_checkpointing(model, where)
+
+
+def check_no_inference_tensors(model: nn.Module, where: str) -> None:
+    """Raise if a parameter of ``model`` is an inference tensor (made under ``torch.inference_mode()``):
+    it can never be trained, and torch said so from deep inside the step ("Inplace update to inference
+    tensor outside InferenceMode is not allowed")."""
+    made = [name for name, p in model.named_parameters() if p.is_inference()]
+    if made:
+        shown = ", ".join(made[:3]) + (f" and {len(made) - 3} more" if len(made) > 3 else "")
+        raise ValueError(f"{where}: the parameters of {type(model).__name__} were made under torch.inference_mode() "
+                         f"({shown}): inference tensors cannot be trained. Build or load the model outside "
+                         "inference_mode.")
+
+
+def check_grad_enabled(where: str) -> None:
+    """Raise if gradients are disabled where ``where`` is called: it runs a training step."""
+    if not torch.is_grad_enabled():
+        raise ValueError(f"{where} runs a training step, and gradients are disabled where it was called "
+                         "(torch.is_grad_enabled() is False: inside torch.no_grad(), torch.inference_mode() or "
+                         "torch.set_grad_enabled(False)); call it outside that block.")
 
 
 PER_SAMPLE = ("per-sample gradients (Opacus's GradSampleModule) are computed by hooks that keep each layer's "

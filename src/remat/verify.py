@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from remat._batch import (LossFn, call_model, check_batch_device, check_model, check_step_inputs, compute_loss,
+from remat._batch import (LossFn, call_model, check_batch_device, check_grad_enabled, check_model, check_step_inputs, compute_loss,
                           model_device)
 from remat.apply.api import apply_to_copy, check_plan_matches, is_applied, remove_
 from remat.apply.head import HeadTolerance, head_tolerance
@@ -532,6 +532,7 @@ def verify(model: nn.Module, batch: Any, plan: Plan, loss_fn: LossFn | None = No
         raise TypeError(f"verify needs a remat Plan, got {type(plan).__name__}; load one with remat.Plan.load(path).")
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1 (timed steps; the median is kept).")
+    check_grad_enabled("remat.verify")
     check_model(model, "remat.verify")
     check_step_inputs(optimizer, "remat.verify", loss_fn)
     check_batch_device(model, batch)

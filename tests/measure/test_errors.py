@@ -496,3 +496,47 @@ def test_stacks_run_inside_a_custom_autograd_function_are_named_as_such():
                                          r"torch.no_grad\(\), a frozen part of the model, or inside a custom "
                                          r"torch.autograd.Function's forward, as reversible layers run"):
         profile(model, torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("disabled", [torch.no_grad, torch.inference_mode, lambda: torch.set_grad_enabled(False)])
+def test_a_step_where_gradients_are_disabled_is_refused_by_name(disabled):
+    """Called inside ``torch.no_grad()`` (a notebook cell under it), profile said no block runs with
+    gradients, naming frozen parts and custom Functions; verify likewise. Both say where the
+    gradients went, and change nothing."""
+    import remat
+    from remat.plan.planners import plan as make_plan
+
+    model, batch = _Pair(), torch.randn(2, 4)
+    loss_fn = lambda out, batch: out.sum()  # noqa: E731
+    measured = profile(model, batch, loss_fn=loss_fn, repeats=1)
+    full = make_plan(measured, strategy="full")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for call, where in ((lambda: profile(model, batch, loss_fn=loss_fn), "remat.profile"),
+                        (lambda: remat.verify(model, batch, full, loss_fn), "remat.verify")):
+        with disabled():
+            with pytest.raises(ValueError) as raised:
+                call()
+        assert str(raised.value) == (
+            f"{where} runs a training step, and gradients are disabled where it was called (torch.is_grad_enabled() "
+            "is False: inside torch.no_grad(), torch.inference_mode() or torch.set_grad_enabled(False)); call it "
+            "outside that block.")
+    assert torch.is_grad_enabled() and all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_parameters_made_under_inference_mode_are_refused_by_name():
+    """A model built under ``torch.inference_mode()`` has parameters no step can train; torch raised
+    "Inplace update to inference tensor outside InferenceMode is not allowed" from the optimizer's
+    step inside the profile."""
+    import remat
+
+    with torch.inference_mode():
+        model = _Pair()
+    for call, where in ((lambda: profile(model, torch.randn(2, 4), loss_fn=lambda out, batch: out.sum()), "remat.profile"),
+                        (lambda: remat.auto_(model, torch.randn(2, 4), lambda out, batch: out.sum(), budget="90%"),
+                         "remat.profile")):
+        with pytest.raises(ValueError) as raised:
+            call()
+        assert str(raised.value) == (
+            f"{where}: the parameters of _Pair were made under torch.inference_mode() (blocks.0.weight, blocks.0.bias, "
+            "blocks.1.weight and 1 more): inference tensors cannot be trained. Build or load the model outside "
+            "inference_mode.")

@@ -76,7 +76,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat._batch import (LossFn, batch_tensors, call_model, check_batch_device, check_model, check_step_inputs,
+from remat._batch import (LossFn, batch_tensors, call_model, check_batch_device, check_grad_enabled, check_model, check_step_inputs,
                           compute_loss, model_device)
 from remat.checkpointing.cacheable import cacheable
 from remat.checkpointing.callsites import layers_of, uninstall
@@ -155,6 +155,7 @@ def profile(
         from remat._diskio import check_offload_root
 
         check_offload_root(offload_dir)
+    check_grad_enabled("remat.profile")
     check_model(model, "remat.profile")
     check_step_inputs(optimizer, "remat.profile", loss_fn)
     check_batch_device(model, batch)
