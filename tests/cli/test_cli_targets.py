@@ -4,6 +4,7 @@ exist. Each command now takes a built-in name or ``file.py:build`` where the REA
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from remat.cli import app
@@ -126,3 +127,21 @@ def test_the_report_command_of_a_run_names_its_own_files(tmp_path):
     assert (out / "plan-optimal-least-peak.json").exists()  # the first run's, left where it was
     rebuilt = runner.invoke(app, args)
     assert rebuilt.exit_code == 0, rebuilt.output
+
+
+def test_remats_warnings_print_as_one_line(tmp_path):
+    """A warning of remat's printed as Python shows one: the file and line in remat's command code,
+    then that line of code. Like an error, it is one line, ``warning: ...``; ``--debug`` shows
+    Python's form."""
+    path = tmp_path / "evaluated.py"
+    path.write_text(TOWER_FILE.replace("    return Tower(),", "    return Tower().eval(),").replace(
+        "torch.tanh(self.fc(x))", "torch.nn.functional.dropout(torch.tanh(self.fc(x)), 0.1, self.training)").replace(
+        "        self.fc = nn.Linear(32, 32)", "        self.fc = nn.Linear(32, 32)\n        self.drop = nn.Dropout(0.1)"))
+    result = runner.invoke(app, ["profile", f"{path}:build", "--repeats", "1"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if "eval mode" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning: Tower is in eval mode (model.training is False")
+    assert "UserWarning" not in result.output and "cli/profile.py" not in result.output
+    with pytest.warns(UserWarning, match="Tower is in eval mode"):  # raised as Python raises it
+        debug = runner.invoke(app, ["--debug", "profile", f"{path}:build", "--repeats", "1"], env={"COLUMNS": "400"})
+    assert debug.exit_code == 0 and "warning: Tower" not in debug.output

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,11 +66,28 @@ def _out_of_memory(error: RuntimeError) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text
 
 
+_REMAT_DIR = str(Path(__file__).resolve().parents[1])
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None, *, default: Callable[..., Any] = warnings.showwarning) -> None:
+    """remat's own warnings as one line, ``warning: <message>``, as errors print (without ``--debug``);
+    any other library's as Python shows them, with its file and line."""
+    if issubclass(category, UserWarning) and str(Path(filename).resolve()).startswith(_REMAT_DIR):
+        err_console.print(Text.assemble(("warning:", "bold yellow"), " ", " ".join(str(message).split("\n"))),
+                          soft_wrap=True)
+    else:
+        default(message, category, filename, lineno, file, line)
+
+
 def _guarded(command: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
-            return command(*args, **kwargs)
+            with warnings.catch_warnings():
+                if not _invocation["debug"]:
+                    warnings.showwarning = _show_warning
+                return command(*args, **kwargs)
         except EXPECTED as error:  # typer.Exit and usage errors are none of these: they pass
             if _invocation["debug"]:
                 raise
