@@ -328,10 +328,13 @@ def test_verify_counts_no_replays_and_what_is_read_back(tmp_path):
     assert dir_entries(tmp_path) == []
 
 
-def test_a_model_offloading_to_disk_saved_whole_loads_with_an_engine_of_its_own(tmp_path):
-    """``torch.save(model)`` of a model whose plan offloads to disk raised "cannot pickle
-    '_thread.lock' object". Pickled, an engine is its settings: the loaded model offloads through
-    an engine of its own, to the same directory, and steps to the original's gradients."""
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_of_a_model_offloading_to_disk_gets_an_engine_of_its_own(tmp_path, how):
+    """An EMA copy (`copy.deepcopy` of the trained model, timm's ModelEmaV2), and the model saved
+    whole and loaded (``torch.save(model)``), raised "cannot pickle '_thread.lock' object". The
+    copy offloads through an engine of its own, to the same directory, and steps to the
+    original's gradients; each leaves nothing behind."""
+    import copy
     import io
 
     import remat
@@ -339,45 +342,23 @@ def test_a_model_offloading_to_disk_saved_whole_loads_with_an_engine_of_its_own(
     built = build("gpt", optimizer="none")
     _, plan = _disk_plan(tmp_path, built)
     remat.apply_(built.model, plan, offload_dir=str(tmp_path))
-    saved = io.BytesIO()
-    torch.save(built.model, saved)
-    saved.seek(0)
-    loaded = torch.load(saved, weights_only=False)
-    engines = [m.__dict__["_remat_runtime"].options["offload_engines"]["disk"] for m in (built.model, loaded)]
-    assert engines[0] is not engines[1] and engines[1].store.root == engines[0].store.root
-    grads = []
-    for model in (built.model, loaded):
-        torch.manual_seed(0)
-        compute_loss(call_model(model, built.batch), built.batch, built.loss_fn).backward()
-        grads.append([p.grad for p in model.parameters()])
-        assert model.__dict__["_remat_runtime"].options["offload_engines"]["disk"].stats().offloaded_storages > 0
-    assert_grads_equal(grads[1], grads[0])
-    for model in (built.model, loaded):
-        remat.remove_(model)
-    assert dir_entries(tmp_path) == []
-
-
-def test_a_deep_copy_of_a_model_offloading_to_disk_gets_an_engine_of_its_own(tmp_path):
-    """An EMA copy (`copy.deepcopy` of the trained model, timm's ModelEmaV2) raised "cannot pickle
-    '_thread.lock' object". The copy offloads through an engine of its own, to the same
-    directory, and steps to the original's gradients; each leaves nothing behind."""
-    import copy
-
-    import remat
-
-    built = build("gpt", optimizer="none")
-    _, plan = _disk_plan(tmp_path, built)
-    remat.apply_(built.model, plan, offload_dir=str(tmp_path))
-    ema = copy.deepcopy(built.model)
-    engines = [m.__dict__["_remat_runtime"].options["offload_engines"]["disk"] for m in (built.model, ema)]
+    if how == "deepcopy":
+        other = copy.deepcopy(built.model)
+    else:
+        saved = io.BytesIO()
+        torch.save(built.model, saved)
+        saved.seek(0)
+        other = torch.load(saved, weights_only=False)
+    engines = [m.__dict__["_remat_runtime"].options["offload_engines"]["disk"] for m in (built.model, other)]
     assert engines[0] is not engines[1] and engines[0].store is not engines[1].store
+    assert engines[1].store.root == engines[0].store.root
     grads = []
-    for model in (built.model, ema):
+    for model in (built.model, other):
         torch.manual_seed(0)  # the same dropout masks
         compute_loss(call_model(model, built.batch), built.batch, built.loss_fn).backward()
         grads.append([p.grad for p in model.parameters()])
         assert model.__dict__["_remat_runtime"].options["offload_engines"]["disk"].stats().offloaded_storages > 0
     assert_grads_equal(grads[1], grads[0])
-    for model in (built.model, ema):
+    for model in (built.model, other):
         remat.remove_(model)
     assert dir_entries(tmp_path) == []
