@@ -56,7 +56,7 @@ def test_reject_bad_percent():
 def test_reject_bad_types():
     with pytest.raises(ValueError, match="positive byte count"):
         parse_budget(-5)
-    with pytest.raises(TypeError, match="got float 1.5"):
+    with pytest.raises(TypeError, match="budget 1.5 is not a positive whole number of bytes"):
         parse_budget(1.5)
     with pytest.raises(TypeError, match="got bool"):
         parse_budget(True)
@@ -66,3 +66,16 @@ def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(3 * 2**29) == "1.50 GiB"
     assert format_bytes(2**20) == "1.00 MiB"
+
+
+def test_a_whole_float_is_bytes_and_a_fraction_names_the_share():
+    """``budget=8e9`` (how Python writes large sizes) was a TypeError; a float that is a whole number
+    of bytes is that many, and a fraction is refused with the share it may mean."""
+    assert parse_budget(8e9) == 8_000_000_000 and parse_budget(1.0) == 1
+    with pytest.raises(TypeError) as raised:
+        parse_budget(0.4)
+    assert str(raised.value) == ("budget 0.4 is not a positive whole number of bytes: give bytes (an int, or a whole "
+                                 "float such as 8e9), text like '6GiB' or a share of the baseline peak as text, '40%'.")
+    for bad in (1.5, -5.0, 0.0, float("nan"), float("inf")):
+        with pytest.raises(TypeError, match=f"budget {bad!r} is not a positive whole number of bytes"):
+            parse_budget(bad)

@@ -62,8 +62,11 @@ def test_budget_text_and_types():
     prof = chain(2, input_bytes=MIB, saved_bytes=4 * MIB)
     assert plan(prof, budget="100%", strategy="none").budget_bytes == 8 * MIB  # 4 + 4 held at the head
     assert plan(prof, budget="6MiB").prediction.peak_bytes <= 6 * MIB
-    with pytest.raises(TypeError, match="positive int of bytes"):
+    with pytest.raises(TypeError, match="budget 1.5 is not a positive whole number of bytes"):
         plan(prof, budget=1.5)
+    assert plan(prof, budget=float(6 * MIB)).budget_bytes == 6 * MIB  # a whole float is bytes
+    with pytest.raises(TypeError, match="positive int of bytes"):
+        plan(prof, budget=True)
     with pytest.raises(ValueError, match="no blocks"):
         plan(profile([]))
 

@@ -31,8 +31,21 @@ _BARE_NUMBER = re.compile(r"^\s*[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?\s*$")
 _ALLOWED = "an int (bytes) or text like '6GiB', '750MB', '512MiB', '1.5GiB' or '40%'"
 
 
-def parse_budget(text: str | int, baseline_peak_bytes: int | None = None) -> int:
-    """Bytes of the budget ``text``; a percentage is a share of ``baseline_peak_bytes``."""
+def float_bytes(value: float) -> int:
+    """A budget given as a float: bytes where it is a whole number (``8e9``, as Python writes large
+    sizes); a fraction is refused with the share it may mean (``0.4``: ``'40%'``)."""
+    if value.is_integer() and value >= 1:
+        return int(value)
+    hint = f" or a share of the baseline peak as text, '{100 * value:g}%'" if 0 < value <= 1 else ""
+    raise TypeError(f"budget {value!r} is not a positive whole number of bytes: give bytes (an int, or a whole float such "
+                    f"as 8e9), text like '6GiB'{hint}.")
+
+
+def parse_budget(text: str | int | float, baseline_peak_bytes: int | None = None) -> int:
+    """Bytes of the budget ``text``; a percentage is a share of ``baseline_peak_bytes``; a float is
+    bytes where it is a whole number (`float_bytes`)."""
+    if isinstance(text, float):
+        return float_bytes(text)
     if isinstance(text, bool) or not isinstance(text, (str, int)):
         raise TypeError(f"budget must be {_ALLOWED}; got {type(text).__name__} {text!r}.")
     if isinstance(text, int):

@@ -19,7 +19,7 @@ from typing import Callable, Protocol
 
 from remat.measure.types import Profile
 from remat.plan.available import check_available, fall_back, warn_fallen_back
-from remat.plan.budget import format_bytes, parse_budget
+from remat.plan.budget import float_bytes, format_bytes, parse_budget
 from remat.plan.costs import reached_saved_ops
 from remat.plan.head import check_head, head_choices, priced_profile
 from remat.plan.infeasible import check_state_fits, infeasible_error
@@ -52,7 +52,7 @@ class PlanTuner(Protocol):
     def tuned_plan(self, profile: Profile, budget: int, head: str | None) -> Plan: ...
 
 
-def plan(profile: Profile, budget: int | str | None = None, strategy: str = "optimal", head: str | None = None,
+def plan(profile: Profile, budget: int | float | str | None = None, strategy: str = "optimal", head: str | None = None,
          *, tune: PlanTuner | None = None) -> Plan:
     """A plan for ``profile`` under ``budget``: bytes, or text for `parse_budget` (``"6GiB"``,
     ``"40%"`` of the profile's measured peak, or of the predicted no-recomputation peak).
@@ -69,6 +69,8 @@ def plan(profile: Profile, budget: int | str | None = None, strategy: str = "opt
     check_profile(profile, "plan")
     if isinstance(budget, str):
         budget = parse_budget(budget, _baseline_peak(profile))
+    if isinstance(budget, float):
+        budget = float_bytes(budget)
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
         raise TypeError(f"budget must be a positive int of bytes, text like '6GiB' or None, got {budget!r}.")
     if profile.num_blocks == 0:
