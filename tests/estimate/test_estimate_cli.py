@@ -140,3 +140,26 @@ def test_configs_the_trace_cannot_take_get_one_line_naming_the_way(tmp_path, cfg
                            env={"COLUMNS": "400"})
     assert result.exit_code == 2, result.output
     assert said in " ".join(result.output.split())
+
+
+def test_a_narrow_terminal_gets_every_figure_whole(monkeypatch) -> None:
+    """At 80 columns (a terminal's default) the device table cut its cells: a total of 100.00 GiB
+    read "100.…", "selective" read "sel…". Where the table does not fit, each strategy is a line
+    with its figures named; the wide table stays where it fits."""
+    data = json.loads(runner.invoke(app, GPT + ["--device", "L4-24GB", "--json"]).output)
+    rows = data["devices"][0]["strategies"]
+    from remat.cli._app import console
+
+    monkeypatch.setattr(console, "width", 80)  # the console reads COLUMNS once, when made
+    narrow = runner.invoke(app, GPT + ["--device", "L4-24GB"])
+    assert narrow.exit_code == 0, narrow.output
+    text = " ".join(narrow.output.split())
+    assert "…" not in narrow.output and "┃" not in narrow.output
+    for row in rows:
+        peak, allow, held = (f"{row[key] / 2**30:.2f}" for key in ("peak_bytes", "allowance_bytes", "held_bytes"))
+        total = f"{(row['peak_bytes'] + row['allowance_bytes']) / 2**30:.2f}"
+        assert f"{row['strategy']}" in text and f"peak {peak}, +allow {allow}, total {total}, held {held};" in text
+    assert "none: fits yes; GiB per GPU: peak " in text
+    monkeypatch.setattr(console, "width", 200)
+    wide = runner.invoke(app, GPT + ["--device", "L4-24GB"])
+    assert "┃" in wide.output and "none: fits yes" not in wide.output

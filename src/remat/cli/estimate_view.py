@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 from remat.cli._app import console, styled
@@ -48,7 +49,12 @@ def render(result) -> None:
     console.print(STEP_MODEL)
     for dev in result.devices:
         console.print(state_line(dev))
-        console.print(device_table(dev, pipeline=par.pipeline > 1))
+        table = device_table(dev, pipeline=par.pipeline > 1)
+        if Measurement.get(console, console.options.update(max_width=1 << 16), table).maximum <= console.width:
+            console.print(table)
+        else:  # a narrow terminal (80 columns) cut the table's cells with "...": "100.…" for 100.00
+            for line in device_lines(dev, pipeline=par.pipeline > 1):
+                console.print(line)
         for row in dev.strategies:
             if row.diagnosis:
                 console.print(styled(f"[yellow]{escape(row.strategy)}[/]: {escape(row.diagnosis)}"))
@@ -91,6 +97,23 @@ def device_table(dev, *, pipeline: bool = False) -> Table:
                  f"{row.recompute_flops / 1e12:.1f}", f"{row.step_s:.2f}", f"{comm:.2f}", _max_mb(row)]
         table.add_row(*cells, *([f"{row.peak_stage} ({row.peak_phase})"] if pipeline else []))
     return table
+
+
+def device_lines(dev, *, pipeline: bool = False) -> list[str]:
+    """`device_table`'s rows as lines, each figure named, for a terminal too narrow for its columns."""
+    lines = []
+    for row in dev.strategies:
+        t = row.time
+        comm = t.comm_s + t.bubble_s + t.data_parallel_s if t else 0.0
+        layout = _layout(row)
+        lines.append(
+            f"{row.strategy}{'' if layout == '-' else f' ({layout})'}: fits {'yes' if row.fits else 'no'}; GiB per GPU: "
+            f"peak {_gib(row.peak_bytes)}, +allow {_gib(row.allowance_bytes)}, total {_gib(row.total_bytes)}, held "
+            f"{_gib(row.held_bytes)}; recompute {row.recompute_flops / 1e12:.1f} TFLOP; step {row.step_s:.2f} s, comm "
+            f"{comm:.2f} s; max mb {_max_mb(row)}" + (f"; stage {row.peak_stage} ({row.peak_phase})" if pipeline else ""))
+    lines.append("(peak = model state + activations held + working set; comm: communication, bubble and data-parallel "
+                 "traffic not hidden; max mb: largest micro-batch that fits)")
+    return lines
 
 
 def _max_mb(row) -> str:
